@@ -1,0 +1,269 @@
+"""Built-in demo models: real diffusers pipelines with random weights, built from configs.
+
+Weights cannot be downloaded, so ``retouch:<name>`` models are built here deterministically
+(fixed seed), put in eval mode, written once with ``save_pretrained`` into the data
+directory and then always loaded with ``from_pretrained`` — the same code path as a user's
+own local diffusers folder. ``tiny-*`` models serve tests and the demo; ``small-*`` models
+are the CPU benchmark sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    FluxInpaintPipeline,
+    FluxTransformer2DModel,
+    StableDiffusionInpaintPipeline,
+    UNet2DConditionModel,
+)
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+from retouch.functions.demo.tokenizer import save_tokenizer
+
+log = logging.getLogger(__name__)
+
+PREFIX = "retouch:"
+BUILD_SEED = 20261121
+TEXT_LEN = 16  # prompt tokens: the hand-written character tokenizer needs few
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """One built-in model: its family, native resolution and how to build it."""
+
+    name: str
+    family: str
+    resolution: int
+    build: Callable[[Path], None]
+
+
+def _clip_text(hidden: int, layers: int = 2) -> CLIPTextModel:
+    config = CLIPTextConfig(
+        vocab_size=138,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        max_position_embeddings=TEXT_LEN,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        projection_dim=hidden,
+    )
+    return CLIPTextModel(config)
+
+
+def _vae(channels: tuple[int, ...], latent_channels: int, **extra: float) -> AutoencoderKL:
+    n = len(channels)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        block_out_channels=channels,
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=min(32, channels[0]),
+        **extra,
+    )
+
+
+def _build_sd(
+    folder: Path,
+    *,
+    unet_channels: tuple[int, ...],
+    vae_channels: tuple[int, ...],
+    resolution: int,
+    head_dim: int,
+    text_hidden: int,
+) -> None:
+    n = len(unet_channels)
+    latent = resolution // 2 ** (len(vae_channels) - 1)
+    unet = UNet2DConditionModel(
+        sample_size=latent,
+        in_channels=9,  # noisy latents + mask + masked-image latents
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D",) * n,
+        up_block_types=("CrossAttnUpBlock2D",) * n,
+        block_out_channels=unet_channels,
+        layers_per_block=1,
+        cross_attention_dim=text_hidden,
+        attention_head_dim=head_dim,
+        norm_num_groups=min(32, unet_channels[0]),
+    )
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    tokenizer = save_tokenizer(folder / "_tokenizer", TEXT_LEN)
+    pipe = StableDiffusionInpaintPipeline(
+        vae=_vae(vae_channels, 4),
+        text_encoder=_clip_text(text_hidden),
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    shutil.rmtree(folder / "_tokenizer")
+
+
+def _build_flux(
+    folder: Path,
+    *,
+    hidden_heads: int,
+    head_dim: int,
+    layers: int,
+    single_layers: int,
+    vae_channels: tuple[int, ...],
+    text_hidden: int,
+) -> None:
+    rope = (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,  # 16 latent channels packed 2x2
+        num_layers=layers,
+        num_single_layers=single_layers,
+        attention_head_dim=head_dim,
+        num_attention_heads=hidden_heads,
+        joint_attention_dim=text_hidden,
+        pooled_projection_dim=text_hidden,
+        guidance_embeds=True,  # guidance as an embedding, like FLUX.1-dev: no CFG halves
+        axes_dims_rope=rope,
+    )
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=138,
+            d_model=text_hidden,
+            d_kv=text_hidden // 2,
+            d_ff=text_hidden * 2,
+            num_layers=2,
+            num_heads=2,
+            decoder_start_token_id=0,
+            pad_token_id=1,
+            eos_token_id=1,
+        )
+    )
+    tokenizer = save_tokenizer(folder / "_tokenizer", TEXT_LEN)
+    pipe = FluxInpaintPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(vae_channels, 16, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=_clip_text(text_hidden),
+        tokenizer=tokenizer,
+        text_encoder_2=t5,
+        tokenizer_2=tokenizer,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    shutil.rmtree(folder / "_tokenizer")
+
+
+DEMO_MODELS: dict[str, DemoModel] = {
+    m.name: m
+    for m in (
+        DemoModel(
+            "tiny-sd",
+            "sd-inpaint",
+            128,
+            lambda f: _build_sd(
+                f,
+                unet_channels=(32, 64),
+                vae_channels=(16, 32, 32),
+                resolution=128,
+                head_dim=8,
+                text_hidden=32,
+            ),
+        ),
+        DemoModel(
+            "tiny-flux",
+            "flux-inpaint",
+            128,
+            lambda f: _build_flux(
+                f,
+                hidden_heads=2,
+                head_dim=16,
+                layers=1,
+                single_layers=2,
+                vae_channels=(16, 32, 32),
+                text_hidden=32,
+            ),
+        ),
+        DemoModel(
+            "small-sd",
+            "sd-inpaint",
+            512,
+            lambda f: _build_sd(
+                f,
+                unet_channels=(320, 640),
+                vae_channels=(16, 32, 32, 32),
+                resolution=512,
+                head_dim=64,
+                text_hidden=64,
+            ),
+        ),
+        DemoModel(
+            "small-flux",
+            "flux-inpaint",
+            512,
+            lambda f: _build_flux(
+                f,
+                hidden_heads=6,
+                head_dim=64,
+                layers=2,
+                single_layers=4,
+                vae_channels=(16, 32, 32, 32),
+                text_hidden=64,
+            ),
+        ),
+    )
+}
+
+
+def is_demo(model: str) -> bool:
+    return model.startswith(PREFIX)
+
+
+def demo_model(model: str) -> DemoModel:
+    """The built-in model named ``retouch:<name>``; ``KeyError`` if there is none."""
+    return DEMO_MODELS[model.removeprefix(PREFIX)]
+
+
+def ensure_demo_model(model: str, models_dir: Path) -> Path:
+    """Build ``retouch:<name>`` into ``models_dir/<name>`` once and return the folder.
+
+    The build writes into a temporary folder renamed into place, so a concurrent or killed
+    build never leaves a half-written model that a loader would pick up.
+    """
+    spec = demo_model(model)
+    target = models_dir / spec.name
+    if (target / "model_index.json").exists():
+        return target
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=models_dir))
+    log.info("building demo model %s into %s", model, target)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(BUILD_SEED)
+        spec.build(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
