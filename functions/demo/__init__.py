@@ -1,0 +1,1 @@
+"""Built-in demo models, tokenizers and template images (all built offline)."""
