@@ -1,0 +1,98 @@
+"""The one error hierarchy of retouch.
+
+Every failure a caller can act on is a :class:`RetouchError` carrying a stable ``code``, a
+human ``message``, the offending ``field`` (or ``None``) and the HTTP status it maps to. The
+gateway, the executor and the CLI all render these the same way, so a bad request reads
+identically whether it failed in validation, in the gateway or on an executor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RetouchError(Exception):
+    """Base of all structured errors; subclasses fix the HTTP status and a default code."""
+
+    status: int = 500
+    code: str = "internal"
+
+    def __init__(self, message: str, *, field: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        if code is not None:
+            self.code = code
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message, "field": self.field}}
+
+    @classmethod
+    def from_wire(cls, status: int, body: Any) -> RetouchError:
+        """Rebuild an error from a response body (used by the client and the gateway)."""
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        kind = _BY_STATUS.get(status, RetouchError)
+        exc = kind(
+            str(err.get("message", f"HTTP {status}")),
+            field=err.get("field"),
+            code=str(err.get("code", kind.code)),
+        )
+        exc.status = status
+        return exc
+
+
+class BadRequest(RetouchError):
+    status, code = 400, "bad_request"
+
+
+class Unauthorized(RetouchError):
+    status, code = 401, "unauthorized"
+
+
+class Forbidden(RetouchError):
+    status, code = 403, "forbidden"
+
+
+class NotFound(RetouchError):
+    status, code = 404, "not_found"
+
+
+class Conflict(RetouchError):
+    status, code = 409, "conflict"
+
+
+class PayloadTooLarge(RetouchError):
+    status, code = 413, "payload_too_large"
+
+
+class UnsupportedMediaType(RetouchError):
+    status, code = 415, "unsupported_media_type"
+
+
+class InvalidSpec(RetouchError):
+    status, code = 422, "invalid_spec"
+
+
+class Overloaded(RetouchError):
+    status, code = 429, "overloaded"
+
+
+class Unavailable(RetouchError):
+    status, code = 503, "unavailable"
+
+
+_BY_STATUS: dict[int, type[RetouchError]] = {
+    k.status: k
+    for k in (
+        BadRequest,
+        Unauthorized,
+        Forbidden,
+        NotFound,
+        Conflict,
+        PayloadTooLarge,
+        UnsupportedMediaType,
+        InvalidSpec,
+        Overloaded,
+        Unavailable,
+    )
+}

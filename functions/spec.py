@@ -1,0 +1,226 @@
+"""Function specs: what a user deploys, parsed from TOML and validated field by field.
+
+A spec names a model, its family, the generation settings and the templates (image,
+prompt, seed) the function edits. Template *images* travel separately as bytes (the CLI
+reads the paths in the TOML file and uploads the files); the spec document itself is plain
+data, stored by the registry and sent to executors.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from retouch.functions.errors import InvalidSpec
+
+FAMILIES = ("sd-inpaint", "flux-inpaint")
+SCHEDULERS: dict[str, tuple[str, ...]] = {
+    "sd-inpaint": ("ddim", "euler", "euler-a", "dpm++", "pndm"),
+    "flux-inpaint": ("flow-euler",),
+}
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "sd-inpaint": {"steps": 20, "guidance": 7.5, "scheduler": "ddim"},
+    "flux-inpaint": {"steps": 20, "guidance": 3.5, "scheduler": "flow-euler"},
+}
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+TEMPLATE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+SIZE_MULTIPLE = 16  # Flux packs 2x2 latents on top of the VAE factor (8); SD needs 8
+
+
+@dataclass(frozen=True)
+class TemplateSpec:
+    prompt: str
+    seed: int
+    image: str | None = None  # path in the TOML file; absent once uploaded
+
+
+@dataclass(frozen=True)
+class ScalingSpec:
+    min_executors: int = 0
+    max_executors: int = 1
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    name: str
+    model: str
+    family: str
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    scheduler: str
+    templates: dict[str, TemplateSpec]
+    scaling: ScalingSpec = field(default_factory=ScalingSpec)
+    slo_ms: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec document in the same shape as the TOML file (what :func:`parse_spec`
+        reads back), template image paths dropped: images travel as bytes."""
+        doc: dict[str, Any] = {
+            "name": self.name,
+            "model": self.model,
+            "family": self.family,
+            "resolution": [self.width, self.height],
+            "steps": self.steps,
+            "guidance": self.guidance,
+            "scheduler": self.scheduler,
+            "templates": {
+                tid: {"prompt": t.prompt, "seed": t.seed} for tid, t in self.templates.items()
+            },
+            "scaling": asdict(self.scaling),
+        }
+        if self.slo_ms is not None:
+            doc["slo"] = {"latency_ms": self.slo_ms}
+        return doc
+
+
+def load_spec_file(path: Path) -> tuple[FunctionSpec, dict[str, Path]]:
+    """Parse a TOML spec; returns the spec and each template's image path (resolved)."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise InvalidSpec(f"cannot read {path}: {exc.strerror}", field=None) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidSpec(f"{path} is not valid TOML: {exc}") from exc
+    spec = parse_spec(raw)
+    images: dict[str, Path] = {}
+    for tid, tpl in spec.templates.items():
+        if tpl.image is None:
+            raise InvalidSpec("template image path is required", field=f"templates.{tid}.image")
+        images[tid] = (path.parent / tpl.image).resolve()
+    return spec, images
+
+
+def parse_spec(raw: Any) -> FunctionSpec:
+    """Validate a spec document (from TOML, JSON or msgpack); errors name the field."""
+    if not isinstance(raw, dict):
+        raise InvalidSpec("spec must be a table/map")
+    name = _str(raw, "name")
+    if not NAME_RE.match(name):
+        raise InvalidSpec("name must match [a-z0-9][a-z0-9-]{0,62}", field="name")
+    model = _str(raw, "model")
+    family = _str(raw, "family")
+    if family not in FAMILIES:
+        raise InvalidSpec(f"family must be one of {FAMILIES}", field="family")
+    defaults = DEFAULTS[family]
+    width, height = _resolution(raw)
+    steps = _int(raw, "steps", defaults["steps"], 1, 200)
+    guidance = _float(raw, "guidance", defaults["guidance"], 0.0, 50.0)
+    scheduler = _str(raw, "scheduler", defaults["scheduler"])
+    if scheduler not in SCHEDULERS[family]:
+        raise InvalidSpec(
+            f"scheduler for {family} must be one of {SCHEDULERS[family]}", field="scheduler"
+        )
+    return FunctionSpec(
+        name=name,
+        model=model,
+        family=family,
+        width=width,
+        height=height,
+        steps=steps,
+        guidance=guidance,
+        scheduler=scheduler,
+        templates=_templates(raw.get("templates")),
+        scaling=_scaling(raw.get("scaling", {})),
+        slo_ms=_slo(raw.get("slo")),
+    )
+
+
+def _resolution(raw: dict[str, Any]) -> tuple[int, int]:
+    res = raw.get("resolution")
+    if res is None:
+        raise InvalidSpec("resolution is required (an int or [width, height])", field="resolution")
+    if isinstance(res, int) and not isinstance(res, bool):
+        width = height = res
+    elif isinstance(res, list) and len(res) == 2 and all(type(v) is int for v in res):
+        width, height = res
+    else:
+        raise InvalidSpec("resolution must be an int or [width, height]", field="resolution")
+    for v in (width, height):
+        if not 64 <= v <= 4096 or v % SIZE_MULTIPLE:
+            raise InvalidSpec(
+                f"resolution must be in [64, 4096] and a multiple of {SIZE_MULTIPLE}",
+                field="resolution",
+            )
+    return width, height
+
+
+def _templates(raw: Any) -> dict[str, TemplateSpec]:
+    if not isinstance(raw, dict) or not raw:
+        raise InvalidSpec("at least one template is required", field="templates")
+    out = {}
+    for tid, tpl in raw.items():
+        where = f"templates.{tid}"
+        if not TEMPLATE_RE.match(tid):
+            raise InvalidSpec("template id must match [A-Za-z0-9][A-Za-z0-9_.-]*", field=where)
+        if not isinstance(tpl, dict):
+            raise InvalidSpec("template must be a table", field=where)
+        image = tpl.get("image")
+        if image is not None and not isinstance(image, str):
+            raise InvalidSpec("image must be a path", field=f"{where}.image")
+        out[tid] = TemplateSpec(
+            prompt=_str(tpl, "prompt", "", where=where),
+            seed=_int(tpl, "seed", 0, 0, 2**63 - 1, where=where),
+            image=image,
+        )
+    return out
+
+
+def _scaling(raw: Any) -> ScalingSpec:
+    if not isinstance(raw, dict):
+        raise InvalidSpec("scaling must be a table", field="scaling")
+    lo = _int(raw, "min_executors", 0, 0, 1024, where="scaling")
+    hi = _int(raw, "max_executors", max(1, lo), 1, 1024, where="scaling")
+    if lo > hi:
+        raise InvalidSpec("min_executors exceeds max_executors", field="scaling.min_executors")
+    return ScalingSpec(lo, hi)
+
+
+def _slo(raw: Any) -> float | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise InvalidSpec("slo must be a table", field="slo")
+    return _float(raw, "latency_ms", None, 1.0, 3_600_000.0, where="slo")
+
+
+def _path(where: str | None, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _str(
+    raw: dict[str, Any], key: str, default: str | None = None, where: str | None = None
+) -> str:
+    value = raw.get(key, default)
+    if value is None:
+        raise InvalidSpec(f"{key} is required", field=_path(where, key))
+    if not isinstance(value, str):
+        raise InvalidSpec(f"{key} must be a string", field=_path(where, key))
+    return value
+
+
+def _int(
+    raw: dict[str, Any], key: str, default: int, lo: int, hi: int, where: str | None = None
+) -> int:
+    value = raw.get(key, default)
+    if type(value) is not int or not lo <= value <= hi:
+        raise InvalidSpec(f"{key} must be an integer in [{lo}, {hi}]", field=_path(where, key))
+    return value
+
+
+def _float(
+    raw: dict[str, Any],
+    key: str,
+    default: float | None,
+    lo: float,
+    hi: float,
+    where: str | None = None,
+) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        raise InvalidSpec(f"{key} must be a number in [{lo}, {hi}]", field=_path(where, key))
+    return float(value)

@@ -1,0 +1,196 @@
+"""The ``retouch`` command line.
+
+Server side: ``serve``, ``demo``. Client side (``--url``, default ``$RETOUCH_URL`` or
+http://127.0.0.1:8000; ``--token``, default ``$RETOUCH_TOKEN``): ``deploy``, ``ls``, ``rm``,
+``invoke``. A user error prints one line (``error: <code>: <message>``) and exits 1; no
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from retouch.functions.errors import RetouchError
+from retouch.platform.client import Client
+from retouch.platform.config import DEFAULT_PORT, ServeConfig, default_url
+
+log = logging.getLogger("retouch")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("RETOUCH_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("httpx", "httpcore", "diffusers", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        args.run(args)
+    except RetouchError as exc:
+        where = f" (field: {exc.field})" if exc.field else ""
+        print(f"error: {exc.code}: {exc.message}{where}", file=sys.stderr)
+        sys.exit(1)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="retouch", description="Serverless masked image editing.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the gateway and local executors")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="registry, models, caches (default $RETOUCH_DATA_DIR or ~/.retouch)",
+    )
+    p.add_argument(
+        "--executors", type=int, default=None, help="CPU executors when no GPU is found (default 1)"
+    )
+    p.add_argument(
+        "--token-file", type=Path, default=None, help="lines of '<admin|invoke> <token>'"
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=None, help="payload limit (default 32 MiB)"
+    )
+    p.add_argument("--placement", default=None, help="least-requests (default) or round-robin")
+    p.set_defaults(run=_serve)
+
+    p = sub.add_parser(
+        "demo", help="start a platform, deploy the demo functions, invoke, write images"
+    )
+    p.add_argument("--out", type=Path, default=Path("retouch-demo"))
+    p.add_argument(
+        "--examples", type=Path, default=None, help="folder with tiny-sd.toml and tiny-flux.toml"
+    )
+    p.add_argument("--executors", type=int, default=1)
+    p.set_defaults(run=_demo)
+
+    p = _client(sub.add_parser("deploy", help="deploy a function from a TOML spec"))
+    p.add_argument("spec", type=Path)
+    p.add_argument(
+        "--no-wait", action="store_true", help="return once stored, before executors load it"
+    )
+    p.set_defaults(run=_deploy)
+
+    p = _client(sub.add_parser("ls", help="list functions"))
+    p.set_defaults(run=_ls)
+
+    p = _client(sub.add_parser("rm", help="delete a function"))
+    p.add_argument("name")
+    p.set_defaults(run=_rm)
+
+    p = _client(sub.add_parser("invoke", help="edit a template: paint the masked region"))
+    p.add_argument("name")
+    p.add_argument("--template", required=True)
+    p.add_argument("--mask", type=Path, required=True, help="image file, nonzero = edit")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--guidance", type=float, default=None)
+    p.add_argument("--format", choices=("png", "webp", "raw"), default="png")
+    p.add_argument("-o", "--output", type=Path, default=Path("out.png"))
+    p.set_defaults(run=_invoke)
+    return parser
+
+
+def _client(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument(
+        "--url", default=None, help="gateway URL (default $RETOUCH_URL or http://127.0.0.1:8000)"
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("RETOUCH_TOKEN"),
+        help="bearer token (default $RETOUCH_TOKEN)",
+    )
+    return p
+
+
+def _connect(args: argparse.Namespace) -> Client:
+    return Client(args.url or default_url(), args.token)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from retouch.platform.server import serve
+
+    config = ServeConfig.from_env(
+        host=args.host,
+        port=args.port,
+        data_dir=args.data_dir,
+        executors=args.executors,
+        token_file=args.token_file,
+        max_body_bytes=args.max_body_bytes,
+        placement=args.placement,
+    )
+    log.info("serving on http://%s:%d (data dir %s)", config.host, config.port, config.data_dir)
+    serve(config)
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from retouch.platform.demo import run_demo
+
+    run_demo(args.out, args.examples, args.executors)
+
+
+def _deploy(args: argparse.Namespace) -> None:
+    with _connect(args) as client:
+        doc = client.deploy_file(args.spec, wait=not args.no_wait)
+    print(f"{doc['name']}: {doc['status']}" + (f" ({doc['error']})" if doc.get("error") else ""))
+    if doc["status"] == "failed":
+        sys.exit(1)
+
+
+def _ls(args: argparse.Namespace) -> None:
+    with _connect(args) as client:
+        functions = client.list()
+    print(f"{'NAME':<20} {'STATUS':<10} {'FAMILY':<13} {'MODEL':<28} TEMPLATES")
+    for f in functions:
+        print(
+            f"{f['name']:<20} {f['status']:<10} {f['family']:<13} {f['model']:<28} {','.join(f['templates'])}"
+        )
+
+
+def _rm(args: argparse.Namespace) -> None:
+    with _connect(args) as client:
+        client.delete(args.name)
+    print(f"deleted {args.name}")
+
+
+def _invoke(args: argparse.Namespace) -> None:
+    try:
+        mask = args.mask.read_bytes()
+    except OSError as exc:
+        raise RetouchError(
+            f"cannot read mask {args.mask}: {exc.strerror}", field="mask", code="invalid_argument"
+        ) from exc
+    options = {"steps": args.steps, "guidance": args.guidance, "format": args.format}
+    with _connect(args) as client:
+        result = client.invoke(
+            args.name,
+            args.template,
+            mask,
+            args.prompt,
+            args.seed,
+            **{k: v for k, v in options.items() if v is not None},
+        )
+    args.output.write_bytes(result.image)  # already encoded in the requested format
+    t = result.timings
+    print(
+        f"{args.output}: {result.width}x{result.height} mask_ratio={result.mask_ratio:.3f} path={result.path} executor={result.executor} total={t.total_ms:.0f}ms run={t.run_ms:.0f}ms queue={t.queue_ms:.0f}ms"
+    )
+
+
+if __name__ == "__main__":
+    main()

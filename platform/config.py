@@ -1,0 +1,60 @@
+"""The one config loader: ``retouch serve`` settings from flags, then environment, then defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PORT = 8000
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("RETOUCH_DATA_DIR", Path.home() / ".retouch"))
+
+
+def default_url() -> str:
+    return os.environ.get("RETOUCH_URL", DEFAULT_URL)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    data_dir: Path = Path(".retouch")
+    executors: int = 1  # CPU slots when no GPU is found; with GPUs, one executor per GPU
+    token_file: Path | None = None
+    max_body_bytes: int = 32 << 20
+    placement: str = "least-requests"
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> ServeConfig:
+        """Flags given (non-None) win over ``RETOUCH_*`` environment, which wins over defaults."""
+        env = {
+            "host": os.environ.get("RETOUCH_HOST"),
+            "port": _int_env("RETOUCH_PORT"),
+            "data_dir": default_data_dir(),
+            "executors": _int_env("RETOUCH_EXECUTORS"),
+            "token_file": _path_env("RETOUCH_TOKEN_FILE"),
+            "max_body_bytes": _int_env("RETOUCH_MAX_BODY_BYTES"),
+            "placement": os.environ.get("RETOUCH_PLACEMENT"),
+        }
+        merged = {k: v for k, v in env.items() if v is not None}
+        merged.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**merged)  # type: ignore[arg-type]
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _path_env(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None

@@ -1,0 +1,61 @@
+"""Prometheus metrics of the gateway, on a registry of its own (one per gateway instance)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+@dataclass
+class GatewayMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.invocations = Counter(
+            "retouch_invocations", "Invocations answered", ["function", "path"], registry=r
+        )
+        self.errors = Counter(
+            "retouch_errors", "Requests answered with an error", ["code", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "retouch_invocation_seconds",
+            "End-to-end invocation latency at the gateway",
+            ["function"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.run = Histogram(
+            "retouch_invocation_run_seconds",
+            "Executor run time of an invocation",
+            ["function"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "retouch_invocation_queue_seconds",
+            "Executor queue time of an invocation",
+            ["function"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "retouch_gateway_overhead_seconds",
+            "Gateway time per invocation outside the executor (total - queue - run)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=r,
+        )
+        self.mask_ratio = Histogram(
+            "retouch_mask_ratio",
+            "Mask ratio of invocations",
+            buckets=(0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0),
+            registry=r,
+        )
+        self.executors = Gauge("retouch_executors_healthy", "Healthy executors", registry=r)
+        self.functions = Gauge("retouch_functions", "Deployed functions", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,128 @@
+"""``retouch serve``: the gateway, its registry and its local executors in one command."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from retouch.platform.auth import load_auth
+from retouch.platform.config import ServeConfig
+from retouch.platform.gateway import Gateway
+from retouch.platform.placement import make_placement
+from retouch.platform.pool import ExecutorPool
+from retouch.platform.providers import LocalProvider
+from retouch.platform.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+def build_gateway(config: ServeConfig) -> Gateway:
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    auth = load_auth(config.token_file)
+    if not auth.enabled:
+        log.warning(
+            "no tokens configured: the API is open to anyone who can reach %s:%d",
+            config.host,
+            config.port,
+        )
+    # Executors only listen on loopback and only accept this per-run internal token.
+    provider = LocalProvider(config.data_dir, secrets.token_urlsafe(32), cpu_slots=config.executors)
+    pool = ExecutorPool(provider, make_placement(config.placement))
+    return Gateway(Registry(config.data_dir), pool, auth, max_body=config.max_body_bytes)
+
+
+def serve(config: ServeConfig) -> None:
+    gateway = build_gateway(config)
+    uvicorn.run(
+        gateway.app(),
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        timeout_graceful_shutdown=10,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """``retouch serve`` as a child process: used by ``retouch demo``, benchmarks and tests."""
+
+    data_dir: Path
+    executors: int = 1
+    port: int = field(default_factory=free_port)
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        cmd = [
+            sys.executable, "-m", "retouch.platform.cli", "serve",
+            "--port", str(self.port), "--data-dir", str(self.data_dir),
+            "--executors", str(self.executors), *self.extra_args,
+        ]  # fmt: skip
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with (self.data_dir / "gateway.log").open("ab") as log_file:
+            self.process = subprocess.Popen(
+                cmd,
+                env={**os.environ, **self.env},
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"retouch serve exited with {self.process.returncode}; see {self.data_dir / 'gateway.log'}"
+                )
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(
+            f"retouch serve not ready after {timeout:.0f} s; see {self.data_dir / 'gateway.log'}"
+        )
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM (graceful: the gateway stops its executors), SIGKILL if it hangs."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

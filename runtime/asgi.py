@@ -1,0 +1,142 @@
+"""The small HTTP layer shared by the executor's internal API and the public gateway.
+
+Bodies are msgpack (``application/msgpack``) or JSON; the response uses the request's
+content type so a JSON caller gets JSON errors. Every :class:`RetouchError` becomes a
+structured error response; nothing else leaks a traceback to a caller.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from retouch.functions import wire
+from retouch.functions.errors import (
+    BadRequest,
+    PayloadTooLarge,
+    RetouchError,
+    Unauthorized,
+    UnsupportedMediaType,
+)
+
+log = logging.getLogger(__name__)
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+
+
+def wants_json(request: Request) -> bool:
+    """JSON when the request body is JSON, or when a body-less request accepts only JSON."""
+    ctype = request.headers.get("content-type", "")
+    if ctype:
+        return ctype.startswith(JSON)
+    accept = request.headers.get("accept", "")
+    return JSON in accept and MSGPACK not in accept
+
+
+def respond(
+    request: Request, payload: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    if wants_json(request):
+        return Response(json.dumps(payload, default=_json_bytes), status, headers, media_type=JSON)
+    return Response(wire.pack(payload), status, headers, media_type=MSGPACK)
+
+
+def error_response(
+    request: Request, exc: RetouchError, headers: dict[str, str] | None = None
+) -> Response:
+    return respond(request, exc.to_wire(), exc.status, headers)
+
+
+async def read_body(request: Request, limit: int, allow_json: bool = True) -> Any:
+    """Read at most ``limit`` bytes and decode msgpack (or JSON where allowed)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    ctype = request.headers.get("content-type", MSGPACK)
+    if ctype.startswith(MSGPACK) or ctype.startswith("application/x-msgpack"):
+        return wire.unpack(data)
+    if allow_json and ctype.startswith(JSON):
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"body is not valid JSON: {exc}", code="malformed_body") from exc
+    raise UnsupportedMediaType(f"content type {ctype!r} is not supported; use {MSGPACK}")
+
+
+def bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def check_token(request: Request, expected: str) -> None:
+    """Constant-time check of the internal bearer token."""
+    got = bearer(request)
+    if got is None or not hmac.compare_digest(got.encode(), expected.encode()):
+        raise Unauthorized("missing or wrong bearer token")
+
+
+def decode_bytes(value: Any, field: str) -> bytes:
+    """Bytes from msgpack bin, or from a base64 string in a JSON body."""
+    if isinstance(value, bytes | bytearray):
+        return bytes(value)
+    if isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except ValueError as exc:
+            raise BadRequest("expected base64 bytes", field=field, code="invalid_field") from exc
+    raise BadRequest("expected bytes", field=field, code="invalid_field")
+
+
+def _json_bytes(value: Any) -> str:
+    if isinstance(value, bytes | bytearray):
+        return base64.b64encode(value).decode()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+Handler = Callable[[Request], Awaitable[Any]]
+
+
+def endpoint(
+    handler: Handler,
+    authorize: Callable[[Request], None],
+    on_error: Callable[[RetouchError], None] | None = None,
+    status: int = 200,
+) -> Callable[[Request], Awaitable[Response]]:
+    """Wrap ``handler`` (returns the payload, or a ready ``Response``) with auth and errors.
+
+    A :class:`RetouchError` becomes its structured response; anything else is logged with
+    its traceback and answered as a 500 ``internal`` error, and the server keeps serving.
+    """
+
+    async def route(request: Request) -> Response:
+        try:
+            authorize(request)
+            result = await handler(request)
+            return result if isinstance(result, Response) else respond(request, result, status)
+        except RetouchError as exc:
+            err = exc
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", request.method, request.url.path)
+            err = RetouchError(f"internal error: {type(exc).__name__}: {exc}")
+        if on_error is not None:
+            on_error(err)
+        headers = {"retry-after": "1"} if err.status in (429, 503) else None
+        return error_response(request, err, headers)
+
+    return route
