@@ -32,21 +32,25 @@ MSGPACK = "application/msgpack"
 JSON = "application/json"
 
 
-def wants_json(request: Request) -> bool:
-    """JSON when the request body is JSON, or when a body-less request accepts only JSON."""
+def wants_msgpack(request: Request) -> bool:
+    """msgpack when the request body is msgpack (or a body-less request accepts it); JSON
+    otherwise, so ``curl /healthz`` and JSON control calls read naturally."""
     ctype = request.headers.get("content-type", "")
     if ctype:
-        return ctype.startswith(JSON)
-    accept = request.headers.get("accept", "")
-    return JSON in accept and MSGPACK not in accept
+        return _is_msgpack(ctype)
+    return "msgpack" in request.headers.get("accept", "")
+
+
+def _is_msgpack(ctype: str) -> bool:
+    return ctype.startswith(MSGPACK) or ctype.startswith("application/x-msgpack")
 
 
 def respond(
     request: Request, payload: Any, status: int = 200, headers: dict[str, str] | None = None
 ) -> Response:
-    if wants_json(request):
-        return Response(json.dumps(payload, default=_json_bytes), status, headers, media_type=JSON)
-    return Response(wire.pack(payload), status, headers, media_type=MSGPACK)
+    if wants_msgpack(request):
+        return Response(wire.pack(payload), status, headers, media_type=MSGPACK)
+    return Response(json.dumps(payload, default=_json_bytes), status, headers, media_type=JSON)
 
 
 def error_response(
@@ -68,7 +72,7 @@ async def read_body(request: Request, limit: int, allow_json: bool = True) -> An
         chunks.append(chunk)
     data = b"".join(chunks)
     ctype = request.headers.get("content-type", MSGPACK)
-    if ctype.startswith(MSGPACK) or ctype.startswith("application/x-msgpack"):
+    if _is_msgpack(ctype):
         return wire.unpack(data)
     if allow_json and ctype.startswith(JSON):
         try:

@@ -239,11 +239,14 @@ def main(argv: list[str] | None = None) -> None:
     token = os.environ.get(TOKEN_ENV)
     if not token:
         raise SystemExit(f"{TOKEN_ENV} must be set")
+    _exit_with_parent()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     core = ExecutorCore(args.name, ModelCache(args.data_dir / "models", device))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
+    # proto says TCP, and without it every response waits ~40 ms for a delayed ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     # Publish the port only once bound: the pool reads it, then polls /healthz.
@@ -254,6 +257,19 @@ def main(argv: list[str] | None = None) -> None:
         build_app(core, token), log_level="warning", access_log=False, timeout_graceful_shutdown=5
     )
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def _exit_with_parent() -> None:
+    """Executors are children of one gateway: if it dies (even by SIGKILL), so do they."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        log.warning("gateway (pid %d) is gone; exiting", parent)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

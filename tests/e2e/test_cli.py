@@ -1,0 +1,118 @@
+"""The ``retouch`` CLI against a real server: commands work and user errors print one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from retouch.functions.imaging import encode_mask
+from retouch.platform.server import ServerProcess
+
+
+def _cli(
+    *args: str, token: str | None = None, url: str | None = None
+) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "retouch.platform.cli", *args]
+    if url:
+        cmd += ["--url", url]
+    if token:
+        cmd += ["--token", token]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_round_trip(
+    server: ServerProcess, tokens: dict[str, str], examples: Path, tmp_path: Path
+) -> None:
+    admin = tokens["RETOUCH_ADMIN_TOKEN"]
+    out = _cli("deploy", str(examples / "tiny-sd.toml"), url=server.url, token=admin)
+    assert out.returncode == 0, out.stderr
+    assert "tiny-sd: ready" in out.stdout
+
+    listing = _cli("ls", url=server.url, token=admin)
+    assert (
+        listing.returncode == 0
+        and "tiny-sd" in listing.stdout
+        and "street,poster" in listing.stdout
+    )
+
+    mask = np.zeros((128, 128), bool)
+    mask[10:60, 10:60] = True
+    (tmp_path / "mask.png").write_bytes(encode_mask(mask))
+    result_path = tmp_path / "edited.png"
+    out = _cli(
+        "invoke",
+        "tiny-sd",
+        "--template",
+        "street",
+        "--mask",
+        str(tmp_path / "mask.png"),
+        "--prompt",
+        "a tree",
+        "--steps",
+        "2",
+        "-o",
+        str(result_path),
+        url=server.url,
+        token=admin,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "mask_ratio=0.153" in out.stdout
+    assert Image.open(result_path).size == (128, 128)
+
+    assert _cli("rm", "tiny-sd", url=server.url, token=admin).returncode == 0
+    assert "tiny-sd" not in _cli("ls", url=server.url, token=admin).stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["rm", "does-not-exist"], "error: function_not_found"),
+        (
+            ["invoke", "x", "--template", "t", "--mask", "/no/such/mask.png", "--prompt", "p"],
+            "error: invalid_argument: cannot read mask",
+        ),
+        (["deploy", "/no/such/spec.toml"], "error: invalid_spec: cannot read"),
+    ],
+)
+def test_cli_user_errors_without_traceback(
+    server: ServerProcess, tokens: dict[str, str], args: list[str], message: str
+) -> None:
+    out = _cli(*args, url=server.url, token=tokens["RETOUCH_ADMIN_TOKEN"])
+    assert out.returncode == 1
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cli_errors_for_bad_token_and_unreachable_server(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    out = _cli("ls", url=server.url, token="wrong")
+    assert (
+        out.returncode == 1
+        and "error: invalid_token" in out.stderr
+        and "Traceback" not in out.stderr
+    )
+    out = _cli("ls", url="http://127.0.0.1:9")
+    assert (
+        out.returncode == 1 and "error: unreachable" in out.stderr and "Traceback" not in out.stderr
+    )
+
+
+def test_cli_invalid_spec_file(
+    server: ServerProcess, tokens: dict[str, str], tmp_path: Path
+) -> None:
+    spec = tmp_path / "bad.toml"
+    spec.write_text(
+        'name = "bad"\nmodel = "retouch:tiny-sd"\nfamily = "sd-inpaint"\nresolution = 128\nsteps = -1\n'
+    )
+    out = _cli("deploy", str(spec), url=server.url, token=tokens["RETOUCH_ADMIN_TOKEN"])
+    assert out.returncode == 1
+    assert "error: invalid_spec" in out.stderr and "(field: steps)" in out.stderr
+    spec.write_text("name = [unclosed")
+    out = _cli("deploy", str(spec), url=server.url, token=tokens["RETOUCH_ADMIN_TOKEN"])
+    assert out.returncode == 1 and "not valid TOML" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,58 @@
+"""Invocation semantics over HTTP: empty and full masks, formats, metrics and probes."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+
+from retouch.platform.client import Client, read_spec_file
+from retouch.platform.server import ServerProcess
+
+
+def test_empty_mask_returns_template_and_full_mask_repaints(admin: Client, examples: Path) -> None:
+    spec, images = read_spec_file(examples / "tiny-flux.toml")
+    assert admin.deploy(spec, images)["status"] == "ready"
+    template = np.asarray(Image.open(io.BytesIO(images["shirt"])).convert("RGB"))
+
+    empty = admin.invoke("tiny-flux", "shirt", np.zeros((128, 128), bool), "anything", format="raw")
+    assert empty.path == "template" and empty.mask_ratio == 0.0
+    assert np.array_equal(np.frombuffer(empty.image, np.uint8).reshape(128, 128, 3), template)
+
+    full = admin.invoke(
+        "tiny-flux", "shirt", np.ones((128, 128), bool), "anything", steps=2, format="raw"
+    )
+    assert full.path == "stock" and full.mask_ratio == 1.0
+    assert not np.array_equal(np.frombuffer(full.image, np.uint8).reshape(128, 128, 3), template)
+
+
+def test_same_seed_same_image(admin: Client, examples: Path) -> None:
+    admin.deploy_file(examples / "tiny-sd.toml")
+    mask = np.zeros((128, 128), bool)
+    mask[20:70, 30:90] = True
+    a = admin.invoke("tiny-sd", "poster", mask, "a cat", seed=7, steps=2, format="raw")
+    b = admin.invoke("tiny-sd", "poster", mask, "a cat", seed=7, steps=2, format="raw")
+    c = admin.invoke("tiny-sd", "poster", mask, "a cat", seed=8, steps=2, format="raw")
+    assert a.image == b.image
+    assert a.image != c.image
+
+
+def test_metrics_and_probes(server: ServerProcess, admin: Client, examples: Path) -> None:
+    admin.deploy_file(examples / "tiny-flux.toml")
+    admin.invoke("tiny-flux", "mug", np.ones((128, 128), bool), "x", steps=1)
+    assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{server.url}/readyz")
+    assert ready.status_code == 200 and ready.json()["executors"] >= 1
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'retouch_invocations_total{function="tiny-flux",path="stock"}' in text
+    for name in (
+        "retouch_invocation_seconds_bucket",
+        "retouch_gateway_overhead_seconds_count",
+        "retouch_executors_healthy 1.0",
+    ):
+        assert name in text
+    executors = admin.executors()["executors"]
+    assert executors[0]["healthy"] and "tiny-flux" in executors[0]["functions"]

@@ -1,0 +1,63 @@
+"""Deploy, invoke, delete and restart against a real ``retouch serve`` over HTTP."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import httpx
+from PIL import Image
+
+from retouch.functions.demo.images import mask_of_ratio
+from retouch.platform.client import Client
+from retouch.platform.server import ServerProcess
+
+
+def test_deploy_invoke_delete_restart(
+    server: ServerProcess,
+    data_dir: Path,
+    admin: Client,
+    invoker: Client,
+    examples: Path,
+    tokens: dict[str, str],
+) -> None:
+    for name in ("tiny-sd", "tiny-flux"):
+        doc = admin.deploy_file(examples / f"{name}.toml")
+        assert doc["status"] == "ready", doc
+        assert doc["name"] == name
+        assert {s["state"] for s in doc["templates"].values()} == {"ready"}
+        assert all((s["width"], s["height"]) == (128, 128) for s in doc["templates"].values())
+    assert sorted(f["name"] for f in admin.list()) == ["tiny-flux", "tiny-sd"]
+
+    for function, template in (("tiny-sd", "street"), ("tiny-flux", "shirt")):
+        for i, (shape, ratio) in enumerate(
+            (("rect", 0.1), ("ellipse", 0.3), ("blob", 0.5), ("rect", 1.0))
+        ):
+            mask = mask_of_ratio((128, 128), ratio, shape, seed=i)
+            result = invoker.invoke(function, template, mask, "a red door", seed=i, steps=3)
+            image = Image.open(io.BytesIO(result.image))
+            assert image.format == "PNG" and image.size == (128, 128)
+            assert result.path == "stock"
+            assert abs(result.mask_ratio - mask.mean()) < 1e-6
+            assert result.timings.total_ms >= result.timings.run_ms > 0
+            assert result.executor.startswith("exec-")
+
+    assert admin.delete("tiny-sd") == {"deleted": "tiny-sd"}
+    assert [f["name"] for f in admin.list()] == ["tiny-flux"]
+
+    server.stop()
+    with (
+        ServerProcess(data_dir, env=tokens) as restarted,
+        Client(restarted.url, tokens["RETOUCH_ADMIN_TOKEN"]) as again,
+    ):
+        assert again.wait_ready("tiny-flux")["status"] == "ready"
+        assert [f["name"] for f in again.list()] == ["tiny-flux"]
+        mask = mask_of_ratio((128, 128), 0.2, "ellipse", seed=3)
+        result = again.invoke("tiny-flux", "mug", mask, "a blue mug", steps=2, format="webp")
+        assert Image.open(io.BytesIO(result.image)).format == "WEBP"
+        gone = httpx.get(
+            f"{restarted.url}/v1/functions/tiny-sd",
+            headers={"authorization": f"Bearer {tokens['RETOUCH_ADMIN_TOKEN']}"},
+        )
+        assert gone.status_code == 404
+        assert gone.json()["error"]["code"] == "function_not_found"
