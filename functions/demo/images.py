@@ -43,19 +43,29 @@ def mask_of_ratio(
     rng = np.random.default_rng(seed)
     if shape == "blob":
         return _blob(size, ratio, rng)
-    area = ratio * w * h
+    if shape not in SHAPES:
+        raise ValueError(f"unknown mask shape {shape!r}; choose from {SHAPES}")
+    center = (float(rng.uniform(0.3, 0.7) * w), float(rng.uniform(0.3, 0.7) * h))
     aspect = float(rng.uniform(0.6, 1.6))
-    if shape == "ellipse":
-        area *= 4 / np.pi
-    bw = round(float(min(w, np.sqrt(area * aspect))))
-    bh = round(float(min(h, area / max(bw, 1))))
-    x0 = int(rng.integers(0, w - bw + 1))
-    y0 = int(rng.integers(0, h - bh + 1))
+    # Bisect the shape's scale: the covered area grows monotonically with it, also once
+    # the shape is clipped by the image border (large ratios).
+    lo, hi = 0.0, 2.0 * max(w, h)
+    best = _shape(size, shape, center, aspect, hi)
+    for _ in range(24):
+        mid = (lo + hi) / 2
+        candidate = _shape(size, shape, center, aspect, mid)
+        if candidate.mean() < ratio:
+            lo = mid
+        else:
+            hi, best = mid, candidate
+    return best
+
+
+def _shape(size: tuple[int, int], shape: str, center: tuple[float, float], aspect: float, scale: float) -> np.ndarray:
+    half_w, half_h = scale * np.sqrt(aspect) / 2, scale / np.sqrt(aspect) / 2
+    box = [center[0] - half_w, center[1] - half_h, center[0] + half_w, center[1] + half_h]
     img = Image.new("L", size, 0)
-    draw = ImageDraw.Draw(img)
-    (draw.ellipse if shape == "ellipse" else draw.rectangle)(
-        [x0, y0, x0 + bw - 1, y0 + bh - 1], fill=255
-    )
+    (ImageDraw.Draw(img).ellipse if shape == "ellipse" else ImageDraw.Draw(img).rectangle)(box, fill=255)
     return np.asarray(img) > 0
 
 
