@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -78,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executors", type=int, default=1)
     p.set_defaults(run=_demo)
 
+    bench = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    p = bench_sub.add_parser("gateway", help="the gateway's own time per invocation")
+    p.add_argument("--requests", type=int, default=50)
+    p.add_argument("--examples", type=Path, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_bench_gateway)
+
     p = _client(sub.add_parser("deploy", help="deploy a function from a TOML spec"))
     p.add_argument("spec", type=Path)
     p.add_argument(
@@ -142,6 +151,18 @@ def _demo(args: argparse.Namespace) -> None:
     from retouch.platform.demo import run_demo
 
     run_demo(args.out, args.examples, args.executors)
+
+
+def _bench_gateway(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.gateway import run_gateway_bench
+    from retouch.platform.demo import find_examples
+
+    _report(run_gateway_bench(find_examples(args.examples), args.requests), args.json)
+
+
+def _report(result: object, as_json: bool) -> None:
+    """Benchmarks print JSON with ``--json``, an indented summary otherwise."""
+    print(json.dumps(result) if as_json else json.dumps(result, indent=2))
 
 
 def _deploy(args: argparse.Namespace) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks behind `retouch bench`: each compares configurations side by side in one run."""
