@@ -1,0 +1,514 @@
+"""The activation store facade the runtime and the CLI use.
+
+::
+
+    store = ActivationStore(StoreConfig(path=Path("/var/lib/retouch/cache")))
+    with store.bake(key, {"function": "tryon", "saved_compute": 0.8}) as w:
+        w.put(step, "down.0.attn1", "k", k)
+    fut = store.prefetch(key)              # while the invocation waits in the queue
+    with store.acquire(key) as h:          # host-resident; not evicted while held
+        h.read_rows(step, "down.0.attn1", "k", rows, out)   # rows along dim -2
+
+Two tiers: the disk tier (LMDB, ``disktier.py``) is durable and shared by every process of
+the host; the host tier (``hosttier.py``) is this process's RAM. The engine only reads
+host-resident tensors; ``prefetch`` moves a template disk -> host in the background and
+merges with any load of the same template already in flight.
+
+One ``ActivationStore`` per path and process (LMDB forbids opening one environment twice
+in a process), opened after any ``fork``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from retouch.cachestore.bake import BakeWriter
+from retouch.cachestore.disktier import DATA_FILE, DiskConfig, DiskTier
+from retouch.cachestore.errors import CorruptEntry, ReadOnlyStore, StoreClosed
+from retouch.cachestore.hosttier import HostTier, ResidentTemplate
+from retouch.cachestore.layout import Slot, template_key
+from retouch.cachestore.manifest import Manifest, check_meta
+from retouch.cachestore.policy import PolicySpec, make_policy
+from retouch.cachestore.rows import gather_rows
+from retouch.cachestore.stats import StoreCounters
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+class Tier(enum.Enum):
+    """Where a template can be read from right now (the fastest tier holding it)."""
+
+    HOST = "host"
+    DISK = "disk"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Configuration of one store.
+
+    ``disk_budget_bytes`` defaults to 90 % of the smaller of ``map_size`` and the space the
+    file system can give the store. With ``write_through`` a bake is committed to disk;
+    without it a bake stays in host memory and reaches the disk only when it is evicted
+    (spilled). ``pin_memory`` defaults to ``torch.cuda.is_available()``.
+    """
+
+    path: Path
+    host_budget_bytes: int = 8 * GiB
+    disk_budget_bytes: int | None = None
+    map_size: int = 1 << 40
+    policy: PolicySpec = "lru"
+    write_through: bool = True
+    readonly: bool = False
+    pin_memory: bool | None = None
+    prefetch_workers: int = 2
+    max_readers: int = 126
+    write_batch_bytes: int = 64 << 20
+
+
+def _default_disk_budget(path: Path, map_size: int) -> int:
+    probe = path if path.exists() else path.parent
+    existing = (path / DATA_FILE).stat().st_size if (path / DATA_FILE).exists() else 0
+    available = shutil.disk_usage(probe).free + existing
+    return int(0.9 * min(map_size, available))
+
+
+class HostTemplate:
+    """A held reference to a host-resident template; release it (or use ``with``).
+
+    Tensors returned by :meth:`get` are views into the store's memory: valid while the
+    handle is held, read-only by convention.
+    """
+
+    def __init__(self, res: ResidentTemplate, tier: HostTier, counters: StoreCounters) -> None:
+        self._res = res
+        self._tier = tier
+        self._counters = counters
+        self._held = True
+
+    @property
+    def key(self) -> str:
+        return self._res.key
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self._res.meta
+
+    @property
+    def nbytes(self) -> int:
+        return self._res.nbytes
+
+    def slots(self) -> list[Slot]:
+        """Every (step, block, name) the template holds, in bake order."""
+        return list(self._live().tensors)
+
+    def get(self, step: int, block: str, name: str) -> torch.Tensor:
+        """The host-resident tensor (pinned where CUDA exists)."""
+        try:
+            return self._live().tensors[(step, block, name)]
+        except KeyError:
+            raise KeyError(f"template {self.key!r} has no tensor {(step, block, name)}") from None
+
+    def read_rows(
+        self, step: int, block: str, name: str, rows: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Gather rows (tokens, dim -2) of one tensor into ``out`` (CPU or CUDA)."""
+        gather_rows(self.get(step, block, name), rows, out)
+        self._counters.add(host_reads=1, host_bytes_read=out.nbytes)
+        return out
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._tier.release(self._res)
+
+    def _live(self) -> ResidentTemplate:
+        if not self._held:
+            raise RuntimeError(f"handle of {self.key!r} used after release()")
+        return self._res
+
+    def __enter__(self) -> HostTemplate:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class ActivationStore:
+    """Two-tier store of templates' recorded activations (see module docstring)."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        path = Path(config.path)
+        budget = config.disk_budget_bytes
+        if budget is None:
+            budget = _default_disk_budget(path, config.map_size)
+        self._counters = StoreCounters()
+        self._lock = threading.Lock()
+        self._loads: dict[str, Future[int]] = {}
+        self._closed = False
+        self._disk = DiskTier(
+            DiskConfig(
+                path=path,
+                map_size=config.map_size,
+                budget_bytes=budget,
+                readonly=config.readonly,
+                max_readers=config.max_readers,
+                batch_bytes=config.write_batch_bytes,
+            ),
+            make_policy(config.policy),
+            self._counters,
+        )
+        pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
+        self._host = HostTier(
+            budget=config.host_budget_bytes,
+            policy=make_policy(config.policy),
+            pin=pin,
+            counters=self._counters,
+            spill=self._schedule_spill,
+        )
+        self._prefetcher = ThreadPoolExecutor(
+            max_workers=config.prefetch_workers, thread_name_prefix="cachestore-prefetch"
+        )
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def bake(self, key: str, meta: dict[str, Any]) -> BakeWriter:
+        """A writer for one template; committed atomically when its ``with`` block exits."""
+        self._check_open()
+        template_key(key)
+        write_disk = self.config.write_through
+        if write_disk and self.config.readonly:
+            raise ReadOnlyStore("cannot bake into a read-only store with write_through")
+        return BakeWriter(
+            key=key,
+            meta=check_meta(meta),
+            disk=self._disk if write_disk else None,
+            host_limit=self.config.host_budget_bytes,
+            batch_bytes=self.config.write_batch_bytes,
+            counters=self._counters,
+            on_commit=self._install_baked,
+        )
+
+    def _install_baked(
+        self, manifest: Manifest, tensors: dict[Slot, torch.Tensor] | None, on_disk: bool
+    ) -> None:
+        """Make a fresh bake host-resident (in one pooled buffer), replacing older copies."""
+        if tensors is None:
+            self._host.remove(manifest.key)
+            return
+        offsets, total = manifest.host_layout()
+        buf = self._host.reserve(total)
+        views: dict[Slot, torch.Tensor] = {}
+        for entry, offset in zip(manifest.entries, offsets, strict=True):
+            view = buf.tensor[offset : offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+            view.copy_(tensors[entry.slot])
+            views[entry.slot] = view
+        res = ResidentTemplate(manifest.key, manifest.meta, views, footprint=total, buffer=buf)
+        self._host.insert(res, pinned=False, reserved=True)
+
+    # ---- tiers, prefetch, acquire --------------------------------------------------------
+
+    def tier(self, key: str) -> Tier:
+        """The fastest tier holding a valid copy of ``key``."""
+        self._check_open()
+        if self._host.contains(key):
+            return Tier.HOST
+        return Tier.DISK if self._disk.contains(key) else Tier.NONE
+
+    def prefetch(self, key: str) -> Future[int]:
+        """Start loading ``key`` disk -> host in the background.
+
+        Returns a future of the bytes loaded (0 when already resident) that raises KeyError
+        or CorruptEntry like :meth:`acquire`. Concurrent calls for one key share one future.
+        """
+        self._check_open()
+        with self._lock:
+            if self._host.contains(key):
+                self._counters.add(prefetch_resident=1)
+                done: Future[int] = Future()
+                done.set_result(0)
+                return done
+            fut = self._loads.get(key)
+            if fut is not None:
+                self._counters.add(prefetch_merged=1)
+                return fut
+            fut = self._loads[key] = Future()
+        self._counters.add(prefetches=1)
+        self._prefetcher.submit(self._prefetch_job, key, fut)
+        return fut
+
+    def acquire(self, key: str) -> HostTemplate:
+        """A held, host-resident template; loads it (or waits for its prefetch) if needed.
+
+        Raises KeyError when the template is absent (or invalid) and CorruptEntry when its
+        stored data fails verification (it is then marked invalid: re-bake it).
+        """
+        self._check_open()
+        waited = False
+        while True:
+            res = self._host.pin_resident(key)
+            if res is not None:
+                self._counters.add(**({"prefetch_waits": 1} if waited else {"host_hits": 1}))
+                self._disk.touch(key, res.meta)
+                return self._handle(res)
+            with self._lock:
+                fut = self._loads.get(key)
+                owner = fut is None
+                if owner:
+                    fut = self._loads[key] = Future()
+            if owner:
+                res = self._load_owned(key, fut, pin=True)
+                assert res is not None  # pin=True always returns the held template
+                return self._handle(res)
+            start = time.perf_counter()
+            try:
+                fut.result()
+            except KeyError:
+                self._counters.add(misses=1)
+                raise
+            finally:
+                self._counters.add(prefetch_wait_seconds=time.perf_counter() - start)
+            waited = True
+
+    def read_rows(
+        self, key: str, step: int, block: str, name: str, rows: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """``acquire`` + ``read_rows`` + ``release`` in one call."""
+        with self.acquire(key) as handle:
+            return handle.read_rows(step, block, name, rows, out)
+
+    def evict(self, key: str) -> bool:
+        """Push ``key`` out of the host tier now (spilling it if the disk lacks it)."""
+        self._check_open()
+        return self._host.evict(key)
+
+    def _handle(self, res: ResidentTemplate) -> HostTemplate:
+        return HostTemplate(res, self._host, self._counters)
+
+    def _prefetch_job(self, key: str, fut: Future[int]) -> None:
+        try:
+            self._load_owned(key, fut, pin=False)
+        except KeyError:
+            log.debug("prefetch of %r: not in the store", key)
+        except Exception:
+            log.exception("prefetch of %r failed", key)
+
+    def _load_owned(self, key: str, fut: Future[int], pin: bool) -> ResidentTemplate | None:
+        """Load ``key`` as the owner of ``fut`` (the one in-flight load of that key); with
+        ``pin`` the result is held for the caller. None: resident already (prefetch)."""
+        try:
+            res = self._resident_or_load(key, pin)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            raise
+        else:
+            fut.set_result(0 if res is None else res.footprint)
+            return res
+        finally:
+            with self._lock:
+                self._loads.pop(key, None)
+
+    def _resident_or_load(self, key: str, pin: bool) -> ResidentTemplate | None:
+        # another load may have finished between the caller's check and taking ownership
+        if pin:
+            res = self._host.pin_resident(key)
+            if res is not None:
+                self._counters.add(host_hits=1)
+                return res
+        elif self._host.contains(key):
+            return None
+        res = self._load(key, pin)
+        if pin:
+            self._counters.add(disk_hits=1)
+        return res
+
+    def _load(self, key: str, pin: bool) -> ResidentTemplate:
+        try:
+            loaded = self._disk.load(key, self._host.reserve, self._host.unreserve)
+        except KeyError:
+            if pin:
+                self._counters.add(misses=1)
+            raise
+        except CorruptEntry as exc:
+            self._counters.add(corrupt=1)
+            self._disk.mark_invalid(key, str(exc))
+            raise
+        res = ResidentTemplate(
+            key=key,
+            meta=loaded.manifest.meta,
+            tensors=loaded.tensors,
+            footprint=loaded.buffer.nbytes,
+            buffer=loaded.buffer,
+        )
+        self._host.insert(res, pinned=pin, reserved=True)
+        return res
+
+    # ---- spilling ------------------------------------------------------------------------
+
+    def _schedule_spill(self, res: ResidentTemplate) -> bool:
+        """Host-tier eviction hook: write ``res`` to disk unless the disk already has it."""
+        if self._closed or self.config.readonly or self._disk.contains(res.key):
+            return False
+        fut = self._disk.write_async(
+            res.key, res.meta, dict(res.tensors), should_write=lambda: self._host.tracks(res)
+        )
+        fut.add_done_callback(lambda done: self._spill_finished(res, done))
+        return True
+
+    def _spill_finished(self, res: ResidentTemplate, fut: Future[bool]) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            self._counters.add(spill_failures=1)
+            log.warning("spilling %r to disk failed, the template is dropped: %s", res.key, exc)
+        elif fut.result():
+            self._counters.add(spills=1, spill_bytes=res.nbytes)
+        self._host.spill_done(res)
+
+    # ---- management (CLI: ls, stats, verify, gc) -----------------------------------------
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key`` from both tiers; True when it existed anywhere."""
+        self._check_writable()
+        on_disk = bool(self._disk.delete([key]))
+        in_host = self._host.remove(key)
+        return on_disk or in_host
+
+    def delete_where(self, **meta_equals: Any) -> list[str]:
+        """Delete every template whose meta matches all given items, e.g.
+        ``delete_where(function="tryon")``; returns the deleted keys."""
+        self._check_writable()
+        if not meta_equals:
+            raise ValueError("delete_where needs at least one meta item to match")
+
+        def matches(meta: dict[str, Any]) -> bool:
+            return all(meta.get(k, object()) == v for k, v in meta_equals.items())
+
+        keys = {m.key for m in self._disk.scan().manifests.values() if matches(m.meta)}
+        keys |= {res.key for res in self._host.residents() if matches(res.meta)}
+        self._disk.delete(sorted(keys))
+        for key in keys:
+            self._host.remove(key)
+        return sorted(keys)
+
+    def ls(self) -> list[dict[str, Any]]:
+        """One row per template known to either tier."""
+        self._check_open()
+        scan = self._disk.scan()
+        rows: dict[str, dict[str, Any]] = {}
+        for key, m in scan.manifests.items():
+            in_host = self._host.contains(key)
+            tier = Tier.HOST if in_host else (Tier.DISK if m.valid else Tier.NONE)
+            rows[key] = {
+                "key": key,
+                "tier": tier.value,
+                "in_host": in_host,
+                "on_disk": m.valid,
+                "bytes": m.nbytes,
+                "tensors": len(m.entries),
+                "meta": m.meta,
+                "valid": m.valid,
+                "reason": m.reason,
+                "created": m.created,
+            }
+        for key in scan.broken:
+            rows[key] = {
+                "key": key,
+                "tier": Tier.NONE.value,
+                "in_host": False,
+                "on_disk": False,
+                "bytes": 0,
+                "tensors": 0,
+                "meta": {},
+                "valid": False,
+                "reason": "undecodable manifest",
+                "created": 0.0,
+            }
+        for res in self._host.residents():
+            if res.key not in rows:
+                rows[res.key] = {
+                    "key": res.key,
+                    "tier": Tier.HOST.value,
+                    "in_host": True,
+                    "on_disk": False,
+                    "bytes": res.nbytes,
+                    "tensors": len(res.tensors),
+                    "meta": res.meta,
+                    "valid": True,
+                    "reason": "",
+                    "created": 0.0,
+                }
+        return [rows[key] for key in sorted(rows)]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since open plus current occupancy of both tiers."""
+        self._check_open()
+        disk = self._disk.usage()
+        valid_disk = {m.key for m in self._disk.scan().manifests.values() if m.valid}
+        host_keys = {res.key for res in self._host.residents()}
+        return {
+            **self._counters.snapshot(),
+            **self._host.usage(),
+            **disk,
+            "templates": len(valid_disk | host_keys),
+            "prefetches_in_flight": len(self._loads),
+        }
+
+    def verify(self) -> dict[str, Any]:
+        """Check every checksum on disk; corrupt templates are marked invalid."""
+        self._check_open()
+        return self._disk.verify()
+
+    def gc(self) -> int:
+        """Remove invalid templates, partial bakes and orphaned values; bytes freed."""
+        self._check_writable()
+        return self._disk.gc()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish prefetches and background spills, then close the environment."""
+        if self._closed:
+            return
+        self._prefetcher.shutdown(wait=True)
+        self._disk.close()
+        self._closed = True
+        self._host.clear()
+
+    def __enter__(self) -> ActivationStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("activation store is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.config.readonly:
+            raise ReadOnlyStore(f"store {self.config.path} was opened read-only")
