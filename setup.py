@@ -17,6 +17,8 @@ SKIP = {"__pycache__"}
 
 def _subpackages(folder: str) -> dict[str, str]:
     """``retouch.<folder>`` and every directory of Python code below it."""
+    if not (ROOT / folder).is_dir():
+        return {}
     mapping = {f"retouch.{folder}": folder}
     for path in sorted((ROOT / folder).rglob("*")):
         rel = path.relative_to(ROOT)
