@@ -1,0 +1,60 @@
+"""Self-attention of masked queries against [fresh masked K,V ; cached unmasked K,V].
+
+The keys of a row are assembled in natural token order into one ``[rows, N, C]`` buffer:
+cached rows of the unmasked tokens (gathered by the store) and the freshly computed rows of
+the masked ones. Attention is invariant to key order, and keeping the stock order keeps the
+result within rounding of the stock block when the cache is exact. Every row then attends
+with its full key set, so the padded layout needs no attention mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from retouch.runtime.maskaware.context import ForwardContext
+from retouch.runtime.maskaware.store import fetch_rows
+from retouch.runtime.maskaware.tokens import TokenBatch
+
+
+def assemble(
+    ctx: ForwardContext, tokens: TokenBatch, block: str, name: str, fresh: torch.Tensor
+) -> torch.Tensor:
+    """``[rows, N, C]``: each request's cached rows of ``name`` plus the ``fresh`` ``[T, C]`` rows."""
+    channels = fresh.shape[-1]
+    full = fresh.new_empty(tokens.rows, tokens.n_tokens, channels)
+    per = tokens.rows_per_request
+    for r, (slot, token_set) in enumerate(zip(ctx.slots, tokens.sets, strict=True)):
+        if token_set.unmasked.numel() == 0:
+            continue
+        if slot.reader is None:
+            raise RuntimeError(f"block {block!r} runs sparse but request {r} has no cache")
+        cached = fresh.new_empty(per, token_set.unmasked.numel(), channels)
+        fetch_rows(slot.reader, slot.step, block, name, token_set.unmasked, cached)
+        full[r * per : (r + 1) * per].index_copy_(1, tokens.unmasked_index(r), cached)
+    return tokens.scatter_rows(fresh, full)
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Attention on ``[B, S, H, D]`` tensors; returns ``[B, Sq, H * D]``."""
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    )
+    return out.transpose(1, 2).flatten(2).to(query.dtype)
+
+
+def sdpa_segments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: list[tuple[int, int]],
+) -> torch.Tensor:
+    """Packed attention: query rows ``[1, S, H, D]`` split in ``(start, length)`` segments,
+    segment ``r`` attending to row ``r`` of ``key``/``value`` ``[rows, Sk, H, D]``."""
+    heads = query.shape[2] * query.shape[3]
+    out = query.new_empty(1, query.shape[1], heads)
+    for row, (start, length) in enumerate(segments):
+        if length:
+            q = query[:, start : start + length]
+            out[:, start : start + length] = sdpa(q, key[row : row + 1], value[row : row + 1])
+    return out

@@ -1,0 +1,84 @@
+"""The state one batched forward shares with the block wrappers it passes through.
+
+Wrappers are installed once per model and stay inert: they only act while a
+:class:`ForwardContext` is active in the current thread (a ``ContextVar``), so the stock
+pipeline keeps running unchanged on the same model, even from another thread.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+from retouch.runtime.maskaware.store import ActivationReader, ActivationWriter
+from retouch.runtime.maskaware.tokens import TokenBatch
+
+
+class Mode(enum.Enum):
+    """How a block runs in one step."""
+
+    FULL = "full"  # the standard block over every token
+    SPARSE = "sparse"  # masked tokens only, cached K/V/Y for the rest
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One request of the batch as the blocks see it: where its rows come from or go to."""
+
+    step: int  # the request's own denoising step index (requests may be at different steps)
+    reader: ActivationReader | None = None  # an edit's template activations
+    writer: ActivationWriter | None = None  # a bake's recording target
+
+
+@dataclass
+class ForwardContext:
+    """Everything a wrapped block needs during one batched forward."""
+
+    slots: list[Slot]
+    rows_per_request: int  # 2 with classifier-free guidance halves, else 1
+    modes: dict[str, Mode]  # per block name
+    grids: dict[tuple[int, int], TokenBatch] = field(default_factory=dict)  # per token grid
+    grid: TokenBatch | None = None  # the token grid of the sparse block now running
+    text_len: int = 0  # text tokens in front of image tokens (joint-attention models)
+    scratch: dict[object, torch.Tensor] = field(default_factory=dict)  # per-forward memo
+
+    @property
+    def recording(self) -> bool:
+        return any(slot.writer is not None for slot in self.slots)
+
+    def mode(self, block: str) -> Mode:
+        return self.modes.get(block, Mode.FULL)
+
+    def record(self, block: str, name: str, tensor: torch.Tensor) -> None:
+        """Hand each request's rows of a ``[rows, tokens, C]`` tensor to its writer."""
+        per = self.rows_per_request
+        for r, slot in enumerate(self.slots):
+            if slot.writer is not None:
+                slot.writer.put(slot.step, block, name, _host_copy(tensor[r * per : (r + 1) * per]))
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy that owns its memory (a writer may keep it as is)."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    return out.copy_(tensor.detach())
+
+
+_ACTIVE: ContextVar[ForwardContext | None] = ContextVar("retouch_maskaware_forward", default=None)
+
+
+def current() -> ForwardContext | None:
+    return _ACTIVE.get()
+
+
+@contextmanager
+def activate(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    token = _ACTIVE.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _ACTIVE.reset(token)

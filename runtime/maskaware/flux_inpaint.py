@@ -1,0 +1,213 @@
+"""The ``flux-inpaint`` family: FluxInpaintPipeline split into prepare / step / finish.
+
+Each piece does what ``FluxInpaintPipeline.__call__`` does for strength 1.0, calling the
+pipeline's own helpers. After every step the pipeline blends the unmasked latents back to
+the template re-noised to the next timestep, so the unmasked tokens' inputs are exactly the
+bake's at every step and only the masked tokens need computing; the transformer output of
+unmasked tokens is discarded by that blend (it is left at zero).
+
+The template's image latents are a per-template tensor: the bake stores them with the
+template (the VAE posterior sample drawn with the template seed), which also saves every
+edit a VAE encode; the stock reference is given the same latents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import FluxInpaintPipeline
+from diffusers.pipelines.flux.pipeline_flux_inpaint import calculate_shift, retrieve_timesteps
+from PIL import Image
+
+from retouch.runtime.maskaware import flux_blocks
+from retouch.runtime.maskaware.context import ForwardContext, Mode
+from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
+from retouch.runtime.maskaware.request import EditRequest, RequestState
+from retouch.runtime.maskaware.tokens import TokenSet, pool_mask
+
+
+@dataclass
+class FluxInputs:
+    """Per-request transformer inputs besides the latents."""
+
+    prompt_embeds: torch.Tensor  # [1, L, D]
+    pooled: torch.Tensor  # [1, P]
+    text_ids: torch.Tensor  # [L, 3]
+    image_ids: torch.Tensor  # [N, 3]
+    guidance: torch.Tensor | None  # [1] (guidance-distilled models) or None
+    mask: torch.Tensor  # [1, N, 64] packed latent mask (the blend weight)
+    image_latents: torch.Tensor  # [1, N, 64] packed template latents
+    noise: torch.Tensor  # [1, N, 64] packed initial noise (re-noises the template)
+
+
+class FluxInpaint:
+    """Glue between the editor and a FluxInpaintPipeline."""
+
+    family = "flux-inpaint"
+    rows_per_request = 1  # guidance is an embedding: no CFG halves
+
+    def __init__(self, pipe: FluxInpaintPipeline, device: torch.device) -> None:
+        self.pipe, self.device = pipe, device
+        self.dtype = pipe.transformer.dtype
+        self.blocks = flux_blocks.install(pipe.transformer)
+        self.channels = pipe.transformer.config.in_channels // 4
+
+    def latent_size(self, height: int, width: int) -> tuple[int, int]:
+        factor = self.pipe.vae_scale_factor * 2
+        return 2 * (height // factor), 2 * (width // factor)
+
+    def noise_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (1, self.channels, *self.latent_size(height, width))
+
+    def _pack(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.pipe._pack_latents(latents, latents.shape[0], self.channels, *latents.shape[2:])
+
+    def latent_mask(self, request: EditRequest) -> torch.Tensor:
+        """``[1, 1, h, w]``: ``prepare_mask_latents``' nearest resize of the binarised mask."""
+        image = request.image
+        condition = self.pipe.mask_processor.preprocess(
+            request.mask_image(), height=image.height, width=image.width
+        )
+        return F.interpolate(condition, size=self.latent_size(image.height, image.width))
+
+    def image_latents(self, image: Image.Image, vae_noise: torch.Tensor) -> torch.Tensor:
+        """``[1, 16, h, w]`` template latents, as ``_encode_vae_image`` computes them."""
+        vae = self.pipe.vae
+        init = self.pipe.image_processor.preprocess(image, height=image.height, width=image.width)
+        sample = vae_sample(vae, init.to(self.device, self.dtype), vae_noise)
+        return (sample - vae.config.shift_factor) * vae.config.scaling_factor
+
+    def _scheduler(self, request: EditRequest) -> tuple[object, torch.Tensor]:
+        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        steps, factor = request.steps, self.pipe.vae_scale_factor
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        seq_len = (request.image.height // factor // 2) * (request.image.width // factor // 2)
+        config = scheduler.config
+        mu = calculate_shift(
+            seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler, timesteps
+
+    def prepare(
+        self,
+        request: EditRequest,
+        template_noise: SeedNoise,
+        request_noise: SeedNoise,
+        image_latents: torch.Tensor,
+    ) -> RequestState:
+        """Text encoding, composed noise, packed mask and latents, scheduler, token set."""
+        mask = self.latent_mask(request)
+        hard = mask[0, 0] > 0.5
+        noise = self._pack(
+            template_noise.compose(request_noise, hard).latents.to(self.device, self.dtype)
+        )
+        pipe = self.pipe
+        prompt_embeds, pooled, text_ids = pipe.encode_prompt(
+            prompt=request.prompt,
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=pipe.tokenizer_2.model_max_length,
+        )
+        scheduler, timesteps = self._scheduler(request)
+        h, w = hard.shape
+        guidance = None
+        if pipe.transformer.config.guidance_embeds:
+            guidance = torch.full([1], request.guidance, device=self.device, dtype=torch.float32)
+        inputs = FluxInputs(
+            prompt_embeds=prompt_embeds,
+            pooled=pooled,
+            text_ids=text_ids,
+            image_ids=pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, self.dtype),
+            guidance=guidance,
+            mask=self._pack(mask.to(self.device, self.dtype).repeat(1, self.channels, 1, 1)),
+            image_latents=self._pack(image_latents.to(self.device, self.dtype)),
+            noise=noise,
+        )
+        tokens = {(h // 2, w // 2): TokenSet.from_grid(pool_mask(hard.cpu(), (h // 2, w // 2)))}
+        return RequestState(request, noise.clone(), scheduler, timesteps, inputs, tokens)
+
+    def forward(self, states: list[RequestState], ctx: ForwardContext) -> list[torch.Tensor]:
+        """One batched transformer call; returns each request's ``[1, N, 64]`` prediction."""
+        ctx.grid = next(iter(ctx.grids.values()), None)  # one token grid; none in a bake
+        first = ctx.grid is not None and ctx.mode(self.blocks[0]) is Mode.SPARSE
+        ctx.scratch[flux_blocks.SPARSE_CARRY] = first
+        ctx.text_len = states[0].inputs.prompt_embeds.shape[1]
+        latents = torch.cat([s.latents for s in states])
+        inputs = [s.inputs for s in states]
+        guidance = None if inputs[0].guidance is None else torch.cat([i.guidance for i in inputs])
+        timestep = torch.cat([s.timestep.reshape(1).to(latents.dtype) for s in states])
+        out = self.pipe.transformer(
+            hidden_states=ctx.grid.gather(latents) if first else latents,
+            timestep=timestep / 1000,
+            guidance=guidance,
+            pooled_projections=torch.cat([i.pooled for i in inputs]),
+            encoder_hidden_states=torch.cat([i.prompt_embeds for i in inputs]),
+            txt_ids=inputs[0].text_ids,
+            img_ids=inputs[0].image_ids,
+            joint_attention_kwargs={},
+            return_dict=False,
+        )[0]
+        if ctx.scratch[flux_blocks.SPARSE_CARRY]:
+            out = ctx.grid.scatter(out, torch.zeros_like(latents))
+        return list(out.split(1))
+
+    def advance(self, state: RequestState, prediction: torch.Tensor) -> None:
+        """The request's scheduler step, then the pipeline's inpaint blend."""
+        inputs = state.inputs
+        latents = state.scheduler.step(
+            prediction, state.timestep, state.latents, return_dict=False
+        )[0]
+        template = inputs.image_latents
+        if not state.last:
+            following = state.timesteps[state.index + 1]
+            template = state.scheduler.scale_noise(
+                template, torch.tensor([following]), inputs.noise
+            )
+        state.latents = (1 - inputs.mask) * template + inputs.mask * latents
+
+    def decode(self, state: RequestState, output_type: str = "pil") -> Image.Image | np.ndarray:
+        pipe, vae = self.pipe, self.pipe.vae
+        image = state.request.image
+        latents = pipe._unpack_latents(
+            state.latents, image.height, image.width, pipe.vae_scale_factor
+        )
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        decoded = vae.decode(latents, return_dict=False)[0]
+        return pipe.image_processor.postprocess(decoded, output_type=output_type)[0]
+
+    def stock(
+        self,
+        request: EditRequest,
+        template_noise: SeedNoise,
+        request_noise: SeedNoise,
+        image_latents: torch.Tensor,
+        output_type: str = "pil",
+    ) -> Image.Image | np.ndarray:
+        """The stock pipeline with the composed noise and the template's image latents."""
+        hard = self.latent_mask(request)[0, 0] > 0.5
+        noise = template_noise.compose(request_noise, hard)
+        latents = image_latents.to(self.device, self.dtype)
+        return self.pipe(
+            prompt=request.prompt,
+            image=latents,
+            mask_image=request.mask_image(),
+            masked_image_latents=latents,  # unused by the Flux inpaint loop; skips an encode
+            height=request.image.height,
+            width=request.image.width,
+            strength=1.0,
+            num_inference_steps=request.steps,
+            guidance_scale=request.guidance,
+            latents=noise.latents.to(self.device, self.dtype),
+            max_sequence_length=self.pipe.tokenizer_2.model_max_length,
+            output_type=output_type,
+        ).images[0]

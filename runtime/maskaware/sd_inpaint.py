@@ -1,0 +1,168 @@
+"""The ``sd-inpaint`` family: StableDiffusionInpaintPipeline split into prepare / step / finish.
+
+Each piece does what ``StableDiffusionInpaintPipeline.__call__`` does for strength 1.0 and a
+9-channel UNet, calling the pipeline's own helpers, so that with an exact cache the
+mask-aware edit reproduces the stock pipeline. The UNet forward is batched across requests
+(request-major rows ``[uncond, cond]`` per request, per-row timesteps); guidance and the
+scheduler step stay per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import StableDiffusionInpaintPipeline
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint import (
+    retrieve_timesteps,
+)
+from PIL import Image
+
+from retouch.runtime.maskaware import unet_blocks
+from retouch.runtime.maskaware.context import ForwardContext
+from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
+from retouch.runtime.maskaware.request import EditRequest, RequestState
+from retouch.runtime.maskaware.tokens import TokenSet, level_sizes, pool_mask
+
+
+@dataclass
+class SDInputs:
+    """Per-request UNet inputs besides the latents."""
+
+    prompt_embeds: torch.Tensor  # [2, L, D]: negative (empty) prompt, then the prompt
+    mask: torch.Tensor  # [1, 1, h, w] latent mask, the UNet's mask channel
+    masked_image_latents: torch.Tensor  # [1, 4, h, w]
+    extra_step_kwargs: dict[str, Any]
+
+
+class SDInpaint:
+    """Glue between the editor and a StableDiffusionInpaintPipeline."""
+
+    family = "sd-inpaint"
+    rows_per_request = 2  # classifier-free guidance halves
+
+    def __init__(self, pipe: StableDiffusionInpaintPipeline, device: torch.device) -> None:
+        if pipe.unet.config.in_channels != 9:
+            raise ValueError("sd-inpaint mask-aware inference needs a 9-channel inpainting UNet")
+        self.pipe, self.device = pipe, device
+        self.dtype = pipe.unet.dtype
+        self.blocks = unet_blocks.install(pipe.unet)
+        self.levels = len(pipe.unet.config.block_out_channels)
+
+    def latent_size(self, height: int, width: int) -> tuple[int, int]:
+        factor = self.pipe.vae_scale_factor
+        return height // factor, width // factor
+
+    def noise_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (1, self.pipe.vae.config.latent_channels, *self.latent_size(height, width))
+
+    def _mask_condition(self, request: EditRequest) -> torch.Tensor:
+        image = request.image
+        return self.pipe.mask_processor.preprocess(
+            request.mask_image(), height=image.height, width=image.width
+        )
+
+    def latent_mask(self, mask_condition: torch.Tensor) -> torch.Tensor:
+        """The UNet's mask channel: ``prepare_mask_latents``' nearest resize to latent size."""
+        size = self.latent_size(mask_condition.shape[-2], mask_condition.shape[-1])
+        return F.interpolate(mask_condition, size=size)
+
+    def _masked_image_latents(
+        self, request: EditRequest, mask_condition: torch.Tensor, vae_noise: torch.Tensor
+    ) -> torch.Tensor:
+        image = request.image
+        init = self.pipe.image_processor.preprocess(image, height=image.height, width=image.width)
+        masked = (init.to(torch.float32) * (mask_condition < 0.5)).to(self.device, self.dtype)
+        return self.pipe.vae.config.scaling_factor * vae_sample(self.pipe.vae, masked, vae_noise)
+
+    def prepare(
+        self, request: EditRequest, template_noise: SeedNoise, request_noise: SeedNoise
+    ) -> RequestState:
+        """Text encoding, masked-image encoding, composed noise, scheduler, token sets."""
+        condition = self._mask_condition(request)
+        mask = self.latent_mask(condition).to(self.device, self.dtype)
+        hard = mask[0, 0] > 0.5
+        noise = template_noise.compose(request_noise, hard.cpu())
+        masked_latents = self._masked_image_latents(request, condition, noise.vae)
+        positive, negative = self.pipe.encode_prompt(request.prompt, self.device, 1, True)
+        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        timesteps, _ = retrieve_timesteps(scheduler, request.steps, self.device)
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        latents = noise.latents.to(self.device, self.dtype) * scheduler.init_noise_sigma
+        inputs = SDInputs(
+            prompt_embeds=torch.cat([negative, positive]),
+            mask=mask,
+            masked_image_latents=masked_latents,
+            extra_step_kwargs=self.pipe.prepare_extra_step_kwargs(None, 0.0),  # eta 0
+        )
+        sizes = level_sizes(*hard.shape, self.levels)
+        tokens = {size: TokenSet.from_grid(pool_mask(hard.cpu(), size)) for size in sizes}
+        return RequestState(request, latents, scheduler, timesteps, inputs, tokens)
+
+    def forward(self, states: list[RequestState], ctx: ForwardContext) -> list[torch.Tensor]:
+        """One batched UNet call; returns each request's ``[2, 4, h, w]`` noise prediction."""
+        rows, times, texts = [], [], []
+        for state in states:
+            t = state.timestep
+            latent_in = state.scheduler.scale_model_input(torch.cat([state.latents] * 2), t)
+            extra = [state.inputs.mask, state.inputs.masked_image_latents]
+            rows.append(torch.cat([latent_in, *(torch.cat([x] * 2) for x in extra)], dim=1))
+            times.append(t.reshape(1).expand(2))
+            texts.append(state.inputs.prompt_embeds)
+        out = self.pipe.unet(
+            torch.cat(rows),
+            torch.cat(times).to(self.device),
+            encoder_hidden_states=torch.cat(texts),
+            return_dict=False,
+        )[0]
+        return list(out.split(2))
+
+    def advance(self, state: RequestState, prediction: torch.Tensor) -> None:
+        """Guidance and the request's own scheduler step."""
+        uncond, text = prediction.chunk(2)
+        guided = uncond + state.request.guidance * (text - uncond)
+        step = state.scheduler.step(
+            guided,
+            state.timestep,
+            state.latents,
+            **state.inputs.extra_step_kwargs,
+            return_dict=False,
+        )
+        state.latents = step[0]
+
+    def decode(self, state: RequestState, output_type: str = "pil") -> Image.Image | np.ndarray:
+        vae = self.pipe.vae
+        image = vae.decode(state.latents / vae.config.scaling_factor, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(
+            image, output_type=output_type, do_denormalize=[True]
+        )[0]
+
+    def stock(
+        self,
+        request: EditRequest,
+        template_noise: SeedNoise,
+        request_noise: SeedNoise,
+        output_type: str = "pil",
+    ) -> Image.Image | np.ndarray:
+        """The stock pipeline with the composed noise and masked-image latents."""
+        condition = self._mask_condition(request)
+        hard = self.latent_mask(condition)[0, 0] > 0.5
+        noise = template_noise.compose(request_noise, hard)
+        masked_latents = self._masked_image_latents(request, condition, noise.vae)
+        return self.pipe(
+            prompt=request.prompt,
+            image=request.image,
+            mask_image=request.mask_image(),
+            masked_image_latents=masked_latents,
+            height=request.image.height,
+            width=request.image.width,
+            strength=1.0,
+            num_inference_steps=request.steps,
+            guidance_scale=request.guidance,
+            latents=noise.latents.to(self.device, self.dtype),
+            output_type=output_type,
+        ).images[0]

@@ -1,0 +1,100 @@
+"""Where a bake's activations go and where an edit reads them from.
+
+The bake writes one tensor per (step, block, name): ``k``/``v`` (self-attention keys and
+values of every image token, both CFG halves) and ``y`` (the block output) per denoising
+step, and per-template tensors at step ``-1`` (the bake noise, the VAE sampling noise and,
+for Flux, the template's image latents). Tensors are host tensors shaped
+``[..., tokens, channels]`` so that a reader can gather the rows an edit needs along dim -2.
+
+The protocols below are all the editor relies on; ``retouch.cachestore`` implements them
+on LMDB and a host-RAM tier, :class:`MemoryActivations` in a dict.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+TEMPLATE_STEP = -1  # the step index of per-template tensors
+
+
+class ActivationWriter(Protocol):
+    """What a bake records into."""
+
+    def put(self, step: int, block: str, name: str, tensor: torch.Tensor) -> None: ...
+
+
+class ActivationReader(Protocol):
+    """What an edit reads cached activations from."""
+
+    def get(self, step: int, block: str, name: str) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class RowReader(Protocol):
+    """A reader that can gather rows itself (it avoids materialising whole tensors)."""
+
+    def read_rows(
+        self, step: int, block: str, name: str, rows: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def fetch_rows(
+    reader: ActivationReader,
+    step: int,
+    block: str,
+    name: str,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Fill ``out`` (any device) with rows ``rows`` (dim -2) of one cached tensor.
+
+    ``read_rows`` is used where the reader offers it (the cachestore gathers straight from
+    its host buffers, staging through pinned memory for a CUDA ``out``); otherwise the
+    whole tensor is fetched with ``get`` and gathered here.
+    """
+    if isinstance(reader, RowReader):
+        return reader.read_rows(step, block, name, rows, out)
+    return out.copy_(reader.get(step, block, name).index_select(-2, rows))
+
+
+class MemoryActivations:
+    """An in-memory activation store: a dict keyed by (step, block, name).
+
+    It plays both roles (``writer()`` and ``reader()`` return itself), which is what tests
+    and a single-process executor without a disk tier need.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: dict[tuple[int, str, str], torch.Tensor] = {}
+
+    def writer(self) -> MemoryActivations:
+        return self
+
+    def reader(self) -> MemoryActivations:
+        return self
+
+    def put(self, step: int, block: str, name: str, tensor: torch.Tensor) -> None:
+        self.tensors[(step, block, name)] = tensor
+
+    def get(self, step: int, block: str, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[(step, block, name)]
+        except KeyError:
+            raise KeyError(f"no cached tensor for step {step}, block {block!r}, {name!r}") from None
+
+    def read_rows(
+        self, step: int, block: str, name: str, rows: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        src = self.get(step, block, name)
+        if out.device == src.device and out.is_contiguous() and out.dtype == src.dtype:
+            return torch.index_select(src, -2, rows, out=out)
+        return out.copy_(src.index_select(-2, rows), non_blocking=True)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def __len__(self) -> int:
+        return len(self.tensors)

@@ -1,0 +1,185 @@
+"""From a latent mask to the token sets sparse blocks compute, and how a batch lays them out.
+
+A request's latent mask (the pipeline's own nearest-downsampled mask) becomes one
+:class:`TokenSet` per token grid: UNet levels max-pool it (a token is computed when any
+latent pixel under it is masked), Flux max-pools it 2×2 because it packs 2×2 latent pixels
+into one token. A :class:`TokenBatch` lays the ragged sets of one batched forward out either
+*padded* (``[rows, n_max, C]``, one batched attention call) or *packed* (``[1, T, C]``, no
+padding, one attention call per row); both expose the same gather/scatter so the sparse
+blocks are written once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TokenSet:
+    """The masked and unmasked token positions of one request on one token grid."""
+
+    masked: torch.Tensor  # int64 [n], ascending, on the host
+    unmasked: torch.Tensor  # int64 [N - n], ascending, on the host
+    n_tokens: int
+
+    @classmethod
+    def from_grid(cls, grid: torch.Tensor) -> TokenSet:
+        """Token sets of a boolean ``[H, W]`` grid (row-major token order)."""
+        flat = grid.reshape(-1).cpu()
+        positions = torch.arange(flat.numel())
+        return cls(positions[flat], positions[~flat], flat.numel())
+
+    @property
+    def count(self) -> int:
+        return int(self.masked.numel())
+
+    @property
+    def ratio(self) -> float:
+        return self.count / self.n_tokens
+
+
+def pool_mask(latent_mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Max-pool a boolean ``[h, w]`` latent mask onto a coarser ``size`` grid.
+
+    UNet downsamplers are stride-2 convolutions with padding 1 (output ``ceil(h / 2)``), so
+    the pooling uses ``ceil_mode`` for odd sizes.
+    """
+    h, w = latent_mask.shape
+    if (h, w) == tuple(size):
+        return latent_mask.clone()
+    kh, kw = math.ceil(h / size[0]), math.ceil(w / size[1])
+    pooled = F.max_pool2d(latent_mask[None, None].float(), (kh, kw), ceil_mode=True)[0, 0]
+    if tuple(pooled.shape) != tuple(size):
+        raise ValueError(f"cannot pool a {h}x{w} mask onto {size}")
+    return pooled > 0
+
+
+def level_sizes(height: int, width: int, levels: int) -> list[tuple[int, int]]:
+    """Grid sizes of successive UNet levels (each a stride-2 downsampling)."""
+    sizes = [(height, width)]
+    for _ in range(levels - 1):
+        h, w = sizes[-1]
+        sizes.append(((h + 1) // 2, (w + 1) // 2))
+    return sizes
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """The masked tokens of every row of one batched forward on one token grid.
+
+    Model rows come ``rows_per_request`` at a time (the two CFG halves of an SD request share
+    one token set). ``flat_index`` lists every masked token as ``row * N + position`` in row
+    order: it is the scatter target of the computed rows and the packed order.
+    """
+
+    sets: tuple[TokenSet, ...]  # one per request
+    rows_per_request: int
+    packed: bool
+    device: torch.device
+    n_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        sizes = {s.n_tokens for s in self.sets}
+        if len(sizes) != 1:
+            raise ValueError(f"requests in one batch must share the token grid, got {sizes}")
+        object.__setattr__(self, "n_tokens", sizes.pop())
+
+    @property
+    def rows(self) -> int:
+        return len(self.sets) * self.rows_per_request
+
+    @cached_property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(s.count for s in self.sets for _ in range(self.rows_per_request))
+
+    @cached_property
+    def n_max(self) -> int:
+        return max(self.counts, default=0)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def row_set(self, row: int) -> TokenSet:
+        return self.sets[row // self.rows_per_request]
+
+    @cached_property
+    def flat_index(self) -> torch.Tensor:
+        parts = [self.row_set(r).masked + r * self.n_tokens for r in range(self.rows)]
+        return _cat_long(parts).to(self.device)
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """Token position of every row of the sparse layout (padding repeats a valid one)."""
+        if self.packed:
+            parts = [self.row_set(r).masked for r in range(self.rows)]
+            return _cat_long(parts).to(self.device)
+        return torch.stack([self._padded(self.row_set(r).masked) for r in range(self.rows)]).to(
+            self.device
+        )
+
+    @cached_property
+    def _gather_index(self) -> torch.Tensor:
+        if self.packed:
+            return self.flat_index
+        offsets = torch.arange(self.rows, device=self.device)[:, None] * self.n_tokens
+        return (self.positions + offsets).reshape(-1)
+
+    @cached_property
+    def _valid(self) -> torch.Tensor:
+        """Padded layout only: which of the ``rows * n_max`` rows are real tokens."""
+        counts = torch.tensor(self.counts, device=self.device)
+        return (torch.arange(self.n_max, device=self.device)[None] < counts[:, None]).reshape(-1)
+
+    def _padded(self, masked: torch.Tensor) -> torch.Tensor:
+        pad = masked[-1:] if masked.numel() else torch.zeros(1, dtype=torch.long)
+        return torch.cat([masked, pad.expand(self.n_max - masked.numel())])
+
+    def gather(self, full: torch.Tensor) -> torch.Tensor:
+        """``[rows, N, C]`` → the sparse layout (``[rows, n_max, C]`` or ``[1, T, C]``)."""
+        channels = full.shape[-1]
+        picked = full.reshape(-1, channels).index_select(0, self._gather_index)
+        if self.packed:
+            return picked.unsqueeze(0)
+        return picked.view(self.rows, self.n_max, channels)
+
+    def real_rows(self, sparse: torch.Tensor) -> torch.Tensor:
+        """The sparse layout's real token rows, ``[T, C]`` in ``flat_index`` order."""
+        flat = sparse.reshape(-1, sparse.shape[-1])
+        return flat if self.packed else flat[self._valid]
+
+    def scatter(self, sparse: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """Write the real rows of ``sparse`` into a contiguous ``[rows, N, C]`` ``full``."""
+        return self.scatter_rows(self.real_rows(sparse), full)
+
+    def scatter_rows(self, rows: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """Write ``[T, C]`` token rows (``flat_index`` order) into a contiguous ``full``."""
+        full.view(-1, full.shape[-1]).index_copy_(0, self.flat_index, rows)
+        return full
+
+    def unmasked_index(self, request: int) -> torch.Tensor:
+        """A request's unmasked positions on the model's device (scatter target of cached rows)."""
+        memo = self.__dict__.setdefault("_unmasked_on_device", {})
+        if request not in memo:
+            memo[request] = self.sets[request].unmasked.to(self.device)
+        return memo[request]
+
+    def segments(self) -> list[tuple[int, int]]:
+        """Packed layout: ``(start, count)`` of every row in the packed sequence."""
+        starts = [0, *torch.tensor(self.counts).cumsum(0).tolist()]
+        return [(starts[r], self.counts[r]) for r in range(self.rows)]
+
+    @cached_property
+    def row_of_token(self) -> torch.Tensor:
+        """Packed layout: the model row of every packed token (to expand per-row tensors)."""
+        counts = torch.tensor(self.counts, device=self.device)
+        return torch.repeat_interleave(torch.arange(self.rows, device=self.device), counts)
+
+
+def _cat_long(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)

@@ -1,0 +1,225 @@
+"""Sparse transformer blocks for diffusers' ``UNet2DConditionModel`` (the ``sd-inpaint`` family).
+
+A block is one ``Transformer2DModel``. Convolutions stay full, so a block always receives
+its whole input map; in sparse mode it runs the GroupNorm over every token (it needs them
+all) and everything after it on the masked tokens of its level only:
+
+    proj_in → BasicTransformerBlock(s) → proj_out → + residual   (masked rows)
+    unmasked output rows ← the bake's Y of this block and step
+
+The ``BasicTransformerBlock`` forwards are diffusers' own; only their attention processors
+are wrapped: ``attn1`` attends with masked queries to [fresh masked K,V ; cached unmasked
+K,V], ``attn2`` (cross-attention) gets a per-row loop in the packed layout. In record mode
+(the bake) the same wrappers write K, V and Y. Outside a mask-aware forward every wrapper
+hands straight to diffusers' code, so the stock pipeline runs unchanged on the same model.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_processor import Attention
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers.transformer_2d import Transformer2DModel
+from torch import nn
+
+from retouch.runtime.maskaware.attention import assemble, sdpa, sdpa_segments
+from retouch.runtime.maskaware.context import ForwardContext, Mode, current
+
+INSTALLED = "_retouch_maskaware_block"
+
+
+def install(unet: nn.Module) -> list[str]:
+    """Wrap every ``Transformer2DModel`` of ``unet`` once; returns the block names in order."""
+    names = []
+    for name, module in unet.named_modules():
+        if isinstance(module, Transformer2DModel):
+            _check_supported(name, module)
+            if getattr(module, INSTALLED, None) is None:
+                _wrap(name, module)
+            names.append(name)
+    return names
+
+
+def _check_supported(name: str, module: Transformer2DModel) -> None:
+    if not module.is_input_continuous:
+        raise ValueError(f"{name}: only continuous-input Transformer2DModel blocks can run sparse")
+    for block in module.transformer_blocks:
+        if block.norm_type != "layer_norm" or block.pos_embed is not None:
+            raise ValueError(f"{name}: unsupported BasicTransformerBlock ({block.norm_type})")
+        for attn in (block.attn1, block.attn2):
+            if attn is None:
+                continue
+            if (
+                attn.spatial_norm is not None
+                or attn.group_norm is not None
+                or attn.norm_q is not None
+                or attn.residual_connection
+                or attn.rescale_output_factor != 1.0
+            ):
+                raise ValueError(f"{name}: unsupported attention configuration")
+
+
+def _wrap(name: str, module: Transformer2DModel) -> None:
+    for index, block in enumerate(module.transformer_blocks):
+        block.attn1.set_processor(SelfAttention(name, index, block.attn1.processor))
+        if block.attn2 is not None:
+            block.attn2.set_processor(CrossAttention(block.attn2.processor))
+    module.forward = functools.partial(_block_forward, module, name)
+    setattr(module, INSTALLED, name)
+
+
+def _block_forward(
+    module: Transformer2DModel,
+    name: str,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None = None,
+    return_dict: bool = True,
+    **kwargs: Any,
+) -> Transformer2DModelOutput | tuple[torch.Tensor]:
+    """A ``Transformer2DModel`` forward that runs sparse when the active plan says so."""
+    ctx = current()
+    if ctx is None or ctx.mode(name) is Mode.FULL:
+        out = Transformer2DModel.forward(
+            module, hidden_states, encoder_hidden_states, return_dict=return_dict, **kwargs
+        )
+        if ctx is not None and ctx.recording:
+            sample = out.sample if return_dict else out[0]
+            ctx.record(name, "y", sample.flatten(2).transpose(1, 2))
+        return out
+    if kwargs.get("attention_mask") is not None or kwargs.get("encoder_attention_mask") is not None:
+        raise ValueError("sparse blocks do not support attention masks")
+    sample = _sparse_forward(ctx, module, name, hidden_states, encoder_hidden_states, kwargs)
+    return Transformer2DModelOutput(sample=sample) if return_dict else (sample,)
+
+
+def _sparse_forward(
+    ctx: ForwardContext,
+    module: Transformer2DModel,
+    name: str,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """Masked rows through norm/proj/blocks; unmasked rows from the cached block output."""
+    batch, channels, height, width = hidden_states.shape
+    tokens = ctx.grids[(height, width)]
+    residual = tokens.gather(_as_tokens(hidden_states))
+    x = tokens.gather(_as_tokens(module.norm(hidden_states)))
+    x = _project(module.proj_in, x)
+    ctx.grid = tokens
+    try:
+        for block in module.transformer_blocks:
+            x = block(
+                x,
+                encoder_hidden_states=encoder_hidden_states,
+                cross_attention_kwargs=kwargs.get("cross_attention_kwargs"),
+            )
+    finally:
+        ctx.grid = None
+    x = _project(module.proj_out, x) + residual
+    full = assemble(ctx, tokens, name, "y", tokens.real_rows(x))
+    return full.view(batch, height, width, channels).permute(0, 3, 1, 2).contiguous()
+
+
+def _as_tokens(feature_map: torch.Tensor) -> torch.Tensor:
+    """``[B, C, H, W]`` → ``[B, H*W, C]`` (row-major tokens, as Transformer2DModel orders them)."""
+    return feature_map.flatten(2).transpose(1, 2)
+
+
+def _project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``proj_in``/``proj_out`` on token rows: a 1×1 convolution is a linear map per token."""
+    if isinstance(layer, nn.Conv2d):
+        return F.linear(x, layer.weight.flatten(1), layer.bias)
+    return layer(x)
+
+
+def _heads(attn: Attention, x: torch.Tensor) -> torch.Tensor:
+    return x.unflatten(-1, (attn.heads, -1))
+
+
+class SelfAttention:
+    """``attn1`` of a BasicTransformerBlock: records K/V in a bake, reads them in an edit."""
+
+    def __init__(self, block: str, index: int, inner: Any) -> None:
+        self.block, self.inner = block, inner
+        self.k_name, self.v_name = f"k{index}", f"v{index}"
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        ctx = current()
+        sparse = ctx is not None and ctx.grid is not None
+        if ctx is None or not (sparse or ctx.recording):
+            return self.inner(
+                attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs
+            )
+        query, key, value = (
+            attn.to_q(hidden_states),
+            attn.to_k(hidden_states),
+            attn.to_v(hidden_states),
+        )
+        if sparse:
+            out = self._sparse(ctx, attn, query, key, value)
+        else:
+            ctx.record(self.block, self.k_name, key)
+            ctx.record(self.block, self.v_name, value)
+            out = sdpa(_heads(attn, query), _heads(attn, key), _heads(attn, value))
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def _sparse(
+        self,
+        ctx: ForwardContext,
+        attn: Attention,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
+        tokens = ctx.grid
+        keys = _heads(attn, assemble(ctx, tokens, self.block, self.k_name, tokens.real_rows(key)))
+        values = _heads(
+            attn, assemble(ctx, tokens, self.block, self.v_name, tokens.real_rows(value))
+        )
+        if tokens.packed:
+            return sdpa_segments(_heads(attn, query), keys, values, tokens.segments())
+        return sdpa(_heads(attn, query), keys, values)
+
+
+class CrossAttention:
+    """``attn2``: in the packed layout each row's tokens attend to that row's text."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        ctx = current()
+        if ctx is None or ctx.grid is None or not ctx.grid.packed:
+            return self.inner(
+                attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs
+            )
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        if attn.norm_cross:
+            context = attn.norm_encoder_hidden_states(context)
+        query = _heads(attn, attn.to_q(hidden_states))
+        key, value = _heads(attn, attn.to_k(context)), _heads(attn, attn.to_v(context))
+        out = sdpa_segments(query, key, value, ctx.grid.segments())
+        return attn.to_out[1](attn.to_out[0](out))
