@@ -22,8 +22,9 @@ from diffusers import FluxInpaintPipeline
 from diffusers.pipelines.flux.pipeline_flux_inpaint import calculate_shift, retrieve_timesteps
 from PIL import Image
 
-from retouch.runtime.maskaware import flux_blocks
+from retouch.runtime.maskaware import flux_blocks, flux_packed
 from retouch.runtime.maskaware.context import ForwardContext, Mode
+from retouch.runtime.maskaware.flux_packed import PackedInputs
 from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
 from retouch.runtime.maskaware.request import EditRequest, RequestState
 from retouch.runtime.maskaware.tokens import TokenSet, pool_mask
@@ -139,26 +140,26 @@ class FluxInpaint:
     def forward(self, states: list[RequestState], ctx: ForwardContext) -> list[torch.Tensor]:
         """One batched transformer call; returns each request's ``[1, N, 64]`` prediction."""
         ctx.grid = next(iter(ctx.grids.values()), None)  # one token grid; none in a bake
+        ctx.text_len = states[0].inputs.prompt_embeds.shape[1]
+        inputs = _batched(states)
+        if ctx.grid is not None and ctx.grid.packed:
+            out = flux_packed.forward(self.pipe.transformer, ctx, self.blocks, ctx.grid, inputs)
+            return list(out.split(1))
         first = ctx.grid is not None and ctx.mode(self.blocks[0]) is Mode.SPARSE
         ctx.scratch[flux_blocks.SPARSE_CARRY] = first
-        ctx.text_len = states[0].inputs.prompt_embeds.shape[1]
-        latents = torch.cat([s.latents for s in states])
-        inputs = [s.inputs for s in states]
-        guidance = None if inputs[0].guidance is None else torch.cat([i.guidance for i in inputs])
-        timestep = torch.cat([s.timestep.reshape(1).to(latents.dtype) for s in states])
         out = self.pipe.transformer(
-            hidden_states=ctx.grid.gather(latents) if first else latents,
-            timestep=timestep / 1000,
-            guidance=guidance,
-            pooled_projections=torch.cat([i.pooled for i in inputs]),
-            encoder_hidden_states=torch.cat([i.prompt_embeds for i in inputs]),
-            txt_ids=inputs[0].text_ids,
-            img_ids=inputs[0].image_ids,
+            hidden_states=ctx.grid.gather(inputs.latents) if first else inputs.latents,
+            timestep=inputs.timestep,
+            guidance=inputs.guidance,
+            pooled_projections=inputs.pooled,
+            encoder_hidden_states=inputs.prompt_embeds,
+            txt_ids=inputs.text_ids,
+            img_ids=inputs.image_ids,
             joint_attention_kwargs={},
             return_dict=False,
         )[0]
         if ctx.scratch[flux_blocks.SPARSE_CARRY]:
-            out = ctx.grid.scatter(out, torch.zeros_like(latents))
+            out = ctx.grid.scatter(out, torch.zeros_like(inputs.latents))
         return list(out.split(1))
 
     def advance(self, state: RequestState, prediction: torch.Tensor) -> None:
@@ -211,3 +212,19 @@ class FluxInpaint:
             max_sequence_length=self.pipe.tokenizer_2.model_max_length,
             output_type=output_type,
         ).images[0]
+
+
+def _batched(states: list[RequestState]) -> PackedInputs:
+    """The transformer inputs of all requests, as the pipeline prepares them for one."""
+    latents = torch.cat([s.latents for s in states])
+    inputs = [s.inputs for s in states]
+    timestep = torch.cat([s.timestep.reshape(1).to(latents.dtype) for s in states]) / 1000
+    return PackedInputs(
+        latents=latents,
+        timestep=timestep,
+        guidance=None if inputs[0].guidance is None else torch.cat([i.guidance for i in inputs]),
+        pooled=torch.cat([i.pooled for i in inputs]),
+        prompt_embeds=torch.cat([i.prompt_embeds for i in inputs]),
+        text_ids=inputs[0].text_ids,
+        image_ids=inputs[0].image_ids,
+    )

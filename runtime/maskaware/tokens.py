@@ -89,6 +89,14 @@ class TokenBatch:
             raise ValueError(f"requests in one batch must share the token grid, got {sizes}")
         object.__setattr__(self, "n_tokens", sizes.pop())
 
+    @classmethod
+    def everything(
+        cls, n_tokens: int, requests: int, rows_per_request: int, device: torch.device
+    ) -> TokenBatch:
+        """Every token of every request (the packed rows a full block computes)."""
+        whole = TokenSet(torch.arange(n_tokens), torch.zeros(0, dtype=torch.long), n_tokens)
+        return cls((whole,) * requests, rows_per_request, packed=True, device=device)
+
     @property
     def rows(self) -> int:
         return len(self.sets) * self.rows_per_request

@@ -1,0 +1,249 @@
+"""Flux blocks in the packed layout: the masked tokens of every request in one sequence.
+
+The padded layout reuses diffusers' block forwards unchanged, which is possible because
+every request's tokens form one batch row that adaLN modulates with that row's timestep
+embedding. Packed tokens share one sequence, so their modulation must be per token: this
+module runs the same blocks from their own submodules (norms, projections, FFNs, the
+model's embedders), expanding each row's modulation to its tokens. Text tokens stay batched
+per request (every request has the same text length). Attention loops over requests: each
+request's [text ; masked tokens] queries attend to its [text ; all image] keys.
+
+A block planned full runs the same code on every token of every request (no cache read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttention,
+    FluxSingleTransformerBlock,
+    FluxTransformer2DModel,
+    FluxTransformerBlock,
+)
+
+from retouch.runtime.maskaware.attention import assemble, sdpa
+from retouch.runtime.maskaware.context import ForwardContext, Mode
+from retouch.runtime.maskaware.tokens import TokenBatch
+
+
+@dataclass
+class Stream:
+    """Image rows ``[T, D]`` in one token batch's packed order, plus their RoPE tables."""
+
+    tokens: TokenBatch
+    rows: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]  # per image row
+    text_rope: tuple[torch.Tensor, torch.Tensor]  # per text position (shared by requests)
+
+
+@dataclass(frozen=True)
+class PackedInputs:
+    """The batched transformer inputs of one step."""
+
+    latents: torch.Tensor  # [B, N, C_in]
+    timestep: torch.Tensor  # [B], already divided by 1000 as the pipeline does
+    guidance: torch.Tensor | None  # [B]
+    pooled: torch.Tensor  # [B, P]
+    prompt_embeds: torch.Tensor  # [B, L, D_text]
+    text_ids: torch.Tensor  # [L, 3]
+    image_ids: torch.Tensor  # [N, 3]
+
+
+def forward(
+    model: FluxTransformer2DModel,
+    ctx: ForwardContext,
+    blocks: list[str],
+    sparse: TokenBatch,
+    inputs: PackedInputs,
+) -> torch.Tensor:
+    """``FluxTransformer2DModel.forward`` on packed tokens; returns ``[B, N, C_out]``.
+
+    Rows of unmasked tokens are zero: the inpaint blend discards them.
+    """
+    latents = inputs.latents
+    batch, n_tokens, _ = latents.shape
+    whole = TokenBatch.everything(n_tokens, batch, 1, latents.device)
+    timestep = inputs.timestep.to(latents.dtype) * 1000
+    if inputs.guidance is None:
+        temb = model.time_text_embed(timestep, inputs.pooled)
+    else:
+        temb = model.time_text_embed(
+            timestep, inputs.guidance.to(latents.dtype) * 1000, inputs.pooled
+        )
+    text = model.context_embedder(inputs.prompt_embeds)
+    rope = model.pos_embed(torch.cat([inputs.text_ids, inputs.image_ids]))
+    text_len = text.shape[1]
+    ctx.text_len = text_len
+    first = sparse if ctx.mode(blocks[0]) is Mode.SPARSE else whole
+    stream = _stream(first, first.gather(model.x_embedder(latents)).squeeze(0), rope, text_len)
+    previous = None
+    for name in blocks:
+        tokens = sparse if ctx.mode(name) is Mode.SPARSE else whole
+        stream = _relayout(ctx, stream, tokens, previous, rope, text_len)
+        block = model.get_submodule(name)
+        if isinstance(block, FluxTransformerBlock):
+            text, stream.rows = _dual(ctx, name, block, stream, text, temb)
+        else:
+            text, stream.rows = _single(ctx, name, block, stream, text, temb)
+        previous = name
+    rows = stream.rows
+    scale, shift = _modulation(
+        model.norm_out.linear, model.norm_out.silu(temb).to(rows.dtype), stream.tokens, 2
+    )
+    rows = model.proj_out(model.norm_out.norm(rows) * (1 + scale) + shift)
+    return stream.tokens.scatter_rows(rows, latents.new_zeros(batch, n_tokens, rows.shape[-1]))
+
+
+def _stream(tokens: TokenBatch, rows: torch.Tensor, rope: tuple, text_len: int) -> Stream:
+    index = tokens.positions + text_len
+    text = (rope[0][:text_len], rope[1][:text_len])
+    return Stream(tokens, rows, (rope[0][index], rope[1][index]), text)
+
+
+def _relayout(
+    ctx: ForwardContext,
+    stream: Stream,
+    tokens: TokenBatch,
+    previous: str | None,
+    rope: tuple,
+    text_len: int,
+) -> Stream:
+    """Move the image rows to ``tokens``' layout (sparse → full starts from cached Y)."""
+    if tokens is stream.tokens:
+        return stream
+    if tokens.total > stream.tokens.total:  # sparse → full
+        full = assemble(ctx, stream.tokens, previous, "y", stream.rows)
+        return _stream(tokens, full.reshape(-1, full.shape[-1]), rope, text_len)
+    full = stream.rows.view(tokens.rows, tokens.n_tokens, -1)  # full → sparse
+    return _stream(tokens, tokens.gather(full).squeeze(0), rope, text_len)
+
+
+def _modulation(
+    linear: torch.nn.Linear, activated: torch.Tensor, tokens: TokenBatch, chunks: int
+) -> tuple[torch.Tensor, ...]:
+    """adaLN parameters of every packed token: each row's ``linear(silu(temb))``, expanded."""
+    return linear(activated)[tokens.row_of_token].chunk(chunks, dim=1)
+
+
+def _dual(
+    ctx: ForwardContext,
+    name: str,
+    block: FluxTransformerBlock,
+    stream: Stream,
+    text: torch.Tensor,
+    temb: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FluxTransformerBlock.forward`` with packed image rows and batched text."""
+    x = stream.rows
+    norm1 = block.norm1
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _modulation(
+        norm1.linear, norm1.silu(temb), stream.tokens, 6
+    )
+    normed = norm1.norm(x) * (1 + scale_msa) + shift_msa
+    normed_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(
+        text, emb=temb
+    )
+    attn = block.attn
+    image_out, text_out = _attention(ctx, name, attn, stream, normed, normed_text, joint=True)
+    image_out = attn.to_out[1](attn.to_out[0](image_out))
+    text_out = attn.to_add_out(text_out)
+
+    x = x + gate_msa * image_out
+    normed = block.norm2(x) * (1 + scale_mlp) + shift_mlp
+    x = x + gate_mlp * block.ff(normed)
+
+    text = text + c_gate_msa.unsqueeze(1) * text_out
+    normed_text = block.norm2_context(text) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
+    text = text + c_gate_mlp.unsqueeze(1) * block.ff_context(normed_text)
+    if text.dtype == torch.float16:
+        text = text.clip(-65504, 65504)
+    return text, x
+
+
+def _single(
+    ctx: ForwardContext,
+    name: str,
+    block: FluxSingleTransformerBlock,
+    stream: Stream,
+    text: torch.Tensor,
+    temb: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FluxSingleTransformerBlock.forward``: text rows ``[B*L]`` then packed image rows."""
+    batch, text_len, dim = text.shape
+    x = torch.cat([text.reshape(-1, dim), stream.rows])
+    emb = block.norm.linear(block.norm.silu(temb))
+    row = torch.cat(
+        [
+            torch.arange(batch, device=x.device).repeat_interleave(text_len),
+            stream.tokens.row_of_token,
+        ]
+    )
+    shift, scale, gate = emb[row].chunk(3, dim=1)
+    normed = block.norm.norm(x) * (1 + scale) + shift
+    mlp = block.act_mlp(block.proj_mlp(normed))
+    split = batch * text_len
+    image_attn, text_attn = _attention(
+        ctx,
+        name,
+        block.attn,
+        stream,
+        normed[split:],
+        normed[:split].view(batch, text_len, dim),
+        joint=False,
+    )
+    attn_out = torch.cat([text_attn.reshape(split, -1), image_attn])
+    x = x + gate * block.proj_out(torch.cat([attn_out, mlp], dim=1))
+    if x.dtype == torch.float16:
+        x = x.clip(-65504, 65504)
+    return x[:split].view(batch, text_len, dim), x[split:]
+
+
+def _attention(
+    ctx: ForwardContext,
+    name: str,
+    attn: FluxAttention,
+    stream: Stream,
+    image: torch.Tensor,
+    text: torch.Tensor,
+    *,
+    joint: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Image rows ``[T, H*D]`` and text ``[B, L, H*D]`` attention outputs (before out-projections).
+
+    ``joint`` blocks project text with the ``add_*`` projections, single blocks with the
+    image ones (their text rows are part of the one stream).
+    """
+    head = (-1, attn.head_dim)
+    q = attn.norm_q(attn.to_q(image).unflatten(-1, head))
+    k = attn.norm_k(attn.to_k(image).unflatten(-1, head))
+    v = attn.to_v(image).unflatten(-1, head)
+    if joint:
+        tq = attn.norm_added_q(attn.add_q_proj(text).unflatten(-1, head))
+        tk = attn.norm_added_k(attn.add_k_proj(text).unflatten(-1, head))
+        tv = attn.add_v_proj(text).unflatten(-1, head)
+    else:
+        tq = attn.norm_q(attn.to_q(text).unflatten(-1, head))
+        tk = attn.norm_k(attn.to_k(text).unflatten(-1, head))
+        tv = attn.to_v(text).unflatten(-1, head)
+    q = apply_rotary_emb(q[None], stream.rope, sequence_dim=1)[0]
+    k = apply_rotary_emb(k[None], stream.rope, sequence_dim=1)[0]
+    text_len = text.shape[1]
+    tq = apply_rotary_emb(tq, stream.text_rope, sequence_dim=1)
+    tk = apply_rotary_emb(tk, stream.text_rope, sequence_dim=1)
+    tokens = stream.tokens
+    keys = torch.cat(
+        [tk, assemble(ctx, tokens, name, "k", k.flatten(1)).unflatten(-1, k.shape[1:])], 1
+    )
+    values = torch.cat(
+        [tv, assemble(ctx, tokens, name, "v", v.flatten(1)).unflatten(-1, v.shape[1:])], 1
+    )
+    image_out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    text_out = q.new_empty(text.shape[0], text_len, image_out.shape[1])
+    for row, (start, count) in enumerate(tokens.segments()):
+        query = torch.cat([tq[row], q[start : start + count]])[None]
+        out = sdpa(query, keys[row : row + 1], values[row : row + 1])[0]
+        text_out[row], image_out[start : start + count] = out[:text_len], out[text_len:]
+    return image_out, text_out
