@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DATA_FILE = "data.mdb"
+FULL_RETRIES = 4  # evict-and-retry rounds before a full map or disk refuses a write
+LAST_EVICTION_KEY = b"last_eviction"
 
 
 @dataclass(frozen=True)
@@ -187,15 +189,15 @@ class DiskTier:
         return self._submit(fn, *args).result()
 
     def _write_txn(self, body: Callable[[lmdb.Transaction], T], need: int, protect: set[str]) -> T:
-        """Run ``body`` in a write transaction; on map/disk full evict and retry once."""
-        for attempt in (0, 1):
+        """Run ``body`` in a write transaction; on map/disk full evict and retry."""
+        for attempt in range(FULL_RETRIES + 1):
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
                     return body(txn)
             except lmdb.Error as exc:
                 if not _is_full(exc):
                     raise
-                freed = 0 if attempt else self._try_evict_for_space(need, protect)
+                freed = 0 if attempt == FULL_RETRIES else self._try_evict_for_space(need, protect)
                 if not freed:
                     raise StoreFull(
                         f"LMDB map or disk full at {self.config.path} (map_size="
@@ -460,7 +462,10 @@ class DiskTier:
             try:
                 manifest = Manifest.unpack(raw)
             except CorruptValue:
-                return  # already reads as invalid; gc removes it
+                # without a decodable manifest there is nothing to flag: drop the record
+                # (the template reads as absent; gc collects its values as orphans)
+                txn.delete(template_key(key), db=self._manifests)
+                return
             txn.put(template_key(key), manifest.invalidated(reason).pack(), db=self._manifests)
 
         self._write_txn(body, need=4096, protect=set())
@@ -546,11 +551,25 @@ class DiskTier:
 
         with self._env.begin(write=True, buffers=True) as txn:
             freed, evicted = body(txn)
+        self._advance()
         with self._policy_lock:
             for key in evicted:
                 self._policy.on_evict(key)
         self._counters.add(disk_evictions=len(evicted))
         return freed
+
+    def _advance(self) -> None:
+        """Commit one tiny transaction so pages freed by the previous one become reusable.
+
+        LMDB keeps the last committed snapshot intact (crash safety), so pages freed in
+        transaction N can only be allocated from transaction N + 2 on.
+        """
+        try:
+            with self._env.begin(write=True, db=self._meta) as txn:
+                txn.put(LAST_EVICTION_KEY, repr(time.time()).encode())
+        except lmdb.Error as exc:
+            if not _is_full(exc):
+                raise
 
     # ---- transaction helpers -------------------------------------------------------------
 
@@ -700,4 +719,8 @@ class DiskTier:
             live |= {gen for gen, rec in staging if self._writer_alive(rec)}
             orphans = [gen for gen in self._value_gens(txn) if gen not in live]
             dead = sum(1 for gen, rec in staging if not self._writer_alive(rec))
-        return {"orphan_generations": len(orphans), "dead_staging_records": dead}
+        return {
+            "orphan_generations": len(orphans),
+            "dead_staging_records": dead,
+            "bakes_in_progress": len(staging) - dead,
+        }
