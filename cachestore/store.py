@@ -40,7 +40,7 @@ from retouch.cachestore.hosttier import HostTier, ResidentTemplate
 from retouch.cachestore.layout import Slot, template_key
 from retouch.cachestore.manifest import Manifest, check_meta
 from retouch.cachestore.policy import PolicySpec, make_policy
-from retouch.cachestore.rows import gather_rows
+from retouch.cachestore.rows import Rows, gather_rows
 from retouch.cachestore.stats import StoreCounters
 
 log = logging.getLogger(__name__)
@@ -123,9 +123,12 @@ class HostTemplate:
             raise KeyError(f"template {self.key!r} has no tensor {(step, block, name)}") from None
 
     def read_rows(
-        self, step: int, block: str, name: str, rows: torch.Tensor, out: torch.Tensor
+        self, step: int, block: str, name: str, rows: Rows, out: torch.Tensor
     ) -> torch.Tensor:
-        """Gather rows (tokens, dim -2) of one tensor into ``out`` (CPU or CUDA)."""
+        """Gather rows (tokens, dim -2) of one tensor into ``out`` (CPU or CUDA).
+
+        ``rows``: a 1-D integer tensor, or a ``RowSelection`` built once per mask and
+        reused for every block (saves re-deriving the flat indices on each call)."""
         gather_rows(self.get(step, block, name), rows, out)
         self._counters.add(host_reads=1, host_bytes_read=out.nbytes)
         return out
@@ -290,7 +293,7 @@ class ActivationStore:
             waited = True
 
     def read_rows(
-        self, key: str, step: int, block: str, name: str, rows: torch.Tensor, out: torch.Tensor
+        self, key: str, step: int, block: str, name: str, rows: Rows, out: torch.Tensor
     ) -> torch.Tensor:
         """``acquire`` + ``read_rows`` + ``release`` in one call."""
         with self.acquire(key) as handle:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retouch.cachestore.rows import gather_rows
+from retouch.cachestore.rows import RowSelection, gather_rows
 
 
 @pytest.mark.parametrize("shape", [(50, 8), (2, 50, 8), (2, 3, 50, 8)])
@@ -36,3 +36,13 @@ def test_gather_refuses_mismatched_out() -> None:
         gather_rows(src, torch.tensor([1, 2]), torch.empty(2, 2, 4, dtype=torch.float16))
     with pytest.raises(ValueError, match="rows"):
         gather_rows(src, torch.tensor([[1, 2]]), torch.empty(2, 2, 4))
+
+
+def test_row_selection_is_reused_across_shapes() -> None:
+    selection = RowSelection(torch.tensor([2, 0, 5], dtype=torch.int32))
+    for shape in [(6, 3), (2, 6, 3), (4, 6, 3), (2, 6, 3)]:
+        src = torch.randn(shape)
+        out = torch.empty((*shape[:-2], 3, 3))
+        gather_rows(src, selection, out)
+        assert torch.equal(out, src[..., [2, 0, 5], :])
+    assert len(selection) == 3 and len(selection._flat) == 3
