@@ -58,7 +58,13 @@ from retouch.cachestore.layout import (
     template_key,
     value_key,
 )
-from retouch.cachestore.manifest import FORMAT_VERSION, EntrySpec, Manifest, is_valid
+from retouch.cachestore.manifest import (
+    FORMAT_VERSION,
+    EntrySpec,
+    Manifest,
+    ManifestSummary,
+    is_valid,
+)
 from retouch.cachestore.policy import EvictionPolicy, saved_compute
 from retouch.cachestore.stats import StoreCounters
 
@@ -91,9 +97,9 @@ class LoadedTemplate:
 
 @dataclass
 class _Scan:
-    """All manifests of one transaction; ``broken`` are keys whose manifest is undecodable."""
+    """Manifest heads of one transaction; ``broken`` are keys whose head is unreadable."""
 
-    manifests: dict[str, Manifest] = field(default_factory=dict)
+    manifests: dict[str, ManifestSummary] = field(default_factory=dict)
     broken: list[str] = field(default_factory=list)
 
 
@@ -117,6 +123,7 @@ class DiskTier:
         self._local_invalid: set[str] = set()  # read-only stores cannot write the flag
         self._staged: dict[int, tuple[str, int]] = {}  # writer thread only: gen -> (key, bytes)
         self._closed = False
+        self._closing = False
         if not config.readonly:
             config.path.mkdir(parents=True, exist_ok=True)
         self._env = lmdb.open(
@@ -179,7 +186,7 @@ class DiskTier:
     # ---- writer thread -------------------------------------------------------------------
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        if self._closed:
+        if self._closed or self._closing:
             raise StoreClosed("activation store is closed")
         if self._writer is None:
             raise ReadOnlyStore(f"store {self.config.path} was opened read-only")
@@ -223,6 +230,18 @@ class DiskTier:
     def scan(self) -> _Scan:
         with self._env.begin(db=self._manifests, buffers=True) as txn:
             return self._scan(txn)
+
+    def catalog(self) -> tuple[list[Manifest], list[str]]:
+        """Every decodable manifest in full, and the keys of undecodable ones."""
+        manifests, broken = [], []
+        with self._env.begin(db=self._manifests, buffers=True) as txn:
+            for raw_key, raw in txn.cursor():
+                manifest = self._decode_or_none(raw)
+                if manifest is None:
+                    broken.append(bytes(raw_key).decode())
+                else:
+                    manifests.append(manifest)
+        return manifests, broken
 
     def load(
         self,
@@ -351,9 +370,15 @@ class DiskTier:
         """Remove invalid templates, partial bakes of dead writers and orphaned values."""
         return self._write(self._gc)
 
+    def flush(self) -> None:
+        """Wait until every write queued so far (spills included) is committed."""
+        if self._writer is not None and not self._closed:
+            self._write(lambda: None)
+
     def close(self) -> None:
         if self._closed:
             return
+        self._closing = True  # queued writes finish; new ones are refused
         if self._writer is not None:
             self._writer.shutdown(wait=True)
         self._closed = True
@@ -478,7 +503,7 @@ class DiskTier:
             for key in keys:
                 raw = txn.get(template_key(key), db=self._manifests)
                 if raw is not None:
-                    self._delete_template(txn, key, self._decode_or_none(raw))
+                    self._delete_template(txn, key, self._summary_or_none(key, raw))
                     found.append(key)
             return found
 
@@ -586,15 +611,22 @@ class DiskTier:
         except CorruptValue:
             return None
 
+    @staticmethod
+    def _summary_or_none(key: str, raw: bytes | memoryview) -> ManifestSummary | None:
+        try:
+            return ManifestSummary.unpack(key, raw)
+        except CorruptValue:
+            return None
+
     def _scan(self, txn: lmdb.Transaction) -> _Scan:
         scan = _Scan()
         for raw_key, raw in txn.cursor(db=self._manifests):
             key = bytes(raw_key).decode()
-            manifest = self._decode_or_none(raw)
-            if manifest is None:
+            summary = self._summary_or_none(key, raw)
+            if summary is None:
                 scan.broken.append(key)
             else:
-                scan.manifests[key] = manifest
+                scan.manifests[key] = summary
         return scan
 
     def _eviction_order(self, scan: _Scan) -> list[str]:
@@ -619,7 +651,9 @@ class DiskTier:
             raise StoreFull(f"template {key!r} ({incoming} bytes) does not fit the disk budget")
         return victims
 
-    def _delete_template(self, txn: lmdb.Transaction, key: str, manifest: Manifest | None) -> int:
+    def _delete_template(
+        self, txn: lmdb.Transaction, key: str, manifest: ManifestSummary | None
+    ) -> int:
         freed = self._delete_gen(txn, manifest.gen) if manifest is not None else 0
         txn.delete(template_key(key), db=self._manifests)
         return freed

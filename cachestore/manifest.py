@@ -7,6 +7,7 @@ template or nothing.
 
 from __future__ import annotations
 
+import struct
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -51,9 +52,37 @@ class EntrySpec:
         return cls(step, block, name, tensor.dtype, tuple(tensor.shape))
 
 
+_SUMMARY = struct.Struct("<cQQd")  # status, gen, nbytes, created
+
+
+@dataclass(frozen=True)
+class ManifestSummary:
+    """The fixed-size head of a manifest record: enough for budgets, eviction and gc
+    without decoding the entry list (a scan of thousands of templates stays cheap)."""
+
+    key: str
+    gen: int
+    nbytes: int
+    created: float
+    valid: bool
+
+    @classmethod
+    def unpack(cls, key: str, raw: bytes | memoryview) -> ManifestSummary:
+        if len(raw) < _SUMMARY.size:
+            raise CorruptValue(f"manifest record of {len(raw)} bytes is too short")
+        status, gen, nbytes, created = _SUMMARY.unpack_from(raw, 0)
+        if status not in (VALID, INVALID):
+            raise CorruptValue(f"bad manifest status byte {status!r}")
+        return cls(key=key, gen=gen, nbytes=nbytes, created=created, valid=status == VALID)
+
+
 @dataclass(frozen=True)
 class Manifest:
-    """Commit record of one template (``valid`` turns False when corruption is found)."""
+    """Commit record of one template (``valid`` turns False when corruption is found).
+
+    Stored as a fixed head (:class:`ManifestSummary`) followed by a msgpack document with
+    the metadata and the entry list.
+    """
 
     key: str
     gen: int
@@ -79,52 +108,46 @@ class Manifest:
         return offsets, cursor
 
     def pack(self) -> bytes:
-        """Status byte (so validity is readable without decoding) + msgpack document."""
-        return (VALID if self.valid else INVALID) + msgpack.packb(
-            {
-                "format": FORMAT_VERSION,
-                "key": self.key,
-                "gen": self.gen,
-                "meta": self.meta,
-                "created": self.created,
-                "valid": self.valid,
-                "reason": self.reason,
-                "entries": [
-                    [e.step, e.block, e.name, dtype_code(e.dtype), list(e.shape)]
-                    for e in self.entries
-                ],
-            },
-            use_bin_type=True,
-        )
+        head = _SUMMARY.pack(VALID if self.valid else INVALID, self.gen, self.nbytes, self.created)
+        doc = {
+            "format": FORMAT_VERSION,
+            "key": self.key,
+            "meta": self.meta,
+            "reason": self.reason,
+            "entries": [
+                [e.step, e.block, e.name, dtype_code(e.dtype), list(e.shape)] for e in self.entries
+            ],
+        }
+        return head + msgpack.packb(doc, use_bin_type=True)
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> Manifest:
         raw = bytes(raw)
-        if raw[:1] not in (VALID, INVALID):
-            raise CorruptValue(f"bad manifest status byte {raw[:1]!r}")
         try:
-            doc = msgpack.unpackb(raw[1:], raw=False, strict_map_key=False)
+            doc = msgpack.unpackb(raw[_SUMMARY.size :], raw=False, strict_map_key=False)
+            summary = ManifestSummary.unpack(str(doc["key"]), raw)
             if doc["format"] != FORMAT_VERSION:
                 raise CorruptValue(f"manifest format {doc['format']} != {FORMAT_VERSION}")
             entries = tuple(
                 EntrySpec(int(s), str(b), str(n), code_dtype(int(c)), tuple(int(d) for d in shp))
                 for s, b, n, c, shp in doc["entries"]
             )
-            if bool(doc["valid"]) != (raw[:1] == VALID):
-                raise CorruptValue("manifest status byte disagrees with its document")
-            return cls(
-                key=str(doc["key"]),
-                gen=int(doc["gen"]),
+            manifest = cls(
+                key=summary.key,
+                gen=summary.gen,
                 meta=dict(doc["meta"]),
                 entries=entries,
-                created=float(doc["created"]),
-                valid=bool(doc["valid"]),
+                created=summary.created,
+                valid=summary.valid,
                 reason=str(doc["reason"]),
             )
         except CorruptValue:
             raise
         except (msgpack.UnpackException, ValueError, KeyError, TypeError) as exc:
             raise CorruptValue(f"undecodable manifest: {exc}") from exc
+        if manifest.nbytes != summary.nbytes:
+            raise CorruptValue("manifest head disagrees with its entries")
+        return manifest
 
 
 def is_valid(raw: bytes | memoryview) -> bool:

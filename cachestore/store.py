@@ -371,9 +371,13 @@ class ActivationStore:
         """Host-tier eviction hook: write ``res`` to disk unless the disk already has it."""
         if self._closed or self.config.readonly or self._disk.contains(res.key):
             return False
-        fut = self._disk.write_async(
-            res.key, res.meta, dict(res.tensors), should_write=lambda: self._host.tracks(res)
-        )
+        try:
+            fut = self._disk.write_async(
+                res.key, res.meta, dict(res.tensors), should_write=lambda: self._host.tracks(res)
+            )
+        except StoreClosed:
+            log.warning("store closing: %r evicted from the host tier without a spill", res.key)
+            return False
         fut.add_done_callback(lambda done: self._spill_finished(res, done))
         return True
 
@@ -405,7 +409,7 @@ class ActivationStore:
         def matches(meta: dict[str, Any]) -> bool:
             return all(meta.get(k, object()) == v for k, v in meta_equals.items())
 
-        keys = {m.key for m in self._disk.scan().manifests.values() if matches(m.meta)}
+        keys = {m.key for m in self._disk.catalog()[0] if matches(m.meta)}
         keys |= {res.key for res in self._host.residents() if matches(res.meta)}
         self._disk.delete(sorted(keys))
         for key in keys:
@@ -415,9 +419,10 @@ class ActivationStore:
     def ls(self) -> list[dict[str, Any]]:
         """One row per template known to either tier."""
         self._check_open()
-        scan = self._disk.scan()
+        manifests, broken = self._disk.catalog()
         rows: dict[str, dict[str, Any]] = {}
-        for key, m in scan.manifests.items():
+        for m in manifests:
+            key = m.key
             in_host = self._host.contains(key)
             tier = Tier.HOST if in_host else (Tier.DISK if m.valid else Tier.NONE)
             rows[key] = {
@@ -432,7 +437,7 @@ class ActivationStore:
                 "reason": m.reason,
                 "created": m.created,
             }
-        for key in scan.broken:
+        for key in broken:
             rows[key] = {
                 "key": key,
                 "tier": Tier.NONE.value,
@@ -486,6 +491,11 @@ class ActivationStore:
         return self._disk.gc()
 
     # ---- lifecycle -----------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait for background writes (spills) queued so far to be committed to disk."""
+        self._check_open()
+        self._disk.flush()
 
     def close(self) -> None:
         """Finish prefetches and background spills, then close the environment."""
