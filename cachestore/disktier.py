@@ -48,6 +48,7 @@ from retouch.cachestore.errors import (
 from retouch.cachestore.layout import (
     FORMAT_KEY,
     MANIFEST_DB,
+    MAP_SIZE_KEY,
     META_DB,
     NEXT_GEN_KEY,
     STAGING_DB,
@@ -114,8 +115,6 @@ class DiskTier:
     """The LMDB environment, its writer thread and every read and write of templates."""
 
     def __init__(self, config: DiskConfig, policy: EvictionPolicy, counters: StoreCounters) -> None:
-        if config.budget_bytes > config.map_size:
-            raise ValueError("disk budget cannot exceed map_size")
         self.config = config
         self._policy = policy
         self._policy_lock = threading.Lock()
@@ -126,26 +125,21 @@ class DiskTier:
         self._closing = False
         if not config.readonly:
             config.path.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(
-            str(config.path),
-            map_size=config.map_size,
-            subdir=True,
-            readonly=config.readonly,
-            max_dbs=8,
-            max_readers=config.max_readers,
-            lock=True,
-            readahead=True,
-            meminit=False,
-        )
+        self.map_size = config.map_size
+        self._env = self._open_env()
         try:
             stale = self._env.reader_check()
             if stale:
                 log.warning("cleared %d stale LMDB reader slots in %s", stale, config.path)
             self._open_dbs()
             self._check_format()
+            self._adopt_recorded_map_size()
         except BaseException:
             self._env.close()
             raise
+        self.budget_bytes = min(config.budget_bytes, self.map_size)
+        if self.budget_bytes < config.budget_bytes:
+            log.warning("disk budget clamped to the map size (%d bytes)", self.map_size)
         self._writer = (
             None
             if config.readonly
@@ -157,6 +151,41 @@ class DiskTier:
                 log.warning("removed %d partial bakes left by dead writers", removed)
 
     # ---- opening -------------------------------------------------------------------------
+
+    def _open_env(self) -> lmdb.Environment:
+        return lmdb.open(
+            str(self.config.path),
+            map_size=self.map_size,
+            subdir=True,
+            readonly=self.config.readonly,
+            max_dbs=8,
+            max_readers=self.config.max_readers,
+            lock=True,
+            readahead=True,
+            meminit=False,
+        )
+
+    def _adopt_recorded_map_size(self) -> None:
+        """Open with the map size the store was created with.
+
+        Every process must map the file with one size: a process that commits with a
+        larger map makes the others fail with MDB_MAP_RESIZED, and remapping under live
+        read transactions is not allowed. So the size is chosen once, at creation.
+        """
+        with self._env.begin(db=self._meta) as txn:
+            recorded = txn.get(MAP_SIZE_KEY)
+        if recorded is None or int(recorded) == self.map_size:
+            return
+        log.warning(
+            "%s was created with map_size=%s; using it instead of %d",
+            self.config.path,
+            recorded.decode(),
+            self.map_size,
+        )
+        self._env.close()
+        self.map_size = int(recorded)
+        self._env = self._open_env()
+        self._open_dbs()
 
     def _open_dbs(self) -> None:
         create = not self.config.readonly
@@ -174,13 +203,14 @@ class DiskTier:
             if found is None and not self.config.readonly:
                 txn.put(FORMAT_KEY, str(FORMAT_VERSION).encode())
                 txn.put(NEXT_GEN_KEY, gen_key(1))
+                txn.put(MAP_SIZE_KEY, str(self.map_size).encode())
                 return
         if found is None:
             raise StoreError(f"{self.config.path} is not an initialised activation store")
         if int(found) != FORMAT_VERSION:
             raise FormatMismatch(
                 f"{self.config.path} holds cache format {found!r}, this code reads "
-                f"{FORMAT_VERSION}; delete the directory or run `retouch cache gc`"
+                f"{FORMAT_VERSION}; delete the directory (templates are re-baked on use)"
             )
 
     # ---- writer thread -------------------------------------------------------------------
@@ -208,7 +238,7 @@ class DiskTier:
                 if not freed:
                     raise StoreFull(
                         f"LMDB map or disk full at {self.config.path} (map_size="
-                        f"{self.config.map_size}) and nothing left to evict: {exc}"
+                        f"{self.map_size}) and nothing left to evict: {exc}"
                     ) from exc
                 log.warning("store full (%s); evicted %d bytes and retrying", exc, freed)
         raise AssertionError("unreachable")
@@ -312,7 +342,7 @@ class DiskTier:
             "disk_invalid_bytes": sum(m.nbytes for m in scan.manifests.values() if not m.valid),
             "disk_templates": len(valid),
             "disk_invalid_templates": len(scan.manifests) - len(valid) + len(scan.broken),
-            "disk_budget_bytes": self.config.budget_bytes,
+            "disk_budget_bytes": self.budget_bytes,
             "map_size": info["map_size"],
             "map_used_bytes": (info["last_pgno"] + 1) * stat["psize"],
             "file_bytes": data.stat().st_size if data.exists() else 0,
@@ -406,9 +436,9 @@ class DiskTier:
         encoded = [(value_key(gen, *slot), encode_value(tensor)) for slot, tensor in items]
         batch = sum(len(value) for _, value in encoded)
         staged += batch
-        if staged > self.config.budget_bytes:
+        if staged > self.budget_bytes:
             raise StoreFull(
-                f"template {key!r} exceeds the disk budget of {self.config.budget_bytes} bytes"
+                f"template {key!r} exceeds the disk budget of {self.budget_bytes} bytes"
             )
 
         def body(txn: lmdb.Transaction) -> None:
@@ -639,7 +669,7 @@ class DiskTier:
 
     def _budget_victims(self, scan: _Scan, key: str, incoming: int) -> list[str]:
         sizes = {k: m.nbytes for k, m in scan.manifests.items() if k != key}
-        excess = sum(sizes.values()) + incoming - self.config.budget_bytes
+        excess = sum(sizes.values()) + incoming - self.budget_bytes
         victims = []
         for victim in self._eviction_order(scan):
             if excess <= 0:

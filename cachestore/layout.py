@@ -2,7 +2,8 @@
 
 Four named databases:
 
-* ``meta``      — store-wide records: ``format`` (cache format version), ``next_gen``.
+* ``meta``      — store-wide records: ``format`` (cache format version), ``next_gen``,
+  ``map_size`` (chosen at creation; every process maps the file with it).
 * ``manifests`` — template key (UTF-8) -> msgpack manifest (see ``manifest.py``).
 * ``staging``   — generation (u64 BE) -> msgpack record of a bake in progress (writer pid and
   process start time), so a writer killed mid-bake leaves recognisable garbage.
@@ -25,6 +26,7 @@ VALUES_DB = b"values"
 
 FORMAT_KEY = b"format"
 NEXT_GEN_KEY = b"next_gen"
+MAP_SIZE_KEY = b"map_size"
 
 MAX_KEY_BYTES = 511  # LMDB's default maximum key size
 STEP_BIAS = 1 << 31

@@ -225,3 +225,14 @@ def test_closed_store_refuses_use(tmp_path: Path) -> None:
     store.close()
     with pytest.raises(StoreClosed):
         store.tier("t")
+
+
+def test_map_size_is_fixed_at_creation(tmp_path: Path) -> None:
+    """Processes mapping one file with different sizes would break each other's reads."""
+    path = tmp_path / "cache"
+    with ActivationStore(StoreConfig(path=path, map_size=64 * MiB)) as first:
+        bake(first, "t", template(11))
+    with ActivationStore(StoreConfig(path=path, map_size=256 * MiB)) as second:
+        assert second.stats()["map_size"] == 64 * MiB
+        assert second.stats()["disk_budget_bytes"] <= 64 * MiB
+        assert second.tier("t") is Tier.DISK
