@@ -15,12 +15,15 @@ Two measured reasons shape this module:
 from __future__ import annotations
 
 import logging
+import mmap
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
 log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
 
 
 def _register(tensor: torch.Tensor) -> bool:
@@ -56,9 +59,21 @@ class HostBuffer:
         self.tensor = torch.empty(0, dtype=torch.uint8)
 
 
+def _anonymous(nbytes: int) -> torch.Tensor:
+    """Page-aligned anonymous memory backed by transparent huge pages where the kernel
+    allows (``madvise`` mode): first-touch faults and TLB misses per 2 MiB instead of per
+    4 KiB, which speeds up both cold loads and row gathers. The tensor keeps the mapping
+    alive; it is unmapped when the last view is gone."""
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8)
+
+
 def allocate(nbytes: int, pin: bool) -> HostBuffer:
     """A new host buffer of exactly ``nbytes``."""
-    tensor = torch.empty(nbytes, dtype=torch.uint8)
+    small = nbytes < HUGE_PAGE
+    tensor = torch.empty(nbytes, dtype=torch.uint8) if small else _anonymous(nbytes)
     pinned = pin and nbytes > 0 and _register(tensor)
     return HostBuffer(tensor=tensor, pinned=pinned)
 
