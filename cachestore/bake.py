@@ -27,8 +27,8 @@ from retouch.cachestore.stats import StoreCounters
 
 log = logging.getLogger(__name__)
 
-# (manifest, host copies or None when the template was too large to keep, on_disk)
-CommitFn = Callable[[Manifest, dict[Slot, torch.Tensor] | None, bool], None]
+# (manifest, host copies or None when the template was too large to keep)
+CommitFn = Callable[[Manifest, dict[Slot, torch.Tensor] | None], None]
 
 
 def snapshot(tensor: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ class BakeWriter:
             self.disk.commit(manifest)
         self._state = "committed"
         self.counters.add(bakes=1, bake_bytes=self._nbytes)
-        self.on_commit(manifest, self._host, self.disk is not None)
+        self.on_commit(manifest, self._host)
 
     def _abort(self) -> None:
         """Drop everything staged; never raises over the error that caused the abort."""

@@ -32,6 +32,7 @@ class StoreCounters:
     prefetches: int = 0  # prefetches that started a load
     prefetch_merged: int = 0  # prefetch() joined a load already in flight
     prefetch_resident: int = 0  # prefetch() found the template host-resident
+    prefetch_taken_over: int = 0  # acquire() ran a queued prefetch's load itself
     prefetch_waits: int = 0  # acquire() waited on a load started by someone else
     prefetch_wait_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

@@ -35,7 +35,7 @@ import torch
 
 from retouch.cachestore.bake import BakeWriter
 from retouch.cachestore.disktier import DATA_FILE, DiskConfig, DiskTier
-from retouch.cachestore.errors import CorruptEntry, ReadOnlyStore, StoreClosed
+from retouch.cachestore.errors import CorruptEntry, ReadOnlyStore, StoreClosed, StoreError
 from retouch.cachestore.hosttier import HostTier, ResidentTemplate
 from retouch.cachestore.layout import Slot, template_key
 from retouch.cachestore.manifest import Manifest, check_meta
@@ -211,9 +211,7 @@ class ActivationStore:
             on_commit=self._install_baked,
         )
 
-    def _install_baked(
-        self, manifest: Manifest, tensors: dict[Slot, torch.Tensor] | None, on_disk: bool
-    ) -> None:
+    def _install_baked(self, manifest: Manifest, tensors: dict[Slot, torch.Tensor] | None) -> None:
         """Make a fresh bake host-resident (in one pooled buffer), replacing older copies."""
         if tensors is None:
             self._host.remove(manifest.key)
@@ -251,7 +249,7 @@ class ActivationStore:
                 done.set_result(0)
                 return done
             fut = self._loads.get(key)
-            if fut is not None:
+            if fut is not None and not fut.cancelled():
                 self._counters.add(prefetch_merged=1)
                 return fut
             fut = self._loads[key] = Future()
@@ -275,9 +273,11 @@ class ActivationStore:
                 return self._handle(res)
             with self._lock:
                 fut = self._loads.get(key)
-                owner = fut is None
-                if owner:
+                if fut is None or fut.cancelled():
                     fut = self._loads[key] = Future()
+                elif not fut.running() and not fut.done():
+                    self._counters.add(prefetch_taken_over=1)  # queued, not started: load now
+                owner = self._claim(fut)
             if owner:
                 res = self._load_owned(key, fut, pin=True)
                 assert res is not None  # pin=True always returns the held template
@@ -307,11 +307,26 @@ class ActivationStore:
     def _handle(self, res: ResidentTemplate) -> HostTemplate:
         return HostTemplate(res, self._host, self._counters)
 
+    @staticmethod
+    def _claim(fut: Future[int]) -> bool:
+        """Become the one thread that runs the load behind ``fut`` (store lock held)."""
+        if fut.running() or fut.done():
+            return False
+        return fut.set_running_or_notify_cancel()
+
     def _prefetch_job(self, key: str, fut: Future[int]) -> None:
+        with self._lock:
+            claimed = self._claim(fut)
+            if not claimed and fut.cancelled() and self._loads.get(key) is fut:
+                del self._loads[key]
+        if not claimed:
+            return  # an acquire took the load over, or the caller cancelled it
         try:
             self._load_owned(key, fut, pin=False)
         except KeyError:
             log.debug("prefetch of %r: not in the store", key)
+        except StoreError as exc:
+            log.error("prefetch of %r failed: %s", key, exc)
         except Exception:
             log.exception("prefetch of %r failed", key)
 
@@ -328,7 +343,8 @@ class ActivationStore:
             return res
         finally:
             with self._lock:
-                self._loads.pop(key, None)
+                if self._loads.get(key) is fut:
+                    del self._loads[key]
 
     def _resident_or_load(self, key: str, pin: bool) -> ResidentTemplate | None:
         # another load may have finished between the caller's check and taking ownership

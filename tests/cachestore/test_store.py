@@ -163,6 +163,33 @@ def test_prefetch_merges_concurrent_loads(store: ActivationStore) -> None:
     assert store.stats()["prefetch_resident"] == 1
 
 
+def test_acquire_takes_over_a_prefetch_still_queued(tmp_path: Path) -> None:
+    config = StoreConfig(path=tmp_path / "c", map_size=64 * MiB, prefetch_workers=1)
+    with ActivationStore(config) as store:
+        for key in "ab":
+            bake(store, key, template(ord(key)))
+            store.evict(key)
+        gate = threading.Event()
+        real_load = store._disk.load
+
+        def load(key, *args):
+            if key == "a":
+                gate.wait(10)
+            return real_load(key, *args)
+
+        store._disk.load = load
+        stuck = store.prefetch("a")  # occupies the only prefetch worker
+        queued = store.prefetch("b")
+        with store.acquire("b") as h:  # does not wait behind "a"
+            assert not stuck.done()
+            assert torch.equal(h.get(0, "mid", "v"), template(ord("b"))[(0, "mid", "v")])
+        assert queued.done() and queued.result() > 0
+        gate.set()
+        assert stuck.result(10) > 0
+        stats = store.stats()
+        assert stats["prefetch_taken_over"] == 1 and stats["loads"] == 2
+
+
 def test_prefetch_of_absent_key_raises_keyerror(store: ActivationStore) -> None:
     with pytest.raises(KeyError):
         store.prefetch("nope").result(10)
