@@ -222,13 +222,13 @@ DEMO_MODELS: dict[str, DemoModel] = {
             "small-flux",
             "flux-inpaint",
             512,
-            lambda f: _build_flux(
+            lambda f: _build_flux(  # factor-4 VAE: 128x128 latents = 64x64 = 4096 tokens
                 f,
                 hidden_heads=6,
                 head_dim=64,
                 layers=2,
                 single_layers=4,
-                vae_channels=(16, 32, 32, 32),
+                vae_channels=(16, 32, 32),
                 text_hidden=64,
             ),
         ),

@@ -58,7 +58,7 @@ class MaskAwareEditor:
         family: str,
         device: torch.device | str,
         *,
-        packed: bool = False,
+        packed: bool = True,
         plan: Plan = all_sparse,
     ) -> None:
         try:
@@ -131,11 +131,22 @@ class MaskAwareEditor:
         self, request: EditRequest, output_type: str = "pil"
     ) -> Image.Image | np.ndarray:
         """The stock diffusers pipeline with the edit's composed noise (no cache needed)."""
-        template, own = self._noises(request)
-        extra = []
+        return self.stock_edits([request], output_type)[0]
+
+    @torch.inference_mode()
+    def stock_edits(
+        self, requests: list[EditRequest], output_type: str = "pil"
+    ) -> list[Image.Image] | np.ndarray:
+        """:meth:`stock_edit` for several requests in one pipeline call (same size, steps and
+        guidance): the batched stock baseline."""
+        noises = [self._noises(r) for r in requests]
         if isinstance(self.impl, FluxInpaint):
-            extra = [self.impl.image_latents(request.image, template.vae)]
-        return self.impl.stock(request, template, own, *extra, output_type=output_type)
+            latents = [
+                self.impl.image_latents(r.image, t.vae)
+                for r, (t, _) in zip(requests, noises, strict=True)
+            ]
+            return self.impl.stock(requests, noises, latents, output_type)
+        return self.impl.stock(requests, noises, output_type)
 
     # -- step-level API -------------------------------------------------------------------
 

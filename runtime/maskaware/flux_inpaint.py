@@ -26,7 +26,7 @@ from retouch.runtime.maskaware import flux_blocks, flux_packed
 from retouch.runtime.maskaware.context import ForwardContext, Mode
 from retouch.runtime.maskaware.flux_packed import PackedInputs
 from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
-from retouch.runtime.maskaware.request import EditRequest, RequestState
+from retouch.runtime.maskaware.request import EditRequest, RequestState, check_batchable
 from retouch.runtime.maskaware.tokens import TokenSet, pool_mask
 
 
@@ -188,30 +188,36 @@ class FluxInpaint:
 
     def stock(
         self,
-        request: EditRequest,
-        template_noise: SeedNoise,
-        request_noise: SeedNoise,
-        image_latents: torch.Tensor,
+        requests: list[EditRequest],
+        noises: list[tuple[SeedNoise, SeedNoise]],
+        image_latents: list[torch.Tensor],
         output_type: str = "pil",
-    ) -> Image.Image | np.ndarray:
-        """The stock pipeline with the composed noise and the template's image latents."""
-        hard = self.latent_mask(request)[0, 0] > 0.5
-        noise = template_noise.compose(request_noise, hard)
-        latents = image_latents.to(self.device, self.dtype)
+    ) -> list[Image.Image] | np.ndarray:
+        """One stock pipeline call for ``requests`` (same size, steps and guidance).
+
+        Each request gets its composed noise and its template's image latents (passed as
+        ``image``, which the pipeline then uses without encoding).
+        """
+        first = check_batchable(requests)
+        noise = [
+            template.compose(own, self.latent_mask(r)[0, 0] > 0.5).latents
+            for r, (template, own) in zip(requests, noises, strict=True)
+        ]
+        latents = torch.cat(image_latents).to(self.device, self.dtype)
         return self.pipe(
-            prompt=request.prompt,
+            prompt=[r.prompt for r in requests],
             image=latents,
-            mask_image=request.mask_image(),
+            mask_image=[r.mask_image() for r in requests],
             masked_image_latents=latents,  # unused by the Flux inpaint loop; skips an encode
-            height=request.image.height,
-            width=request.image.width,
+            height=first.image.height,
+            width=first.image.width,
             strength=1.0,
-            num_inference_steps=request.steps,
-            guidance_scale=request.guidance,
-            latents=noise.latents.to(self.device, self.dtype),
+            num_inference_steps=first.steps,
+            guidance_scale=first.guidance,
+            latents=torch.cat(noise).to(self.device, self.dtype),
             max_sequence_length=self.pipe.tokenizer_2.model_max_length,
             output_type=output_type,
-        ).images[0]
+        ).images
 
 
 def _batched(states: list[RequestState]) -> PackedInputs:

@@ -75,3 +75,16 @@ class RequestState:
     @property
     def last(self) -> bool:
         return self.index == len(self.timesteps) - 1
+
+
+def check_batchable(requests: list[EditRequest]) -> EditRequest:
+    """The first request, after checking that one stock pipeline call can serve them all."""
+    if not requests:
+        raise ValueError("no requests")
+    first = requests[0]
+    for request in requests[1:]:
+        if request.image.size != first.image.size:
+            raise ValueError("a stock batch needs one image size")
+        if (request.steps, request.guidance) != (first.steps, first.guidance):
+            raise ValueError("a stock batch needs one step count and guidance")
+    return first

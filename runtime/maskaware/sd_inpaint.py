@@ -24,7 +24,7 @@ from PIL import Image
 from retouch.runtime.maskaware import unet_blocks
 from retouch.runtime.maskaware.context import ForwardContext
 from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
-from retouch.runtime.maskaware.request import EditRequest, RequestState
+from retouch.runtime.maskaware.request import EditRequest, RequestState, check_batchable
 from retouch.runtime.maskaware.tokens import TokenSet, level_sizes, pool_mask
 
 
@@ -143,26 +143,32 @@ class SDInpaint:
 
     def stock(
         self,
-        request: EditRequest,
-        template_noise: SeedNoise,
-        request_noise: SeedNoise,
+        requests: list[EditRequest],
+        noises: list[tuple[SeedNoise, SeedNoise]],
         output_type: str = "pil",
-    ) -> Image.Image | np.ndarray:
-        """The stock pipeline with the composed noise and masked-image latents."""
-        condition = self._mask_condition(request)
-        hard = self.latent_mask(condition)[0, 0] > 0.5
-        noise = template_noise.compose(request_noise, hard)
-        masked_latents = self._masked_image_latents(request, condition, noise.vae)
+    ) -> list[Image.Image] | np.ndarray:
+        """One stock pipeline call for ``requests`` (same size, steps and guidance).
+
+        Each request gets its composed noise and masked-image latents; ``noises`` holds the
+        (template, request) noise of each.
+        """
+        first = check_batchable(requests)
+        latents, masked = [], []
+        for request, (template_noise, request_noise) in zip(requests, noises, strict=True):
+            condition = self._mask_condition(request)
+            noise = template_noise.compose(request_noise, self.latent_mask(condition)[0, 0] > 0.5)
+            latents.append(noise.latents.to(self.device, self.dtype))
+            masked.append(self._masked_image_latents(request, condition, noise.vae))
         return self.pipe(
-            prompt=request.prompt,
-            image=request.image,
-            mask_image=request.mask_image(),
-            masked_image_latents=masked_latents,
-            height=request.image.height,
-            width=request.image.width,
+            prompt=[r.prompt for r in requests],
+            image=[r.image for r in requests],
+            mask_image=[r.mask_image() for r in requests],
+            masked_image_latents=torch.cat(masked),
+            height=first.image.height,
+            width=first.image.width,
             strength=1.0,
-            num_inference_steps=request.steps,
-            guidance_scale=request.guidance,
-            latents=noise.latents.to(self.device, self.dtype),
+            num_inference_steps=first.steps,
+            guidance_scale=first.guidance,
+            latents=torch.cat(latents),
             output_type=output_type,
-        ).images[0]
+        ).images
