@@ -1,0 +1,173 @@
+"""``retouch bench engine``: mask-aware edits against the stock diffusers pipeline, same model, same run.
+
+For every (batch, mask ratio) case the stock pipeline (one batched call, with the same
+composed noise) and the mask-aware path (``prepare`` / ``step`` / ``finish`` on the whole
+batch) edit the same requests, interleaved repeat by repeat with alternating order so that
+drift on a shared machine hits both alike; the median of the repeats is reported. Times
+cover whole edits (pre-processing, every step, VAE decode); the template's bake happens
+once before and is excluded. ``flop_ratio`` is the analytic ideal from the model config.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline
+from tqdm import tqdm
+
+from retouch.functions.demo.images import template_image
+from retouch.functions.demo.models import demo_model, ensure_demo_model, is_demo
+from retouch.platform.config import default_data_dir
+from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.flops import pipeline_step_flops
+from retouch.runtime.maskaware.store import MemoryActivations
+from retouch.runtime.models import PIPELINES
+
+log = logging.getLogger(__name__)
+
+TEMPLATE_PROMPT = "a quiet street"  # the demo tokenizers take 14 characters
+EDIT_PROMPT = "a red bicycle"
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def run_engine_bench(
+    model: str,
+    mask_ratios: list[float],
+    batches: list[int],
+    steps: int,
+    repeats: int = 3,
+    models_dir: Path | None = None,
+    *,
+    guidance: float = 4.0,
+    clock: str = "wall",
+) -> list[dict[str, Any]]:
+    """Stock vs mask-aware whole edits for every batch size and mask ratio.
+
+    Returns one row per case: ``model, mask_ratio, batch, stock_s, maskaware_s, ratio
+    (maskaware_s / stock_s), flop_ratio``. Models are built into ``models_dir`` (default
+    ``$RETOUCH_DATA_DIR/models``) on first use. ``clock="cpu"`` times process CPU time instead
+    of wall time (steadier on a machine shared with other work).
+    """
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
+    family, pipe, size = _load(model, models_dir or default_data_dir() / "models")
+    editor = MaskAwareEditor(pipe, family, torch.device("cpu"))
+    template = template_image((size, size), seed=1)
+    store = MemoryActivations()
+    editor.bake(template, TEMPLATE_PROMPT, 1, steps, guidance, store)
+    log.info("baked %s: %.1f MB of activations", model, store.nbytes / 2**20)
+    cell = _token_cell(editor, size)
+    cases = [(batch, ratio) for batch in batches for ratio in mask_ratios]
+    results = []
+    with tqdm(total=len(cases) * repeats, desc=f"bench engine {model}", unit="run") as bar:
+        for index, (batch, ratio) in enumerate(cases):
+            mask = aligned_mask(size, ratio, cell)
+            requests = [
+                EditRequest(
+                    template, mask, EDIT_PROMPT, 100 + i, steps, guidance, TEMPLATE_PROMPT, 1
+                )
+                for i in range(batch)
+            ]
+            runs = {
+                "stock": lambda reqs=requests: editor.stock_edits(reqs),
+                "maskaware": lambda reqs=requests: _maskaware(editor, reqs, store),
+            }
+            if index == 0 or cases[index - 1][0] != batch:
+                for run in runs.values():  # warm-up: first-call allocations, kernel choices
+                    run()
+            times = _interleaved(runs, repeats, CLOCKS[clock], bar)
+            flops = pipeline_step_flops(pipe, family, size, size, float(mask.mean()), batch)
+            stock, sparse = statistics.median(times["stock"]), statistics.median(times["maskaware"])
+            results.append(
+                {
+                    "model": model,
+                    "mask_ratio": ratio,
+                    "batch": batch,
+                    "stock_s": round(stock, 4),
+                    "maskaware_s": round(sparse, 4),
+                    "ratio": round(sparse / stock, 4),
+                    "flop_ratio": round(flops.ratio, 4),
+                }
+            )
+            log.info("%s", results[-1])
+    return results
+
+
+def latency_fit(results: list[dict[str, Any]], batch: int) -> tuple[float, float, float]:
+    """Least-squares line of mask-aware latency against mask ratio: (slope, intercept, R²)."""
+    rows = [r for r in results if r["batch"] == batch]
+    x = np.array([r["mask_ratio"] for r in rows], dtype=float)
+    y = np.array([r["maskaware_s"] for r in rows], dtype=float)
+    slope, intercept = np.polyfit(x, y, 1)
+    residual = y - (slope * x + intercept)
+    total = ((y - y.mean()) ** 2).sum()
+    r2 = 1.0 - (residual**2).sum() / total if total > 0 else 1.0
+    return float(slope), float(intercept), float(r2)
+
+
+def aligned_mask(size: int, ratio: float, cell: int) -> np.ndarray:
+    """A centred rectangle of about ``ratio`` of the image, its sides multiples of ``cell``
+    pixels, so every token grid sees the same masked fraction."""
+    cells = size // cell
+    if ratio >= 1.0:
+        return np.ones((size, size), dtype=bool)
+    target = ratio * cells * cells
+    height = max(1, min(cells, round(np.sqrt(target))))
+    width = max(1, min(cells, round(target / height)))
+    top, left = (cells - height) // 2 * cell, (cells - width) // 2 * cell
+    mask = np.zeros((size, size), dtype=bool)
+    mask[top : top + height * cell, left : left + width * cell] = True
+    return mask
+
+
+def _load(model: str, models_dir: Path) -> tuple[str, DiffusionPipeline, int]:
+    """Family, loaded pipeline and square image size of a built-in or local model."""
+    if not is_demo(model):
+        raise ValueError("bench engine runs the built-in retouch: models")
+    spec = demo_model(model)
+    pipe = PIPELINES[spec.family].from_pretrained(ensure_demo_model(model, models_dir))
+    pipe.set_progress_bar_config(disable=True)
+    return spec.family, pipe, spec.resolution
+
+
+def _token_cell(editor: MaskAwareEditor, size: int) -> int:
+    """Pixels per token of the coarsest token grid."""
+    pipe = editor.impl.pipe
+    if editor.family == "flux-inpaint":
+        return pipe.vae_scale_factor * 2
+    return pipe.vae_scale_factor * 2 ** (len(pipe.unet.config.block_out_channels) - 1)
+
+
+def _maskaware(
+    editor: MaskAwareEditor, requests: list[EditRequest], store: MemoryActivations
+) -> list:
+    """A whole batch through the step-level API, as the engine runs it."""
+    states = [editor.prepare(r, store) for r in requests]
+    while not states[0].done:
+        editor.step(states)
+    return [editor.finish(s) for s in states]
+
+
+def _interleaved(
+    runs: dict[str, Callable[[], object]],
+    repeats: int,
+    clock: Callable[[], float],
+    bar: tqdm,
+) -> dict[str, list[float]]:
+    """Time every run ``repeats`` times, alternating which goes first."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for repeat in range(repeats):
+        for name in order if repeat % 2 == 0 else order[::-1]:
+            start = clock()
+            runs[name]()
+            times[name].append(clock() - start)
+        bar.update()
+    return times
