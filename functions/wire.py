@@ -203,8 +203,9 @@ class InvokeResult:
     height: int
     mask_ratio: float
     executor: str
-    path: str
+    path: str  # "maskaware", "stock" or "template"
     timings: Timings = field(default_factory=Timings)
+    cache: dict[str, Any] = field(default_factory=dict)  # {"tier": host|disk|none, "wait_ms"}
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -221,4 +222,5 @@ class InvokeResult:
             executor=str(body["executor"]),
             path=str(body.get("path", "")),
             timings=Timings(**body.get("timings", {})),
+            cache=dict(body.get("cache") or {}),
         )

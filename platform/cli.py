@@ -67,6 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-bytes", type=int, default=None, help="payload limit (default 32 MiB)"
     )
     p.add_argument("--placement", default=None, help="least-requests (default) or round-robin")
+    p.add_argument(
+        "--host-cache-bytes",
+        type=int,
+        default=None,
+        help="per-executor host-RAM budget of the activation store (default 4 GiB)",
+    )
+    p.add_argument(
+        "--no-maskaware",
+        dest="maskaware",
+        action="store_false",
+        default=None,
+        help="serve every invocation with the stock pipeline (for comparisons)",
+    )
     p.set_defaults(run=_serve)
 
     p = sub.add_parser(
@@ -86,6 +99,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--examples", type=Path, default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench_gateway)
+
+    p = bench_sub.add_parser("store", help="activation store vs memcpy and raw disk reads")
+    p.add_argument("--size-mb", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_bench_store)
+
+    cache = sub.add_parser("cache", help="inspect the activation store of a data directory")
+    cache.add_argument(
+        "--data-dir", type=Path, default=None, help="default $RETOUCH_DATA_DIR or ~/.retouch"
+    )
+    cache_sub = cache.add_subparsers(dest="cache", required=True)
+    for name, helptext in (
+        ("ls", "list baked templates"),
+        ("stats", "store counters and occupancy"),
+        ("verify", "check every checksum; mark corrupt templates invalid"),
+        ("gc", "remove invalid templates, partial bakes and orphans"),
+    ):
+        p = cache_sub.add_parser(name, help=helptext)
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(run=_cache)
 
     p = _client(sub.add_parser("deploy", help="deploy a function from a TOML spec"))
     p.add_argument("spec", type=Path)
@@ -142,6 +176,8 @@ def _serve(args: argparse.Namespace) -> None:
         token_file=args.token_file,
         max_body_bytes=args.max_body_bytes,
         placement=args.placement,
+        host_cache_bytes=args.host_cache_bytes,
+        maskaware=args.maskaware,
     )
     log.info("serving on http://%s:%d (data dir %s)", config.host, config.port, config.data_dir)
     serve(config)
@@ -158,6 +194,31 @@ def _bench_gateway(args: argparse.Namespace) -> None:
     from retouch.platform.demo import find_examples
 
     _report(run_gateway_bench(find_examples(args.examples), args.requests), args.json)
+
+
+def _bench_store(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from retouch.platform.bench.store import run_store_bench
+
+    with tempfile.TemporaryDirectory(prefix="retouch-bench-store-") as tmp:
+        _report(run_store_bench(Path(tmp), size_mb=args.size_mb, repeats=args.repeats), args.json)
+
+
+def _cache(args: argparse.Namespace) -> None:
+    from retouch.platform.cachecli import run_cache_command
+
+    data_dir = args.data_dir or ServeConfig.from_env().data_dir
+    result = run_cache_command(args.cache, data_dir)
+    if args.json or args.cache != "ls":
+        _report(result, args.json)
+        return
+    print(f"{'KEY':<34} {'TIER':<5} {'MB':>9} {'FUNCTION':<16} {'TEMPLATE':<12} VALID")
+    for row in result:
+        meta = row["meta"]
+        print(
+            f"{row['key']:<34} {row['tier']:<5} {row['bytes'] / 1e6:>9.1f} {meta.get('function', ''):<16} {meta.get('template', ''):<12} {'yes' if row['valid'] else 'no: ' + row['reason']}"
+        )
 
 
 def _report(result: object, as_json: bool) -> None:

@@ -27,6 +27,8 @@ class ServeConfig:
     token_file: Path | None = None
     max_body_bytes: int = 32 << 20
     placement: str = "least-requests"
+    host_cache_bytes: int = 4 << 30  # per executor: host-RAM tier of the activation store
+    maskaware: bool = True  # False serves every invocation with the stock pipeline
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServeConfig:
@@ -39,6 +41,7 @@ class ServeConfig:
             "token_file": _path_env("RETOUCH_TOKEN_FILE"),
             "max_body_bytes": _int_env("RETOUCH_MAX_BODY_BYTES"),
             "placement": os.environ.get("RETOUCH_PLACEMENT"),
+            "host_cache_bytes": _int_env("RETOUCH_HOST_CACHE_BYTES"),
         }
         merged = {k: v for k, v in env.items() if v is not None}
         merged.update({k: v for k, v in overrides.items() if v is not None})

@@ -37,6 +37,7 @@ from retouch.runtime.models import check_model
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 32 << 20
+TEMPLATE_STATES = ("baked", "baking", "queued", "unbaked", "failed")
 
 
 @dataclass
@@ -53,16 +54,16 @@ class DeployedFunction:
     def spec(self) -> FunctionSpec:
         return self.stored.spec
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, executor_states: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The status document; template states come from the executors when given."""
         spec = self.spec
-        state = {"deploying": "pending", "ready": "ready", "failed": "failed"}[self.status]
         return {
             **spec.to_dict(),
             "status": self.status,
             "error": self.error,
             "templates": {
                 tid: {
-                    "state": state,
+                    "state": self._template_state(tid, executor_states or []),
                     "width": w,
                     "height": h,
                     "prompt": spec.templates[tid].prompt,
@@ -71,6 +72,20 @@ class DeployedFunction:
                 for tid, (w, h) in self.sizes.items()
             },
         }
+
+    def _template_state(self, tid: str, executor_states: list[dict[str, Any]]) -> str:
+        """pending while deploying; then the most advanced bake state any executor reports
+        (they share the host's store): baked > baking > queued > unbaked > failed."""
+        if self.status != "ready":
+            return {"deploying": "pending", "failed": "failed"}[self.status]
+        seen = {
+            s.get("templates", {}).get(self.spec.name, {}).get(tid, {}).get("state")
+            for s in executor_states
+        }
+        for state in TEMPLATE_STATES:
+            if state in seen:
+                return state
+        return "unbaked"
 
 
 @dataclass
@@ -150,10 +165,12 @@ class Gateway:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def list_functions(self, request: Request) -> dict[str, Any]:
-        return {"functions": [f.describe() for _, f in sorted(self.functions.items())]}
+        states = await self.pool.states()
+        return {"functions": [f.describe(states) for _, f in sorted(self.functions.items())]}
 
     async def get_function(self, request: Request) -> dict[str, Any]:
-        return self.function(request.path_params["name"]).describe()
+        fn = self.function(request.path_params["name"])
+        return fn.describe(await self.pool.states())
 
     async def put_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
@@ -210,7 +227,9 @@ class Gateway:
         return {"deleted": name}
 
     async def executors(self, request: Request) -> dict[str, Any]:
-        return {"executors": self.pool.describe(), "placement": self.pool.placement.name}
+        states = {s["name"]: s for s in await self.pool.states()}
+        executors = [{**e, "state": states.get(e["name"])} for e in self.pool.describe()]
+        return {"executors": executors, "placement": self.pool.placement.name}
 
     async def invoke(self, request: Request) -> dict[str, Any]:
         received = time.perf_counter()
@@ -250,6 +269,9 @@ class Gateway:
     def _observe(self, function: str, result: wire.InvokeResult, ratio: float) -> None:
         t = result.timings
         self.metrics.invocations.labels(function, result.path).inc()
+        if result.path == "maskaware":
+            self.metrics.cache_reads.labels(result.cache.get("tier", "none")).inc()
+            self.metrics.prefetch_wait.observe(float(result.cache.get("wait_ms", 0.0)) / 1e3)
         self.metrics.latency.labels(function).observe(t.total_ms / 1e3)
         self.metrics.run.labels(function).observe(t.run_ms / 1e3)
         self.metrics.queue.labels(function).observe(t.queue_ms / 1e3)

@@ -54,6 +54,18 @@ class GatewayMetrics:
             buckets=(0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0),
             registry=r,
         )
+        self.cache_reads = Counter(
+            "retouch_template_reads",
+            "Mask-aware invocations by the store tier their template was found in",
+            ["tier"],
+            registry=r,
+        )
+        self.prefetch_wait = Histogram(
+            "retouch_prefetch_wait_seconds",
+            "Time an invocation waited for its template to become host-resident after it was due to run",
+            buckets=(0.0001, 0.001, 0.01, 0.05, 0.1, 0.5, 1, 5),
+            registry=r,
+        )
         self.executors = Gauge("retouch_executors_healthy", "Healthy executors", registry=r)
         self.functions = Gauge("retouch_functions", "Deployed functions", registry=r)
 

@@ -134,6 +134,14 @@ class ExecutorPool:
     def describe(self) -> list[dict[str, Any]]:
         return [e.describe() for e in self.executors]
 
+    async def states(self) -> list[dict[str, Any]]:
+        """Each healthy executor's own state (models, templates, cache counters)."""
+        results = await asyncio.gather(
+            *(self._call(e, "GET", "/state") for e in self.executors if e.healthy),
+            return_exceptions=True,
+        )
+        return [r for r in results if isinstance(r, dict)]
+
     async def _push(self, handle: ExecutorHandle, stored: StoredFunction) -> None:
         body = {"spec": stored.spec.to_dict(), "templates": stored.templates}
         await self._call(handle, "PUT", f"/functions/{stored.spec.name}", body)

@@ -58,6 +58,7 @@ class LocalProvider:
     data_dir: Path
     token: str
     cpu_slots: int = 1
+    executor_args: tuple[str, ...] = ()  # passed to every executor process
 
     def devices(self) -> list[str]:
         gpus = gpu_devices()
@@ -75,7 +76,7 @@ class LocalProvider:
         cmd = [
             sys.executable, "-m", "retouch.runtime.executor",
             "--name", name, "--device", device, "--data-dir", str(self.data_dir),
-            "--port-file", str(port_file), "--threads", str(threads),
+            "--port-file", str(port_file), "--threads", str(threads), *self.executor_args,
         ]  # fmt: skip
         env = {**os.environ, TOKEN_ENV: self.token}
         proc = subprocess.Popen(

@@ -19,11 +19,11 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import uvicorn
 from PIL import Image
@@ -31,13 +31,17 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Route
 
+from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, NotFound
 from retouch.functions.imaging import decode_image, encode_image, mask_ratio
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.runtime.asgi import check_token, decode_bytes, endpoint, read_body
+from retouch.runtime.engine import Engine, Priority
+from retouch.runtime.fingerprint import model_fingerprint
+from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.models import ModelCache
-from retouch.runtime.stock import stock_edit
+from retouch.runtime.templates import BakeState, Template, TemplateCache, store_path
 
 log = logging.getLogger(__name__)
 
@@ -63,24 +67,50 @@ class ExecutorStats:
 
 @dataclass
 class ExecutorCore:
-    """Functions, models and the single inference worker; no HTTP in here."""
+    """Functions, models, templates and the engine thread; no HTTP in here."""
 
     name: str
     models: ModelCache
+    templates: TemplateCache
+    maskaware: bool = True  # False: always the stock path (the "stock" configuration)
     functions: dict[str, FunctionEntry] = field(default_factory=dict)
     stats: ExecutorStats = field(default_factory=ExecutorStats)
-    worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "engine"))
+    engine: Engine = field(default_factory=Engine)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _editors: dict[tuple[str, str], MaskAwareEditor] = field(default_factory=dict)
 
     def deploy(self, spec: FunctionSpec, images: dict[str, Image.Image]) -> None:
-        """Load the function's model (shared with other functions) and keep its templates."""
-        self.models.get(spec.model, spec.family)
+        """Load the function's model (shared with other functions), register its templates
+        and queue the bake of every template the store does not hold yet."""
+        loaded = self.models.get(spec.model, spec.family)
+        editor = self.editor(spec)
+        sched_config = dict(editor.impl.pipe.scheduler.config)
+        registered = self.templates.register(
+            spec, images, model_fingerprint(loaded.folder), sched_config
+        )
         with self.lock:
             self.functions[spec.name] = FunctionEntry(spec, images)
+        if self.maskaware:
+            for template in registered:
+                self._queue_bake(template)
 
     def remove(self, name: str) -> bool:
         with self.lock:
-            return self.functions.pop(name, None) is not None
+            removed = self.functions.pop(name, None) is not None
+        self.templates.unregister(name)
+        return removed
+
+    def editor(self, spec: FunctionSpec) -> MaskAwareEditor:
+        """One editor per (model, scheduler); editors of a model share its modules."""
+        with self.lock:
+            editor = self._editors.get((spec.model, spec.scheduler))
+            if editor is None:
+                loaded = self.models.get(spec.model, spec.family)
+                editor = MaskAwareEditor(
+                    loaded.pipeline_for(spec.scheduler), spec.family, loaded.device
+                )
+                self._editors[(spec.model, spec.scheduler)] = editor
+            return editor
 
     def entry(self, name: str) -> FunctionEntry:
         with self.lock:
@@ -95,52 +125,42 @@ class ExecutorCore:
 
     async def invoke(self, inv: wire.ExecutorInvoke) -> wire.InvokeResult:
         entry = self.entry(inv.function)
-        template = entry.templates.get(inv.template)
+        template = self.templates.get(inv.function, inv.template)
         if template is None:
             raise NotFound(
                 f"unknown template {inv.template!r}", field="template", code="template_not_found"
             )
         mask = inv.mask.to_numpy().astype(bool)
-        if mask.shape != (template.height, template.width):
+        if mask.shape != (template.image.height, template.image.width):
             raise BadRequest(
                 "mask does not match the template size", field="mask", code="mask_size_mismatch"
             )
+        if self.maskaware and mask.any() and template.covers(inv.steps, inv.guidance):
+            self.templates.prefetch(template)  # disk -> host while the invocation queues
         enqueued = time.perf_counter()
         self.stats.queued += 1
-        loop = asyncio.get_running_loop()
+        future = self.engine.submit(lambda: self._run(entry, template, mask, inv, enqueued))
         try:
-            return await loop.run_in_executor(
-                self.worker, self._run, entry, template, mask, inv, enqueued
-            )
+            return await asyncio.wrap_future(future)
         finally:
             self.stats.queued -= 1
 
     def _run(
         self,
         entry: FunctionEntry,
-        template: Image.Image,
-        mask,
+        template: Template,
+        mask: np.ndarray,
         inv: wire.ExecutorInvoke,
         enqueued: float,
     ) -> wire.InvokeResult:
         started = time.perf_counter()
         self.stats.running += 1
+        cache = {"tier": "none", "wait_ms": 0.0}
         try:
             if not mask.any():  # nothing to edit: the template, without running the model
-                image, path = template, "template"
+                image, path = template.image, "template"
             else:
-                loaded = self.models.get(entry.spec.model, entry.spec.family)
-                image = stock_edit(
-                    loaded,
-                    entry.spec.scheduler,
-                    template,
-                    mask,
-                    inv.prompt,
-                    inv.seed,
-                    inv.steps,
-                    inv.guidance,
-                )
-                path = "stock"
+                image, path, cache = self._edit(entry, template, mask, inv)
             encoded = encode_image(image, inv.format)
             self.stats.completed += 1
         except Exception:
@@ -160,20 +180,72 @@ class ExecutorCore:
             timings=wire.Timings(
                 queue_ms=(started - enqueued) * 1e3, run_ms=(done - started) * 1e3
             ),
+            cache=cache,
         )
+
+    def _edit(
+        self, entry: FunctionEntry, template: Template, mask: np.ndarray, inv: wire.ExecutorInvoke
+    ) -> tuple[Image.Image, str, dict[str, Any]]:
+        """Mask-aware from the template's activations when it is baked for these settings;
+        otherwise the stock path, and the template is queued for baking (insert on miss)."""
+        editor = self.editor(entry.spec)
+        request = EditRequest(
+            template.image,
+            mask,
+            inv.prompt,
+            inv.seed,
+            inv.steps,
+            inv.guidance,
+            template.prompt,
+            template.seed,
+        )
+        covered = self.maskaware and template.covers(inv.steps, inv.guidance)
+        if covered and template.state is BakeState.BAKED:
+            got = self.templates.acquire(template)
+            if got.handle is not None:
+                with got.handle:
+                    image = editor.edit(request, got.handle)
+                return image, "maskaware", {"tier": got.tier, "wait_ms": got.wait_ms}
+        image = editor.stock_edit(request)
+        if covered:
+            self._queue_bake(template)
+        return image, "stock", {"tier": "none", "wait_ms": 0.0}
+
+    def _queue_bake(self, template: Template) -> None:
+        if not self.templates.claim_bake(template):
+            return
+        with self.lock:
+            spec = self.functions[template.function].spec
+        editor = self.editor(spec)
+
+        def record(writer) -> None:
+            editor.bake(
+                template.image,
+                template.prompt,
+                template.seed,
+                template.steps,
+                template.guidance,
+                writer,
+            )
+
+        self.engine.submit(lambda: self.templates.bake(template, record), Priority.BACKGROUND)
 
     def state(self) -> dict[str, Any]:
         with self.lock:
             functions = sorted(self.functions)
         return {
             "name": self.name,
+            "pid": os.getpid(),
             "device": str(self.models.device),
             "models": self.models.loaded(),
             "functions": functions,
+            "maskaware": self.maskaware,
             "queued": self.stats.queued,
             "running": self.stats.running,
             "completed": self.stats.completed,
             "failed": self.stats.failed,
+            "templates": self.templates.states(),
+            "cache": self.templates.store.stats(),
         }
 
 
@@ -231,6 +303,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--port-file", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument(
+        "--host-cache-bytes",
+        type=int,
+        default=4 << 30,
+        help="host-RAM budget of the activation store",
+    )
+    parser.add_argument("--no-maskaware", action="store_true", help="always run the stock path")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("RETOUCH_LOG_LEVEL", "INFO"),
@@ -243,7 +322,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    core = ExecutorCore(args.name, ModelCache(args.data_dir / "models", device))
+    store = ActivationStore(
+        StoreConfig(path=store_path(args.data_dir), host_budget_bytes=args.host_cache_bytes)
+    )
+    core = ExecutorCore(
+        args.name,
+        ModelCache(args.data_dir / "models", device),
+        TemplateCache(store),
+        maskaware=not args.no_maskaware,
+    )
     # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
     # proto says TCP, and without it every response waits ~40 ms for a delayed ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -95,6 +95,7 @@ class LoadedModel:
     family: str
     pipe: DiffusionPipeline
     device: torch.device
+    folder: Path
     base_scheduler_config: dict[str, Any] = field(default_factory=dict)
 
     def pipeline_for(self, scheduler: str) -> DiffusionPipeline:
@@ -142,4 +143,4 @@ class ModelCache:
         for module in pipe.components.values():
             if isinstance(module, torch.nn.Module):
                 module.eval().requires_grad_(False)
-        return LoadedModel(model, family, pipe, self.device, dict(pipe.scheduler.config))
+        return LoadedModel(model, family, pipe, self.device, folder, dict(pipe.scheduler.config))

@@ -61,11 +61,15 @@ def mask_of_ratio(
     return best
 
 
-def _shape(size: tuple[int, int], shape: str, center: tuple[float, float], aspect: float, scale: float) -> np.ndarray:
+def _shape(
+    size: tuple[int, int], shape: str, center: tuple[float, float], aspect: float, scale: float
+) -> np.ndarray:
     half_w, half_h = scale * np.sqrt(aspect) / 2, scale / np.sqrt(aspect) / 2
     box = [center[0] - half_w, center[1] - half_h, center[0] + half_w, center[1] + half_h]
     img = Image.new("L", size, 0)
-    (ImageDraw.Draw(img).ellipse if shape == "ellipse" else ImageDraw.Draw(img).rectangle)(box, fill=255)
+    (ImageDraw.Draw(img).ellipse if shape == "ellipse" else ImageDraw.Draw(img).rectangle)(
+        box, fill=255
+    )
     return np.asarray(img) > 0
 
 

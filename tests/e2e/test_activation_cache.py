@@ -1,0 +1,149 @@
+"""Mask-aware serving over HTTP on the activation store: bake on deploy, read from the disk
+tier after an executor restart without re-baking, recover from a corrupt value, and serve
+three templates through a host budget smaller than two of them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from retouch.cachestore.layout import MANIFEST_DB, VALUES_DB, value_key
+from retouch.cachestore.manifest import Manifest
+from retouch.functions.demo.images import mask_of_ratio
+from retouch.platform.client import Client
+from retouch.platform.server import ServerProcess
+from retouch.runtime.templates import store_path
+
+MASK = mask_of_ratio((128, 128), 0.2, "ellipse", seed=4)
+
+
+def wait_baked(client: Client, function: str, timeout: float = 300.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        doc = client.get(function)
+        if all(t["state"] == "baked" for t in doc["templates"].values()):
+            return doc
+        time.sleep(0.3)
+    raise AssertionError(f"{function} not baked: {doc['templates']}")
+
+
+def executor_state(client: Client) -> dict:
+    return client.executors()["executors"][0]["state"]
+
+
+@pytest.fixture
+def fresh(tmp_path: Path) -> Iterator[tuple[ServerProcess, Path]]:
+    with ServerProcess(tmp_path / "data") as server:
+        yield server, tmp_path / "data"
+
+
+def test_baked_template_served_from_disk_after_executor_restart(
+    fresh: tuple[ServerProcess, Path], examples: Path
+) -> None:
+    server, _ = fresh
+    with Client(server.url) as client:
+        client.deploy_file(examples / "tiny-flux.toml")
+        wait_baked(client, "tiny-flux")
+        first = client.invoke("tiny-flux", "shirt", MASK, "a green hat", seed=1)
+        assert first.path == "maskaware" and first.cache["tier"] == "host"
+
+        old = executor_state(client)
+        assert old["cache"]["bakes"] == 2
+        os.kill(old["pid"], signal.SIGKILL)  # the pool restarts it and re-pushes functions
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            state = client.executors()["executors"][0]
+            if (
+                state["healthy"]
+                and state["state"]
+                and state["state"]["pid"] != old["pid"]
+                and "tiny-flux" in state["functions"]
+            ):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("executor was not restarted")
+
+        again = client.invoke("tiny-flux", "shirt", MASK, "a green hat", seed=1)
+        assert again.path == "maskaware"
+        assert again.cache["tier"] in ("disk", "host")  # host if the prefetch finished first
+        new = executor_state(client)
+        assert new["cache"]["bakes"] == 0  # nothing re-baked: it came from the disk tier
+        assert new["cache"]["loads"] >= 1 and new["cache"]["disk_bytes_read"] > 0
+        assert new["templates"]["tiny-flux"]["shirt"]["state"] == "baked"
+        assert np.frombuffer(again.image, np.uint8).size and again.image == first.image
+
+
+def _corrupt_one_value(path: Path, key: str) -> None:
+    """Flip one byte of one stored tensor of ``key`` through a raw LMDB transaction."""
+    env = lmdb.open(str(path), max_dbs=8, map_size=1 << 40)
+    with env.begin(write=True) as txn:
+        manifest = Manifest.unpack(txn.get(key.encode(), db=env.open_db(MANIFEST_DB, txn=txn)))
+        entry = next(e for e in manifest.entries if e.step == 0 and e.name == "k")
+        values = env.open_db(VALUES_DB, txn=txn)
+        vkey = value_key(manifest.gen, entry.step, entry.block, entry.name)
+        bad = bytearray(txn.get(vkey, db=values))
+        bad[len(bad) // 2] ^= 0xFF
+        txn.put(vkey, bytes(bad), db=values)
+    env.close()
+
+
+def test_corrupt_value_is_detected_and_rebaked(tmp_path: Path, examples: Path) -> None:
+    data = tmp_path / "data"
+    with ServerProcess(data) as server, Client(server.url) as client:
+        client.deploy_file(examples / "tiny-flux.toml")
+        key = (
+            wait_baked(client, "tiny-flux")
+            and executor_state(client)["templates"]["tiny-flux"]["mug"]["key"]
+        )
+        reference = client.invoke("tiny-flux", "mug", MASK, "a red mug", seed=3, format="raw")
+        assert reference.path == "maskaware"
+
+    _corrupt_one_value(store_path(data), key)
+
+    with ServerProcess(data) as server, Client(server.url) as client:
+        client.wait_ready("tiny-flux")
+        result = client.invoke("tiny-flux", "mug", MASK, "a red mug", seed=3, format="raw")
+        assert result.path == "stock"  # the corrupt template is not used ...
+        assert result.width == 128 and len(result.image) == 128 * 128 * 3
+        wait_baked(client, "tiny-flux")  # ... and it is baked again
+        state = executor_state(client)
+        assert (
+            state["cache"]["corrupt"] == 1 and state["templates"]["tiny-flux"]["mug"]["bakes"] == 1
+        )
+        rebaked = client.invoke("tiny-flux", "mug", MASK, "a red mug", seed=3, format="raw")
+        assert rebaked.path == "maskaware"
+        assert rebaked.image == reference.image  # same inputs, same bake: the same edit
+
+
+def test_host_budget_below_two_templates_spills_and_reloads(tmp_path: Path, examples: Path) -> None:
+    data = tmp_path / "data"
+    # A tiny-sd template bakes to ~39 MB (10 steps), a tiny-flux one to ~3 MB: a 50 MB host
+    # tier holds one tiny-sd template at a time.
+    budget = 50 << 20
+    with (
+        ServerProcess(data, extra_args=["--host-cache-bytes", str(budget)]) as server,
+        Client(server.url) as client,
+    ):
+        client.deploy_file(examples / "tiny-sd.toml")
+        client.deploy_file(examples / "tiny-flux.toml")
+        wait_baked(client, "tiny-sd")
+        wait_baked(client, "tiny-flux")
+        order = [("tiny-sd", "street"), ("tiny-sd", "poster"), ("tiny-flux", "shirt")] * 3
+        before = executor_state(client)["cache"]
+        paths = [client.invoke(f, t, MASK, "a kite", seed=i).path for i, (f, t) in enumerate(order)]
+        assert paths == ["maskaware"] * len(order)
+        cache = executor_state(client)["cache"]
+        assert (
+            cache["host_evictions"] - before["host_evictions"] >= 4
+        )  # street and poster evict each other
+        assert cache["loads"] - before["loads"] >= 4  # ... and are reloaded from the disk tier
+        assert cache["disk_bytes_read"] > before["disk_bytes_read"]
+        assert cache["host_bytes"] <= budget
