@@ -29,7 +29,9 @@ def test_mask_encoding_round_trip() -> None:
 def test_formats() -> None:
     img = template_image((32, 48), 5)
     assert decode_image(encode_image(img, "png"), "x").size == (32, 48)
-    assert np.array_equal(np.asarray(decode_image(encode_image(img, "webp"), "x").convert("RGB")), np.asarray(img))
+    assert np.array_equal(
+        np.asarray(decode_image(encode_image(img, "webp"), "x").convert("RGB")), np.asarray(img)
+    )
     assert len(encode_image(img, "raw")) == 32 * 48 * 3
     with pytest.raises(BadRequest) as err:
         decode_image(b"\x89PNG\r\n\x1a\n\0\0", "mask")

@@ -15,7 +15,15 @@ from retouch.platform.registry import Registry
 
 
 def _spec(name: str = "fn"):
-    return parse_spec({"name": name, "model": "m", "family": "sd-inpaint", "resolution": 64, "templates": {"a": {"prompt": "x", "seed": 2}}})
+    return parse_spec(
+        {
+            "name": name,
+            "model": "m",
+            "family": "sd-inpaint",
+            "resolution": 64,
+            "templates": {"a": {"prompt": "x", "seed": 2}},
+        }
+    )
 
 
 def test_registry_survives_restart_and_replaces_atomically(tmp_path: Path) -> None:

@@ -14,14 +14,26 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 
 def test_examples_parse() -> None:
     spec, images = load_spec_file(EXAMPLES / "tiny-sd.toml")
-    assert spec.name == "tiny-sd" and spec.family == "sd-inpaint" and (spec.width, spec.height) == (128, 128)
+    assert (
+        spec.name == "tiny-sd"
+        and spec.family == "sd-inpaint"
+        and (spec.width, spec.height) == (128, 128)
+    )
     assert set(images) == {"street", "poster"} and all(p.exists() for p in images.values())
     flux, _ = load_spec_file(EXAMPLES / "tiny-flux.toml")
     assert flux.name == "tiny-flux" and flux.scheduler == "flow-euler" and flux.slo_ms == 30000.0
 
 
 def test_defaults_follow_family() -> None:
-    spec = parse_spec({"name": "f", "model": "m", "family": "flux-inpaint", "resolution": [256, 128], "templates": {"t": {}}})
+    spec = parse_spec(
+        {
+            "name": "f",
+            "model": "m",
+            "family": "flux-inpaint",
+            "resolution": [256, 128],
+            "templates": {"t": {}},
+        }
+    )
     assert (spec.width, spec.height, spec.scheduler, spec.steps) == (256, 128, "flow-euler", 20)
 
 
@@ -29,10 +41,17 @@ def test_defaults_follow_family() -> None:
     steps=st.integers(1, 200),
     guidance=st.floats(0, 50, allow_nan=False),
     width=st.integers(4, 64).map(lambda v: v * 16),
-    seeds=st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), st.integers(0, 2**63 - 1), min_size=1, max_size=4),
+    seeds=st.dictionaries(
+        st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True),
+        st.integers(0, 2**63 - 1),
+        min_size=1,
+        max_size=4,
+    ),
     lo=st.integers(0, 3),
 )
-def test_round_trip(steps: int, guidance: float, width: int, seeds: dict[str, int], lo: int) -> None:
+def test_round_trip(
+    steps: int, guidance: float, width: int, seeds: dict[str, int], lo: int
+) -> None:
     doc = {
         "name": "fn-1",
         "model": "retouch:tiny-sd",
@@ -71,7 +90,13 @@ def test_round_trip(steps: int, guidance: float, width: int, seeds: dict[str, in
     ],
 )
 def test_errors_name_the_field(change: dict, field: str) -> None:
-    doc = {"name": "ok", "model": "m", "family": "sd-inpaint", "resolution": 128, "templates": {"t": {}}}
+    doc = {
+        "name": "ok",
+        "model": "m",
+        "family": "sd-inpaint",
+        "resolution": 128,
+        "templates": {"t": {}},
+    }
     doc.update(change)
     with pytest.raises(InvalidSpec) as err:
         parse_spec(doc)
@@ -81,7 +106,9 @@ def test_errors_name_the_field(change: dict, field: str) -> None:
 
 def test_spec_file_errors(tmp_path: Path) -> None:
     path = tmp_path / "f.toml"
-    path.write_text('name = "f"\nmodel = "m"\nfamily = "sd-inpaint"\nresolution = 64\n[templates.t]\nprompt = "x"\n')
+    path.write_text(
+        'name = "f"\nmodel = "m"\nfamily = "sd-inpaint"\nresolution = 64\n[templates.t]\nprompt = "x"\n'
+    )
     with pytest.raises(InvalidSpec) as err:
         load_spec_file(path)
     assert err.value.field == "templates.t.image"

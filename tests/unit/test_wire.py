@@ -10,7 +10,12 @@ from retouch.functions import wire
 from retouch.functions.errors import BadRequest, RetouchError
 
 
-@given(hnp.arrays(st.sampled_from([np.uint8, np.float16, np.float32, np.int64]), hnp.array_shapes(max_dims=4, max_side=5)))
+@given(
+    hnp.arrays(
+        st.sampled_from([np.uint8, np.float16, np.float32, np.int64]),
+        hnp.array_shapes(max_dims=4, max_side=5),
+    )
+)
 def test_raw_array_round_trip(array: np.ndarray) -> None:
     raw = wire.RawArray.of(array)
     back = wire.RawArray.from_wire(wire.unpack(wire.pack(raw.to_wire())), "x").to_numpy()
@@ -46,6 +51,10 @@ def test_unpack_malformed() -> None:
 
 
 def test_error_round_trip() -> None:
-    exc = RetouchError.from_wire(404, {"error": {"code": "template_not_found", "message": "m", "field": "template"}})
+    exc = RetouchError.from_wire(
+        404, {"error": {"code": "template_not_found", "message": "m", "field": "template"}}
+    )
     assert (exc.status, exc.code, exc.field) == (404, "template_not_found", "template")
-    assert exc.to_wire() == {"error": {"code": "template_not_found", "message": "m", "field": "template"}}
+    assert exc.to_wire() == {
+        "error": {"code": "template_not_found", "message": "m", "field": "template"}
+    }
