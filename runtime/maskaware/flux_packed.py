@@ -78,7 +78,7 @@ def forward(
     text_len = text.shape[1]
     ctx.text_len = text_len
     first = sparse if ctx.mode(blocks[0]) is Mode.SPARSE else whole
-    stream = _stream(first, first.gather(model.x_embedder(latents)).squeeze(0), rope, text_len)
+    stream = _stream(first, model.x_embedder(first.gather(latents).squeeze(0)), rope, text_len)
     previous = None
     for name in blocks:
         tokens = sparse if ctx.mode(name) is Mode.SPARSE else whole
