@@ -14,7 +14,7 @@ def psnr(a: np.ndarray, b: np.ndarray, region: np.ndarray | None = None) -> floa
     if region is not None:
         diff = diff[np.asarray(region, dtype=bool)]
     mse = float(np.mean(diff**2))
-    return float("inf") if mse == 0 else 10.0 * np.log10(1.0 / mse)
+    return float("inf") if mse == 0 else float(10.0 * np.log10(1.0 / mse))
 
 
 def ssim(a: np.ndarray, b: np.ndarray, sigma: float = 1.5, size: int = 11) -> float:
