@@ -166,8 +166,11 @@ class MaskAwareEditor:
         return state
 
     @torch.inference_mode()
-    def step(self, states: list[RequestState]) -> None:
-        """One denoising step for every state (each at its own timestep), one batched forward."""
+    def step(self, states: list[RequestState], modes: dict[str, Mode] | None = None) -> None:
+        """One denoising step for every state (each at its own timestep), one batched forward.
+
+        ``modes`` is the step's plan (block -> sparse/full); the engine passes the plan it
+        chose, other callers get ``self.plan``."""
         if not states:
             return
         if any(s.done for s in states):
@@ -181,7 +184,8 @@ class MaskAwareEditor:
             for size in sizes
         }
         slots = [Slot(s.index, reader=s.reader) for s in states]
-        ctx = ForwardContext(slots, per, self.plan(states, self.blocks), grids)
+        plan = modes if modes is not None else self.plan(states, self.blocks)
+        ctx = ForwardContext(slots, per, plan, grids)
         self._run(ctx, states)
 
     @torch.inference_mode()
