@@ -8,9 +8,21 @@ inert outside mask-aware calls; no weight is touched, nothing is written back) a
 * ``edit``: a whole mask-aware edit reading those activations;
 * ``stock_edit``: the stock pipeline with the same composed noise (the reference, and the
   path for templates not baked yet);
-* ``prepare`` / ``step`` / ``finish``: the step-level API of the continuous-batching
-  engine: ``step`` runs one denoising step for requests that may differ in mask, template
-  and timestep, in one batched forward.
+* the step-level API of the continuous-batching engine, split so that only ``step`` and
+  two light calls run on the engine thread:
+
+  - ``encode`` (pre worker): text encoding and VAE encodes into an :class:`Encoded` of host
+    tensors; it needs no denoiser and no cache, so it runs on a pipeline loaded without
+    its UNet/transformer in another process;
+  - ``assemble`` (engine thread): composed noise against the template's cached noise,
+    scheduler, token sets, tensors onto the device; without a cache every token is
+    computed, which is the stock pipeline's result;
+  - ``step`` (engine thread): one denoising step for requests that may differ in mask,
+    template and timestep, in one batched forward;
+  - ``final_latents`` (engine thread) then ``decode`` (post worker): VAE decode.
+
+  ``prepare`` (= encode + assemble) and ``finish`` (= final_latents + decode) run them in
+  process.
 """
 
 from __future__ import annotations
@@ -25,13 +37,26 @@ from PIL import Image
 
 from retouch.runtime.maskaware.context import ForwardContext, Mode, Slot, activate
 from retouch.runtime.maskaware.flux_inpaint import FluxInpaint
-from retouch.runtime.maskaware.noise import SeedNoise
-from retouch.runtime.maskaware.request import EditRequest, RequestState
+from retouch.runtime.maskaware.noise import SeedNoise, compose
+from retouch.runtime.maskaware.request import (
+    EditRequest,
+    Encoded,
+    ImageSize,
+    OutputSize,
+    RequestState,
+)
 from retouch.runtime.maskaware.sd_inpaint import SDInpaint
 from retouch.runtime.maskaware.store import TEMPLATE_STEP, ActivationReader, ActivationWriter
 from retouch.runtime.maskaware.tokens import TokenBatch
 
-__all__ = ["EditRequest", "MaskAwareEditor", "RequestState", "all_sparse"]
+__all__ = [
+    "EditRequest",
+    "Encoded",
+    "MaskAwareEditor",
+    "OutputSize",
+    "RequestState",
+    "all_sparse",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +101,11 @@ class MaskAwareEditor:
         """The block names activations are recorded under, in execution order."""
         return list(self.impl.blocks)
 
+    @property
+    def has_denoiser(self) -> bool:
+        """False on a pre/post worker's pipeline (loaded without its UNet/transformer)."""
+        return self.impl.has_denoiser
+
     # -- bake -----------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -94,6 +124,7 @@ class MaskAwareEditor:
         ``mask`` exists for exactness checks (a bake with an edit's own mask, prompt and seed
         makes the mask-aware edit reproduce the stock pipeline).
         """
+        self._require_denoiser()
         if mask is None:
             mask = np.zeros((image.height, image.width), dtype=bool)
         request = EditRequest(image, mask, prompt, seed, steps, guidance, prompt, seed)
@@ -102,12 +133,11 @@ class MaskAwareEditor:
         )
         writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "noise", noise.latents)
         writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "vae_noise", noise.vae)
-        extra = []
-        if isinstance(self.impl, FluxInpaint):
-            latents = self.impl.image_latents(image, noise.vae)
-            writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "image_latents", latents.float().cpu())
-            extra = [latents]
-        state = self.impl.prepare(request, noise, noise, *extra)
+        encoded = self._encode(request, noise, noise)
+        if "image_latents" in encoded.tensors:
+            latents = encoded.tensors["image_latents"].float()
+            writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "image_latents", latents)
+        state = self.assemble(request, encoded, None)
         state.writer = writer
         while not state.done:
             ctx = ForwardContext([Slot(state.index, writer=writer)], self.impl.rows_per_request, {})
@@ -151,28 +181,60 @@ class MaskAwareEditor:
     # -- step-level API -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prepare(self, request: EditRequest, reader: ActivationReader) -> RequestState:
-        """Pre-processing: text and mask encodings, composed noise, scheduler, token sets."""
-        template = SeedNoise(
-            reader.get(TEMPLATE_STEP, TEMPLATE_BLOCK, "noise"),
-            reader.get(TEMPLATE_STEP, TEMPLATE_BLOCK, "vae_noise"),
-        )
-        own = SeedNoise.draw(request.seed, tuple(template.latents.shape), torch.float32)
-        extra = []
-        if isinstance(self.impl, FluxInpaint):
-            extra = [reader.get(TEMPLATE_STEP, TEMPLATE_BLOCK, "image_latents")]
-        state = self.impl.prepare(request, template, own, *extra)
+    def encode(self, request: EditRequest, template_latents: torch.Tensor | None = None) -> Encoded:
+        """Heavy pre-processing (pre worker): text encoding, VAE encodes, composed noise.
+
+        It needs no cache and no denoiser: the template's noise is drawn from
+        ``request.template_seed``, as its bake drew it. ``template_latents`` (Flux: the
+        template's image latents, e.g. from its cache) spare a VAE encode; without them Flux
+        encodes the template image with the template's VAE noise, which is what a request
+        needs when its template has no cache yet.
+        """
+        template, own = self._noises(request)
+        return self._encode(request, template, own, template_latents)
+
+    @torch.inference_mode()
+    def assemble(
+        self, request: EditRequest, encoded: Encoded, reader: ActivationReader | None
+    ) -> RequestState:
+        """Light pre-processing (engine thread): scheduler, timesteps, token sets, device copies.
+
+        With a ``reader`` the template's cached per-template tensors are used (and the
+        encoded noise is checked against its noise). ``reader=None`` (template not baked
+        yet): every token is computed and no row is read, so :meth:`step` gives the stock
+        pipeline's result while it batches with mask-aware requests.
+        """
+        self._require_denoiser()
+        if (encoded.family, encoded.height, encoded.width) != (
+            self.family,
+            request.height,
+            request.width,
+        ):
+            raise ValueError(
+                f"encoded for {encoded.family} at {encoded.width}x{encoded.height}, not for "
+                f"this {self.family} request at {request.width}x{request.height}"
+            )
+        tensors = dict(encoded.tensors)
+        if reader is not None:
+            tensors.update(self._template_tensors(reader, encoded))
+        state = self.impl.assemble(request, tensors, every=reader is None)
         state.reader = reader
         return state
+
+    @torch.inference_mode()
+    def prepare(self, request: EditRequest, reader: ActivationReader | None) -> RequestState:
+        """:meth:`encode` then :meth:`assemble`, in this process."""
+        return self.assemble(request, self.encode(request, self._cached_latents(reader)), reader)
 
     @torch.inference_mode()
     def step(self, states: list[RequestState], modes: dict[str, Mode] | None = None) -> None:
         """One denoising step for every state (each at its own timestep), one batched forward.
 
-        ``modes`` is the step's plan (block -> sparse/full); the engine passes the plan it
-        chose, other callers get ``self.plan``."""
+        ``modes`` (per block) defaults to the editor's plan for these states.
+        """
         if not states:
             return
+        self._require_denoiser()
         if any(s.done for s in states):
             raise ValueError("a finished request cannot take another step")
         sizes = set(states[0].tokens)
@@ -184,16 +246,30 @@ class MaskAwareEditor:
             for size in sizes
         }
         slots = [Slot(s.index, reader=s.reader) for s in states]
-        plan = modes if modes is not None else self.plan(states, self.blocks)
-        ctx = ForwardContext(slots, per, plan, grids)
-        self._run(ctx, states)
+        if modes is None:
+            modes = self.plan(states, self.blocks)
+        self._run(ForwardContext(slots, per, modes, grids), states)
+
+    def final_latents(self, state: RequestState) -> torch.Tensor:
+        """The finished request's latents as a host tensor (what a post worker decodes)."""
+        if not state.done:
+            raise ValueError("the request has steps left")
+        return state.latents.detach().cpu()
+
+    @torch.inference_mode()
+    def decode(
+        self, latents: torch.Tensor, request_meta: ImageSize, output_type: str = "pil"
+    ) -> Image.Image | np.ndarray:
+        """Post-processing (post worker): VAE decode of :meth:`final_latents` and the
+        pipeline's postprocess; ``request_meta`` gives the output height and width (an
+        :class:`EditRequest` or an :class:`OutputSize`). ``output_type`` "pil" or "np"."""
+        size = OutputSize(request_meta.height, request_meta.width)
+        return self.impl.decode(latents, size, output_type)
 
     @torch.inference_mode()
     def finish(self, state: RequestState, output_type: str = "pil") -> Image.Image | np.ndarray:
-        """Post-processing: VAE decode of the final latents (``output_type`` "pil" or "np")."""
-        if not state.done:
-            raise ValueError("the request has steps left")
-        return self.impl.decode(state, output_type)
+        """:meth:`final_latents` then :meth:`decode`, in this process."""
+        return self.decode(self.final_latents(state), state.request, output_type)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -204,9 +280,50 @@ class MaskAwareEditor:
             self.impl.advance(state, prediction)
             state.index += 1
 
+    def _encode(
+        self,
+        request: EditRequest,
+        template: SeedNoise,
+        own: SeedNoise,
+        template_latents: torch.Tensor | None = None,
+    ) -> Encoded:
+        tensors = self.impl.encode(request, template, own, template_latents)
+        return Encoded(self.family, request.height, request.width, tensors)
+
     def _noises(self, request: EditRequest) -> tuple[SeedNoise, SeedNoise]:
         shape = self.impl.noise_shape(request.image.height, request.image.width)
         return (
             SeedNoise.draw(request.template_seed, shape, torch.float32),
             SeedNoise.draw(request.seed, shape, torch.float32),
         )
+
+    def _cached_latents(self, reader: ActivationReader | None) -> torch.Tensor | None:
+        """Flux: the template's image latents from its cache (spares encoding them)."""
+        if reader is None or not isinstance(self.impl, FluxInpaint):
+            return None
+        return reader.get(TEMPLATE_STEP, TEMPLATE_BLOCK, "image_latents")
+
+    def _template_tensors(
+        self, reader: ActivationReader, encoded: Encoded
+    ) -> dict[str, torch.Tensor]:
+        """The cached per-template tensors that replace encoded ones (the cache is the truth).
+
+        The encoded noise drew the template's part from ``template_seed``; a bake with
+        another seed would leave the unmasked region (and SD's masked-image latents)
+        inconsistent with the cached rows, so that is refused.
+        """
+        noise = encoded.tensors["noise"]
+        baked = reader.get(TEMPLATE_STEP, TEMPLATE_BLOCK, "noise").to(noise.dtype)
+        if not torch.equal(compose(baked, noise, encoded.latent_mask), noise):
+            raise ValueError(
+                "the request's template_seed is not the seed its template was baked with"
+            )
+        cached = self._cached_latents(reader)
+        return {} if cached is None else {"image_latents": cached}
+
+    def _require_denoiser(self) -> None:
+        if not self.has_denoiser:
+            raise RuntimeError(
+                f"this {self.family} editor was loaded without its denoiser (a pre/post "
+                "worker's pipeline): it can encode and decode, not denoise"
+            )

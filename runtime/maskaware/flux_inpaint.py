@@ -1,14 +1,17 @@
-"""The ``flux-inpaint`` family: FluxInpaintPipeline split into prepare / step / finish.
+"""The ``flux-inpaint`` family: FluxInpaintPipeline split into encode / assemble / step /
+decode.
 
 Each piece does what ``FluxInpaintPipeline.__call__`` does for strength 1.0, calling the
-pipeline's own helpers. After every step the pipeline blends the unmasked latents back to
+pipeline's own helpers. ``encode`` (text encoders, template VAE encode) and ``decode`` (VAE
+decode) need no transformer, so they also run on a pipeline loaded without one. After every step the pipeline blends the unmasked latents back to
 the template re-noised to the next timestep, so the unmasked tokens' inputs are exactly the
 bake's at every step and only the masked tokens need computing; the transformer output of
 unmasked tokens is discarded by that blend (it is left at zero).
 
 The template's image latents are a per-template tensor: the bake stores them with the
 template (the VAE posterior sample drawn with the template seed), which also saves every
-edit a VAE encode; the stock reference is given the same latents.
+edit a VAE encode; the stock reference is given the same latents. A request whose template
+has no cache yet gets them from ``encode`` (the same VAE encode with the template's seed).
 """
 
 from __future__ import annotations
@@ -26,8 +29,13 @@ from retouch.runtime.maskaware import flux_blocks, flux_packed
 from retouch.runtime.maskaware.context import ForwardContext, Mode
 from retouch.runtime.maskaware.flux_packed import PackedInputs
 from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
-from retouch.runtime.maskaware.request import EditRequest, RequestState, check_batchable
-from retouch.runtime.maskaware.tokens import TokenSet, pool_mask
+from retouch.runtime.maskaware.request import (
+    EditRequest,
+    ImageSize,
+    RequestState,
+    check_batchable,
+    token_sets,
+)
 
 
 @dataclass
@@ -52,9 +60,14 @@ class FluxInpaint:
 
     def __init__(self, pipe: FluxInpaintPipeline, device: torch.device) -> None:
         self.pipe, self.device = pipe, device
-        self.dtype = pipe.transformer.dtype
-        self.blocks = flux_blocks.install(pipe.transformer)
-        self.channels = pipe.transformer.config.in_channels // 4
+        self.has_denoiser = pipe.transformer is not None
+        self.blocks: list[str] = []
+        if self.has_denoiser:
+            self.blocks = flux_blocks.install(pipe.transformer)
+            self.channels = pipe.transformer.config.in_channels // 4
+        else:
+            self.channels = pipe.vae.config.latent_channels
+        self.dtype = (pipe.transformer if self.has_denoiser else pipe.vae).dtype
 
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
         factor = self.pipe.vae_scale_factor * 2
@@ -98,19 +111,19 @@ class FluxInpaint:
         scheduler.set_begin_index(0)
         return scheduler, timesteps
 
-    def prepare(
+    def encode(
         self,
         request: EditRequest,
         template_noise: SeedNoise,
         request_noise: SeedNoise,
-        image_latents: torch.Tensor,
-    ) -> RequestState:
-        """Text encoding, composed noise, packed mask and latents, scheduler, token set."""
+        template_latents: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The heavy, cache-independent part: latent mask, composed noise, text encoding and,
+        unless ``template_latents`` are given, the template's VAE encode; host tensors."""
         mask = self.latent_mask(request)
-        hard = mask[0, 0] > 0.5
-        noise = self._pack(
-            template_noise.compose(request_noise, hard).latents.to(self.device, self.dtype)
-        )
+        noise = template_noise.compose(request_noise, mask[0, 0] > 0.5)
+        if template_latents is None:
+            template_latents = self.image_latents(request.image, template_noise.vae)
         pipe = self.pipe
         prompt_embeds, pooled, text_ids = pipe.encode_prompt(
             prompt=request.prompt,
@@ -119,22 +132,42 @@ class FluxInpaint:
             num_images_per_prompt=1,
             max_sequence_length=pipe.tokenizer_2.model_max_length,
         )
+        return {
+            "prompt_embeds": prompt_embeds.cpu(),  # [1, L, D]
+            "pooled": pooled.cpu(),  # [1, P]
+            "text_ids": text_ids.cpu(),  # [L, 3]
+            "mask": mask,  # [1, 1, h, w] float32
+            "noise": noise.latents,  # [1, C, h, w] float32
+            "image_latents": template_latents.cpu(),  # [1, C, h, w]
+        }
+
+    def assemble(
+        self, request: EditRequest, tensors: dict[str, torch.Tensor], *, every: bool
+    ) -> RequestState:
+        """The light part: packing, scheduler, token set, inputs on the device.
+
+        ``every``: compute every token (no cache to read).
+        """
+        mask = tensors["mask"]
+        hard = mask[0, 0] > 0.5
+        noise = self._pack(tensors["noise"].to(self.device, self.dtype))
+        pipe = self.pipe
         scheduler, timesteps = self._scheduler(request)
         h, w = hard.shape
         guidance = None
         if pipe.transformer.config.guidance_embeds:
             guidance = torch.full([1], request.guidance, device=self.device, dtype=torch.float32)
         inputs = FluxInputs(
-            prompt_embeds=prompt_embeds,
-            pooled=pooled,
-            text_ids=text_ids,
+            prompt_embeds=tensors["prompt_embeds"].to(self.device),
+            pooled=tensors["pooled"].to(self.device),
+            text_ids=tensors["text_ids"].to(self.device),
             image_ids=pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, self.dtype),
             guidance=guidance,
             mask=self._pack(mask.to(self.device, self.dtype).repeat(1, self.channels, 1, 1)),
-            image_latents=self._pack(image_latents.to(self.device, self.dtype)),
+            image_latents=self._pack(tensors["image_latents"].to(self.device, self.dtype)),
             noise=noise,
         )
-        tokens = {(h // 2, w // 2): TokenSet.from_grid(pool_mask(hard.cpu(), (h // 2, w // 2)))}
+        tokens = token_sets(hard, [(h // 2, w // 2)], every=every)
         return RequestState(request, noise.clone(), scheduler, timesteps, inputs, tokens)
 
     def forward(self, states: list[RequestState], ctx: ForwardContext) -> list[torch.Tensor]:
@@ -176,11 +209,13 @@ class FluxInpaint:
             )
         state.latents = (1 - inputs.mask) * template + inputs.mask * latents
 
-    def decode(self, state: RequestState, output_type: str = "pil") -> Image.Image | np.ndarray:
+    def decode(
+        self, latents: torch.Tensor, size: ImageSize, output_type: str = "pil"
+    ) -> Image.Image | np.ndarray:
+        """Unpack ``[1, N, 4C]`` final latents to ``size``, VAE decode, postprocess."""
         pipe, vae = self.pipe, self.pipe.vae
-        image = state.request.image
         latents = pipe._unpack_latents(
-            state.latents, image.height, image.width, pipe.vae_scale_factor
+            latents.to(self.device, vae.dtype), size.height, size.width, pipe.vae_scale_factor
         )
         latents = latents / vae.config.scaling_factor + vae.config.shift_factor
         decoded = vae.decode(latents, return_dict=False)[0]

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from PIL import Image
 
 from retouch.runtime.maskaware.store import ActivationReader, ActivationWriter
-from retouch.runtime.maskaware.tokens import TokenSet
+from retouch.runtime.maskaware.tokens import TokenSet, pool_mask
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,63 @@ class EditRequest:
     def mask_ratio(self) -> float:
         return float(np.asarray(self.mask, dtype=bool).mean())
 
+    @property
+    def height(self) -> int:
+        return self.image.height
+
+    @property
+    def width(self) -> int:
+        return self.image.width
+
     def mask_image(self) -> Image.Image:
         """The mask as the pipelines take it (white = repaint)."""
         return Image.fromarray(np.asarray(self.mask, dtype=bool).astype(np.uint8) * 255)
+
+
+class ImageSize(Protocol):
+    """What decoding needs to know of a request: the output size (an :class:`EditRequest`
+    or an :class:`OutputSize` both qualify)."""
+
+    @property
+    def height(self) -> int: ...
+
+    @property
+    def width(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class OutputSize:
+    """The output size alone: what a post worker gets instead of the whole request."""
+
+    height: int
+    width: int
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A request's heavy pre-processing, ready for the engine to assemble it.
+
+    Only host tensors and plain metadata, so that a pre worker in another process can
+    produce it (``tensors`` cross through shared memory). The keys are the family's
+    (``SDInpaint.encode`` / ``FluxInpaint.encode``); every family has ``mask``, the
+    ``[1, 1, h, w]`` latent mask, and ``noise``, the initial noise composed with the
+    template noise drawn from the request's ``template_seed``.
+    """
+
+    family: str
+    height: int
+    width: int
+    tensors: dict[str, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        on_device = [name for name, t in self.tensors.items() if t.device.type != "cpu"]
+        if on_device:
+            raise ValueError(f"encoded tensors must be host tensors: {on_device}")
+
+    @property
+    def latent_mask(self) -> torch.Tensor:
+        """The boolean ``[h, w]`` latent mask."""
+        return self.tensors["mask"][0, 0] > 0.5
 
 
 @dataclass
@@ -75,6 +129,19 @@ class RequestState:
     @property
     def last(self) -> bool:
         return self.index == len(self.timesteps) - 1
+
+
+def token_sets(
+    latent_mask: torch.Tensor, sizes: list[tuple[int, int]], *, every: bool = False
+) -> dict[tuple[int, int], TokenSet]:
+    """The token set of every grid ``size``, pooled from a boolean ``[h, w]`` latent mask.
+
+    ``every``: all tokens are computed, whatever the mask (a request without a cache reads
+    no row, so it runs exactly like the stock pipeline).
+    """
+    if every:
+        return {size: TokenSet.from_grid(torch.ones(size, dtype=torch.bool)) for size in sizes}
+    return {size: TokenSet.from_grid(pool_mask(latent_mask.cpu(), size)) for size in sizes}
 
 
 def check_batchable(requests: list[EditRequest]) -> EditRequest:

@@ -1,8 +1,11 @@
-"""The ``sd-inpaint`` family: StableDiffusionInpaintPipeline split into prepare / step / finish.
+"""The ``sd-inpaint`` family: StableDiffusionInpaintPipeline split into encode / assemble /
+step / decode.
 
 Each piece does what ``StableDiffusionInpaintPipeline.__call__`` does for strength 1.0 and a
 9-channel UNet, calling the pipeline's own helpers, so that with an exact cache the
-mask-aware edit reproduces the stock pipeline. The UNet forward is batched across requests
+mask-aware edit reproduces the stock pipeline. ``encode`` (text encoder, masked-image VAE
+encode) and ``decode`` (VAE decode) need no UNet, so they also run on a pipeline loaded
+without one (a pre/post worker's). The UNet forward is batched across requests
 (request-major rows ``[uncond, cond]`` per request, per-row timesteps); guidance and the
 scheduler step stay per request.
 """
@@ -24,8 +27,14 @@ from PIL import Image
 from retouch.runtime.maskaware import unet_blocks
 from retouch.runtime.maskaware.context import ForwardContext
 from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
-from retouch.runtime.maskaware.request import EditRequest, RequestState, check_batchable
-from retouch.runtime.maskaware.tokens import TokenSet, level_sizes, pool_mask
+from retouch.runtime.maskaware.request import (
+    EditRequest,
+    ImageSize,
+    RequestState,
+    check_batchable,
+    token_sets,
+)
+from retouch.runtime.maskaware.tokens import level_sizes
 
 
 @dataclass
@@ -45,12 +54,18 @@ class SDInpaint:
     rows_per_request = 2  # classifier-free guidance halves
 
     def __init__(self, pipe: StableDiffusionInpaintPipeline, device: torch.device) -> None:
-        if pipe.unet.config.in_channels != 9:
-            raise ValueError("sd-inpaint mask-aware inference needs a 9-channel inpainting UNet")
         self.pipe, self.device = pipe, device
-        self.dtype = pipe.unet.dtype
-        self.blocks = unet_blocks.install(pipe.unet)
-        self.levels = len(pipe.unet.config.block_out_channels)
+        self.has_denoiser = pipe.unet is not None
+        self.blocks: list[str] = []
+        self.levels = 0
+        if self.has_denoiser:
+            if pipe.unet.config.in_channels != 9:
+                raise ValueError(
+                    "sd-inpaint mask-aware inference needs a 9-channel inpainting UNet"
+                )
+            self.blocks = unet_blocks.install(pipe.unet)
+            self.levels = len(pipe.unet.config.block_out_channels)
+        self.dtype = (pipe.unet if self.has_denoiser else pipe.vae).dtype
 
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
         factor = self.pipe.vae_scale_factor
@@ -78,29 +93,48 @@ class SDInpaint:
         masked = (init.to(torch.float32) * (mask_condition < 0.5)).to(self.device, self.dtype)
         return self.pipe.vae.config.scaling_factor * vae_sample(self.pipe.vae, masked, vae_noise)
 
-    def prepare(
-        self, request: EditRequest, template_noise: SeedNoise, request_noise: SeedNoise
-    ) -> RequestState:
-        """Text encoding, masked-image encoding, composed noise, scheduler, token sets."""
+    def encode(
+        self,
+        request: EditRequest,
+        template_noise: SeedNoise,
+        request_noise: SeedNoise,
+        template_latents: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The heavy, cache-independent part: latent mask, composed noise, masked-image VAE
+        encode and text encoding, as host tensors (``template_latents`` is Flux's; unused)."""
         condition = self._mask_condition(request)
-        mask = self.latent_mask(condition).to(self.device, self.dtype)
-        hard = mask[0, 0] > 0.5
-        noise = template_noise.compose(request_noise, hard.cpu())
+        mask = self.latent_mask(condition)
+        noise = template_noise.compose(request_noise, mask[0, 0] > 0.5)
         masked_latents = self._masked_image_latents(request, condition, noise.vae)
         positive, negative = self.pipe.encode_prompt(request.prompt, self.device, 1, True)
+        return {
+            "prompt_embeds": torch.cat([negative, positive]).cpu(),  # [2, L, D]
+            "mask": mask,  # [1, 1, h, w] float32
+            "noise": noise.latents,  # [1, 4, h, w] float32
+            "masked_image_latents": masked_latents.cpu(),  # [1, 4, h, w]
+        }
+
+    def assemble(
+        self, request: EditRequest, tensors: dict[str, torch.Tensor], *, every: bool
+    ) -> RequestState:
+        """The light part: scheduler, timesteps, token sets per level, inputs on the device.
+
+        ``every``: compute every token (no cache to read).
+        """
+        mask = tensors["mask"].to(self.device, self.dtype)
+        hard = tensors["mask"][0, 0] > 0.5
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         timesteps, _ = retrieve_timesteps(scheduler, request.steps, self.device)
         if hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
-        latents = noise.latents.to(self.device, self.dtype) * scheduler.init_noise_sigma
+        latents = tensors["noise"].to(self.device, self.dtype) * scheduler.init_noise_sigma
         inputs = SDInputs(
-            prompt_embeds=torch.cat([negative, positive]),
+            prompt_embeds=tensors["prompt_embeds"].to(self.device),
             mask=mask,
-            masked_image_latents=masked_latents,
+            masked_image_latents=tensors["masked_image_latents"].to(self.device, self.dtype),
             extra_step_kwargs=self.pipe.prepare_extra_step_kwargs(None, 0.0),  # eta 0
         )
-        sizes = level_sizes(*hard.shape, self.levels)
-        tokens = {size: TokenSet.from_grid(pool_mask(hard.cpu(), size)) for size in sizes}
+        tokens = token_sets(hard, level_sizes(*hard.shape, self.levels), every=every)
         return RequestState(request, latents, scheduler, timesteps, inputs, tokens)
 
     def forward(self, states: list[RequestState], ctx: ForwardContext) -> list[torch.Tensor]:
@@ -134,9 +168,13 @@ class SDInpaint:
         )
         state.latents = step[0]
 
-    def decode(self, state: RequestState, output_type: str = "pil") -> Image.Image | np.ndarray:
+    def decode(
+        self, latents: torch.Tensor, size: ImageSize, output_type: str = "pil"
+    ) -> Image.Image | np.ndarray:
+        """VAE decode of ``[1, 4, h, w]`` final latents and the pipeline's postprocess."""
         vae = self.pipe.vae
-        image = vae.decode(state.latents / vae.config.scaling_factor, return_dict=False)[0]
+        latents = latents.to(self.device, vae.dtype)
+        image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
         return self.pipe.image_processor.postprocess(
             image, output_type=output_type, do_denormalize=[True]
         )[0]
