@@ -1,10 +1,11 @@
 """Self-attention of masked queries against [fresh masked K,V ; cached unmasked K,V].
 
 The keys of a row are assembled in natural token order into one ``[rows, N, C]`` buffer:
-cached rows of the unmasked tokens (gathered by the store) and the freshly computed rows of
-the masked ones. Attention is invariant to key order, and keeping the stock order keeps the
-result within rounding of the stock block when the cache is exact. Every row then attends
-with its full key set, so the padded layout needs no attention mask.
+cached rows of the unmasked tokens (staged by the row loader when the forward has one,
+else gathered from the store right here) and the freshly computed rows of the masked ones.
+Attention is invariant to key order, and keeping the stock order keeps the result within
+rounding of the stock block when the cache is exact. Every row then attends with its full
+key set, so the padded layout needs no attention mask.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ def assemble(
             continue
         if slot.reader is None:
             raise RuntimeError(f"block {block!r} runs sparse but request {r} has no cache")
-        cached = fresh.new_empty(per, token_set.unmasked.numel(), channels)
-        fetch_rows(slot.reader, slot.step, block, name, token_set.unmasked, cached)
+        if ctx.loader is not None:  # staged ahead by the row loader
+            cached = ctx.loader.rows(r, block, name).to(fresh.dtype)
+        else:
+            cached = fresh.new_empty(per, token_set.unmasked.numel(), channels)
+            fetch_rows(slot.reader, slot.step, block, name, token_set.unmasked, cached)
         full[r * per : (r + 1) * per].index_copy_(1, tokens.unmasked_index(r), cached)
     return tokens.scatter_rows(fresh, full)
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -35,6 +36,22 @@ class Slot:
     writer: ActivationWriter | None = None  # a bake's recording target
 
 
+class RowSource(Protocol):
+    """Cached rows staged ahead of the blocks (``retouch.runtime.maskaware.loader``)."""
+
+    def rows(self, request: int, block: str, name: str) -> torch.Tensor:
+        """Request ``request``'s unmasked rows ``[per, n, C]`` of ``name`` cached for ``block``."""
+        ...
+
+
+class BlockHook(Protocol):
+    """Told when each block of a mask-aware forward starts and ends (loader, profiler)."""
+
+    def enter(self, block: str) -> None: ...
+
+    def exit(self, block: str) -> None: ...
+
+
 @dataclass
 class ForwardContext:
     """Everything a wrapped block needs during one batched forward."""
@@ -46,6 +63,8 @@ class ForwardContext:
     grid: TokenBatch | None = None  # the token grid of the sparse block now running
     text_len: int = 0  # text tokens in front of image tokens (joint-attention models)
     scratch: dict[object, torch.Tensor] = field(default_factory=dict)  # per-forward memo
+    loader: RowSource | None = None  # staged rows; None: blocks fetch synchronously
+    hooks: list[BlockHook] = field(default_factory=list)
 
     @property
     def recording(self) -> bool:
@@ -53,6 +72,14 @@ class ForwardContext:
 
     def mode(self, block: str) -> Mode:
         return self.modes.get(block, Mode.FULL)
+
+    def enter_block(self, block: str) -> None:
+        for hook in self.hooks:
+            hook.enter(block)
+
+    def exit_block(self, block: str) -> None:
+        for hook in self.hooks:
+            hook.exit(block)
 
     def record(self, block: str, name: str, tensor: torch.Tensor) -> None:
         """Hand each request's rows of a ``[rows, tokens, C]`` tensor to its writer."""

@@ -30,6 +30,8 @@ from retouch.runtime.maskaware.tokens import TokenBatch
 
 INSTALLED = "_retouch_maskaware_block"
 SPARSE_CARRY = "flux_sparse"  # scratch key: are the hidden states now in the sparse layout?
+SPARSE_ROWS = ("k", "v")  # what a sparse block reads from the cache
+EXIT_ROWS = ("y",)  # what a full block right after a sparse one reads (of that block)
 
 
 def block_names(transformer: nn.Module) -> list[str]:
@@ -61,11 +63,14 @@ def install(transformer: nn.Module) -> list[str]:
 
 
 def _switch_layout(name: str, previous: str | None) -> Any:
-    """Pre-hook: bring the incoming image hidden states into this block's layout."""
+    """Pre-hook: the block starts; bring the incoming image hidden states into its layout."""
 
     def hook(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         ctx = current()
-        if ctx is None or ctx.grid is None:
+        if ctx is None:
+            return None
+        ctx.enter_block(name)
+        if ctx.grid is None:
             return None
         want_sparse = ctx.mode(name) is Mode.SPARSE
         if ctx.scratch[SPARSE_CARRY] == want_sparse:
@@ -86,12 +91,15 @@ def _switch_layout(name: str, previous: str | None) -> Any:
 
 
 def _record_output(name: str) -> Any:
-    """Forward hook: a bake records the block's image output Y."""
+    """Forward hook: a bake records the block's image output Y; the block has ended."""
 
     def hook(block: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
         ctx = current()
-        if ctx is not None and ctx.recording:
+        if ctx is None:
+            return
+        if ctx.recording:
             ctx.record(name, "y", output[1])
+        ctx.exit_block(name)
 
     return hook
 

@@ -81,6 +81,7 @@ def forward(
     stream = _stream(first, model.x_embedder(first.gather(latents).squeeze(0)), rope, text_len)
     previous = None
     for name in blocks:
+        ctx.enter_block(name)
         tokens = sparse if ctx.mode(name) is Mode.SPARSE else whole
         stream = _relayout(ctx, stream, tokens, previous, rope, text_len)
         block = model.get_submodule(name)
@@ -88,6 +89,7 @@ def forward(
             text, stream.rows = _dual(ctx, name, block, stream, text, temb)
         else:
             text, stream.rows = _single(ctx, name, block, stream, text, temb)
+        ctx.exit_block(name)
         previous = name
     rows = stream.rows
     scale, shift = _modulation(

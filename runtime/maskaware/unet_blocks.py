@@ -44,6 +44,22 @@ def install(unet: nn.Module) -> list[str]:
     return names
 
 
+def execution_order(names: list[str]) -> list[str]:
+    """Block names in the order a UNet forward runs them: down, mid, up.
+
+    ``named_modules`` lists ``up_blocks`` before ``mid_block`` (the UNet registers the empty
+    ``up_blocks`` list first), so ``install``'s order is not the execution order.
+    """
+    stage = {"down_blocks": 0, "mid_block": 1, "up_blocks": 2}
+    return sorted(names, key=lambda name: stage.get(name.split(".", 1)[0], 1))
+
+
+def sparse_rows(module: Transformer2DModel) -> tuple[str, ...]:
+    """What a sparse block reads from the cache: K and V of each attn1, then its output Y."""
+    count = len(module.transformer_blocks)
+    return (*(n for i in range(count) for n in (f"k{i}", f"v{i}")), "y")
+
+
 def _check_supported(name: str, module: Transformer2DModel) -> None:
     if not module.is_input_continuous:
         raise ValueError(f"{name}: only continuous-input Transformer2DModel blocks can run sparse")
@@ -82,18 +98,28 @@ def _block_forward(
 ) -> Transformer2DModelOutput | tuple[torch.Tensor]:
     """A ``Transformer2DModel`` forward that runs sparse when the active plan says so."""
     ctx = current()
-    if ctx is None or ctx.mode(name) is Mode.FULL:
+    if ctx is None:
+        return Transformer2DModel.forward(
+            module, hidden_states, encoder_hidden_states, return_dict=return_dict, **kwargs
+        )
+    ctx.enter_block(name)
+    if ctx.mode(name) is Mode.FULL:
         out = Transformer2DModel.forward(
             module, hidden_states, encoder_hidden_states, return_dict=return_dict, **kwargs
         )
-        if ctx is not None and ctx.recording:
+        if ctx.recording:
             sample = out.sample if return_dict else out[0]
             ctx.record(name, "y", sample.flatten(2).transpose(1, 2))
-        return out
-    if kwargs.get("attention_mask") is not None or kwargs.get("encoder_attention_mask") is not None:
-        raise ValueError("sparse blocks do not support attention masks")
-    sample = _sparse_forward(ctx, module, name, hidden_states, encoder_hidden_states, kwargs)
-    return Transformer2DModelOutput(sample=sample) if return_dict else (sample,)
+    else:
+        if (
+            kwargs.get("attention_mask") is not None
+            or kwargs.get("encoder_attention_mask") is not None
+        ):
+            raise ValueError("sparse blocks do not support attention masks")
+        sample = _sparse_forward(ctx, module, name, hidden_states, encoder_hidden_states, kwargs)
+        out = Transformer2DModelOutput(sample=sample) if return_dict else (sample,)
+    ctx.exit_block(name)
+    return out
 
 
 def _sparse_forward(
