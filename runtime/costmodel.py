@@ -36,6 +36,17 @@ class LinearFit:
         total = float(((y - y.mean()) ** 2).sum())
         return cls(float(intercept), float(slope), 1.0 - residual / total if total > 0 else 1.0)
 
+    @classmethod
+    def fit_medians(cls, xs: list[float], ys: list[float]) -> LinearFit:
+        """:meth:`fit` on the median ``y`` of each distinct ``x``: repeated measurements of
+        one configuration count once, and a sample slowed by another process does not pull
+        the line (timings on a shared machine)."""
+        groups: dict[float, list[float]] = {}
+        for x, y in zip(xs, ys, strict=True):
+            groups.setdefault(float(x), []).append(float(y))
+        keys = sorted(groups)
+        return cls.fit(keys, [float(np.median(groups[k])) for k in keys])
+
 
 @dataclass(frozen=True)
 class BlockProfile:
@@ -43,13 +54,15 @@ class BlockProfile:
 
     ``bytes_per_token_sparse`` is what a sparse block loads per *unmasked* token (K and V,
     plus Y where the family reads Y inside a sparse block); ``bytes_per_token_exit`` is its
-    Y per unmasked token, loaded when the next block runs full.
+    Y per unmasked token, loaded when the next block runs full. Both count every model
+    row of a request (the two CFG halves of SD).
     """
 
     name: str
     compute: LinearFit
     bytes_per_token_sparse: int
     bytes_per_token_exit: int
+    level: int = 0  # the block's token grid: 0 the finest of a request, 1 the next...
 
 
 @dataclass(frozen=True)
@@ -89,6 +102,7 @@ class CostModel:
                 LinearFit(**b["compute"]),
                 b["bytes_per_token_sparse"],
                 b["bytes_per_token_exit"],
+                b.get("level", 0),
             )
             for b in doc["blocks"]
         ]

@@ -12,13 +12,18 @@ pair, so it finds the plan with the earliest finish exactly, in O(N · frontier)
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
+from typing import TYPE_CHECKING
 
+from retouch.runtime.maskaware.context import Mode
 
-class Mode(StrEnum):
-    SPARSE = "sparse"
-    FULL = "full"
+if TYPE_CHECKING:
+    from retouch.runtime.costmodel import CostModel
+    from retouch.runtime.maskaware.request import RequestState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -130,3 +135,53 @@ def evaluate(costs: list[BlockCost], modes: tuple[Mode, ...]) -> float:
             s = _full(s, cost, costs[i - 1].load_exit if prev is Mode.SPARSE else 0.0)
         prev = mode
     return s.comp
+
+
+# -- the engine's planner -----------------------------------------------------------------
+
+PlanFn = Callable[[list["RequestState"], list[str]], dict[str, Mode]]
+
+
+@dataclass
+class Planner:
+    """The bubble-free plan of each step from the cost model (``editor.plan`` signature).
+
+    Each block's (masked, total) tokens are summed over the batch on that block's token
+    grid (its ``level``: 0 the finest grid of a request, 1 the next...). A request without
+    a cache computes every token: masked = total. ``last`` keeps the latest plan (the
+    predicted step latency and load time) for the engine's metrics.
+    """
+
+    cost_model: CostModel
+    last: Plan | None = None
+
+    def __call__(self, states: list[RequestState], blocks: list[str]) -> dict[str, Mode]:
+        modes = dict.fromkeys(blocks, Mode.FULL)
+        if not any(s.reader is not None for s in states):
+            self.last = None
+            return modes  # nothing cached: sparse would compute every token anyway
+        plan = bubble_free_plan(self.cost_model.block_costs(batch_tokens(self.cost_model, states)))
+        self.last = plan
+        for profile, mode in zip(self.cost_model.blocks, plan.modes, strict=True):
+            if profile.name in modes:
+                modes[profile.name] = mode
+        return modes
+
+
+def make_planner(cost_model: CostModel) -> Planner:
+    """``editor.plan = make_planner(cost_model)``; the engine passes its result to ``step``."""
+    return Planner(cost_model)
+
+
+def batch_tokens(cost_model: CostModel, states: list[RequestState]) -> list[tuple[int, int]]:
+    """Per profiled block, the batch's (masked, total) tokens on the block's token grid."""
+    grids = [sorted(s.tokens.items(), key=lambda kv: -kv[1].n_tokens) for s in states]
+    out = []
+    for profile in cost_model.blocks:
+        masked = total = 0
+        for state, levels in zip(states, grids, strict=True):
+            tokens = levels[min(profile.level, len(levels) - 1)][1]
+            total += tokens.n_tokens
+            masked += tokens.count if state.reader is not None else tokens.n_tokens
+        out.append((masked, total))
+    return out

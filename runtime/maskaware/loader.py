@@ -218,6 +218,19 @@ class RowLoader:
             ctx.loader = None
             self._record(loads.stats)
 
+    def measure(self, ctx: ForwardContext, mode: Callable[[str], Mode]) -> LoadStats:
+        """Load (and drop) every row a step with plan ``mode`` would read, job by job, each
+        timed with its copy to the device: the load side of profiling, without compute."""
+        loads = StepLoads(self, ctx, self.family.needs(mode))
+        loads._finished.set()
+        try:
+            for job in loads.jobs:
+                self.fill(loads, job, self.stream, timed=True)
+                self.release(job)
+        finally:
+            loads.close()
+        return loads.stats
+
     def _record(self, stats: LoadStats) -> None:
         self.last = stats
         self.steps += 1
@@ -246,7 +259,7 @@ class RowLoader:
 
     # -- filling one job ------------------------------------------------------------------
 
-    def fill(self, loads: StepLoads, job: _Job, stream: Any) -> None:
+    def fill(self, loads: StepLoads, job: _Job, stream: Any, *, timed: bool = False) -> None:
         """Gather a job's rows into one buffer (pinned + a copy on ``stream`` on CUDA)."""
         start = time.perf_counter()
         with self._fill_lock:
@@ -262,7 +275,7 @@ class RowLoader:
                     job.event = torch.cuda.Event()
                     job.event.record(stream)
                 self._staging.done(job.event)
-                if self.time_copies:
+                if self.time_copies or timed:
                     job.event.synchronize()
         job.flat = flat
         job.tensors = {(p.request, p.name): p.view(flat) for p in pieces}

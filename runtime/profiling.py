@@ -1,0 +1,312 @@
+"""Per-block costs measured on the executor's own device: the inputs of the bubble-free plan.
+
+At executor start a loaded editor bakes a synthetic template in memory, then runs a few
+denoising steps with synthetic masks of several ratios and batch sizes, all blocks sparse
+and all blocks full, with every cached row loaded *before* the forward (``preload``) so
+that block times are compute alone. Each block's time (timed between its enter and exit
+hooks, synchronising the device on CUDA) is fitted as a line in the tokens it processed
+(summed over the batch). The row loads of those steps, plus a sweep of loads alone (1 to 8
+copies of a request, each job timed with its copy to the device) give the load line in bytes.
+The result is a :class:`CostModel` with R² per fit, cached as JSON under
+``<data-dir>/profiles/<model fingerprint>-<device>.json`` so a restart does not re-profile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retouch.functions.demo.images import mask_of_ratio, template_image
+from retouch.runtime.costmodel import BlockProfile, CostModel, LinearFit
+from retouch.runtime.fingerprint import model_fingerprint
+from retouch.runtime.maskaware.context import ForwardContext, Mode, Slot
+from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor, RequestState
+from retouch.runtime.maskaware.loader import FamilyRows, LoadMode, RowLoader, attach, attached
+from retouch.runtime.maskaware.store import MemoryActivations
+from retouch.runtime.maskaware.tokens import TokenBatch
+
+log = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1  # bump when what is measured changes: cached profiles are redone
+PROMPT = "a quiet street"  # the demo tokenizers take 14 characters
+SWEEP_COPIES = (1, 2, 4, 8)  # requests per timed load job in the load sweep
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What to run: ``repeats`` timed steps per (mask ratio, batch, all-sparse/all-full)."""
+
+    ratios: tuple[float, ...] = (0.15, 0.4, 0.7)
+    batches: tuple[int, ...] = (1, 2)
+    repeats: int = 2
+    guidance: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or not self.ratios or not self.batches:
+            raise ValueError("profiling needs repeats >= 1, mask ratios and batch sizes")
+
+
+@dataclass
+class BlockTimer:
+    """A block hook recording how long each block of one forward took."""
+
+    cuda: bool
+    times: dict[str, float] = field(default_factory=dict)
+    _started: dict[str, float] = field(default_factory=dict)
+
+    def enter(self, block: str) -> None:
+        self._sync()
+        self._started[block] = time.perf_counter()
+
+    def exit(self, block: str) -> None:
+        self._sync()
+        self.times[block] = time.perf_counter() - self._started.pop(block)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+@dataclass
+class _Samples:
+    compute: dict[str, list[tuple[float, float]]]
+    load: list[tuple[int, float]] = field(default_factory=list)
+    grids: list[int] = field(default_factory=list)  # a request's token grids, finest first
+
+
+def device_label(device: torch.device | str) -> str:
+    """``cpu`` or ``cuda-<GPU name>``: a file-name-safe name of the hardware profiled."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device)
+    return "cuda-" + re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+
+
+def profile_path(data_dir: Path, folder: Path, device: torch.device | str) -> Path:
+    return data_dir / "profiles" / f"{model_fingerprint(folder)}-{device_label(device)}.json"
+
+
+def load_or_profile(
+    editor: MaskAwareEditor,
+    folder: Path,
+    data_dir: Path,
+    size: int,
+    config: ProfileConfig | None = None,
+) -> CostModel:
+    """The cached profile of this model on this device at ``size``, profiling on a miss."""
+    config = config or ProfileConfig()
+    path = profile_path(data_dir, Path(folder), editor.device)
+    cached = _read_cached(path, editor.family, size)
+    if cached is not None:
+        log.info("cost model of %s from %s (min R² %.3f)", editor.family, path, cached.min_r2())
+        return cached
+    model = profile_editor(editor, size, config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(model.to_dict(), indent=1))
+    os.replace(tmp, path)
+    return model
+
+
+def _read_cached(path: Path, family: str, size: int) -> CostModel | None:
+    """A usable cached profile, or None (absent, unreadable, other size or version)."""
+    if not path.exists():
+        return None
+    try:
+        model = CostModel.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring unreadable profile %s: %s", path, exc)
+        return None
+    extra = model.extra
+    if (extra.get("version"), extra.get("family"), extra.get("size")) != (
+        PROFILE_VERSION,
+        family,
+        size,
+    ):
+        return None
+    return model
+
+
+def profile_editor(
+    editor: MaskAwareEditor, size: int, config: ProfileConfig | None = None
+) -> CostModel:
+    """Measure every block's compute line and the row-load line on ``editor``'s device."""
+    config = config or ProfileConfig()
+    started = time.perf_counter()
+    timer = BlockTimer(editor.device.type == "cuda")
+    loader = RowLoader.for_editor(editor, LoadMode.PRELOAD, hooks=[timer], time_copies=True)
+    store = MemoryActivations()
+    image = template_image((size, size), seed=0)
+    steps = config.repeats + 1  # the first step of every run is a warm-up
+    editor.bake(image, PROMPT, 0, steps, config.guidance, store)
+    previous = attached(editor)
+    attach(editor, loader)
+    try:
+        samples = _measure(editor, loader, timer, store, image, steps, config)
+    finally:
+        attach(editor, previous)
+        loader.close()
+    model = _fit(editor, loader.family, store, samples, size)
+    seconds = time.perf_counter() - started
+    model.extra.update(
+        version=PROFILE_VERSION,
+        family=editor.family,
+        size=size,
+        ratios=list(config.ratios),
+        batches=list(config.batches),
+        repeats=config.repeats,
+        seconds=round(seconds, 3),
+        torch=torch.__version__,
+    )
+    log.info(
+        "profiled %s on %s in %.1f s (min R² %.3f)",
+        editor.family,
+        model.device,
+        seconds,
+        model.min_r2(),
+    )
+    return model
+
+
+def _measure(
+    editor: MaskAwareEditor,
+    loader: RowLoader,
+    timer: BlockTimer,
+    store: MemoryActivations,
+    image: Any,
+    steps: int,
+    config: ProfileConfig,
+) -> _Samples:
+    samples = _Samples({b: [] for b in loader.family.order})
+    sparse = dict.fromkeys(editor.blocks, Mode.SPARSE)
+    full = dict.fromkeys(editor.blocks, Mode.FULL)
+    _run(editor, _states(editor, store, image, config.ratios[0], 1, steps, config), sparse, 1)
+    for batch in config.batches:
+        runs = [(ratio, sparse) for ratio in config.ratios] + [(1.0, full)]
+        for ratio, modes in runs:
+            states = _states(editor, store, image, ratio, batch, steps, config)
+            samples.grids = sorted({t.n_tokens for t in states[0].tokens.values()}, reverse=True)
+            for index in range(steps):
+                timer.times.clear()
+                editor.step(states, modes)
+                if index == 0:
+                    continue
+                for block, seconds in timer.times.items():
+                    tokens = _block_tokens(states, store, loader.family, block, modes[block])
+                    samples.compute[block].append((tokens, seconds))
+                samples.load.extend(loader.last.job_times if loader.last else [])
+            if modes is sparse and batch == config.batches[0]:
+                samples.load.extend(_load_sweep(editor, loader, states[0], config.repeats))
+    return samples
+
+
+def _load_sweep(
+    editor: MaskAwareEditor, loader: RowLoader, state: RequestState, repeats: int
+) -> list[tuple[int, float]]:
+    """Row loads alone, of 1 to 8 copies of one request: job sizes over a decade of bytes."""
+    per = editor.impl.rows_per_request
+    out: list[tuple[int, float]] = []
+    for copies in SWEEP_COPIES:
+        grids = {
+            size: TokenBatch((tokens,) * copies, per, editor.packed, editor.device)
+            for size, tokens in state.tokens.items()
+        }
+        ctx = ForwardContext([Slot(0, reader=state.reader)] * copies, per, {}, grids)
+        for _ in range(repeats):
+            out.extend(loader.measure(ctx, lambda block: Mode.SPARSE).job_times)
+    return out
+
+
+def _states(
+    editor: MaskAwareEditor,
+    store: MemoryActivations,
+    image: Any,
+    ratio: float,
+    batch: int,
+    steps: int,
+    config: ProfileConfig,
+) -> list[RequestState]:
+    """``batch`` requests against the synthetic template, masks of about ``ratio``."""
+    size = (image.width, image.height)
+    return [
+        editor.prepare(
+            EditRequest(
+                image,
+                mask_of_ratio(size, ratio, "rect", seed=i),
+                PROMPT,
+                i + 1,
+                steps,
+                config.guidance,
+                PROMPT,
+                0,
+            ),
+            store,
+        )
+        for i in range(batch)
+    ]
+
+
+def _run(editor: MaskAwareEditor, states: list[RequestState], modes: dict, steps: int) -> None:
+    for _ in range(steps):
+        editor.step(states, modes)
+
+
+def _grid_tokens(store: MemoryActivations, rows: FamilyRows, block: str) -> int:
+    """Tokens of the block's own token grid (from what the bake recorded for it)."""
+    return store.get(0, block, rows.sparse[block][0]).shape[-2]
+
+
+def _block_tokens(
+    states: list[RequestState], store: MemoryActivations, rows: FamilyRows, block: str, mode: Mode
+) -> int:
+    """Tokens the block processed, summed over the batch: masked (sparse) or all (full)."""
+    n_tokens = _grid_tokens(store, rows, block)
+    total = 0
+    for state in states:
+        tokens = next(t for t in state.tokens.values() if t.n_tokens == n_tokens)
+        total += tokens.count if mode is Mode.SPARSE else n_tokens
+    return total
+
+
+def _bytes_per_token(store: MemoryActivations, block: str, names: tuple[str, ...]) -> int:
+    """Bytes of the named cached tensors per token of one request (every model row)."""
+    total = 0
+    for name in names:
+        tensor = store.get(0, block, name)
+        total += math.prod(tensor.shape[:-2]) * tensor.shape[-1] * tensor.element_size()
+    return total
+
+
+def _fit(
+    editor: MaskAwareEditor,
+    rows: FamilyRows,
+    store: MemoryActivations,
+    samples: _Samples,
+    size: int,
+) -> CostModel:
+    blocks = []
+    for block in rows.order:
+        xs, ys = zip(*samples.compute[block], strict=True) if samples.compute[block] else ((), ())
+        blocks.append(
+            BlockProfile(
+                name=block,
+                compute=LinearFit.fit_medians(list(xs), list(ys)),
+                bytes_per_token_sparse=_bytes_per_token(store, block, rows.sparse[block]),
+                bytes_per_token_exit=_bytes_per_token(store, block, rows.exit[block]),
+                level=samples.grids.index(_grid_tokens(store, rows, block)),
+            )
+        )
+    sizes, seconds = zip(*samples.load, strict=True) if samples.load else ((), ())
+    load = LinearFit.fit_medians([float(b) for b in sizes], list(seconds))
+    device = str(editor.device) if editor.device.type != "cuda" else device_label(editor.device)
+    return CostModel(device, blocks, load)
