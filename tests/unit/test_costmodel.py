@@ -31,3 +31,20 @@ def test_block_costs_and_round_trip() -> None:
     assert abs(cost.load_exit - 1600 * 512 * 1e-9) < 1e-12
     assert CostModel.from_dict(model.to_dict()) == model
     assert model.min_r2() == 0.98
+
+
+def test_median_fit_ignores_a_slowed_repeat() -> None:
+    xs = [100, 100, 100, 200, 200, 200, 400, 400, 400]
+    ys = [1.0, 1.0, 9.0, 2.0, 2.0, 2.0, 4.0, 30.0, 4.0]  # two samples hit by other work
+    fit = LinearFit.fit_medians(xs, ys)
+    assert abs(fit.slope - 0.01) < 1e-12 and abs(fit.intercept) < 1e-9 and fit.r2 > 0.999999
+    assert LinearFit.fit(xs, ys).r2 < 0.5
+
+
+def test_block_level_round_trips_and_defaults_to_zero() -> None:
+    block = BlockProfile("mid", LinearFit(0.0, 1e-6, 0.9), 2048, 0, level=2)
+    model = CostModel("cpu", [block], LinearFit(0.0, 1e-9, 0.9))
+    assert CostModel.from_dict(model.to_dict()).blocks[0].level == 2
+    doc = model.to_dict()
+    del doc["blocks"][0]["level"]  # profiles written before levels existed
+    assert CostModel.from_dict(doc).blocks[0].level == 0
