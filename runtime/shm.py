@@ -31,9 +31,11 @@ Header = dict[str, Any]
 def put_tensors(items: Mapping[str, Item], name: str | None = None) -> Header:
     """Copy ``items`` into a new shared-memory block; returns the header that describes it.
 
-    Tensors may live on any device (they are copied to the host first). ``name`` fixes the
+    Tensors may live on any device (they are copied to the host first); numpy scalars
+    arrive as 0-d arrays. ``name`` fixes the
     block's name (it must not exist); without items holding bytes no block is created.
     """
+    items = {k: np.asarray(v) if isinstance(v, np.generic) else v for k, v in items.items()}
     sources = {key: _as_bytes(value) for key, value in items.items()}
     specs, size = _layout(items, sources)
     if size == 0:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -106,9 +107,11 @@ class JobTiming:
 
 @dataclass
 class _Job:
+    """One job; ``items`` is built by the dispatcher thread, off the submitting thread."""
+
     op: str
     meta: dict[str, Any]
-    items: dict[str, shm.Item]
+    items: Callable[[], dict[str, shm.Item]]
     parse: Callable[[dict[str, Any], dict[str, shm.Item]], Any]
     future: Future = field(default_factory=Future)
 
@@ -164,13 +167,6 @@ class PrePostPool:
         template_latents: torch.Tensor | None = None,
     ) -> Future[Encoded]:
         """``editor.encode(request, template_latents)`` in a pre worker."""
-        image = request.image if request.image.mode in ARRAY_MODES else request.image.convert("RGB")
-        items: dict[str, shm.Item] = {
-            "image": np.asarray(image),
-            "mask": np.asarray(request.mask, dtype=bool),
-        }
-        if template_latents is not None:
-            items["template_latents"] = template_latents
         meta = {
             "model": model,
             "family": family,
@@ -182,6 +178,7 @@ class PrePostPool:
             "template_prompt": request.template_prompt,
             "template_seed": request.template_seed,
         }
+        items = functools.partial(_request_items, request, template_latents)
         return self._submit(PRE, _Job("encode", meta, items, _parse_encoded))
 
     def decode(
@@ -198,19 +195,19 @@ class PrePostPool:
         if fmt not in wire.OUTPUT_FORMATS:
             raise ValueError(f"unknown output format {fmt!r}")
         meta = {"model": model, "family": family, "height": height, "width": width, "format": fmt}
-        return self._submit(POST, _Job("decode", meta, {"latents": latents}, _parse_image))
+        return self._submit(POST, _Job("decode", meta, lambda: {"latents": latents}, _parse_image))
 
     def load(self, model: str, family: str) -> list[Future[None]]:
         """Load ``model`` in every worker now (deploy time), not on its first job."""
         futures = []
         for worker in self._workers:
-            job = _Job("load", {"model": model, "family": family}, {}, _parse_nothing)
+            job = _Job("load", {"model": model, "family": family}, dict, _parse_nothing)
             futures.append(self._submit(worker.spec.role, job, only=worker))
         return futures
 
     def echo(self, items: dict[str, shm.Item], role: str = PRE) -> Future[dict[str, shm.Item]]:
         """Send ``items`` through a worker and back: a health check and transport benchmark."""
-        return self._submit(role, _Job("echo", {}, items, _parse_items))
+        return self._submit(role, _Job("echo", {}, lambda: items, _parse_items))
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -259,11 +256,14 @@ class PrePostPool:
         for job in queued:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(PoolClosed("the pre/post pool closed before the job ran"))
+        for worker in self._workers:
+            if not worker.ready.is_set():
+                worker.kill("still starting")  # nothing to finish; imports take seconds
         deadline = time.monotonic() + timeout
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
         for worker in self._workers:
-            worker.kill()  # only the ones still running (a hung job)
+            worker.kill("did not stop in time")  # only the ones still running (a hung job)
             worker.join(1.0)
 
     def __enter__(self) -> PrePostPool:
@@ -336,10 +336,10 @@ class _Worker:
     def join(self, timeout: float) -> None:
         self.thread.join(timeout)
 
-    def kill(self) -> None:
-        """Kill the process if it is still running (close() after a hung job)."""
+    def kill(self, why: str) -> None:
+        """Kill the process if it is still running (at close)."""
         if self.process is not None and self.process.is_alive():
-            log.warning("%s (pid %s) did not stop in time; killing it", self.spec.name, self.pid)
+            log.info("%s (pid %s) %s; killing it", self.spec.name, self.pid, why)
             self.process.kill()
 
     # -- dispatcher thread ------------------------------------------------------------------
@@ -356,7 +356,8 @@ class _Worker:
         try:
             self._ensure_ready()
         except WorkerDied as exc:
-            log.error("%s", exc)
+            if not self.pool.closed:
+                log.error("%s", exc)
 
     def _serve(self, job: _Job) -> None:
         try:
@@ -376,7 +377,7 @@ class _Worker:
         job_id = self.pool._next_id()
         request_block, reply_block = self.pool.block_names(job_id)
         started = time.perf_counter()
-        header = shm.put_tensors(job.items, request_block)
+        header = shm.put_tensors(job.items(), request_block)
         message = {
             "id": job_id,
             "op": job.op,
@@ -458,6 +459,20 @@ class _Worker:
             self.process.terminate()
             self.process.join(2.0)
         self.conn.close()
+
+
+def _request_items(
+    request: EditRequest, template_latents: torch.Tensor | None
+) -> dict[str, shm.Item]:
+    """The arrays of an encode job (an image mode without a faithful array goes as RGB)."""
+    image = request.image if request.image.mode in ARRAY_MODES else request.image.convert("RGB")
+    items: dict[str, shm.Item] = {
+        "image": np.asarray(image),
+        "mask": np.asarray(request.mask, dtype=bool),
+    }
+    if template_latents is not None:
+        items["template_latents"] = template_latents
+    return items
 
 
 def _parse_encoded(meta: dict[str, Any], items: dict[str, shm.Item]) -> Encoded:
