@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import secrets
+import signal
 import threading
 import time
 from collections import deque
@@ -152,9 +153,9 @@ class PrePostPool:
             for role, count in ((PRE, pre), (POST, post))
             for index in range(count)
         ]
+        atexit.register(self.close)
         for worker in self._workers:
             worker.start()
-        atexit.register(self.close)
 
     # -- jobs -------------------------------------------------------------------------------
 
@@ -171,12 +172,12 @@ class PrePostPool:
             "model": model,
             "family": family,
             "scheduler": scheduler,
-            "prompt": request.prompt,
-            "seed": request.seed,
-            "steps": request.steps,
-            "guidance": request.guidance,
-            "template_prompt": request.template_prompt,
-            "template_seed": request.template_seed,
+            "prompt": str(request.prompt),
+            "seed": int(request.seed),
+            "steps": int(request.steps),
+            "guidance": float(request.guidance),
+            "template_prompt": str(request.template_prompt),
+            "template_seed": int(request.template_seed),
         }
         items = functools.partial(_request_items, request, template_latents)
         return self._submit(PRE, _Job("encode", meta, items, _parse_encoded))
@@ -194,7 +195,13 @@ class PrePostPool:
         "webp" or "raw"), in a post worker; resolves to ``(data, width, height)``."""
         if fmt not in wire.OUTPUT_FORMATS:
             raise ValueError(f"unknown output format {fmt!r}")
-        meta = {"model": model, "family": family, "height": height, "width": width, "format": fmt}
+        meta = {
+            "model": model,
+            "family": family,
+            "height": int(height),
+            "width": int(width),
+            "format": fmt,
+        }
         return self._submit(POST, _Job("decode", meta, lambda: {"latents": latents}, _parse_image))
 
     def load(self, model: str, family: str) -> list[Future[None]]:
@@ -226,9 +233,10 @@ class PrePostPool:
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per job kind: count, mean round trip and mean/max transport overhead (ms)."""
+        timings = list(self.timings)  # dispatcher threads append meanwhile
         out: dict[str, dict[str, float]] = {}
-        for op in sorted({t.op for t in self.timings}):
-            runs = [t for t in self.timings if t.op == op]
+        for op in sorted({t.op for t in timings}):
+            runs = [t for t in timings if t.op == op]
             overheads = [t.overhead_s * 1e3 for t in runs]
             out[op] = {
                 "jobs": len(runs),
@@ -334,7 +342,9 @@ class _Worker:
         return self.ready.wait(timeout)
 
     def join(self, timeout: float) -> None:
-        self.thread.join(timeout)
+        """Wait for the dispatcher thread (not from itself: a future's callback may close)."""
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
 
     def kill(self, why: str) -> None:
         """Kill the process if it is still running (at close)."""
@@ -374,33 +384,36 @@ class _Worker:
             job.future.set_result(result)
 
     def _run(self, job: _Job) -> Any:
-        job_id = self.pool._next_id()
-        request_block, reply_block = self.pool.block_names(job_id)
+        """One round trip; on every failure both of the job's blocks are unlinked."""
+        blocks = self.pool.block_names(self.pool._next_id())
         started = time.perf_counter()
-        header = shm.put_tensors(job.items(), request_block)
-        message = {
-            "id": job_id,
-            "op": job.op,
-            "meta": job.meta,
-            "items": header,
-            "reply": reply_block,
-        }
+        taken = False
         try:
-            self.conn.send_bytes(wire.pack(message))
-            reply = wire.unpack(self.conn.recv_bytes())
-        except (EOFError, OSError) as exc:
-            for name in (request_block, reply_block):
-                shm.discard(name)
-            raise WorkerDied(self._death(f"while running its {job.op} job")) from exc
-        if not reply.get("ok"):
-            for name in (request_block, reply_block):
-                shm.discard(name)
-            raise WorkerError(self.spec.name, reply.get("kind", "Error"), reply.get("error", ""))
-        items = shm.take_tensors(reply["items"])
+            header = shm.put_tensors(job.items(), blocks[0])
+            reply = self._exchange(job, header, blocks)
+            if not reply.get("ok"):
+                raise WorkerError(
+                    self.spec.name, reply.get("kind", "Error"), reply.get("error", "")
+                )
+            items = shm.take_tensors(reply["items"])
+            taken = True
+        finally:
+            if not taken:
+                for name in blocks:
+                    shm.discard(name)
         total = time.perf_counter() - started
         payload = shm.header_bytes(header) + shm.header_bytes(reply["items"])
         self.pool._record(JobTiming(job.op, total, float(reply["compute_s"]), payload))
         return job.parse(reply["meta"], items)
+
+    def _exchange(self, job: _Job, header: shm.Header, blocks: tuple[str, str]) -> dict:
+        """Send the job's header and wait for the reply; a broken pipe is a dead worker."""
+        message = {"op": job.op, "meta": job.meta, "items": header, "reply": blocks[1]}
+        try:
+            self.conn.send_bytes(wire.pack(message))
+            return wire.unpack(self.conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise WorkerDied(self._death(f"while running its {job.op} job")) from exc
 
     def _ensure_ready(self) -> None:
         """Restart a process found dead while idle; wait for its "ready" message."""
@@ -496,21 +509,19 @@ def _parse_nothing(meta: dict[str, Any], items: dict[str, shm.Item]) -> None:
 
 def serve(spec: WorkerSpec, conn: Connection) -> None:
     """A worker process's main loop: one job at a time until "stop" or the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the pool's to handle: it closes us
     logging.basicConfig(
         level=spec.log_level, format="%(asctime)s %(processName)s %(name)s %(message)s"
     )
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     worker = _Server(spec)
-    conn.send_bytes(wire.pack({"op": "ready", "pid": os.getpid()}))
-    while True:
-        try:
-            message = wire.unpack(conn.recv_bytes())
-        except (EOFError, OSError):
-            break  # the pool's process is gone
-        if message.get("op") == "stop":
-            break
-        conn.send_bytes(wire.pack(worker.handle(message)))
+    try:
+        conn.send_bytes(wire.pack({"op": "ready", "pid": os.getpid()}))
+        while (message := wire.unpack(conn.recv_bytes())).get("op") != "stop":
+            conn.send_bytes(wire.pack(worker.handle(message)))
+    except (EOFError, OSError):
+        log.info("%s: the pool's process is gone; exiting", spec.name)
 
 
 class _Server:
@@ -524,7 +535,6 @@ class _Server:
 
     def handle(self, message: dict[str, Any]) -> dict[str, Any]:
         """Run one job; a failure becomes an error reply (the worker keeps serving)."""
-        job_id = message.get("id")
         try:
             items = shm.take_tensors(message["items"])
             started = time.perf_counter()
@@ -535,9 +545,9 @@ class _Server:
             compute = time.perf_counter() - started
             header = shm.put_tensors(out, message["reply"])
         except Exception as exc:
-            log.exception("%s: %s job %s failed", self.spec.name, message.get("op"), job_id)
-            return {"id": job_id, "ok": False, "kind": type(exc).__name__, "error": str(exc)}
-        return {"id": job_id, "ok": True, "meta": meta, "items": header, "compute_s": compute}
+            log.exception("%s: %s job failed", self.spec.name, message.get("op"))
+            return {"ok": False, "kind": type(exc).__name__, "error": str(exc)}
+        return {"ok": True, "meta": meta, "items": header, "compute_s": compute}
 
     # -- handlers: (meta, items) -> (reply meta, reply items) -------------------------------
 
