@@ -188,9 +188,14 @@ class ExecutorInvoke:
 
 @dataclass
 class Timings:
+    """Where an invocation's time went: pre-processing (text/VAE encode), waiting to join
+    a batch, denoising, post-processing (VAE decode, image encoding), end to end."""
+
     queue_ms: float = 0.0
     run_ms: float = 0.0
     total_ms: float = 0.0
+    pre_ms: float = 0.0
+    post_ms: float = 0.0
 
 
 @dataclass
@@ -206,6 +211,9 @@ class InvokeResult:
     path: str  # "maskaware", "stock" or "template"
     timings: Timings = field(default_factory=Timings)
     cache: dict[str, Any] = field(default_factory=dict)  # {"tier": host|disk|none, "wait_ms"}
+    engine: dict[str, Any] = field(
+        default_factory=dict
+    )  # {"steps", "interruptions", "batch_sizes"}
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -223,4 +231,5 @@ class InvokeResult:
             path=str(body.get("path", "")),
             timings=Timings(**body.get("timings", {})),
             cache=dict(body.get("cache") or {}),
+            engine=dict(body.get("engine") or {}),
         )

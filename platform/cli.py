@@ -78,7 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
         dest="maskaware",
         action="store_false",
         default=None,
-        help="serve every invocation with the stock pipeline (for comparisons)",
+        help="compute every token, never read the cache (for comparisons)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("continuous", "static"),
+        default=None,
+        help="step-level continuous batching (default) or static batches (for comparisons)",
+    )
+    p.add_argument(
+        "--max-batch", type=int, default=None, help="running batch limit per model (default 8)"
+    )
+    p.add_argument(
+        "--inline-prepost",
+        action="store_true",
+        default=None,
+        help="pre/post-processing on the engine thread (naive batching, for comparisons)",
     )
     p.set_defaults(run=_serve)
 
@@ -99,6 +114,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--examples", type=Path, default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench_gateway)
+
+    p = bench_sub.add_parser(
+        "engine", help="mask-aware vs stock diffusers edits, same model, same run"
+    )
+    p.add_argument("--model", default="retouch:small-flux")
+    p.add_argument("--mask-ratios", type=_floats, default=[0.05, 0.1, 0.2, 0.35, 0.5, 1.0])
+    p.add_argument("--batch", type=_ints, default=[1, 4])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where demo models are built (default $RETOUCH_DATA_DIR)",
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_bench_engine)
+
+    p = bench_sub.add_parser(
+        "load", help="load generator comparing executor configurations in one run"
+    )
+    p.add_argument("--model", default="retouch:small-flux")
+    p.add_argument(
+        "--compare",
+        default="continuous,static",
+        help="configurations: +-joined tokens of continuous|static, maskaware|stock, disaggregated|naive",
+    )
+    p.add_argument(
+        "--rate",
+        default="auto:0.7",
+        help="invocations/s, or auto:F = F x measured capacity of the first configuration",
+    )
+    p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--arrivals", choices=("poisson", "gamma"), default="poisson")
+    p.add_argument(
+        "--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrivals"
+    )
+    p.add_argument(
+        "--mask-mean",
+        type=float,
+        default=0.19,
+        help="beta mean: 0.11 (production), 0.19 (public), 0.35 (VITON-HD)",
+    )
+    p.add_argument(
+        "--mask-file",
+        type=Path,
+        default=None,
+        help="mask ratios, one per line (instead of the beta)",
+    )
+    p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--templates", type=int, default=4)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="platform data dir reused by every configuration (default: a temporary one)",
+    )
+    p.add_argument("--plot", type=Path, default=None, help="write latency CDFs to this PNG")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_bench_load)
 
     p = bench_sub.add_parser("store", help="activation store vs memcpy and raw disk reads")
     p.add_argument("--size-mb", type=int, default=256)
@@ -178,6 +257,9 @@ def _serve(args: argparse.Namespace) -> None:
         placement=args.placement,
         host_cache_bytes=args.host_cache_bytes,
         maskaware=args.maskaware,
+        engine=args.engine,
+        max_batch=args.max_batch,
+        inline_prepost=args.inline_prepost,
     )
     log.info("serving on http://%s:%d (data dir %s)", config.host, config.port, config.data_dir)
     serve(config)
@@ -194,6 +276,79 @@ def _bench_gateway(args: argparse.Namespace) -> None:
     from retouch.platform.demo import find_examples
 
     _report(run_gateway_bench(find_examples(args.examples), args.requests), args.json)
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def _bench_engine(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.engine import run_engine_bench
+
+    models_dir = (args.data_dir or ServeConfig.from_env().data_dir) / "models"
+    rows = run_engine_bench(
+        args.model, args.mask_ratios, args.batch, args.steps, args.repeats, models_dir
+    )
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(
+        f"{'model':<20} {'mask':>6} {'batch':>6} {'stock s':>9} {'maskaware s':>12} {'ratio':>7} {'flop ratio':>11}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<20} {r['mask_ratio']:>6.2f} {r['batch']:>6} {r['stock_s']:>9.3f} {r['maskaware_s']:>12.3f} {r['ratio']:>7.3f} {r['flop_ratio']:>11.3f}"
+        )
+
+
+def _bench_load(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from retouch.platform.bench.load import LoadSpec, Workload, run_load_bench, table
+
+    workload = Workload(
+        args.requests,
+        args.warmup,
+        args.arrivals,
+        args.cv,
+        args.mask_mean,
+        args.mask_file,
+        args.zipf,
+        args.seed,
+    )
+    spec = LoadSpec(
+        args.model,
+        [c for c in args.compare.split(",") if c],
+        args.rate,
+        workload,
+        args.steps,
+        args.templates,
+        args.max_batch,
+        plot=args.plot,
+    )
+    with tempfile.TemporaryDirectory(prefix="retouch-bench-load-") as tmp:
+        result = run_load_bench(spec, args.data_dir or Path(tmp))
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(
+        f"model {result['model']}, offered load {result['rate_rps']:.3f} invocations/s, {result['requests']} measured requests per configuration"
+    )
+    print(table(result["configs"]))
 
 
 def _bench_store(args: argparse.Namespace) -> None:

@@ -28,7 +28,26 @@ class ServeConfig:
     max_body_bytes: int = 32 << 20
     placement: str = "least-requests"
     host_cache_bytes: int = 4 << 30  # per executor: host-RAM tier of the activation store
-    maskaware: bool = True  # False serves every invocation with the stock pipeline
+    maskaware: bool = True  # False: every token computed, the cache never read (comparisons)
+    engine: str = "continuous"  # or "static" (a batch runs to completion; for comparisons)
+    max_batch: int = 8
+    inline_prepost: bool = False  # pre/post on the engine thread (naive batching; comparisons)
+
+    def executor_args(self) -> tuple[str, ...]:
+        """Flags every executor process is started with."""
+        args = [
+            "--host-cache-bytes",
+            str(self.host_cache_bytes),
+            "--engine",
+            self.engine,
+            "--max-batch",
+            str(self.max_batch),
+        ]
+        if not self.maskaware:
+            args.append("--no-maskaware")
+        if self.inline_prepost:
+            args.append("--inline-prepost")
+        return tuple(args)
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServeConfig:
@@ -42,6 +61,8 @@ class ServeConfig:
             "max_body_bytes": _int_env("RETOUCH_MAX_BODY_BYTES"),
             "placement": os.environ.get("RETOUCH_PLACEMENT"),
             "host_cache_bytes": _int_env("RETOUCH_HOST_CACHE_BYTES"),
+            "engine": os.environ.get("RETOUCH_ENGINE"),
+            "max_batch": _int_env("RETOUCH_MAX_BATCH"),
         }
         merged = {k: v for k, v in env.items() if v is not None}
         merged.update({k: v for k, v in overrides.items() if v is not None})

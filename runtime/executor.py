@@ -19,11 +19,11 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import uvicorn
 from PIL import Image
@@ -37,16 +37,33 @@ from retouch.functions.errors import BadRequest, NotFound
 from retouch.functions.imaging import decode_image, encode_image, mask_ratio
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.runtime.asgi import check_token, decode_bytes, endpoint, read_body
-from retouch.runtime.engine import Engine, Priority
+from retouch.runtime.engine import Engine, EngineConfig, EngineMode, Output, Work
 from retouch.runtime.fingerprint import model_fingerprint
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.models import ModelCache
 from retouch.runtime.templates import BakeState, Template, TemplateCache, store_path
+from retouch.runtime.workers import PrePostPool
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "RETOUCH_EXECUTOR_TOKEN"
 MAX_BODY = 1 << 30  # the gateway already enforced the public limit
+
+
+@dataclass
+class WorkerStages:
+    """Pre/post-processing of the engine's invocations in the pool's worker processes."""
+
+    pool: PrePostPool
+
+    def encode(self, work: Work) -> Future:
+        return self.pool.encode(work.model, work.family, work.scheduler, work.request)
+
+    def decode(self, work: Work, latents: torch.Tensor) -> Future:
+        request = work.request
+        return self.pool.decode(
+            work.model, work.family, latents, request.height, request.width, work.fmt
+        )
 
 
 @dataclass
@@ -60,7 +77,6 @@ class FunctionEntry:
 @dataclass
 class ExecutorStats:
     queued: int = 0
-    running: int = 0
     completed: int = 0
     failed: int = 0
 
@@ -72,10 +88,11 @@ class ExecutorCore:
     name: str
     models: ModelCache
     templates: TemplateCache
-    maskaware: bool = True  # False: always the stock path (the "stock" configuration)
+    engine: Engine
+    stages: WorkerStages | None = None  # None: pre/post on the engine thread
+    maskaware: bool = True  # False: every token computed, no cache (the "stock" configuration)
     functions: dict[str, FunctionEntry] = field(default_factory=dict)
     stats: ExecutorStats = field(default_factory=ExecutorStats)
-    engine: Engine = field(default_factory=Engine)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _editors: dict[tuple[str, str], MaskAwareEditor] = field(default_factory=dict)
 
@@ -83,6 +100,9 @@ class ExecutorCore:
         """Load the function's model (shared with other functions), register its templates
         and queue the bake of every template the store does not hold yet."""
         loaded = self.models.get(spec.model, spec.family)
+        if self.stages is not None:  # load it in the workers now, not on the first request
+            for future in self.stages.pool.load(spec.model, spec.family):
+                future.result()
         editor = self.editor(spec)
         sched_config = dict(editor.impl.pipe.scheduler.config)
         registered = self.templates.register(
@@ -135,60 +155,14 @@ class ExecutorCore:
             raise BadRequest(
                 "mask does not match the template size", field="mask", code="mask_size_mismatch"
             )
-        if self.maskaware and mask.any() and template.covers(inv.steps, inv.guidance):
+        arrived = time.perf_counter()
+        if not mask.any():  # nothing to edit: the template, without running the model
+            return self._template_result(template, inv, arrived)
+        covered = self.maskaware and template.covers(inv.steps, inv.guidance)
+        if covered:
             self.templates.prefetch(template)  # disk -> host while the invocation queues
-        enqueued = time.perf_counter()
-        self.stats.queued += 1
-        future = self.engine.submit(lambda: self._run(entry, template, mask, inv, enqueued))
-        try:
-            return await asyncio.wrap_future(future)
-        finally:
-            self.stats.queued -= 1
-
-    def _run(
-        self,
-        entry: FunctionEntry,
-        template: Template,
-        mask: np.ndarray,
-        inv: wire.ExecutorInvoke,
-        enqueued: float,
-    ) -> wire.InvokeResult:
-        started = time.perf_counter()
-        self.stats.running += 1
-        cache = {"tier": "none", "wait_ms": 0.0}
-        try:
-            if not mask.any():  # nothing to edit: the template, without running the model
-                image, path = template.image, "template"
-            else:
-                image, path, cache = self._edit(entry, template, mask, inv)
-            encoded = encode_image(image, inv.format)
-            self.stats.completed += 1
-        except Exception:
-            self.stats.failed += 1
-            raise
-        finally:
-            self.stats.running -= 1
-        done = time.perf_counter()
-        return wire.InvokeResult(
-            image=encoded,
-            format=inv.format,
-            width=image.width,
-            height=image.height,
-            mask_ratio=mask_ratio(mask),
-            executor=self.name,
-            path=path,
-            timings=wire.Timings(
-                queue_ms=(started - enqueued) * 1e3, run_ms=(done - started) * 1e3
-            ),
-            cache=cache,
-        )
-
-    def _edit(
-        self, entry: FunctionEntry, template: Template, mask: np.ndarray, inv: wire.ExecutorInvoke
-    ) -> tuple[Image.Image, str, dict[str, Any]]:
-        """Mask-aware from the template's activations when it is baked for these settings;
-        otherwise the stock path, and the template is queued for baking (insert on miss)."""
-        editor = self.editor(entry.spec)
+        spec = entry.spec
+        editor = self.editor(spec)
         request = EditRequest(
             template.image,
             mask,
@@ -199,17 +173,66 @@ class ExecutorCore:
             template.prompt,
             template.seed,
         )
-        covered = self.maskaware and template.covers(inv.steps, inv.guidance)
+        work = Work(
+            key=(spec.model, spec.scheduler, spec.width, spec.height),
+            model=spec.model,
+            family=spec.family,
+            scheduler=spec.scheduler,
+            editor=editor,
+            request=request,
+            fmt=inv.format,
+            acquire=lambda: self._acquire(template, covered),
+            arrived=arrived,
+        )
+        self.stats.queued += 1
+        try:
+            report = await asyncio.wrap_future(self.engine.submit(work))
+            self.stats.completed += 1
+        except Exception:
+            self.stats.failed += 1
+            raise
+        finally:
+            self.stats.queued -= 1
+        output: Output = report["output"]
+        return wire.InvokeResult(
+            image=output.image,
+            format=inv.format,
+            width=output.width,
+            height=output.height,
+            mask_ratio=mask_ratio(mask),
+            executor=self.name,
+            path=report["path"],
+            timings=wire.Timings(**report["timings"]),
+            cache=report["cache"],
+            engine=report["engine"],
+        )
+
+    def _template_result(
+        self, template: Template, inv: wire.ExecutorInvoke, arrived: float
+    ) -> wire.InvokeResult:
+        encoded = encode_image(template.image, inv.format)
+        return wire.InvokeResult(
+            image=encoded,
+            format=inv.format,
+            width=template.image.width,
+            height=template.image.height,
+            mask_ratio=0.0,
+            executor=self.name,
+            path="template",
+            timings=wire.Timings(run_ms=(time.perf_counter() - arrived) * 1e3),
+        )
+
+    def _acquire(self, template: Template, covered: bool) -> tuple[Any, dict[str, Any]]:
+        """At join (engine thread): the template's host-resident activations when it is
+        baked for these settings; otherwise no reader (every token computed, i.e. the stock
+        result) and the template is queued for baking (insert on miss)."""
         if covered and template.state is BakeState.BAKED:
             got = self.templates.acquire(template)
             if got.handle is not None:
-                with got.handle:
-                    image = editor.edit(request, got.handle)
-                return image, "maskaware", {"tier": got.tier, "wait_ms": got.wait_ms}
-        image = editor.stock_edit(request)
+                return got.handle, {"tier": got.tier, "wait_ms": got.wait_ms}
         if covered:
             self._queue_bake(template)
-        return image, "stock", {"tier": "none", "wait_ms": 0.0}
+        return None, {"tier": "none", "wait_ms": 0.0}
 
     def _queue_bake(self, template: Template) -> None:
         if not self.templates.claim_bake(template):
@@ -228,7 +251,7 @@ class ExecutorCore:
                 writer,
             )
 
-        self.engine.submit(lambda: self.templates.bake(template, record), Priority.BACKGROUND)
+        self.engine.submit_background(lambda: self.templates.bake(template, record))
 
     def state(self) -> dict[str, Any]:
         with self.lock:
@@ -241,7 +264,13 @@ class ExecutorCore:
             "functions": functions,
             "maskaware": self.maskaware,
             "queued": self.stats.queued,
-            "running": self.stats.running,
+            "engine": {
+                **self.engine.load(),
+                **self.engine.counters.summary(),
+                "mode": self.engine.config.mode.value,
+                "max_batch": self.engine.config.max_batch,
+                "disaggregated": self.engine.config.disaggregated,
+            },
             "completed": self.stats.completed,
             "failed": self.stats.failed,
             "templates": self.templates.states(),
@@ -309,7 +338,20 @@ def main(argv: list[str] | None = None) -> None:
         default=4 << 30,
         help="host-RAM budget of the activation store",
     )
-    parser.add_argument("--no-maskaware", action="store_true", help="always run the stock path")
+    parser.add_argument(
+        "--no-maskaware", action="store_true", help="compute every token, never read the cache"
+    )
+    parser.add_argument(
+        "--engine", choices=[m.value for m in EngineMode], default=EngineMode.CONTINUOUS.value
+    )
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument(
+        "--inline-prepost",
+        action="store_true",
+        help="pre/post-processing on the engine thread (naive batching)",
+    )
+    parser.add_argument("--pre-workers", type=int, default=1)
+    parser.add_argument("--post-workers", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("RETOUCH_LOG_LEVEL", "INFO"),
@@ -325,10 +367,29 @@ def main(argv: list[str] | None = None) -> None:
     store = ActivationStore(
         StoreConfig(path=store_path(args.data_dir), host_budget_bytes=args.host_cache_bytes)
     )
+    engine_config = EngineConfig(
+        EngineMode(args.engine), args.max_batch, disaggregated=not args.inline_prepost
+    )
+    stages = (
+        None
+        if args.inline_prepost
+        else WorkerStages(
+            PrePostPool(
+                args.data_dir / "models",
+                device,
+                pre=args.pre_workers,
+                post=args.post_workers,
+                threads=1,
+            )
+        )
+    )
+    engine = Engine(engine_config, stages)
     core = ExecutorCore(
         args.name,
         ModelCache(args.data_dir / "models", device),
         TemplateCache(store),
+        engine,
+        stages,
         maskaware=not args.no_maskaware,
     )
     # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose

@@ -1,0 +1,369 @@
+"""``retouch bench load``: an open-loop load generator that compares configurations.
+
+Arrivals are Poisson or Gamma (burstiness set by the coefficient of variation, as in
+LegoDiffusion); mask ratios follow a beta distribution with the mean of a FlashPS trace
+(0.11 production, 0.19 public, 0.35 VITON-HD) or come from a file; masks have irregular
+shapes; templates are drawn with Zipf popularity. Every configuration sees the *same*
+request sequence, one after another in the same run, so their ratios are comparable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw
+from tqdm import tqdm
+
+from retouch.functions.demo.images import SHAPES, mask_of_ratio, template_image
+from retouch.functions.demo.models import demo_model
+from retouch.functions.errors import RetouchError
+from retouch.functions.imaging import encode_image, encode_mask
+from retouch.functions.spec import FunctionSpec, parse_spec
+from retouch.platform.client import AsyncClient, Client
+from retouch.platform.server import ServerProcess
+
+log = logging.getLogger(__name__)
+
+TRACE_MEANS = {"production": 0.11, "public": 0.19, "viton": 0.35}
+BETA_CONCENTRATION = 4.0  # a wide spread, as in the traces' "ratios vary widely"
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int = 100
+    warmup: int = 5
+    arrivals: str = "poisson"  # or "gamma"
+    cv: float = 1.0  # coefficient of variation of inter-arrival times (gamma)
+    mask_mean: float = 0.19
+    mask_file: Path | None = None  # one ratio per line, sampled with replacement
+    zipf: float = 1.1
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    at: float  # seconds after the start
+    template: str
+    mask: bytes
+    ratio: float
+    seed: int
+
+
+@dataclass
+class Outcome:
+    latency_ms: float = 0.0
+    queue_ms: float = 0.0
+    interruptions: int = 0
+    error: str | None = None
+    warmup: bool = False
+
+
+@dataclass
+class RunStats:
+    outcomes: list[Outcome] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, float | int]:
+        measured = [o for o in self.outcomes if not o.warmup]
+        ok = [o for o in measured if o.error is None]
+        lat = np.array([o.latency_ms for o in ok]) if ok else np.array([np.nan])
+        queue = np.array([o.queue_ms for o in ok]) if ok else np.array([np.nan])
+        return {
+            "p50_ms": float(np.percentile(lat, 50)),
+            "p95_ms": float(np.percentile(lat, 95)),
+            "p99_ms": float(np.percentile(lat, 99)),
+            "mean_ms": float(lat.mean()),
+            "throughput_rps": len(ok) / self.wall_s if self.wall_s else 0.0,
+            "queue_p95_ms": float(np.percentile(queue, 95)),
+            "interruptions": sum(o.interruptions for o in ok),
+            "errors": len(measured) - len(ok),
+        }
+
+
+def inter_arrivals(
+    n: int, rate: float, kind: str, cv: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Gaps between arrivals with mean ``1/rate``: exponential, or gamma with the given CV."""
+    if kind == "poisson":
+        return rng.exponential(1.0 / rate, n)
+    if kind == "gamma":
+        shape = 1.0 / (cv * cv)
+        return rng.gamma(shape, 1.0 / (rate * shape), n)
+    raise ValueError(f"arrivals must be poisson or gamma, not {kind!r}")
+
+
+def mask_ratios(n: int, workload: Workload, rng: np.random.Generator) -> np.ndarray:
+    if workload.mask_file is not None:
+        values = np.array([float(v) for v in workload.mask_file.read_text().split()])
+        if not len(values) or values.min() < 0 or values.max() > 1:
+            raise ValueError(f"{workload.mask_file}: expected ratios in [0, 1], one per line")
+        return rng.choice(values, n)
+    m = workload.mask_mean
+    ratios = rng.beta(m * BETA_CONCENTRATION, (1 - m) * BETA_CONCENTRATION, n)
+    return np.clip(ratios, 0.01, 1.0)  # an empty mask never reaches the model: not load
+
+
+def zipf_choice(n: int, items: list[str], s: float, rng: np.random.Generator) -> list[str]:
+    weights = 1.0 / np.arange(1, len(items) + 1) ** s
+    return list(rng.choice(items, n, p=weights / weights.sum()))
+
+
+def plan_requests(
+    workload: Workload, rate: float, templates: list[str], size: tuple[int, int]
+) -> list[PlannedRequest]:
+    """The request sequence every configuration replays."""
+    rng = np.random.default_rng(workload.seed)
+    n = workload.requests + workload.warmup
+    at = np.cumsum(inter_arrivals(n, rate, workload.arrivals, workload.cv, rng))
+    ratios = mask_ratios(n, workload, rng)
+    chosen = zipf_choice(n, templates, workload.zipf, rng)
+    shapes = rng.choice(SHAPES, n)
+    return [
+        PlannedRequest(
+            float(at[i] - at[0]),
+            chosen[i],
+            encode_mask(mask_of_ratio(size, float(ratios[i]), str(shapes[i]), seed=i)),
+            float(ratios[i]),
+            i,
+        )
+        for i in range(n)
+    ]
+
+
+async def replay(
+    url: str,
+    token: str | None,
+    function: str,
+    plan: list[PlannedRequest],
+    warmup: int,
+    prompt: str = "a small red bird",
+) -> RunStats:
+    """Send each planned request at its time (open loop) and wait for all answers."""
+    stats = RunStats(outcomes=[Outcome(warmup=i < warmup) for i in range(len(plan))])
+    bar = tqdm(total=len(plan), desc=f"load {function}", unit="req", leave=False)
+    async with AsyncClient(url, token) as client:
+        start = time.perf_counter()
+
+        async def one(i: int, req: PlannedRequest) -> None:
+            await asyncio.sleep(max(0.0, start + req.at - time.perf_counter()))
+            t0 = time.perf_counter()
+            try:
+                result = await client.invoke(
+                    function, req.template, req.mask, prompt, seed=req.seed
+                )
+                stats.outcomes[i].queue_ms = result.timings.queue_ms
+                stats.outcomes[i].interruptions = int(result.engine.get("interruptions", 0))
+            except RetouchError as exc:
+                stats.outcomes[i].error = exc.code
+            stats.outcomes[i].latency_ms = (time.perf_counter() - t0) * 1e3
+            bar.update()
+
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(plan)))
+        measured_start = plan[warmup].at if warmup < len(plan) else 0.0
+        stats.wall_s = time.perf_counter() - start - measured_start
+    bar.close()
+    return stats
+
+
+async def measure_capacity(
+    url: str, token: str | None, function: str, plan: list[PlannedRequest], concurrency: int
+) -> float:
+    """Closed-loop throughput (invocations/s) with ``concurrency`` requests always in flight."""
+    async with AsyncClient(url, token) as client:
+        queue = list(plan)
+        done = 0
+        start = time.perf_counter()
+
+        async def worker() -> None:
+            nonlocal done
+            while queue:
+                req = queue.pop()
+                await client.invoke(function, req.template, req.mask, "capacity", seed=req.seed)
+                done += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return done / (time.perf_counter() - start)
+
+
+def plot_cdfs(results: dict[str, RunStats], path: Path, size: tuple[int, int] = (800, 500)) -> None:
+    """Latency CDFs, one line per configuration (drawn with PIL: no plotting dependency)."""
+    w, h, pad = size[0], size[1], 60
+    img = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(img)
+    series = {
+        name: np.sort([o.latency_ms for o in r.outcomes if not o.warmup and o.error is None])
+        for name, r in results.items()
+    }
+    top = max((float(s[-1]) for s in series.values() if len(s)), default=1.0)
+    draw.rectangle([pad, pad // 2, w - pad // 2, h - pad], outline="black")
+    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+        y = h - pad - frac * (h - 1.5 * pad)
+        draw.text((5, y - 6), f"{frac:.2f}", fill="black")
+        x = pad + frac * (w - 1.5 * pad)
+        draw.text((x - 15, h - pad + 8), f"{frac * top:.0f}", fill="black")
+    draw.text((w // 2 - 40, h - 22), "latency (ms)", fill="black")
+    colors = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
+    for k, (name, lat) in enumerate(series.items()):
+        if not len(lat):
+            continue
+        pts = [
+            (pad + v / top * (w - 1.5 * pad), h - pad - (i + 1) / len(lat) * (h - 1.5 * pad))
+            for i, v in enumerate(lat)
+        ]
+        color = colors[k % len(colors)]
+        draw.line(pts, fill=color, width=2)
+        draw.text(
+            (pad + 10, pad // 2 + 8 + 14 * k),
+            f"{name} (p95 {np.percentile(lat, 95):.0f} ms)",
+            fill=color,
+        )
+    img.save(path)
+
+
+def table(summaries: dict[str, dict[str, Any]]) -> str:
+    cols = (
+        "p50_ms",
+        "p95_ms",
+        "p99_ms",
+        "mean_ms",
+        "throughput_rps",
+        "queue_p95_ms",
+        "interruptions",
+        "errors",
+    )
+    lines = [f"{'config':<12}" + "".join(f"{c:>15}" for c in cols)]
+    for name, s in summaries.items():
+        lines.append(
+            f"{name:<12}"
+            + "".join(f"{s[c]:>15.1f}" if isinstance(s[c], float) else f"{s[c]:>15}" for c in cols)
+        )
+    return "\n".join(lines)
+
+
+# ---- configurations compared side by side ---------------------------------------------
+
+CONFIG_TOKENS = {
+    "continuous": ("--engine", "continuous"),
+    "static": ("--engine", "static"),
+    "maskaware": (),
+    "stock": ("--no-maskaware",),
+    "disaggregated": (),
+    "naive": ("--inline-prepost",),
+}
+
+
+def config_args(name: str) -> list[str]:
+    """``retouch serve`` flags of a configuration named by ``+``-joined tokens, e.g.
+    ``continuous`` (mask-aware, disaggregated: full retouch), ``static+stock`` (the
+    baseline), ``continuous+naive`` (pre/post on the engine thread)."""
+    args: list[str] = []
+    for token in name.split("+"):
+        if token not in CONFIG_TOKENS:
+            raise ValueError(
+                f"unknown configuration token {token!r} in {name!r}; use {sorted(CONFIG_TOKENS)}"
+            )
+        args += CONFIG_TOKENS[token]
+    return args
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    model: str
+    configs: list[str]
+    rate: str  # invocations/s, or "auto:F"
+    workload: Workload
+    steps: int = 8
+    templates: int = 4
+    max_batch: int = 8
+    executors: int = 1
+    plot: Path | None = None
+
+
+def bench_function(model: str, steps: int, templates: int) -> tuple[FunctionSpec, dict[str, bytes]]:
+    """A function on ``model`` with procedurally generated templates."""
+    demo = demo_model(model)
+    size = demo.resolution
+    doc = {
+        "name": "bench",
+        "model": model,
+        "family": demo.family,
+        "resolution": size,
+        "steps": steps,
+        "templates": {
+            f"t{i}": {"prompt": f"template scene {i}", "seed": 100 + i} for i in range(templates)
+        },
+    }
+    images = {
+        f"t{i}": encode_image(template_image((size, size), 500 + i), "png")
+        for i in range(templates)
+    }
+    return parse_spec(doc), images
+
+
+def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
+    function, images = bench_function(spec.model, spec.steps, spec.templates)
+    size = (function.width, function.height)
+    rate: float | None = None if spec.rate.startswith("auto:") else float(spec.rate)
+    results: dict[str, RunStats] = {}
+    summaries: dict[str, dict[str, Any]] = {}
+    plan: list[PlannedRequest] = []
+    for name in spec.configs:
+        extra = [*config_args(name), "--max-batch", str(spec.max_batch)]
+        with (
+            ServerProcess(data_dir, executors=spec.executors, extra_args=extra) as server,
+            Client(server.url) as client,
+        ):
+            client.deploy(function, images)
+            if "stock" not in name.split("+"):
+                wait_baked(client, function.name)
+            if rate is None:
+                probe = plan_requests(
+                    Workload(
+                        requests=3 * spec.max_batch,
+                        warmup=0,
+                        mask_mean=spec.workload.mask_mean,
+                        seed=spec.workload.seed + 1,
+                    ),
+                    1.0,
+                    list(images),
+                    size,
+                )
+                capacity = asyncio.run(
+                    measure_capacity(server.url, None, function.name, probe, spec.max_batch)
+                )
+                rate = float(spec.rate.split(":", 1)[1]) * capacity
+                log.info(
+                    "capacity of %s: %.3f invocations/s; offered load %.3f/s", name, capacity, rate
+                )
+            if not plan:
+                plan = plan_requests(spec.workload, rate, list(images), size)
+            results[name] = asyncio.run(
+                replay(server.url, None, function.name, plan, spec.workload.warmup)
+            )
+            summaries[name] = results[name].summary()
+    if spec.plot is not None:
+        plot_cdfs(results, spec.plot)
+    return {
+        "model": spec.model,
+        "rate_rps": rate,
+        "requests": spec.workload.requests,
+        "configs": summaries,
+    }
+
+
+def wait_baked(client: Client, function: str, timeout: float = 1800.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = {t["state"] for t in client.get(function)["templates"].values()}
+        if states == {"baked"}:
+            return
+        if "failed" in states:
+            raise RetouchError(f"baking {function} failed", code="bake_failed")
+        time.sleep(0.5)
+    raise RetouchError(f"{function} not baked after {timeout:.0f} s", code="bake_timeout")

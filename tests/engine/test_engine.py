@@ -1,0 +1,162 @@
+"""The engine on a real tiny Flux model with real pre/post worker processes: joins between
+steps, static batches, interruptions, and results independent of batching."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxInpaintPipeline
+
+from retouch.functions.demo.images import mask_of_ratio, template_image
+from retouch.functions.demo.models import ensure_demo_model
+from retouch.runtime.engine import Engine, EngineConfig, EngineMode, Work
+from retouch.runtime.executor import WorkerStages
+from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.store import MemoryActivations
+from retouch.runtime.workers import PrePostPool
+
+MODEL = "retouch:tiny-flux"
+STEPS = 30  # long enough for a newcomer to arrive mid-batch
+
+
+@pytest.fixture(scope="module")
+def editor(models_dir: Path) -> MaskAwareEditor:
+    folder = ensure_demo_model(MODEL, models_dir)
+    pipe = FluxInpaintPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return MaskAwareEditor(pipe, "flux-inpaint", torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def baked(editor: MaskAwareEditor) -> tuple[EditRequest, MemoryActivations]:
+    image = template_image((128, 128), 3)
+    store = MemoryActivations()
+    editor.bake(image, "a shelf", 5, STEPS, 3.5, store.writer())
+    return EditRequest(
+        image, mask_of_ratio((128, 128), 0.2, "ellipse", 1), "a vase", 1, STEPS, 3.5, "a shelf", 5
+    ), store
+
+
+@pytest.fixture(scope="module")
+def stages(models_dir: Path) -> Iterator[WorkerStages]:
+    pool = PrePostPool(models_dir, "cpu", threads=1)
+    for future in pool.load(MODEL, "flux-inpaint"):
+        future.result(timeout=120)
+    yield WorkerStages(pool)
+    pool.close()
+
+
+def _work(
+    editor: MaskAwareEditor, request: EditRequest, store: MemoryActivations | None, seed: int = 1
+) -> Work:
+    req = EditRequest(
+        request.image,
+        request.mask,
+        request.prompt,
+        seed,
+        request.steps,
+        request.guidance,
+        request.template_prompt,
+        request.template_seed,
+    )
+    cache = (
+        {"tier": "host", "wait_ms": 0.0} if store is not None else {"tier": "none", "wait_ms": 0.0}
+    )
+    return Work(
+        key="k",
+        model=MODEL,
+        family="flux-inpaint",
+        scheduler="flow-euler",
+        editor=editor,
+        request=req,
+        fmt="raw",
+        acquire=lambda: (store.reader() if store else None, cache),
+    )
+
+
+def _wait_steps(work: Work, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(work.batch_sizes) < n:
+        assert time.monotonic() < deadline, "the batch did not make progress"
+        time.sleep(0.005)
+
+
+def test_continuous_newcomer_joins_within_one_step(editor, baked, stages) -> None:
+    request, store = baked
+    engine = Engine(EngineConfig(EngineMode.CONTINUOUS, max_batch=4), stages)
+    try:
+        first = _work(editor, request, store, seed=1)
+        f1 = engine.submit(first)
+        _wait_steps(first, 3)
+        second = _work(editor, request, store, seed=2)
+        f2 = engine.submit(second)
+        r2, r1 = f2.result(timeout=120), f1.result(timeout=120)
+        step_s = max(r.step_ms for r in engine.counters.history) / 1e3
+        assert second.first_step - second.pre_done <= step_s + 0.005
+        assert second.first_step < first.last_step  # it ran while the first was running
+        assert 2 in r2["engine"]["batch_sizes"] and 2 in r1["engine"]["batch_sizes"]
+        assert r1["engine"]["interruptions"] == r2["engine"]["interruptions"] == 0
+        assert r1["path"] == r2["path"] == "maskaware"
+        assert r2["timings"]["pre_ms"] > 0 and r2["timings"]["post_ms"] > 0
+    finally:
+        engine.stop()
+
+
+def test_static_newcomer_waits_for_the_batch(editor, baked, stages) -> None:
+    request, store = baked
+    engine = Engine(EngineConfig(EngineMode.STATIC, max_batch=4), stages)
+    try:
+        first = _work(editor, request, store, seed=1)
+        f1 = engine.submit(first)
+        _wait_steps(first, 2)
+        second = _work(editor, request, store, seed=2)
+        f2 = engine.submit(second)
+        f1.result(timeout=120), f2.result(timeout=120)
+        assert second.first_step >= first.last_step
+        assert set(first.batch_sizes) == {1}
+    finally:
+        engine.stop()
+
+
+def test_naive_mode_counts_interruptions(editor, baked) -> None:
+    request, store = baked
+    engine = Engine(EngineConfig(EngineMode.CONTINUOUS, max_batch=4, disaggregated=False), None)
+    try:
+        first = _work(editor, request, store, seed=1)
+        f1 = engine.submit(first)
+        _wait_steps(first, 2)
+        f2 = engine.submit(_work(editor, request, store, seed=2))
+        r2, r1 = f2.result(timeout=120), f1.result(timeout=120)
+        assert r1["engine"]["interruptions"] >= 1  # the newcomer's encode stalled the first
+        assert r2["engine"]["interruptions"] >= 1  # the first's decode stalled the newcomer
+        assert engine.counters.interruptions >= 2
+    finally:
+        engine.stop()
+
+
+def test_results_do_not_depend_on_batching(editor, baked, stages) -> None:
+    request, store = baked
+    engine = Engine(EngineConfig(EngineMode.CONTINUOUS, max_batch=4), stages)
+    try:
+        solo = [
+            engine.submit(_work(editor, request, store, seed=s)).result(timeout=120) for s in (1, 2)
+        ]
+        works = [_work(editor, request, store, seed=s) for s in (1, 2)] + [
+            _work(editor, request, None, seed=3)
+        ]
+        together = [f.result(timeout=120) for f in [engine.submit(w) for w in works]]
+    finally:
+        engine.stop()
+    for a, b in zip(solo, together[:2], strict=False):
+        x = np.frombuffer(a["output"].image, np.uint8).astype(int)
+        y = np.frombuffer(b["output"].image, np.uint8).astype(int)
+        assert np.abs(x - y).max() <= 1  # uint8 rounding of float results within 1e-4
+    assert together[2]["path"] == "stock"
+    stock = editor.stock_edit(works[2].request)
+    got = np.frombuffer(together[2]["output"].image, np.uint8).reshape(128, 128, 3).astype(int)
+    assert np.abs(got - np.asarray(stock).astype(int)).max() <= 1
