@@ -162,6 +162,8 @@ class Gateway:
 
     async def metrics_text(self, request: Request) -> Response:
         self.metrics.executors.set(sum(e.healthy for e in self.pool.executors))
+        for state in await self.pool.states():
+            self._export_engine(state)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def list_functions(self, request: Request) -> dict[str, Any]:
@@ -266,6 +268,25 @@ class Gateway:
         self._observe(fn.spec.name, result, ratio)
         return result.to_wire()
 
+    def _export_engine(self, state: dict[str, Any]) -> None:
+        """Per-step figures live in the executors; they are read at scrape time."""
+        engine = state.get("engine") or {}
+        plan = engine.get("last_plan") or {}
+        values = {
+            "batch_overhead_ms_p50": engine.get("batch_overhead_ms_p50"),
+            "step_ms_p50": engine.get("step_ms_p50"),
+            "batch_mean": engine.get("batch_mean"),
+            "load_wait_ms_p50": engine.get("load_wait_ms_p50"),
+            "plan_sparse_blocks": plan.get("sparse"),
+            "plan_blocks": plan.get("blocks"),
+            "running": engine.get("running"),
+            "ready": engine.get("ready"),
+            "preprocessing": engine.get("preprocessing"),
+        }
+        for quantity, value in values.items():
+            if value is not None:
+                self.metrics.engine.labels(state["name"], quantity).set(float(value))
+
     def _observe(self, function: str, result: wire.InvokeResult, ratio: float) -> None:
         t = result.timings
         self.metrics.invocations.labels(function, result.path).inc()
@@ -277,6 +298,12 @@ class Gateway:
         self.metrics.queue.labels(function).observe(t.queue_ms / 1e3)
         self.metrics.overhead.observe(max(0.0, t.total_ms - t.run_ms - t.queue_ms) / 1e3)
         self.metrics.mask_ratio.observe(ratio)
+        self.metrics.pre.labels(function).observe(t.pre_ms / 1e3)
+        self.metrics.post.labels(function).observe(t.post_ms / 1e3)
+        self.metrics.steps.labels(function).inc(result.engine.get("steps", 0))
+        self.metrics.interruptions.labels(function).inc(result.engine.get("interruptions", 0))
+        for size in result.engine.get("batch_sizes", []):
+            self.metrics.batch_size.observe(size)
 
     # ---- app -----------------------------------------------------------------------------
     def app(self) -> Starlette:

@@ -66,6 +66,44 @@ class GatewayMetrics:
             buckets=(0.0001, 0.001, 0.01, 0.05, 0.1, 0.5, 1, 5),
             registry=r,
         )
+        self.pre = Histogram(
+            "retouch_invocation_pre_seconds",
+            "Pre-processing (text/VAE encode) of an invocation",
+            ["function"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.post = Histogram(
+            "retouch_invocation_post_seconds",
+            "Post-processing (VAE decode, image encoding) of an invocation",
+            ["function"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.steps = Counter(
+            "retouch_denoising_steps",
+            "Denoising steps taken by invocations",
+            ["function"],
+            registry=r,
+        )
+        self.interruptions = Counter(
+            "retouch_interruptions",
+            "Non-denoising work the engine ran while an invocation was in its batch",
+            ["function"],
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "retouch_batch_size",
+            "Running batch size seen by each denoising step of an invocation",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+            registry=r,
+        )
+        self.engine = Gauge(
+            "retouch_engine",
+            "Per-executor engine state at scrape time: batch_overhead_ms_p50, step_ms_p50, batch_mean, plan_sparse_blocks, plan_blocks, load_wait_ms_p50, running, ready, preprocessing",
+            ["executor", "quantity"],
+            registry=r,
+        )
         self.executors = Gauge("retouch_executors_healthy", "Healthy executors", registry=r)
         self.functions = Gauge("retouch_functions", "Deployed functions", registry=r)
 

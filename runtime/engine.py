@@ -35,6 +35,7 @@ import torch
 from retouch.functions.imaging import encode_image
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
+from retouch.runtime.maskaware.loader import attached
 from retouch.runtime.maskaware.request import EditRequest, RequestState
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class StepRecord:
     batch: int
     overhead_ms: float  # engine-thread time assembling the batch before the forward
     step_ms: float
+    load_wait_ms: float  # time blocks waited for cached rows during the step
     sparse_blocks: int
     blocks: int
 
@@ -150,6 +152,9 @@ class EngineCounters:
             "bakes": self.bakes,
             "batch_overhead_ms_p50": statistics.median(overhead) if overhead else 0.0,
             "step_ms_p50": statistics.median(r.step_ms for r in recent) if recent else 0.0,
+            "load_wait_ms_p50": statistics.median(r.load_wait_ms for r in recent)
+            if recent
+            else 0.0,
             "batch_mean": statistics.fmean(r.batch for r in recent) if recent else 0.0,
             "last_plan": {"sparse": recent[-1].sparse_blocks, "blocks": recent[-1].blocks}
             if recent
@@ -303,7 +308,14 @@ class Engine:
         self.counters.steps += 1
         sparse = sum(m is Mode.SPARSE for m in modes.values())
         self.counters.history.append(
-            StepRecord(len(group), (t0 - started) * 1e3, (t1 - t0) * 1e3, sparse, len(modes))
+            StepRecord(
+                len(group),
+                (t0 - started) * 1e3,
+                (t1 - t0) * 1e3,
+                _load_wait_ms(editor),
+                sparse,
+                len(modes),
+            )
         )
         for work in group:
             work.first_step = work.first_step or t0
@@ -380,3 +392,9 @@ class Engine:
         except Exception:
             log.exception("background job failed")
         self.counters.bakes += 1
+
+
+def _load_wait_ms(editor: MaskAwareEditor) -> float:
+    """How long the step's blocks waited for cached rows (0 without a row loader)."""
+    loader = attached(editor)
+    return loader.last.wait_s * 1e3 if loader is not None and loader.last is not None else 0.0

@@ -37,10 +37,14 @@ from retouch.functions.errors import BadRequest, NotFound
 from retouch.functions.imaging import decode_image, encode_image, mask_ratio
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.runtime.asgi import check_token, decode_bytes, endpoint, read_body
+from retouch.runtime.costmodel import CostModel
 from retouch.runtime.engine import Engine, EngineConfig, EngineMode, Output, Work
 from retouch.runtime.fingerprint import model_fingerprint
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.models import ModelCache
+from retouch.runtime.plan import make_planner
+from retouch.runtime.profiling import load_or_profile
 from retouch.runtime.templates import BakeState, Template, TemplateCache, store_path
 from retouch.runtime.workers import PrePostPool
 
@@ -91,6 +95,8 @@ class ExecutorCore:
     engine: Engine
     stages: WorkerStages | None = None  # None: pre/post on the engine thread
     maskaware: bool = True  # False: every token computed, no cache (the "stock" configuration)
+    data_dir: Path = Path(".")
+    cost_models: dict[str, CostModel] = field(default_factory=dict)  # per model, on this device
     functions: dict[str, FunctionEntry] = field(default_factory=dict)
     stats: ExecutorStats = field(default_factory=ExecutorStats)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -121,7 +127,11 @@ class ExecutorCore:
         return removed
 
     def editor(self, spec: FunctionSpec) -> MaskAwareEditor:
-        """One editor per (model, scheduler); editors of a model share its modules."""
+        """One editor per (model, scheduler); editors of a model share its modules.
+
+        A new editor gets an overlapped row loader and the bubble-free planner of the
+        model's cost model on this device (profiled once, then read from the profile cache).
+        """
         with self.lock:
             editor = self._editors.get((spec.model, spec.scheduler))
             if editor is None:
@@ -129,6 +139,10 @@ class ExecutorCore:
                 editor = MaskAwareEditor(
                     loaded.pipeline_for(spec.scheduler), spec.family, loaded.device
                 )
+                attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
+                cost_model = load_or_profile(editor, loaded.folder, self.data_dir, spec.width)
+                editor.plan = make_planner(cost_model)
+                self.cost_models[spec.model] = cost_model
                 self._editors[(spec.model, spec.scheduler)] = editor
             return editor
 
@@ -274,6 +288,10 @@ class ExecutorCore:
             "completed": self.stats.completed,
             "failed": self.stats.failed,
             "templates": self.templates.states(),
+            "cost_models": {
+                model: {"min_r2": cm.min_r2(), **cm.to_dict()}
+                for model, cm in self.cost_models.items()
+            },
             "cache": self.templates.store.stats(),
         }
 
@@ -391,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
         engine,
         stages,
         maskaware=not args.no_maskaware,
+        data_dir=args.data_dir,
     )
     # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
     # proto says TCP, and without it every response waits ~40 ms for a delayed ACK.
