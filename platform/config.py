@@ -32,6 +32,7 @@ class ServeConfig:
     engine: str = "continuous"  # or "static" (a batch runs to completion; for comparisons)
     max_batch: int = 8
     inline_prepost: bool = False  # pre/post on the engine thread (naive batching; comparisons)
+    shared_dir: Path | None = None  # built demo models + device profiles (default: data_dir)
 
     def executor_args(self) -> tuple[str, ...]:
         """Flags every executor process is started with."""
@@ -47,6 +48,8 @@ class ServeConfig:
             args.append("--no-maskaware")
         if self.inline_prepost:
             args.append("--inline-prepost")
+        if self.shared_dir is not None:
+            args += ["--shared-dir", str(self.shared_dir)]
         return tuple(args)
 
     @classmethod
@@ -63,6 +66,7 @@ class ServeConfig:
             "host_cache_bytes": _int_env("RETOUCH_HOST_CACHE_BYTES"),
             "engine": os.environ.get("RETOUCH_ENGINE"),
             "max_batch": _int_env("RETOUCH_MAX_BATCH"),
+            "shared_dir": _path_env("RETOUCH_SHARED_DIR"),
         }
         merged = {k: v for k, v in env.items() if v is not None}
         merged.update({k: v for k, v in overrides.items() if v is not None})

@@ -95,7 +95,7 @@ class ExecutorCore:
     engine: Engine
     stages: WorkerStages | None = None  # None: pre/post on the engine thread
     maskaware: bool = True  # False: every token computed, no cache (the "stock" configuration)
-    data_dir: Path = Path(".")
+    data_dir: Path = Path(".")  # where device profiles are cached (profiles/)
     cost_models: dict[str, CostModel] = field(default_factory=dict)  # per model, on this device
     functions: dict[str, FunctionEntry] = field(default_factory=dict)
     stats: ExecutorStats = field(default_factory=ExecutorStats)
@@ -348,6 +348,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument(
+        "--shared-dir",
+        type=Path,
+        default=None,
+        help="built demo models and device profiles (default: the data dir)",
+    )
     parser.add_argument("--port-file", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument(
@@ -385,6 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     store = ActivationStore(
         StoreConfig(path=store_path(args.data_dir), host_budget_bytes=args.host_cache_bytes)
     )
+    shared = args.shared_dir or args.data_dir
     engine_config = EngineConfig(
         EngineMode(args.engine), args.max_batch, disaggregated=not args.inline_prepost
     )
@@ -393,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.inline_prepost
         else WorkerStages(
             PrePostPool(
-                args.data_dir / "models",
+                shared / "models",
                 device,
                 pre=args.pre_workers,
                 post=args.post_workers,
@@ -404,12 +411,12 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(engine_config, stages)
     core = ExecutorCore(
         args.name,
-        ModelCache(args.data_dir / "models", device),
+        ModelCache(shared / "models", device),
         TemplateCache(store),
         engine,
         stages,
         maskaware=not args.no_maskaware,
-        data_dir=args.data_dir,
+        data_dir=shared,
     )
     # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
     # proto says TCP, and without it every response waits ~40 ms for a delayed ACK.

@@ -1,4 +1,5 @@
-"""Shared fixtures: built demo models are cached once per test session."""
+"""Session-wide set-up: one shared folder for built demo models and device profiles, so
+every ``retouch serve`` a test starts reuses them instead of rebuilding and re-profiling."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "deploy" / "examples"
 
 
-@pytest.fixture(scope="session")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A models folder shared by the session (demo models are built into it once)."""
-    return tmp_path_factory.mktemp("models")
-
-
 @pytest.fixture(autouse=True, scope="session")
-def _quiet_threads() -> None:
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    shared = tmp_path_factory.mktemp("shared")
+    os.environ["RETOUCH_SHARED_DIR"] = str(shared)  # read by `retouch serve` (ServeConfig)
     os.environ.setdefault("RETOUCH_LOG_LEVEL", "WARNING")
+    return shared
+
+
+@pytest.fixture(scope="session")
+def models_dir(shared_dir: Path) -> Path:
+    """Demo models are built into this folder once per session."""
+    return shared_dir / "models"
