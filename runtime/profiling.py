@@ -210,6 +210,17 @@ def _measure(
     return samples
 
 
+def measure_load_line(editor: MaskAwareEditor, state: RequestState, repeats: int = 2) -> LinearFit:
+    """The row-load line through ``state``'s reader alone (another reader than the bake
+    profiled, e.g. behind a slower link): loads of 1 to 8 copies of the request."""
+    loader = RowLoader.for_editor(editor, LoadMode.PRELOAD, time_copies=True)
+    try:
+        sizes, seconds = zip(*_load_sweep(editor, loader, state, repeats), strict=True)
+    finally:
+        loader.close()
+    return LinearFit.fit_medians([float(b) for b in sizes], list(seconds))
+
+
 def _load_sweep(
     editor: MaskAwareEditor, loader: RowLoader, state: RequestState, repeats: int
 ) -> list[tuple[int, float]]:

@@ -175,7 +175,7 @@ class RowLoader:
         if depth < 1:
             raise ValueError("depth must be at least 1")
         self.family = rows
-        self.device = torch.device(device)
+        self.device = _indexed(torch.device(device))
         self.mode = LoadMode(mode)
         self.depth = depth
         self.hooks = list(hooks or [])
@@ -476,6 +476,13 @@ def _numel(shape: tuple[int, ...]) -> int:
     for size in shape:
         out *= size
     return out
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` → ``cuda:<current>`` (the loader thread must select the same device)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _current_stream(loader: RowLoader) -> Any:
