@@ -315,6 +315,22 @@ def _bench_engine(args: argparse.Namespace) -> None:
         )
 
 
+def _bench_plan(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.plan import run_plan_bench
+
+    models_dir = (args.data_dir or ServeConfig.from_env().data_dir) / "models"
+    result = run_plan_bench(
+        args.model,
+        args.mask_ratio,
+        args.batch,
+        args.steps,
+        args.repeats,
+        models_dir,
+        link_gbps=args.link_gbps,
+    )
+    _report(result, args.json)
+
+
 def _bench_load(args: argparse.Namespace) -> None:
     import tempfile
 
