@@ -60,6 +60,7 @@ def test_flux_profile_is_cached_per_model_and_device(
         load_or_profile(editor, folder, tmp_path, SIZE, QUICK)
 
 
+@pytest.mark.slow
 def test_sd_profile_levels_and_planner(models_dir: Path) -> None:
     editor, _ = _editor("retouch:tiny-sd", models_dir)
     model = profile_editor(editor, SIZE, QUICK)
