@@ -191,3 +191,21 @@ def test_step_refuses_finished_requests(pipe) -> None:
     with pytest.raises(ValueError, match="finished"):
         editor.step([state])
     assert editor.finish(state).size == (SIZE, SIZE)
+
+
+def test_an_empty_mask_rides_along_in_a_batch(pipe) -> None:
+    """A request with nothing masked computes no image token (Flux: the template exactly)."""
+    editor = _editor(pipe)
+    image = template_image((SIZE, SIZE), 14)
+    store = MemoryActivations()
+    editor.bake(image, "a", 1, 2, 4.0, store)
+    empty = EditRequest(image, np.zeros((SIZE, SIZE), bool), "b", 2, 2, 4.0, "a", 1)
+    other = EditRequest(image, _rect(0.2), "b", 3, 2, 4.0, "a", 1)
+    states = [editor.prepare(r, store) for r in (empty, other)]
+    assert states[0].tokens and all(t.count == 0 for t in states[0].tokens.values())
+    while not states[0].done:
+        editor.step(states)
+    out = editor.finish(states[0], "np")
+    assert out.shape == (SIZE, SIZE, 3) and np.isfinite(out).all()
+    if pipe.family == "flux-inpaint":
+        assert np.abs(out - editor.stock_edit(empty, "np")).max() <= EXACT
