@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -62,7 +62,7 @@ class ForwardContext:
     grids: dict[tuple[int, int], TokenBatch] = field(default_factory=dict)  # per token grid
     grid: TokenBatch | None = None  # the token grid of the sparse block now running
     text_len: int = 0  # text tokens in front of image tokens (joint-attention models)
-    scratch: dict[object, torch.Tensor] = field(default_factory=dict)  # per-forward memo
+    scratch: dict[object, Any] = field(default_factory=dict)  # per-forward memo (layout, RoPE rows)
     loader: RowSource | None = None  # staged rows; None: blocks fetch synchronously
     hooks: list[BlockHook] = field(default_factory=list)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -116,7 +116,6 @@ class RequestState:
     reader: ActivationReader | None = None
     writer: ActivationWriter | None = None
     index: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
