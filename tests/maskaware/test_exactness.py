@@ -22,7 +22,7 @@ from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 
 SIZE = 128
-STEPS = 3
+STEPS = 2
 EXACT = 1e-5  # fp32, max abs difference of [0, 1] images
 FAMILIES = {"sd-inpaint": "retouch:tiny-sd", "flux-inpaint": "retouch:tiny-flux"}
 LOADERS = {"sd-inpaint": StableDiffusionInpaintPipeline, "flux-inpaint": FluxInpaintPipeline}
