@@ -37,16 +37,11 @@ def build_gateway(config: ServeConfig) -> Gateway:
             config.port,
         )
     # Executors only listen on loopback and only accept this per-run internal token.
-    executor_args = (
-        "--host-cache-bytes",
-        str(config.host_cache_bytes),
-        *(() if config.maskaware else ("--no-maskaware",)),
-    )
     provider = LocalProvider(
         config.data_dir,
         secrets.token_urlsafe(32),
         cpu_slots=config.executors,
-        executor_args=executor_args,
+        executor_args=config.executor_args(),
     )
     pool = ExecutorPool(provider, make_placement(config.placement))
     return Gateway(Registry(config.data_dir), pool, auth, max_body=config.max_body_bytes)
