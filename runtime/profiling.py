@@ -307,7 +307,9 @@ def _fit(
 ) -> CostModel:
     blocks = []
     for block in rows.order:
-        xs, ys = zip(*samples.compute[block], strict=True) if samples.compute[block] else ((), ())
+        if not samples.compute[block]:
+            raise RuntimeError(f"block {block!r} was never timed: its enter/exit hooks did not run")
+        xs, ys = zip(*samples.compute[block], strict=True)
         blocks.append(
             BlockProfile(
                 name=block,
