@@ -11,6 +11,7 @@ from diffusers import FluxInpaintPipeline, StableDiffusionInpaintPipeline
 
 from retouch.functions.demo.images import mask_of_ratio, template_image
 from retouch.functions.demo.models import ensure_demo_model
+from retouch.platform.bench.plan import LinkReader
 from retouch.runtime import profiling
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.fingerprint import model_fingerprint
@@ -18,7 +19,12 @@ from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.loader import attached, family_rows
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.plan import make_planner
-from retouch.runtime.profiling import ProfileConfig, load_or_profile, profile_editor
+from retouch.runtime.profiling import (
+    ProfileConfig,
+    load_or_profile,
+    measure_load_line,
+    profile_editor,
+)
 
 SIZE = 128
 QUICK = ProfileConfig(ratios=(0.2, 0.6), batches=(1, 2), repeats=1)
@@ -79,3 +85,16 @@ def test_sd_profile_levels_and_planner(models_dir: Path) -> None:
     planner = make_planner(model)
     modes = planner([state], editor.blocks)
     assert set(modes) == set(editor.blocks) and planner.last is not None
+
+
+def test_load_line_through_an_emulated_link(models_dir: Path) -> None:
+    """The load line recovers a link's bandwidth (the bench's GPU-regime emulation)."""
+    editor, _ = _editor("retouch:tiny-flux", models_dir)
+    image = template_image((SIZE, SIZE), 1)
+    store = MemoryActivations()
+    editor.bake(image, "a door", 1, 2, 4.0, store)
+    mask = mask_of_ratio((SIZE, SIZE), 0.2, "rect", seed=2)
+    request = EditRequest(image, mask, "red", 3, 2, 4.0, "a door", 1)
+    state = editor.prepare(request, LinkReader(store, gbps=0.005))
+    line = measure_load_line(editor, state, repeats=1)
+    assert 0.7 / 0.005e9 < line.slope < 2.0 / 0.005e9 and line.r2 > 0.8, line
