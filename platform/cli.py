@@ -179,6 +179,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench_load)
 
+    p = bench_sub.add_parser(
+        "plan", help="bubble-free plan vs naive sequential loading, whole edits, same run"
+    )
+    p.add_argument("--model", default="retouch:small-flux")
+    p.add_argument("--mask-ratio", type=float, default=0.2)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="emulate a host->device link of this bandwidth (GB/s) behind every row read",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where demo models are built (default $RETOUCH_DATA_DIR)",
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_bench_plan)
+
     p = bench_sub.add_parser("store", help="activation store vs memcpy and raw disk reads")
     p.add_argument("--size-mb", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)

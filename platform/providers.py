@@ -129,6 +129,6 @@ class LocalProvider:
                     if (await client.get(f"{url}/healthz", headers=headers)).status_code == 200:
                         return
                 except httpx.TransportError:
-                    pass
+                    pass  # not listening yet: poll again
                 await asyncio.sleep(0.05)
         raise Unavailable("executor did not become healthy in time")

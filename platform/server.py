@@ -108,7 +108,7 @@ class ServerProcess:
                 if httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200:
                     return
             except httpx.TransportError:
-                pass
+                pass  # not listening yet: poll again
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(
