@@ -236,13 +236,19 @@ def table(summaries: dict[str, dict[str, Any]]) -> str:
         "queue_p95_ms",
         "interruptions",
         "errors",
+        "batch_overhead_ms_p50",
     )
-    lines = [f"{'config':<12}" + "".join(f"{c:>15}" for c in cols)]
+    width = {c: max(15, len(c) + 2) for c in cols}
+    first = max(12, *(len(name) + 2 for name in summaries))
+    lines = [f"{'config':<{first}}" + "".join(f"{c:>{width[c]}}" for c in cols)]
     for name, s in summaries.items():
-        lines.append(
-            f"{name:<12}"
-            + "".join(f"{s[c]:>15.1f}" if isinstance(s[c], float) else f"{s[c]:>15}" for c in cols)
+        cells = (
+            f"{s.get(c, 0):>{width[c]}.{3 if c == 'batch_overhead_ms_p50' else 1}f}"
+            if isinstance(s.get(c), float)
+            else f"{s.get(c, ''):>{width[c]}}"
+            for c in cols
         )
+        lines.append(f"{name:<{first}}" + "".join(cells))
     return "\n".join(lines)
 
 
@@ -306,10 +312,26 @@ def bench_function(model: str, steps: int, templates: int) -> tuple[FunctionSpec
     return parse_spec(doc), images
 
 
+def parse_rate(text: str) -> tuple[float | None, float]:
+    """``"2.5"`` -> (2.5, 1.0); ``"auto:0.7"`` -> (None, 0.7): measured later, times 0.7."""
+    auto = text.startswith("auto:")
+    try:
+        value = float(text.split(":", 1)[1] if auto else text)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise ValueError(f"--rate must be a positive number or auto:F with F > 0, not {text!r}")
+    return (None, value) if auto else (value, 1.0)
+
+
 def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
+    if not spec.configs:
+        raise ValueError("--compare names no configuration")
+    for name in spec.configs:
+        config_args(name)  # reject a typo before any server starts
+    rate, factor = parse_rate(spec.rate)
     function, images = bench_function(spec.model, spec.steps, spec.templates)
     size = (function.width, function.height)
-    rate: float | None = None if spec.rate.startswith("auto:") else float(spec.rate)
     results: dict[str, RunStats] = {}
     summaries: dict[str, dict[str, Any]] = {}
     plan: list[PlannedRequest] = []
@@ -337,7 +359,7 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
                 capacity = asyncio.run(
                     measure_capacity(server.url, None, function.name, probe, spec.max_batch)
                 )
-                rate = float(spec.rate.split(":", 1)[1]) * capacity
+                rate = factor * capacity
                 log.info(
                     "capacity of %s: %.3f invocations/s; offered load %.3f/s", name, capacity, rate
                 )
@@ -346,7 +368,7 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
             results[name] = asyncio.run(
                 replay(server.url, None, function.name, plan, spec.workload.warmup)
             )
-            summaries[name] = results[name].summary()
+            summaries[name] = {**results[name].summary(), **engine_figures(client)}
     if spec.plot is not None:
         plot_cdfs(results, spec.plot)
     return {
@@ -355,6 +377,19 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
         "requests": spec.workload.requests,
         "configs": summaries,
     }
+
+
+ENGINE_FIGURES = ("batch_overhead_ms_p50", "step_ms_p50", "batch_mean", "load_wait_ms_p50")
+
+
+def engine_figures(client: Client) -> dict[str, float]:
+    """Per-step figures of the executors' engines over their recent steps (the run just
+    replayed plus the capacity probe): the medians of the first executor, whose steps
+    are all of this configuration."""
+    executors = client.executors()["executors"]
+    state = (executors[0].get("state") or {}) if executors else {}
+    engine = state.get("engine") or {}
+    return {key: round(float(engine.get(key) or 0.0), 3) for key in ENGINE_FIGURES}
 
 
 def wait_baked(client: Client, function: str, timeout: float = 1800.0) -> None:

@@ -1,0 +1,124 @@
+"""``retouch bench load``: its workload statistics, and one small comparison run end to end
+(real ``retouch serve`` processes, one per configuration)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retouch.platform.bench.load import (
+    Workload,
+    config_args,
+    inter_arrivals,
+    mask_ratios,
+    parse_rate,
+    plan_requests,
+    zipf_choice,
+)
+
+
+def test_arrivals_have_the_rate_and_burstiness_asked_for() -> None:
+    rng = np.random.default_rng(0)
+    poisson = inter_arrivals(20000, 2.0, "poisson", 1.0, rng)
+    bursty = inter_arrivals(20000, 2.0, "gamma", 3.0, rng)
+    assert poisson.mean() == pytest.approx(0.5, rel=0.05)
+    assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)
+    assert bursty.mean() == pytest.approx(0.5, rel=0.1)
+    assert bursty.std() / bursty.mean() == pytest.approx(3.0, rel=0.15)
+    with pytest.raises(ValueError, match="poisson or gamma"):
+        inter_arrivals(3, 1.0, "uniform", 1.0, rng)
+
+
+@pytest.mark.parametrize("mean", [0.11, 0.19, 0.35])
+def test_mask_ratios_follow_the_trace_mean(mean: float) -> None:
+    ratios = mask_ratios(20000, Workload(mask_mean=mean), np.random.default_rng(1))
+    assert ratios.mean() == pytest.approx(mean, abs=0.01)
+    assert ratios.min() >= 0.01 and ratios.max() <= 1.0
+
+
+def test_mask_ratios_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "ratios.txt"
+    path.write_text("0.1\n0.4\n")
+    ratios = mask_ratios(100, Workload(mask_file=path), np.random.default_rng(2))
+    assert set(ratios) <= {0.1, 0.4}
+    path.write_text("0.1 1.5")
+    with pytest.raises(ValueError, match="ratios in"):
+        mask_ratios(3, Workload(mask_file=path), np.random.default_rng(2))
+
+
+def test_zipf_makes_the_first_template_the_most_popular() -> None:
+    chosen = zipf_choice(5000, ["a", "b", "c", "d"], 1.1, np.random.default_rng(3))
+    counts = [chosen.count(t) for t in "abcd"]
+    assert counts == sorted(counts, reverse=True) and counts[0] > 2 * counts[3]
+
+
+def test_every_configuration_replays_the_same_requests() -> None:
+    workload = Workload(requests=6, warmup=2, seed=7)
+    first = plan_requests(workload, 1.5, ["t0", "t1"], (64, 64))
+    again = plan_requests(workload, 1.5, ["t0", "t1"], (64, 64))
+    assert len(first) == 8 and first == again
+    assert first[0].at == 0.0 and all(a.at <= b.at for a, b in itertools.pairwise(first))
+
+
+def test_configuration_names_map_to_serve_flags() -> None:
+    assert config_args("continuous") == ["--engine", "continuous"]
+    assert config_args("static+stock") == ["--engine", "static", "--no-maskaware"]
+    assert config_args("continuous+naive") == ["--engine", "continuous", "--inline-prepost"]
+    with pytest.raises(ValueError, match="unknown configuration token 'fast'"):
+        config_args("continuous+fast")
+
+
+@pytest.mark.slow
+def test_bench_load_compares_configurations_in_one_run(shared_dir: Path, tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "retouch.platform.cli",
+        "bench",
+        "load",
+        *("--model", "retouch:tiny-flux", "--compare", "continuous,static"),
+        *("--rate", "auto:0.7", "--requests", "6", "--warmup", "1", "--steps", "2"),
+        *("--templates", "2", "--max-batch", "2", "--data-dir", str(tmp_path / "data")),
+        *("--plot", str(tmp_path / "cdf.png"), "--json"),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["model"] == "retouch:tiny-flux" and result["rate_rps"] > 0
+    for name in ("continuous", "static"):
+        figures = result["configs"][name]
+        assert figures["errors"] == 0
+        assert figures["interruptions"] == 0  # pre/post ran in worker processes
+        assert 0 < figures["p50_ms"] <= figures["p95_ms"] <= figures["p99_ms"]
+        assert figures["throughput_rps"] > 0
+        assert figures["step_ms_p50"] > 0 and figures["batch_mean"] >= 1
+    assert (tmp_path / "cdf.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("rate", ["fast", "auto:", "auto:-1", "0"])
+def test_bad_rates_are_rejected(rate: str) -> None:
+    with pytest.raises(ValueError, match="--rate must be a positive number"):
+        parse_rate(rate)
+
+
+def test_rates() -> None:
+    assert parse_rate("2.5") == (2.5, 1.0)
+    assert parse_rate("auto:0.7") == (None, 0.7)
+
+
+def test_bench_load_rejects_bad_input_without_traceback() -> None:
+    cli = [sys.executable, "-m", "retouch.platform.cli", "bench", "load"]
+    for args, message in (
+        (["--compare", "fast"], "unknown configuration token 'fast'"),
+        (["--rate", "auto:x"], "--rate must be a positive number"),
+    ):
+        out = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and message in out.stderr
+        assert "Traceback" not in out.stderr
