@@ -56,6 +56,7 @@ class FunctionSpec:
     templates: dict[str, TemplateSpec]
     scaling: ScalingSpec = field(default_factory=ScalingSpec)
     slo_ms: float | None = None
+    full_steps: int = 0  # first denoising steps computed over every token (quality warm-up)
 
     def to_dict(self) -> dict[str, Any]:
         """The spec document in the same shape as the TOML file (what :func:`parse_spec`
@@ -68,6 +69,7 @@ class FunctionSpec:
             "steps": self.steps,
             "guidance": self.guidance,
             "scheduler": self.scheduler,
+            "full_steps": self.full_steps,
             "templates": {
                 tid: {"prompt": t.prompt, "seed": t.seed} for tid, t in self.templates.items()
             },
@@ -110,6 +112,7 @@ def parse_spec(raw: Any) -> FunctionSpec:
     width, height = _resolution(raw)
     steps = _int(raw, "steps", defaults["steps"], 1, 200)
     guidance = _float(raw, "guidance", defaults["guidance"], 0.0, 50.0)
+    full_steps = _int(raw, "full_steps", 0, 0, 200)
     scheduler = _str(raw, "scheduler", defaults["scheduler"])
     if scheduler not in SCHEDULERS[family]:
         raise InvalidSpec(
@@ -127,6 +130,7 @@ def parse_spec(raw: Any) -> FunctionSpec:
         templates=_templates(raw.get("templates")),
         scaling=_scaling(raw.get("scaling", {})),
         slo_ms=_slo(raw.get("slo")),
+        full_steps=full_steps,
     )
 
 

@@ -124,6 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
+        "--full-steps",
+        type=int,
+        default=0,
+        help="warm-up steps of the mask-aware edits computed over every token",
+    )
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or process CPU time (steadier on a shared machine)",
+    )
+    p.add_argument(
         "--data-dir",
         type=Path,
         default=None,
@@ -324,7 +336,14 @@ def _bench_engine(args: argparse.Namespace) -> None:
 
     models_dir = (args.data_dir or ServeConfig.from_env().data_dir) / "models"
     rows = run_engine_bench(
-        args.model, args.mask_ratios, args.batch, args.steps, args.repeats, models_dir
+        args.model,
+        args.mask_ratios,
+        args.batch,
+        args.steps,
+        args.repeats,
+        models_dir,
+        clock=args.clock,
+        full_steps=args.full_steps,
     )
     if args.json:
         print(json.dumps(rows))

@@ -186,6 +186,7 @@ class ExecutorCore:
             inv.guidance,
             template.prompt,
             template.seed,
+            spec.full_steps,
         )
         work = Work(
             key=(spec.model, spec.scheduler, spec.width, spec.height),

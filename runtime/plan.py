@@ -157,7 +157,7 @@ class Planner:
 
     def __call__(self, states: list[RequestState], blocks: list[str]) -> dict[str, Mode]:
         modes = dict.fromkeys(blocks, Mode.FULL)
-        if not any(s.reader is not None for s in states):
+        if not any(s.step_reader is not None for s in states):
             self.last = None
             return modes  # nothing cached: sparse would compute every token anyway
         plan = bubble_free_plan(self.cost_model.block_costs(batch_tokens(self.cost_model, states)))
@@ -175,13 +175,13 @@ def make_planner(cost_model: CostModel) -> Planner:
 
 def batch_tokens(cost_model: CostModel, states: list[RequestState]) -> list[tuple[int, int]]:
     """Per profiled block, the batch's (masked, total) tokens on the block's token grid."""
-    grids = [sorted(s.tokens.items(), key=lambda kv: -kv[1].n_tokens) for s in states]
+    grids = [sorted(s.step_tokens.items(), key=lambda kv: -kv[1].n_tokens) for s in states]
     out = []
     for profile in cost_model.blocks:
         masked = total = 0
         for state, levels in zip(states, grids, strict=True):
             tokens = levels[min(profile.level, len(levels) - 1)][1]
             total += tokens.n_tokens
-            masked += tokens.count if state.reader is not None else tokens.n_tokens
+            masked += tokens.count if state.step_reader is not None else tokens.n_tokens
         out.append((masked, total))
     return out

@@ -47,16 +47,22 @@ def run_engine_bench(
     *,
     guidance: float = 4.0,
     clock: str = "wall",
+    full_steps: int = 0,
 ) -> list[dict[str, Any]]:
     """Stock vs mask-aware whole edits for every batch size and mask ratio.
 
     Returns one row per case: ``model, mask_ratio, batch, stock_s, maskaware_s, ratio
     (maskaware_s / stock_s), flop_ratio``. Models are built into ``models_dir`` (default
     ``$RETOUCH_DATA_DIR/models``) on first use. ``clock="cpu"`` times process CPU time instead
-    of wall time (steadier on a machine shared with other work).
+    of wall time (steadier on a machine shared with other work). ``full_steps``: the
+    mask-aware edits' warm-up steps over every token (rows then carry ``full_steps``).
     """
     if repeats < 1:
         raise ValueError("repeats must be at least 1")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, not {clock!r}")
+    if not 0 <= full_steps <= steps:
+        raise ValueError(f"full_steps must be in [0, steps={steps}], not {full_steps}")
     family, pipe, size = _load(model, models_dir or default_data_dir() / "models")
     editor = MaskAwareEditor(pipe, family, torch.device("cpu"))
     template = template_image((size, size), seed=1)
@@ -71,7 +77,15 @@ def run_engine_bench(
             mask = aligned_mask(size, ratio, cell)
             requests = [
                 EditRequest(
-                    template, mask, EDIT_PROMPT, 100 + i, steps, guidance, TEMPLATE_PROMPT, 1
+                    template,
+                    mask,
+                    EDIT_PROMPT,
+                    100 + i,
+                    steps,
+                    guidance,
+                    TEMPLATE_PROMPT,
+                    1,
+                    full_steps,
                 )
                 for i in range(batch)
             ]
@@ -96,6 +110,8 @@ def run_engine_bench(
                     "flop_ratio": round(flops.ratio, 4),
                 }
             )
+            if full_steps:
+                results[-1]["full_steps"] = full_steps
             log.info("%s", results[-1])
     return results
 

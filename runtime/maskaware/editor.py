@@ -242,10 +242,12 @@ class MaskAwareEditor:
             raise ValueError("requests in one step must share the resolution")
         per = self.impl.rows_per_request
         grids = {
-            size: TokenBatch(tuple(s.tokens[size] for s in states), per, self.packed, self.device)
+            size: TokenBatch(
+                tuple(s.step_tokens[size] for s in states), per, self.packed, self.device
+            )
             for size in sizes
         }
-        slots = [Slot(s.index, reader=s.reader) for s in states]
+        slots = [Slot(s.index, reader=s.step_reader) for s in states]
         if modes is None:
             modes = self.plan(states, self.blocks)
         self._run(ForwardContext(slots, per, modes, grids), states)

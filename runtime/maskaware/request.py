@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,8 +29,11 @@ class EditRequest:
     guidance: float
     template_prompt: str
     template_seed: int
+    full_steps: int = 0  # the first steps compute every token (a quality warm-up)
 
     def __post_init__(self) -> None:
+        if self.full_steps < 0:
+            raise ValueError(f"full_steps must be >= 0, not {self.full_steps}")
         if self.mask.shape != (self.image.height, self.image.width):
             raise ValueError(
                 f"mask is {self.mask.shape}, image is {(self.image.height, self.image.width)}"
@@ -104,7 +107,9 @@ class RequestState:
     """One request between steps: latents, its own scheduler and where its cache lives.
 
     ``inputs`` holds the family's per-request model inputs (text embeddings, masks, ...);
-    ``tokens`` the masked-token set per token grid.
+    ``tokens`` the masked-token set per token grid. During the request's first
+    ``full_steps`` steps (its warm-up) it computes every token and reads no cached row, as a
+    request without a cache does: ``step_tokens`` and ``step_reader`` are what a step uses.
     """
 
     request: EditRequest
@@ -116,6 +121,7 @@ class RequestState:
     reader: ActivationReader | None = None
     writer: ActivationWriter | None = None
     index: int = 0
+    _every: dict[tuple[int, int], TokenSet] | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
@@ -129,6 +135,34 @@ class RequestState:
     def last(self) -> bool:
         return self.index == len(self.timesteps) - 1
 
+    @property
+    def warming(self) -> bool:
+        """In a warm-up step: computed over every token although a cache exists.
+
+        Why: the first steps lay out the image; with the template's stale activations there
+        the unmasked region can drift (random-weight UNets especially), later steps much less.
+        """
+        return self.reader is not None and self.index < self.request.full_steps
+
+    @property
+    def step_tokens(self) -> dict[tuple[int, int], TokenSet]:
+        """The token sets this step computes."""
+        if not self.warming:
+            return self.tokens
+        if self._every is None:
+            self._every = every_token(list(self.tokens))
+        return self._every
+
+    @property
+    def step_reader(self) -> ActivationReader | None:
+        """The cache this step reads rows from (none while warming up)."""
+        return None if self.warming else self.reader
+
+
+def every_token(sizes: list[tuple[int, int]]) -> dict[tuple[int, int], TokenSet]:
+    """Token sets that select every token of each grid."""
+    return {size: TokenSet.from_grid(torch.ones(size, dtype=torch.bool)) for size in sizes}
+
 
 def token_sets(
     latent_mask: torch.Tensor, sizes: list[tuple[int, int]], *, every: bool = False
@@ -139,7 +173,7 @@ def token_sets(
     no row, so it runs exactly like the stock pipeline).
     """
     if every:
-        return {size: TokenSet.from_grid(torch.ones(size, dtype=torch.bool)) for size in sizes}
+        return every_token(sizes)
     return {size: TokenSet.from_grid(pool_mask(latent_mask.cpu(), size)) for size in sizes}
 
 

@@ -103,6 +103,33 @@ def test_mixed_plan_with_full_blocks_is_exact(pipe) -> None:
         )
 
 
+def test_warmup_over_every_step_equals_stock_whatever_was_baked(pipe) -> None:
+    """``full_steps`` covering the edit computes every token in every step and reads no row."""
+    editor = _editor(pipe)
+    image, mask = template_image((SIZE, SIZE), 15), _rect(0.2)
+    store = MemoryActivations()
+    editor.bake(image, "a garden", 3, STEPS, 4.0, store)
+    request = EditRequest(image, mask, "a bench", 9, STEPS, 4.0, "a garden", 3, STEPS)
+    edited, stock = editor.edit(request, store, "np"), editor.stock_edit(request, "np")
+    assert np.abs(edited - stock).max() <= EXACT
+
+
+def test_a_warming_request_in_a_batch_matches_its_solo_run(pipe) -> None:
+    """One request in its warm-up step and one mask-aware share a step; then both sparse."""
+    editor = _editor(pipe)
+    image, store = template_image((SIZE, SIZE), 16), MemoryActivations()
+    editor.bake(image, "a harbour", 5, STEPS + 1, 4.0, store)
+    warm = EditRequest(image, _rect(0.1), "a boat", 1, STEPS + 1, 4.0, "a harbour", 5, 1)
+    cold = EditRequest(image, _rect(0.3), "a gull", 2, STEPS + 1, 4.0, "a harbour", 5)
+    solo = [editor.edit(r, store, "np") for r in (warm, cold)]
+    states = [editor.prepare(r, store) for r in (warm, cold)]
+    assert states[0].warming and not states[1].warming
+    while not states[0].done:
+        editor.step(states)
+    for state, alone in zip(states, solo, strict=True):
+        assert np.abs(editor.finish(state, "np") - alone).max() <= 1e-4
+
+
 @pytest.fixture(scope="module")
 def three(pipe) -> tuple[list[EditRequest], list[MemoryActivations]]:
     """Different templates, masks, prompts, seeds and guidance; one has more steps."""

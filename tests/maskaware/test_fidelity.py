@@ -40,7 +40,9 @@ def _mask() -> np.ndarray:
     return mask
 
 
-def _figures(family: str, model: str, loader, models_dir: Path, record) -> dict[str, float]:
+def _figures(
+    family: str, model: str, loader, models_dir: Path, record, full_steps: int = 0
+) -> dict[str, float]:
     pipe = loader.from_pretrained(ensure_demo_model(model, models_dir))
     pipe.set_progress_bar_config(disable=True)
     editor = MaskAwareEditor(pipe, family, "cpu")
@@ -48,7 +50,7 @@ def _figures(family: str, model: str, loader, models_dir: Path, record) -> dict[
     store = MemoryActivations()
     editor.bake(image, TEMPLATE_PROMPT, TEMPLATE_SEED, STEPS, 5.0, store)
     request = EditRequest(
-        image, mask, "a red bicycle", 2, STEPS, 5.0, TEMPLATE_PROMPT, TEMPLATE_SEED
+        image, mask, "a red bicycle", 2, STEPS, 5.0, TEMPLATE_PROMPT, TEMPLATE_SEED, full_steps
     )
     edited, stock = editor.edit(request, store, "np"), editor.stock_edit(request, "np")
     other_seed = EditRequest(
@@ -61,7 +63,7 @@ def _figures(family: str, model: str, loader, models_dir: Path, record) -> dict[
         "stock_seed_sensitivity_psnr": psnr(stock, editor.stock_edit(other_seed, "np")),
     }
     for name, value in figures.items():
-        record(f"{family}:{name}", round(value, 3))
+        record(f"{family}:{full_steps}:{name}", round(value, 3))
     log.info("%s fidelity at mask ratio %.2f: %s", family, mask.mean(), figures)
     return figures
 
@@ -96,9 +98,9 @@ def sd_figures(models_dir: Path) -> dict[str, float]:
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
-    reason="random-weight SD inpainting UNet: the stock output's unmasked region depends on "
-    "the masked region's noise (~23 dB), so no cache of unmasked activations can reach "
-    "35 dB / 0.98; see docs/maskaware.md",
+    reason="random-weight SD inpainting UNet, every step mask-aware: the stock output's "
+    "unmasked region depends on the masked region's noise (~23 dB), so the template's "
+    "activations in the first steps cannot reach 35 dB / 0.98; see docs/maskaware.md",
 )
 def test_sd_fidelity(sd_figures: dict[str, float]) -> None:
     _meets_thresholds(sd_figures)
@@ -108,3 +110,19 @@ def test_sd_fidelity(sd_figures: dict[str, float]) -> None:
 def test_sd_cache_error_is_inside_the_models_own_variation(sd_figures: dict[str, float]) -> None:
     assert sd_figures["psnr"] >= sd_figures["stock_seed_sensitivity_psnr"] + 3.0
     assert sd_figures["ssim"] >= 0.9
+
+
+@pytest.mark.slow
+def test_sd_fidelity_with_warmup_steps(models_dir: Path, record_property) -> None:
+    """Half the steps computed over every token (``full_steps``), the rest mask-aware: the
+    image's layout is no longer taken from the template's activations, and SD meets the
+    thresholds (tiny-sd: 45 dB; one warm-up step of four gives 36 dB, 37 dB unmasked)."""
+    figures = _figures(
+        "sd-inpaint",
+        "retouch:tiny-sd",
+        StableDiffusionInpaintPipeline,
+        models_dir,
+        record_property,
+        full_steps=STEPS // 2,
+    )
+    _meets_thresholds(figures)

@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
 from retouch.runtime.costmodel import BlockProfile, CostModel, LinearFit
 from retouch.runtime.maskaware.context import Mode
+from retouch.runtime.maskaware.request import EditRequest, RequestState
 from retouch.runtime.maskaware.tokens import TokenSet
 from retouch.runtime.plan import batch_tokens, make_planner
 
@@ -17,10 +20,19 @@ BLOCKS = ["b0", "b1", "b2", "b3"]
 
 @dataclass
 class FakeState:
-    """What the planner reads of a RequestState: token sets per grid and the reader."""
+    """What the planner reads of a RequestState: this step's token sets per grid and reader
+    (a request in no warm-up step: its own)."""
 
     tokens: dict[tuple[int, int], TokenSet]
     reader: Any = field(default=None)
+
+    @property
+    def step_tokens(self) -> dict[tuple[int, int], TokenSet]:
+        return self.tokens
+
+    @property
+    def step_reader(self) -> Any:
+        return self.reader
 
 
 def _state(ratio: float, reader: Any = "cache") -> FakeState:
@@ -70,3 +82,23 @@ def test_tokens_are_counted_on_each_blocks_grid() -> None:
 def test_blocks_outside_the_cost_model_stay_full() -> None:
     modes = make_planner(_model(0.0))([_state(0.25)], [*BLOCKS, "extra"])
     assert modes["extra"] is Mode.FULL and list(modes) == [*BLOCKS, "extra"]
+
+
+def test_a_request_in_its_warmup_counts_every_token() -> None:
+    """Real ``RequestState``s: during ``full_steps`` the planner sees every token masked and
+    no reader; afterwards the request's own mask."""
+
+    def state(full_steps: int) -> RequestState:
+        image = Image.new("RGB", (16, 16))
+        request = EditRequest(image, np.zeros((16, 16), bool), "p", 1, 3, 1.0, "t", 1, full_steps)
+        fake = _state(0.25)
+        return RequestState(
+            request, torch.zeros(1), None, torch.arange(3), None, fake.tokens, "cache"
+        )
+
+    warming, plain = state(full_steps=1), state(full_steps=0)
+    assert warming.warming and warming.step_reader is None and not plain.warming
+    assert batch_tokens(_model(0.0), [warming, plain])[0] == (256 + 64, 512)
+    warming.index = 1  # warm-up over
+    assert not warming.warming and warming.step_reader == "cache"
+    assert batch_tokens(_model(0.0), [warming, plain])[0] == (64 + 64, 512)

@@ -35,6 +35,7 @@ def test_defaults_follow_family() -> None:
         }
     )
     assert (spec.width, spec.height, spec.scheduler, spec.steps) == (256, 128, "flow-euler", 20)
+    assert spec.full_steps == 0  # every step mask-aware unless the function asks otherwise
 
 
 @given(
@@ -48,9 +49,10 @@ def test_defaults_follow_family() -> None:
         max_size=4,
     ),
     lo=st.integers(0, 3),
+    full=st.integers(0, 200),
 )
 def test_round_trip(
-    steps: int, guidance: float, width: int, seeds: dict[str, int], lo: int
+    steps: int, guidance: float, width: int, seeds: dict[str, int], lo: int, full: int
 ) -> None:
     doc = {
         "name": "fn-1",
@@ -62,6 +64,7 @@ def test_round_trip(
         "scheduler": "euler",
         "templates": {k: {"prompt": f"p {k}", "seed": s} for k, s in seeds.items()},
         "scaling": {"min_executors": lo, "max_executors": lo + 1},
+        "full_steps": full,
     }
     spec = parse_spec(doc)
     assert isinstance(spec, FunctionSpec)
@@ -80,6 +83,8 @@ def test_round_trip(
         ({"steps": 0}, "steps"),
         ({"steps": True}, "steps"),
         ({"guidance": "high"}, "guidance"),
+        ({"full_steps": -1}, "full_steps"),
+        ({"full_steps": 2.5}, "full_steps"),
         ({"scheduler": "flow-euler"}, "scheduler"),
         ({"templates": []}, "templates"),
         ({"templates": {"bad id!": {}}}, "templates.bad id!"),
