@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import time
 from pathlib import Path
 
 import httpx
@@ -56,3 +58,30 @@ def test_metrics_and_probes(server: ServerProcess, admin: Client, examples: Path
         assert name in text
     executors = admin.executors()["executors"]
     assert executors[0]["healthy"] and "tiny-flux" in executors[0]["functions"]
+
+
+def test_warmup_steps_reach_the_executor(admin: Client, examples: Path) -> None:
+    """``full_steps`` in a spec survives the registry and changes mask-aware edits: with
+    every step warm the edit is the stock pipeline's, not the template-cached one."""
+    spec, images = read_spec_file(examples / "tiny-sd.toml")
+    cached = dataclasses.replace(spec, name="sd-cached", steps=3)
+    warm = dataclasses.replace(spec, name="sd-warm", steps=3, full_steps=3)
+    for fn in (cached, warm):
+        admin.deploy(fn, images)
+    assert admin.get("sd-warm")["full_steps"] == 3 and admin.get("sd-cached")["full_steps"] == 0
+    _wait_baked(admin, ["sd-cached", "sd-warm"])
+    mask = np.zeros((128, 128), bool)
+    mask[30:80, 20:70] = True
+    a, b = (admin.invoke(n, "street", mask, "a cat", seed=3) for n in ("sd-cached", "sd-warm"))
+    assert a.path == b.path == "maskaware"
+    assert a.image != b.image
+
+
+def _wait_baked(client: Client, names: list[str], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = {t["state"] for n in names for t in client.get(n)["templates"].values()}
+        if states == {"baked"}:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{names} not baked in {timeout} s")
