@@ -111,5 +111,5 @@ class BufferPool:
         return size
 
     def clear(self) -> None:
-        while self.release_one():
-            pass
+        while self.release_one():  # frees one buffer per call, 0 once none is left
+            continue

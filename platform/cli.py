@@ -135,12 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="wall",
         help="wall time, or process CPU time (steadier on a shared machine)",
     )
-    p.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="where demo models are built (default $RETOUCH_DATA_DIR)",
-    )
+    _add_models_dir(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench_engine)
 
@@ -205,12 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="emulate a host->device link of this bandwidth (GB/s) behind every row read",
     )
-    p.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="where demo models are built (default $RETOUCH_DATA_DIR)",
-    )
+    _add_models_dir(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench_plan)
 
@@ -331,10 +321,23 @@ def _ints(text: str) -> list[int]:
         ) from None
 
 
+def _add_models_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where demo models are built (default $RETOUCH_DATA_DIR)",
+    )
+
+
+def _models_dir(args: argparse.Namespace) -> Path:
+    return (args.data_dir or ServeConfig.from_env().data_dir) / "models"
+
+
 def _bench_engine(args: argparse.Namespace) -> None:
     from retouch.platform.bench.engine import run_engine_bench
 
-    models_dir = (args.data_dir or ServeConfig.from_env().data_dir) / "models"
+    models_dir = _models_dir(args)
     rows = run_engine_bench(
         args.model,
         args.mask_ratios,
@@ -360,7 +363,7 @@ def _bench_engine(args: argparse.Namespace) -> None:
 def _bench_plan(args: argparse.Namespace) -> None:
     from retouch.platform.bench.plan import run_plan_bench
 
-    models_dir = (args.data_dir or ServeConfig.from_env().data_dir) / "models"
+    models_dir = _models_dir(args)
     result = run_plan_bench(
         args.model,
         args.mask_ratio,

@@ -63,7 +63,7 @@ def run_engine_bench(
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, not {clock!r}")
     if not 0 <= full_steps <= steps:
         raise ValueError(f"full_steps must be in [0, steps={steps}], not {full_steps}")
-    family, pipe, size = _load(model, models_dir or default_data_dir() / "models")
+    family, pipe, size = load_demo(model, models_dir or default_data_dir() / "models", "engine")
     editor = MaskAwareEditor(pipe, family, torch.device("cpu"))
     template = template_image((size, size), seed=1)
     store = MemoryActivations()
@@ -143,10 +143,11 @@ def aligned_mask(size: int, ratio: float, cell: int) -> np.ndarray:
     return mask
 
 
-def _load(model: str, models_dir: Path) -> tuple[str, DiffusionPipeline, int]:
-    """Family, loaded pipeline and square image size of a built-in or local model."""
+def load_demo(model: str, models_dir: Path, bench: str) -> tuple[str, DiffusionPipeline, int]:
+    """Family, loaded pipeline and square image size of a built-in model (the benchmarks
+    need its known resolution; ``bench`` names the caller in the error)."""
     if not is_demo(model):
-        raise ValueError("bench engine runs the built-in retouch: models")
+        raise ValueError(f"bench {bench} runs the built-in retouch: models")
     spec = demo_model(model)
     pipe = PIPELINES[spec.family].from_pretrained(ensure_demo_model(model, models_dir))
     pipe.set_progress_bar_config(disable=True)

@@ -36,26 +36,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import DiffusionPipeline
 from tqdm import tqdm
 
 from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.functions.demo.images import mask_of_ratio, template_image
-from retouch.functions.demo.models import demo_model, ensure_demo_model, is_demo
+from retouch.platform.bench.engine import EDIT_PROMPT, TEMPLATE_PROMPT, load_demo
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor, RequestState
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach, family_rows
 from retouch.runtime.maskaware.store import ActivationReader, MemoryActivations, fetch_rows
-from retouch.runtime.models import PIPELINES
 from retouch.runtime.plan import BlockCost, Planner, batch_tokens, evaluate, make_planner
 from retouch.runtime.plan import sequential_latency as predicted_sequential
 from retouch.runtime.profiling import ProfileConfig, measure_load_line, profile_editor
 
 log = logging.getLogger(__name__)
 
-TEMPLATE_PROMPT = "a quiet street"  # the demo tokenizers take 14 characters
-EDIT_PROMPT = "a red bicycle"
 TEMPLATE_KEY = "bench-plan-template"
 READERS = ("store", "memory")
 
@@ -108,7 +104,7 @@ def run_plan_bench(
         raise ValueError("repeats, batch and steps must be at least 1, readers not empty")
     if unknown := set(readers) - set(READERS):
         raise ValueError(f"unknown readers {sorted(unknown)}; choose from {READERS}")
-    family, pipe, size = _load(model, models_dir)
+    family, pipe, size = load_demo(model, models_dir, "plan")
     editor = MaskAwareEditor(pipe, family, torch.device("cpu"))
     template = template_image((size, size), seed=1)
     memory = MemoryActivations()
@@ -303,13 +299,3 @@ def _predicted(costs: list[BlockCost], planner: Planner, steps: int) -> dict[str
         "overlapped": round(evaluate(costs, every) * steps, 4),
         "full": round(sum(c.full for c in costs) * steps, 4),
     }
-
-
-def _load(model: str, models_dir: Path) -> tuple[str, DiffusionPipeline, int]:
-    """Family, loaded pipeline and square image size of a built-in model."""
-    if not is_demo(model):
-        raise ValueError("bench plan runs the built-in retouch: models")
-    spec = demo_model(model)
-    pipe = PIPELINES[spec.family].from_pretrained(ensure_demo_model(model, models_dir))
-    pipe.set_progress_bar_config(disable=True)
-    return spec.family, pipe, spec.resolution
