@@ -140,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_bench_engine)
 
     p = bench_sub.add_parser(
+        "fidelity", help="mask-aware edits against the stock pipeline: PSNR, SSIM, unmasked PSNR"
+    )
+    p.add_argument("--model", default="retouch:small-sd")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument(
+        "--full-steps", type=_ints, default=[0], help="warm-up steps to compare, e.g. 0,1,2"
+    )
+    p.add_argument("--mask-ratio", type=float, default=0.2)
+    _add_models_dir(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_bench_fidelity)
+
+    p = bench_sub.add_parser(
         "load", help="load generator comparing executor configurations in one run"
     )
     p.add_argument("--model", default="retouch:small-flux")
@@ -358,6 +371,15 @@ def _bench_engine(args: argparse.Namespace) -> None:
         print(
             f"{r['model']:<20} {r['mask_ratio']:>6.2f} {r['batch']:>6} {r['stock_s']:>9.3f} {r['maskaware_s']:>12.3f} {r['ratio']:>7.3f} {r['flop_ratio']:>11.3f}"
         )
+
+
+def _bench_fidelity(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.fidelity import run_fidelity_bench
+
+    rows = run_fidelity_bench(
+        args.model, args.steps, args.full_steps, _models_dir(args), mask_ratio=args.mask_ratio
+    )
+    _report(rows, args.json)
 
 
 def _bench_plan(args: argparse.Namespace) -> None:
