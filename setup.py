@@ -31,8 +31,19 @@ package_dir: dict[str, str] = {}
 for _folder in CODE_FOLDERS:
     package_dir.update(_subpackages(_folder))
 
+# Trained demo weights ship inside the package (diffusers folders: json, txt, safetensors).
+WEIGHTS = [
+    "weights/*/*.json",
+    "weights/*/*/*.json",
+    "weights/*/*/*.txt",
+    "weights/*/*/*.safetensors",
+]
+package_data = {name: ["*.json", "*.txt", "*.toml", "*.png"] for name in package_dir}
+if "retouch.functions.demo" in package_data:
+    package_data["retouch.functions.demo"] += WEIGHTS
+
 setup(
     packages=list(package_dir),
     package_dir=package_dir,
-    package_data={name: ["*.json", "*.txt", "*.toml", "*.png"] for name in package_dir},
+    package_data=package_data,
 )

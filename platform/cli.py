@@ -217,11 +217,99 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench_plan)
 
+    p = bench_sub.add_parser(
+        "edits",
+        help="edit-success rate: does the masked region get the requested colour? (stock pipeline)",
+    )
+    p.add_argument(
+        "--model", default="retouch:shapes-sd", help="retouch:shapes-sd or a diffusers folder"
+    )
+    p.add_argument(
+        "--edits", type=int, default=50, help="number of edits (half recolour, half replace)"
+    )
+    p.add_argument("--steps", type=int, default=25, help="denoising steps per edit")
+    p.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale")
+    p.add_argument("--seed", type=int, default=0, help="selects the held-out scenes and noise")
+    p.add_argument("--sheet", type=Path, default=None, help="write a PNG of every edit here")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    _add_models_dir(p)
+    p.add_argument("--json", action="store_true", help="print JSON with every edit's row")
+    p.set_defaults(run=_bench_edits)
+
     p = bench_sub.add_parser("store", help="activation store vs memcpy and raw disk reads")
     p.add_argument("--size-mb", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench_store)
+
+    p = sub.add_parser(
+        "train-demo",
+        help="train the retouch:shapes-sd demo model on procedural shapes (resumable)",
+        description="Train a small SD-style inpainting model (VAE, CLIP text encoder, 9-channel "
+        "UNet) on the procedural shapes data set and export it as a diffusers folder in fp16. "
+        "Checkpoints in --ckpt-dir let an interrupted run resume where it stopped.",
+    )
+    p.error = _one_line_error  # type: ignore[method-assign]
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("shapes-sd"),
+        help="diffusers folder to export to (default ./shapes-sd)",
+    )
+    p.add_argument(
+        "--ckpt-dir",
+        type=Path,
+        default=Path("train-demo-ckpt"),
+        help="checkpoints and encoded latents; rerun with the same folder to resume",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of data, initialisation and noise")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N",
+    )
+    p.add_argument(
+        "--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)"
+    )
+    p.add_argument("--vae-steps", type=int, default=1500, help="VAE training steps")
+    p.add_argument("--vae-batch", type=int, default=16, help="VAE batch of 64 px crops")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=12000,
+        help="(scene, mask) pairs encoded once for the UNet phase",
+    )
+    p.add_argument("--unet-steps", type=int, default=8000, help="UNet training steps")
+    p.add_argument("--batch", type=int, default=32, help="UNet batch size")
+    p.add_argument("--lr", type=float, default=4e-4, help="UNet and text encoder learning rate")
+    p.add_argument(
+        "--cond-dropout",
+        type=float,
+        default=0.1,
+        help="fraction of captions replaced by the empty prompt (classifier-free guidance)",
+    )
+    p.add_argument(
+        "--save-every", type=int, default=100, help="checkpoint every N steps of a phase"
+    )
+    p.add_argument(
+        "--export-every",
+        type=int,
+        default=500,
+        help="also export the EMA weights every N UNet steps (0: only at the end)",
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=0.0,
+        help="end the UNet phase after this much wall time, then export (0: no limit)",
+    )
+    p.add_argument(
+        "--export-only",
+        action="store_true",
+        help="export the latest checkpoint without training further",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(run=_train_demo)
 
     cache = sub.add_parser("cache", help="inspect the activation store of a data directory")
     cache.add_argument(
@@ -434,6 +522,24 @@ def _bench_load(args: argparse.Namespace) -> None:
     print(table(result["configs"]))
 
 
+def _bench_edits(args: argparse.Namespace) -> None:
+    if args.edits < 1 or args.steps < 1 or args.threads < 0:
+        _one_line_error("--edits and --steps must be >= 1, --threads >= 0")
+    import torch
+
+    from retouch.platform.bench.edits import load_pipeline, run_edit_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pipe = load_pipeline(args.model, _models_dir(args))
+    result = run_edit_bench(
+        pipe, args.edits, steps=args.steps, guidance=args.guidance, seed=args.seed, sheet=args.sheet
+    )
+    if not args.json:
+        result = {k: v for k, v in result.items() if k != "rows"}
+    _report(result, args.json)
+
+
 def _bench_store(args: argparse.Namespace) -> None:
     import tempfile
 
@@ -441,6 +547,76 @@ def _bench_store(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory(prefix="retouch-bench-store-") as tmp:
         _report(run_store_bench(Path(tmp), size_mb=args.size_mb, repeats=args.repeats), args.json)
+
+
+def _one_line_error(message: str) -> None:
+    """Bad ``train-demo`` options end with one line and exit status 2 (no usage dump)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _train_demo(args: argparse.Namespace) -> None:
+    checks = (
+        (args.vae_steps >= 0, "--vae-steps must be >= 0"),
+        (args.unet_steps >= 0, "--unet-steps must be >= 0"),
+        (args.vae_batch >= 1, "--vae-batch must be >= 1"),
+        (args.batch >= 1, "--batch must be >= 1"),
+        (args.samples >= 1, "--samples must be >= 1"),
+        (args.threads >= 0, "--threads must be >= 0"),
+        (args.lr > 0, "--lr must be > 0"),
+        (0.0 <= args.cond_dropout < 1.0, "--cond-dropout must be in [0, 1)"),
+        (args.save_every >= 1, "--save-every must be >= 1"),
+        (args.export_every >= 0, "--export-every must be >= 0"),
+        (args.max_minutes >= 0, "--max-minutes must be >= 0"),
+        (
+            args.device == "auto" or args.device == "cpu" or args.device.startswith("cuda"),
+            f"--device must be auto, cpu or cuda[:N], not {args.device!r}",
+        ),
+    )
+    for ok, message in checks:
+        if not ok:
+            _one_line_error(message)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            _one_line_error("--device cuda: no CUDA device is available")
+
+    from retouch.functions.demo.train import TrainConfig, Trainer, train_demo
+
+    config = TrainConfig(
+        seed=args.seed,
+        vae_steps=args.vae_steps,
+        vae_batch=args.vae_batch,
+        samples=args.samples,
+        unet_steps=args.unet_steps,
+        batch=args.batch,
+        lr=args.lr,
+        cond_dropout=args.cond_dropout,
+        save_every=args.save_every,
+        export_every=args.export_every,
+        max_minutes=args.max_minutes,
+    )
+    if args.export_only:
+        if not (args.ckpt_dir / "state.pt").exists():
+            _one_line_error(f"--export-only: no checkpoint in {args.ckpt_dir}")
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        trainer = Trainer(config, args.ckpt_dir, args.out, torch.device("cpu"), progress=False)
+        trainer.export()
+        _report(trainer.summary(), False)
+        return
+    summary = train_demo(
+        config,
+        args.ckpt_dir,
+        args.out,
+        device=args.device,
+        threads=args.threads,
+        progress=not args.no_progress,
+    )
+    _report(summary, False)
 
 
 def _cache(args: argparse.Namespace) -> None:

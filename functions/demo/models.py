@@ -5,10 +5,17 @@ Weights cannot be downloaded, so ``retouch:<name>`` models are built here determ
 directory and then always loaded with ``from_pretrained`` — the same code path as a user's
 own local diffusers folder. ``tiny-*`` models serve tests and the demo; ``small-*`` models
 are the CPU benchmark sizes.
+
+``shapes-sd`` is the exception: a *trained* model (``retouch train-demo`` on the procedural
+shapes set, ``functions/demo/train.py``) shipped inside the package in fp16 safetensors
+(``functions/demo/weights/shapes-sd``). Its "build" loads that folder with
+``from_pretrained`` and saves it in float32 into the data directory, so every loader gets
+the same dtype rule as the other demo models.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -46,6 +53,7 @@ class DemoModel:
     family: str
     resolution: int
     build: Callable[[Path], None]
+    source: Path | None = None  # shipped trained weights (None: built with random weights)
 
 
 def _clip_text(hidden: int, layers: int = 2) -> CLIPTextModel:
@@ -175,6 +183,24 @@ def _build_flux(
     shutil.rmtree(folder / "_tokenizer")
 
 
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+SHAPES_SD = WEIGHTS_DIR / "shapes-sd"
+
+
+def _copy_trained(source: Path, folder: Path) -> None:
+    """Load shipped fp16 weights and save them as float32 (CPU executors compute in fp32)."""
+    if not (source / "model_index.json").exists():
+        raise FileNotFoundError(
+            f"trained weights missing: {source} (train them with `retouch train-demo`)"
+        )
+    pipe = StableDiffusionInpaintPipeline.from_pretrained(
+        source, torch_dtype=torch.float32, safety_checker=None, requires_safety_checker=False
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    if (source / "training.json").exists():
+        shutil.copyfile(source / "training.json", folder / "training.json")
+
+
 DEMO_MODELS: dict[str, DemoModel] = {
     m.name: m
     for m in (
@@ -232,6 +258,13 @@ DEMO_MODELS: dict[str, DemoModel] = {
                 text_hidden=64,
             ),
         ),
+        DemoModel(
+            "shapes-sd",
+            "sd-inpaint",
+            128,
+            lambda f: _copy_trained(SHAPES_SD, f),
+            source=SHAPES_SD,
+        ),
     )
 }
 
@@ -253,7 +286,7 @@ def ensure_demo_model(model: str, models_dir: Path) -> Path:
     """
     spec = demo_model(model)
     target = models_dir / spec.name
-    if (target / "model_index.json").exists():
+    if (target / "model_index.json").exists() and not _stale(spec, target):
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=models_dir))
@@ -262,8 +295,25 @@ def ensure_demo_model(model: str, models_dir: Path) -> Path:
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(BUILD_SEED)
         spec.build(tmp)
+    if target.exists() and _stale(spec, target):  # shipped weights changed: replace the copy
+        old = Path(tempfile.mkdtemp(prefix=f".{spec.name}-old-", dir=models_dir))
+        with contextlib.suppress(OSError):
+            os.rename(target, old / spec.name)
+        shutil.rmtree(old, ignore_errors=True)
     try:
         os.rename(tmp, target)
     except OSError:  # another process finished first: keep its copy
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _stale(spec: DemoModel, target: Path) -> bool:
+    """A copy of shipped weights is stale when its ``training.json`` differs from theirs."""
+    if spec.source is None:
+        return False
+    try:
+        return (spec.source / "training.json").read_bytes() != (
+            target / "training.json"
+        ).read_bytes()
+    except OSError:
+        return (spec.source / "training.json").exists()

@@ -1,0 +1,137 @@
+"""The shapes data set, the demo tokenizer's word tokens and the shapes-sd training step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from retouch.functions.demo.shapes import (
+    COLOURS,
+    WORDS,
+    colour_matches,
+    make_sample,
+    make_scene,
+)
+from retouch.functions.demo.train import TrainConfig, Trainer, make_tokenizer
+from retouch.platform.cli import main
+
+
+def test_samples_are_deterministic_from_the_seed() -> None:
+    for seed in (0, 7, 123456):
+        a, b = make_sample(seed), make_sample(seed)
+        assert np.array_equal(a.image, b.image)
+        assert np.array_equal(a.mask, b.mask)
+        assert a.captions == b.captions
+    assert not np.array_equal(make_sample(1).image, make_sample(2).image)
+
+
+def test_samples_have_masks_and_captions_in_the_vocabulary() -> None:
+    for seed in range(40):
+        sample = make_sample(seed)
+        assert sample.image.shape == (128, 128, 3) and sample.image.dtype == np.uint8
+        assert sample.mask.dtype == bool and 0 < sample.mask.mean() < 1
+        for caption in sample.captions:
+            assert set(caption.split()) <= set(WORDS), caption
+
+
+def test_every_caption_word_is_one_token(tmp_path: Path) -> None:
+    tokenizer = make_tokenizer(tmp_path)
+    for word in WORDS:
+        assert len(tokenizer.tokenize(word)) == 1, word
+    ids = tokenizer("a red star on a blue striped background").input_ids
+    assert len(ids) == 10  # 8 words + start + end
+    assert len(tokenizer.tokenize("scarlet")) > 1  # other words still spell out
+
+
+def test_colour_measure_recognises_the_drawn_colours() -> None:
+    checked = 0
+    for seed in range(60):
+        scene = make_scene(seed)
+        for (colour, _kind), sil in zip(scene.objects, scene.silhouettes, strict=True):
+            if sil.sum() < 50:
+                continue
+            assert colour_matches(scene.image, sil, colour), (seed, colour)
+            others = [c for c in COLOURS if c != colour and c not in ("white", "black")]
+            assert not any(colour_matches(scene.image, sil, c) for c in others), (seed, colour)
+            checked += 1
+    assert checked > 50
+
+
+def _trainer(tmp_path: Path) -> Trainer:
+    torch.manual_seed(0)
+    config = TrainConfig(vae_batch=4, samples=16, batch=4, lr=1e-3, warmup=1, save_every=1000)
+    return Trainer(config, tmp_path / "ckpt", tmp_path / "out", torch.device("cpu"), progress=False)
+
+
+def test_vae_step_lowers_the_loss(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path)
+    images, gen = trainer.vae_batch(0), trainer._generator
+    first = trainer.vae_loss(images, gen(1, 0)).item()
+    for _ in range(8):
+        loss = trainer.vae_loss(images, gen(1, 0))
+        trainer.vae_opt.zero_grad()
+        loss.backward()
+        trainer.vae_opt.step()
+    assert trainer.vae_loss(images, gen(1, 0)).item() < first
+
+
+def test_unet_step_lowers_the_loss_and_resumes(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path)
+    trainer.encode_samples()
+    params = [*trainer.unet.parameters(), *trainer.text.parameters()]
+    with torch.no_grad():
+        first = trainer.unet_loss(0).item()
+    for _ in range(8):  # the same batch, noise and timesteps each time: the loss must fall
+        loss = trainer.unet_loss(0)
+        trainer.opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        trainer.opt.step()
+    with torch.no_grad():
+        assert trainer.unet_loss(0).item() < first
+    trainer.unet_step = 8
+    trainer.save()
+    resumed = _trainer(tmp_path)
+    assert resumed.unet_step == 8
+    for a, b in zip(resumed.unet.parameters(), trainer.unet.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_export_loads_as_a_stock_inpainting_pipeline(tmp_path: Path) -> None:
+    from diffusers import StableDiffusionInpaintPipeline
+
+    trainer = _trainer(tmp_path)
+    trainer.encode_samples()
+    folder = trainer.export(tmp_path / "shapes-sd")
+    weights = list(folder.rglob("*.safetensors"))
+    assert len(weights) == 3
+    for path in weights:  # shipped in fp16
+        with safe_open(path, "pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}  # noqa: SIM118
+    pipe = StableDiffusionInpaintPipeline.from_pretrained(
+        folder, safety_checker=None, requires_safety_checker=False
+    )
+    assert pipe.unet.config.in_channels == 9
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train-demo", "--unet-steps", "-1"],
+        ["train-demo", "--batch", "x"],
+        ["train-demo", "--device", "tpu"],
+        ["train-demo", "--cond-dropout", "1.5"],
+    ],
+)
+def test_train_demo_rejects_bad_values_with_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
