@@ -496,6 +496,16 @@ class ActivationStore:
             "prefetches_in_flight": len(self._loads),
         }
 
+    def live_stats(self) -> dict[str, Any]:
+        """Counters and host-tier occupancy only: no disk scan, cheap enough for a health
+        or state endpoint polled while bakes and loads run."""
+        self._check_open()
+        return {
+            **self._counters.snapshot(),
+            **self._host.usage(),
+            "prefetches_in_flight": len(self._loads),
+        }
+
     def verify(self) -> dict[str, Any]:
         """Check every checksum on disk; corrupt templates are marked invalid."""
         self._check_open()

@@ -57,6 +57,10 @@ class NotFound(RetouchError):
     status, code = 404, "not_found"
 
 
+class MethodNotAllowed(RetouchError):
+    status, code = 405, "method_not_allowed"
+
+
 class Conflict(RetouchError):
     status, code = 409, "conflict"
 
@@ -81,6 +85,12 @@ class Unavailable(RetouchError):
     status, code = 503, "unavailable"
 
 
+class GatewayTimeout(RetouchError):
+    """The invocation's deadline passed before any executor answered it."""
+
+    status, code = 504, "timeout"
+
+
 _BY_STATUS: dict[int, type[RetouchError]] = {
     k.status: k
     for k in (
@@ -88,11 +98,13 @@ _BY_STATUS: dict[int, type[RetouchError]] = {
         Unauthorized,
         Forbidden,
         NotFound,
+        MethodNotAllowed,
         Conflict,
         PayloadTooLarge,
         UnsupportedMediaType,
         InvalidSpec,
         Overloaded,
         Unavailable,
+        GatewayTimeout,
     )
 }

@@ -1,13 +1,23 @@
 """Image and mask encoding at the edges of the system.
 
 Decoding user bytes is where most bad input shows up, so every failure here becomes a
-structured error naming the field. Masks are any image format; nonzero pixels are edited.
+structured error naming the field. The declared size (read from the header, no pixels
+decoded) is checked before anything is decoded, so a huge image is refused cheaply, and
+conversion of unusual modes (LAB, CMYK, 16-bit, float, palette with transparency) happens
+inside the same guard: it is either correct or a 400, never a 500.
+
+The mask rule (documented in ``docs/api.md``): a pixel is edited where it is not black (any
+colour channel > 0; for greyscale, 16-bit and float masks, value > 0) and not fully
+transparent (alpha > 0, when the mask has alpha). A mask whose selection is only in its
+alpha channel (OpenAI-style: a transparent hole in an otherwise uniform image) is refused
+with ``mask_in_alpha`` rather than silently editing the wrong region.
 """
 
 from __future__ import annotations
 
 import io
-import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 from PIL import Image
@@ -15,36 +25,143 @@ from PIL import Image
 from retouch.functions.errors import BadRequest
 
 MAX_PIXELS = 4096 * 4096  # well above any model resolution; stops decompression bombs early
+# Formats a mask or template may come in. Others (EPS runs Ghostscript, PSD, ...) are not
+# parsed at all: less decoder surface for untrusted bytes.
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+_NUMERIC_MODES = ("I", "F", "I;16", "I;16L", "I;16B", "I;16N")
+T = TypeVar("T")
 
 
-def decode_image(data: bytes, field: str) -> Image.Image:
-    """Decode an encoded image (PNG, JPEG, WebP, ...) fully, or raise ``undecodable_image``."""
+def _open(data: bytes, field: str) -> Image.Image:
+    """Parse the header only (no pixels decoded) and refuse bombs by their declared size."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-            if img.width * img.height > MAX_PIXELS:
-                raise BadRequest("image too large", field=field, code="image_too_large")
-            img.load()
-    except BadRequest:
-        raise
+        img = Image.open(io.BytesIO(data), formats=FORMATS)
+    except Image.DecompressionBombError as exc:
+        raise BadRequest(f"image too large: {exc}", field=field, code="image_too_large") from exc
+    except Image.UnidentifiedImageError as exc:
+        raise BadRequest(
+            f"not an image in a supported format ({', '.join(FORMATS)})",
+            field=field,
+            code="undecodable_image",
+        ) from exc
     except Exception as exc:  # PIL raises many types for corrupt input
         raise BadRequest(
             f"cannot decode image: {exc}", field=field, code="undecodable_image"
         ) from exc
+    if img.width * img.height > MAX_PIXELS or img.width <= 0 or img.height <= 0:
+        raise BadRequest(
+            f"image of {img.width}x{img.height} is above {MAX_PIXELS} pixels",
+            field=field,
+            code="image_too_large",
+        )
     return img
 
 
+def _load(img: Image.Image, field: str) -> Image.Image:
+    """Decode the pixels of an image whose header passed :func:`_open`."""
+    declared = img.size
+    try:
+        img.load()
+    except Exception as exc:  # truncated data, corrupt chunks, unsupported compression ...
+        raise BadRequest(
+            f"cannot decode image: {exc}", field=field, code="undecodable_image"
+        ) from exc
+    if img.size != declared:  # a plugin that resizes on load: trust only what was checked
+        raise BadRequest("image size changed while decoding", field=field, code="undecodable_image")
+    return img
+
+
+def _convert(field: str, what: str, fn: Callable[[Image.Image], T], img: Image.Image) -> T:
+    """Run a mode conversion; any failure is a 400 naming the field, never a 500."""
+    try:
+        return fn(img)
+    except BadRequest:
+        raise
+    except Exception as exc:
+        raise BadRequest(
+            f"cannot convert the {what}: {exc}", field=field, code="undecodable_image"
+        ) from exc
+
+
+def decode_image(data: bytes, field: str) -> Image.Image:
+    """Decode an encoded image (PNG, JPEG, WebP, ...) to RGB, or raise a 400 naming ``field``
+    (``undecodable_image``, ``image_too_large``). Templates are RGB whatever they came as."""
+    img = _load(_open(data, field), field)
+    return _convert(field, f"{img.mode} image to RGB", _to_rgb, img)
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    if img.mode == "RGB":
+        return img
+    if img.mode.startswith("I;16"):  # 16-bit: keep the high byte, not PIL's clip at 255
+        return Image.fromarray((np.asarray(img).astype(np.uint32) >> 8).astype(np.uint8)).convert(
+            "RGB"
+        )
+    if img.mode in ("I", "F"):
+        arr = np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0)
+        return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)).convert("RGB")
+    if img.mode == "La":
+        img = img.convert("LA")
+    return img.convert("RGB")
+
+
 def decode_mask(data: bytes, size: tuple[int, int], field: str = "mask") -> np.ndarray:
-    """A boolean ``[H, W]`` array (True = edit) from an encoded mask of exactly ``size``."""
-    img = decode_image(data, field)
-    if img.size != size:
+    """A boolean ``[H, W]`` array (True = edit) from an encoded mask of exactly ``size``.
+
+    The size is compared from the header, before any pixel is decoded; see the module
+    docstring for which pixels count as selected.
+    """
+    img = _open(data, field)
+    if img.size != tuple(size):
         raise BadRequest(
             f"mask is {img.width}x{img.height}, template is {size[0]}x{size[1]}",
             field=field,
             code="mask_size_mismatch",
         )
-    return np.asarray(img.convert("L")) > 0
+    _load(img, field)
+    colour, alpha = _convert(field, f"{img.mode} mask", _channels, img)
+    if alpha is None:
+        return colour
+    opaque = alpha > 0
+    if opaque.any() and not opaque.all():
+        selected = colour & opaque
+        if not selected.any() or np.array_equal(selected, opaque):
+            raise BadRequest(
+                "the mask's selection is only in its alpha channel (transparent pixels); "
+                "send the selection as white (edit) on black (keep), e.g. a greyscale PNG "
+                "without alpha",
+                field=field,
+                code="mask_in_alpha",
+            )
+        return selected
+    return colour & opaque
+
+
+def _channels(img: Image.Image) -> tuple[np.ndarray, np.ndarray | None]:
+    """(not-black per pixel, alpha or None) for any mode PIL decodes."""
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    elif img.mode == "La":
+        img = img.convert("LA")
+    elif img.mode in ("L", "1", "RGB") and "transparency" in img.info:
+        img = img.convert("RGBA" if img.mode == "RGB" else "LA")
+    if img.mode == "PA":
+        img = img.convert("RGBA")
+    if img.mode == "1":
+        return np.asarray(img, dtype=bool), None
+    if img.mode in _NUMERIC_MODES:
+        return np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0) > 0, None
+    if img.mode == "L":
+        return np.asarray(img) > 0, None
+    if img.mode == "LAB":  # lightness: PIL has no LAB -> L conversion
+        return np.asarray(img.getchannel("L")) > 0, None
+    if img.mode in _ALPHA_MODES:
+        if img.mode == "RGBa":
+            img = img.convert("RGBA")
+        arr = np.asarray(img)
+        return arr[..., :-1].max(axis=-1) > 0, arr[..., -1]
+    return np.asarray(img.convert("RGB")).max(axis=-1) > 0, None
 
 
 def mask_ratio(mask: np.ndarray) -> float:
@@ -53,7 +170,7 @@ def mask_ratio(mask: np.ndarray) -> float:
 
 def encode_image(img: Image.Image, fmt: str) -> bytes:
     """PNG/WebP (lossless) bytes, or raw RGB8 rows for ``raw``."""
-    rgb = img.convert("RGB")
+    rgb = _to_rgb(img)
     if fmt == "raw":
         return np.asarray(rgb, dtype=np.uint8).tobytes()
     buf = io.BytesIO()

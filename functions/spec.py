@@ -8,12 +8,14 @@ data, stored by the registry and sent to executors.
 
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retouch.functions import wire
 from retouch.functions.errors import InvalidSpec
 
 FAMILIES = ("sd-inpaint", "flux-inpaint")
@@ -25,8 +27,27 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "sd-inpaint": {"steps": 20, "guidance": 7.5, "scheduler": "ddim"},
     "flux-inpaint": {"steps": 20, "guidance": 3.5, "scheduler": "flow-euler"},
 }
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-TEMPLATE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# Used with fullmatch: ``$`` would also accept a trailing newline.
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+TEMPLATE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# The fields of each table: anything else is refused (a misspelt ``step = 5`` must not
+# deploy silently with 20 steps).
+FIELDS = (
+    "name",
+    "model",
+    "family",
+    "resolution",
+    "steps",
+    "guidance",
+    "scheduler",
+    "full_steps",
+    "templates",
+    "scaling",
+    "slo",
+)
+TEMPLATE_FIELDS = ("image", "prompt", "seed")  # image: a path, in TOML files only
+SCALING_FIELDS = ("min_executors", "max_executors")
+SLO_FIELDS = ("latency_ms",)
 SIZE_MULTIPLE = 16  # Flux packs 2x2 latents on top of the VAE factor (8); SD needs 8
 
 
@@ -101,8 +122,9 @@ def parse_spec(raw: Any) -> FunctionSpec:
     """Validate a spec document (from TOML, JSON or msgpack); errors name the field."""
     if not isinstance(raw, dict):
         raise InvalidSpec("spec must be a table/map")
+    _known(raw, FIELDS)
     name = _str(raw, "name")
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise InvalidSpec("name must match [a-z0-9][a-z0-9-]{0,62}", field="name")
     model = _str(raw, "model")
     family = _str(raw, "family")
@@ -159,15 +181,23 @@ def _templates(raw: Any) -> dict[str, TemplateSpec]:
     out = {}
     for tid, tpl in raw.items():
         where = f"templates.{tid}"
-        if not TEMPLATE_RE.match(tid):
-            raise InvalidSpec("template id must match [A-Za-z0-9][A-Za-z0-9_.-]*", field=where)
+        if not isinstance(tid, str) or not TEMPLATE_RE.fullmatch(tid):
+            raise InvalidSpec(
+                "template id must match [A-Za-z0-9][A-Za-z0-9_.-]{0,127}", field=where
+            )
         if not isinstance(tpl, dict):
             raise InvalidSpec("template must be a table", field=where)
+        _known(tpl, TEMPLATE_FIELDS, where)
         image = tpl.get("image")
         if image is not None and not isinstance(image, str):
             raise InvalidSpec("image must be a path", field=f"{where}.image")
+        prompt = _str(tpl, "prompt", "", where=where)
+        if len(prompt) > wire.MAX_PROMPT_CHARS:  # the limit of an invocation's prompt
+            raise InvalidSpec(
+                f"prompt longer than {wire.MAX_PROMPT_CHARS} characters", field=f"{where}.prompt"
+            )
         out[tid] = TemplateSpec(
-            prompt=_str(tpl, "prompt", "", where=where),
+            prompt=prompt,
             seed=_int(tpl, "seed", 0, 0, 2**63 - 1, where=where),
             image=image,
         )
@@ -177,6 +207,7 @@ def _templates(raw: Any) -> dict[str, TemplateSpec]:
 def _scaling(raw: Any) -> ScalingSpec:
     if not isinstance(raw, dict):
         raise InvalidSpec("scaling must be a table", field="scaling")
+    _known(raw, SCALING_FIELDS, "scaling")
     lo = _int(raw, "min_executors", 0, 0, 1024, where="scaling")
     hi = _int(raw, "max_executors", max(1, lo), 1, 1024, where="scaling")
     if lo > hi:
@@ -189,7 +220,21 @@ def _slo(raw: Any) -> float | None:
         return None
     if not isinstance(raw, dict):
         raise InvalidSpec("slo must be a table", field="slo")
+    _known(raw, SLO_FIELDS, "slo")
     return _float(raw, "latency_ms", None, 1.0, 3_600_000.0, where="slo")
+
+
+def _known(raw: dict[Any, Any], allowed: tuple[str, ...], where: str | None = None) -> None:
+    """Refuse the first field not in ``allowed``, suggesting the closest allowed one."""
+    for key in raw:
+        if key in allowed:
+            continue
+        text = str(key)
+        close = difflib.get_close_matches(text, allowed, n=1, cutoff=0.6)
+        hint = (
+            f" — did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(allowed)}"
+        )
+        raise InvalidSpec(f"unknown field {text!r}{hint}", field=_path(where, text))
 
 
 def _path(where: str | None, key: str) -> str:

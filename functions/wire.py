@@ -8,13 +8,15 @@ field, so every entry point rejects bad input the same way.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from retouch.functions.errors import BadRequest
+from retouch.functions.strictmaps import StrictMaps
 
 OUTPUT_FORMATS = ("png", "webp", "raw")
 MAX_STEPS = 200
@@ -28,13 +30,25 @@ def pack(obj: Any) -> bytes:
 
 
 def unpack(data: bytes) -> Any:
-    """Decode msgpack strictly; any malformed body becomes a ``malformed_body`` error."""
+    """Decode msgpack strictly; any malformed body becomes a ``malformed_body`` error.
+
+    Map keys must be unique strings (a duplicate is ``duplicate_key``; a bytes key would
+    only fail later, as a 500, where code compares it with strings), and nesting is bounded
+    by msgpack's own stack limit.
+    """
+    maps = StrictMaps()
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
+        doc = msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=maps.hook)
+    except msgpack.StackError as exc:
+        raise BadRequest(
+            "body is not valid msgpack: nested too deeply", code="malformed_body"
+        ) from exc
+    except (msgpack.ExtraData, msgpack.FormatError, ValueError) as exc:
         raise BadRequest(f"body is not valid msgpack: {exc}", code="malformed_body") from exc
     except Exception as exc:  # msgpack raises a few other types on truncated input
         raise BadRequest(f"body is not valid msgpack: {exc}", code="malformed_body") from exc
+    maps.check(doc)
+    return doc
 
 
 @dataclass(frozen=True)
@@ -189,13 +203,128 @@ class ExecutorInvoke:
 @dataclass
 class Timings:
     """Where an invocation's time went: pre-processing (text/VAE encode), waiting to join
-    a batch, denoising, post-processing (VAE decode, image encoding), end to end."""
+    a batch, denoising, post-processing (VAE decode, image encoding), end to end; and, in
+    the gateway, the time it waited there for an executor slot."""
 
     queue_ms: float = 0.0
     run_ms: float = 0.0
     total_ms: float = 0.0
     pre_ms: float = 0.0
     post_ms: float = 0.0
+    gateway_queue_ms: float = 0.0
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Timings:
+        body = obj if isinstance(obj, dict) else {}
+        return cls(**{f.name: float(body.get(f.name, 0.0)) for f in fields(cls)})
+
+
+# ---- the shared vocabulary ---------------------------------------------------------------
+
+
+class DeployStatus(StrEnum):
+    """A function's deploy as the gateway tracks it."""
+
+    DEPLOYING = "deploying"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class BakeState(StrEnum):
+    """A template's activations on an executor's host (``pending`` while its function is
+    still deploying, as the gateway reports it)."""
+
+    PENDING = "pending"
+    UNBAKED = "unbaked"
+    QUEUED = "queued"
+    BAKING = "baking"
+    BAKED = "baked"
+    FAILED = "failed"
+
+
+# Most advanced first: the gateway reports the best state any executor of the host has.
+BAKE_PROGRESS = (
+    BakeState.BAKED,
+    BakeState.BAKING,
+    BakeState.QUEUED,
+    BakeState.UNBAKED,
+    BakeState.FAILED,
+)
+
+
+class InvokePath(StrEnum):
+    """How an edit was computed."""
+
+    MASKAWARE = "maskaware"  # masked tokens only, cached activations for the rest
+    STOCK = "stock"  # every token computed (template not baked for these settings)
+    TEMPLATE = "template"  # empty mask: the template itself, no model run
+
+
+class CacheTier(StrEnum):
+    """Where a template's activations were found when an edit joined the batch."""
+
+    HOST = "host"
+    DISK = "disk"
+    NONE = "none"
+
+
+class ExecutorPhase(StrEnum):
+    """An executor's life as the gateway's pool sees it."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+def _enum(kind: type[StrEnum], value: Any, default: StrEnum) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        return default
+
+
+@dataclass(frozen=True)
+class CacheRead:
+    """Where an edit's cached activations came from and how long it waited for them."""
+
+    tier: CacheTier = CacheTier.NONE
+    wait_ms: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"tier": self.tier.value, "wait_ms": self.wait_ms}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> CacheRead:
+        body = obj if isinstance(obj, dict) else {}
+        return cls(
+            _enum(CacheTier, body.get("tier"), CacheTier.NONE), float(body.get("wait_ms", 0.0))
+        )
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """An invocation's denoising: steps run, interruptions, batch size at each step."""
+
+    steps: int = 0
+    interruptions: int = 0
+    batch_sizes: tuple[int, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "interruptions": self.interruptions,
+            "batch_sizes": list(self.batch_sizes),
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> RunStats:
+        body = obj if isinstance(obj, dict) else {}
+        return cls(
+            int(body.get("steps", 0)),
+            int(body.get("interruptions", 0)),
+            tuple(int(b) for b in body.get("batch_sizes", ())),
+        )
 
 
 @dataclass
@@ -208,15 +337,26 @@ class InvokeResult:
     height: int
     mask_ratio: float
     executor: str
-    path: str  # "maskaware", "stock" or "template"
+    path: InvokePath
     timings: Timings = field(default_factory=Timings)
-    cache: dict[str, Any] = field(default_factory=dict)  # {"tier": host|disk|none, "wait_ms"}
-    engine: dict[str, Any] = field(
-        default_factory=dict
-    )  # {"steps", "interruptions", "batch_sizes"}
+    cache: CacheRead = field(default_factory=CacheRead)
+    engine: RunStats = field(default_factory=RunStats)
+    attempts: int = 1  # executors it was sent to (more than one after an executor was lost)
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "image": self.image,
+            "format": self.format,
+            "width": self.width,
+            "height": self.height,
+            "mask_ratio": self.mask_ratio,
+            "executor": self.executor,
+            "path": self.path.value,
+            "timings": asdict(self.timings),
+            "cache": self.cache.to_wire(),
+            "engine": self.engine.to_wire(),
+            "attempts": self.attempts,
+        }
 
     @classmethod
     def from_wire(cls, obj: Any) -> InvokeResult:
@@ -228,8 +368,169 @@ class InvokeResult:
             height=int(body["height"]),
             mask_ratio=float(body["mask_ratio"]),
             executor=str(body["executor"]),
-            path=str(body.get("path", "")),
-            timings=Timings(**body.get("timings", {})),
-            cache=dict(body.get("cache") or {}),
-            engine=dict(body.get("engine") or {}),
+            path=InvokePath(body.get("path", InvokePath.STOCK)),
+            timings=Timings.from_wire(body.get("timings")),
+            cache=CacheRead.from_wire(body.get("cache")),
+            engine=RunStats.from_wire(body.get("engine")),
+            attempts=int(body.get("attempts", 1)),
+        )
+
+
+# ---- an executor's state, as it reports it to the gateway --------------------------------
+
+
+@dataclass(frozen=True)
+class TemplateStatus:
+    """One template on one executor: bake state, bakes done, cache key, last bake error."""
+
+    state: BakeState
+    bakes: int = 0
+    key: str = ""
+    error: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "bakes": self.bakes,
+            "key": self.key,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> TemplateStatus:
+        body = obj if isinstance(obj, dict) else {}
+        return cls(
+            _enum(BakeState, body.get("state"), BakeState.UNBAKED),
+            int(body.get("bakes", 0)),
+            str(body.get("key", "")),
+            body.get("error"),
+        )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's liveness, load and recent per-step figures."""
+
+    mode: str = "continuous"
+    max_batch: int = 8
+    disaggregated: bool = True
+    alive: bool = True
+    error: str | None = None  # why the engine thread died
+    preprocessing: int = 0
+    ready: int = 0
+    running: int = 0
+    background: int = 0
+    steps: int = 0
+    interruptions: int = 0
+    bakes: int = 0
+    batch_overhead_ms_p50: float = 0.0
+    step_ms_p50: float = 0.0
+    load_wait_ms_p50: float = 0.0
+    batch_mean: float = 0.0
+    plan_sparse_blocks: int | None = None  # the last step's plan
+    plan_blocks: int | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> EngineStats:
+        body = obj if isinstance(obj, dict) else {}
+        return cls(**{f.name: body[f.name] for f in fields(cls) if f.name in body})
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """The activation store as cheaply known (no disk scan): host-tier occupancy and the
+    store's monotonic counters (hits, loads, bakes, evictions, ...)."""
+
+    host_bytes: int = 0
+    host_budget_bytes: int = 0
+    host_templates: int = 0
+    prefetches_in_flight: int = 0
+    counters: dict[str, float] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            **self.counters,
+            "host_bytes": self.host_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
+            "host_templates": self.host_templates,
+            "prefetches_in_flight": self.prefetches_in_flight,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> CacheInfo:
+        body = dict(obj) if isinstance(obj, dict) else {}
+        named = {f.name for f in fields(cls)} - {"counters"}
+        return cls(
+            **{k: int(body.pop(k)) for k in list(body) if k in named},
+            counters={k: v for k, v in body.items() if isinstance(v, int | float)},
+        )
+
+
+@dataclass(frozen=True)
+class ExecutorState:
+    """What an executor reports on ``GET /state``: the gateway's typed view of it."""
+
+    name: str
+    pid: int
+    device: str
+    maskaware: bool = True
+    models: tuple[str, ...] = ()  # loaded
+    loading: tuple[str, ...] = ()  # being loaded or profiled
+    functions: tuple[str, ...] = ()
+    queued: int = 0  # accepted and not answered
+    completed: int = 0
+    failed: int = 0
+    engine: EngineStats = field(default_factory=EngineStats)
+    templates: dict[str, dict[str, TemplateStatus]] = field(default_factory=dict)
+    cost_models: dict[str, dict[str, Any]] = field(default_factory=dict)  # CostModel.to_dict
+    cache: CacheInfo = field(default_factory=CacheInfo)
+
+    def template(self, function: str, template: str) -> TemplateStatus | None:
+        return self.templates.get(function, {}).get(template)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "pid": self.pid,
+            "device": self.device,
+            "maskaware": self.maskaware,
+            "models": list(self.models),
+            "loading": list(self.loading),
+            "functions": list(self.functions),
+            "queued": self.queued,
+            "completed": self.completed,
+            "failed": self.failed,
+            "engine": self.engine.to_wire(),
+            "templates": {
+                fn: {tid: t.to_wire() for tid, t in tpls.items()}
+                for fn, tpls in self.templates.items()
+            },
+            "cost_models": self.cost_models,
+            "cache": self.cache.to_wire(),
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> ExecutorState:
+        body = as_map(obj)
+        return cls(
+            name=str(body["name"]),
+            pid=int(body["pid"]),
+            device=str(body["device"]),
+            maskaware=bool(body.get("maskaware", True)),
+            models=tuple(body.get("models", ())),
+            loading=tuple(body.get("loading", ())),
+            functions=tuple(body.get("functions", ())),
+            queued=int(body.get("queued", 0)),
+            completed=int(body.get("completed", 0)),
+            failed=int(body.get("failed", 0)),
+            engine=EngineStats.from_wire(body.get("engine")),
+            templates={
+                fn: {tid: TemplateStatus.from_wire(t) for tid, t in tpls.items()}
+                for fn, tpls in (body.get("templates") or {}).items()
+            },
+            cost_models=dict(body.get("cost_models") or {}),
+            cache=CacheInfo.from_wire(body.get("cache")),
         )

@@ -95,6 +95,36 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="pre/post-processing on the engine thread (naive batching, for comparisons)",
     )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=None,
+        help="invocations that may wait in the gateway before 429 overloaded (default 256)",
+    )
+    p.add_argument(
+        "--max-queued-per-function",
+        type=int,
+        default=None,
+        help="the same limit for each function (default 0: none of its own)",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=None,
+        help="seconds an invocation may wait for an executor, e.g. during a restart (default 120)",
+    )
+    p.add_argument(
+        "--invoke-timeout",
+        type=float,
+        default=None,
+        help="seconds an invocation may take in all before 504 timeout (default 600)",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=None,
+        help="executors an invocation may be sent to when one dies mid-run (default 3)",
+    )
     p.set_defaults(run=_serve)
 
     p = sub.add_parser(
@@ -386,6 +416,11 @@ def _serve(args: argparse.Namespace) -> None:
         engine=args.engine,
         max_batch=args.max_batch,
         inline_prepost=args.inline_prepost,
+        max_queued=args.max_queued,
+        max_queued_per_function=args.max_queued_per_function,
+        queue_timeout_s=args.queue_timeout,
+        invoke_timeout_s=args.invoke_timeout,
+        max_attempts=args.max_attempts,
     )
     log.info("serving on http://%s:%d (data dir %s)", config.host, config.port, config.data_dir)
     serve(config)

@@ -33,6 +33,11 @@ class ServeConfig:
     max_batch: int = 8
     inline_prepost: bool = False  # pre/post on the engine thread (naive batching; comparisons)
     shared_dir: Path | None = None  # built demo models + device profiles (default: data_dir)
+    max_queued: int = 256  # invocations waiting in the gateway (all functions); then 429
+    max_queued_per_function: int = 0  # per function (0: only the server-wide limit)
+    queue_timeout_s: float = 120.0  # longest wait for an executor slot (restarts, deploys)
+    invoke_timeout_s: float = 600.0  # an invocation's whole life in the gateway
+    max_attempts: int = 3  # executors an invocation may be sent to when one is lost
 
     def executor_args(self) -> tuple[str, ...]:
         """Flags every executor process is started with."""
@@ -67,10 +72,33 @@ class ServeConfig:
             "engine": os.environ.get("RETOUCH_ENGINE"),
             "max_batch": _int_env("RETOUCH_MAX_BATCH"),
             "shared_dir": _path_env("RETOUCH_SHARED_DIR"),
+            "max_queued": _int_env("RETOUCH_MAX_QUEUED"),
+            "max_queued_per_function": _int_env("RETOUCH_MAX_QUEUED_PER_FUNCTION"),
+            "queue_timeout_s": _float_env("RETOUCH_QUEUE_TIMEOUT_S"),
+            "invoke_timeout_s": _float_env("RETOUCH_INVOKE_TIMEOUT_S"),
+            "max_attempts": _int_env("RETOUCH_MAX_ATTEMPTS"),
         }
         merged = {k: v for k, v in env.items() if v is not None}
         merged.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**merged)  # type: ignore[arg-type]
+        config = cls(**merged)  # type: ignore[arg-type]
+        config.check()
+        return config
+
+    def check(self) -> None:
+        """Refuse values that cannot work, naming the setting (the CLI prints one line)."""
+        positive = {
+            "executors": self.executors,
+            "max_batch": self.max_batch,
+            "max_queued": self.max_queued,
+            "max_attempts": self.max_attempts,
+            "queue_timeout_s": self.queue_timeout_s,
+            "invoke_timeout_s": self.invoke_timeout_s,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.max_queued_per_function < 0:
+            raise ValueError("max_queued_per_function must be >= 0")
 
 
 def _int_env(name: str) -> int | None:
@@ -81,6 +109,16 @@ def _int_env(name: str) -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _float_env(name: str) -> float | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
 def _path_env(name: str) -> Path | None:

@@ -1,9 +1,15 @@
 """The public HTTP API (Starlette, msgpack; JSON accepted for control endpoints).
 
-The gateway never touches a GPU: it authenticates, validates and decodes the payload, checks
-the mask against the template, computes the mask ratio, lets placement pick an executor,
-forwards, and answers. Deploys are stored durably first and then loaded onto executors in
+The gateway never touches a GPU (nor imports torch): it authenticates, validates and
+decodes the payload (image decoding off the event loop, bounded by the declared size),
+checks the mask against the template, computes the mask ratio, queues the invocation until
+an executor has room (429 when the queue is full), forwards it, and answers — re-placing it
+if its executor is lost. Deploys are stored durably first and then loaded onto executors in
 the background; ``GET /v1/functions/{name}`` shows the progress.
+
+Control operations on one function name (PUT, DELETE) are serialised by a per-name lock
+and numbered (a generation the executors honour), so after any interleaving the gateway,
+the durable registry and the executors agree on the last acknowledged operation.
 """
 
 from __future__ import annotations
@@ -11,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from PIL import Image
@@ -26,18 +33,24 @@ from starlette.routing import Route
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, InvalidSpec, NotFound, RetouchError, Unavailable
 from retouch.functions.imaging import decode_image, decode_mask, encode_image, mask_ratio
+from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
+from retouch.functions.wire import BAKE_PROGRESS, BakeState, DeployStatus, ExecutorState
 from retouch.platform.auth import TokenAuth
 from retouch.platform.metrics import GatewayMetrics
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
-from retouch.runtime.asgi import bearer, decode_bytes, endpoint, read_body
-from retouch.runtime.models import check_model
+from retouch.runtime.asgi import (
+    bearer,
+    decode_bytes,
+    endpoint,
+    read_body,
+    structured_http_errors,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 32 << 20
-TEMPLATE_STATES = ("baked", "baking", "queued", "unbaked", "failed")
 
 
 @dataclass
@@ -45,7 +58,8 @@ class DeployedFunction:
     """A function as the gateway tracks it: stored copy, sizes and deploy progress."""
 
     stored: StoredFunction
-    status: str = "deploying"  # deploying | ready | failed
+    generation: int
+    status: DeployStatus = DeployStatus.DEPLOYING
     error: str | None = None
     sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
     task: asyncio.Task | None = None
@@ -54,16 +68,16 @@ class DeployedFunction:
     def spec(self) -> FunctionSpec:
         return self.stored.spec
 
-    def describe(self, executor_states: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def describe(self, executor_states: list[ExecutorState] | None = None) -> dict[str, Any]:
         """The status document; template states come from the executors when given."""
         spec = self.spec
         return {
             **spec.to_dict(),
-            "status": self.status,
+            "status": self.status.value,
             "error": self.error,
             "templates": {
                 tid: {
-                    "state": self._template_state(tid, executor_states or []),
+                    "state": self._template_state(tid, executor_states or []).value,
                     "width": w,
                     "height": h,
                     "prompt": spec.templates[tid].prompt,
@@ -73,19 +87,19 @@ class DeployedFunction:
             },
         }
 
-    def _template_state(self, tid: str, executor_states: list[dict[str, Any]]) -> str:
+    def _template_state(self, tid: str, executor_states: list[ExecutorState]) -> BakeState:
         """pending while deploying; then the most advanced bake state any executor reports
         (they share the host's store): baked > baking > queued > unbaked > failed."""
-        if self.status != "ready":
-            return {"deploying": "pending", "failed": "failed"}[self.status]
+        if self.status is DeployStatus.DEPLOYING:
+            return BakeState.PENDING
+        if self.status is DeployStatus.FAILED:
+            return BakeState.FAILED
         seen = {
-            s.get("templates", {}).get(self.spec.name, {}).get(tid, {}).get("state")
-            for s in executor_states
+            status.state
+            for state in executor_states
+            if (status := state.template(self.spec.name, tid)) is not None
         }
-        for state in TEMPLATE_STATES:
-            if state in seen:
-                return state
-        return "unbaked"
+        return next((s for s in BAKE_PROGRESS if s in seen), BakeState.UNBAKED)
 
 
 @dataclass
@@ -96,6 +110,8 @@ class Gateway:
     max_body: int = DEFAULT_MAX_BODY
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     functions: dict[str, DeployedFunction] = field(default_factory=dict)
+    _name_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    _generations: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -109,9 +125,14 @@ class Gateway:
                 fn.task.cancel()
         await self.pool.close()
 
+    def _lock(self, name: str) -> asyncio.Lock:
+        """The lock that serialises control operations on one function name."""
+        return self._name_locks.setdefault(name, asyncio.Lock())
+
     def _track(self, stored: StoredFunction) -> DeployedFunction:
         fn = DeployedFunction(
             stored,
+            next(self._generations),
             sizes={tid: Image.open(io.BytesIO(png)).size for tid, png in stored.templates.items()},
         )
         previous = self.functions.get(stored.spec.name)
@@ -124,12 +145,12 @@ class Gateway:
 
     async def _load(self, fn: DeployedFunction) -> None:
         try:
-            await self.pool.load(fn.stored)
-            fn.status = "ready"
+            await self.pool.load(fn.stored, fn.generation)
+            fn.status = DeployStatus.READY
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            fn.status, fn.error = "failed", str(getattr(exc, "message", exc))
+            fn.status, fn.error = DeployStatus.FAILED, str(getattr(exc, "message", exc))
             log.error("deploying %s failed: %s", fn.spec.name, fn.error)
 
     # ---- auth & lookup -----------------------------------------------------------------
@@ -155,7 +176,7 @@ class Gateway:
     async def readyz(self, request: Request) -> Any:
         healthy = sum(e.healthy for e in self.pool.executors)
         self.metrics.executors.set(healthy)
-        pending = sorted(n for n, f in self.functions.items() if f.status == "deploying")
+        pending = sorted(n for n, f in self.functions.items() if f.status is DeployStatus.DEPLOYING)
         if not healthy:
             raise Unavailable("no healthy executor", code="not_ready")
         return {"status": "ready", "executors": healthy, "deploying": pending}
@@ -164,6 +185,7 @@ class Gateway:
         self.metrics.executors.set(sum(e.healthy for e in self.pool.executors))
         for state in await self.pool.states():
             self._export_engine(state)
+        self._export_queue()
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def list_functions(self, request: Request) -> dict[str, Any]:
@@ -186,9 +208,10 @@ class Gateway:
                 f"spec name {spec.name!r} does not match the URL name {name!r}", field="name"
             )
         check_model(spec.model, spec.family)
-        templates = self._templates(spec, body.get("templates"))
-        await asyncio.get_running_loop().run_in_executor(None, self.registry.put, spec, templates)
-        return self._track(StoredFunction(spec, templates)).describe()
+        templates = await asyncio.to_thread(self._templates, spec, body.get("templates"))
+        async with self._lock(name):
+            await asyncio.to_thread(self.registry.put, spec, templates)
+            return self._track(StoredFunction(spec, templates)).describe()
 
     def _templates(self, spec: FunctionSpec, raw: Any) -> dict[str, bytes]:
         """Decode every template image, check its size, store it as PNG."""
@@ -219,23 +242,34 @@ class Gateway:
 
     async def delete_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
-        fn = self.function(name)
-        if fn.task:
-            fn.task.cancel()
-        del self.functions[name]
-        self.metrics.functions.set(len(self.functions))
-        await asyncio.get_running_loop().run_in_executor(None, self.registry.delete, name)
-        await self.pool.unload(name)
+        async with self._lock(name):
+            fn = self.function(name)
+            if fn.task:
+                fn.task.cancel()
+            del self.functions[name]
+            self.metrics.functions.set(len(self.functions))
+            await asyncio.to_thread(self.registry.delete, name)
+            await self.pool.unload(name, next(self._generations))
         return {"deleted": name}
 
     async def executors(self, request: Request) -> dict[str, Any]:
-        states = {s["name"]: s for s in await self.pool.states()}
+        states = {s.name: s.to_wire() for s in await self.pool.states()}
         executors = [{**e, "state": states.get(e["name"])} for e in self.pool.describe()]
-        return {"executors": executors, "placement": self.pool.placement.name}
+        return {
+            "executors": executors,
+            "placement": self.pool.placement.name,
+            "queue": {"waiting": len(self.pool.queue), **asdict(self.pool.queue.stats)},
+        }
 
     async def invoke(self, request: Request) -> dict[str, Any]:
         received = time.perf_counter()
         fn = self.function(request.path_params["name"])
+        if fn.status is DeployStatus.FAILED:
+            raise Unavailable(
+                f"function {fn.spec.name!r} failed to deploy: {fn.error}",
+                code="function_not_ready",
+            )
+        self.pool.admit(fn.spec.name)  # a full queue answers 429 before the body is read
         req = wire.InvokeRequest.from_wire(
             await read_body(request, self.max_body, allow_json=False)
         )
@@ -246,12 +280,8 @@ class Gateway:
                 field="template",
                 code="template_not_found",
             )
-        mask = decode_mask(req.mask, size)
-        if fn.status != "ready":
-            raise Unavailable(
-                f"function {fn.spec.name!r} is {fn.status}" + (f": {fn.error}" if fn.error else ""),
-                code="function_not_ready",
-            )
+        mask = await asyncio.to_thread(decode_mask, req.mask, size)
+        self.pool.admit(fn.spec.name)  # others may have filled the queue meanwhile
         ratio = mask_ratio(mask)
         inv = wire.ExecutorInvoke(
             function=fn.spec.name,
@@ -268,31 +298,39 @@ class Gateway:
         self._observe(fn.spec.name, result, ratio)
         return result.to_wire()
 
-    def _export_engine(self, state: dict[str, Any]) -> None:
+    def _export_engine(self, state: ExecutorState) -> None:
         """Per-step figures live in the executors; they are read at scrape time."""
-        engine = state.get("engine") or {}
-        plan = engine.get("last_plan") or {}
+        engine = state.engine
         values = {
-            "batch_overhead_ms_p50": engine.get("batch_overhead_ms_p50"),
-            "step_ms_p50": engine.get("step_ms_p50"),
-            "batch_mean": engine.get("batch_mean"),
-            "load_wait_ms_p50": engine.get("load_wait_ms_p50"),
-            "plan_sparse_blocks": plan.get("sparse"),
-            "plan_blocks": plan.get("blocks"),
-            "running": engine.get("running"),
-            "ready": engine.get("ready"),
-            "preprocessing": engine.get("preprocessing"),
+            "batch_overhead_ms_p50": engine.batch_overhead_ms_p50,
+            "step_ms_p50": engine.step_ms_p50,
+            "batch_mean": engine.batch_mean,
+            "load_wait_ms_p50": engine.load_wait_ms_p50,
+            "plan_sparse_blocks": engine.plan_sparse_blocks,
+            "plan_blocks": engine.plan_blocks,
+            "running": engine.running,
+            "ready": engine.ready,
+            "preprocessing": engine.preprocessing,
+            "alive": float(engine.alive),
         }
         for quantity, value in values.items():
             if value is not None:
-                self.metrics.engine.labels(state["name"], quantity).set(float(value))
+                self.metrics.engine.labels(state.name, quantity).set(float(value))
+
+    def _export_queue(self) -> None:
+        queue = self.pool.queue
+        self.metrics.queue_length.set(len(queue))
+        self.metrics.queue_events.labels("rejected").set(queue.stats.rejected)
+        self.metrics.queue_events.labels("timed_out").set(queue.stats.timed_out)
+        self.metrics.queue_events.labels("replaced").set(queue.stats.replaced)
+        self.metrics.queue_events.labels("admitted").set(queue.stats.admitted)
 
     def _observe(self, function: str, result: wire.InvokeResult, ratio: float) -> None:
         t = result.timings
-        self.metrics.invocations.labels(function, result.path).inc()
-        if result.path == "maskaware":
-            self.metrics.cache_reads.labels(result.cache.get("tier", "none")).inc()
-            self.metrics.prefetch_wait.observe(float(result.cache.get("wait_ms", 0.0)) / 1e3)
+        self.metrics.invocations.labels(function, result.path.value).inc()
+        if result.path is wire.InvokePath.MASKAWARE:
+            self.metrics.cache_reads.labels(result.cache.tier.value).inc()
+            self.metrics.prefetch_wait.observe(result.cache.wait_ms / 1e3)
         self.metrics.latency.labels(function).observe(t.total_ms / 1e3)
         self.metrics.run.labels(function).observe(t.run_ms / 1e3)
         self.metrics.queue.labels(function).observe(t.queue_ms / 1e3)
@@ -300,9 +338,9 @@ class Gateway:
         self.metrics.mask_ratio.observe(ratio)
         self.metrics.pre.labels(function).observe(t.pre_ms / 1e3)
         self.metrics.post.labels(function).observe(t.post_ms / 1e3)
-        self.metrics.steps.labels(function).inc(result.engine.get("steps", 0))
-        self.metrics.interruptions.labels(function).inc(result.engine.get("interruptions", 0))
-        for size in result.engine.get("batch_sizes", []):
+        self.metrics.steps.labels(function).inc(result.engine.steps)
+        self.metrics.interruptions.labels(function).inc(result.engine.interruptions)
+        for size in result.engine.batch_sizes:
             self.metrics.batch_size.observe(size)
 
     # ---- app -----------------------------------------------------------------------------
@@ -335,5 +373,6 @@ class Gateway:
                 route("/v1/functions/{name}/invoke", self.invoke, "POST", scope="invoke"),
                 route("/v1/executors", self.executors, scope="invoke"),
             ],
+            exception_handlers=structured_http_errors(self.count_error),
             lifespan=lifespan,
         )

@@ -100,12 +100,21 @@ class GatewayMetrics:
         )
         self.engine = Gauge(
             "retouch_engine",
-            "Per-executor engine state at scrape time: batch_overhead_ms_p50, step_ms_p50, batch_mean, plan_sparse_blocks, plan_blocks, load_wait_ms_p50, running, ready, preprocessing",
+            "Per-executor engine state at scrape time: batch_overhead_ms_p50, step_ms_p50, batch_mean, plan_sparse_blocks, plan_blocks, load_wait_ms_p50, running, ready, preprocessing, alive",
             ["executor", "quantity"],
             registry=r,
         )
         self.executors = Gauge("retouch_executors_healthy", "Healthy executors", registry=r)
         self.functions = Gauge("retouch_functions", "Deployed functions", registry=r)
+        self.queue_length = Gauge(
+            "retouch_queue_length", "Invocations waiting in the gateway for a slot", registry=r
+        )
+        self.queue_events = Gauge(
+            "retouch_queue_events",
+            "Gateway queue totals since start: admitted, rejected (429 overloaded), timed_out, replaced (re-placed after an executor was lost)",
+            ["event"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,8 +1,14 @@
 """The executor pool: the gateway's view of its executors and the one way to reach them.
 
-It starts executors through a provider, pushes every deployed function to them, forwards
-invocations to the executor placement picks (retrying another on a transport failure, since
-nothing ran), and restarts an executor whose process died, re-pushing its functions.
+It starts executors through a provider, pushes every deployed function to them, runs each
+invocation through the gateway queue (bound to an executor with room, see
+``control/queue.py``), and keeps the pool whole: a health monitor probes every executor
+with its own short timeout and restarts one whose process died, whose engine died or that
+stopped answering, each restart in its own task so a slow one never stalls the monitor.
+
+Nothing accepted is lost: edits are deterministic, so an invocation whose executor died or
+became unreachable mid-run is queued again (at the head) and re-run on another executor,
+or on the same one once restarted, within a bounded number of attempts and its deadline.
 """
 
 from __future__ import annotations
@@ -10,13 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from retouch.functions import wire
-from retouch.functions.errors import RetouchError, Unavailable
+from retouch.functions.errors import GatewayTimeout, NotFound, RetouchError, Unavailable
+from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.placement import Placement, PlacementRequest
 from retouch.platform.providers import ExecutorProcess, LocalProvider
 from retouch.platform.registry import StoredFunction
@@ -24,47 +32,93 @@ from retouch.platform.registry import StoredFunction
 log = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 1.0
-INVOKE_TIMEOUT_S = 3600.0
+PROBE_TIMEOUT_S = 2.0
+PROBE_FAILURES = 3  # consecutive failed probes of a live process before it is restarted
+SLOTS_PER_BATCH = 2  # slots = max_batch x this: the running batch plus a pre-processing buffer
+# Executor answers that mean "this executor lost the invocation; it never finished here".
+LOST_CODES = frozenset({"engine_dead", "engine_unavailable"})
 
 
-@dataclass
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 3  # executors an invocation may be sent to
+    invoke_timeout_s: float = 600.0  # an invocation's whole life in the gateway
+
+
+@dataclass(eq=False)
 class ExecutorHandle:
+    """One executor as the pool sees it (event-loop state, no lock needed)."""
+
     process: ExecutorProcess
+    phase: wire.ExecutorPhase = wire.ExecutorPhase.STARTING
     inflight: int = 0
+    slots: int = 1
     functions: set[str] = field(default_factory=set)
-    healthy: bool = True
+    probe_failures: int = 0
+    state: wire.ExecutorState | None = None
+    restarts: int = 0
 
     @property
     def name(self) -> str:
         return self.process.name
+
+    @property
+    def healthy(self) -> bool:
+        return self.phase is wire.ExecutorPhase.READY
 
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "device": self.process.device,
             "url": self.process.url,
+            "phase": self.phase.value,
             "healthy": self.healthy,
             "inflight": self.inflight,
+            "slots": self.slots,
+            "restarts": self.restarts,
             "functions": sorted(self.functions),
         }
 
 
+class ExecutorLost(Exception):
+    """The executor died, stopped or became unreachable while it held an invocation."""
+
+
 class ExecutorPool:
-    def __init__(self, provider: LocalProvider, placement: Placement) -> None:
+    def __init__(
+        self,
+        provider: LocalProvider,
+        placement: Placement,
+        limits: QueueLimits | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        limits = limits or QueueLimits()
+        retry = retry or RetryPolicy()
         self.provider = provider
-        self.placement = placement
+        self.retry = retry
         self.executors: list[ExecutorHandle] = []
         self.functions: dict[str, StoredFunction] = {}
+        self.generations: dict[str, int] = {}  # latest control operation per function name
+        self.queue = InvocationQueue(limits, placement, self.candidates)
+        self.lost = 0  # invocations re-placed after their executor was lost
+        headers = {
+            "authorization": f"Bearer {provider.token}",
+            "content-type": "application/msgpack",
+        }
         self._http = httpx.AsyncClient(
-            headers={
-                "authorization": f"Bearer {provider.token}",
-                "content-type": "application/msgpack",
-            },
-            timeout=httpx.Timeout(INVOKE_TIMEOUT_S, connect=5.0),
+            headers=headers,
+            timeout=httpx.Timeout(retry.invoke_timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
+        self._probe = httpx.AsyncClient(headers=headers, timeout=PROBE_TIMEOUT_S)
         self._monitor: asyncio.Task | None = None
+        self._restarts: dict[str, asyncio.Task] = {}
 
+    @property
+    def placement(self) -> Placement:
+        return self.queue.placement
+
+    # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         devices = self.provider.devices()
         threads = self.provider.threads_per_executor(len(devices))
@@ -73,119 +127,242 @@ class ExecutorPool:
             *(self.provider.start(n, d, threads) for n, d in zip(names, devices, strict=True))
         )
         self.executors = [ExecutorHandle(p) for p in procs]
+        await asyncio.gather(*(self._become_ready(e) for e in self.executors))
         self._monitor = asyncio.create_task(self._watch())
 
     async def close(self) -> None:
-        if self._monitor:
-            self._monitor.cancel()
+        tasks = [t for t in (self._monitor, *self._restarts.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+                await task
         await asyncio.gather(*(self.provider.stop(e.process) for e in self.executors))
         await self._http.aclose()
+        await self._probe.aclose()
 
     @property
     def ready(self) -> bool:
         return any(e.healthy for e in self.executors)
 
-    async def load(self, stored: StoredFunction) -> None:
-        """Push a function to every executor; raise if none could load it."""
+    def candidates(self, function: str) -> list[ExecutorHandle]:
+        """Executors that can take an invocation of ``function`` now."""
+        return [e for e in self.executors if e.healthy and function in e.functions]
+
+    # ---- functions ----------------------------------------------------------------------
+    async def load(self, stored: StoredFunction, generation: int) -> None:
+        """Push a function to every ready executor; raise if none could load it.
+
+        ``generation`` numbers the control operations on the name (the gateway's
+        sequence): executors drop a deploy overtaken by a later deploy or delete."""
         self.functions[stored.spec.name] = stored
+        self.generations[stored.spec.name] = generation
+        targets = [e for e in self.executors if e.healthy]
         results = await asyncio.gather(
-            *(self._push(e, stored) for e in self.executors), return_exceptions=True
+            *(self._push(e, stored) for e in targets), return_exceptions=True
         )
         errors = [r for r in results if isinstance(r, BaseException)]
-        if errors and len(errors) == len(self.executors):
+        if errors and len(errors) == len(targets):
             raise errors[0] if isinstance(errors[0], RetouchError) else Unavailable(str(errors[0]))
 
-    async def unload(self, name: str) -> None:
+    async def unload(self, name: str, generation: int) -> None:
+        """Remove a function everywhere; invocations still waiting for it fail."""
         self.functions.pop(name, None)
+        self.generations[name] = generation
         for e in self.executors:
             e.functions.discard(name)
+        self.queue.fail(
+            name, NotFound(f"function {name!r} was deleted", field="name", code="function_deleted")
+        )
+        path = f"/functions/{name}?generation={generation}"
         await asyncio.gather(
-            *(self._call(e, "DELETE", f"/functions/{name}") for e in self.executors if e.healthy),
+            *(self._call(e, "DELETE", path) for e in self.executors if e.healthy),
             return_exceptions=True,
         )
 
-    async def invoke(self, inv: wire.ExecutorInvoke, mask_ratio: float) -> wire.InvokeResult:
-        request = PlacementRequest(inv.function, inv.template, mask_ratio)
-        tried: set[str] = set()
-        while True:
-            candidates = [
-                e
-                for e in self.executors
-                if e.healthy and inv.function in e.functions and e.name not in tried
-            ]
-            if not candidates:
-                raise Unavailable(
-                    "no executor can serve this function right now", code="no_executor"
-                )
-            handle = self.placement.choose(candidates, request)
-            tried.add(handle.name)
-            handle.inflight += 1
-            try:
-                body = await self._call(handle, "POST", "/invoke", inv.to_wire())
-                return wire.InvokeResult.from_wire(body)
-            except httpx.TransportError as exc:
-                log.warning("executor %s unreachable (%s); trying another", handle.name, exc)
-                handle.healthy = False  # the monitor probes it and restarts it if needed
-            finally:
-                handle.inflight -= 1
+    async def _push(self, handle: ExecutorHandle, stored: StoredFunction) -> None:
+        generation = self.generations.get(stored.spec.name, 0)
+        body = {
+            "spec": stored.spec.to_dict(),
+            "templates": stored.templates,
+            "generation": generation,
+        }
+        await self._call(handle, "PUT", f"/functions/{stored.spec.name}", body)
+        if self.functions.get(stored.spec.name) is stored:  # not deleted or replaced meanwhile
+            handle.functions.add(stored.spec.name)
+            self.queue.dispatch()
 
+    # ---- invocations --------------------------------------------------------------------
+    def admit(self, function: str) -> None:
+        self.queue.admit(function)
+
+    async def invoke(self, inv: wire.ExecutorInvoke, mask_ratio: float) -> wire.InvokeResult:
+        """Run one invocation: wait for a slot, send it, and re-place it when its executor
+        is lost (up to ``max_attempts`` executors, within ``invoke_timeout_s``)."""
+        request = PlacementRequest(inv.function, inv.template, mask_ratio)
+        deadline = time.monotonic() + self.retry.invoke_timeout_s
+        lost_on: list[str] = []
+        while True:
+            handle = await self.queue.acquire(request, deadline, front=bool(lost_on))
+            bound = time.monotonic()
+            try:
+                result = await self._send(handle, inv, deadline)
+            except ExecutorLost as exc:
+                self.queue.release(handle)
+                lost_on.append(handle.name)
+                self.lost += 1
+                if len(lost_on) >= self.retry.max_attempts:
+                    raise Unavailable(
+                        f"the invocation was lost with its executor {len(lost_on)} times "
+                        f"({', '.join(lost_on)}); last: {exc}",
+                        code="executor_lost",
+                    ) from None
+                log.warning("%s lost an invocation (%s); re-placing it", handle.name, exc)
+                continue
+            except BaseException:
+                self.queue.release(handle)
+                raise
+            self.queue.release(handle, time.monotonic() - bound)
+            result.attempts = len(lost_on) + 1
+            return result
+
+    async def _send(
+        self, handle: ExecutorHandle, inv: wire.ExecutorInvoke, deadline: float
+    ) -> wire.InvokeResult:
+        timeout = max(0.1, deadline - time.monotonic())
+        try:
+            body = await self._call(handle, "POST", "/invoke", inv.to_wire(), timeout=timeout)
+        except httpx.TimeoutException:
+            raise GatewayTimeout(
+                f"{handle.name} did not answer before the invocation's deadline", code="timeout"
+            ) from None
+        except httpx.TransportError as exc:
+            self._suspect(handle, f"transport error: {exc!r}")
+            raise ExecutorLost(f"{type(exc).__name__} talking to {handle.name}") from exc
+        except RetouchError as exc:
+            if exc.code in LOST_CODES:
+                self._suspect(handle, exc.message)
+                raise ExecutorLost(exc.message) from exc
+            raise
+        return wire.InvokeResult.from_wire(body)
+
+    # ---- state --------------------------------------------------------------------------
     def describe(self) -> list[dict[str, Any]]:
         return [e.describe() for e in self.executors]
 
-    async def states(self) -> list[dict[str, Any]]:
-        """Each healthy executor's own state (models, templates, cache counters)."""
+    async def states(self) -> list[wire.ExecutorState]:
+        """Each ready executor's own state (models, templates, engine, cache counters)."""
+        ready = [e for e in self.executors if e.healthy]
         results = await asyncio.gather(
-            *(self._call(e, "GET", "/state") for e in self.executors if e.healthy),
+            *(self._call(e, "GET", "/state", client=self._probe) for e in ready),
             return_exceptions=True,
         )
-        return [r for r in results if isinstance(r, dict)]
+        out = []
+        for handle, result in zip(ready, results, strict=True):
+            if isinstance(result, dict):
+                handle.state = wire.ExecutorState.from_wire(result)
+                out.append(handle.state)
+        return out
 
-    async def _push(self, handle: ExecutorHandle, stored: StoredFunction) -> None:
-        body = {"spec": stored.spec.to_dict(), "templates": stored.templates}
-        await self._call(handle, "PUT", f"/functions/{stored.spec.name}", body)
-        handle.functions.add(stored.spec.name)
-
-    async def _call(self, handle: ExecutorHandle, method: str, path: str, body: Any = None) -> Any:
+    async def _call(
+        self,
+        handle: ExecutorHandle,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout: float | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> Any:
         content = wire.pack(body) if body is not None else None
-        resp = await self._http.request(method, handle.process.url + path, content=content)
+        extra = {"timeout": timeout} if timeout is not None else {}
+        resp = await (client or self._http).request(
+            method, handle.process.url + path, content=content, **extra
+        )
         payload = wire.unpack(resp.content) if resp.content else {}
         if resp.status_code >= 400:
             raise RetouchError.from_wire(resp.status_code, payload)
         return payload
 
-    async def _watch(self) -> None:
-        """Restart executors whose process died or stopped answering, then re-push functions."""
-        while True:
-            await asyncio.sleep(MONITOR_INTERVAL_S)
-            for i, handle in enumerate(self.executors):
-                if handle.process.alive and (handle.healthy or await self._answers(handle)):
-                    handle.healthy = True
-                    continue
-                await self._restart(i, handle)
-
-    async def _answers(self, handle: ExecutorHandle) -> bool:
-        try:
-            await self._call(handle, "GET", "/healthz")
-            return True
-        except (RetouchError, httpx.HTTPError):
-            return False
-
-    async def _restart(self, index: int, old: ExecutorHandle) -> None:
-        log.warning("restarting executor %s", old.name)
-        old.healthy = False
-        await self.provider.stop(old.process)
-        try:
-            threads = self.provider.threads_per_executor(len(self.executors))
-            proc = await self.provider.start(old.name, old.process.device, threads)
-        except RetouchError as exc:
-            log.error("could not restart %s: %s", old.name, exc)
-            return
-        handle = ExecutorHandle(proc)
-        self.executors[index] = handle
+    # ---- health and restarts ------------------------------------------------------------
+    async def _become_ready(self, handle: ExecutorHandle) -> None:
+        """Read the executor's capacity, push every function, then open it to invocations."""
+        state = wire.ExecutorState.from_wire(
+            await self._call(handle, "GET", "/state", client=self._probe)
+        )
+        handle.state = state
+        handle.slots = max(1, state.engine.max_batch * SLOTS_PER_BATCH)
         for stored in list(self.functions.values()):
             try:
                 await self._push(handle, stored)
             except (RetouchError, httpx.HTTPError) as exc:
-                log.error("re-pushing %s to %s failed: %s", stored.spec.name, handle.name, exc)
+                log.error("pushing %s to %s failed: %s", stored.spec.name, handle.name, exc)
+        handle.phase = wire.ExecutorPhase.READY
+        self.queue.dispatch()
+
+    def _suspect(self, handle: ExecutorHandle, why: str) -> None:
+        """Stop sending work to ``handle``; the monitor probes it and restarts it if needed."""
+        if handle.phase is wire.ExecutorPhase.READY:
+            log.warning("executor %s is suspect: %s", handle.name, why)
+            handle.phase = wire.ExecutorPhase.STARTING
+            handle.probe_failures = max(handle.probe_failures, 1)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+            await asyncio.gather(
+                *(self._check(e) for e in self.executors if e.name not in self._restarts)
+            )
+
+    async def _check(self, handle: ExecutorHandle) -> None:
+        if not handle.process.alive:
+            self._schedule_restart(handle, f"process exited with {handle.process.returncode}")
+            return
+        try:
+            await self._call(handle, "GET", "/healthz", client=self._probe)
+        except RetouchError as exc:
+            if exc.code == "engine_dead":
+                self._schedule_restart(handle, exc.message)
+                return
+            self._probe_failed(handle, f"{exc.code}: {exc.message}")
+            return
+        except httpx.HTTPError as exc:
+            self._probe_failed(handle, repr(exc))
+            return
+        handle.probe_failures = 0
+        if handle.phase is wire.ExecutorPhase.STARTING:
+            handle.phase = wire.ExecutorPhase.READY
+            self.queue.dispatch()
+
+    def _probe_failed(self, handle: ExecutorHandle, why: str) -> None:
+        handle.probe_failures += 1
+        self._suspect(handle, why)
+        if handle.probe_failures >= PROBE_FAILURES:
+            self._schedule_restart(handle, f"{handle.probe_failures} failed probes: {why}")
+
+    def _schedule_restart(self, handle: ExecutorHandle, why: str) -> None:
+        if handle.name in self._restarts:
+            return
+        log.warning("restarting executor %s: %s", handle.name, why)
+        handle.phase = wire.ExecutorPhase.DEAD
+        task = asyncio.create_task(self._restart(handle))
+        self._restarts[handle.name] = task
+        task.add_done_callback(lambda _: self._restarts.pop(handle.name, None))
+
+    async def _restart(self, old: ExecutorHandle) -> None:
+        await self.provider.stop(old.process)
+        threads = self.provider.threads_per_executor(len(self.executors))
+        while True:
+            try:
+                proc = await self.provider.start(old.name, old.process.device, threads)
+                break
+            except RetouchError as exc:
+                log.error("could not restart %s: %s; retrying", old.name, exc)
+                await asyncio.sleep(MONITOR_INTERVAL_S * 5)
+        handle = ExecutorHandle(proc, restarts=old.restarts + 1)
+        self.executors[self.executors.index(old)] = handle
+        try:
+            await self._become_ready(handle)
+        except (RetouchError, httpx.HTTPError) as exc:
+            log.error("restarted %s is not ready: %s", handle.name, exc)
+            handle.phase = wire.ExecutorPhase.STARTING  # the monitor keeps probing it

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from retouch.functions.errors import Unavailable
-from retouch.runtime.executor import TOKEN_ENV
+from retouch.runtime.executor.app import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,10 @@ import uvicorn
 
 from retouch.platform.auth import load_auth
 from retouch.platform.config import ServeConfig
+from retouch.platform.control.queue import QueueLimits
 from retouch.platform.gateway import Gateway
 from retouch.platform.placement import make_placement
-from retouch.platform.pool import ExecutorPool
+from retouch.platform.pool import ExecutorPool, RetryPolicy
 from retouch.platform.providers import LocalProvider
 from retouch.platform.registry import Registry
 
@@ -43,7 +44,9 @@ def build_gateway(config: ServeConfig) -> Gateway:
         cpu_slots=config.executors,
         executor_args=config.executor_args(),
     )
-    pool = ExecutorPool(provider, make_placement(config.placement))
+    limits = QueueLimits(config.max_queued, config.max_queued_per_function, config.queue_timeout_s)
+    retry = RetryPolicy(config.max_attempts, config.invoke_timeout_s)
+    pool = ExecutorPool(provider, make_placement(config.placement), limits, retry)
     return Gateway(Registry(config.data_dir), pool, auth, max_body=config.max_body_bytes)
 
 

@@ -14,17 +14,22 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Match
 
 from retouch.functions import wire
 from retouch.functions.errors import (
     BadRequest,
+    MethodNotAllowed,
+    NotFound,
     PayloadTooLarge,
     RetouchError,
     Unauthorized,
     UnsupportedMediaType,
 )
+from retouch.functions.strictmaps import StrictMaps
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +80,80 @@ async def read_body(request: Request, limit: int, allow_json: bool = True) -> An
     if _is_msgpack(ctype):
         return wire.unpack(data)
     if allow_json and ctype.startswith(JSON):
-        try:
-            return json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"body is not valid JSON: {exc}", code="malformed_body") from exc
+        return parse_json(data)
     raise UnsupportedMediaType(f"content type {ctype!r} is not supported; use {MSGPACK}")
+
+
+def parse_json(data: bytes) -> Any:
+    """Strict JSON: a duplicate key is refused (the last one would silently win), and so are
+    the non-standard NaN/Infinity constants; nesting too deep for the parser or an integer
+    too long to convert is ``malformed_body`` (a 400, not a 500)."""
+    maps = StrictMaps()
+    try:
+        doc = json.loads(data, object_pairs_hook=maps.hook, parse_constant=_refuse_constant)
+    except RecursionError as exc:
+        raise BadRequest(
+            "body is not valid JSON: nested too deeply", code="malformed_body"
+        ) from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, huge integers
+        raise BadRequest(f"body is not valid JSON: {exc}", code="malformed_body") from exc
+    maps.check(doc)
+    return doc
+
+
+def _refuse_constant(name: str) -> Any:
+    raise BadRequest(f"body is not valid JSON: {name} is not a JSON number", code="malformed_body")
+
+
+def structured_http_errors(
+    on_error: Callable[[RetouchError], None] | None = None,
+) -> dict[Any, Callable[[Request, Exception], Response]]:
+    """Starlette ``exception_handlers`` that answer routing failures (unknown route, wrong
+    method) and anything unhandled outside :func:`endpoint` with the structured error body,
+    so no caller ever reads a plain-text ``Not Found``. Pass to ``Starlette(...)``."""
+
+    def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        headers = dict(exc.headers or {})
+        err: RetouchError
+        if exc.status_code == 404:
+            err = NotFound(f"no route {request.url.path!r}", code="route_not_found")
+        elif exc.status_code == 405:
+            allowed = _allowed_methods(request) or headers.get("Allow", "")
+            headers["Allow"] = allowed
+            err = MethodNotAllowed(
+                f"{request.method} is not allowed on {request.url.path!r}; allowed: {allowed}",
+                code="method_not_allowed",
+            )
+        else:
+            err = RetouchError(exc.detail, code=f"http_{exc.status_code}")
+            err.status = exc.status_code
+        if on_error is not None:
+            on_error(err)
+        return error_response(request, err, headers or None)
+
+    def internal(request: Request, exc: Exception) -> Response:
+        # Starlette's ServerErrorMiddleware logs the traceback and re-raises after this.
+        err = RetouchError(f"internal error: {type(exc).__name__}")
+        if on_error is not None:
+            on_error(err)
+        return error_response(request, err)
+
+    return {HTTPException: http_error, Exception: internal}
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method of every route matching the path (Starlette names only the first)."""
+    app = request.scope.get("app")
+    routes = getattr(getattr(app, "router", None), "routes", [])
+    methods: list[str] = []
+    for route in routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods += [
+                m for m in sorted(getattr(route, "methods", None) or ()) if m not in methods
+            ]
+    return ", ".join(methods)
 
 
 def bearer(request: Request) -> str | None:

@@ -14,6 +14,13 @@ when the engine is idle and runs to completion before the next one forms.
 
 Background work (template bakes) runs when the engine is idle, or after waiting longer than
 ``bake_starvation_s`` under sustained load, so insert-on-miss still happens.
+
+Lifecycle: the owner calls :meth:`Engine.start` and :meth:`Engine.stop`. The engine thread
+alone touches the running batch; other threads read a snapshot. Every accepted invocation
+ends: with its result, with its own error (a failed encode, step or decode fails only the
+invocations it concerns), or, when the loop itself dies or the engine stops, with
+:class:`EngineUnavailable` — never left waiting. A dead engine refuses new work and reports
+``alive = False`` so the executor's health check turns red and the pool restarts it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
+from retouch.functions.errors import Unavailable
 from retouch.functions.imaging import encode_image
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
@@ -41,6 +49,19 @@ from retouch.runtime.maskaware.request import EditRequest, RequestState
 log = logging.getLogger(__name__)
 
 STEP_HISTORY = 512  # per-step records kept for /state
+STOP_JOIN_S = 30.0
+
+
+class EngineUnavailable(Unavailable):
+    """The engine died or is stopping: the invocation did not (and will not) finish here.
+
+    The gateway re-places invocations that fail this way (edits are deterministic)."""
+
+    code = "engine_unavailable"
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside the engine loop by :meth:`Engine.inject_fault` (fault tests)."""
 
 
 class EngineMode(StrEnum):
@@ -89,6 +110,7 @@ class Work:
     fmt: str
     acquire: Acquire  # makes the template host-resident (or not) at join time
     future: Future = field(default_factory=Future)
+    id: int = 0  # set by the engine at submit
     arrived: float = field(default_factory=time.perf_counter)
     pre_done: float = 0.0
     joined: float = 0.0
@@ -101,6 +123,7 @@ class Work:
     cache: dict[str, Any] = field(default_factory=dict)
     interruptions: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    reader_released: bool = False
 
     @property
     def path(self) -> str:
@@ -163,31 +186,80 @@ class EngineCounters:
 
 
 class Engine:
+    """The step loop of one device. Owned by the executor core: ``start()``, ``stop()``."""
+
     def __init__(self, config: EngineConfig, stages: Stages, name: str = "engine") -> None:
         self.config = config
         self.stages = stages
         self.counters = EngineCounters()
-        self._cv = threading.Condition()
+        self._name = name
+        self._cv = threading.Condition()  # guards every field below but _running
         self._ready: deque[Work] = deque()  # pre-processed, waiting to join
-        self._running: dict[Hashable, list[Work]] = {}
         self._background: deque[tuple[float, Callable[[], None]]] = deque()
-        self._turn = itertools.count()
+        self._unfinished: dict[int, Work] = {}  # every accepted invocation not yet answered
+        self._ids = itertools.count(1)
         self._pending_pre = 0
+        self._running_count = 0  # snapshot of the running batch, published by the loop
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._error: str | None = None  # why the loop died
+        self._fault: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        # The engine thread's own state: never touched by another thread while it runs.
+        self._running: dict[Hashable, list[Work]] = {}
+        self._turn = itertools.count()
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> Engine:
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
         self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        """Started, its thread running, not stopping and not crashed."""
+        with self._cv:
+            return self._accepting()
+
+    @property
+    def error(self) -> str | None:
+        with self._cv:
+            return self._error
+
+    def stop(self, timeout: float = STOP_JOIN_S) -> None:
+        """Stop the loop and fail every unfinished invocation (``engine_unavailable``)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout)
+        self._fail_unfinished("the executor is shutting down")
+
+    def inject_fault(self, message: str = "injected fault") -> None:
+        """Make the loop raise at its next iteration, as a bug would (fault tests only)."""
+        with self._cv:
+            self._fault = InjectedFault(message)
+            self._cv.notify_all()
 
     # ---- called from other threads ------------------------------------------------------
     def submit(self, work: Work) -> Future:
-        """Start pre-processing now; the invocation joins once it is done."""
-        if self.config.disaggregated:
-            with self._cv:
+        """Accept an invocation and start its pre-processing; it joins once that is done.
+
+        Raises :class:`EngineUnavailable` when the engine is dead or stopping."""
+        with self._cv:
+            if not self._accepting():
+                raise EngineUnavailable(self._refusal(), code=self._refusal_code())
+            work.id = next(self._ids)
+            self._unfinished[work.id] = work
+            work.future.add_done_callback(lambda _: self._forget(work))
+            if self.config.disaggregated:
                 self._pending_pre += 1
-            self.stages.encode(work).add_done_callback(lambda f: self._pre_finished(work, f))
-        else:
-            with self._cv:
+            else:
                 self._ready.append(work)  # encoded on the engine thread at join
                 self._cv.notify()
+        if self.config.disaggregated:
+            self.stages.encode(work).add_done_callback(lambda f: self._pre_finished(work, f))
         return work.future
 
     def submit_background(self, job: Callable[[], None]) -> None:
@@ -196,48 +268,86 @@ class Engine:
             self._cv.notify()
 
     def load(self) -> dict[str, int]:
+        """Counts by stage; the running count is the loop's last published snapshot."""
         with self._cv:
             return {
                 "preprocessing": self._pending_pre,
                 "ready": len(self._ready),
-                "running": sum(len(v) for v in self._running.values()),
+                "running": self._running_count,
                 "background": len(self._background),
             }
 
-    def stop(self) -> None:
+    def _accepting(self) -> bool:
+        thread = self._thread
+        return (
+            thread is not None and thread.is_alive() and not self._stopping and self._error is None
+        )
+
+    def _refusal(self) -> str:
+        if self._error is not None:
+            return f"the engine died: {self._error}"
+        if self._stopping:
+            return "the executor is shutting down"
+        return "the engine is not running"
+
+    def _refusal_code(self) -> str:
+        return "engine_dead" if self._error is not None else "engine_unavailable"
+
+    def _forget(self, work: Work) -> None:
         with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        self._thread.join(timeout=30)
+            self._unfinished.pop(work.id, None)
 
     def _pre_finished(self, work: Work, fut: Future) -> None:
         with self._cv:
             self._pending_pre -= 1
+            accepting = self._accepting()
         if fut.exception() is not None:
-            work.future.set_exception(fut.exception())
+            self._fail(work, fut.exception())
+            return
+        if not accepting:  # died or stopped meanwhile: already failed by the stopper
+            self._fail(work, EngineUnavailable(self.error_message(), code="engine_dead"))
             return
         work.encoded, work.pre_done = fut.result(), time.perf_counter()
         with self._cv:
             self._ready.append(work)
             self._cv.notify()
 
+    def error_message(self) -> str:
+        with self._cv:
+            return self._refusal()
+
+    def _fail_unfinished(self, why: str) -> None:
+        with self._cv:
+            works = list(self._unfinished.values())
+            self._ready.clear()
+            code = self._refusal_code()
+        for work in works:
+            self._fail(work, EngineUnavailable(why, code=code))
+
     # ---- the engine thread --------------------------------------------------------------
     def _loop(self) -> None:
         try:
             self._iterate()
-        except BaseException:  # a bug in the loop itself: fail everything rather than hang
+        except BaseException as exc:  # a bug in the loop itself: fail everything, never hang
             log.exception("engine loop crashed")
             with self._cv:
-                works = [*self._ready, *(w for g in self._running.values() for w in g)]
-            for work in works:
-                self._fail(work, RuntimeError("the engine stopped"))
-            raise
+                self._error = f"{type(exc).__name__}: {exc}"
+            self._fail_unfinished(f"the engine died: {self._error}")
 
     def _iterate(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopping or self._ready or self._running or self._background):
+                self._running_count = sum(len(v) for v in self._running.values())
+                while not (
+                    self._stopping
+                    or self._fault
+                    or self._ready
+                    or self._running
+                    or self._background
+                ):
                     self._cv.wait()
+                if self._fault is not None:
+                    raise self._fault
                 if self._stopping:
                     return
                 joining = self._admit()
@@ -326,13 +436,18 @@ class Engine:
         if not self._running[key]:
             del self._running[key]
         for work in done:
-            self._retire(work)
+            try:
+                self._retire(work)
+            except Exception as exc:  # this invocation's finish failed, not the batch's
+                log.exception("finishing invocation %d failed", work.id)
+                self._fail(work, exc)
 
     def _retire(self, work: Work) -> None:
         latents = work.editor.final_latents(work.state)
         release = getattr(work.reader, "release", None)
         if release is not None:
             release()
+        work.reader_released = True
         work.state = None
         if self.config.disaggregated:
             self.stages.decode(work, latents).add_done_callback(
@@ -347,14 +462,16 @@ class Engine:
             self._fail(work, exc)
             return
         work.post_done = time.perf_counter()
-        work.future.set_result(work.report(output))
+        if not work.future.done():
+            work.future.set_result(work.report(output))
 
     def _post_finished(self, work: Work, fut: Future) -> None:
         if fut.exception() is not None:
-            work.future.set_exception(fut.exception())
+            self._fail(work, fut.exception())
             return
         work.post_done = time.perf_counter()
-        work.future.set_result(work.report(Output(*fut.result())))
+        if not work.future.done():
+            work.future.set_result(work.report(Output(*fut.result())))
 
     def _interrupt(self) -> None:
         """Non-denoising work on the engine thread while invocations are running."""
@@ -365,8 +482,9 @@ class Engine:
             work.interruptions += 1
 
     def _fail(self, work: Work, exc: BaseException) -> None:
-        release = getattr(work.reader, "release", None)
+        release = None if work.reader_released else getattr(work.reader, "release", None)
         if release is not None:
+            work.reader_released = True
             release()
         if not work.future.done():
             work.future.set_exception(exc)

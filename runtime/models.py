@@ -7,9 +7,9 @@ same model on an executor shares one loaded copy.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,11 +36,6 @@ PIPELINES: dict[str, type[DiffusionPipeline]] = {
     "sd-inpaint": StableDiffusionInpaintPipeline,
     "flux-inpaint": FluxInpaintPipeline,
 }
-# Pipeline classes found in model_index.json that a family can load.
-COMPATIBLE = {
-    "sd-inpaint": ("StableDiffusionInpaintPipeline", "StableDiffusionPipeline"),
-    "flux-inpaint": ("FluxInpaintPipeline", "FluxPipeline", "FluxImg2ImgPipeline"),
-}
 SCHEDULERS: dict[str, type] = {
     "ddim": DDIMScheduler,
     "euler": EulerDiscreteScheduler,
@@ -60,27 +55,6 @@ def model_folder(model: str, models_dir: Path) -> Path:
             raise InvalidSpec(f"unknown built-in model {model!r}", field="model") from None
         return ensure_demo_model(model, models_dir)
     return Path(model).expanduser().resolve()
-
-
-def check_model(model: str, family: str) -> None:
-    """Reject a model that cannot serve ``family`` before anything is stored or loaded."""
-    if is_demo(model):
-        try:
-            native = demo_model(model).family
-        except KeyError:
-            raise InvalidSpec(f"unknown built-in model {model!r}", field="model") from None
-        if native != family:
-            raise InvalidSpec(f"{model} is a {native} model, not {family}", field="family")
-        return
-    index = Path(model).expanduser() / "model_index.json"
-    try:
-        cls = json.loads(index.read_text()).get("_class_name", "")
-    except (OSError, ValueError):
-        raise InvalidSpec(
-            f"{model!r} is not a diffusers folder (no readable model_index.json)", field="model"
-        ) from None
-    if cls not in COMPATIBLE[family]:
-        raise InvalidSpec(f"{model} holds a {cls}, which cannot serve {family}", field="family")
 
 
 def default_device() -> torch.device:
@@ -108,25 +82,41 @@ class LoadedModel:
 
 
 class ModelCache:
-    """Loads each model once per executor; concurrent requests for one model wait for it."""
+    """Loads each model once per executor.
+
+    The lock only guards the table of per-model futures: a load runs outside it, so
+    ``loaded()`` (read by ``/state``) and other models never wait on a ``from_pretrained``;
+    concurrent requests for the model being loaded wait on its future."""
 
     def __init__(self, models_dir: Path, device: torch.device) -> None:
         self.models_dir = models_dir
         self.device = device
-        self._models: dict[str, LoadedModel] = {}
+        self._models: dict[str, Future[LoadedModel]] = {}
         self._lock = threading.Lock()
 
     def get(self, model: str, family: str) -> LoadedModel:
         with self._lock:
-            loaded = self._models.get(model)
-            if loaded is None:
-                loaded = self._load(model, family)
-                self._models[model] = loaded
-            return loaded
+            future = self._models.get(model)
+            owner = future is None
+            if owner:
+                future = self._models[model] = Future()
+        if not owner:
+            return future.result()
+        try:
+            future.set_result(self._load(model, family))
+        except BaseException as exc:
+            with self._lock:  # a failed load is retried by the next deploy
+                self._models.pop(model, None)
+            future.set_exception(exc)
+        return future.result()
 
     def loaded(self) -> list[str]:
         with self._lock:
-            return list(self._models)
+            return [m for m, f in self._models.items() if f.done() and not f.exception()]
+
+    def loading(self) -> list[str]:
+        with self._lock:
+            return [m for m, f in self._models.items() if not f.done()]
 
     def _load(self, model: str, family: str) -> LoadedModel:
         folder = model_folder(model, self.models_dir)

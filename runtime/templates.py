@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from PIL import Image
 from retouch.cachestore.errors import CorruptEntry, StoreError
 from retouch.cachestore.store import ActivationStore, HostTemplate, Tier
 from retouch.functions.spec import FunctionSpec
+from retouch.functions.wire import BakeState, TemplateStatus
 from retouch.runtime.fingerprint import template_key
 
 log = logging.getLogger(__name__)
@@ -32,14 +32,6 @@ STORE_DIRNAME = "cache"
 def store_path(data_dir: Path) -> Path:
     """Where the executors of one host keep their shared activation store."""
     return data_dir / STORE_DIRNAME
-
-
-class BakeState(StrEnum):
-    UNBAKED = "unbaked"
-    QUEUED = "queued"
-    BAKING = "baking"
-    BAKED = "baked"
-    FAILED = "failed"
 
 
 @dataclass
@@ -121,10 +113,14 @@ class TemplateCache:
             self.templates.update({(t.function, t.id): t for t in added})
         return added
 
-    def unregister(self, function: str) -> None:
-        """Forget a function's templates and drop bakes no other function uses."""
+    def detach(self, function: str) -> list[Template]:
+        """Forget a function's templates (fast: no store work); see :meth:`drop_unused`."""
         with self.lock:
-            gone = [self.templates.pop(k) for k in [k for k in self.templates if k[0] == function]]
+            return [self.templates.pop(k) for k in [k for k in self.templates if k[0] == function]]
+
+    def drop_unused(self, gone: list[Template]) -> None:
+        """Delete the bakes of detached templates that no registered template uses."""
+        with self.lock:
             in_use = {t.key for t in self.templates.values()}
         for template in gone:
             if template.key not in in_use:
@@ -192,14 +188,11 @@ class TemplateCache:
             template.state, template.error = BakeState.BAKED, None
             template.bakes += 1
 
-    def states(self) -> dict[str, dict[str, dict[str, Any]]]:
+    def states(self) -> dict[str, dict[str, TemplateStatus]]:
         with self.lock:
-            out: dict[str, dict[str, dict[str, Any]]] = {}
+            out: dict[str, dict[str, TemplateStatus]] = {}
             for t in self.templates.values():
-                out.setdefault(t.function, {})[t.id] = {
-                    "state": t.state.value,
-                    "bakes": t.bakes,
-                    "key": t.key,
-                    "error": t.error,
-                }
+                out.setdefault(t.function, {})[t.id] = TemplateStatus(
+                    t.state, t.bakes, t.key, t.error
+                )
             return out

@@ -158,7 +158,7 @@ async def replay(
                     function, req.template, req.mask, prompt, seed=req.seed
                 )
                 stats.outcomes[i].queue_ms = result.timings.queue_ms
-                stats.outcomes[i].interruptions = int(result.engine.get("interruptions", 0))
+                stats.outcomes[i].interruptions = result.engine.interruptions
             except RetouchError as exc:
                 stats.outcomes[i].error = exc.code
             stats.outcomes[i].latency_ms = (time.perf_counter() - t0) * 1e3

@@ -15,7 +15,7 @@ from diffusers import FluxInpaintPipeline
 from retouch.functions.demo.images import mask_of_ratio, template_image
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.runtime.engine import Engine, EngineConfig, EngineMode, Work
-from retouch.runtime.executor import WorkerStages
+from retouch.runtime.executor.core import WorkerStages
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.workers import PrePostPool
@@ -88,7 +88,7 @@ def _wait_steps(work: Work, n: int, timeout: float = 60.0) -> None:
 
 def test_continuous_newcomer_joins_within_one_step(editor, baked, stages) -> None:
     request, store = baked
-    engine = Engine(EngineConfig(EngineMode.CONTINUOUS, max_batch=4), stages)
+    engine = Engine(EngineConfig(EngineMode.CONTINUOUS, max_batch=4), stages).start()
     try:
         first = _work(editor, request, store, seed=1)
         f1 = engine.submit(first)
@@ -109,7 +109,7 @@ def test_continuous_newcomer_joins_within_one_step(editor, baked, stages) -> Non
 
 def test_static_newcomer_waits_for_the_batch(editor, baked, stages) -> None:
     request, store = baked
-    engine = Engine(EngineConfig(EngineMode.STATIC, max_batch=4), stages)
+    engine = Engine(EngineConfig(EngineMode.STATIC, max_batch=4), stages).start()
     try:
         first = _work(editor, request, store, seed=1)
         f1 = engine.submit(first)
@@ -125,7 +125,9 @@ def test_static_newcomer_waits_for_the_batch(editor, baked, stages) -> None:
 
 def test_naive_mode_counts_interruptions(editor, baked) -> None:
     request, store = baked
-    engine = Engine(EngineConfig(EngineMode.CONTINUOUS, max_batch=4, disaggregated=False), None)
+    engine = Engine(
+        EngineConfig(EngineMode.CONTINUOUS, max_batch=4, disaggregated=False), None
+    ).start()
     try:
         first = _work(editor, request, store, seed=1)
         f1 = engine.submit(first)
@@ -141,7 +143,7 @@ def test_naive_mode_counts_interruptions(editor, baked) -> None:
 
 def test_results_do_not_depend_on_batching(editor, baked, stages) -> None:
     request, store = baked
-    engine = Engine(EngineConfig(EngineMode.CONTINUOUS, max_batch=4), stages)
+    engine = Engine(EngineConfig(EngineMode.CONTINUOUS, max_batch=4), stages).start()
     try:
         solo = [
             engine.submit(_work(editor, request, store, seed=s)).result(timeout=120) for s in (1, 2)

@@ -1,13 +1,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from retouch.functions.errors import InvalidSpec
+from retouch.functions import wire
+from retouch.functions.errors import BadRequest, InvalidSpec
 from retouch.functions.spec import FunctionSpec, load_spec_file, parse_spec
+from retouch.runtime.asgi import parse_json
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 
@@ -120,3 +123,139 @@ def test_spec_file_errors(tmp_path: Path) -> None:
     path.write_text("= broken")
     with pytest.raises(InvalidSpec, match="not valid TOML"):
         load_spec_file(path)
+
+
+def _doc(**change: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "name": "ok",
+        "model": "m",
+        "family": "sd-inpaint",
+        "resolution": 128,
+        "templates": {"t": {"prompt": "p", "seed": 1}},
+    }
+    doc.update(change)
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("doc", "field", "suggestion"),
+    [
+        (_doc(modell="m"), "modell", "model"),
+        (_doc(step=5), "step", "steps"),
+        (_doc(guidence=3.0), "guidence", "guidance"),
+        (_doc(fullsteps=2), "fullsteps", "full_steps"),
+        (_doc(colour="red"), "colour", None),
+        (_doc(templates={"t": {"promt": "x"}}), "templates.t.promt", "prompt"),
+        (_doc(templates={"t": {"sede": 1}}), "templates.t.sede", "seed"),
+        (_doc(scaling={"max_executor": 2}), "scaling.max_executor", "max_executors"),
+        (_doc(slo={"latency": 100.0}), "slo.latency", "latency_ms"),
+    ],
+)
+def test_unknown_fields_are_refused_with_a_suggestion(
+    doc: dict[str, Any], field: str, suggestion: str | None
+) -> None:
+    """A misspelt field must not deploy silently with the default (``step = 5`` ran 20)."""
+    with pytest.raises(InvalidSpec) as err:
+        parse_spec(doc)
+    assert err.value.field == field and err.value.code == "invalid_spec"
+    assert f"unknown field {field.rsplit('.', 1)[-1]!r}" in err.value.message
+    if suggestion is None:
+        assert "known fields" in err.value.message
+    else:
+        assert f"did you mean {suggestion!r}?" in err.value.message
+
+
+def test_template_image_path_is_a_known_field() -> None:
+    spec = parse_spec(_doc(templates={"t": {"image": "t.png", "prompt": "p"}}))
+    assert spec.templates["t"].image == "t.png"
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        (_doc(name="ok\n"), "name"),
+        (_doc(name="ok\n\n"), "name"),
+        (_doc(name="a" * 64), "name"),
+        (_doc(name="Ok"), "name"),
+        (_doc(name="café"), "name"),
+        (_doc(name=""), "name"),
+        (_doc(templates={"t\n": {}}), "templates.t\n"),
+        (_doc(templates={"t" * 129: {}}), "templates." + "t" * 129),
+        (_doc(templates={"ünï": {}}), "templates.ünï"),
+        (_doc(templates={"t": {"prompt": "x" * 4097}}), "templates.t.prompt"),
+    ],
+    ids=lambda v: repr(v)[:30] if isinstance(v, str) else None,
+)
+def test_names_ids_and_prompts_are_bounded(doc: dict[str, Any], field: str) -> None:
+    """Patterns match the whole string (``$`` used to accept a trailing newline) and a
+    template prompt has the invocation prompt's limit."""
+    with pytest.raises(InvalidSpec) as err:
+        parse_spec(doc)
+    assert err.value.field == field
+
+
+def test_limits_at_their_edges_are_accepted() -> None:
+    spec = parse_spec(
+        _doc(name="a" * 63, templates={"T" * 128: {"prompt": "x" * wire.MAX_PROMPT_CHARS}})
+    )
+    assert spec.name == "a" * 63 and len(spec.templates["T" * 128].prompt) == 4096
+
+
+def test_duplicate_template_in_toml_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "f.toml"
+    path.write_text(
+        'name = "f"\nmodel = "m"\nfamily = "sd-inpaint"\nresolution = 64\n'
+        '[templates.t]\nimage = "a.png"\n[templates.t]\nimage = "b.png"\n'
+    )
+    with pytest.raises(InvalidSpec, match="not valid TOML"):
+        load_spec_file(path)
+
+
+def test_duplicate_template_in_a_body_is_refused() -> None:
+    """msgpack and JSON bodies keep the last duplicate silently unless the decoder refuses."""
+    body = b"\x81\xa4spec\x81\xa9templates\x82\xa1t\x80\xa1t\x80"  # {"spec": {"templates": {t, t}}}
+    with pytest.raises(BadRequest) as err:
+        wire.unpack(body)
+    assert (err.value.code, err.value.field) == ("duplicate_key", "spec.templates.t")
+    with pytest.raises(BadRequest) as err:
+        parse_json(b'{"spec": {"templates": {"t": {}, "u": [{"a": 1, "a": 2}]}}}')
+    assert (err.value.code, err.value.field) == ("duplicate_key", "spec.templates.u[0].a")
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (wire.pack({b"name": "x"}), "name"),
+        (wire.pack({"spec": {"templates": {b"t": {}}}}), "spec.templates.t"),
+        (wire.pack({"a": [1, {b"k": 2}]}), "a[1].k"),
+    ],
+)
+def test_bytes_map_keys_are_refused(body: bytes, field: str) -> None:
+    with pytest.raises(BadRequest) as err:
+        wire.unpack(body)
+    assert (err.value.code, err.value.field) == ("malformed_body", field)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+        b'{"steps": ' + b"9" * 5000 + b"}",
+        b'{"guidance": NaN}',
+        b'{"guidance": -Infinity}',
+        b"\xff\xfe",
+        b"",
+    ],
+    ids=["deep-array", "deep-object", "huge-int", "nan", "infinity", "not-utf8", "empty"],
+)
+def test_hostile_json_is_a_400(data: bytes) -> None:
+    with pytest.raises(BadRequest) as err:
+        parse_json(data)
+    assert err.value.code == "malformed_body" and err.value.status == 400
+
+
+def test_deep_msgpack_is_a_400() -> None:
+    with pytest.raises(BadRequest) as err:
+        wire.unpack(b"\x91" * 5000 + b"\x01")
+    assert err.value.code == "malformed_body" and "deeply" in err.value.message

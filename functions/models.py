@@ -1,0 +1,77 @@
+"""What a spec's ``model`` may name, checked without loading anything.
+
+A model is a built-in ``retouch:<name>`` (built or shipped by ``functions/demo``) or the
+path of a local diffusers folder. The gateway checks a deploy against this before it stores
+anything; it must not import torch or diffusers to do so (the control plane stays light),
+so the catalogue of built-in models lives here as plain data and ``functions/demo/models.py``
+attaches a builder to each entry.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from retouch.functions.errors import InvalidSpec
+
+PREFIX = "retouch:"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A built-in model: its family and native resolution."""
+
+    name: str
+    family: str
+    resolution: int
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in (
+        BuiltinModel("tiny-sd", "sd-inpaint", 128),
+        BuiltinModel("tiny-flux", "flux-inpaint", 128),
+        BuiltinModel("small-sd", "sd-inpaint", 512),
+        BuiltinModel("small-flux", "flux-inpaint", 512),
+    )
+}
+
+# Pipeline classes found in a folder's model_index.json that a family can load.
+COMPATIBLE: dict[str, tuple[str, ...]] = {
+    "sd-inpaint": ("StableDiffusionInpaintPipeline", "StableDiffusionPipeline"),
+    "flux-inpaint": ("FluxInpaintPipeline", "FluxPipeline", "FluxImg2ImgPipeline"),
+}
+
+
+def is_builtin(model: str) -> bool:
+    return model.startswith(PREFIX)
+
+
+def builtin_model(model: str) -> BuiltinModel:
+    """The built-in model named ``retouch:<name>``; ``KeyError`` if there is none."""
+    return BUILTIN_MODELS[model.removeprefix(PREFIX)]
+
+
+def check_model(model: str, family: str) -> None:
+    """Reject a model that cannot serve ``family`` before anything is stored or loaded."""
+    if is_builtin(model):
+        try:
+            native = builtin_model(model).family
+        except KeyError:
+            known = ", ".join(PREFIX + n for n in sorted(BUILTIN_MODELS))
+            raise InvalidSpec(
+                f"unknown built-in model {model!r}; built-in models: {known}", field="model"
+            ) from None
+        if native != family:
+            raise InvalidSpec(f"{model} is a {native} model, not {family}", field="family")
+        return
+    index = Path(model).expanduser() / "model_index.json"
+    try:
+        cls = json.loads(index.read_text()).get("_class_name", "")
+    except (OSError, ValueError, AttributeError):
+        raise InvalidSpec(
+            f"{model!r} is not a diffusers folder (no readable model_index.json)", field="model"
+        ) from None
+    if cls not in COMPATIBLE[family]:
+        raise InvalidSpec(f"{model} holds a {cls}, which cannot serve {family}", field="family")

@@ -1,0 +1,121 @@
+"""The executor's internal HTTP API (msgpack, bearer token, loopback only).
+
+``GET /healthz`` (503 ``engine_dead`` once the engine thread died, so the pool restarts
+the executor), ``GET /state`` (a :class:`~retouch.functions.wire.ExecutorState`),
+``PUT /functions/{name}``, ``DELETE /functions/{name}``, ``POST /invoke``.
+
+The app owns the core's lifecycle through its lifespan: the engine starts with the server
+and, at shutdown, the engine, the pre/post workers and the store are closed (every
+unfinished invocation fails with ``engine_unavailable``, which the gateway re-places).
+Nothing slow runs on the event loop: deploys and template decoding run on a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.routing import Route
+
+from retouch.functions import wire
+from retouch.functions.errors import BadRequest, Unavailable
+from retouch.functions.imaging import decode_image
+from retouch.functions.spec import parse_spec
+from retouch.runtime.asgi import (
+    check_token,
+    decode_bytes,
+    endpoint,
+    read_body,
+    structured_http_errors,
+)
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from retouch.functions.spec import FunctionSpec
+    from retouch.runtime.executor.core import ExecutorCore
+
+TOKEN_ENV = "RETOUCH_EXECUTOR_TOKEN"
+MAX_BODY = 1 << 30  # the gateway already enforced the public limit
+
+
+def _generation(raw: Any) -> int:
+    """The gateway's sequence number of a control operation on a function name."""
+    if isinstance(raw, str) and raw.isdigit():
+        raw = int(raw)
+    if type(raw) is not int or raw < 0:
+        raise BadRequest(
+            "generation must be a non-negative integer", field="generation", code="invalid_field"
+        )
+    return raw
+
+
+def _parse_deploy(body: Any) -> tuple[FunctionSpec, dict[str, Image.Image], int]:
+    body = wire.as_map(body)
+    generation = _generation(body.get("generation"))
+    spec = parse_spec(body.get("spec"))
+    raw = body.get("templates") or {}
+    images = {
+        tid: decode_image(
+            decode_bytes(raw.get(tid), f"templates.{tid}"), f"templates.{tid}"
+        ).convert("RGB")
+        for tid in spec.templates
+    }
+    return spec, images, generation
+
+
+def build_app(core: ExecutorCore, token: str) -> Starlette:
+    """The executor's internal API; every route requires the internal token."""
+
+    def authorize(request: Request) -> None:
+        check_token(request, token)
+
+    async def healthz(request: Request) -> dict[str, Any]:
+        if not core.healthy:
+            raise Unavailable(core.engine.error_message(), code="engine_dead")
+        return {"ok": True, "name": core.name}
+
+    async def state(request: Request) -> dict[str, Any]:
+        return core.state().to_wire()
+
+    async def put_function(request: Request) -> dict[str, Any]:
+        body = await read_body(request, MAX_BODY, allow_json=False)
+        spec, images, generation = await asyncio.to_thread(_parse_deploy, body)
+        await asyncio.wrap_future(core.deploy_async(spec, images, generation))
+        return {"name": spec.name, "loaded": True, "generation": generation}
+
+    async def delete_function(request: Request) -> dict[str, Any]:
+        generation = _generation(request.query_params.get("generation"))
+        removed = await asyncio.to_thread(core.remove, request.path_params["name"], generation)
+        return {"removed": removed, "generation": generation}
+
+    async def invoke(request: Request) -> dict[str, Any]:
+        inv = wire.ExecutorInvoke.from_wire(await read_body(request, MAX_BODY, allow_json=False))
+        return (await core.invoke(inv)).to_wire()
+
+    def route(path: str, handler, method: str = "GET") -> Route:
+        return Route(path, endpoint(handler, authorize), methods=[method])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        core.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(core.close)
+
+    return Starlette(
+        routes=[
+            route("/healthz", healthz),
+            route("/state", state),
+            route("/functions/{name}", put_function, "PUT"),
+            route("/functions/{name}", delete_function, "DELETE"),
+            route("/invoke", invoke, "POST"),
+        ],
+        exception_handlers=structured_http_errors(),
+        lifespan=lifespan,
+    )

@@ -1,0 +1,453 @@
+"""The executor's core: functions, models, templates and the engine, without HTTP.
+
+Threads and locks (documented in docs/architecture.md): the event loop thread (the app)
+only does cheap work — it checks an invocation and submits it to the engine; deploys run
+on a thread-pool thread; the engine thread runs denoising steps and bakes; pre/post worker
+dispatch threads belong to the worker pool. ``ExecutorCore.lock`` guards the function and
+editor tables only and is never held across a model load, a profile or any I/O: a slow
+build is a per-(model, scheduler) future that others wait on outside the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from retouch.functions import wire
+from retouch.functions.errors import BadRequest, Conflict, NotFound
+from retouch.functions.imaging import encode_image, mask_ratio
+from retouch.functions.spec import FunctionSpec
+from retouch.runtime.costmodel import CostModel
+from retouch.runtime.engine import Engine, Output, Work
+from retouch.runtime.fingerprint import model_fingerprint
+from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
+from retouch.runtime.models import ModelCache
+from retouch.runtime.plan import make_planner
+from retouch.runtime.profiling import cached_profile, load_or_profile, profile_in_subprocess
+from retouch.runtime.templates import BakeState, Template, TemplateCache
+from retouch.runtime.workers import PrePostPool, WorkerDied
+
+log = logging.getLogger(__name__)
+
+STAGE_ATTEMPTS = 3  # a pre/post job whose worker died is re-run on the restarted worker
+
+
+def _retrying(submit: Callable[[], Future], attempts: int, what: str) -> Future:
+    """``submit()``, re-submitted when its worker process died (the pool restarts it);
+    any other failure, or the last death, fails the returned future."""
+    result: Future = Future()
+
+    def attempt(left: int) -> None:
+        try:
+            inner = submit()
+        except Exception as exc:
+            result.set_exception(exc)
+            return
+
+        def done(f: Future) -> None:
+            exc = f.exception()
+            if isinstance(exc, WorkerDied) and left > 1:
+                log.warning("%s: %s; retrying on the restarted worker", what, exc)
+                attempt(left - 1)
+            elif exc is not None:
+                result.set_exception(exc)
+            else:
+                result.set_result(f.result())
+
+        inner.add_done_callback(done)
+
+    attempt(attempts)
+    return result
+
+
+@dataclass
+class WorkerStages:
+    """Pre/post-processing of the engine's invocations in the pool's worker processes.
+
+    Edits are deterministic, so a job whose worker was killed is simply run again."""
+
+    pool: PrePostPool
+    attempts: int = STAGE_ATTEMPTS
+
+    def encode(self, work: Work) -> Future:
+        return _retrying(
+            lambda: self.pool.encode(work.model, work.family, work.scheduler, work.request),
+            self.attempts,
+            "encode",
+        )
+
+    def decode(self, work: Work, latents: torch.Tensor) -> Future:
+        request = work.request
+        return _retrying(
+            lambda: self.pool.decode(
+                work.model, work.family, latents, request.height, request.width, work.fmt
+            ),
+            self.attempts,
+            "decode",
+        )
+
+
+class Superseded(Conflict):
+    code = "superseded"
+
+
+@dataclass
+class FunctionEntry:
+    """A deployed function as the executor holds it: its spec and decoded templates."""
+
+    spec: FunctionSpec
+    templates: dict[str, Image.Image]
+
+
+@dataclass
+class ExecutorStats:
+    queued: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class ExecutorCore:
+    """Functions, models, templates and the engine of one executor; owns their lifecycle."""
+
+    def __init__(
+        self,
+        name: str,
+        models: ModelCache,
+        templates: TemplateCache,
+        engine: Engine,
+        stages: WorkerStages | None = None,
+        *,
+        maskaware: bool = True,
+        data_dir: Path = Path("."),
+        profile_in_background: bool = True,
+    ) -> None:
+        self.name = name
+        self.models = models
+        self.templates = templates
+        self.engine = engine
+        self.stages = stages  # None: pre/post on the engine thread
+        self.maskaware = maskaware  # False: every token computed, no cache (comparisons)
+        self.data_dir = data_dir  # where device profiles are cached (profiles/)
+        self.profile_in_background = profile_in_background  # in a nice'd child process
+        self.stats = ExecutorStats()
+        self.lock = threading.Lock()  # guards the three tables below; never held across work
+        self.functions: dict[str, FunctionEntry] = {}
+        self.cost_models: dict[str, CostModel] = {}  # per model, on this device
+        self._editors: dict[tuple[str, str], Future[MaskAwareEditor]] = {}
+        self._generations: dict[str, int] = {}  # latest control operation per function name
+        self._closed = False
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self.engine.start()
+
+    def close(self) -> None:
+        """Stop the engine (failing what it had not finished), the workers and the store."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.stop()
+        if self.stages is not None:
+            self.stages.pool.close()
+        self.templates.store.close()
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine.alive
+
+    # ---- deploys (a deploy thread) ----------------------------------------------------
+    def deploy(self, spec: FunctionSpec, images: dict[str, Image.Image], generation: int) -> None:
+        """Load the function's model (shared with other functions), register its templates
+        and queue the bake of every template the store does not hold yet.
+
+        ``generation`` orders the control operations on one name (the gateway numbers
+        them): a deploy overtaken by a later deploy or delete of the same name is dropped
+        (:class:`Superseded`) instead of resurrecting an older version."""
+        self._check_generation(spec.name, generation)
+        loaded = self.models.get(spec.model, spec.family)
+        if self.stages is not None:  # load it in the workers now, not on the first request
+            for future in self.stages.pool.load(spec.model, spec.family):
+                future.result()
+        editor = self.editor(spec)
+        sched_config = dict(editor.impl.pipe.scheduler.config)
+        fingerprint = model_fingerprint(loaded.folder)
+        # Lock order: core.lock, then the template cache's lock. Registration only looks
+        # keys up in the store's tables; the held section does no model work and no scan.
+        with self.lock:
+            latest = self._generations.get(spec.name, 0)
+            if generation >= latest:
+                self._generations[spec.name] = generation
+                registered = self.templates.register(spec, images, fingerprint, sched_config)
+                self.functions[spec.name] = FunctionEntry(spec, images)
+        if generation < latest:
+            raise Superseded(
+                f"deploy {generation} of {spec.name!r} was superseded by operation {latest}",
+                field="generation",
+            )
+        if self.maskaware:
+            for template in registered:
+                self._queue_bake(template)
+
+    def deploy_async(
+        self, spec: FunctionSpec, images: dict[str, Image.Image], generation: int
+    ) -> Future[None]:
+        """:meth:`deploy` on its own thread (a deploy waits on loads and on the profiling
+        child; it never holds a lock others need meanwhile)."""
+        done: Future[None] = Future()
+
+        def run() -> None:
+            try:
+                self.deploy(spec, images, generation)
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+        threading.Thread(target=run, name=f"deploy-{spec.name}", daemon=True).start()
+        return done
+
+    def remove(self, name: str, generation: int) -> bool:
+        """Forget a function (unless a later deploy of the name already replaced it)."""
+        with self.lock:
+            if self._generations.get(name, 0) > generation:
+                return False
+            self._generations[name] = generation
+            removed = self.functions.pop(name, None) is not None
+            gone = self.templates.detach(name)
+        self.templates.drop_unused(gone)
+        return removed
+
+    def _check_generation(self, name: str, generation: int) -> None:
+        """Fail early (before loading anything) when a later operation already ran."""
+        with self.lock:
+            latest = self._generations.get(name, 0)
+        if generation < latest:
+            raise Superseded(
+                f"deploy {generation} of {name!r} was superseded by operation {latest}",
+                field="generation",
+            )
+
+    def editor(self, spec: FunctionSpec) -> MaskAwareEditor:
+        """One editor per (model, scheduler); editors of a model share its modules.
+
+        A new editor gets an overlapped row loader and the bubble-free planner of the
+        model's cost model on this device (profiled once, then read from the profile
+        cache). The build runs outside the lock; concurrent callers wait on its future."""
+        key = (spec.model, spec.scheduler)
+        with self.lock:
+            future = self._editors.get(key)
+            owner = future is None
+            if owner:
+                future = self._editors[key] = Future()
+        if not owner:
+            return future.result()
+        try:
+            editor, cost_model = self._build_editor(spec)
+        except BaseException as exc:
+            with self.lock:
+                self._editors.pop(key, None)
+            future.set_exception(exc)
+            raise
+        with self.lock:
+            self.cost_models[spec.model] = cost_model
+        future.set_result(editor)
+        return editor
+
+    def _build_editor(self, spec: FunctionSpec) -> tuple[MaskAwareEditor, CostModel]:
+        loaded = self.models.get(spec.model, spec.family)
+        if self.profile_in_background and not cached_profile(
+            loaded.folder, self.data_dir, loaded.device, spec.family, spec.width
+        ):
+            profile_in_subprocess(
+                spec.model,
+                spec.family,
+                spec.scheduler,
+                spec.width,
+                self.data_dir,
+                loaded.device,
+                torch.get_num_threads(),
+            )  # on failure, load_or_profile below profiles in-process
+        editor = MaskAwareEditor(loaded.pipeline_for(spec.scheduler), spec.family, loaded.device)
+        attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
+        cost_model = load_or_profile(editor, loaded.folder, self.data_dir, spec.width)
+        editor.plan = make_planner(cost_model)
+        return editor, cost_model
+
+    def entry(self, name: str) -> FunctionEntry:
+        with self.lock:
+            entry = self.functions.get(name)
+        if entry is None:
+            raise NotFound(
+                f"function {name!r} is not loaded on {self.name}",
+                field="function",
+                code="function_not_found",
+            )
+        return entry
+
+    # ---- invocations (the event loop: cheap checks, then the engine) --------------------
+    async def invoke(self, inv: wire.ExecutorInvoke) -> wire.InvokeResult:
+        entry = self.entry(inv.function)
+        template = self.templates.get(inv.function, inv.template)
+        if template is None:
+            raise NotFound(
+                f"unknown template {inv.template!r}", field="template", code="template_not_found"
+            )
+        mask = inv.mask.to_numpy().astype(bool)
+        if mask.shape != (template.image.height, template.image.width):
+            raise BadRequest(
+                "mask does not match the template size", field="mask", code="mask_size_mismatch"
+            )
+        arrived = time.perf_counter()
+        if not mask.any():  # nothing to edit: the template, without running the model
+            return await asyncio.to_thread(self._template_result, template, inv, arrived)
+        covered = self.maskaware and template.covers(inv.steps, inv.guidance)
+        if covered:
+            self.templates.prefetch(template)  # disk -> host while the invocation queues
+        spec = entry.spec
+        editor = self.editor(spec)  # built at deploy, before the function was registered
+        request = EditRequest(
+            template.image,
+            mask,
+            inv.prompt,
+            inv.seed,
+            inv.steps,
+            inv.guidance,
+            template.prompt,
+            template.seed,
+            spec.full_steps,
+        )
+        work = Work(
+            key=(spec.model, spec.scheduler, spec.width, spec.height),
+            model=spec.model,
+            family=spec.family,
+            scheduler=spec.scheduler,
+            editor=editor,
+            request=request,
+            fmt=inv.format,
+            acquire=lambda: self._acquire(template, covered),
+            arrived=arrived,
+        )
+        future = self.engine.submit(work)  # raises EngineUnavailable when dead or stopping
+        self.stats.queued += 1
+        try:
+            report = await asyncio.wrap_future(future)
+            self.stats.completed += 1
+        except Exception:
+            self.stats.failed += 1
+            raise
+        finally:
+            self.stats.queued -= 1
+        output: Output = report["output"]
+        return wire.InvokeResult(
+            image=output.image,
+            format=inv.format,
+            width=output.width,
+            height=output.height,
+            mask_ratio=mask_ratio(mask),
+            executor=self.name,
+            path=wire.InvokePath(report["path"]),
+            timings=wire.Timings(**report["timings"]),
+            cache=wire.CacheRead.from_wire(report["cache"]),
+            engine=wire.RunStats.from_wire(report["engine"]),
+        )
+
+    def _template_result(
+        self, template: Template, inv: wire.ExecutorInvoke, arrived: float
+    ) -> wire.InvokeResult:
+        encoded = encode_image(template.image, inv.format)
+        return wire.InvokeResult(
+            image=encoded,
+            format=inv.format,
+            width=template.image.width,
+            height=template.image.height,
+            mask_ratio=0.0,
+            executor=self.name,
+            path=wire.InvokePath.TEMPLATE,
+            timings=wire.Timings(run_ms=(time.perf_counter() - arrived) * 1e3),
+        )
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _acquire(self, template: Template, covered: bool) -> tuple[Any, dict[str, Any]]:
+        """At join (engine thread): the template's host-resident activations when it is
+        baked for these settings; otherwise no reader (every token computed, i.e. the stock
+        result) and the template is queued for baking (insert on miss)."""
+        if covered and template.state is BakeState.BAKED:
+            got = self.templates.acquire(template)
+            if got.handle is not None:
+                return got.handle, {"tier": got.tier, "wait_ms": got.wait_ms}
+        if covered:
+            self._queue_bake(template)
+        return None, {"tier": wire.CacheTier.NONE.value, "wait_ms": 0.0}
+
+    def _queue_bake(self, template: Template) -> None:
+        if not self.templates.claim_bake(template):
+            return
+        with self.lock:
+            spec = self.functions[template.function].spec
+        editor = self.editor(spec)
+
+        def record(writer) -> None:
+            editor.bake(
+                template.image,
+                template.prompt,
+                template.seed,
+                template.steps,
+                template.guidance,
+                writer,
+            )
+
+        self.engine.submit_background(lambda: self.templates.bake(template, record))
+
+    # ---- state (cheap: counters and tables, no disk scan, no waiting on a load) ---------
+    def state(self) -> wire.ExecutorState:
+        with self.lock:
+            functions = tuple(sorted(self.functions))
+            cost_models = {
+                model: {"min_r2": cm.min_r2(), **cm.to_dict()}
+                for model, cm in self.cost_models.items()
+            }
+        cache = self.templates.store.live_stats()
+        return wire.ExecutorState(
+            name=self.name,
+            pid=os.getpid(),
+            device=str(self.models.device),
+            maskaware=self.maskaware,
+            models=tuple(self.models.loaded()),
+            loading=tuple(self.models.loading()),
+            functions=functions,
+            queued=self.stats.queued,
+            completed=self.stats.completed,
+            failed=self.stats.failed,
+            engine=self._engine_stats(),
+            templates=self.templates.states(),
+            cost_models=cost_models,
+            cache=wire.CacheInfo.from_wire(cache),
+        )
+
+    def _engine_stats(self) -> wire.EngineStats:
+        summary = self.engine.counters.summary()
+        plan = summary.pop("last_plan", None) or {}
+        config = self.engine.config
+        return wire.EngineStats(
+            mode=config.mode.value,
+            max_batch=config.max_batch,
+            disaggregated=config.disaggregated,
+            alive=self.engine.alive,
+            error=self.engine.error,
+            **self.engine.load(),
+            **summary,
+            plan_sparse_blocks=plan.get("sparse"),
+            plan_blocks=plan.get("blocks"),
+        )

@@ -1,0 +1,150 @@
+"""Process entry point: ``python -m retouch.runtime.executor --name N --device D ...``.
+
+The process owns: the uvicorn server (event loop thread), the core (engine thread, worker
+pool, store; started and closed by the app's lifespan) and a parent-watch thread that ends
+the process when its gateway dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+import uvicorn
+
+from retouch.cachestore.store import ActivationStore, StoreConfig
+from retouch.runtime.engine import Engine, EngineConfig, EngineMode
+from retouch.runtime.executor.app import TOKEN_ENV, build_app
+from retouch.runtime.executor.core import ExecutorCore, WorkerStages
+from retouch.runtime.models import ModelCache
+from retouch.runtime.templates import TemplateCache, store_path
+from retouch.runtime.workers import PrePostPool
+
+log = logging.getLogger(__name__)
+
+DEBUG_HOOKS_ENV = "RETOUCH_DEBUG_HOOKS"  # "1": SIGUSR1 kills the engine loop (fault tests)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="retouch-executor")
+    parser.add_argument("--name", required=True, help="executor name in the gateway's pool")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda:0, ...")
+    parser.add_argument("--data-dir", type=Path, required=True, help="activation store root")
+    parser.add_argument(
+        "--shared-dir",
+        type=Path,
+        default=None,
+        help="built demo models and device profiles (default: the data dir)",
+    )
+    parser.add_argument(
+        "--port-file", type=Path, required=True, help="where the bound port is published"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument(
+        "--host-cache-bytes",
+        type=int,
+        default=4 << 30,
+        help="host-RAM budget of the activation store",
+    )
+    parser.add_argument(
+        "--no-maskaware", action="store_true", help="compute every token, never read the cache"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=[m.value for m in EngineMode],
+        default=EngineMode.CONTINUOUS.value,
+        help="continuous (step-level) or static batching",
+    )
+    parser.add_argument("--max-batch", type=int, default=8, help="running batch limit")
+    parser.add_argument(
+        "--inline-prepost",
+        action="store_true",
+        help="pre/post-processing on the engine thread (naive batching)",
+    )
+    parser.add_argument("--pre-workers", type=int, default=1, help="pre-processing processes")
+    parser.add_argument("--post-workers", type=int, default=1, help="post-processing processes")
+    return parser.parse_args(argv)
+
+
+def build_core(args: argparse.Namespace) -> ExecutorCore:
+    """The core, not started: the app's lifespan starts and closes it."""
+    device = torch.device(args.device)
+    store = ActivationStore(
+        StoreConfig(path=store_path(args.data_dir), host_budget_bytes=args.host_cache_bytes)
+    )
+    shared = args.shared_dir or args.data_dir
+    engine_config = EngineConfig(
+        EngineMode(args.engine), args.max_batch, disaggregated=not args.inline_prepost
+    )
+    stages = (
+        None
+        if args.inline_prepost
+        else WorkerStages(
+            PrePostPool(
+                shared / "models",
+                device,
+                pre=args.pre_workers,
+                post=args.post_workers,
+                threads=1,
+            )
+        )
+    )
+    return ExecutorCore(
+        args.name,
+        ModelCache(shared / "models", device),
+        TemplateCache(store),
+        Engine(engine_config, stages),
+        stages,
+        maskaware=not args.no_maskaware,
+        data_dir=shared,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("RETOUCH_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s",
+    )
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        raise SystemExit(f"{TOKEN_ENV} must be set")
+    _exit_with_parent()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    core = build_core(args)
+    if os.environ.get(DEBUG_HOOKS_ENV) == "1":
+        signal.signal(signal.SIGUSR1, lambda *_: core.engine.inject_fault("SIGUSR1 debug hook"))
+    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
+    # proto says TCP, and without it every response waits ~40 ms for a delayed ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    # Publish the port only once bound: the pool reads it, then polls /healthz.
+    tmp = args.port_file.with_suffix(".tmp")
+    tmp.write_text(str(sock.getsockname()[1]))
+    tmp.replace(args.port_file)
+    config = uvicorn.Config(
+        build_app(core, token), log_level="warning", access_log=False, timeout_graceful_shutdown=5
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _exit_with_parent() -> None:
+    """Executors are children of one gateway: if it dies (even by SIGKILL), so do they."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        log.warning("gateway (pid %d) is gone; exiting", parent)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
