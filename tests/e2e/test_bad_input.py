@@ -236,6 +236,7 @@ def _routes() -> list[Case]:
     return [
         Case("route-unknown", "GET", "/nope", 404, "route_not_found"),
         Case("route-v1-root", "GET", "/v1", 404, "route_not_found"),
+        Case("route-encoded-slash", "GET", "/v1/functions/tiny%2Fsd", 404, "route_not_found", headers=INVOKE),
         Case("route-too-deep", "GET", f"{INV}/more", 404, "route_not_found", headers=INVOKE),
         Case("route-unknown-msgpack", "GET", "/nope", 404, "route_not_found", headers={"accept": "application/msgpack"}),
         Case("route-unknown-post", "POST", "/v1/invoke", 404, "route_not_found", body=inv_body(), headers=G),
@@ -431,6 +432,7 @@ def _names() -> list[Case]:
         get("too-long", "a" * 200),
         get("unicode", "t%C3%AFny-sd"),
         get("nul", "tiny-sd%00"),
+        get("invalid-utf8", "%FF%FE"),
         put("uppercase", "Bad-Spec"),
         put("trailing-newline", "bad-spec%0A"),
         put("too-long", "a" * 64),
