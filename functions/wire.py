@@ -480,6 +480,7 @@ class ExecutorState:
     models: tuple[str, ...] = ()  # loaded
     loading: tuple[str, ...] = ()  # being loaded or profiled
     functions: tuple[str, ...] = ()
+    generations: dict[str, int] = field(default_factory=dict)  # of each function's deploy
     queued: int = 0  # accepted and not answered
     completed: int = 0
     failed: int = 0
@@ -487,6 +488,7 @@ class ExecutorState:
     templates: dict[str, dict[str, TemplateStatus]] = field(default_factory=dict)
     cost_models: dict[str, dict[str, Any]] = field(default_factory=dict)  # CostModel.to_dict
     cache: CacheInfo = field(default_factory=CacheInfo)
+    workers: dict[str, int] = field(default_factory=dict)  # pre/post worker processes (pid)
 
     def template(self, function: str, template: str) -> TemplateStatus | None:
         return self.templates.get(function, {}).get(template)
@@ -500,6 +502,7 @@ class ExecutorState:
             "models": list(self.models),
             "loading": list(self.loading),
             "functions": list(self.functions),
+            "generations": self.generations,
             "queued": self.queued,
             "completed": self.completed,
             "failed": self.failed,
@@ -510,6 +513,7 @@ class ExecutorState:
             },
             "cost_models": self.cost_models,
             "cache": self.cache.to_wire(),
+            "workers": self.workers,
         }
 
     @classmethod
@@ -523,6 +527,7 @@ class ExecutorState:
             models=tuple(body.get("models", ())),
             loading=tuple(body.get("loading", ())),
             functions=tuple(body.get("functions", ())),
+            generations={str(k): int(v) for k, v in (body.get("generations") or {}).items()},
             queued=int(body.get("queued", 0)),
             completed=int(body.get("completed", 0)),
             failed=int(body.get("failed", 0)),
@@ -533,4 +538,5 @@ class ExecutorState:
             },
             cost_models=dict(body.get("cost_models") or {}),
             cache=CacheInfo.from_wire(body.get("cache")),
+            workers={str(k): int(v) for k, v in (body.get("workers") or {}).items()},
         )

@@ -146,6 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_bench_gateway)
 
     p = bench_sub.add_parser(
+        "deploy",
+        help="a served function's latency while a second model deploys and profiles (same run)",
+    )
+    p.add_argument(
+        "--requests", type=int, default=12, help="undisturbed invocations before and after"
+    )
+    p.add_argument("--steps", type=int, default=10, help="denoising steps per invocation")
+    p.add_argument("--examples", type=Path, default=None, help="folder of example specs")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_bench_deploy)
+
+    p = bench_sub.add_parser(
         "engine", help="mask-aware vs stock diffusers edits, same model, same run"
     )
     p.add_argument("--model", default="retouch:small-flux")
@@ -437,6 +449,15 @@ def _bench_gateway(args: argparse.Namespace) -> None:
     from retouch.platform.demo import find_examples
 
     _report(run_gateway_bench(find_examples(args.examples), args.requests), args.json)
+
+
+def _bench_deploy(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.deploy import run_deploy_bench
+    from retouch.platform.demo import find_examples
+
+    if args.requests < 1 or args.steps < 1:
+        raise ValueError("--requests and --steps must be >= 1")
+    _report(run_deploy_bench(find_examples(args.examples), args.requests, args.steps), args.json)
 
 
 def _floats(text: str) -> list[float]:

@@ -75,6 +75,7 @@ class DeployedFunction:
             **spec.to_dict(),
             "status": self.status.value,
             "error": self.error,
+            "generation": self.generation,
             "templates": {
                 tid: {
                     "state": self._template_state(tid, executor_states or []).value,

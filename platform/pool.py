@@ -308,15 +308,20 @@ class ExecutorPool:
             handle.probe_failures = max(handle.probe_failures, 1)
 
     async def _watch(self) -> None:
+        """The health monitor; it must outlive any one failed check."""
         while True:
             await asyncio.sleep(MONITOR_INTERVAL_S)
-            await asyncio.gather(
-                *(self._check(e) for e in self.executors if e.name not in self._restarts)
+            results = await asyncio.gather(
+                *(self._check(e) for e in self.executors if e.name not in self._restarts),
+                return_exceptions=True,
             )
+            for error in (r for r in results if isinstance(r, Exception)):
+                log.error("health check failed: %r", error)
 
     async def _check(self, handle: ExecutorHandle) -> None:
         if not handle.process.alive:
-            self._schedule_restart(handle, f"process exited with {handle.process.returncode}")
+            code = handle.process.process.returncode
+            self._schedule_restart(handle, f"process exited with code {code}")
             return
         try:
             await self._call(handle, "GET", "/healthz", client=self._probe)

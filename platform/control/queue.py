@@ -29,6 +29,7 @@ from retouch.functions.errors import GatewayTimeout, Overloaded
 from retouch.platform.placement import Placement, PlacementRequest
 
 Clock = Callable[[], float]
+POLL_S = 1.0  # how often a waiter re-checks that some executor serves its function
 
 
 class Slotted(Protocol):
@@ -43,7 +44,7 @@ class Slotted(Protocol):
 class QueueLimits:
     max_queued: int = 256  # waiting invocations, all functions
     max_per_function: int = 0  # waiting invocations of one function (0: no own limit)
-    wait_timeout_s: float = 120.0  # longest wait for an executor slot before 504 timeout
+    wait_timeout_s: float = 120.0  # longest wait with no executor serving the function
 
 
 @dataclass(eq=False)
@@ -116,7 +117,10 @@ class InvocationQueue:
         self, request: PlacementRequest, deadline: float, front: bool = False
     ) -> Slotted:
         """Wait until an executor serving ``request.function`` has a free slot (bound to
-        it, ``inflight`` counted), or raise :class:`GatewayTimeout` at the deadline."""
+        it, ``inflight`` counted). Raises :class:`GatewayTimeout` at the invocation's
+        deadline, or once *no* executor has been able to serve the function for
+        ``wait_timeout_s`` (an executor restarting, a deploy in progress): waiting behind
+        other work is bounded by the deadline and the queue limit, not by this timeout."""
         waiter = Waiter(request, self._clock())
         if front:
             self.stats.replaced += 1
@@ -125,23 +129,42 @@ class InvocationQueue:
             self.stats.admitted += 1
             self._waiting.append(waiter)
         self.dispatch()
-        timeout = min(deadline - self._clock(), self.limits.wait_timeout_s)
+        unserved_since: float | None = None
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), max(0.0, timeout))
-        except TimeoutError:
-            if waiter.future.done() and not waiter.future.cancelled():
-                return waiter.future.result()  # bound in the same tick as the timeout
-            self._drop(waiter)
-            self.stats.timed_out += 1
-            raise GatewayTimeout(
-                f"no executor serving {request.function!r} had room within {max(0.0, timeout):.0f} s",
-                code="timeout",
-            ) from None
+            while True:
+                now = self._clock()
+                if not self._candidates(request.function):
+                    unserved_since = now if unserved_since is None else unserved_since
+                else:
+                    unserved_since = None
+                if (
+                    unserved_since is not None
+                    and now - unserved_since >= self.limits.wait_timeout_s
+                ):
+                    raise self._timed_out(
+                        waiter,
+                        f"no executor could serve {request.function!r} for "
+                        f"{self.limits.wait_timeout_s:.0f} s",
+                    )
+                if now >= deadline:
+                    raise self._timed_out(waiter, "the invocation's deadline passed in the queue")
+                try:
+                    chunk = min(deadline - now, POLL_S)
+                    return await asyncio.wait_for(asyncio.shield(waiter.future), chunk)
+                except TimeoutError:
+                    if waiter.future.done() and not waiter.future.cancelled():
+                        return waiter.future.result()  # bound in the same tick
         except asyncio.CancelledError:  # the client went away: give back a bound slot
-            if waiter.future.done() and not waiter.future.cancelled():
-                self.release(waiter.future.result(), 0.0)
+            fut = waiter.future
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release(fut.result())
             self._drop(waiter)
             raise
+
+    def _timed_out(self, waiter: Waiter, why: str) -> GatewayTimeout:
+        self._drop(waiter)
+        self.stats.timed_out += 1
+        return GatewayTimeout(why, code="timeout")
 
     def release(self, executor: Slotted, held_s: float | None = None) -> None:
         """An invocation left ``executor``: free its slot and bind the next waiters."""

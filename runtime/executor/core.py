@@ -414,6 +414,7 @@ class ExecutorCore:
     def state(self) -> wire.ExecutorState:
         with self.lock:
             functions = tuple(sorted(self.functions))
+            generations = {name: self._generations.get(name, 0) for name in functions}
             cost_models = {
                 model: {"min_r2": cm.min_r2(), **cm.to_dict()}
                 for model, cm in self.cost_models.items()
@@ -427,6 +428,7 @@ class ExecutorCore:
             models=tuple(self.models.loaded()),
             loading=tuple(self.models.loading()),
             functions=functions,
+            generations=generations,
             queued=self.stats.queued,
             completed=self.stats.completed,
             failed=self.stats.failed,
@@ -434,6 +436,9 @@ class ExecutorCore:
             templates=self.templates.states(),
             cost_models=cost_models,
             cache=wire.CacheInfo.from_wire(cache),
+            workers={}
+            if self.stages is None
+            else {n: p for n, p in self.stages.pool.pids().items() if p is not None},
         )
 
     def _engine_stats(self) -> wire.EngineStats:
