@@ -1,10 +1,14 @@
 """The engine on a real tiny Flux model with real pre/post worker processes: joins between
-steps, static batches, interruptions, and results independent of batching."""
+steps, static batches, interruptions, results independent of batching, and its lifecycle
+(a dead loop fails every invocation and refuses more; stop fails what is unfinished; a
+failed decode fails only its own invocation)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +18,7 @@ from diffusers import FluxInpaintPipeline
 
 from retouch.functions.demo.images import mask_of_ratio, template_image
 from retouch.functions.demo.models import ensure_demo_model
-from retouch.runtime.engine import Engine, EngineConfig, EngineMode, Work
+from retouch.runtime.engine import Engine, EngineConfig, EngineMode, EngineUnavailable, Work
 from retouch.runtime.executor.core import WorkerStages
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
@@ -162,3 +166,82 @@ def test_results_do_not_depend_on_batching(editor, baked, stages) -> None:
     stock = editor.stock_edit(works[2].request)
     got = np.frombuffer(together[2]["output"].image, np.uint8).reshape(128, 128, 3).astype(int)
     assert np.abs(got - np.asarray(stock).astype(int)).max() <= 1
+
+
+# ---- lifecycle: every accepted invocation ends, a dead engine is seen ---------------------
+
+
+def test_engine_not_started_refuses_work(editor, baked) -> None:
+    request, store = baked
+    engine = Engine(EngineConfig(disaggregated=False), None)
+    assert not engine.alive
+    with pytest.raises(EngineUnavailable):
+        engine.submit(_work(editor, request, store))
+
+
+def test_dead_loop_fails_every_invocation_and_refuses_more(editor, baked) -> None:
+    request, store = baked
+    engine = Engine(EngineConfig(max_batch=2, disaggregated=False), None).start()
+    works = [_work(editor, request, store, seed=s) for s in range(3)]  # 2 run, 1 waits
+    futures = [engine.submit(w) for w in works]
+    _wait_steps(works[0], 1)
+    engine.inject_fault("a bug")
+    for future in futures:
+        with pytest.raises(EngineUnavailable) as err:
+            future.result(timeout=60)
+        assert err.value.code == "engine_dead"
+    assert not engine.alive and "a bug" in (engine.error or "")
+    with pytest.raises(EngineUnavailable) as err:
+        engine.submit(_work(editor, request, store))
+    assert err.value.code == "engine_dead"
+    engine.stop()
+
+
+def test_stop_fails_unfinished_invocations(editor, baked) -> None:
+    request, store = baked
+    engine = Engine(EngineConfig(max_batch=1, disaggregated=False), None).start()
+    works = [_work(editor, request, store, seed=s) for s in range(2)]
+    futures = [engine.submit(w) for w in works]
+    _wait_steps(works[0], 1)
+    engine.stop()
+    outcomes = []
+    for future in futures:
+        try:
+            future.result(timeout=60)
+            outcomes.append("done")
+        except EngineUnavailable as exc:
+            outcomes.append(exc.code)
+    assert "engine_unavailable" in outcomes  # the waiting one at least; none left hanging
+    assert not engine.alive
+
+
+@dataclass
+class FailingDecode:
+    """Worker stages whose decode fails for one seed: only that invocation may fail."""
+
+    inner: WorkerStages
+    bad_seed: int
+
+    def encode(self, work: Work) -> Future:
+        return self.inner.encode(work)
+
+    def decode(self, work: Work, latents: torch.Tensor) -> Future:
+        if work.request.seed == self.bad_seed:
+            failed: Future = Future()
+            failed.set_exception(RuntimeError("decode exploded"))
+            return failed
+        return self.inner.decode(work, latents)
+
+
+def test_a_failed_decode_fails_only_its_invocation(editor, baked, stages) -> None:
+    request, store = baked
+    engine = Engine(EngineConfig(max_batch=4), FailingDecode(stages, bad_seed=2)).start()
+    try:
+        futures = {s: engine.submit(_work(editor, request, store, seed=s)) for s in (1, 2, 3)}
+        assert futures[1].result(timeout=120)["path"] == "maskaware"
+        assert futures[3].result(timeout=120)["path"] == "maskaware"
+        with pytest.raises(RuntimeError, match="decode exploded"):
+            futures[2].result(timeout=120)
+        assert engine.alive
+    finally:
+        engine.stop()
