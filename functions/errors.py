@@ -78,7 +78,20 @@ class InvalidSpec(RetouchError):
 
 
 class Overloaded(RetouchError):
+    """Refused for lack of room; ``retry_after_s`` becomes the ``Retry-After`` header."""
+
     status, code = 429, "overloaded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        code: str | None = None,
+        retry_after_s: int = 1,
+    ) -> None:
+        super().__init__(message, field=field, code=code)
+        self.retry_after_s = max(1, int(retry_after_s))
 
 
 class Unavailable(RetouchError):

@@ -202,9 +202,12 @@ class ExecutorPool:
         request = PlacementRequest(inv.function, inv.template, mask_ratio)
         deadline = time.monotonic() + self.retry.invoke_timeout_s
         lost_on: list[str] = []
+        queued_s = 0.0
         while True:
+            enqueued = time.monotonic()
             handle = await self.queue.acquire(request, deadline, front=bool(lost_on))
             bound = time.monotonic()
+            queued_s += bound - enqueued
             try:
                 result = await self._send(handle, inv, deadline)
             except ExecutorLost as exc:
@@ -224,6 +227,7 @@ class ExecutorPool:
                 raise
             self.queue.release(handle, time.monotonic() - bound)
             result.attempts = len(lost_on) + 1
+            result.timings.gateway_queue_ms = queued_s * 1e3
             return result
 
     async def _send(

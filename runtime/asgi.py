@@ -214,7 +214,8 @@ def endpoint(
             err = RetouchError(f"internal error: {type(exc).__name__}: {exc}")
         if on_error is not None:
             on_error(err)
-        headers = {"retry-after": "1"} if err.status in (429, 503) else None
+        retry = getattr(err, "retry_after_s", 1)
+        headers = {"retry-after": str(retry)} if err.status in (429, 503) else None
         return error_response(request, err, headers)
 
     return route

@@ -38,7 +38,7 @@ from retouch.runtime.maskaware.tokens import TokenBatch
 
 log = logging.getLogger(__name__)
 
-PROFILE_NICE = 19  # the profiling child yields the CPU to the engine it runs beside
+PROFILE_NICE = 10  # the profiling child yields most of the CPU to the engine beside it
 PROFILE_VERSION = 1  # bump when what is measured changes: cached profiles are redone
 PROMPT = "a quiet street"  # the demo tokenizers take 14 characters
 SWEEP_COPIES = (1, 2, 4, 8)  # requests per timed load job in the load sweep
@@ -139,9 +139,10 @@ def profile_in_subprocess(
 ) -> bool:
     """Profile in a child process at the lowest CPU priority and wait for it.
 
-    An executor deploying a second model must not slow the invocations it is serving: in
-    a child (``nice 19``) the profile takes only the cycles the engine leaves idle, and it
-    shares no GIL with the executor's event loop (a low-priority *thread* holding the GIL
+    An executor deploying a second model must not slow the invocations it is serving much:
+    in a child at ``nice 10`` the profile gets about a tenth of a core the engine wants (at
+    ``nice 19`` it starved: 1.6 % of a CPU under steady load, so the deploy never ended), and
+    it shares no GIL with the executor's event loop (a low-priority *thread* holding the GIL
     would stall it). The child writes the profile cache; the caller then reads it. Returns
     False (the caller profiles in-process) when the child failed."""
     cmd = [

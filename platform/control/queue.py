@@ -98,9 +98,11 @@ class InvocationQueue:
             full = True
         if full:
             self.stats.rejected += 1
+            retry = self.retry_after_s()
             raise Overloaded(
-                f"{len(self._waiting)} invocations are queued; retry in {self.retry_after_s()} s",
+                f"{len(self._waiting)} invocations are queued; retry in {retry} s",
                 code="overloaded",
+                retry_after_s=retry,
             )
 
     def retry_after_s(self) -> int:

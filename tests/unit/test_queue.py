@@ -72,7 +72,7 @@ async def test_full_queue_refuses_with_retry_hint() -> None:
     await asyncio.sleep(0.01)
     with pytest.raises(Overloaded) as err:
         queue.admit("f")
-    assert err.value.status == 429 and queue.retry_after_s() >= 1
+    assert err.value.status == 429 and err.value.retry_after_s == queue.retry_after_s() >= 1
     assert queue.stats.rejected == 1
     for task in waiting:
         task.cancel()
