@@ -65,6 +65,12 @@ class Conflict(RetouchError):
     status, code = 409, "conflict"
 
 
+class Canceled(Conflict):
+    """The invocation was canceled by its caller (a job's ``cancel``); it produced nothing."""
+
+    code = "canceled"
+
+
 class PayloadTooLarge(RetouchError):
     status, code = 413, "payload_too_large"
 

@@ -8,14 +8,17 @@ field, so every entry point rejects bad input the same way.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgpack
 import numpy as np
 
-from retouch.functions.errors import BadRequest
+from retouch.functions.errors import BadRequest, RetouchError
 from retouch.functions.strictmaps import StrictMaps
 
 OUTPUT_FORMATS = ("png", "webp", "raw")
@@ -181,6 +184,7 @@ class ExecutorInvoke:
     steps: int
     guidance: float
     format: str
+    id: str = ""  # the gateway's invocation id: cancel and progress refer to it
 
     def to_wire(self) -> dict[str, Any]:
         return {**asdict(self), "mask": self.mask.to_wire()}
@@ -197,6 +201,7 @@ class ExecutorInvoke:
             steps=require(body, "steps", int),
             guidance=float(require(body, "guidance", (int, float))),
             format=require(body, "format", str),
+            id=optional(body, "id", str, ""),
         )
 
 
@@ -540,3 +545,195 @@ class ExecutorState:
             cache=CacheInfo.from_wire(body.get("cache")),
             workers={str(k): int(v) for k, v in (body.get("workers") or {}).items()},
         )
+
+
+# ---- the executor's invocation stream (POST /invoke/stream) ------------------------------
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """One denoising step of an invocation done, as the executor's engine reports it."""
+
+    step: int  # steps done, 1..total
+    total: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"progress": {"step": self.step, "total": self.total}}
+
+
+Frame = StepProgress | InvokeResult | RetouchError
+
+
+def result_frame(result: InvokeResult) -> dict[str, Any]:
+    return {"result": result.to_wire()}
+
+
+def error_frame(exc: RetouchError) -> dict[str, Any]:
+    return {**exc.to_wire(), "status": exc.status}
+
+
+def parse_frame(obj: Any) -> Frame:
+    """A frame of the executor's stream: step progress, then one result or one error."""
+    body = as_map(obj)
+    if "progress" in body:
+        p = as_map(body["progress"])
+        return StepProgress(int(p["step"]), int(p["total"]))
+    if "result" in body:
+        return InvokeResult.from_wire(body["result"])
+    if "error" in body:
+        return RetouchError.from_wire(int(body.get("status", 500)), body)
+    raise BadRequest("unknown frame in the invocation stream", code="malformed_body")
+
+
+class FrameReader:
+    """Incremental decoder of a stream of msgpack maps (the executor's invocation stream)."""
+
+    def __init__(self) -> None:
+        self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=True)
+
+    def feed(self, data: bytes) -> Iterator[Frame]:
+        self._unpacker.feed(data)
+        for obj in self._unpacker:
+            yield parse_frame(obj)
+
+
+# ---- async jobs (the public API) ---------------------------------------------------------
+
+
+class JobStatus(StrEnum):
+    """A job's life: ``queued`` (in the gateway queue) -> ``running`` (sent to an executor)
+    -> one of the terminal states."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
+
+
+class JobEventKind(StrEnum):
+    """The events of ``GET /v1/jobs/{id}/events`` (server-sent events)."""
+
+    QUEUED = "queued"
+    STARTED = "started"
+    PROGRESS = "progress"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+
+class WebhookEvent(StrEnum):
+    """What a job's webhook may be told: ``completed`` covers every terminal state."""
+
+    STARTED = "started"
+    PROGRESS = "progress"
+    COMPLETED = "completed"
+
+
+DEFAULT_WEBHOOK_EVENTS = (WebhookEvent.COMPLETED,)
+JOB_ID = re.compile(r"[0-9a-f]{32}")
+MAX_URL_CHARS = 2048
+
+
+def check_job_id(raw: str) -> str:
+    """A job id as the gateway makes them (32 lowercase hex digits), or ``invalid_field``."""
+    if not JOB_ID.fullmatch(raw):
+        raise BadRequest("a job id is 32 lowercase hex digits", field="id", code="invalid_field")
+    return raw
+
+
+def check_webhook_url(raw: Any) -> str:
+    """An absolute http(s) URL with a host; the allow-list is the gateway's business."""
+    if not isinstance(raw, str):
+        raise BadRequest("webhook must be a URL string", field="webhook", code="invalid_field")
+    if len(raw) > MAX_URL_CHARS:
+        raise BadRequest(
+            f"webhook longer than {MAX_URL_CHARS} characters", field="webhook", code="invalid_field"
+        )
+    try:
+        parts = urlsplit(raw)
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise BadRequest(f"webhook: {exc}", field="webhook", code="invalid_field") from exc
+    if parts.scheme not in ("http", "https"):
+        raise BadRequest(
+            "webhook must be an http or https URL", field="webhook", code="invalid_field"
+        )
+    if not parts.hostname:
+        raise BadRequest("webhook URL has no host", field="webhook", code="invalid_field")
+    return raw
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """``POST /v1/functions/{name}/jobs``: an invocation plus where to report on it."""
+
+    invoke: InvokeRequest
+    webhook: str | None = None
+    webhook_events: tuple[WebhookEvent, ...] = DEFAULT_WEBHOOK_EVENTS
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> JobRequest:
+        body = as_map(obj)
+        webhook = None if body.get("webhook") is None else check_webhook_url(body["webhook"])
+        events = DEFAULT_WEBHOOK_EVENTS
+        if body.get("webhook_events") is not None:
+            raw = body["webhook_events"]
+            if not isinstance(raw, list | tuple) or not raw:
+                raise BadRequest(
+                    "webhook_events must be a non-empty list of started, progress, completed",
+                    field="webhook_events",
+                    code="invalid_field",
+                )
+            try:
+                events = tuple(dict.fromkeys(WebhookEvent(e) for e in raw))
+            except (ValueError, TypeError) as exc:
+                raise BadRequest(
+                    f"webhook_events: unknown event in {raw!r}; known: started, progress, completed",
+                    field="webhook_events",
+                    code="invalid_field",
+                ) from exc
+        invoke = {k: v for k, v in body.items() if k not in ("webhook", "webhook_events")}
+        return cls(InvokeRequest.from_wire(invoke), webhook, events)
+
+    def to_wire(self) -> dict[str, Any]:
+        out = self.invoke.to_wire()
+        if self.webhook is not None:
+            out["webhook"] = self.webhook
+            out["webhook_events"] = [e.value for e in self.webhook_events]
+        return out
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """A running job's denoising progress (``eta_s`` from its own pace so far)."""
+
+    step: int
+    total: int
+    eta_s: float | None = None
+
+    @property
+    def fraction(self) -> float:
+        return self.step / self.total if self.total else 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "total": self.total,
+            "fraction": round(self.fraction, 4),
+            "eta_s": None if self.eta_s is None else round(self.eta_s, 3),
+        }
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One event of a job's stream; ``seq`` numbers a job's events from 1 (the SSE id, so a
+    client reconnecting with ``Last-Event-ID`` gets only what it missed)."""
+
+    seq: int
+    kind: JobEventKind
+    data: dict[str, Any]

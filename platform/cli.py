@@ -125,6 +125,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="executors an invocation may be sent to when one dies mid-run (default 3)",
     )
+    p.add_argument(
+        "--job-retention",
+        type=float,
+        default=None,
+        help="seconds finished jobs and their results are kept (default 86400)",
+    )
+    p.add_argument(
+        "--progress-interval",
+        type=float,
+        default=None,
+        help="least seconds between a job's progress events (default 0.25; 0: every step)",
+    )
+    p.add_argument(
+        "--webhook-allow",
+        type=_words,
+        default=None,
+        help="comma-separated hosts and IP networks webhooks may target "
+        "(default 127.0.0.0/8,::1/128,localhost; secret: $RETOUCH_WEBHOOK_SECRET)",
+    )
     p.set_defaults(run=_serve)
 
     p = sub.add_parser(
@@ -433,6 +452,9 @@ def _serve(args: argparse.Namespace) -> None:
         queue_timeout_s=args.queue_timeout,
         invoke_timeout_s=args.invoke_timeout,
         max_attempts=args.max_attempts,
+        job_retention_s=args.job_retention,
+        progress_interval_s=args.progress_interval,
+        webhook_allow=args.webhook_allow,
     )
     log.info("serving on http://%s:%d (data dir %s)", config.host, config.port, config.data_dir)
     serve(config)
@@ -467,6 +489,10 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated numbers, got {text!r}"
         ) from None
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(w.strip() for w in text.split(",") if w.strip())
 
 
 def _ints(text: str) -> list[int]:

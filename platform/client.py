@@ -2,12 +2,15 @@
 
 Both build the same requests (:class:`Call`) and read responses the same way; they differ
 only in the httpx transport. Errors come back as the :class:`RetouchError` the server sent.
+``submit()`` returns a job handle (:class:`Job` / :class:`AsyncJob`): ``status()``,
+``wait()``, ``events()`` (the server-sent events) and ``cancel()``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,12 +19,16 @@ import httpx
 import numpy as np
 
 from retouch.functions import wire
-from retouch.functions.errors import RetouchError, Unavailable
+from retouch.functions.errors import Canceled, GatewayTimeout, RetouchError, Unavailable
 from retouch.functions.imaging import encode_mask
 from retouch.functions.spec import FunctionSpec, load_spec_file
+from retouch.platform import sse
 from retouch.platform.config import default_url
 
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+
+
+WAIT_CHUNK_S = 60  # the longest Prefer: wait=N the server honours
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,7 @@ class Call:
     method: str
     path: str
     body: Any = None
+    headers: dict[str, str] | None = None
 
 
 def deploy_call(spec: FunctionSpec, images: dict[str, bytes]) -> Call:
@@ -59,6 +67,114 @@ def invoke_call(
         template=template, mask=mask_bytes, prompt=prompt, seed=seed, **options
     )
     return Call("POST", f"/v1/functions/{name}/invoke", req.to_wire())
+
+
+def job_call(
+    name: str,
+    template: str,
+    mask: bytes | np.ndarray,
+    prompt: str,
+    seed: int = 0,
+    webhook: str | None = None,
+    webhook_events: list[str] | None = None,
+    **options: Any,
+) -> Call:
+    body = invoke_call(name, template, mask, prompt, seed, **options).body
+    if webhook is not None:
+        body["webhook"] = webhook
+    if webhook_events is not None:
+        body["webhook_events"] = list(webhook_events)
+    return Call("POST", f"/v1/functions/{name}/jobs", body)
+
+
+def job_status_call(job_id: str, wait_s: float | None = None) -> Call:
+    headers = {"prefer": f"wait={wait_s:g}"} if wait_s is not None else None
+    return Call("GET", f"/v1/jobs/{job_id}", headers=headers)
+
+
+def job_outcome(doc: dict[str, Any]) -> wire.InvokeResult:
+    """The result of a finished job document, or the error it ended with."""
+    status = doc["status"]
+    if status == wire.JobStatus.SUCCEEDED:
+        return wire.InvokeResult.from_wire(doc["result"])
+    if status == wire.JobStatus.CANCELED:
+        raise Canceled(f"job {doc['id']} was canceled", field="id")
+    error = doc.get("error") or {}
+    raise RetouchError.from_wire(int(error.get("status", 500)), {"error": error})
+
+
+def _wait_chunk(deadline: float | None) -> float:
+    if deadline is None:
+        return WAIT_CHUNK_S
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise GatewayTimeout("the job did not finish in time", code="wait_timeout")
+    return min(WAIT_CHUNK_S, max(0.0, round(left, 3)))
+
+
+class Job:
+    """A submitted job: ``status()``, ``wait()``, ``events()``, ``cancel()``."""
+
+    def __init__(self, client: Client, doc: dict[str, Any]) -> None:
+        self.client = client
+        self.doc = doc
+        self.id: str = doc["id"]
+
+    def status(self) -> dict[str, Any]:
+        """The job document, fresh from the server."""
+        self.doc = self.client.call(job_status_call(self.id))
+        return self.doc
+
+    def wait(self, timeout: float | None = None) -> wire.InvokeResult:
+        """Block until the job ends; its result, or the error it failed with
+        (:class:`~retouch.functions.errors.Canceled` when canceled)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not wire.JobStatus(self.doc["status"]).terminal:
+            self.doc = self.client.call(job_status_call(self.id, _wait_chunk(deadline)))
+        return job_outcome(self.doc)
+
+    def events(self, after: int = 0) -> Iterator[wire.JobEvent]:
+        """The job's server-sent events from ``after`` on, until it ends."""
+        return self.client.job_events(self.id, after)
+
+    def cancel(self) -> dict[str, Any]:
+        self.doc = self.client.call(Call("POST", f"/v1/jobs/{self.id}/cancel"))
+        return self.doc
+
+
+class AsyncJob:
+    """:class:`Job` for :class:`AsyncClient`: the same methods, awaited."""
+
+    def __init__(self, client: AsyncClient, doc: dict[str, Any]) -> None:
+        self.client = client
+        self.doc = doc
+        self.id: str = doc["id"]
+
+    async def status(self) -> dict[str, Any]:
+        self.doc = await self.client.call(job_status_call(self.id))
+        return self.doc
+
+    async def wait(self, timeout: float | None = None) -> wire.InvokeResult:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not wire.JobStatus(self.doc["status"]).terminal:
+            self.doc = await self.client.call(job_status_call(self.id, _wait_chunk(deadline)))
+        return job_outcome(self.doc)
+
+    def events(self, after: int = 0) -> AsyncIterator[wire.JobEvent]:
+        return self.client.job_events(self.id, after)
+
+    async def cancel(self) -> dict[str, Any]:
+        self.doc = await self.client.call(Call("POST", f"/v1/jobs/{self.id}/cancel"))
+        return self.doc
+
+
+def _jobs_call(status: str | None, function: str | None, limit: int) -> Call:
+    query = [f"limit={limit}"]
+    if status:
+        query.append(f"status={status}")
+    if function:
+        query.append(f"function={function}")
+    return Call("GET", "/v1/jobs?" + "&".join(query))
 
 
 def _headers(token: str | None) -> dict[str, str]:
@@ -96,10 +212,41 @@ class Client:
     def call(self, call: Call) -> Any:
         content = wire.pack(call.body) if call.body is not None else None
         try:
-            resp = self._http.request(call.method, call.path, content=content)
+            resp = self._http.request(call.method, call.path, content=content, headers=call.headers)
         except httpx.TransportError as exc:
             raise Unavailable(f"cannot reach {self.url}: {exc}", code="unreachable") from exc
         return _result(resp)
+
+    def submit(
+        self,
+        name: str,
+        template: str,
+        mask: bytes | np.ndarray,
+        prompt: str,
+        seed: int = 0,
+        **options: Any,
+    ) -> Job:
+        """Submit an async job (``webhook=``, ``webhook_events=`` and the invoke options)."""
+        return Job(self, self.call(job_call(name, template, mask, prompt, seed, **options)))
+
+    def job(self, job_id: str) -> Job:
+        """A handle on an existing job (fetches its document)."""
+        return Job(self, self.call(job_status_call(job_id)))
+
+    def jobs(
+        self, status: str | None = None, function: str | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        return self.call(_jobs_call(status, function, limit))["jobs"]
+
+    def job_events(self, job_id: str, after: int = 0) -> Iterator[wire.JobEvent]:
+        headers = {"accept": sse.MEDIA_TYPE, "last-event-id": str(after)}
+        try:
+            with self._http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as resp:
+                if resp.status_code >= 400:
+                    _result(httpx.Response(resp.status_code, content=resp.read()))
+                yield from sse.parse(resp.iter_lines())
+        except httpx.TransportError as exc:
+            raise Unavailable(f"cannot reach {self.url}: {exc}", code="unreachable") from exc
 
     def deploy(
         self,
@@ -178,10 +325,48 @@ class AsyncClient:
     async def call(self, call: Call) -> Any:
         content = wire.pack(call.body) if call.body is not None else None
         try:
-            resp = await self._http.request(call.method, call.path, content=content)
+            resp = await self._http.request(
+                call.method, call.path, content=content, headers=call.headers
+            )
         except httpx.TransportError as exc:
             raise Unavailable(f"cannot reach {self.url}: {exc}", code="unreachable") from exc
         return _result(resp)
+
+    async def submit(
+        self,
+        name: str,
+        template: str,
+        mask: bytes | np.ndarray,
+        prompt: str,
+        seed: int = 0,
+        **options: Any,
+    ) -> AsyncJob:
+        return AsyncJob(
+            self, await self.call(job_call(name, template, mask, prompt, seed, **options))
+        )
+
+    async def job(self, job_id: str) -> AsyncJob:
+        return AsyncJob(self, await self.call(job_status_call(job_id)))
+
+    async def jobs(
+        self, status: str | None = None, function: str | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        return (await self.call(_jobs_call(status, function, limit)))["jobs"]
+
+    async def job_events(self, job_id: str, after: int = 0) -> AsyncIterator[wire.JobEvent]:
+        headers = {"accept": sse.MEDIA_TYPE, "last-event-id": str(after)}
+        parser = sse.Parser()
+        try:
+            async with self._http.stream(
+                "GET", f"/v1/jobs/{job_id}/events", headers=headers
+            ) as resp:
+                if resp.status_code >= 400:
+                    _result(httpx.Response(resp.status_code, content=await resp.aread()))
+                async for line in resp.aiter_lines():
+                    for event in parser.feed(line):
+                        yield event
+        except httpx.TransportError as exc:
+            raise Unavailable(f"cannot reach {self.url}: {exc}", code="unreachable") from exc
 
     async def deploy(
         self,

@@ -38,6 +38,10 @@ class ServeConfig:
     queue_timeout_s: float = 120.0  # longest wait for an executor slot (restarts, deploys)
     invoke_timeout_s: float = 600.0  # an invocation's whole life in the gateway
     max_attempts: int = 3  # executors an invocation may be sent to when one is lost
+    job_retention_s: float = 24 * 3600.0  # finished jobs are kept this long, then removed
+    progress_interval_s: float = 0.25  # at most one progress event per job per interval
+    webhook_allow: tuple[str, ...] = ("127.0.0.0/8", "::1/128", "localhost")
+    webhook_secret: str | None = None  # None: generated once into <data dir>/webhook-secret
 
     def executor_args(self) -> tuple[str, ...]:
         """Flags every executor process is started with."""
@@ -77,6 +81,10 @@ class ServeConfig:
             "queue_timeout_s": _float_env("RETOUCH_QUEUE_TIMEOUT_S"),
             "invoke_timeout_s": _float_env("RETOUCH_INVOKE_TIMEOUT_S"),
             "max_attempts": _int_env("RETOUCH_MAX_ATTEMPTS"),
+            "job_retention_s": _float_env("RETOUCH_JOB_RETENTION_S"),
+            "progress_interval_s": _float_env("RETOUCH_PROGRESS_INTERVAL_S"),
+            "webhook_allow": _list_env("RETOUCH_WEBHOOK_ALLOW"),
+            "webhook_secret": os.environ.get("RETOUCH_WEBHOOK_SECRET") or None,
         }
         merged = {k: v for k, v in env.items() if v is not None}
         merged.update({k: v for k, v in overrides.items() if v is not None})
@@ -99,6 +107,10 @@ class ServeConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.max_queued_per_function < 0:
             raise ValueError("max_queued_per_function must be >= 0")
+        if self.job_retention_s <= 0:
+            raise ValueError(f"job_retention_s must be positive, got {self.job_retention_s}")
+        if self.progress_interval_s < 0:
+            raise ValueError("progress_interval_s must be >= 0")
 
 
 def _int_env(name: str) -> int | None:
@@ -119,6 +131,11 @@ def _float_env(name: str) -> float | None:
         return float(value)
     except ValueError:
         raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def _list_env(name: str) -> tuple[str, ...] | None:
+    value = os.environ.get(name)
+    return None if value is None else tuple(v.strip() for v in value.split(",") if v.strip())
 
 
 def _path_env(name: str) -> Path | None:

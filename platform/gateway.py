@@ -10,6 +10,10 @@ the background; ``GET /v1/functions/{name}`` shows the progress.
 Control operations on one function name (PUT, DELETE) are serialised by a per-name lock
 and numbered (a generation the executors honour), so after any interleaving the gateway,
 the durable registry and the executors agree on the last acknowledged operation.
+
+Every invocation is a job (``platform/jobs.py``): ``POST .../jobs`` answers 202 at once
+(durable, with progress, events, cancel and webhooks), the synchronous ``POST .../invoke``
+submits an unjournaled job and answers with its result.
 """
 
 from __future__ import annotations
@@ -22,35 +26,59 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from PIL import Image
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from retouch.functions import wire
-from retouch.functions.errors import BadRequest, InvalidSpec, NotFound, RetouchError, Unavailable
+from retouch.functions.errors import (
+    BadRequest,
+    Canceled,
+    InvalidSpec,
+    NotFound,
+    RetouchError,
+    Unavailable,
+)
 from retouch.functions.imaging import decode_image, decode_mask, encode_image, mask_ratio
 from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import BAKE_PROGRESS, BakeState, DeployStatus, ExecutorState
+from retouch.platform import sse
 from retouch.platform.auth import TokenAuth
+from retouch.platform.jobs import (
+    DEFAULT_PROGRESS_INTERVAL_S,
+    DEFAULT_RETENTION_S,
+    Job,
+    JobStore,
+    OnProgress,
+    OnStart,
+    new_job_id,
+    parse_prefer_wait,
+)
+from retouch.platform.journal import JobJournal
 from retouch.platform.metrics import GatewayMetrics
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
+from retouch.platform.webhooks import AllowList, WebhookSender
 from retouch.runtime.asgi import (
     bearer,
     decode_bytes,
     endpoint,
     read_body,
+    respond,
     structured_http_errors,
 )
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 32 << 20
+KEEPALIVE_S = 15.0  # a comment line on an idle event stream
+MAX_JOB_LIST = 1000
 
 
 @dataclass
@@ -111,16 +139,37 @@ class Gateway:
     max_body: int = DEFAULT_MAX_BODY
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     functions: dict[str, DeployedFunction] = field(default_factory=dict)
+    data_dir: Path | None = None  # the job journal lives in <data_dir>/jobs (None: memory only)
+    job_retention_s: float = DEFAULT_RETENTION_S
+    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
+    webhook_secret: bytes = b""
+    webhook_allow: AllowList = field(default_factory=AllowList)
     _name_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _generations: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def __post_init__(self) -> None:
+        self.webhooks = WebhookSender(self.webhook_secret, self.webhook_allow)
+        self.jobs = JobStore(
+            self._execute,
+            self.pool.queue_positions,
+            self.pool.cancel,
+            JobJournal(self.data_dir / "jobs") if self.data_dir is not None else None,
+            retention_s=self.job_retention_s,
+            progress_interval_s=self.progress_interval_s,
+            notify=self.webhooks.notify,
+        )
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         await self.pool.start()
         for stored in self.registry.load_all().values():
             self._track(stored)
+        await self.webhooks.start()
+        await self.jobs.start()  # resumes unfinished jobs: functions are tracked by now
 
     async def stop(self) -> None:
+        await self.jobs.close()
+        await self.webhooks.close()
         for fn in self.functions.values():
             if fn.task:
                 fn.task.cancel()
@@ -187,6 +236,7 @@ class Gateway:
         for state in await self.pool.states():
             self._export_engine(state)
         self._export_queue()
+        self._export_jobs()
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def list_functions(self, request: Request) -> dict[str, Any]:
@@ -262,18 +312,20 @@ class Gateway:
             "queue": {"waiting": len(self.pool.queue), **asdict(self.pool.queue.stats)},
         }
 
-    async def invoke(self, request: Request) -> dict[str, Any]:
-        received = time.perf_counter()
-        fn = self.function(request.path_params["name"])
+    def _servable(self, name: str) -> DeployedFunction:
+        fn = self.function(name)
         if fn.status is DeployStatus.FAILED:
             raise Unavailable(
                 f"function {fn.spec.name!r} failed to deploy: {fn.error}",
                 code="function_not_ready",
             )
-        self.pool.admit(fn.spec.name)  # a full queue answers 429 before the body is read
-        req = wire.InvokeRequest.from_wire(
-            await read_body(request, self.max_body, allow_json=False)
-        )
+        return fn
+
+    async def _prepare(
+        self, fn: DeployedFunction, req: wire.InvokeRequest, invocation_id: str
+    ) -> tuple[wire.ExecutorInvoke, float]:
+        """Check the template, decode the mask (on a thread) and build what the executor
+        gets; also how a resumed job is rebuilt from its journaled request."""
         size = fn.sizes.get(req.template)
         if size is None:
             raise NotFound(
@@ -282,8 +334,6 @@ class Gateway:
                 code="template_not_found",
             )
         mask = await asyncio.to_thread(decode_mask, req.mask, size)
-        self.pool.admit(fn.spec.name)  # others may have filled the queue meanwhile
-        ratio = mask_ratio(mask)
         inv = wire.ExecutorInvoke(
             function=fn.spec.name,
             template=req.template,
@@ -293,11 +343,131 @@ class Gateway:
             steps=req.steps or fn.spec.steps,
             guidance=fn.spec.guidance if req.guidance is None else float(req.guidance),
             format=req.format,
+            id=invocation_id,
         )
-        result = await self.pool.invoke(inv, ratio)
-        result.timings.total_ms = (time.perf_counter() - received) * 1e3
-        self._observe(fn.spec.name, result, ratio)
-        return result.to_wire()
+        return inv, mask_ratio(mask)
+
+    async def _execute(
+        self, job: Job, on_start: OnStart, on_progress: OnProgress
+    ) -> wire.InvokeResult:
+        """Run a job's invocation through the pool (the job store calls this)."""
+        if job.prepared is None:  # resumed from the journal after a restart
+            job.prepared = await self._prepare(
+                self._servable(job.function), job.request.invoke, job.id
+            )
+        inv, ratio = job.prepared
+        result = await self.pool.invoke(inv, ratio, on_start, on_progress)
+        result.timings.total_ms = (time.time() - job.created_at) * 1e3
+        self._observe(job.function, result, ratio)
+        return result
+
+    async def invoke(self, request: Request) -> dict[str, Any]:
+        received = time.perf_counter()
+        fn = self._servable(request.path_params["name"])
+        self.pool.admit(fn.spec.name)  # a full queue answers 429 before the body is read
+        req = wire.InvokeRequest.from_wire(
+            await read_body(request, self.max_body, allow_json=False)
+        )
+        job_id = new_job_id()
+        prepared = await self._prepare(fn, req, job_id)
+        self.pool.admit(fn.spec.name)  # others may have filled the queue meanwhile
+        job = await self.jobs.submit(
+            fn.spec.name, wire.JobRequest(req), prepared, durable=False, job_id=job_id
+        )
+        try:
+            await asyncio.shield(job.task)
+        finally:
+            self.jobs.forget(job)
+        if job.error is not None:
+            raise job.error
+        if job.result is None:
+            raise Canceled(f"invocation {job.id} was canceled")
+        job.result.timings.total_ms = (time.perf_counter() - received) * 1e3
+        return job.result.to_wire()
+
+    # ---- jobs ----------------------------------------------------------------------------
+    async def submit_job(self, request: Request) -> Response:
+        fn = self._servable(request.path_params["name"])
+        wait_s = parse_prefer_wait(request.headers.get("prefer"))
+        self.pool.admit(fn.spec.name)
+        req = wire.JobRequest.from_wire(await read_body(request, self.max_body, allow_json=False))
+        if req.webhook is not None:
+            await self.webhook_allow.check(req.webhook)
+        job_id = new_job_id()
+        prepared = await self._prepare(fn, req.invoke, job_id)
+        self.pool.admit(fn.spec.name)
+        job = await self.jobs.submit(fn.spec.name, req, prepared, job_id=job_id)
+        return await self._job_response(request, job, wait_s, 202)
+
+    async def _job_response(
+        self, request: Request, job: Job, wait_s: float | None, status: int = 200
+    ) -> Response:
+        headers = None
+        if wait_s is not None:
+            await self.jobs.wait(job, wait_s)
+            headers = {"preference-applied": f"wait={wait_s:g}"}
+        if job.status is wire.JobStatus.QUEUED:
+            job.position = self.pool.queue_positions().get(job.id, job.position)
+        return respond(request, job.describe(), status, headers)
+
+    async def get_job(self, request: Request) -> Response:
+        job = self.jobs.get(request.path_params["id"])
+        return await self._job_response(
+            request, job, parse_prefer_wait(request.headers.get("prefer"))
+        )
+
+    async def list_jobs(self, request: Request) -> dict[str, Any]:
+        query = request.query_params
+        status = None
+        if query.get("status"):
+            try:
+                status = wire.JobStatus(query["status"])
+            except ValueError:
+                raise BadRequest(
+                    f"status must be one of {', '.join(s.value for s in wire.JobStatus)}",
+                    field="status",
+                    code="invalid_field",
+                ) from None
+        raw_limit = query.get("limit", "100")
+        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_JOB_LIST:
+            raise BadRequest(
+                f"limit must be an integer in [1, {MAX_JOB_LIST}]",
+                field="limit",
+                code="invalid_field",
+            )
+        jobs = self.jobs.list(status, query.get("function") or None, int(raw_limit))
+        positions = self.pool.queue_positions()
+        for job in jobs:
+            if job.status is wire.JobStatus.QUEUED:
+                job.position = positions.get(job.id, job.position)
+        return {"jobs": [j.describe(with_image=False) for j in jobs]}
+
+    async def cancel_job(self, request: Request) -> dict[str, Any]:
+        job = await self.jobs.cancel(self.jobs.get(request.path_params["id"]))
+        return job.describe()
+
+    async def job_events(self, request: Request) -> StreamingResponse:
+        job = self.jobs.get(request.path_params["id"])
+        raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+        if not raw.isdigit():
+            raise BadRequest(
+                "Last-Event-ID (or after) must be a non-negative integer",
+                field="Last-Event-ID",
+                code="invalid_field",
+            )
+
+        async def stream() -> AsyncIterator[bytes]:
+            idle_since = time.monotonic()
+            async for event in self.jobs.events(job, int(raw)):
+                if event is not None:
+                    idle_since = time.monotonic()
+                    yield sse.frame(event)
+                elif time.monotonic() - idle_since >= KEEPALIVE_S:
+                    idle_since = time.monotonic()
+                    yield sse.KEEPALIVE
+
+        headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+        return StreamingResponse(stream(), media_type=sse.MEDIA_TYPE, headers=headers)
 
     def _export_engine(self, state: ExecutorState) -> None:
         """Per-step figures live in the executors; they are read at scrape time."""
@@ -317,6 +487,21 @@ class Gateway:
         for quantity, value in values.items():
             if value is not None:
                 self.metrics.engine.labels(state.name, quantity).set(float(value))
+
+    def _export_jobs(self) -> None:
+        counts = dict.fromkeys(wire.JobStatus, 0)
+        for job in self.jobs.jobs.values():
+            if job.durable:
+                counts[job.status] += 1
+        for status, n in counts.items():
+            self.metrics.jobs.labels(status.value).set(n)
+        stats = self.webhooks.stats
+        for event, n in stats.delivered.items():
+            self.metrics.webhooks.labels(event, "delivered").set(n)
+        for event, n in stats.failed.items():
+            self.metrics.webhooks.labels(event, "failed").set(n)
+        self.metrics.webhooks.labels("", "retried").set(stats.retried)
+        self.metrics.webhooks.labels("", "dropped").set(stats.dropped)
 
     def _export_queue(self) -> None:
         queue = self.pool.queue
@@ -372,6 +557,11 @@ class Gateway:
                 route("/v1/functions/{name}", self.put_function, "PUT", scope="admin", status=202),
                 route("/v1/functions/{name}", self.delete_function, "DELETE", scope="admin"),
                 route("/v1/functions/{name}/invoke", self.invoke, "POST", scope="invoke"),
+                route("/v1/functions/{name}/jobs", self.submit_job, "POST", scope="invoke"),
+                route("/v1/jobs", self.list_jobs, scope="invoke"),
+                route("/v1/jobs/{id}", self.get_job, scope="invoke"),
+                route("/v1/jobs/{id}/cancel", self.cancel_job, "POST", scope="invoke"),
+                route("/v1/jobs/{id}/events", self.job_events, scope="invoke"),
                 route("/v1/executors", self.executors, scope="invoke"),
             ],
             exception_handlers=structured_http_errors(self.count_error),

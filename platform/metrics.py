@@ -116,5 +116,18 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.jobs = Gauge(
+            "retouch_jobs",
+            "Jobs held by the gateway, by status (at scrape time)",
+            ["status"],
+            registry=r,
+        )
+        self.webhooks = Gauge(
+            "retouch_webhook_deliveries",
+            "Webhook deliveries since start: outcome delivered or failed (by event), retried, dropped",
+            ["event", "outcome"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

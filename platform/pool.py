@@ -9,6 +9,10 @@ stopped answering, each restart in its own task so a slow one never stalls the m
 Nothing accepted is lost: edits are deterministic, so an invocation whose executor died or
 became unreachable mid-run is queued again (at the head) and re-run on another executor,
 or on the same one once restarted, within a bounded number of attempts and its deadline.
+
+Invocations are sent on the executor's streaming endpoint, so the engine's step progress
+reaches the caller (a job) as it happens; an invocation with an id can be canceled, in the
+queue or on its executor.
 """
 
 from __future__ import annotations
@@ -17,13 +21,20 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from retouch.functions import wire
-from retouch.functions.errors import GatewayTimeout, NotFound, RetouchError, Unavailable
+from retouch.functions.errors import (
+    Canceled,
+    GatewayTimeout,
+    NotFound,
+    RetouchError,
+    Unavailable,
+)
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.placement import Placement, PlacementRequest
 from retouch.platform.providers import ExecutorProcess, LocalProvider
@@ -37,6 +48,9 @@ PROBE_FAILURES = 3  # consecutive failed probes of a live process before it is r
 SLOTS_PER_BATCH = 2  # slots = max_batch x this: the running batch plus a pre-processing buffer
 # Executor answers that mean "this executor lost the invocation; it never finished here".
 LOST_CODES = frozenset({"engine_dead", "engine_unavailable"})
+
+OnStart = Callable[[str, int], None]  # (executor name, attempt): the invocation left the queue
+OnProgress = Callable[[wire.StepProgress], None]
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,10 @@ class ExecutorPool:
         self.generations: dict[str, int] = {}  # latest control operation per function name
         self.queue = InvocationQueue(limits, placement, self.candidates)
         self.lost = 0  # invocations re-placed after their executor was lost
+        # Invocations with an id while the pool runs them: the executor holding each (None
+        # while queued), and the ids whose cancel was asked for.
+        self._active: dict[str, ExecutorHandle | None] = {}
+        self._cancels: set[str] = set()
         headers = {
             "authorization": f"Bearer {provider.token}",
             "content-type": "application/msgpack",
@@ -196,22 +214,79 @@ class ExecutorPool:
     def admit(self, function: str) -> None:
         self.queue.admit(function)
 
-    async def invoke(self, inv: wire.ExecutorInvoke, mask_ratio: float) -> wire.InvokeResult:
+    def queue_positions(self) -> dict[str, int]:
+        """Waiting invocations (by id) and how many wait ahead of each."""
+        return self.queue.positions()
+
+    async def cancel(self, invocation_id: str) -> bool:
+        """Cancel a running invocation: out of the queue when it waits there, else out of
+        its executor's batch at the next step. False when the pool is not running it."""
+        if invocation_id not in self._active:
+            return False
+        self._cancels.add(invocation_id)
+        if self.queue.cancel(invocation_id):
+            return True
+        handle = self._active.get(invocation_id)
+        if handle is not None:
+            with contextlib.suppress(RetouchError, httpx.HTTPError):
+                await self._call(
+                    handle, "POST", f"/invocations/{invocation_id}/cancel", client=self._probe
+                )
+        return True
+
+    async def invoke(
+        self,
+        inv: wire.ExecutorInvoke,
+        mask_ratio: float,
+        on_start: OnStart | None = None,
+        on_progress: OnProgress | None = None,
+    ) -> wire.InvokeResult:
         """Run one invocation: wait for a slot, send it, and re-place it when its executor
-        is lost (up to ``max_attempts`` executors, within ``invoke_timeout_s``)."""
+        is lost (up to ``max_attempts`` executors, within ``invoke_timeout_s``).
+        ``on_start`` hears each time it leaves the queue, ``on_progress`` each step."""
+        if not inv.id:
+            return await self._invoke(inv, mask_ratio, on_start, on_progress)
+        self._active[inv.id] = None
+        try:
+            return await self._invoke(inv, mask_ratio, on_start, on_progress)
+        finally:
+            self._active.pop(inv.id, None)
+            self._cancels.discard(inv.id)
+
+    def _check_canceled(self, inv: wire.ExecutorInvoke) -> None:
+        if inv.id and inv.id in self._cancels:
+            raise Canceled(f"invocation {inv.id} was canceled")
+
+    async def _invoke(
+        self,
+        inv: wire.ExecutorInvoke,
+        mask_ratio: float,
+        on_start: OnStart | None,
+        on_progress: OnProgress | None,
+    ) -> wire.InvokeResult:
         request = PlacementRequest(inv.function, inv.template, mask_ratio)
         deadline = time.monotonic() + self.retry.invoke_timeout_s
         lost_on: list[str] = []
         queued_s = 0.0
         while True:
+            self._check_canceled(inv)
             enqueued = time.monotonic()
-            handle = await self.queue.acquire(request, deadline, front=bool(lost_on))
+            handle = await self.queue.acquire(
+                request, deadline, front=bool(lost_on), tag=inv.id or None
+            )
             bound = time.monotonic()
             queued_s += bound - enqueued
             try:
-                result = await self._send(handle, inv, deadline)
+                self._check_canceled(inv)  # canceled between binding and this line
+                if inv.id:
+                    self._active[inv.id] = handle
+                if on_start is not None:
+                    on_start(handle.name, len(lost_on) + 1)
+                result = await self._send(handle, inv, deadline, on_progress)
             except ExecutorLost as exc:
                 self.queue.release(handle)
+                if inv.id:
+                    self._active[inv.id] = None  # back in the queue
                 lost_on.append(handle.name)
                 self.lost += 1
                 if len(lost_on) >= self.retry.max_attempts:
@@ -231,12 +306,17 @@ class ExecutorPool:
             return result
 
     async def _send(
-        self, handle: ExecutorHandle, inv: wire.ExecutorInvoke, deadline: float
+        self,
+        handle: ExecutorHandle,
+        inv: wire.ExecutorInvoke,
+        deadline: float,
+        on_progress: OnProgress | None = None,
     ) -> wire.InvokeResult:
         timeout = max(0.1, deadline - time.monotonic())
         try:
-            body = await self._call(handle, "POST", "/invoke", inv.to_wire(), timeout=timeout)
-        except httpx.TimeoutException:
+            async with asyncio.timeout(timeout):
+                return await self._stream(handle, inv, on_progress)
+        except (httpx.TimeoutException, TimeoutError):
             raise GatewayTimeout(
                 f"{handle.name} did not answer before the invocation's deadline", code="timeout"
             ) from None
@@ -248,7 +328,27 @@ class ExecutorPool:
                 self._suspect(handle, exc.message)
                 raise ExecutorLost(exc.message) from exc
             raise
-        return wire.InvokeResult.from_wire(body)
+
+    async def _stream(
+        self, handle: ExecutorHandle, inv: wire.ExecutorInvoke, on_progress: OnProgress | None
+    ) -> wire.InvokeResult:
+        """``POST /invoke/stream``: step frames, then the result or the error."""
+        reader = wire.FrameReader()
+        url = handle.process.url + "/invoke/stream"
+        async with self._http.stream("POST", url, content=wire.pack(inv.to_wire())) as resp:
+            if resp.status_code >= 400:
+                body = await resp.aread()
+                raise RetouchError.from_wire(resp.status_code, wire.unpack(body) if body else {})
+            async for chunk in resp.aiter_bytes():
+                for frame in reader.feed(chunk):
+                    if isinstance(frame, wire.StepProgress):
+                        if on_progress is not None:
+                            on_progress(frame)
+                    elif isinstance(frame, wire.InvokeResult):
+                        return frame
+                    else:
+                        raise frame
+        raise ExecutorLost(f"{handle.name} ended the invocation stream without an answer")
 
     # ---- state --------------------------------------------------------------------------
     def describe(self) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ from retouch.platform.placement import make_placement
 from retouch.platform.pool import ExecutorPool, RetryPolicy
 from retouch.platform.providers import LocalProvider
 from retouch.platform.registry import Registry
+from retouch.platform.webhooks import AllowList, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,17 @@ def build_gateway(config: ServeConfig) -> Gateway:
     limits = QueueLimits(config.max_queued, config.max_queued_per_function, config.queue_timeout_s)
     retry = RetryPolicy(config.max_attempts, config.invoke_timeout_s)
     pool = ExecutorPool(provider, make_placement(config.placement), limits, retry)
-    return Gateway(Registry(config.data_dir), pool, auth, max_body=config.max_body_bytes)
+    return Gateway(
+        Registry(config.data_dir),
+        pool,
+        auth,
+        max_body=config.max_body_bytes,
+        data_dir=config.data_dir,
+        job_retention_s=config.job_retention_s,
+        progress_interval_s=config.progress_interval_s,
+        webhook_secret=load_secret(config.data_dir, config.webhook_secret),
+        webhook_allow=AllowList.parse(config.webhook_allow),
+    )
 
 
 def serve(config: ServeConfig) -> None:

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
-from retouch.functions.errors import Unavailable
+from retouch.functions.errors import Canceled, Unavailable
 from retouch.functions.imaging import encode_image
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
@@ -95,6 +95,7 @@ class Stages(Protocol):
 
 
 Acquire = Callable[[], tuple[Any, dict[str, Any]]]  # -> (reader or None, cache info)
+OnStep = Callable[[int, int], None]  # (steps done, total steps), called on the engine thread
 
 
 @dataclass
@@ -124,6 +125,8 @@ class Work:
     interruptions: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     reader_released: bool = False
+    on_step: OnStep | None = None  # progress: must be cheap and never block
+    cancel_requested: bool = False  # set by Engine.cancel; honoured before the next step
 
     @property
     def path(self) -> str:
@@ -164,6 +167,7 @@ class EngineCounters:
     steps: int = 0
     interruptions: int = 0
     bakes: int = 0
+    canceled: int = 0
     history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
 
     def summary(self) -> dict[str, Any]:
@@ -262,6 +266,26 @@ class Engine:
             self.stages.encode(work).add_done_callback(lambda f: self._pre_finished(work, f))
         return work.future
 
+    def cancel(self, work: Work) -> bool:
+        """Cancel an invocation: one still pre-processing or ready fails with
+        :class:`Canceled` now or when its encode returns; a running one leaves its batch
+        before the next denoising step (the others go on). False when it already ended."""
+        with self._cv:
+            if work.future.done() or work.id not in self._unfinished:
+                return False
+            work.cancel_requested = True
+            waiting = work in self._ready
+            if waiting:
+                self._ready.remove(work)
+            self._cv.notify()
+        if waiting:
+            self._cancel_now(work)
+        return True
+
+    def _cancel_now(self, work: Work) -> None:
+        self.counters.canceled += 1
+        self._fail(work, Canceled(f"invocation {work.id} was canceled"))
+
     def submit_background(self, job: Callable[[], None]) -> None:
         with self._cv:
             self._background.append((time.perf_counter(), job))
@@ -306,6 +330,9 @@ class Engine:
             return
         if not accepting:  # died or stopped meanwhile: already failed by the stopper
             self._fail(work, EngineUnavailable(self.error_message(), code="engine_dead"))
+            return
+        if work.cancel_requested:
+            self._cancel_now(work)
             return
         work.encoded, work.pre_done = fut.result(), time.perf_counter()
         with self._cv:
@@ -398,7 +425,23 @@ class Engine:
         work.joined = time.perf_counter()
         self._running.setdefault(work.key, []).append(work)
 
+    def _leave_canceled(self) -> None:
+        """Canceled invocations leave the running batch between steps."""
+        for key, group in list(self._running.items()):
+            gone = [w for w in group if w.cancel_requested]
+            if not gone:
+                continue
+            self._running[key] = [w for w in group if not w.cancel_requested]
+            if not self._running[key]:
+                del self._running[key]
+            for work in gone:
+                work.state = None
+                self._cancel_now(work)
+
     def _step(self, started: float) -> None:
+        self._leave_canceled()
+        if not self._running:
+            return
         keys = [k for k, v in self._running.items() if v]
         key = keys[next(self._turn) % len(keys)]
         group = self._running[key]
@@ -431,6 +474,11 @@ class Engine:
             work.first_step = work.first_step or t0
             work.last_step = t1
             work.batch_sizes.append(len(group))
+            if work.on_step is not None:
+                try:
+                    work.on_step(work.state.index, len(work.state.timesteps))
+                except Exception:  # a progress listener never breaks the batch
+                    log.exception("progress callback of invocation %d failed", work.id)
         done = [w for w in group if w.state.done]
         self._running[key] = [w for w in group if not w.state.done]
         if not self._running[key]:

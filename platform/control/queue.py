@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from retouch.functions.errors import GatewayTimeout, Overloaded
+from retouch.functions.errors import Canceled, GatewayTimeout, Overloaded
 from retouch.platform.placement import Placement, PlacementRequest
 
 Clock = Callable[[], float]
@@ -53,6 +53,7 @@ class Waiter:
 
     request: PlacementRequest
     enqueued: float
+    tag: str | None = None  # the invocation's id: its queue position and cancel refer to it
     future: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -64,6 +65,7 @@ class QueueStats:
     rejected: int = 0
     timed_out: int = 0
     replaced: int = 0  # invocations re-queued after their executor was lost
+    canceled: int = 0  # left the queue by cancel
     service_s: float = 1.0  # EWMA of slot holding time (for Retry-After)
 
 
@@ -89,6 +91,20 @@ class InvocationQueue:
 
     def waiting(self, function: str) -> int:
         return sum(w.request.function == function for w in self._waiting)
+
+    def positions(self) -> dict[str, int]:
+        """Tagged waiters and how many invocations wait ahead of each (0: next)."""
+        return {w.tag: i for i, w in enumerate(self._waiting) if w.tag is not None}
+
+    def cancel(self, tag: str) -> bool:
+        """Take the waiter tagged ``tag`` out of the queue; it fails with ``canceled``."""
+        for waiter in self._waiting:
+            if waiter.tag == tag and not waiter.future.done():
+                self._drop(waiter)
+                self.stats.canceled += 1
+                waiter.future.set_exception(Canceled(f"invocation {tag} was canceled"))
+                return True
+        return False
 
     def admit(self, function: str) -> None:
         """Refuse at once (429 with a retry hint) when the queue is full."""
@@ -116,14 +132,18 @@ class InvocationQueue:
         return max(1, math.ceil(len(self._waiting) * self.stats.service_s / max(1, slots)))
 
     async def acquire(
-        self, request: PlacementRequest, deadline: float, front: bool = False
+        self,
+        request: PlacementRequest,
+        deadline: float,
+        front: bool = False,
+        tag: str | None = None,
     ) -> Slotted:
         """Wait until an executor serving ``request.function`` has a free slot (bound to
         it, ``inflight`` counted). Raises :class:`GatewayTimeout` at the invocation's
         deadline, or once *no* executor has been able to serve the function for
         ``wait_timeout_s`` (an executor restarting, a deploy in progress): waiting behind
         other work is bounded by the deadline and the queue limit, not by this timeout."""
-        waiter = Waiter(request, self._clock())
+        waiter = Waiter(request, self._clock(), tag)
         if front:
             self.stats.replaced += 1
             self._waiting.appendleft(waiter)

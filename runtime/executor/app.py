@@ -2,7 +2,14 @@
 
 ``GET /healthz`` (503 ``engine_dead`` once the engine thread died, so the pool restarts
 the executor), ``GET /state`` (a :class:`~retouch.functions.wire.ExecutorState`),
-``PUT /functions/{name}``, ``DELETE /functions/{name}``, ``POST /invoke``.
+``PUT /functions/{name}``, ``DELETE /functions/{name}``, ``POST /invoke``,
+``POST /invoke/stream`` (the same invocation answered as a stream of msgpack frames: one
+:class:`~retouch.functions.wire.StepProgress` per denoising step as the engine takes it,
+then the result or the error), ``POST /invocations/{id}/cancel``.
+
+Progress travels on the invocation's own response rather than on a side channel: it needs
+no subscription, ends with the invocation, and a gateway that goes away closes the stream,
+which cancels the invocation here (its steps would be wasted).
 
 The app owns the core's lifecycle through its lifespan: the engine starts with the server
 and, at shutdown, the engine, the pre/post workers and the store are closed (every
@@ -14,15 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from retouch.functions import wire
-from retouch.functions.errors import BadRequest, Unavailable
+from retouch.functions.errors import BadRequest, RetouchError, Unavailable
 from retouch.functions.imaging import decode_image
 from retouch.functions.spec import parse_spec
 from retouch.runtime.asgi import (
@@ -39,7 +48,10 @@ if TYPE_CHECKING:
     from retouch.functions.spec import FunctionSpec
     from retouch.runtime.executor.core import ExecutorCore
 
+log = logging.getLogger(__name__)
+
 TOKEN_ENV = "RETOUCH_EXECUTOR_TOKEN"
+STREAM_MEDIA_TYPE = "application/msgpack"  # a sequence of msgpack maps
 MAX_BODY = 1 << 30  # the gateway already enforced the public limit
 
 
@@ -97,6 +109,22 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
         inv = wire.ExecutorInvoke.from_wire(await read_body(request, MAX_BODY, allow_json=False))
         return (await core.invoke(inv)).to_wire()
 
+    async def invoke_stream(request: Request) -> StreamingResponse:
+        inv = wire.ExecutorInvoke.from_wire(await read_body(request, MAX_BODY, allow_json=False))
+        loop = asyncio.get_running_loop()
+        frames: asyncio.Queue[wire.StepProgress | None] = asyncio.Queue()
+
+        def on_step(step: int, total: int) -> None:  # the engine thread: hand over, never wait
+            loop.call_soon_threadsafe(frames.put_nowait, wire.StepProgress(step, total))
+
+        task = asyncio.ensure_future(core.begin(inv, on_step))  # bad input: a plain 4xx here
+        task.add_done_callback(lambda _: frames.put_nowait(None))
+        return StreamingResponse(_stream(core, inv, task, frames), media_type=STREAM_MEDIA_TYPE)
+
+    async def cancel(request: Request) -> dict[str, Any]:
+        invocation = request.path_params["id"]
+        return {"id": invocation, "canceled": core.cancel(invocation)}
+
     def route(path: str, handler, method: str = "GET") -> Route:
         return Route(path, endpoint(handler, authorize), methods=[method])
 
@@ -115,7 +143,34 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
             route("/functions/{name}", put_function, "PUT"),
             route("/functions/{name}", delete_function, "DELETE"),
             route("/invoke", invoke, "POST"),
+            route("/invoke/stream", invoke_stream, "POST"),
+            route("/invocations/{id}/cancel", cancel, "POST"),
         ],
         exception_handlers=structured_http_errors(),
         lifespan=lifespan,
     )
+
+
+async def _stream(
+    core: ExecutorCore,
+    inv: wire.ExecutorInvoke,
+    task: asyncio.Future,
+    frames: asyncio.Queue,
+) -> AsyncIterator[bytes]:
+    """Progress frames in step order (call_soon_threadsafe keeps the engine's order, and the
+    result's own callback comes after its last step), then the result or the error."""
+    try:
+        while (frame := await frames.get()) is not None:
+            yield wire.pack(frame.to_wire())
+        try:
+            yield wire.pack(wire.result_frame(task.result()))
+        except RetouchError as exc:
+            yield wire.pack(wire.error_frame(exc))
+        except Exception as exc:
+            log.exception("invocation %s failed", inv.id or "(no id)")
+            yield wire.pack(wire.error_frame(RetouchError(f"{type(exc).__name__}: {exc}")))
+    finally:
+        if not task.done():  # the gateway went away: stop computing for nobody
+            if inv.id:
+                core.cancel(inv.id)
+            task.cancel()

@@ -15,7 +15,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +26,11 @@ import torch
 from PIL import Image
 
 from retouch.functions import wire
-from retouch.functions.errors import BadRequest, Conflict, NotFound
+from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound
 from retouch.functions.imaging import encode_image, mask_ratio
 from retouch.functions.spec import FunctionSpec
 from retouch.runtime.costmodel import CostModel
-from retouch.runtime.engine import Engine, Output, Work
+from retouch.runtime.engine import Engine, OnStep, Output, Work
 from retouch.runtime.fingerprint import model_fingerprint
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
@@ -42,6 +43,7 @@ from retouch.runtime.workers import PrePostPool, WorkerDied
 log = logging.getLogger(__name__)
 
 STAGE_ATTEMPTS = 3  # a pre/post job whose worker died is re-run on the restarted worker
+CANCELED_IDS = 4096  # cancels that arrived before their invocation, remembered (bounded)
 
 
 def _retrying(submit: Callable[[], Future], attempts: int, what: str) -> Future:
@@ -148,6 +150,9 @@ class ExecutorCore:
         self._editors: dict[tuple[str, str], Future[MaskAwareEditor]] = {}
         self._generations: dict[str, int] = {}  # latest control operation per function name
         self._closed = False
+        # Invocations by the gateway's id (for cancel), and ids canceled before they came.
+        self._invocations: dict[str, Work] = {}
+        self._canceled: OrderedDict[str, None] = OrderedDict()
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -282,7 +287,7 @@ class ExecutorCore:
         editor = MaskAwareEditor(loaded.pipeline_for(spec.scheduler), spec.family, loaded.device)
         attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
         cost_model = load_or_profile(editor, loaded.folder, self.data_dir, spec.width)
-        editor.plan = make_planner(cost_model)
+        editor.set_planner(make_planner(cost_model))
         return editor, cost_model
 
     def entry(self, name: str) -> FunctionEntry:
@@ -297,7 +302,35 @@ class ExecutorCore:
         return entry
 
     # ---- invocations (the event loop: cheap checks, then the engine) --------------------
-    async def invoke(self, inv: wire.ExecutorInvoke) -> wire.InvokeResult:
+    async def invoke(
+        self, inv: wire.ExecutorInvoke, on_step: OnStep | None = None
+    ) -> wire.InvokeResult:
+        return await self.begin(inv, on_step)
+
+    def cancel(self, invocation_id: str) -> bool:
+        """Cancel the invocation the gateway numbered ``invocation_id``. One that has not
+        arrived yet is refused when it does (the gateway may bind and cancel in the same
+        moment). False when it is unknown or already finished."""
+        with self.lock:
+            work = self._invocations.get(invocation_id)
+            if work is None:
+                self._canceled[invocation_id] = None
+                while len(self._canceled) > CANCELED_IDS:
+                    self._canceled.popitem(last=False)
+                return False
+        return self.engine.cancel(work)
+
+    def begin(
+        self, inv: wire.ExecutorInvoke, on_step: OnStep | None = None
+    ) -> Awaitable[wire.InvokeResult]:
+        """Check and submit an invocation (raises at once on bad input, a dead engine or a
+        cancel that came first); the returned awaitable is its result. ``on_step`` hears
+        each denoising step on the engine thread."""
+        if inv.id:
+            with self.lock:
+                if inv.id in self._canceled:
+                    del self._canceled[inv.id]
+                    raise Canceled(f"invocation {inv.id} was canceled", field="id")
         entry = self.entry(inv.function)
         template = self.templates.get(inv.function, inv.template)
         if template is None:
@@ -311,7 +344,7 @@ class ExecutorCore:
             )
         arrived = time.perf_counter()
         if not mask.any():  # nothing to edit: the template, without running the model
-            return await asyncio.to_thread(self._template_result, template, inv, arrived)
+            return asyncio.to_thread(self._template_result, template, inv, arrived)
         covered = self.maskaware and template.covers(inv.steps, inv.guidance)
         if covered:
             self.templates.prefetch(template)  # disk -> host while the invocation queues
@@ -338,9 +371,18 @@ class ExecutorCore:
             fmt=inv.format,
             acquire=lambda: self._acquire(template, covered),
             arrived=arrived,
+            on_step=on_step,
         )
         future = self.engine.submit(work)  # raises EngineUnavailable when dead or stopping
+        if inv.id:
+            with self.lock:
+                self._invocations[inv.id] = work
         self.stats.queued += 1
+        return self._finish(inv, work, future, mask)
+
+    async def _finish(
+        self, inv: wire.ExecutorInvoke, work: Work, future: Future, mask: Any
+    ) -> wire.InvokeResult:
         try:
             report = await asyncio.wrap_future(future)
             self.stats.completed += 1
@@ -349,6 +391,9 @@ class ExecutorCore:
             raise
         finally:
             self.stats.queued -= 1
+            if inv.id:
+                with self.lock:
+                    self._invocations.pop(inv.id, None)
         output: Output = report["output"]
         return wire.InvokeResult(
             image=output.image,

@@ -21,6 +21,10 @@ CONTROL_PLANE = (
     "retouch.platform.registry",
     "retouch.platform.client",
     "retouch.platform.cli",
+    "retouch.platform.jobs",
+    "retouch.platform.journal",
+    "retouch.platform.webhooks",
+    "retouch.platform.sse",
     "retouch.runtime.executor.app",
 )
 HEAVY = ("torch", "diffusers", "lmdb", "transformers")

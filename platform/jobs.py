@@ -1,0 +1,448 @@
+"""Jobs: every invocation's life in the gateway, asynchronous or not.
+
+A job is accepted (recorded in the journal first when it is durable), waits in the gateway
+queue (``queued``, with its position), runs on an executor (``running``, with the step
+progress the executor's engine streams) and ends ``succeeded``, ``failed`` or
+``canceled``. Its events are kept in order for server-sent-event readers (who may join late
+or reconnect) and handed to the webhook sender. The synchronous invoke is a job that is not
+journaled and is forgotten once answered: one machinery for both.
+
+Accepted jobs survive a gateway restart: :meth:`JobStore.start` reloads the journal and
+re-runs every job that had not ended (edits are deterministic, so a job that was running is
+simply run again; only its final record counts). Finished jobs are kept for ``retention_s``
+and then removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from retouch.functions import wire
+from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound, RetouchError
+from retouch.functions.wire import JobEventKind, JobStatus
+from retouch.platform.journal import JobJournal
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RETENTION_S = 24 * 3600.0
+DEFAULT_PROGRESS_INTERVAL_S = 0.25
+POSITION_POLL_S = 0.25  # how often queue positions are re-read for ``queued`` events
+MAX_EVENTS = 512  # kept per job for late readers (progress is throttled, so rarely reached)
+MAX_WAIT_S = 60.0  # the longest ``Prefer: wait=N`` honoured
+RECORD_VERSION = 1
+
+OnStart = Callable[[str, int], None]
+OnProgress = Callable[[wire.StepProgress], None]
+Execute = Callable[["Job", OnStart, OnProgress], Awaitable[wire.InvokeResult]]
+Notify = Callable[["Job", wire.JobEvent], None]
+
+
+def iso(t: float | None) -> str | None:
+    """A Unix time as RFC 3339 UTC with milliseconds (``2026-11-23T01:02:03.456Z``)."""
+    if t is None:
+        return None
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(eq=False)
+class Job:
+    """One job: its request, state, result and event history (event-loop state)."""
+
+    id: str
+    function: str
+    request: wire.JobRequest
+    created_at: float
+    durable: bool = True
+    status: JobStatus = JobStatus.QUEUED
+    started_at: float | None = None
+    completed_at: float | None = None
+    executor: str | None = None
+    attempts: int = 0
+    progress: wire.JobProgress | None = None
+    result: wire.InvokeResult | None = None
+    error: RetouchError | None = None
+    # In memory only: the decoded invocation (rebuilt from the request after a restart).
+    prepared: tuple[wire.ExecutorInvoke, float] | None = None
+    cancel_requested: bool = False
+    events: list[wire.JobEvent] = field(default_factory=list)
+    task: asyncio.Task | None = None
+    position: int | None = None
+    _seq: int = 0
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _first_step: float | None = None  # monotonic time of the first progress frame
+    _last_progress_event: float = 0.0
+
+    @property
+    def urls(self) -> dict[str, str]:
+        base = f"/v1/jobs/{self.id}"
+        return {"get": base, "stream": f"{base}/events", "cancel": f"{base}/cancel"}
+
+    def describe(self, with_image: bool = True) -> dict[str, Any]:
+        """The job document of ``GET /v1/jobs/{id}`` (without the image in events)."""
+        doc: dict[str, Any] = {
+            "id": self.id,
+            "function": self.function,
+            "status": self.status.value,
+            "created_at": iso(self.created_at),
+            "started_at": iso(self.started_at),
+            "completed_at": iso(self.completed_at),
+            "urls": self.urls,
+        }
+        if self.status is JobStatus.QUEUED:
+            doc["queue_position"] = self.position
+        if self.status is JobStatus.RUNNING:
+            doc["executor"] = self.executor
+            doc["progress"] = self.progress.to_wire() if self.progress else None
+        if self.result is not None:
+            result = self.result.to_wire()
+            if not with_image:
+                result.pop("image")
+            doc["result"] = result
+        if self.error is not None:
+            doc["error"] = {**self.error.to_wire()["error"], "status": self.error.status}
+        if self.request.webhook is not None:
+            doc["webhook"] = self.request.webhook
+            doc["webhook_events"] = [e.value for e in self.request.webhook_events]
+        return doc
+
+    # ---- durable form ------------------------------------------------------------------
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "v": RECORD_VERSION,
+            "id": self.id,
+            "function": self.function,
+            "request": self.request.to_wire(),
+            "created_at": self.created_at,
+            "status": self.status.value,
+            "started_at": self.started_at,
+            "completed_at": self.completed_at,
+            "result": None if self.result is None else self.result.to_wire(),
+            "error": None
+            if self.error is None
+            else {**self.error.to_wire()["error"], "status": self.error.status},
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Job:
+        error = record.get("error")
+        job = cls(
+            id=wire.check_job_id(str(record["id"])),
+            function=str(record["function"]),
+            request=wire.JobRequest.from_wire(record["request"]),
+            created_at=float(record["created_at"]),
+            status=JobStatus(record["status"]),
+            started_at=record.get("started_at"),
+            completed_at=record.get("completed_at"),
+            result=None
+            if record.get("result") is None
+            else wire.InvokeResult.from_wire(record["result"]),
+            error=None
+            if error is None
+            else RetouchError.from_wire(int(error.get("status", 500)), {"error": error}),
+        )
+        if not job.status.terminal:  # it had not ended: run it again from the start
+            job.status, job.started_at = JobStatus.QUEUED, None
+        return job
+
+
+class JobStore:
+    """Jobs by id: submission, execution, cancel, events, journal and retention."""
+
+    def __init__(
+        self,
+        execute: Execute,
+        positions: Callable[[], dict[str, int]],
+        cancel: Callable[[str], Awaitable[bool]],
+        journal: JobJournal | None = None,
+        *,
+        retention_s: float = DEFAULT_RETENTION_S,
+        progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
+        notify: Notify | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._execute = execute
+        self._positions = positions  # the gateway queue's positions by invocation id
+        self._cancel = cancel  # the pool's cancel of a running invocation
+        self.journal = journal
+        self.retention_s = retention_s
+        self.progress_interval_s = progress_interval_s
+        self._notify = notify
+        self._clock = clock
+        self.jobs: dict[str, Job] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Reload the journal and resume every job that had not ended."""
+        if self.journal is not None:
+            for record in await asyncio.to_thread(self.journal.load):
+                try:
+                    job = Job.from_record(record)
+                except (RetouchError, KeyError, TypeError, ValueError) as exc:
+                    log.error("job record %s cannot be resumed: %s", record.get("id"), exc)
+                    continue
+                self.jobs[job.id] = job
+                if not job.status.terminal:
+                    self._record(job, JobEventKind.QUEUED, {"position": None})
+                    job.task = asyncio.create_task(self._run(job))
+            resumed = sum(not j.status.terminal for j in self.jobs.values())
+            if self.jobs:
+                log.info("journal: %d jobs, %d resumed", len(self.jobs), resumed)
+        self._tasks = [
+            asyncio.create_task(self._watch_positions()),
+            asyncio.create_task(self._purge_expired()),
+        ]
+
+    async def close(self) -> None:
+        """Stop without ending any job: unfinished durable jobs resume at the next start."""
+        tasks = self._tasks + [j.task for j in self.jobs.values() if j.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # ---- lookup -------------------------------------------------------------------------
+    def get(self, job_id: str) -> Job:
+        job = self.jobs.get(wire.check_job_id(job_id))
+        if job is None or not job.durable:
+            raise NotFound(f"no job {job_id!r}", field="id", code="job_not_found")
+        return job
+
+    def list(
+        self, status: JobStatus | None = None, function: str | None = None, limit: int = 100
+    ) -> list[Job]:
+        """Newest first."""
+        jobs = [
+            j
+            for j in self.jobs.values()
+            if j.durable
+            and (status is None or j.status is status)
+            and (function is None or j.function == function)
+        ]
+        jobs.sort(key=lambda j: j.created_at, reverse=True)
+        return jobs[:limit]
+
+    # ---- submission and execution -------------------------------------------------------
+    async def submit(
+        self,
+        function: str,
+        request: wire.JobRequest,
+        prepared: tuple[wire.ExecutorInvoke, float],
+        durable: bool = True,
+        job_id: str | None = None,
+    ) -> Job:
+        """Accept a job (journaled first when durable) and start running it."""
+        job = Job(job_id or new_job_id(), function, request, self._clock(), durable=durable)
+        job.prepared = prepared
+        if durable and self.journal is not None:
+            await asyncio.to_thread(self.journal.write, job.to_record())
+        self.jobs[job.id] = job
+        self._record(job, JobEventKind.QUEUED, {"position": None})
+        job.task = asyncio.create_task(self._run(job))
+        return job
+
+    def forget(self, job: Job) -> None:
+        """Drop a job that is not kept (a synchronous invocation, once answered)."""
+        self.jobs.pop(job.id, None)
+
+    async def _run(self, job: Job) -> None:
+        try:
+            if job.cancel_requested:
+                raise Canceled(f"job {job.id} was canceled")
+            result = await self._execute(
+                job, lambda name, attempt: self._started(job, name, attempt),
+                lambda step: self._progressed(job, step),
+            )  # fmt: skip
+        except asyncio.CancelledError:
+            raise  # the gateway is stopping: the job stays unfinished in the journal
+        except RetouchError as exc:  # a cancel may come back as an executor's 409 canceled
+            if isinstance(exc, Canceled) or exc.code == Canceled.code:
+                await self._finish(job, JobStatus.CANCELED)
+            else:
+                await self._finish(job, JobStatus.FAILED, error=exc)
+        except Exception as exc:
+            log.exception("job %s failed", job.id)
+            await self._finish(
+                job, JobStatus.FAILED, error=RetouchError(f"internal error: {type(exc).__name__}")
+            )
+        else:
+            await self._finish(job, JobStatus.SUCCEEDED, result=result)
+
+    def _started(self, job: Job, executor: str, attempt: int) -> None:
+        job.status, job.executor, job.attempts = JobStatus.RUNNING, executor, attempt
+        job.position, job.progress, job._first_step = None, None, None
+        if job.started_at is None:
+            job.started_at = self._clock()
+        self._record(
+            job,
+            JobEventKind.STARTED,
+            {"executor": executor, "attempt": attempt, "started_at": iso(job.started_at)},
+        )
+
+    def _progressed(self, job: Job, step: wire.StepProgress) -> None:
+        now = time.monotonic()
+        if job._first_step is None or step.step <= 1:
+            job._first_step = now
+            eta = None
+        else:
+            eta = (now - job._first_step) / (step.step - 1) * (step.total - step.step)
+        job.progress = wire.JobProgress(step.step, step.total, eta)
+        due = now - job._last_progress_event >= self.progress_interval_s
+        if due or step.step >= step.total:
+            job._last_progress_event = now
+            self._record(job, JobEventKind.PROGRESS, job.progress.to_wire())
+
+    async def _finish(
+        self,
+        job: Job,
+        status: JobStatus,
+        result: wire.InvokeResult | None = None,
+        error: RetouchError | None = None,
+    ) -> None:
+        job.status, job.result, job.error = status, result, error
+        job.completed_at = self._clock()
+        job.position = None
+        if job.durable and self.journal is not None:
+            try:
+                await asyncio.to_thread(self.journal.write, job.to_record())
+            except OSError:
+                log.exception("could not record the end of job %s", job.id)
+        kind = {
+            JobStatus.SUCCEEDED: JobEventKind.SUCCEEDED,
+            JobStatus.FAILED: JobEventKind.FAILED,
+            JobStatus.CANCELED: JobEventKind.CANCELED,
+        }[status]
+        self._record(job, kind, job.describe(with_image=False))
+
+    # ---- cancel and waiting -------------------------------------------------------------
+    async def cancel(self, job: Job, wait_s: float = 10.0) -> Job:
+        """Cancel a job: idempotent on a canceled job; a finished one is a 409
+        ``job_finished``. Waits (bounded) until the job has left its executor."""
+        if job.status is JobStatus.CANCELED:
+            return job
+        if job.status.terminal:
+            raise Conflict(
+                f"job {job.id} already {job.status.value}; only a queued or running job can be "
+                "canceled",
+                field="id",
+                code="job_finished",
+            )
+        job.cancel_requested = True
+        await self._cancel(job.id)
+        await self.wait(job, wait_s)
+        if job.status.terminal and job.status is not JobStatus.CANCELED:
+            raise Conflict(
+                f"job {job.id} {job.status.value} before the cancel reached it",
+                field="id",
+                code="job_finished",
+            )
+        return job
+
+    async def wait(self, job: Job, timeout_s: float) -> Job:
+        """Until the job ends or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while not job.status.terminal:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            job._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(job._changed.wait(), left)
+        return job
+
+    async def events(self, job: Job, after: int = 0):
+        """The job's events with ``seq > after`` in order, live until it ends; ``None``
+        items mark idle periods (for keep-alives)."""
+        sent = after
+        while True:
+            for event in [e for e in job.events if e.seq > sent]:
+                sent = event.seq
+                yield event
+            if job.status.terminal and (not job.events or sent >= job.events[-1].seq):
+                return
+            job._changed.clear()
+            try:
+                await asyncio.wait_for(job._changed.wait(), 1.0)
+            except TimeoutError:
+                yield None
+
+    # ---- internals ----------------------------------------------------------------------
+    def _record(self, job: Job, kind: JobEventKind, data: dict[str, Any]) -> None:
+        job._seq += 1
+        event = wire.JobEvent(job._seq, kind, data)
+        job.events.append(event)
+        if len(job.events) > MAX_EVENTS:  # drop the oldest progress event, keep the rest
+            for i, old in enumerate(job.events):
+                if old.kind is JobEventKind.PROGRESS:
+                    del job.events[i]
+                    break
+        job._changed.set()
+        if self._notify is not None and job.durable:
+            self._notify(job, event)
+
+    async def _watch_positions(self) -> None:
+        """``queued`` events whenever a job's place in the gateway queue changes."""
+        while True:
+            await asyncio.sleep(POSITION_POLL_S)
+            positions = self._positions()
+            for job in self.jobs.values():
+                if job.status is not JobStatus.QUEUED:
+                    continue
+                position = positions.get(job.id)
+                if position is not None and position != job.position:
+                    job.position = position
+                    self._record(job, JobEventKind.QUEUED, {"position": position})
+
+    async def _purge_expired(self) -> None:
+        while True:
+            await asyncio.sleep(min(60.0, max(0.5, self.retention_s / 4)))
+            await self.purge()
+
+    async def purge(self) -> int:
+        """Remove finished jobs older than the retention time (memory and journal)."""
+        cutoff = self._clock() - self.retention_s
+        expired = [
+            j
+            for j in self.jobs.values()
+            if j.status.terminal and j.completed_at is not None and j.completed_at < cutoff
+        ]
+        for job in expired:
+            self.jobs.pop(job.id, None)
+            if job.durable and self.journal is not None:
+                await asyncio.to_thread(self.journal.delete, job.id)
+        return len(expired)
+
+
+def parse_prefer_wait(header: str | None) -> float | None:
+    """``Prefer: wait=N`` (RFC 7240, as Replicate uses it): seconds to block, at most 60."""
+    if not header:
+        return None
+    for part in header.split(","):
+        name, _, value = part.strip().partition("=")
+        if name.strip().lower() != "wait":
+            continue
+        try:
+            seconds = float(value.strip().strip('"'))
+        except ValueError:
+            seconds = -1.0
+        if not 0 <= seconds <= MAX_WAIT_S:
+            raise BadRequest(
+                f"Prefer: wait=N takes 0 to {MAX_WAIT_S:.0f} seconds, got {value!r}",
+                field="Prefer",
+                code="invalid_field",
+            )
+        return seconds
+    return None

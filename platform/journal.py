@@ -1,0 +1,72 @@
+"""The durable journal of accepted jobs: one record file per job in ``<data dir>/jobs``.
+
+A record is written when a job is accepted (before the client hears 202) and again when it
+ends; each write replaces the file atomically (temporary file, fsync, rename, fsync of the
+folder), so after a crash every record is either the old or the new version, never torn.
+Why a file per job rather than one append-only log: removing an expired job is unlinking
+its file (no compaction), a corrupt record costs one job, not the log after it, and a
+job's result (its image) is written once, with its job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from retouch.functions import wire
+from retouch.functions.errors import RetouchError
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".job"
+
+
+class JobJournal:
+    """Job records on disk (call from a worker thread: every method does file I/O)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, job_id: str) -> Path:
+        return self.root / f"{wire.check_job_id(job_id)}{SUFFIX}"
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Replace the job's record durably."""
+        final = self.path(record["id"])
+        tmp = final.with_name(f".{final.name}.tmp")
+        with tmp.open("wb") as f:
+            f.write(wire.pack(record))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        self._sync_folder()
+
+    def delete(self, job_id: str) -> None:
+        self.path(job_id).unlink(missing_ok=True)
+
+    def load(self) -> list[dict[str, Any]]:
+        """Every readable record; a corrupt one is set aside (``.corrupt``) and logged."""
+        for stale in self.root.glob(f".*{SUFFIX}.tmp"):  # a write cut short by a crash
+            stale.unlink(missing_ok=True)
+        records = []
+        for path in sorted(self.root.glob(f"*{SUFFIX}")):
+            try:
+                record = wire.as_map(wire.unpack(path.read_bytes()))
+                if record.get("id") != path.stem:
+                    raise ValueError(f"record names job {record.get('id')!r}")
+            except (OSError, ValueError, RetouchError) as exc:
+                log.error("job record %s is unreadable (%s); set aside", path.name, exc)
+                path.rename(path.with_suffix(".corrupt"))
+                continue
+            records.append(record)
+        return records
+
+    def _sync_folder(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

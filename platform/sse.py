@@ -1,0 +1,69 @@
+"""Server-sent events (text/event-stream): the framing the gateway writes and the parser
+the client reads. Data lines are JSON; a comment line keeps idle connections open."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from retouch.functions import wire
+
+MEDIA_TYPE = "text/event-stream"
+KEEPALIVE = b": keep-alive\n\n"
+
+
+def frame(event: wire.JobEvent) -> bytes:
+    data = json.dumps(event.data, separators=(",", ":"), default=_no_bytes)
+    return f"id: {event.seq}\nevent: {event.kind.value}\ndata: {data}\n\n".encode()
+
+
+def _no_bytes(value: Any) -> Any:
+    raise TypeError(f"not JSON serializable in an event: {type(value).__name__}")
+
+
+def parse(lines: Iterable[str]) -> Iterator[wire.JobEvent]:
+    """Events from the lines of a stream (comments and unknown event names skipped)."""
+    seq, kind, data = 0, "", []
+    for line in lines:
+        if line == "":
+            event = _event(seq, kind, data)
+            if event is not None:
+                yield event
+            seq, kind, data = 0, "", []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "id" and value.isdigit():
+            seq = int(value)
+        elif name == "event":
+            kind = value
+        elif name == "data":
+            data.append(value)
+
+
+def _event(seq: int, kind: str, data: list[str]) -> wire.JobEvent | None:
+    """None for an event this client does not know (or one without data)."""
+    if not kind or not data:
+        return None
+    try:
+        return wire.JobEvent(seq, wire.JobEventKind(kind), json.loads("\n".join(data)))
+    except ValueError:
+        return None
+
+
+class Parser:
+    """Incremental form of :func:`parse` for async streams: feed lines, take events."""
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+
+    def feed(self, line: str) -> list[wire.JobEvent]:
+        self._lines.append(line)
+        if line != "":
+            return []
+        events = list(parse(self._lines))
+        self._lines = []
+        return events
