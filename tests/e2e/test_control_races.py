@@ -21,7 +21,7 @@ from retouch.platform.server import ServerProcess
 pytestmark = pytest.mark.slow
 
 NAME = "race"
-ROUNDS = 4
+ROUNDS = 3
 OPS_PER_ROUND = 8
 
 

@@ -111,13 +111,16 @@ def test_executor_sigkill_loses_nothing(server: ServerProcess, reference) -> Non
         assert executor_state(client)["state"]["pid"] != killed[0]
 
 
-@pytest.mark.parametrize("role", ["post", "pre"])
-def test_worker_sigkill_loses_nothing(server: ServerProcess, reference, role: str) -> None:
-    def kill_worker(client: Client) -> None:
-        workers = executor_state(client)["state"]["workers"]
-        os.kill(workers[f"{role} worker 0"], signal.SIGKILL)
+def test_worker_sigkill_loses_nothing(server: ServerProcess, reference) -> None:
+    """Both the pre and the post worker are killed while invocations run: the pool restarts
+    them and the executor re-runs their jobs."""
 
-    run_with_fault(server.url, reference, kill_worker)
+    def kill_workers(client: Client) -> None:
+        workers = executor_state(client)["state"]["workers"]
+        for role in ("pre", "post"):
+            os.kill(workers[f"{role} worker 0"], signal.SIGKILL)
+
+    run_with_fault(server.url, reference, kill_workers)
 
 
 def test_dead_engine_thread_is_seen_and_loses_nothing(server: ServerProcess, reference) -> None:
