@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from retouch.functions.errors import InvalidSpec
+from retouch.functions.families import FAMILY_SPECS
 
 PREFIX = "retouch:"
 
@@ -39,10 +40,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 }
 
 # Pipeline classes found in a folder's model_index.json that a family can load.
-COMPATIBLE: dict[str, tuple[str, ...]] = {
-    "sd-inpaint": ("StableDiffusionInpaintPipeline", "StableDiffusionPipeline"),
-    "flux-inpaint": ("FluxInpaintPipeline", "FluxPipeline", "FluxImg2ImgPipeline"),
-}
+COMPATIBLE: dict[str, tuple[str, ...]] = {n: f.compatible for n, f in FAMILY_SPECS.items()}
 
 
 def is_builtin(model: str) -> bool:

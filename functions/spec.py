@@ -17,15 +17,13 @@ from typing import Any
 
 from retouch.functions import wire
 from retouch.functions.errors import InvalidSpec
+from retouch.functions.families import FAMILY_SPECS
 
-FAMILIES = ("sd-inpaint", "flux-inpaint")
-SCHEDULERS: dict[str, tuple[str, ...]] = {
-    "sd-inpaint": ("ddim", "euler", "euler-a", "dpm++", "pndm"),
-    "flux-inpaint": ("flow-euler",),
-}
+FAMILIES = tuple(FAMILY_SPECS)
+SCHEDULERS: dict[str, tuple[str, ...]] = {n: f.schedulers for n, f in FAMILY_SPECS.items()}
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "sd-inpaint": {"steps": 20, "guidance": 7.5, "scheduler": "ddim"},
-    "flux-inpaint": {"steps": 20, "guidance": 3.5, "scheduler": "flow-euler"},
+    n: {"steps": f.steps, "guidance": f.guidance, "scheduler": f.scheduler}
+    for n, f in FAMILY_SPECS.items()
 }
 # Used with fullmatch: ``$`` would also accept a trailing newline.
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")

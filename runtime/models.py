@@ -22,20 +22,15 @@ from diffusers import (
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
-    FluxInpaintPipeline,
     PNDMScheduler,
-    StableDiffusionInpaintPipeline,
 )
 
 from retouch.functions.demo.models import demo_model, ensure_demo_model, is_demo
 from retouch.functions.errors import InvalidSpec
+from retouch.runtime.families import family as family_of
 
 log = logging.getLogger(__name__)
 
-PIPELINES: dict[str, type[DiffusionPipeline]] = {
-    "sd-inpaint": StableDiffusionInpaintPipeline,
-    "flux-inpaint": FluxInpaintPipeline,
-}
 SCHEDULERS: dict[str, type] = {
     "ddim": DDIMScheduler,
     "euler": EulerDiscreteScheduler,
@@ -59,6 +54,28 @@ def model_folder(model: str, models_dir: Path) -> Path:
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_dtype(device: torch.device) -> torch.dtype:
+    """The compute dtype on ``device``: float16 on CUDA, else float32."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def load_pipeline(
+    folder: Path, family: str, device: torch.device, *, without: tuple[str, ...] = ()
+) -> DiffusionPipeline:
+    """The one pipeline loader (executor, pre/post workers, benches): ``family``'s pipeline
+    class and load arguments, the device's dtype, components ``without`` left out, in eval
+    mode without gradients or progress bars."""
+    model_family = family_of(family)
+    kwargs = {**model_family.load_kwargs, **dict.fromkeys(without)}
+    pipe = model_family.pipeline.from_pretrained(folder, dtype=device_dtype(device), **kwargs)
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval().requires_grad_(False)
+    return pipe
 
 
 @dataclass
@@ -120,17 +137,6 @@ class ModelCache:
 
     def _load(self, model: str, family: str) -> LoadedModel:
         folder = model_folder(model, self.models_dir)
-        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
         log.info("loading %s (%s) on %s", model, family, self.device)
-        extra = (
-            {"safety_checker": None, "requires_safety_checker": False}
-            if family == "sd-inpaint"
-            else {}
-        )
-        pipe = PIPELINES[family].from_pretrained(folder, torch_dtype=dtype, **extra)
-        pipe.to(self.device)
-        pipe.set_progress_bar_config(disable=True)
-        for module in pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                module.eval().requires_grad_(False)
+        pipe = load_pipeline(folder, family, self.device)
         return LoadedModel(model, family, pipe, self.device, folder, dict(pipe.scheduler.config))

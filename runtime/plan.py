@@ -169,7 +169,7 @@ class Planner:
 
 
 def make_planner(cost_model: CostModel) -> Planner:
-    """``editor.plan = make_planner(cost_model)``; the engine passes its result to ``step``."""
+    """``editor.set_planner(make_planner(cost_model))``; the engine passes its result to ``step``."""
     return Planner(cost_model)
 
 

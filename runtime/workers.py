@@ -36,26 +36,19 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 
 from retouch.functions import wire
 from retouch.functions.imaging import encode_image
 from retouch.runtime import shm
+from retouch.runtime.families import family as family_of
 from retouch.runtime.maskaware.editor import Encoded, MaskAwareEditor, OutputSize
 from retouch.runtime.maskaware.request import EditRequest
-from retouch.runtime.models import PIPELINES, LoadedModel, default_device, model_folder
+from retouch.runtime.models import LoadedModel, default_device, load_pipeline, model_folder
 
 log = logging.getLogger(__name__)
 
 PRE, POST = "pre", "post"
-DENOISERS = {"sd-inpaint": ("unet",), "flux-inpaint": ("transformer",)}
-TEXT_ENCODERS = {
-    "sd-inpaint": ("text_encoder", "tokenizer"),
-    "flux-inpaint": ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"),
-}
-ARRAY_MODES = ("RGB", "RGBA", "L")  # image modes whose uint8 array rebuilds the same image
 TIMINGS_KEPT = 1024
 
 
@@ -172,12 +165,7 @@ class PrePostPool:
             "model": model,
             "family": family,
             "scheduler": scheduler,
-            "prompt": str(request.prompt),
-            "seed": int(request.seed),
-            "steps": int(request.steps),
-            "guidance": float(request.guidance),
-            "template_prompt": str(request.template_prompt),
-            "template_seed": int(request.template_seed),
+            "request": request.wire_meta(),
         }
         items = functools.partial(_request_items, request, template_latents)
         return self._submit(PRE, _Job("encode", meta, items, _parse_encoded))
@@ -477,12 +465,8 @@ class _Worker:
 def _request_items(
     request: EditRequest, template_latents: torch.Tensor | None
 ) -> dict[str, shm.Item]:
-    """The arrays of an encode job (an image mode without a faithful array goes as RGB)."""
-    image = request.image if request.image.mode in ARRAY_MODES else request.image.convert("RGB")
-    items: dict[str, shm.Item] = {
-        "image": np.asarray(image),
-        "mask": np.asarray(request.mask, dtype=bool),
-    }
+    """The arrays of an encode job: the request's own (:meth:`EditRequest.wire_arrays`)."""
+    items: dict[str, shm.Item] = dict(request.wire_arrays())
     if template_latents is not None:
         items["template_latents"] = template_latents
     return items
@@ -553,16 +537,7 @@ class _Server:
 
     def _encode(self, meta: dict[str, Any], items: dict[str, Any]) -> tuple[dict, dict]:
         editor = self._editor(meta["model"], meta["family"], meta["scheduler"])
-        request = EditRequest(
-            Image.fromarray(items["image"]),
-            items["mask"],
-            meta["prompt"],
-            meta["seed"],
-            meta["steps"],
-            meta["guidance"],
-            meta["template_prompt"],
-            meta["template_seed"],
-        )
+        request = EditRequest.from_wire(meta["request"], items)
         encoded = editor.encode(request, items.get("template_latents"))
         reply = {"family": encoded.family, "height": encoded.height, "width": encoded.width}
         return reply, encoded.tensors
@@ -602,18 +577,12 @@ class _Server:
         """The pipeline without its denoiser (post workers: without text encoders either),
         in the executor's dtype on its device."""
         folder = model_folder(model, Path(self.spec.models_dir))
-        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
-        left_out = DENOISERS[family] + (TEXT_ENCODERS[family] if self.spec.role == POST else ())
-        extra: dict[str, Any] = dict.fromkeys(left_out)
-        if family == "sd-inpaint":
-            extra |= {"safety_checker": None, "requires_safety_checker": False}
+        model_family = family_of(family)
+        left_out = model_family.denoisers
+        if self.spec.role == POST:
+            left_out += model_family.text_components
         started = time.perf_counter()
-        pipe = PIPELINES[family].from_pretrained(folder, torch_dtype=dtype, **extra)
-        pipe.to(self.device)
-        pipe.set_progress_bar_config(disable=True)
-        for module in pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                module.eval().requires_grad_(False)
+        pipe = load_pipeline(folder, family, self.device, without=left_out)
         log.info(
             "%s loaded %s without %s in %.1f s",
             self.spec.name,

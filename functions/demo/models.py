@@ -194,7 +194,7 @@ def _copy_trained(source: Path, folder: Path) -> None:
             f"trained weights missing: {source} (train them with `retouch train-demo`)"
         )
     pipe = StableDiffusionInpaintPipeline.from_pretrained(
-        source, torch_dtype=torch.float32, safety_checker=None, requires_safety_checker=False
+        source, dtype=torch.float32, safety_checker=None, requires_safety_checker=False
     )
     pipe.save_pretrained(folder, safe_serialization=True)
     if (source / "training.json").exists():

@@ -150,13 +150,8 @@ def _write_sheet(tiles: list[np.ndarray], path: Path, per_row: int = 10) -> None
 
 def load_pipeline(model: str, models_dir: Path) -> Any:
     """The stock inpainting pipeline of ``model`` (``retouch:shapes-sd`` or a folder), fp32."""
-    from diffusers import StableDiffusionInpaintPipeline
-
     from retouch.functions.demo.models import ensure_demo_model, is_demo
+    from retouch.runtime.models import load_pipeline as load_family_pipeline
 
     folder = ensure_demo_model(model, models_dir) if is_demo(model) else Path(model)
-    pipe = StableDiffusionInpaintPipeline.from_pretrained(
-        folder, torch_dtype=torch.float32, safety_checker=None, requires_safety_checker=False
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_family_pipeline(folder, "sd-inpaint", torch.device("cpu"))

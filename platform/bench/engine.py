@@ -28,7 +28,7 @@ from retouch.platform.config import default_data_dir
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.flops import pipeline_step_flops
 from retouch.runtime.maskaware.store import MemoryActivations
-from retouch.runtime.models import PIPELINES
+from retouch.runtime.models import load_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -149,17 +149,13 @@ def load_demo(model: str, models_dir: Path, bench: str) -> tuple[str, DiffusionP
     if not is_demo(model):
         raise ValueError(f"bench {bench} runs the built-in retouch: models")
     spec = demo_model(model)
-    pipe = PIPELINES[spec.family].from_pretrained(ensure_demo_model(model, models_dir))
-    pipe.set_progress_bar_config(disable=True)
-    return spec.family, pipe, spec.resolution
+    folder = ensure_demo_model(model, models_dir)
+    return spec.family, load_pipeline(folder, spec.family, torch.device("cpu")), spec.resolution
 
 
 def _token_cell(editor: MaskAwareEditor, size: int) -> int:
     """Pixels per token of the coarsest token grid."""
-    pipe = editor.impl.pipe
-    if editor.family == "flux-inpaint":
-        return pipe.vae_scale_factor * 2
-    return pipe.vae_scale_factor * 2 ** (len(pipe.unet.config.block_out_channels) - 1)
+    return editor.model_family.token_cell(editor.impl.pipe)
 
 
 def _maskaware(

@@ -16,7 +16,9 @@ has no cache yet gets them from ``encode`` (the same VAE encode with the templat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,9 +27,12 @@ from diffusers import FluxInpaintPipeline
 from diffusers.pipelines.flux.pipeline_flux_inpaint import calculate_shift, retrieve_timesteps
 from PIL import Image
 
+from retouch.functions.families import family_spec
 from retouch.runtime.maskaware import flux_blocks, flux_packed
 from retouch.runtime.maskaware.context import ForwardContext, Mode
+from retouch.runtime.maskaware.flops import Flops, linear_flops
 from retouch.runtime.maskaware.flux_packed import PackedInputs
+from retouch.runtime.maskaware.loader import FamilyRows
 from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
 from retouch.runtime.maskaware.request import (
     EditRequest,
@@ -55,8 +60,9 @@ class FluxInputs:
 class FluxInpaint:
     """Glue between the editor and a FluxInpaintPipeline."""
 
-    family = "flux-inpaint"
     rows_per_request = 1  # guidance is an embedding: no CFG halves
+    packs = True
+    template_tensors = ("image_latents",)  # the blend needs them every step
 
     def __init__(self, pipe: FluxInpaintPipeline, device: torch.device) -> None:
         self.pipe, self.device = pipe, device
@@ -225,20 +231,22 @@ class FluxInpaint:
         self,
         requests: list[EditRequest],
         noises: list[tuple[SeedNoise, SeedNoise]],
-        image_latents: list[torch.Tensor],
         output_type: str = "pil",
     ) -> list[Image.Image] | np.ndarray:
         """One stock pipeline call for ``requests`` (same size, steps and guidance).
 
-        Each request gets its composed noise and its template's image latents (passed as
-        ``image``, which the pipeline then uses without encoding).
+        Each request gets its composed noise and its template's image latents (drawn with
+        the template's VAE noise and passed as ``image``, which the pipeline then uses
+        without encoding).
         """
         first = check_batchable(requests)
         noise = [
             template.compose(own, self.latent_mask(r)[0, 0] > 0.5).latents
             for r, (template, own) in zip(requests, noises, strict=True)
         ]
-        latents = torch.cat(image_latents).to(self.device, self.dtype)
+        latents = torch.cat(
+            [self.image_latents(r.image, t.vae) for r, (t, _) in zip(requests, noises, strict=True)]
+        ).to(self.device, self.dtype)
         return self.pipe(
             prompt=[r.prompt for r in requests],
             image=latents,
@@ -269,3 +277,79 @@ def _batched(states: list[RequestState]) -> PackedInputs:
         text_ids=inputs[0].text_ids,
         image_ids=inputs[0].image_ids,
     )
+
+
+# -- Flux ---------------------------------------------------------------------------------
+
+
+def flux_flops(
+    config: Mapping[str, Any], latent_size: tuple[int, int], text_len: int, ratio: float
+) -> Flops:
+    """One row of a ``FluxTransformer2DModel`` at mask ratio ``ratio`` (2×2-packed tokens)."""
+    n_tokens = (latent_size[0] // 2) * (latent_size[1] // 2)
+    masked = ratio * n_tokens
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    cin = config["in_channels"]
+    cout = config.get("out_channels") or cin
+    queries, keys = text_len + masked, text_len + n_tokens
+    embed = 2 * (linear_flops(1, 256, dim) + linear_flops(1, dim, dim))  # timestep, guidance
+    embed += linear_flops(1, config["pooled_projection_dim"], dim) + linear_flops(1, dim, dim)
+    if not config.get("guidance_embeds", False):
+        embed -= linear_flops(1, 256, dim) + linear_flops(1, dim, dim)
+    dense = (
+        embed
+        + linear_flops(masked, cin, dim)
+        + linear_flops(text_len, config["joint_attention_dim"], dim)
+    )
+    attention = 0.0
+    for _ in range(config["num_layers"]):  # dual-stream blocks
+        dense += 2 * linear_flops(1, dim, 6 * dim)  # adaLN of both streams
+        for tokens in (masked, text_len):
+            dense += 4 * linear_flops(tokens, dim, dim) + 2 * linear_flops(tokens, dim, 4 * dim)
+        attention += 2 * 2.0 * queries * keys * dim
+    for _ in range(config["num_single_layers"]):  # single-stream blocks
+        dense += linear_flops(1, dim, 3 * dim)
+        dense += 3 * linear_flops(queries, dim, dim) + linear_flops(queries, dim, 4 * dim)
+        dense += linear_flops(queries, 5 * dim, dim)
+        attention += 2 * 2.0 * queries * keys * dim
+    dense += linear_flops(1, dim, 2 * dim) + linear_flops(masked, dim, cout)  # norm_out, proj_out
+    return Flops(dense, attention)
+
+
+class FluxInpaintFamily:
+    """``flux-inpaint``: a Flux DiT (dual- and single-stream blocks, 2x2-packed latents)."""
+
+    name = "flux-inpaint"
+    spec = family_spec(name)
+    pipeline = FluxInpaintPipeline
+    load_kwargs: Mapping[str, Any] = {}
+    denoisers = ("transformer",)
+    text_components = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+    rows_per_request = FluxInpaint.rows_per_request
+
+    def bind(self, pipe: FluxInpaintPipeline, device: torch.device) -> FluxInpaint:
+        return FluxInpaint(pipe, device)
+
+    def rows(self, model: FluxInpaint) -> FamilyRows:
+        """A sparse block reads its K/V; a full block after a sparse one reads that one's Y."""
+        blocks = list(model.blocks)
+        sparse = dict.fromkeys(blocks, flux_blocks.SPARSE_ROWS)
+        return FamilyRows(tuple(blocks), sparse, dict.fromkeys(blocks, flux_blocks.EXIT_ROWS))
+
+    def step_flops(
+        self, config: Mapping[str, Any], latent_size: tuple[int, int], text_len: int, ratio: float
+    ) -> Flops:
+        return flux_flops(config, latent_size, text_len, ratio)
+
+    def flop_shape(
+        self, pipe: FluxInpaintPipeline, height: int, width: int
+    ) -> tuple[Mapping[str, Any], tuple[int, int], int]:
+        cell = pipe.vae_scale_factor * 2
+        latent = (2 * (height // cell), 2 * (width // cell))
+        return pipe.transformer.config, latent, pipe.tokenizer_2.model_max_length
+
+    def token_cell(self, pipe: FluxInpaintPipeline) -> int:
+        return pipe.vae_scale_factor * 2
+
+
+FAMILY = FluxInpaintFamily()

@@ -12,6 +12,7 @@ scheduler step stay per request.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +25,11 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint impo
 )
 from PIL import Image
 
+from retouch.functions.families import family_spec
 from retouch.runtime.maskaware import unet_blocks
 from retouch.runtime.maskaware.context import ForwardContext
+from retouch.runtime.maskaware.flops import Flops, conv_flops, linear_flops
+from retouch.runtime.maskaware.loader import FamilyRows
 from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
 from retouch.runtime.maskaware.request import (
     EditRequest,
@@ -50,8 +54,9 @@ class SDInputs:
 class SDInpaint:
     """Glue between the editor and a StableDiffusionInpaintPipeline."""
 
-    family = "sd-inpaint"
     rows_per_request = 2  # classifier-free guidance halves
+    packs = True
+    template_tensors: tuple[str, ...] = ()  # the masked-image latents depend on the mask
 
     def __init__(self, pipe: StableDiffusionInpaintPipeline, device: torch.device) -> None:
         self.pipe, self.device = pipe, device
@@ -60,9 +65,7 @@ class SDInpaint:
         self.levels = 0
         if self.has_denoiser:
             if pipe.unet.config.in_channels != 9:
-                raise ValueError(
-                    "sd-inpaint mask-aware inference needs a 9-channel inpainting UNet"
-                )
+                raise ValueError("mask-aware inference needs a 9-channel inpainting UNet")
             self.blocks = unet_blocks.install(pipe.unet)
             self.levels = len(pipe.unet.config.block_out_channels)
         self.dtype = (pipe.unet if self.has_denoiser else pipe.vae).dtype
@@ -210,3 +213,125 @@ class SDInpaint:
             latents=torch.cat(latents),
             output_type=output_type,
         ).images
+
+
+# -- UNet ---------------------------------------------------------------------------------
+
+
+def unet_flops(
+    config: Mapping[str, Any], latent_size: tuple[int, int], text_len: int, ratio: float
+) -> Flops:
+    """One row of a ``UNet2DConditionModel`` with cross-attention blocks at mask ratio ``ratio``."""
+    channels = list(config["block_out_channels"])
+    levels = len(channels)
+    sizes = [latent_size]
+    for _ in range(levels - 1):
+        h, w = sizes[-1]
+        sizes.append(((h + 1) // 2, (w + 1) // 2))
+    pixels = [h * w for h, w in sizes]
+    per_block = _per_level(config.get("transformer_layers_per_block", 1), levels)
+    temb = channels[0] * 4
+    layers = config["layers_per_block"]
+    text_dim = config["cross_attention_dim"]
+
+    def resnet(level: int, cin: int, cout: int) -> Flops:
+        n = pixels[level]
+        dense = conv_flops(n, cin, cout) + conv_flops(n, cout, cout) + linear_flops(1, temb, cout)
+        if cin != cout:
+            dense += conv_flops(n, cin, cout, kernel=1)
+        return Flops(dense)
+
+    def transformer(level: int, width: int) -> Flops:
+        return _unet_transformer(pixels[level], width, per_block[level], text_len, text_dim, ratio)
+
+    total = Flops(conv_flops(pixels[0], config["in_channels"], channels[0]))
+    total += Flops(linear_flops(1, channels[0], temb) + linear_flops(1, temb, temb))  # timestep MLP
+    for i, out in enumerate(channels):  # down path
+        for j in range(layers):
+            total += resnet(i, channels[max(i - 1, 0)] if j == 0 else out, out)
+            total += transformer(i, out)
+        if i < levels - 1:
+            total += Flops(conv_flops(pixels[i + 1], out, out))  # stride-2 downsampler
+    deepest = channels[-1]
+    total += resnet(levels - 1, deepest, deepest) + transformer(levels - 1, deepest)
+    total += resnet(levels - 1, deepest, deepest)
+    reversed_channels = channels[::-1]
+    output = reversed_channels[0]
+    for i in range(levels):  # up path
+        level = levels - 1 - i
+        previous, output = output, reversed_channels[i]
+        skip_in = reversed_channels[min(i + 1, levels - 1)]
+        for j in range(layers + 1):
+            skip = skip_in if j == layers else output
+            total += resnet(level, (previous if j == 0 else output) + skip, output)
+            total += transformer(level, output)
+        if level > 0:
+            total += Flops(conv_flops(pixels[level - 1], output, output))  # upsampler conv
+    return total + Flops(conv_flops(pixels[0], channels[0], config["out_channels"]))
+
+
+def _per_level(value: int | list[int] | tuple[int, ...], levels: int) -> list[int]:
+    return [value] * levels if isinstance(value, int) else list(value)
+
+
+def _unet_transformer(
+    n_tokens: int, width: int, depth: int, text_len: int, text_dim: int, ratio: float
+) -> Flops:
+    """A Transformer2DModel: proj_in/out, then ``depth`` BasicTransformerBlocks (GEGLU FFN)."""
+    masked = ratio * n_tokens
+    dense = 2 * linear_flops(masked, width, width)  # proj_in, proj_out
+    attention = 0.0
+    for _ in range(depth):
+        dense += 4 * linear_flops(masked, width, width)  # attn1 q, k, v, out
+        # attn2 (q and out on image tokens, k and v on text), then the GEGLU FFN
+        dense += 2 * linear_flops(masked, width, width) + 2 * linear_flops(
+            text_len, text_dim, width
+        )
+        dense += linear_flops(masked, width, 8 * width) + linear_flops(masked, 4 * width, width)
+        attention += 2 * 2.0 * masked * n_tokens * width  # self-attention QKᵀ, AV
+        attention += 2 * 2.0 * masked * text_len * width  # cross-attention
+    return Flops(dense, attention)
+
+
+class SDInpaintFamily:
+    """``sd-inpaint``: a 9-channel inpainting UNet (Stable Diffusion 1.x/2.x inpainting)."""
+
+    name = "sd-inpaint"
+    spec = family_spec(name)
+    pipeline = StableDiffusionInpaintPipeline
+    load_kwargs: Mapping[str, Any] = {"safety_checker": None, "requires_safety_checker": False}
+    denoisers = ("unet",)
+    text_components = ("text_encoder", "tokenizer")
+    rows_per_request = SDInpaint.rows_per_request
+
+    def bind(self, pipe: StableDiffusionInpaintPipeline, device: torch.device) -> SDInpaint:
+        return SDInpaint(pipe, device)
+
+    def rows(self, model: SDInpaint) -> FamilyRows:
+        """A sparse block reads its attn1 K/V and its Y; a full block reads nothing (the
+        convolutions between blocks see whole maps, so no Y carries over)."""
+        unet, blocks = model.pipe.unet, list(model.blocks)
+        sparse = {b: unet_blocks.sparse_rows(unet.get_submodule(b)) for b in blocks}
+        order = tuple(unet_blocks.execution_order(blocks))
+        return FamilyRows(order, sparse, dict.fromkeys(blocks, ()))
+
+    def step_flops(
+        self, config: Mapping[str, Any], latent_size: tuple[int, int], text_len: int, ratio: float
+    ) -> Flops:
+        return unet_flops(config, latent_size, text_len, ratio)
+
+    def flop_shape(
+        self, pipe: StableDiffusionInpaintPipeline, height: int, width: int
+    ) -> tuple[Mapping[str, Any], tuple[int, int], int]:
+        factor = pipe.vae_scale_factor
+        return (
+            pipe.unet.config,
+            (height // factor, width // factor),
+            pipe.tokenizer.model_max_length,
+        )
+
+    def token_cell(self, pipe: StableDiffusionInpaintPipeline) -> int:
+        return pipe.vae_scale_factor * 2 ** (len(pipe.unet.config.block_out_channels) - 1)
+
+
+FAMILY = SDInpaintFamily()

@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
+from retouch.runtime import families
+from retouch.runtime.families import Family, FamilyModel
 from retouch.runtime.maskaware.context import ForwardContext, Mode, Slot, activate
-from retouch.runtime.maskaware.flux_inpaint import FluxInpaint
 from retouch.runtime.maskaware.noise import SeedNoise, compose
 from retouch.runtime.maskaware.request import (
     EditRequest,
@@ -45,9 +47,11 @@ from retouch.runtime.maskaware.request import (
     OutputSize,
     RequestState,
 )
-from retouch.runtime.maskaware.sd_inpaint import SDInpaint
 from retouch.runtime.maskaware.store import TEMPLATE_STEP, ActivationReader, ActivationWriter
 from retouch.runtime.maskaware.tokens import TokenBatch
+
+if TYPE_CHECKING:
+    from retouch.runtime.maskaware.loader import RowLoader
 
 __all__ = [
     "EditRequest",
@@ -61,10 +65,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TEMPLATE_BLOCK = "template"  # block name of the per-template tensors (step -1)
-FAMILIES: dict[str, type[SDInpaint] | type[FluxInpaint]] = {
-    SDInpaint.family: SDInpaint,
-    FluxInpaint.family: FluxInpaint,
-}
 
 Plan = Callable[[list[RequestState], list[str]], dict[str, Mode]]
 
@@ -75,7 +75,12 @@ def all_sparse(states: list[RequestState], blocks: list[str]) -> dict[str, Mode]
 
 
 class MaskAwareEditor:
-    """Bake templates and run mask-aware edits on one loaded pipeline."""
+    """Bake templates and run mask-aware edits on one loaded pipeline.
+
+    What differs between model families is the family's (``retouch.runtime.families``):
+    ``model_family`` is that object and ``impl`` the family bound to this pipeline. A row
+    loader and a planner are declared on the editor (``set_row_loader``, ``set_planner``).
+    """
 
     def __init__(
         self,
@@ -86,15 +91,31 @@ class MaskAwareEditor:
         packed: bool = True,
         plan: Plan = all_sparse,
     ) -> None:
-        try:
-            impl = FAMILIES[family]
-        except KeyError:
-            raise ValueError(f"no mask-aware implementation for family {family!r}") from None
+        self.model_family: Family = families.family(family)
         self.family = family
         self.device = torch.device(device)
-        self.impl = impl(pipe, self.device)
+        self.impl: FamilyModel = self.model_family.bind(pipe, self.device)
         self.packed = packed
-        self.plan = plan
+        self._plan = plan
+        self._row_loader: RowLoader | None = None
+
+    @property
+    def plan(self) -> Plan:
+        """The per-step plan: ``plan(states, blocks) -> {block: Mode}``."""
+        return self._plan
+
+    def set_planner(self, plan: Plan) -> None:
+        """Declare the planner of every later step (e.g. ``runtime.plan.make_planner``)."""
+        self._plan = plan
+
+    @property
+    def row_loader(self) -> RowLoader | None:
+        return self._row_loader
+
+    def set_row_loader(self, loader: RowLoader | None) -> None:
+        """Declare the loader that stages cached rows for mask-aware steps (``None``: the
+        blocks gather their rows synchronously). Bakes and stock calls never use it."""
+        self._row_loader = loader
 
     @property
     def blocks(self) -> list[str]:
@@ -134,9 +155,8 @@ class MaskAwareEditor:
         writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "noise", noise.latents)
         writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "vae_noise", noise.vae)
         encoded = self._encode(request, noise, noise)
-        if "image_latents" in encoded.tensors:
-            latents = encoded.tensors["image_latents"].float()
-            writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "image_latents", latents)
+        for name in self.impl.template_tensors:
+            writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, name, encoded.tensors[name].float())
         state = self.assemble(request, encoded, None)
         state.writer = writer
         while not state.done:
@@ -169,14 +189,7 @@ class MaskAwareEditor:
     ) -> list[Image.Image] | np.ndarray:
         """:meth:`stock_edit` for several requests in one pipeline call (same size, steps and
         guidance): the batched stock baseline."""
-        noises = [self._noises(r) for r in requests]
-        if isinstance(self.impl, FluxInpaint):
-            latents = [
-                self.impl.image_latents(r.image, t.vae)
-                for r, (t, _) in zip(requests, noises, strict=True)
-            ]
-            return self.impl.stock(requests, noises, latents, output_type)
-        return self.impl.stock(requests, noises, output_type)
+        return self.impl.stock(requests, [self._noises(r) for r in requests], output_type)
 
     # -- step-level API -------------------------------------------------------------------
 
@@ -241,10 +254,9 @@ class MaskAwareEditor:
         if any(set(s.tokens) != sizes for s in states):
             raise ValueError("requests in one step must share the resolution")
         per = self.impl.rows_per_request
+        packed = self.packed and self.impl.packs
         grids = {
-            size: TokenBatch(
-                tuple(s.step_tokens[size] for s in states), per, self.packed, self.device
-            )
+            size: TokenBatch(tuple(s.step_tokens[size] for s in states), per, packed, self.device)
             for size in sizes
         }
         slots = [Slot(s.index, reader=s.step_reader) for s in states]
@@ -276,8 +288,13 @@ class MaskAwareEditor:
     # -- internals ------------------------------------------------------------------------
 
     def _run(self, ctx: ForwardContext, states: list[RequestState]) -> None:
+        loader = self._row_loader
         with activate(ctx):
-            predictions = self.impl.forward(states, ctx)
+            if loader is None or not ctx.grids or ctx.recording:
+                predictions = self.impl.forward(states, ctx)
+            else:
+                with loader.session(ctx):
+                    predictions = self.impl.forward(states, ctx)
         for state, prediction in zip(states, predictions, strict=True):
             self.impl.advance(state, prediction)
             state.index += 1
@@ -300,8 +317,9 @@ class MaskAwareEditor:
         )
 
     def _cached_latents(self, reader: ActivationReader | None) -> torch.Tensor | None:
-        """Flux: the template's image latents from its cache (spares encoding them)."""
-        if reader is None or not isinstance(self.impl, FluxInpaint):
+        """The template's image latents from its cache, for a family that stores them
+        (spares encoding them)."""
+        if reader is None or "image_latents" not in self.impl.template_tensors:
             return None
         return reader.get(TEMPLATE_STEP, TEMPLATE_BLOCK, "image_latents")
 

@@ -55,14 +55,14 @@ def install(transformer: nn.Module) -> list[str]:
             raise ValueError(f"{name}: fused QKV projections are not supported")
         if getattr(block, INSTALLED, None) is None:
             block.attn.set_processor(JointAttention(name, block.attn.processor))
-            block.register_forward_pre_hook(_switch_layout(name, previous), with_kwargs=True)
-            block.register_forward_hook(_record_output(name))
+            block.register_forward_pre_hook(switch_layout(name, previous), with_kwargs=True)
+            block.register_forward_hook(record_output(name))
             setattr(block, INSTALLED, name)
         previous = name
     return names
 
 
-def _switch_layout(name: str, previous: str | None) -> Any:
+def switch_layout(name: str, previous: str | None) -> Any:
     """Pre-hook: the block starts; bring the incoming image hidden states into its layout."""
 
     def hook(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -90,7 +90,7 @@ def _switch_layout(name: str, previous: str | None) -> Any:
     return hook
 
 
-def _record_output(name: str) -> Any:
+def record_output(name: str) -> Any:
     """Forward hook: a bake records the block's image output Y; the block has ended."""
 
     def hook(block: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:

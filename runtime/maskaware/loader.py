@@ -16,12 +16,12 @@ block's Y. How the jobs run is the loader's :class:`LoadMode`:
 
 Blocks take their rows with :meth:`StepLoads.rows` (through ``ForwardContext.loader``),
 waiting only when that job is not ready yet; the time they wait is the step's *load wait*.
-:func:`attach` routes an editor's steps through a loader without touching the editor.
+:func:`attach` declares a loader on an editor (``set_row_loader``), whose steps then run
+inside :meth:`RowLoader.session`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
@@ -36,7 +36,6 @@ import torch
 
 from retouch.cachestore.rows import RowSelection
 from retouch.cachestore.store import HostTemplate
-from retouch.runtime.maskaware import flux_blocks, unet_blocks
 from retouch.runtime.maskaware.context import BlockHook, ForwardContext, Mode
 from retouch.runtime.maskaware.store import fetch_rows
 
@@ -90,17 +89,8 @@ class FamilyRows:
 
 
 def family_rows(editor: Any) -> FamilyRows:
-    """The :class:`FamilyRows` of a ``MaskAwareEditor``'s model."""
-    blocks = list(editor.blocks)
-    if editor.family == "sd-inpaint":
-        unet = editor.impl.pipe.unet
-        sparse = {b: unet_blocks.sparse_rows(unet.get_submodule(b)) for b in blocks}
-        exit_rows: dict[str, tuple[str, ...]] = dict.fromkeys(blocks, ())
-        return FamilyRows(tuple(unet_blocks.execution_order(blocks)), sparse, exit_rows)
-    if editor.family == "flux-inpaint":
-        sparse = dict.fromkeys(blocks, flux_blocks.SPARSE_ROWS)
-        return FamilyRows(tuple(blocks), sparse, dict.fromkeys(blocks, flux_blocks.EXIT_ROWS))
-    raise ValueError(f"no row layout for family {editor.family!r}")
+    """The :class:`FamilyRows` of a ``MaskAwareEditor``'s model (its family's layout)."""
+    return editor.model_family.rows(editor.impl)
 
 
 @dataclass
@@ -548,23 +538,11 @@ def _size_class(nbytes: int) -> int:
 def attach(editor: Any, loader: RowLoader | None) -> None:
     """Run every mask-aware step of ``editor`` through ``loader`` (``None``: synchronous).
 
-    Wraps ``editor.impl.forward`` once (bakes and stock calls pass straight through); a
-    later call swaps the loader.
+    The editor holds it as a declared attachment (``editor.set_row_loader``); bakes and
+    stock calls never use it.
     """
-    impl = editor.impl
-    if getattr(impl, "_retouch_inner_forward", None) is None:
-        impl._retouch_inner_forward = impl.forward
-        impl.forward = functools.partial(_forward, impl)
-    impl._retouch_row_loader = loader
+    editor.set_row_loader(loader)
 
 
 def attached(editor: Any) -> RowLoader | None:
-    return getattr(editor.impl, "_retouch_row_loader", None)
-
-
-def _forward(impl: Any, states: list, ctx: ForwardContext) -> list[torch.Tensor]:
-    loader: RowLoader | None = impl._retouch_row_loader
-    if loader is None or not ctx.grids or ctx.recording:
-        return impl._retouch_inner_forward(states, ctx)
-    with loader.session(ctx):
-        return impl._retouch_inner_forward(states, ctx)
+    return editor.row_loader

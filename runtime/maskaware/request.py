@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 import numpy as np
@@ -11,6 +11,9 @@ from PIL import Image
 
 from retouch.runtime.maskaware.store import ActivationReader, ActivationWriter
 from retouch.runtime.maskaware.tokens import TokenSet, pool_mask
+
+ARRAY_FIELDS = ("image", "mask")  # cross a process boundary as arrays, the rest as plain data
+ARRAY_MODES = ("RGB", "RGBA", "L")  # image modes whose uint8 array rebuilds the same image
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,28 @@ class EditRequest:
     def mask_image(self) -> Image.Image:
         """The mask as the pipelines take it (white = repaint)."""
         return Image.fromarray(np.asarray(self.mask, dtype=bool).astype(np.uint8) * 255)
+
+    # -- the one codec for a request crossing a process boundary (pre workers) ------------
+
+    def wire_meta(self) -> dict[str, Any]:
+        """Every field but the arrays, as plain values (msgpack-able). Written from the
+        dataclass's fields so that a new field cannot be dropped on the way."""
+        return {
+            f.name: _plain(getattr(self, f.name))
+            for f in fields(self)
+            if f.name not in ARRAY_FIELDS
+        }
+
+    def wire_arrays(self) -> dict[str, np.ndarray]:
+        """The image (an image mode without a faithful array goes as RGB) and the mask."""
+        image = self.image if self.image.mode in ARRAY_MODES else self.image.convert("RGB")
+        return {"image": np.asarray(image), "mask": np.asarray(self.mask, dtype=bool)}
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any], arrays: dict[str, Any]) -> EditRequest:
+        """The request :meth:`wire_meta` and :meth:`wire_arrays` describe."""
+        image = Image.fromarray(np.asarray(arrays["image"]))
+        return cls(image=image, mask=np.asarray(arrays["mask"], dtype=bool), **meta)
 
 
 class ImageSize(Protocol):
@@ -157,6 +182,11 @@ class RequestState:
     def step_reader(self) -> ActivationReader | None:
         """The cache this step reads rows from (none while warming up)."""
         return None if self.warming else self.reader
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars → Python scalars (the codec carries plain values only)."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def every_token(sizes: list[tuple[int, int]]) -> dict[tuple[int, int], TokenSet]:
