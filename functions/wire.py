@@ -428,6 +428,7 @@ class EngineStats:
     steps: int = 0
     interruptions: int = 0
     bakes: int = 0
+    canceled: int = 0  # invocations canceled (out of the queue, or out of the running batch)
     batch_overhead_ms_p50: float = 0.0
     step_ms_p50: float = 0.0
     load_wait_ms_p50: float = 0.0

@@ -2,7 +2,7 @@
 
 Server side: ``serve``, ``demo``. Client side (``--url``, default ``$RETOUCH_URL`` or
 http://127.0.0.1:8000; ``--token``, default ``$RETOUCH_TOKEN``): ``deploy``, ``ls``, ``rm``,
-``invoke``. A user error prints one line (``error: <code>: <message>``) and exits 1; no
+``invoke`` (``--async``: submit a job), ``jobs ls|watch|cancel``. A user error prints one line (``error: <code>: <message>``) and exits 1; no
 traceback.
 """
 
@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from retouch.functions import wire
 from retouch.functions.errors import RetouchError
 from retouch.platform.client import Client
 from retouch.platform.config import DEFAULT_PORT, ServeConfig, default_url
@@ -411,7 +412,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, default=None)
     p.add_argument("--format", choices=("png", "webp", "raw"), default="png")
     p.add_argument("-o", "--output", type=Path, default=Path("out.png"))
+    p.add_argument(
+        "--async",
+        dest="as_job",
+        action="store_true",
+        help="submit a job and print its id at once (then: retouch jobs watch ID)",
+    )
+    p.add_argument("--webhook", default=None, help="with --async: URL told about the job")
+    p.add_argument(
+        "--webhook-events",
+        type=_words,
+        default=None,
+        help="with --webhook: started,progress,completed (default completed)",
+    )
     p.set_defaults(run=_invoke)
+
+    jobs = sub.add_parser("jobs", help="async jobs: list, watch, cancel")
+    jobs_sub = jobs.add_subparsers(dest="jobs", required=True)
+    p = _client(jobs_sub.add_parser("ls", help="list jobs, newest first"))
+    p.add_argument("--status", default=None, help="queued, running, succeeded, failed, canceled")
+    p.add_argument("--function", default=None)
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_jobs_ls)
+    p = _client(jobs_sub.add_parser("watch", help="follow a job with a progress bar"))
+    p.add_argument("id")
+    p.add_argument(
+        "-o", "--output", type=Path, default=None, help="write the image here when it succeeds"
+    )
+    p.set_defaults(run=_jobs_watch)
+    p = _client(jobs_sub.add_parser("cancel", help="cancel a queued or running job"))
+    p.add_argument("id")
+    p.set_defaults(run=_jobs_cancel)
     return parser
 
 
@@ -754,6 +786,23 @@ def _invoke(args: argparse.Namespace) -> None:
             f"cannot read mask {args.mask}: {exc.strerror}", field="mask", code="invalid_argument"
         ) from exc
     options = {"steps": args.steps, "guidance": args.guidance, "format": args.format}
+    if args.as_job:
+        options |= {"webhook": args.webhook, "webhook_events": args.webhook_events}
+        with _connect(args) as client:
+            job = client.submit(
+                args.name,
+                args.template,
+                mask,
+                args.prompt,
+                args.seed,
+                **{k: v for k, v in options.items() if v is not None},
+            )
+        position = job.doc.get("queue_position")
+        where = f" (queue position {position})" if position is not None else ""
+        print(f"{job.id} {job.doc['status']}{where}")
+        return
+    if args.webhook is not None:
+        raise RetouchError("--webhook needs --async", field="webhook", code="invalid_argument")
     with _connect(args) as client:
         result = client.invoke(
             args.name,
@@ -768,6 +817,75 @@ def _invoke(args: argparse.Namespace) -> None:
     print(
         f"{args.output}: {result.width}x{result.height} mask_ratio={result.mask_ratio:.3f} path={result.path} executor={result.executor} total={t.total_ms:.0f}ms run={t.run_ms:.0f}ms queue={t.queue_ms:.0f}ms"
     )
+
+
+def _jobs_ls(args: argparse.Namespace) -> None:
+    with _connect(args) as client:
+        jobs = client.jobs(args.status, args.function, args.limit)
+    if args.json:
+        print(json.dumps(jobs))
+        return
+    print(f"{'ID':<34} {'STATUS':<10} {'FUNCTION':<16} {'CREATED':<25} DETAIL")
+    for job in jobs:
+        detail = ""
+        if job["status"] == "queued":
+            detail = f"position {job.get('queue_position')}"
+        elif job["status"] == "running" and job.get("progress"):
+            detail = f"step {job['progress']['step']}/{job['progress']['total']}"
+        elif job.get("error"):
+            detail = f"{job['error']['code']}: {job['error']['message']}"
+        elif job.get("result"):
+            detail = (
+                f"path={job['result']['path']} total={job['result']['timings']['total_ms']:.0f}ms"
+            )
+        print(
+            f"{job['id']:<34} {job['status']:<10} {job['function']:<16} {job['created_at']:<25} {detail}"
+        )
+
+
+def _bar(fraction: float, width: int = 30) -> str:
+    done = round(fraction * width)
+    return "[" + "#" * done + "." * (width - done) + "]"
+
+
+def _jobs_watch(args: argparse.Namespace) -> None:
+    """Follow the job's events: queue position, then a step progress bar (on stderr)."""
+    tty = sys.stderr.isatty()
+    end = "\r" if tty else "\n"
+    with _connect(args) as client:
+        job = client.job(args.id)
+        for event in job.events():
+            data = event.data
+            if event.kind is wire.JobEventKind.QUEUED and data.get("position") is not None:
+                print(f"queued, position {data['position']}", end=end, file=sys.stderr)
+            elif event.kind is wire.JobEventKind.STARTED:
+                print(f"started on {data['executor']}" + " " * 20, end=end, file=sys.stderr)
+            elif event.kind is wire.JobEventKind.PROGRESS:
+                eta = f" eta {data['eta_s']:.1f}s" if data.get("eta_s") is not None else ""
+                line = f"{_bar(data['fraction'])} {data['step']}/{data['total']}{eta}"
+                print(line + " " * 10, end=end, file=sys.stderr)
+        if tty:
+            print(file=sys.stderr)
+        job.status()
+        status = job.doc["status"]
+        if status != "succeeded":
+            error = job.doc.get("error") or {}
+            message = f": {error.get('code')}: {error.get('message')}" if error else ""
+            print(f"{job.id} {status}{message}")
+            sys.exit(1)
+        result = job.wait()
+    if args.output is not None:
+        args.output.write_bytes(result.image)
+    out = f" -> {args.output}" if args.output is not None else ""
+    print(
+        f"{job.id} succeeded{out}: {result.width}x{result.height} path={result.path} total={result.timings.total_ms:.0f}ms"
+    )
+
+
+def _jobs_cancel(args: argparse.Namespace) -> None:
+    with _connect(args) as client:
+        doc = client.job(args.id).cancel()
+    print(f"{doc['id']} {doc['status']}")
 
 
 if __name__ == "__main__":

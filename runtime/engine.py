@@ -177,6 +177,7 @@ class EngineCounters:
             "steps": self.steps,
             "interruptions": self.interruptions,
             "bakes": self.bakes,
+            "canceled": self.canceled,
             "batch_overhead_ms_p50": statistics.median(overhead) if overhead else 0.0,
             "step_ms_p50": statistics.median(r.step_ms for r in recent) if recent else 0.0,
             "load_wait_ms_p50": statistics.median(r.load_wait_ms for r in recent)

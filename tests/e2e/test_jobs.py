@@ -1,0 +1,339 @@
+"""Async jobs end to end on real processes: queue positions, engine step progress over SSE,
+results equal to the synchronous invoke, cancel of a queued and of a running job, signed
+webhooks with retries behind the allow-list, ``Prefer: wait``, the CLI and bad input.
+
+One server for the file: one executor, ``--max-batch 2`` (4 slots: the batch plus its
+pre-processing buffer), every step reported (``--progress-interval 0``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from retouch.functions.errors import Canceled, RetouchError
+from retouch.functions.wire import InvokeResult, JobEvent, JobEventKind
+from retouch.platform import webhooks
+from retouch.platform.client import Call, Client, read_spec_file
+from retouch.platform.server import ServerProcess
+
+from .conftest import ADMIN, INVOKE, TOKENS
+
+FUNCTION, TEMPLATE, STEPS = "jobs-sd", "street", 3
+SECRET = "test-webhook-secret"
+MASK = np.zeros((128, 128), bool)
+MASK[24:88, 16:80] = True
+MAX_PIXEL_DIFF = 3  # a request batched with others differs from its solo run by rounding only
+
+
+@pytest.fixture(scope="module")
+def server(data_dir: Path, examples: Path) -> Iterator[ServerProcess]:
+    env = {**TOKENS, "RETOUCH_WEBHOOK_SECRET": SECRET}
+    args = ["--max-batch", "2", "--progress-interval", "0"]
+    with ServerProcess(data_dir, env=env, extra_args=args) as proc:
+        spec, images = read_spec_file(examples / "tiny-sd.toml")
+        spec = dataclasses.replace(
+            spec, name=FUNCTION, steps=STEPS, templates={TEMPLATE: spec.templates[TEMPLATE]}
+        )
+        with Client(proc.url, ADMIN) as admin:
+            assert admin.deploy(spec, {TEMPLATE: images[TEMPLATE]})["status"] == "ready"
+            _wait_baked(admin)
+        yield proc
+
+
+def _wait_baked(client: Client, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while client.get(FUNCTION)["templates"][TEMPLATE]["state"] != "baked":
+        assert time.monotonic() < deadline, "template not baked"
+        time.sleep(0.2)
+
+
+def pixels(result: InvokeResult) -> np.ndarray:
+    return np.frombuffer(result.image, np.uint8).reshape(result.height, result.width, 3)
+
+
+def same_image(a: InvokeResult, b: InvokeResult) -> bool:
+    diff = np.abs(pixels(a).astype(int) - pixels(b).astype(int)).max()
+    return diff <= MAX_PIXEL_DIFF
+
+
+def submit(client: Client, seed: int, **options):
+    return client.submit(FUNCTION, TEMPLATE, MASK, "a red door", seed=seed, format="raw", **options)
+
+
+def sync_invoke(url: str, seed: int) -> InvokeResult:
+    with Client(url, INVOKE) as client:
+        return client.invoke(FUNCTION, TEMPLATE, MASK, "a red door", seed=seed, format="raw")
+
+
+def collect(url: str, job_id: str) -> list[JobEvent]:
+    with Client(url, INVOKE) as client:
+        return list(client.job_events(job_id))
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_queue_positions_progress_results_and_cancel(server: ServerProcess) -> None:
+    """4 blockers fill the executor's slots; 6 jobs then wait in the gateway queue. Each
+    reports falling positions, steps 1..n in order and the sync invoke's image; a canceled
+    queued job and a canceled running job end ``canceled``, the others are unaffected."""
+    with Client(server.url, INVOKE) as client, ThreadPoolExecutor(16) as pool:
+        blockers = [submit(client, 100 + i) for i in range(4)]
+        jobs = [submit(client, i) for i in range(6)]
+        streams = {j.id: pool.submit(collect, server.url, j.id) for j in [*blockers, *jobs]}
+        queued = jobs[5]
+        assert queued.status()["status"] == "queued" and queued.doc["queue_position"] == 5
+        assert queued.cancel()["status"] == "canceled"
+        assert queued.cancel()["status"] == "canceled"  # idempotent
+
+        running = blockers[0]
+        wait_for(
+            lambda: (running.status().get("progress") or {}).get("step", 0) >= 1,
+            120,
+            "the first blocker to take a step",
+        )
+        assert running.cancel()["status"] == "canceled"
+
+        results = {j.id: j.wait(timeout=300) for j in [*blockers[1:], *jobs[:5]]}
+        for job in (queued, running):
+            with pytest.raises(Canceled):
+                job.wait(timeout=10)
+        events = {jid: f.result(timeout=60) for jid, f in streams.items()}
+        seeds = {
+            j.id: s
+            for j, s in zip([*blockers, *jobs], [100, 101, 102, 103, *range(6)], strict=True)
+        }
+        references = dict(
+            zip(
+                results,
+                pool.map(lambda jid: sync_invoke(server.url, seeds[jid]), results),
+                strict=True,
+            )
+        )
+        state = client.executors()["executors"][0]["state"]["engine"]
+
+    exact = 0
+    for job in jobs[:5]:
+        kinds = [e.kind for e in events[job.id]]
+        positions = [e.data["position"] for e in events[job.id] if e.kind is JobEventKind.QUEUED]
+        positions = [p for p in positions if p is not None]
+        assert positions and positions == sorted(positions, reverse=True), positions
+        if positions[0] > 0:
+            assert positions[-1] < positions[0], f"position never fell: {positions}"
+        steps = [e.data["step"] for e in events[job.id] if e.kind is JobEventKind.PROGRESS]
+        assert steps == list(range(1, STEPS + 1)), steps
+        assert kinds[-1] is JobEventKind.SUCCEEDED
+        assert kinds.index(JobEventKind.STARTED) < kinds.index(JobEventKind.PROGRESS)
+        assert same_image(results[job.id], references[job.id])
+        exact += results[job.id].image == references[job.id].image
+    # the running batch's other job went on and its image is unchanged
+    assert same_image(results[blockers[1].id], references[blockers[1].id])
+    running_steps = [e.data["step"] for e in events[running.id] if e.kind is JobEventKind.PROGRESS]
+    assert running_steps and running_steps[-1] < STEPS, running_steps
+    assert events[running.id][-1].kind is JobEventKind.CANCELED
+    assert [e.kind for e in events[queued.id]][-1] is JobEventKind.CANCELED
+    assert JobEventKind.STARTED not in [e.kind for e in events[queued.id]]
+    assert state["canceled"] >= 1  # the engine dropped the running one from its batch
+    print(f"exact images: {exact}/5; canceled running job after steps {running_steps}")
+
+
+def test_prefer_wait_and_listing(server: ServerProcess) -> None:
+    with Client(server.url, INVOKE) as client:
+        job = submit(client, 7)
+        t0 = time.monotonic()
+        resp = httpx.get(
+            f"{server.url}/v1/jobs/{job.id}",
+            headers={"authorization": f"Bearer {INVOKE}", "prefer": "wait=60"},
+            timeout=90,
+        )
+        assert resp.status_code == 200 and resp.headers["preference-applied"] == "wait=60"
+        doc = resp.json()
+        assert doc["status"] == "succeeded", doc
+        assert doc["result"]["engine"]["steps"] == STEPS and time.monotonic() - t0 < 60
+        assert doc["created_at"] <= doc["started_at"] <= doc["completed_at"]
+        listed = client.jobs(status="succeeded", function=FUNCTION)
+        assert job.id in [j["id"] for j in listed]
+        assert all("image" not in j.get("result", {}) for j in listed)
+        # the sync invoke is a job too, but not a kept one
+        before = {j["id"] for j in client.jobs(limit=1000)}
+        sync_invoke(server.url, 7)
+        assert {j["id"] for j in client.jobs(limit=1000)} == before
+
+
+class Receiver:
+    """A webhook receiver on loopback; ``/flaky`` answers 500 twice, then 200."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, str], bytes, int]] = []
+        self.flaky_calls = 0
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                status = 200
+                if self.path == "/flaky":
+                    receiver.flaky_calls += 1
+                    status = 500 if receiver.flaky_calls <= 2 else 200
+                receiver.requests.append((self.path, dict(self.headers), body, status))
+                self.send_response(status)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def delivered(self, path: str) -> list[dict]:
+        return [
+            json.loads(body)
+            for p, headers, body, status in self.requests
+            if p == path
+            and status == 200
+            and webhooks.verify(SECRET.encode(), body, headers["Retouch-Signature"])
+        ]
+
+
+def test_webhooks_signed_retried_and_allow_listed(server: ServerProcess) -> None:
+    receiver = Receiver()
+    try:
+        with Client(server.url, INVOKE) as client:
+            job = submit(
+                client, 8, webhook=f"{receiver.url}/ok", webhook_events=["started", "completed"]
+            )
+            flaky = submit(client, 9, webhook=f"{receiver.url}/flaky")
+            job.wait(timeout=120)
+            flaky.wait(timeout=120)
+            wait_for(lambda: len(receiver.delivered("/ok")) >= 2, 30, "two deliveries")
+            wait_for(lambda: receiver.delivered("/flaky"), 30, "the flaky delivery")
+            ok = receiver.delivered("/ok")
+            assert [d["type"] for d in ok] == ["started", "completed"]
+            assert ok[1]["job"]["status"] == "succeeded" and ok[1]["job"]["id"] == job.id
+            assert receiver.flaky_calls == 3
+            assert receiver.delivered("/flaky")[0]["job"]["id"] == flaky.id
+            # a signature under another secret, or a stale timestamp, does not verify
+            _, headers, body, _ = receiver.requests[0]
+            assert not webhooks.verify(b"other", body, headers["Retouch-Signature"])
+            assert not webhooks.verify(
+                SECRET.encode(), body, headers["Retouch-Signature"], now=time.time() + 3600
+            )
+            for url, code in (
+                ("http://10.1.2.3/hook", "webhook_not_allowed"),
+                ("http://192.168.0.1:8080/x", "webhook_not_allowed"),
+                ("ftp://127.0.0.1/x", "invalid_field"),
+                ("not a url", "invalid_field"),
+            ):
+                with pytest.raises(RetouchError) as err:
+                    submit(client, 1, webhook=url)
+                assert (err.value.status, err.value.code, err.value.field) == (
+                    400,
+                    code,
+                    "webhook",
+                ), url
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'retouch_webhook_deliveries{event="completed",outcome="delivered"}' in metrics
+        assert 'retouch_webhook_deliveries{event="",outcome="retried"} 2.0' in metrics
+    finally:
+        receiver.httpd.shutdown()
+
+
+def test_bad_input_on_job_endpoints(server: ServerProcess) -> None:
+    auth = {"authorization": f"Bearer {INVOKE}"}
+    unknown = "0" * 32
+    with Client(server.url, INVOKE) as client:
+        done = submit(client, 1)
+        done.wait(timeout=120)
+    cases = [
+        ("GET", f"/v1/jobs/{unknown}", {}, 404, "job_not_found", "id"),
+        ("GET", "/v1/jobs/not-a-job", {}, 400, "invalid_field", "id"),
+        ("GET", f"/v1/jobs/{unknown}/events", {}, 404, "job_not_found", "id"),
+        ("GET", "/v1/jobs/XYZ/events", {}, 400, "invalid_field", "id"),
+        ("POST", f"/v1/jobs/{unknown}/cancel", {}, 404, "job_not_found", "id"),
+        ("POST", f"/v1/jobs/{done.id}/cancel", {}, 409, "job_finished", "id"),
+        ("GET", f"/v1/jobs/{done.id}", {"prefer": "wait=abc"}, 400, "invalid_field", "Prefer"),
+        ("GET", f"/v1/jobs/{done.id}", {"prefer": "wait=3600"}, 400, "invalid_field", "Prefer"),
+        ("GET", f"/v1/jobs/{done.id}/events", {"last-event-id": "x"}, 400, "invalid_field", "Last-Event-ID"),
+        ("GET", "/v1/jobs?status=done", {}, 400, "invalid_field", "status"),
+        ("GET", "/v1/jobs?limit=0", {}, 400, "invalid_field", "limit"),
+        ("GET", "/v1/jobs?limit=x", {}, 400, "invalid_field", "limit"),
+    ]  # fmt: skip
+    for method, path, headers, status, code, field in cases:
+        resp = httpx.request(method, server.url + path, headers={**auth, **headers})
+        assert resp.status_code == status, (path, resp.text)
+        assert resp.json()["error"]["code"] == code and resp.json()["error"]["field"] == field
+    with Client(server.url, INVOKE) as client:
+        for body, field in (
+            ({"webhook_events": ["finished"]}, "webhook_events"),
+            ({"webhook_events": []}, "webhook_events"),
+            ({"webhook": 5}, "webhook"),
+            ({"template": "nope"}, "template"),
+            ({"seed": -1}, "seed"),
+        ):
+            call_body = {"template": TEMPLATE, "mask": _png(MASK), "prompt": "x", "seed": 1}
+            with pytest.raises(RetouchError) as err:
+                client.call(Call("POST", f"/v1/functions/{FUNCTION}/jobs", {**call_body, **body}))
+            assert err.value.field == field and 400 <= err.value.status < 500
+        with pytest.raises(RetouchError) as err:
+            client.submit("no-such-fn", TEMPLATE, MASK, "x")
+        assert err.value.code == "function_not_found"
+    # tokens are checked on every job endpoint
+    assert httpx.get(f"{server.url}/v1/jobs").status_code == 401
+    assert httpx.get(f"{server.url}/v1/jobs/{done.id}/events").status_code == 401
+    assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
+
+
+def test_cli_async_watch_ls_cancel(server: ServerProcess, tmp_path: Path) -> None:
+    mask = tmp_path / "mask.png"
+    mask.write_bytes(_png(MASK))
+    env = {"RETOUCH_URL": server.url, "RETOUCH_TOKEN": INVOKE}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "retouch.platform.cli", *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            timeout=180,
+        )
+
+    submitted = cli(
+        "invoke", FUNCTION, "--template", TEMPLATE, "--mask", str(mask), "--prompt", "x", "--async"
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.split()[0]
+    out = tmp_path / "out.png"
+    watched = cli("jobs", "watch", job_id, "-o", str(out))
+    assert watched.returncode == 0, watched.stderr
+    assert "succeeded" in watched.stdout and out.stat().st_size > 0
+    assert f"{STEPS}/{STEPS}" in watched.stderr  # the progress bar reached the end
+    listed = cli("jobs", "ls")
+    assert job_id in listed.stdout and "succeeded" in listed.stdout
+    canceled = cli("jobs", "cancel", job_id)
+    assert canceled.returncode == 1 and "job_finished" in canceled.stderr
+
+
+def _png(mask: np.ndarray) -> bytes:
+    from retouch.functions.imaging import encode_mask
+
+    return encode_mask(mask)
