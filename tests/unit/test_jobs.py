@@ -1,0 +1,309 @@
+"""Jobs without processes: the store (run, progress throttling, events, cancel, retention,
+journal resume), the journal's atomic records, Prefer parsing, SSE framing, webhook
+signatures and allow-list, the queue's tags, and the job request's validation."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retouch.functions import wire
+from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound, RetouchError
+from retouch.functions.wire import JobEventKind, JobStatus
+from retouch.platform import sse, webhooks
+from retouch.platform.control.queue import InvocationQueue, QueueLimits
+from retouch.platform.jobs import Job, JobStore, parse_prefer_wait
+from retouch.platform.journal import JobJournal
+from retouch.platform.placement import LeastRequests, PlacementRequest
+
+
+def sync(test: Callable[..., Coroutine]) -> Callable[..., None]:
+    @functools.wraps(test)
+    def run(*args, **kwargs) -> None:
+        asyncio.run(test(*args, **kwargs))
+
+    return run
+
+
+def request(seed: int = 1, **extra) -> wire.JobRequest:
+    return wire.JobRequest.from_wire(
+        {"template": "t", "mask": b"png", "prompt": "p", "seed": seed, **extra}
+    )
+
+
+def prepared(job_id: str = "") -> tuple[wire.ExecutorInvoke, float]:
+    mask = wire.RawArray.of(np.ones((2, 2), np.uint8))
+    return wire.ExecutorInvoke("f", "t", mask, "p", 1, 3, 7.5, "raw", job_id), 1.0
+
+
+def result() -> wire.InvokeResult:
+    return wire.InvokeResult(b"img", "raw", 2, 2, 1.0, "exec-0", wire.InvokePath.STOCK)
+
+
+class FakeRun:
+    """An executor stand-in: starts, reports ``steps`` steps, then answers (or waits for
+    a cancel when ``hold`` is set)."""
+
+    def __init__(self, steps: int = 3, hold: bool = False) -> None:
+        self.steps, self.hold = steps, hold
+        self.canceled: set[str] = set()
+        self.release = asyncio.Event()
+
+    async def execute(self, job: Job, on_start, on_progress) -> wire.InvokeResult:
+        on_start("exec-0", 1)
+        for step in range(1, self.steps + 1):
+            await asyncio.sleep(0)
+            if job.id in self.canceled:
+                raise Canceled("canceled")
+            on_progress(wire.StepProgress(step, self.steps))
+        if self.hold:
+            while job.id not in self.canceled:
+                await asyncio.sleep(0.01)
+            raise Conflict("canceled on the executor", code="canceled")
+        return result()
+
+    async def cancel(self, job_id: str) -> bool:
+        self.canceled.add(job_id)
+        return True
+
+
+def store(run: FakeRun, journal: JobJournal | None = None, **kw) -> JobStore:
+    return JobStore(run.execute, dict, run.cancel, journal, **kw)
+
+
+@sync
+async def test_a_job_runs_and_its_events_come_in_order() -> None:
+    jobs = store(FakeRun(steps=4), progress_interval_s=0)
+    await jobs.start()
+    job = await jobs.submit("f", request(), prepared())
+    await jobs.wait(job, 5)
+    assert job.status is JobStatus.SUCCEEDED and job.result is not None
+    kinds = [e.kind for e in job.events]
+    assert kinds == [JobEventKind.QUEUED, JobEventKind.STARTED] + [JobEventKind.PROGRESS] * 4 + [
+        JobEventKind.SUCCEEDED
+    ]
+    assert [e.seq for e in job.events] == list(range(1, 8))
+    late = [e async for e in jobs.events(job, after=5) if e is not None]  # Last-Event-ID: 5
+    assert [e.seq for e in late] == [6, 7]
+    assert "image" not in job.events[-1].data["result"]
+    doc = job.describe()
+    assert doc["status"] == "succeeded" and doc["result"]["image"] == b"img"
+    await jobs.close()
+
+
+@sync
+async def test_progress_events_are_throttled_but_the_last_step_always_comes() -> None:
+    jobs = store(FakeRun(steps=50), progress_interval_s=60)
+    await jobs.start()
+    job = await jobs.submit("f", request(), prepared())
+    await jobs.wait(job, 5)
+    steps = [e.data["step"] for e in job.events if e.kind is JobEventKind.PROGRESS]
+    assert steps == [1, 50]
+    await jobs.close()
+
+
+@sync
+async def test_cancel_is_idempotent_and_refused_once_finished() -> None:
+    run = FakeRun(steps=1, hold=True)
+    jobs = store(run)
+    await jobs.start()
+    job = await jobs.submit("f", request(), prepared())
+    while job.status is JobStatus.QUEUED:
+        await asyncio.sleep(0.01)
+    assert (await jobs.cancel(job)).status is JobStatus.CANCELED
+    assert (await jobs.cancel(job)).status is JobStatus.CANCELED
+    assert job.events[-1].kind is JobEventKind.CANCELED
+    done = await jobs.submit("f", request(), prepared())
+    run.hold = False
+    await jobs.wait(done, 5)
+    with pytest.raises(Conflict) as err:
+        await jobs.cancel(done)
+    assert err.value.code == "job_finished" and err.value.field == "id"
+    await jobs.close()
+
+
+@sync
+async def test_lookup_errors_name_the_id() -> None:
+    jobs = store(FakeRun())
+    with pytest.raises(BadRequest) as bad:
+        jobs.get("nope")
+    assert bad.value.field == "id"
+    with pytest.raises(NotFound) as missing:
+        jobs.get("0" * 32)
+    assert missing.value.code == "job_not_found"
+
+
+@sync
+async def test_retention_removes_finished_jobs_and_their_records(tmp_path: Path) -> None:
+    now = [1000.0]
+    journal = JobJournal(tmp_path)
+    jobs = store(FakeRun(), journal, retention_s=10, clock=lambda: now[0])
+    await jobs.start()
+    job = await jobs.submit("f", request(), prepared())
+    await jobs.wait(job, 5)
+    assert (tmp_path / f"{job.id}.job").exists()
+    now[0] += 9
+    assert await jobs.purge() == 0
+    now[0] += 2
+    assert await jobs.purge() == 1
+    assert job.id not in jobs.jobs and not (tmp_path / f"{job.id}.job").exists()
+    await jobs.close()
+
+
+@sync
+async def test_the_journal_resumes_unfinished_jobs_once(tmp_path: Path) -> None:
+    journal = JobJournal(tmp_path)
+    run = FakeRun(hold=True)
+    jobs = store(run, journal)
+    await jobs.start()
+    finished = await jobs.submit("f", request(1), prepared())
+    run.canceled.add(finished.id)
+    await jobs.wait(finished, 5)
+    pending = await jobs.submit("f", request(2, webhook="http://127.0.0.1:9/x"), prepared())
+    await asyncio.sleep(0.05)
+    assert pending.status is JobStatus.RUNNING
+    await jobs.close()  # a stopping gateway ends nothing
+
+    again = store(FakeRun(), JobJournal(tmp_path))
+    await again.start()
+    resumed = again.jobs[pending.id]
+    assert resumed.request.webhook == "http://127.0.0.1:9/x" and resumed.prepared is None
+    await again.wait(resumed, 5)
+    assert resumed.status is JobStatus.SUCCEEDED
+    assert again.jobs[finished.id].status is JobStatus.CANCELED
+    await again.close()
+
+
+def test_a_corrupt_record_is_set_aside(tmp_path: Path) -> None:
+    journal = JobJournal(tmp_path)
+    good = Job("a" * 32, "f", request(), 1.0)
+    journal.write(good.to_record())
+    (tmp_path / f"{'b' * 32}.job").write_bytes(b"\xc1garbage")
+    (tmp_path / f".{'c' * 32}.job.tmp").write_bytes(b"half")
+    assert [r["id"] for r in journal.load()] == ["a" * 32]
+    assert (tmp_path / f"{'b' * 32}.corrupt").exists()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_job_record_round_trip_keeps_the_error() -> None:
+    job = Job("d" * 32, "f", request(), 5.0, status=JobStatus.FAILED, completed_at=6.0)
+    job.error = RetouchError("boom", code="executor_error")
+    back = Job.from_record(job.to_record())
+    assert back.status is JobStatus.FAILED and back.error is not None
+    assert (back.error.code, back.error.status) == ("executor_error", 500)
+
+
+def test_prefer_wait() -> None:
+    assert parse_prefer_wait(None) is None
+    assert parse_prefer_wait("respond-async, wait=5") == 5.0
+    assert parse_prefer_wait("return=minimal") is None
+    for bad in ("wait=-1", "wait=61", "wait=soon"):
+        with pytest.raises(BadRequest) as err:
+            parse_prefer_wait(bad)
+        assert err.value.field == "Prefer"
+
+
+def test_sse_frames_parse_back() -> None:
+    events = [
+        wire.JobEvent(1, JobEventKind.QUEUED, {"position": 3}),
+        wire.JobEvent(2, JobEventKind.PROGRESS, {"step": 1, "total": 2}),
+    ]
+    text = (b"".join(sse.frame(e) for e in events) + sse.KEEPALIVE).decode()
+    assert list(sse.parse(text.split("\n"))) == events
+    parser = sse.Parser()
+    got = [e for line in text.split("\n") for e in parser.feed(line)]
+    assert got == events
+
+
+def test_webhook_signature_and_allow_list() -> None:
+    header = webhooks.sign(b"k", b"{}", 1000)
+    assert webhooks.verify(b"k", b"{}", header, now=1010)
+    assert not webhooks.verify(b"k", b"{ }", header, now=1010)  # body changed
+    assert not webhooks.verify(b"k", b"{}", header, now=2000)  # replayed late
+    assert not webhooks.verify(b"k", b"{}", "garbage", now=1000)
+
+    async def check(allow: webhooks.AllowList, url: str) -> bool:
+        try:
+            await allow.check(url)
+        except BadRequest as exc:
+            assert exc.field == "webhook" and exc.code == "webhook_not_allowed"
+            return False
+        return True
+
+    default = webhooks.AllowList()
+    wide = webhooks.AllowList.parse(["10.0.0.0/8", "hooks.example"])
+
+    async def run() -> None:
+        assert await check(default, "http://127.0.0.1:8080/x")
+        assert await check(default, "http://[::1]/x")
+        assert await check(default, "http://localhost/x")
+        assert not await check(default, "http://10.0.0.5/x")
+        assert not await check(default, "https://169.254.169.254/latest/meta-data")
+        assert not await check(default, "http://no-such-host.invalid/x")
+        assert await check(wide, "http://10.9.8.7/x") and await check(wide, "https://hooks.example")
+        assert not await check(wide, "http://127.0.0.1/x")
+
+    asyncio.run(run())
+
+
+def test_job_request_validation() -> None:
+    req = request(webhook="https://127.0.0.1/h", webhook_events=["started", "completed"])
+    assert req.webhook_events == (wire.WebhookEvent.STARTED, wire.WebhookEvent.COMPLETED)
+    assert wire.JobRequest.from_wire(req.to_wire()) == req
+    assert request().webhook_events == (wire.WebhookEvent.COMPLETED,)
+    for extra, field in (
+        ({"webhook": "file:///etc/passwd"}, "webhook"),
+        ({"webhook": "http://"}, "webhook"),
+        ({"webhook": "http://h:99999/"}, "webhook"),
+        ({"webhook": "http://h/" + "x" * 3000}, "webhook"),
+        ({"webhook_events": "started"}, "webhook_events"),
+        ({"webhook_events": ["done"]}, "webhook_events"),
+        ({"seed": "1"}, "seed"),
+    ):
+        with pytest.raises(BadRequest) as err:
+            request(**extra)
+        assert err.value.field == field, extra
+
+
+def test_frames_of_the_executor_stream() -> None:
+    reader = wire.FrameReader()
+    data = (
+        wire.pack(wire.StepProgress(1, 2).to_wire())
+        + wire.pack(wire.error_frame(Canceled("gone")))
+        + wire.pack(wire.result_frame(result()))
+    )
+    frames = [f for i in range(0, len(data), 7) for f in reader.feed(data[i : i + 7])]
+    assert frames[0] == wire.StepProgress(1, 2)
+    assert isinstance(frames[1], RetouchError) and frames[1].code == "canceled"
+    assert isinstance(frames[2], wire.InvokeResult) and frames[2].image == b"img"
+
+
+@sync
+async def test_queue_positions_and_cancel_by_tag() -> None:
+    class Busy:
+        name, inflight, slots = "e", 1, 1
+
+    executor = Busy()
+    queue = InvocationQueue(QueueLimits(), LeastRequests(), lambda fn: [executor])
+    loop = asyncio.get_running_loop()
+    waits = [
+        asyncio.create_task(
+            queue.acquire(PlacementRequest("f", "t", 0.5), loop.time() + 60, tag=tag)
+        )
+        for tag in ("a", "b", "c")
+    ]
+    await asyncio.sleep(0.01)
+    assert queue.positions() == {"a": 0, "b": 1, "c": 2}
+    assert queue.cancel("b") and not queue.cancel("b")
+    with pytest.raises(Canceled):
+        await waits[1]
+    assert queue.positions() == {"a": 0, "c": 1} and queue.stats.canceled == 1
+    queue.release(executor)  # a slot frees: "a" is bound, "c" moves up
+    assert await waits[0] is executor
+    assert queue.positions() == {"c": 0}
+    waits[2].cancel()
