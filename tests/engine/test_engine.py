@@ -18,6 +18,7 @@ from diffusers import FluxInpaintPipeline
 
 from retouch.functions.demo.images import mask_of_ratio, template_image
 from retouch.functions.demo.models import ensure_demo_model
+from retouch.functions.errors import Canceled
 from retouch.runtime.engine import Engine, EngineConfig, EngineMode, EngineUnavailable, Work
 from retouch.runtime.executor.core import WorkerStages
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
@@ -245,3 +246,39 @@ def test_a_failed_decode_fails_only_its_invocation(editor, baked, stages) -> Non
         assert engine.alive
     finally:
         engine.stop()
+
+
+# ---- cancel and step progress ------------------------------------------------------------
+
+
+def test_cancel_leaves_the_batch_at_the_next_step_and_others_go_on(editor, baked, stages) -> None:
+    """A canceled running invocation leaves between two steps; its batch-mate finishes
+    with the image it gives alone; one canceled while waiting to join never runs."""
+    request, store = baked
+    engine = Engine(EngineConfig(EngineMode.CONTINUOUS, max_batch=2), stages).start()
+    try:
+        solo = engine.submit(_work(editor, request, store, seed=2)).result(timeout=120)
+        steps: dict[int, list[tuple[int, int]]] = {1: [], 2: []}
+        works = {s: _work(editor, request, store, seed=s) for s in (1, 2, 3)}
+        for seed in (1, 2):
+            works[seed].on_step = lambda step, total, seed=seed: steps[seed].append((step, total))
+        futures = {s: engine.submit(w) for s, w in works.items()}  # seed 3 waits: batch of 2
+        _wait_steps(works[1], 3)
+        assert engine.cancel(works[1]) and engine.cancel(works[3])
+        with pytest.raises(Canceled):
+            futures[1].result(timeout=60)
+        with pytest.raises(Canceled):
+            futures[3].result(timeout=60)
+        together = futures[2].result(timeout=120)
+        assert not engine.cancel(works[2])  # already finished: nothing to cancel
+    finally:
+        engine.stop()
+    ran = len(works[1].batch_sizes)
+    assert 3 <= ran <= 4 < STEPS  # left at the next step boundary (one may have been running)
+    assert works[3].batch_sizes == []
+    assert steps[2] == [(i, STEPS) for i in range(1, STEPS + 1)]  # every step, in order
+    assert [s for s, _ in steps[1]] == list(range(1, ran + 1))
+    assert engine.counters.canceled == 2
+    x = np.frombuffer(solo["output"].image, np.uint8).astype(int)
+    y = np.frombuffer(together["output"].image, np.uint8).astype(int)
+    assert np.abs(x - y).max() <= 1
