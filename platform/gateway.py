@@ -408,7 +408,7 @@ class Gateway:
             headers = {"preference-applied": f"wait={wait_s:g}"}
         if job.status is wire.JobStatus.QUEUED:
             job.position = self.pool.queue_positions().get(job.id, job.position)
-        return respond(request, job.describe(), status, headers)
+        return respond(request, await self.jobs.document(job), status, headers)
 
     async def get_job(self, request: Request) -> Response:
         job = self.jobs.get(request.path_params["id"])
@@ -444,7 +444,7 @@ class Gateway:
 
     async def cancel_job(self, request: Request) -> dict[str, Any]:
         job = await self.jobs.cancel(self.jobs.get(request.path_params["id"]))
-        return job.describe()
+        return await self.jobs.document(job)
 
     async def job_events(self, request: Request) -> StreamingResponse:
         job = self.jobs.get(request.path_params["id"])

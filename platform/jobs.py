@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -43,6 +44,14 @@ OnStart = Callable[[str, int], None]
 OnProgress = Callable[[wire.StepProgress], None]
 Execute = Callable[["Job", OnStart, OnProgress], Awaitable[wire.InvokeResult]]
 Notify = Callable[["Job", wire.JobEvent], None]
+
+
+END_EVENT = {
+    JobStatus.SUCCEEDED: JobEventKind.SUCCEEDED,
+    JobStatus.FAILED: JobEventKind.FAILED,
+    JobStatus.CANCELED: JobEventKind.CANCELED,
+}
+TERMINAL_EVENTS = frozenset(END_EVENT.values())
 
 
 def iso(t: float | None) -> str | None:
@@ -79,10 +88,16 @@ class Job:
     events: list[wire.JobEvent] = field(default_factory=list)
     task: asyncio.Task | None = None
     position: int | None = None
+    image_on_disk: bool = False  # the result's image is read from the journal when asked for
     _seq: int = 0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _first_step: float | None = None  # monotonic time of the first progress frame
     _last_progress_event: float = 0.0
+
+    @property
+    def ended(self) -> bool:
+        """Its terminal event is out (its final record, if durable, is written by then)."""
+        return bool(self.events) and self.events[-1].kind in TERMINAL_EVENTS
 
     @property
     def urls(self) -> dict[str, str]:
@@ -194,7 +209,10 @@ class JobStore:
                     log.error("job record %s cannot be resumed: %s", record.get("id"), exc)
                     continue
                 self.jobs[job.id] = job
-                if not job.status.terminal:
+                self._drop_image(job)
+                if job.status.terminal:  # its end, again, for readers; webhooks had it
+                    self._record(job, END_EVENT[job.status], job.describe(False), notify=False)
+                else:
                     self._record(job, JobEventKind.QUEUED, {"position": None})
                     job.task = asyncio.create_task(self._run(job))
             resumed = sum(not j.status.terminal for j in self.jobs.values())
@@ -318,14 +336,27 @@ class JobStore:
         if job.durable and self.journal is not None:
             try:
                 await asyncio.to_thread(self.journal.write, job.to_record())
+                self._drop_image(job)
             except OSError:
                 log.exception("could not record the end of job %s", job.id)
-        kind = {
-            JobStatus.SUCCEEDED: JobEventKind.SUCCEEDED,
-            JobStatus.FAILED: JobEventKind.FAILED,
-            JobStatus.CANCELED: JobEventKind.CANCELED,
-        }[status]
-        self._record(job, kind, job.describe(with_image=False))
+        self._record(job, END_EVENT[status], job.describe(with_image=False))
+
+    def _drop_image(self, job: Job) -> None:
+        """Finished results are kept for a day: their images stay on disk, not in memory."""
+        if job.result is not None and job.result.image:
+            job.result = dataclasses.replace(job.result, image=b"")
+            job.image_on_disk = True
+
+    async def document(self, job: Job) -> dict[str, Any]:
+        """The job document with its result's image (read back from the journal)."""
+        doc = job.describe()
+        if job.image_on_disk and "result" in doc and self.journal is not None:
+            try:
+                record = await asyncio.to_thread(self.journal.read, job.id)
+            except OSError:  # removed meanwhile (retention)
+                raise NotFound(f"no job {job.id!r}", field="id", code="job_not_found") from None
+            doc["result"]["image"] = (record.get("result") or {}).get("image", b"")
+        return doc
 
     # ---- cancel and waiting -------------------------------------------------------------
     async def cancel(self, job: Job, wait_s: float = 10.0) -> Job:
@@ -354,7 +385,7 @@ class JobStore:
     async def wait(self, job: Job, timeout_s: float) -> Job:
         """Until the job ends or ``timeout_s`` passes."""
         deadline = time.monotonic() + timeout_s
-        while not job.status.terminal:
+        while not job.ended:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -371,7 +402,7 @@ class JobStore:
             for event in [e for e in job.events if e.seq > sent]:
                 sent = event.seq
                 yield event
-            if job.status.terminal and (not job.events or sent >= job.events[-1].seq):
+            if job.ended and sent >= job.events[-1].seq:
                 return
             job._changed.clear()
             try:
@@ -380,7 +411,9 @@ class JobStore:
                 yield None
 
     # ---- internals ----------------------------------------------------------------------
-    def _record(self, job: Job, kind: JobEventKind, data: dict[str, Any]) -> None:
+    def _record(
+        self, job: Job, kind: JobEventKind, data: dict[str, Any], notify: bool = True
+    ) -> None:
         job._seq += 1
         event = wire.JobEvent(job._seq, kind, data)
         job.events.append(event)
@@ -390,19 +423,18 @@ class JobStore:
                     del job.events[i]
                     break
         job._changed.set()
-        if self._notify is not None and job.durable:
+        if self._notify is not None and job.durable and notify:
             self._notify(job, event)
 
     async def _watch_positions(self) -> None:
         """``queued`` events whenever a job's place in the gateway queue changes."""
         while True:
             await asyncio.sleep(POSITION_POLL_S)
-            positions = self._positions()
-            for job in self.jobs.values():
-                if job.status is not JobStatus.QUEUED:
+            for job_id, position in self._positions().items():  # the queue's, not every job
+                job = self.jobs.get(job_id)
+                if job is None or job.status is not JobStatus.QUEUED:
                     continue
-                position = positions.get(job.id)
-                if position is not None and position != job.position:
+                if position != job.position:
                     job.position = position
                     self._record(job, JobEventKind.QUEUED, {"position": position})
 

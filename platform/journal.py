@@ -44,6 +44,9 @@ class JobJournal:
         os.replace(tmp, final)
         self._sync_folder()
 
+    def read(self, job_id: str) -> dict[str, Any]:
+        return wire.as_map(wire.unpack(self.path(job_id).read_bytes()))
+
     def delete(self, job_id: str) -> None:
         self.path(job_id).unlink(missing_ok=True)
 

@@ -147,6 +147,8 @@ async def test_retention_removes_finished_jobs_and_their_records(tmp_path: Path)
     job = await jobs.submit("f", request(), prepared())
     await jobs.wait(job, 5)
     assert (tmp_path / f"{job.id}.job").exists()
+    assert job.result is not None and job.result.image == b""  # kept on disk, not in memory
+    assert (await jobs.document(job))["result"]["image"] == b"img"
     now[0] += 9
     assert await jobs.purge() == 0
     now[0] += 2
@@ -176,6 +178,8 @@ async def test_the_journal_resumes_unfinished_jobs_once(tmp_path: Path) -> None:
     await again.wait(resumed, 5)
     assert resumed.status is JobStatus.SUCCEEDED
     assert again.jobs[finished.id].status is JobStatus.CANCELED
+    ended = await asyncio.wait_for(again.wait(again.jobs[finished.id], 30), 1)  # no waiting
+    assert [e.kind async for e in again.events(ended) if e is not None] == [JobEventKind.CANCELED]
     await again.close()
 
 
