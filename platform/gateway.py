@@ -356,6 +356,8 @@ class Gateway:
                 self._servable(job.function), job.request.invoke, job.id
             )
         inv, ratio = job.prepared
+        if job.cancel_requested:  # canceled while its mask was decoded
+            raise Canceled(f"job {job.id} was canceled", field="id")
         result = await self.pool.invoke(inv, ratio, on_start, on_progress)
         result.timings.total_ms = (time.time() - job.created_at) * 1e3
         self._observe(job.function, result, ratio)

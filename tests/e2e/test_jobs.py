@@ -8,6 +8,7 @@ pre-processing buffer), every step reported (``--progress-interval 0``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -27,12 +28,13 @@ import pytest
 from retouch.functions.errors import Canceled, RetouchError
 from retouch.functions.wire import InvokeResult, JobEvent, JobEventKind
 from retouch.platform import webhooks
-from retouch.platform.client import Call, Client, read_spec_file
+from retouch.platform.client import AsyncClient, Call, Client, read_spec_file
 from retouch.platform.server import ServerProcess
 
 from .conftest import ADMIN, INVOKE, TOKENS
 
 FUNCTION, TEMPLATE, STEPS = "jobs-sd", "street", 3
+BLOCKER_STEPS = 16  # long enough to cancel one mid-run
 SECRET = "test-webhook-secret"
 MASK = np.zeros((128, 128), bool)
 MASK[24:88, 16:80] = True
@@ -74,9 +76,12 @@ def submit(client: Client, seed: int, **options):
     return client.submit(FUNCTION, TEMPLATE, MASK, "a red door", seed=seed, format="raw", **options)
 
 
-def sync_invoke(url: str, seed: int) -> InvokeResult:
+def sync_invoke(url: str, seed: int, steps: int | None = None) -> InvokeResult:
+    options = {"steps": steps} if steps is not None else {}
     with Client(url, INVOKE) as client:
-        return client.invoke(FUNCTION, TEMPLATE, MASK, "a red door", seed=seed, format="raw")
+        return client.invoke(
+            FUNCTION, TEMPLATE, MASK, "a red door", seed=seed, format="raw", **options
+        )
 
 
 def collect(url: str, job_id: str) -> list[JobEvent]:
@@ -96,7 +101,7 @@ def test_queue_positions_progress_results_and_cancel(server: ServerProcess) -> N
     reports falling positions, steps 1..n in order and the sync invoke's image; a canceled
     queued job and a canceled running job end ``canceled``, the others are unaffected."""
     with Client(server.url, INVOKE) as client, ThreadPoolExecutor(16) as pool:
-        blockers = [submit(client, 100 + i) for i in range(4)]
+        blockers = [submit(client, 100 + i, steps=BLOCKER_STEPS) for i in range(4)]
         jobs = [submit(client, i) for i in range(6)]
         streams = {j.id: pool.submit(collect, server.url, j.id) for j in [*blockers, *jobs]}
         queued = jobs[5]
@@ -121,10 +126,11 @@ def test_queue_positions_progress_results_and_cancel(server: ServerProcess) -> N
             j.id: s
             for j, s in zip([*blockers, *jobs], [100, 101, 102, 103, *range(6)], strict=True)
         }
+        steps = {j.id: BLOCKER_STEPS for j in blockers}
         references = dict(
             zip(
                 results,
-                pool.map(lambda jid: sync_invoke(server.url, seeds[jid]), results),
+                pool.map(lambda jid: sync_invoke(server.url, seeds[jid], steps.get(jid)), results),
                 strict=True,
             )
         )
@@ -138,8 +144,8 @@ def test_queue_positions_progress_results_and_cancel(server: ServerProcess) -> N
         assert positions and positions == sorted(positions, reverse=True), positions
         if positions[0] > 0:
             assert positions[-1] < positions[0], f"position never fell: {positions}"
-        steps = [e.data["step"] for e in events[job.id] if e.kind is JobEventKind.PROGRESS]
-        assert steps == list(range(1, STEPS + 1)), steps
+        taken = [e.data["step"] for e in events[job.id] if e.kind is JobEventKind.PROGRESS]
+        assert taken == list(range(1, STEPS + 1)), taken
         assert kinds[-1] is JobEventKind.SUCCEEDED
         assert kinds.index(JobEventKind.STARTED) < kinds.index(JobEventKind.PROGRESS)
         assert same_image(results[job.id], references[job.id])
@@ -147,7 +153,7 @@ def test_queue_positions_progress_results_and_cancel(server: ServerProcess) -> N
     # the running batch's other job went on and its image is unchanged
     assert same_image(results[blockers[1].id], references[blockers[1].id])
     running_steps = [e.data["step"] for e in events[running.id] if e.kind is JobEventKind.PROGRESS]
-    assert running_steps and running_steps[-1] < STEPS, running_steps
+    assert running_steps and running_steps[-1] < BLOCKER_STEPS, running_steps
     assert events[running.id][-1].kind is JobEventKind.CANCELED
     assert [e.kind for e in events[queued.id]][-1] is JobEventKind.CANCELED
     assert JobEventKind.STARTED not in [e.kind for e in events[queued.id]]
@@ -337,3 +343,17 @@ def _png(mask: np.ndarray) -> bytes:
     from retouch.functions.imaging import encode_mask
 
     return encode_mask(mask)
+
+
+def test_async_client_job_handle(server: ServerProcess) -> None:
+    async def run() -> tuple[list[JobEvent], InvokeResult, dict]:
+        async with AsyncClient(server.url, INVOKE) as client:
+            job = await client.submit(FUNCTION, TEMPLATE, MASK, "a red door", seed=3, format="raw")
+            events = [e async for e in job.events()]
+            result = await job.wait(timeout=120)
+            return events, result, await job.status()
+
+    events, result, doc = asyncio.run(run())
+    assert events[-1].kind is JobEventKind.SUCCEEDED and doc["status"] == "succeeded"
+    assert [e.data["step"] for e in events if e.kind is JobEventKind.PROGRESS] == [1, 2, 3]
+    assert same_image(result, sync_invoke(server.url, 3))
