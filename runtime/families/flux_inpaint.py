@@ -22,23 +22,21 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import FluxInpaintPipeline
 from diffusers.pipelines.flux.pipeline_flux_inpaint import calculate_shift, retrieve_timesteps
 from PIL import Image
 
 from retouch.functions.families import family_spec
-from retouch.runtime.maskaware import flux_blocks, flux_packed
+from retouch.runtime.maskaware import flux_blocks, flux_packed, inpaint
 from retouch.runtime.maskaware.context import ForwardContext, Mode
 from retouch.runtime.maskaware.flops import Flops, linear_flops
 from retouch.runtime.maskaware.flux_packed import PackedInputs
 from retouch.runtime.maskaware.loader import FamilyRows
-from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
+from retouch.runtime.maskaware.noise import SeedNoise
 from retouch.runtime.maskaware.request import (
     EditRequest,
     ImageSize,
     RequestState,
-    check_batchable,
     token_sets,
 )
 
@@ -86,19 +84,12 @@ class FluxInpaint:
         return self.pipe._pack_latents(latents, latents.shape[0], self.channels, *latents.shape[2:])
 
     def latent_mask(self, request: EditRequest) -> torch.Tensor:
-        """``[1, 1, h, w]``: ``prepare_mask_latents``' nearest resize of the binarised mask."""
-        image = request.image
-        condition = self.pipe.mask_processor.preprocess(
-            request.mask_image(), height=image.height, width=image.width
+        return inpaint.latent_mask(
+            self.pipe, request, self.latent_size(request.height, request.width)
         )
-        return F.interpolate(condition, size=self.latent_size(image.height, image.width))
 
     def image_latents(self, image: Image.Image, vae_noise: torch.Tensor) -> torch.Tensor:
-        """``[1, 16, h, w]`` template latents, as ``_encode_vae_image`` computes them."""
-        vae = self.pipe.vae
-        init = self.pipe.image_processor.preprocess(image, height=image.height, width=image.width)
-        sample = vae_sample(vae, init.to(self.device, self.dtype), vae_noise)
-        return (sample - vae.config.shift_factor) * vae.config.scaling_factor
+        return inpaint.template_latents(self.pipe, image, vae_noise, self.device, self.dtype)
 
     def _scheduler(self, request: EditRequest) -> tuple[object, torch.Tensor]:
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
@@ -203,17 +194,10 @@ class FluxInpaint:
 
     def advance(self, state: RequestState, prediction: torch.Tensor) -> None:
         """The request's scheduler step, then the pipeline's inpaint blend."""
-        inputs = state.inputs
         latents = state.scheduler.step(
             prediction, state.timestep, state.latents, return_dict=False
         )[0]
-        template = inputs.image_latents
-        if not state.last:
-            following = state.timesteps[state.index + 1]
-            template = state.scheduler.scale_noise(
-                template, torch.tensor([following]), inputs.noise
-            )
-        state.latents = (1 - inputs.mask) * template + inputs.mask * latents
+        state.latents = inpaint.blend(state, latents)
 
     def decode(
         self, latents: torch.Tensor, size: ImageSize, output_type: str = "pil"
@@ -233,34 +217,17 @@ class FluxInpaint:
         noises: list[tuple[SeedNoise, SeedNoise]],
         output_type: str = "pil",
     ) -> list[Image.Image] | np.ndarray:
-        """One stock pipeline call for ``requests`` (same size, steps and guidance).
-
-        Each request gets its composed noise and its template's image latents (drawn with
-        the template's VAE noise and passed as ``image``, which the pipeline then uses
-        without encoding).
-        """
-        first = check_batchable(requests)
-        noise = [
-            template.compose(own, self.latent_mask(r)[0, 0] > 0.5).latents
-            for r, (template, own) in zip(requests, noises, strict=True)
-        ]
-        latents = torch.cat(
-            [self.image_latents(r.image, t.vae) for r, (t, _) in zip(requests, noises, strict=True)]
-        ).to(self.device, self.dtype)
-        return self.pipe(
-            prompt=[r.prompt for r in requests],
-            image=latents,
-            mask_image=[r.mask_image() for r in requests],
-            masked_image_latents=latents,  # unused by the Flux inpaint loop; skips an encode
-            height=first.image.height,
-            width=first.image.width,
-            strength=1.0,
-            num_inference_steps=first.steps,
-            guidance_scale=first.guidance,
-            latents=torch.cat(noise).to(self.device, self.dtype),
+        """One stock pipeline call for ``requests`` (same size, steps and guidance), each
+        with its composed noise and its template's image latents."""
+        return inpaint.stock_with_template(
+            self.pipe,
+            requests,
+            noises,
+            self.latent_mask,
+            self.image_latents,
+            output_type,
             max_sequence_length=self.pipe.tokenizer_2.model_max_length,
-            output_type=output_type,
-        ).images
+        )
 
 
 def _batched(states: list[RequestState]) -> PackedInputs:

@@ -26,7 +26,7 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint impo
 from PIL import Image
 
 from retouch.functions.families import family_spec
-from retouch.runtime.maskaware import unet_blocks
+from retouch.runtime.maskaware import inpaint, unet_blocks
 from retouch.runtime.maskaware.context import ForwardContext
 from retouch.runtime.maskaware.flops import Flops, conv_flops, linear_flops
 from retouch.runtime.maskaware.loader import FamilyRows
@@ -175,12 +175,7 @@ class SDInpaint:
         self, latents: torch.Tensor, size: ImageSize, output_type: str = "pil"
     ) -> Image.Image | np.ndarray:
         """VAE decode of ``[1, 4, h, w]`` final latents and the pipeline's postprocess."""
-        vae = self.pipe.vae
-        latents = latents.to(self.device, vae.dtype)
-        image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(
-            image, output_type=output_type, do_denormalize=[True]
-        )[0]
+        return inpaint.scaled_decode(self.pipe, latents, self.device, output_type)
 
     def stock(
         self,
