@@ -41,6 +41,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     for f in (
         FamilySpec("sd-inpaint", "StableDiffusionInpaintPipeline", SD_SCHEDULERS, 20, 7.5),
         FamilySpec("flux-inpaint", "FluxInpaintPipeline", FLOW, 20, 3.5, ("FluxImg2ImgPipeline",)),
+        FamilySpec("sd3-inpaint", "StableDiffusion3InpaintPipeline", FLOW, 28, 7.0),
     )
 }
 

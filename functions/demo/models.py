@@ -31,10 +31,18 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     FluxInpaintPipeline,
     FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3InpaintPipeline,
     StableDiffusionInpaintPipeline,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    T5Config,
+    T5EncoderModel,
+)
 
 from retouch.functions.demo.tokenizer import save_tokenizer
 
@@ -57,7 +65,11 @@ class DemoModel:
 
 
 def _clip_text(hidden: int, layers: int = 2) -> CLIPTextModel:
-    config = CLIPTextConfig(
+    return CLIPTextModel(_clip_config(hidden, layers))
+
+
+def _clip_config(hidden: int, layers: int = 2) -> CLIPTextConfig:
+    return CLIPTextConfig(
         vocab_size=138,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -69,7 +81,22 @@ def _clip_text(hidden: int, layers: int = 2) -> CLIPTextModel:
         pad_token_id=1,
         projection_dim=hidden,
     )
-    return CLIPTextModel(config)
+
+
+def _t5(hidden: int) -> T5EncoderModel:
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=138,
+            d_model=hidden,
+            d_kv=hidden // 2,
+            d_ff=hidden * 2,
+            num_layers=2,
+            num_heads=2,
+            decoder_start_token_id=0,
+            pad_token_id=1,
+            eos_token_id=1,
+        )
+    )
 
 
 def _vae(channels: tuple[int, ...], latent_channels: int, **extra: float) -> AutoencoderKL:
@@ -156,19 +183,7 @@ def _build_flux(
         guidance_embeds=True,  # guidance as an embedding, like FLUX.1-dev: no CFG halves
         axes_dims_rope=rope,
     )
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=138,
-            d_model=text_hidden,
-            d_kv=text_hidden // 2,
-            d_ff=text_hidden * 2,
-            num_layers=2,
-            num_heads=2,
-            decoder_start_token_id=0,
-            pad_token_id=1,
-            eos_token_id=1,
-        )
-    )
+    t5 = _t5(text_hidden)
     tokenizer = save_tokenizer(folder / "_tokenizer", TEXT_LEN)
     pipe = FluxInpaintPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
@@ -178,6 +193,47 @@ def _build_flux(
         text_encoder_2=t5,
         tokenizer_2=tokenizer,
         transformer=transformer,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    shutil.rmtree(folder / "_tokenizer")
+
+
+def _build_sd3(
+    folder: Path,
+    *,
+    heads: int,
+    head_dim: int,
+    layers: int,
+    vae_channels: tuple[int, ...],
+    resolution: int,
+    text_hidden: int,
+) -> None:
+    """An MMDiT with CLIP-L, CLIP-G (both with projections) and T5, like SD3-medium."""
+    latent = resolution // 2 ** (len(vae_channels) - 1)
+    transformer = SD3Transformer2DModel(
+        sample_size=latent,
+        patch_size=2,
+        in_channels=16,
+        num_layers=layers,
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=2 * text_hidden,  # CLIP-L and CLIP-G side by side, T5's width
+        caption_projection_dim=heads * head_dim,
+        pooled_projection_dim=2 * text_hidden,
+        out_channels=16,
+        pos_embed_max_size=latent // 2,
+    )
+    tokenizer = save_tokenizer(folder / "_tokenizer", TEXT_LEN)
+    pipe = StableDiffusion3InpaintPipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(vae_channels, 16, scaling_factor=1.5305, shift_factor=0.0609),
+        text_encoder=CLIPTextModelWithProjection(_clip_config(text_hidden)),
+        tokenizer=tokenizer,
+        text_encoder_2=CLIPTextModelWithProjection(_clip_config(text_hidden)),
+        tokenizer_2=tokenizer,
+        text_encoder_3=_t5(2 * text_hidden),
+        tokenizer_3=tokenizer,
     )
     pipe.save_pretrained(folder, safe_serialization=True)
     shutil.rmtree(folder / "_tokenizer")
@@ -256,6 +312,20 @@ DEMO_MODELS: dict[str, DemoModel] = {
                 single_layers=4,
                 vae_channels=(16, 32, 32),
                 text_hidden=64,
+            ),
+        ),
+        DemoModel(
+            "tiny-sd3",
+            "sd3-inpaint",
+            128,
+            lambda f: _build_sd3(
+                f,
+                heads=2,
+                head_dim=16,
+                layers=2,
+                vae_channels=(16, 32, 32),
+                resolution=128,
+                text_hidden=32,
             ),
         ),
         DemoModel(

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from retouch.runtime.maskaware.request import EditRequest, ImageSize, RequestState
 
 # Registrations: the modules of this package that define a family (``FAMILY``).
-MODULES = ("sd_inpaint", "flux_inpaint")
+MODULES = ("sd_inpaint", "flux_inpaint", "sd3_inpaint")
 
 
 class FamilyModel(Protocol):
