@@ -393,6 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-wait", action="store_true", help="return once stored, before executors load it"
     )
+    p.add_argument(
+        "--wait",
+        choices=("baked", "ready"),
+        default="baked",
+        help="baked (default): until every template is baked, so first edits are mask-aware; "
+        "ready: once executors have loaded it",
+    )
     p.set_defaults(run=_deploy)
 
     p = _client(sub.add_parser("ls", help="list functions"))
@@ -757,7 +764,21 @@ def _report(result: object, as_json: bool) -> None:
 def _deploy(args: argparse.Namespace) -> None:
     with _connect(args) as client:
         doc = client.deploy_file(args.spec, wait=not args.no_wait)
-    print(f"{doc['name']}: {doc['status']}" + (f" ({doc['error']})" if doc.get("error") else ""))
+        baking = ""
+        if not args.no_wait and args.wait == "baked" and doc["status"] == "ready":
+            tty = sys.stderr.isatty()
+
+            def progress(baked: int, total: int) -> None:
+                line = f"baking templates {_bar(baked / max(1, total))} {baked}/{total}"
+                print(line, end="\r" if tty else "\n", file=sys.stderr)
+
+            doc = client.wait_baked(doc["name"], on_progress=progress)
+            if tty:
+                print(file=sys.stderr)
+            states = [t["state"] for t in doc["templates"].values()]
+            baking = f", {states.count('baked')}/{len(states)} templates baked"
+    error = f" ({doc['error']})" if doc.get("error") else ""
+    print(f"{doc['name']}: {doc['status']}{baking}{error}")
     if doc["status"] == "failed":
         sys.exit(1)
 
@@ -765,10 +786,11 @@ def _deploy(args: argparse.Namespace) -> None:
 def _ls(args: argparse.Namespace) -> None:
     with _connect(args) as client:
         functions = client.list()
-    print(f"{'NAME':<20} {'STATUS':<10} {'FAMILY':<13} {'MODEL':<28} TEMPLATES")
+    print(f"{'NAME':<20} {'STATUS':<10} {'FAMILY':<13} {'MODEL':<28} {'TEMPLATES':<24} STATES")
     for f in functions:
+        states = ",".join(t["state"] for t in f["templates"].values())
         print(
-            f"{f['name']:<20} {f['status']:<10} {f['family']:<13} {f['model']:<28} {','.join(f['templates'])}"
+            f"{f['name']:<20} {f['status']:<10} {f['family']:<13} {f['model']:<28} {','.join(f['templates']):<24} {states}"
         )
 
 

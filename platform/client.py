@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 
 
 WAIT_CHUNK_S = 60  # the longest Prefer: wait=N the server honours
+BAKE_DONE = frozenset({"baked", "failed"})  # template states that end a bake wait
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,35 @@ class Client:
                     f"{name} still deploying after {timeout:.0f} s", code="deploy_timeout"
                 )
             time.sleep(0.2)
+
+    def wait_baked(
+        self,
+        name: str,
+        timeout: float = 1800.0,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Until every template is baked (or failed to bake), so the function's first
+        edits are mask-aware; at once when no executor runs mask-aware."""
+        if not any(
+            (e.get("state") or {}).get("maskaware", True) for e in self.executors()["executors"]
+        ):
+            return self.get(name)
+        deadline = time.monotonic() + timeout
+        last = None
+        while True:
+            doc = self.get(name)
+            states = [t["state"] for t in doc["templates"].values()]
+            done = sum(s in BAKE_DONE for s in states)
+            if on_progress is not None and (done, len(states)) != last:
+                on_progress(states.count("baked"), len(states))
+                last = (done, len(states))
+            if done == len(states) or doc["status"] != "ready":
+                return doc
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    f"{name}: templates still baking after {timeout:.0f} s", code="bake_timeout"
+                )
+            time.sleep(0.5)
 
     def list(self) -> list[dict[str, Any]]:
         return self.call(Call("GET", "/v1/functions"))["functions"]

@@ -339,6 +339,25 @@ def test_cli_async_watch_ls_cancel(server: ServerProcess, tmp_path: Path) -> Non
     assert canceled.returncode == 1 and "job_finished" in canceled.stderr
 
 
+def test_cli_deploy_waits_until_templates_are_baked(
+    server: ServerProcess, examples: Path, tmp_path: Path
+) -> None:
+    spec = (examples / "tiny-sd.toml").read_text()
+    spec = spec.replace('name = "tiny-sd"', 'name = "baked-sd"').replace("steps = 10", "steps = 2")
+    spec = spec.replace('image = "templates/', f'image = "{examples}/templates/')
+    path = tmp_path / "baked-sd.toml"
+    path.write_text(spec)
+    env = {**os.environ, "RETOUCH_URL": server.url, "RETOUCH_TOKEN": ADMIN}
+    run = [sys.executable, "-m", "retouch.platform.cli"]
+    out = subprocess.run([*run, "deploy", str(path)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "baked-sd: ready, 2/2 templates baked" in out.stdout
+    assert "baking templates" in out.stderr and "2/2" in out.stderr
+    listing = subprocess.run([*run, "ls"], capture_output=True, text=True, env=env).stdout
+    row = next(line for line in listing.splitlines() if line.startswith("baked-sd"))
+    assert row.endswith("baked,baked"), row
+
+
 def _png(mask: np.ndarray) -> bytes:
     from retouch.functions.imaging import encode_mask
 
