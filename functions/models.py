@@ -36,6 +36,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel("small-sd", "sd-inpaint", 512),
         BuiltinModel("small-flux", "flux-inpaint", 512),
         BuiltinModel("tiny-sd3", "sd3-inpaint", 128),
+        BuiltinModel("small-sd3", "sd3-inpaint", 512),
         BuiltinModel("shapes-sd", "sd-inpaint", 128),  # trained: functions/demo/weights
     )
 }

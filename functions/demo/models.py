@@ -329,6 +329,20 @@ DEMO_MODELS: dict[str, DemoModel] = {
             ),
         ),
         DemoModel(
+            "small-sd3",
+            "sd3-inpaint",
+            512,
+            lambda f: _build_sd3(  # factor-4 VAE: 128x128 latents = 64x64 = 4096 tokens
+                f,
+                heads=6,
+                head_dim=64,
+                layers=4,
+                vae_channels=(16, 32, 32),
+                resolution=512,
+                text_hidden=64,
+            ),
+        ),
+        DemoModel(
             "shapes-sd",
             "sd-inpaint",
             128,
