@@ -21,7 +21,7 @@ demo: setup
 	$(VENV)/bin/retouch demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
