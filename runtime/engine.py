@@ -21,6 +21,11 @@ ends: with its result, with its own error (a failed encode, step or decode fails
 invocations it concerns), or, when the loop itself dies or the engine stops, with
 :class:`EngineUnavailable` — never left waiting. A dead engine refuses new work and reports
 ``alive = False`` so the executor's health check turns red and the pool restarts it.
+
+Cancel and progress: :meth:`Engine.cancel` flags an invocation; it leaves the ready queue at
+once, or the running batch at the top of the next iteration (before the step runs; the
+batch goes on without it), failing with ``Canceled``. A work's ``on_step`` hears each of its
+steps on the engine thread (the executor hands it to its event loop, never waiting).
 """
 
 from __future__ import annotations
