@@ -63,7 +63,7 @@ def test_colour_measure_recognises_the_drawn_colours() -> None:
 
 def _trainer(tmp_path: Path) -> Trainer:
     torch.manual_seed(0)
-    config = TrainConfig(vae_batch=4, samples=16, batch=4, lr=1e-3, warmup=1, save_every=1000)
+    config = TrainConfig(vae_batch=2, samples=8, batch=2, lr=1e-3, warmup=1, save_every=1000)
     return Trainer(config, tmp_path / "ckpt", tmp_path / "out", torch.device("cpu"), progress=False)
 
 
@@ -71,7 +71,7 @@ def test_vae_step_lowers_the_loss(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path)
     images, gen = trainer.vae_batch(0), trainer._generator
     first = trainer.vae_loss(images, gen(1, 0)).item()
-    for _ in range(8):
+    for _ in range(4):
         loss = trainer.vae_loss(images, gen(1, 0))
         trainer.vae_opt.zero_grad()
         loss.backward()
@@ -85,7 +85,7 @@ def test_unet_step_lowers_the_loss_and_resumes(tmp_path: Path) -> None:
     params = [*trainer.unet.parameters(), *trainer.text.parameters()]
     with torch.no_grad():
         first = trainer.unet_loss(0).item()
-    for _ in range(8):  # the same batch, noise and timesteps each time: the loss must fall
+    for _ in range(4):  # the same batch, noise and timesteps each time: the loss must fall
         loss = trainer.unet_loss(0)
         trainer.opt.zero_grad()
         loss.backward()
@@ -93,10 +93,10 @@ def test_unet_step_lowers_the_loss_and_resumes(tmp_path: Path) -> None:
         trainer.opt.step()
     with torch.no_grad():
         assert trainer.unet_loss(0).item() < first
-    trainer.unet_step = 8
+    trainer.unet_step = 4
     trainer.save()
     resumed = _trainer(tmp_path)
-    assert resumed.unet_step == 8
+    assert resumed.unet_step == 4
     for a, b in zip(resumed.unet.parameters(), trainer.unet.parameters(), strict=True):
         assert torch.equal(a, b)
 
