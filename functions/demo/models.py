@@ -45,6 +45,7 @@ from transformers import (
 )
 
 from retouch.functions.demo.tokenizer import save_tokenizer
+from retouch.functions.models import BUILTIN_MODELS
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +56,20 @@ TEXT_LEN = 16  # prompt tokens: the hand-written character tokenizer needs few
 
 @dataclass(frozen=True)
 class DemoModel:
-    """One built-in model: its family, native resolution and how to build it."""
+    """How to build one built-in model; its family and native resolution are the torch-free
+    catalogue's (``functions/models.py``), so the gateway and the builders cannot disagree."""
 
     name: str
-    family: str
-    resolution: int
     build: Callable[[Path], None]
     source: Path | None = None  # shipped trained weights (None: built with random weights)
+
+    @property
+    def family(self) -> str:
+        return BUILTIN_MODELS[self.name].family
+
+    @property
+    def resolution(self) -> int:
+        return BUILTIN_MODELS[self.name].resolution
 
 
 def _clip_text(hidden: int, layers: int = 2) -> CLIPTextModel:
@@ -262,8 +270,6 @@ DEMO_MODELS: dict[str, DemoModel] = {
     for m in (
         DemoModel(
             "tiny-sd",
-            "sd-inpaint",
-            128,
             lambda f: _build_sd(
                 f,
                 unet_channels=(32, 64),
@@ -275,8 +281,6 @@ DEMO_MODELS: dict[str, DemoModel] = {
         ),
         DemoModel(
             "tiny-flux",
-            "flux-inpaint",
-            128,
             lambda f: _build_flux(
                 f,
                 hidden_heads=2,
@@ -289,8 +293,6 @@ DEMO_MODELS: dict[str, DemoModel] = {
         ),
         DemoModel(
             "small-sd",
-            "sd-inpaint",
-            512,
             lambda f: _build_sd(
                 f,
                 unet_channels=(320, 640),
@@ -302,8 +304,6 @@ DEMO_MODELS: dict[str, DemoModel] = {
         ),
         DemoModel(
             "small-flux",
-            "flux-inpaint",
-            512,
             lambda f: _build_flux(  # factor-4 VAE: 128x128 latents = 64x64 = 4096 tokens
                 f,
                 hidden_heads=6,
@@ -316,8 +316,6 @@ DEMO_MODELS: dict[str, DemoModel] = {
         ),
         DemoModel(
             "tiny-sd3",
-            "sd3-inpaint",
-            128,
             lambda f: _build_sd3(
                 f,
                 heads=2,
@@ -330,8 +328,6 @@ DEMO_MODELS: dict[str, DemoModel] = {
         ),
         DemoModel(
             "small-sd3",
-            "sd3-inpaint",
-            512,
             lambda f: _build_sd3(  # factor-4 VAE: 128x128 latents = 64x64 = 4096 tokens
                 f,
                 heads=6,
@@ -344,8 +340,6 @@ DEMO_MODELS: dict[str, DemoModel] = {
         ),
         DemoModel(
             "shapes-sd",
-            "sd-inpaint",
-            128,
             lambda f: _copy_trained(SHAPES_SD, f),
             source=SHAPES_SD,
         ),

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 CONTROL_PLANE = (
     "retouch.platform.gateway",
@@ -98,13 +96,12 @@ def test_direction_check_sees_a_forbidden_import(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("name", ["tiny-sd", "tiny-flux", "small-sd", "small-flux", "shapes-sd"])
-def test_builtin_catalogue_matches_the_demo_builders(name: str) -> None:
-    """The gateway checks deploys against the torch-free catalogue; it must describe the
-    models the executors build."""
+def test_every_catalogued_model_has_a_builder() -> None:
+    """The gateway checks deploys against the torch-free catalogue (which also gives each
+    builder its family and resolution); every entry must be buildable and vice versa."""
     from retouch.functions.demo.models import DEMO_MODELS
     from retouch.functions.models import BUILTIN_MODELS
 
     assert set(BUILTIN_MODELS) == set(DEMO_MODELS)
-    built, listed = DEMO_MODELS[name], BUILTIN_MODELS[name]
-    assert (built.family, built.resolution) == (listed.family, listed.resolution)
+    for name, model in DEMO_MODELS.items():
+        assert model.family == BUILTIN_MODELS[name].family
