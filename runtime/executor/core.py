@@ -105,6 +105,14 @@ class Superseded(Conflict):
     code = "superseded"
 
 
+def _refuse_if_superseded(name: str, generation: int, latest: int) -> None:
+    if generation < latest:
+        raise Superseded(
+            f"deploy {generation} of {name!r} was superseded by operation {latest}",
+            field="generation",
+        )
+
+
 @dataclass
 class FunctionEntry:
     """A deployed function as the executor holds it: its spec and decoded templates."""
@@ -196,11 +204,7 @@ class ExecutorCore:
                 self._generations[spec.name] = generation
                 registered = self.templates.register(spec, images, fingerprint, sched_config)
                 self.functions[spec.name] = FunctionEntry(spec, images)
-        if generation < latest:
-            raise Superseded(
-                f"deploy {generation} of {spec.name!r} was superseded by operation {latest}",
-                field="generation",
-            )
+        _refuse_if_superseded(spec.name, generation, latest)
         if self.maskaware:
             for template in registered:
                 self._queue_bake(template)
@@ -238,11 +242,7 @@ class ExecutorCore:
         """Fail early (before loading anything) when a later operation already ran."""
         with self.lock:
             latest = self._generations.get(name, 0)
-        if generation < latest:
-            raise Superseded(
-                f"deploy {generation} of {name!r} was superseded by operation {latest}",
-                field="generation",
-            )
+        _refuse_if_superseded(name, generation, latest)
 
     def editor(self, spec: FunctionSpec) -> MaskAwareEditor:
         """One editor per (model, scheduler); editors of a model share its modules.
