@@ -1,0 +1,313 @@
+"""``retouch bench ...``: one registration function and one run function per benchmark.
+
+The benchmarks themselves live in :mod:`retouch.platform.bench` (imported when run: most
+of them need torch); this module only declares their options and prints their results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from retouch.platform.commands.common import (
+    add_models_dir,
+    floats,
+    ints,
+    models_dir,
+    one_line_error,
+    report,
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for add in (_gateway, _deploy, _engine, _fidelity, _load, _plan, _edits, _store):
+        add(bench_sub)
+
+
+def _gateway(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser("gateway", help="the gateway's own time per invocation")
+    p.add_argument("--requests", type=int, default=50)
+    p.add_argument("--examples", type=Path, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_gateway)
+
+
+def _run_gateway(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.gateway import run_gateway_bench
+    from retouch.platform.demo import find_examples
+
+    report(run_gateway_bench(find_examples(args.examples), args.requests), args.json)
+
+
+def _deploy(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "deploy",
+        help="a served function's latency while a second model deploys and profiles (same run)",
+    )
+    p.add_argument(
+        "--requests", type=int, default=12, help="undisturbed invocations before and after"
+    )
+    p.add_argument("--steps", type=int, default=10, help="denoising steps per invocation")
+    p.add_argument("--examples", type=Path, default=None, help="folder of example specs")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_run_deploy)
+
+
+def _run_deploy(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.deploy import run_deploy_bench
+    from retouch.platform.demo import find_examples
+
+    if args.requests < 1 or args.steps < 1:
+        raise ValueError("--requests and --steps must be >= 1")
+    report(run_deploy_bench(find_examples(args.examples), args.requests, args.steps), args.json)
+
+
+def _engine(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "engine", help="mask-aware vs stock diffusers edits, same model, same run"
+    )
+    p.add_argument("--model", default="retouch:small-flux")
+    p.add_argument("--mask-ratios", type=floats, default=[0.05, 0.1, 0.2, 0.35, 0.5, 1.0])
+    p.add_argument("--batch", type=ints, default=[1, 4])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--full-steps",
+        type=int,
+        default=0,
+        help="warm-up steps of the mask-aware edits computed over every token",
+    )
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or process CPU time (steadier on a shared machine)",
+    )
+    add_models_dir(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_engine)
+
+
+def _run_engine(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.engine import run_engine_bench
+
+    rows = run_engine_bench(
+        args.model,
+        args.mask_ratios,
+        args.batch,
+        args.steps,
+        args.repeats,
+        models_dir(args),
+        clock=args.clock,
+        full_steps=args.full_steps,
+    )
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(
+        f"{'model':<20} {'mask':>6} {'batch':>6} {'stock s':>9} {'maskaware s':>12} {'ratio':>7} {'flop ratio':>11}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<20} {r['mask_ratio']:>6.2f} {r['batch']:>6} {r['stock_s']:>9.3f} {r['maskaware_s']:>12.3f} {r['ratio']:>7.3f} {r['flop_ratio']:>11.3f}"
+        )
+
+
+def _fidelity(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "fidelity", help="mask-aware edits against the stock pipeline: PSNR, SSIM, unmasked PSNR"
+    )
+    p.add_argument("--model", default="retouch:small-sd")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument(
+        "--full-steps", type=ints, default=[0], help="warm-up steps to compare, e.g. 0,1,2"
+    )
+    p.add_argument("--mask-ratio", type=float, default=0.2)
+    add_models_dir(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_fidelity)
+
+
+def _run_fidelity(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.fidelity import run_fidelity_bench
+
+    rows = run_fidelity_bench(
+        args.model, args.steps, args.full_steps, models_dir(args), mask_ratio=args.mask_ratio
+    )
+    report(rows, args.json)
+
+
+def _load(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "load", help="load generator comparing executor configurations in one run"
+    )
+    p.add_argument("--model", default="retouch:small-flux")
+    p.add_argument(
+        "--compare",
+        default="continuous,static",
+        help="configurations: +-joined tokens of continuous|static, maskaware|stock, disaggregated|naive",
+    )
+    p.add_argument(
+        "--rate",
+        default="auto:0.7",
+        help="invocations/s, or auto:F = F x measured capacity of the first configuration",
+    )
+    p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--arrivals", choices=("poisson", "gamma"), default="poisson")
+    p.add_argument(
+        "--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrivals"
+    )
+    p.add_argument(
+        "--mask-mean",
+        type=float,
+        default=0.19,
+        help="beta mean: 0.11 (production), 0.19 (public), 0.35 (VITON-HD)",
+    )
+    p.add_argument(
+        "--mask-file",
+        type=Path,
+        default=None,
+        help="mask ratios, one per line (instead of the beta)",
+    )
+    p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--templates", type=int, default=4)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="platform data dir reused by every configuration (default: a temporary one)",
+    )
+    p.add_argument("--plot", type=Path, default=None, help="write latency CDFs to this PNG")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_load)
+
+
+def _run_load(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.load import LoadSpec, Workload, run_load_bench, table
+
+    workload = Workload(
+        args.requests,
+        args.warmup,
+        args.arrivals,
+        args.cv,
+        args.mask_mean,
+        args.mask_file,
+        args.zipf,
+        args.seed,
+    )
+    spec = LoadSpec(
+        args.model,
+        [c for c in args.compare.split(",") if c],
+        args.rate,
+        workload,
+        args.steps,
+        args.templates,
+        args.max_batch,
+        plot=args.plot,
+    )
+    with tempfile.TemporaryDirectory(prefix="retouch-bench-load-") as tmp:
+        result = run_load_bench(spec, args.data_dir or Path(tmp))
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(
+        f"model {result['model']}, offered load {result['rate_rps']:.3f} invocations/s, {result['requests']} measured requests per configuration"
+    )
+    print(table(result["configs"]))
+
+
+def _plan(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "plan", help="bubble-free plan vs naive sequential loading, whole edits, same run"
+    )
+    p.add_argument("--model", default="retouch:small-flux")
+    p.add_argument("--mask-ratio", type=float, default=0.2)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="emulate a host->device link of this bandwidth (GB/s) behind every row read",
+    )
+    add_models_dir(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.plan import run_plan_bench
+
+    result = run_plan_bench(
+        args.model,
+        args.mask_ratio,
+        args.batch,
+        args.steps,
+        args.repeats,
+        models_dir(args),
+        link_gbps=args.link_gbps,
+    )
+    report(result, args.json)
+
+
+def _edits(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "edits",
+        help="edit-success rate: does the masked region get the requested colour? (stock pipeline)",
+    )
+    p.add_argument(
+        "--model", default="retouch:shapes-sd", help="retouch:shapes-sd or a diffusers folder"
+    )
+    p.add_argument(
+        "--edits", type=int, default=50, help="number of edits (half recolour, half replace)"
+    )
+    p.add_argument("--steps", type=int, default=25, help="denoising steps per edit")
+    p.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale")
+    p.add_argument("--seed", type=int, default=0, help="selects the held-out scenes and noise")
+    p.add_argument("--sheet", type=Path, default=None, help="write a PNG of every edit here")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    add_models_dir(p)
+    p.add_argument("--json", action="store_true", help="print JSON with every edit's row")
+    p.set_defaults(run=_run_edits)
+
+
+def _run_edits(args: argparse.Namespace) -> None:
+    if args.edits < 1 or args.steps < 1 or args.threads < 0:
+        one_line_error("--edits and --steps must be >= 1, --threads >= 0")
+    import torch
+
+    from retouch.platform.bench.edits import load_pipeline, run_edit_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pipe = load_pipeline(args.model, models_dir(args))
+    result = run_edit_bench(
+        pipe, args.edits, steps=args.steps, guidance=args.guidance, seed=args.seed, sheet=args.sheet
+    )
+    if not args.json:
+        result = {k: v for k, v in result.items() if k != "rows"}
+    report(result, args.json)
+
+
+def _store(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser("store", help="activation store vs memcpy and raw disk reads")
+    p.add_argument("--size-mb", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_store)
+
+
+def _run_store(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.store import run_store_bench
+
+    with tempfile.TemporaryDirectory(prefix="retouch-bench-store-") as tmp:
+        report(run_store_bench(Path(tmp), size_mb=args.size_mb, repeats=args.repeats), args.json)

@@ -1,0 +1,125 @@
+"""Client side, functions: ``retouch deploy | ls | rm | invoke``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from retouch.functions.errors import RetouchError
+from retouch.platform.commands.common import bar, client_options, connect, words
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = client_options(sub.add_parser("deploy", help="deploy a function from a TOML spec"))
+    p.add_argument("spec", type=Path)
+    p.add_argument(
+        "--no-wait", action="store_true", help="return once stored, before executors load it"
+    )
+    p.add_argument(
+        "--wait",
+        choices=("baked", "ready"),
+        default="baked",
+        help="baked (default): until every template is baked, so first edits are mask-aware; "
+        "ready: once executors have loaded it",
+    )
+    p.set_defaults(run=_deploy)
+
+    p = client_options(sub.add_parser("ls", help="list functions"))
+    p.set_defaults(run=_ls)
+
+    p = client_options(sub.add_parser("rm", help="delete a function"))
+    p.add_argument("name")
+    p.set_defaults(run=_rm)
+
+    p = client_options(sub.add_parser("invoke", help="edit a template: paint the masked region"))
+    p.add_argument("name")
+    p.add_argument("--template", required=True)
+    p.add_argument("--mask", type=Path, required=True, help="image file, nonzero = edit")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--guidance", type=float, default=None)
+    p.add_argument("--format", choices=("png", "webp", "raw"), default="png")
+    p.add_argument("-o", "--output", type=Path, default=Path("out.png"))
+    p.add_argument(
+        "--async",
+        dest="as_job",
+        action="store_true",
+        help="submit a job and print its id at once (then: retouch jobs watch ID)",
+    )
+    p.add_argument("--webhook", default=None, help="with --async: URL told about the job")
+    p.add_argument(
+        "--webhook-events",
+        type=words,
+        default=None,
+        help="with --webhook: started,progress,completed (default completed)",
+    )
+    p.set_defaults(run=_invoke)
+
+
+def _deploy(args: argparse.Namespace) -> None:
+    with connect(args) as client:
+        doc = client.deploy_file(args.spec, wait=not args.no_wait)
+        baking = ""
+        if not args.no_wait and args.wait == "baked" and doc["status"] == "ready":
+            tty = sys.stderr.isatty()
+
+            def progress(baked: int, total: int) -> None:
+                line = f"baking templates {bar(baked / max(1, total))} {baked}/{total}"
+                print(line, end="\r" if tty else "\n", file=sys.stderr)
+
+            doc = client.wait_baked(doc["name"], on_progress=progress)
+            if tty:
+                print(file=sys.stderr)
+            states = [t["state"] for t in doc["templates"].values()]
+            baking = f", {states.count('baked')}/{len(states)} templates baked"
+    error = f" ({doc['error']})" if doc.get("error") else ""
+    print(f"{doc['name']}: {doc['status']}{baking}{error}")
+    if doc["status"] == "failed":
+        sys.exit(1)
+
+
+def _ls(args: argparse.Namespace) -> None:
+    with connect(args) as client:
+        functions = client.list()
+    print(f"{'NAME':<20} {'STATUS':<10} {'FAMILY':<13} {'MODEL':<28} {'TEMPLATES':<24} STATES")
+    for f in functions:
+        states = ",".join(t["state"] for t in f["templates"].values())
+        print(
+            f"{f['name']:<20} {f['status']:<10} {f['family']:<13} {f['model']:<28} {','.join(f['templates']):<24} {states}"
+        )
+
+
+def _rm(args: argparse.Namespace) -> None:
+    with connect(args) as client:
+        client.delete(args.name)
+    print(f"deleted {args.name}")
+
+
+def _invoke(args: argparse.Namespace) -> None:
+    try:
+        mask = args.mask.read_bytes()
+    except OSError as exc:
+        raise RetouchError(
+            f"cannot read mask {args.mask}: {exc.strerror}", field="mask", code="invalid_argument"
+        ) from exc
+    options = {"steps": args.steps, "guidance": args.guidance, "format": args.format}
+    if not args.as_job and args.webhook is not None:
+        raise RetouchError("--webhook needs --async", field="webhook", code="invalid_argument")
+    if args.as_job:
+        options |= {"webhook": args.webhook, "webhook_events": args.webhook_events}
+    given = {k: v for k, v in options.items() if v is not None}
+    with connect(args) as client:
+        call = client.submit if args.as_job else client.invoke
+        result = call(args.name, args.template, mask, args.prompt, args.seed, **given)
+    if args.as_job:
+        position = result.doc.get("queue_position")
+        where = f" (queue position {position})" if position is not None else ""
+        print(f"{result.id} {result.doc['status']}{where}")
+        return
+    args.output.write_bytes(result.image)  # already encoded in the requested format
+    t = result.timings
+    print(
+        f"{args.output}: {result.width}x{result.height} mask_ratio={result.mask_ratio:.3f} path={result.path} executor={result.executor} total={t.total_ms:.0f}ms run={t.run_ms:.0f}ms queue={t.queue_ms:.0f}ms"
+    )
