@@ -1,6 +1,7 @@
 """Sparse transformer blocks for diffusers' ``UNet2DConditionModel`` (the ``sd-inpaint`` family).
 
-A block is one ``Transformer2DModel``. Convolutions stay full, so a block always receives
+A block is one ``Transformer2DModel``, put behind a :class:`MaskAwareTransformer2D` in its
+parent's module list (names and ``state_dict`` keys unchanged). Convolutions stay full, so a block always receives
 its whole input map; in sparse mode it runs the GroupNorm over every token (it needs them
 all) and everything after it on the masked tokens of its level only:
 
@@ -16,7 +17,6 @@ hands straight to diffusers' code, so the stock pipeline runs unchanged on the s
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -29,18 +29,21 @@ from torch import nn
 from retouch.runtime.maskaware.attention import assemble, sdpa, sdpa_segments
 from retouch.runtime.maskaware.context import ForwardContext, Mode, current
 
-INSTALLED = "_retouch_maskaware_block"
-
 
 def install(unet: nn.Module) -> list[str]:
-    """Wrap every ``Transformer2DModel`` of ``unet`` once; returns the block names in order."""
-    names = []
+    """Put a :class:`MaskAwareTransformer2D` in place of every ``Transformer2DModel`` of
+    ``unet`` (once: an installed wrapper is kept); returns the block names in order."""
+    names, found = [], []
     for name, module in unet.named_modules():
-        if isinstance(module, Transformer2DModel):
-            _check_supported(name, module)
-            if getattr(module, INSTALLED, None) is None:
-                _wrap(name, module)
+        if isinstance(module, MaskAwareTransformer2D):
             names.append(name)
+        elif isinstance(module, Transformer2DModel):
+            _check_supported(name, module)
+            found.append((name, module))
+            names.append(name)
+    for name, module in found:
+        parent, _, key = name.rpartition(".")
+        unet.get_submodule(parent).add_module(key, MaskAwareTransformer2D(name, module))
     return names
 
 
@@ -54,7 +57,7 @@ def execution_order(names: list[str]) -> list[str]:
     return sorted(names, key=lambda name: stage.get(name.split(".", 1)[0], 1))
 
 
-def sparse_rows(module: Transformer2DModel) -> tuple[str, ...]:
+def sparse_rows(module: nn.Module) -> tuple[str, ...]:
     """What a sparse block reads from the cache: K and V of each attn1, then its output Y."""
     count = len(module.transformer_blocks)
     return (*(n for i in range(count) for n in (f"k{i}", f"v{i}")), "y")
@@ -63,6 +66,8 @@ def sparse_rows(module: Transformer2DModel) -> tuple[str, ...]:
 def _check_supported(name: str, module: Transformer2DModel) -> None:
     if not module.is_input_continuous:
         raise ValueError(f"{name}: only continuous-input Transformer2DModel blocks can run sparse")
+    if next(module.parameters(recurse=False), None) is not None or module._buffers:
+        raise ValueError(f"{name}: a Transformer2DModel with weights of its own")
     for block in module.transformer_blocks:
         if block.norm_type != "layer_norm" or block.pos_embed is not None:
             raise ValueError(f"{name}: unsupported BasicTransformerBlock ({block.norm_type})")
@@ -79,47 +84,65 @@ def _check_supported(name: str, module: Transformer2DModel) -> None:
                 raise ValueError(f"{name}: unsupported attention configuration")
 
 
-def _wrap(name: str, module: Transformer2DModel) -> None:
-    for index, block in enumerate(module.transformer_blocks):
-        block.attn1.set_processor(SelfAttention(name, index, block.attn1.processor))
-        if block.attn2 is not None:
-            block.attn2.set_processor(CrossAttention(block.attn2.processor))
-    module.forward = functools.partial(_block_forward, module, name)
-    setattr(module, INSTALLED, name)
+class MaskAwareTransformer2D(nn.Module):
+    """A ``Transformer2DModel`` that runs sparse when the active plan says so.
 
+    It takes the block's place in its parent and adopts the block's children (``norm``,
+    ``proj_in``, ``transformer_blocks``, ``proj_out``) under their own names, so module
+    names and ``state_dict`` keys are those of the unwrapped UNet and ``.to()`` reaches
+    every weight; the block itself is kept (outside the module tree) for its configuration
+    and diffusers' own forward, which runs unchanged outside a mask-aware call and for full
+    blocks. Its attention processors are declared with ``set_processor``.
+    """
 
-def _block_forward(
-    module: Transformer2DModel,
-    name: str,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor | None = None,
-    return_dict: bool = True,
-    **kwargs: Any,
-) -> Transformer2DModelOutput | tuple[torch.Tensor]:
-    """A ``Transformer2DModel`` forward that runs sparse when the active plan says so."""
-    ctx = current()
-    if ctx is None:
-        return Transformer2DModel.forward(
-            module, hidden_states, encoder_hidden_states, return_dict=return_dict, **kwargs
-        )
-    ctx.enter_block(name)
-    if ctx.mode(name) is Mode.FULL:
-        out = Transformer2DModel.forward(
-            module, hidden_states, encoder_hidden_states, return_dict=return_dict, **kwargs
-        )
-        if ctx.recording:
-            sample = out.sample if return_dict else out[0]
-            ctx.record(name, "y", sample.flatten(2).transpose(1, 2))
-    else:
-        if (
-            kwargs.get("attention_mask") is not None
-            or kwargs.get("encoder_attention_mask") is not None
-        ):
-            raise ValueError("sparse blocks do not support attention masks")
-        sample = _sparse_forward(ctx, module, name, hidden_states, encoder_hidden_states, kwargs)
-        out = Transformer2DModelOutput(sample=sample) if return_dict else (sample,)
-    ctx.exit_block(name)
-    return out
+    def __init__(self, name: str, block: Transformer2DModel) -> None:
+        super().__init__()
+        self.block_name = name
+        self._inner = (block,)  # a tuple: not registered, its children are ours
+        for child, module in block.named_children():
+            self.add_module(child, module)
+        for index, layer in enumerate(block.transformer_blocks):
+            layer.attn1.set_processor(SelfAttention(name, index, layer.attn1.processor))
+            if layer.attn2 is not None:
+                layer.attn2.set_processor(CrossAttention(layer.attn2.processor))
+
+    @property
+    def inner(self) -> Transformer2DModel:
+        return self._inner[0]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        return_dict: bool = True,
+        **kwargs: Any,
+    ) -> Transformer2DModelOutput | tuple[torch.Tensor]:
+        ctx = current()
+        if ctx is None:
+            return self.inner(
+                hidden_states, encoder_hidden_states, return_dict=return_dict, **kwargs
+            )
+        name = self.block_name
+        ctx.enter_block(name)
+        if ctx.mode(name) is Mode.FULL:
+            out = self.inner(
+                hidden_states, encoder_hidden_states, return_dict=return_dict, **kwargs
+            )
+            if ctx.recording:
+                sample = out.sample if return_dict else out[0]
+                ctx.record(name, "y", sample.flatten(2).transpose(1, 2))
+        else:
+            if (
+                kwargs.get("attention_mask") is not None
+                or kwargs.get("encoder_attention_mask") is not None
+            ):
+                raise ValueError("sparse blocks do not support attention masks")
+            sample = _sparse_forward(
+                ctx, self.inner, name, hidden_states, encoder_hidden_states, kwargs
+            )
+            out = Transformer2DModelOutput(sample=sample) if return_dict else (sample,)
+        ctx.exit_block(name)
+        return out
 
 
 def _sparse_forward(
