@@ -37,6 +37,7 @@ from retouch.cachestore.bake import BakeWriter
 from retouch.cachestore.disktier import DATA_FILE, DiskConfig, DiskTier
 from retouch.cachestore.errors import CorruptEntry, ReadOnlyStore, StoreClosed, StoreError
 from retouch.cachestore.hosttier import HostTier, ResidentTemplate
+from retouch.cachestore.defaults import HOST_BUDGET_BYTES
 from retouch.cachestore.layout import Slot, template_key
 from retouch.cachestore.manifest import Manifest, check_meta
 from retouch.cachestore.policy import PolicySpec, make_policy
@@ -67,7 +68,7 @@ class StoreConfig:
     """
 
     path: Path
-    host_budget_bytes: int = 8 * GiB
+    host_budget_bytes: int = HOST_BUDGET_BYTES
     disk_budget_bytes: int | None = None
     map_size: int = 1 << 40
     policy: PolicySpec = "lru"

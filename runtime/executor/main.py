@@ -20,9 +20,11 @@ import torch
 import uvicorn
 
 from retouch.cachestore.store import ActivationStore, StoreConfig
+from retouch.functions.knobs import add_flags, from_flags
 from retouch.runtime.engine import Engine, EngineConfig, EngineMode
 from retouch.runtime.executor.app import TOKEN_ENV, build_app
 from retouch.runtime.executor.core import ExecutorCore, WorkerStages
+from retouch.runtime.executor.options import ExecutorOptions
 from retouch.runtime.models import ModelCache
 from retouch.runtime.templates import TemplateCache, store_path
 from retouch.runtime.workers import PrePostPool
@@ -46,63 +48,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--port-file", type=Path, required=True, help="where the bound port is published"
     )
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
-    parser.add_argument(
-        "--host-cache-bytes",
-        type=int,
-        default=4 << 30,
-        help="host-RAM budget of the activation store",
-    )
-    parser.add_argument(
-        "--no-maskaware", action="store_true", help="compute every token, never read the cache"
-    )
-    parser.add_argument(
-        "--engine",
-        choices=[m.value for m in EngineMode],
-        default=EngineMode.CONTINUOUS.value,
-        help="continuous (step-level) or static batching",
-    )
-    parser.add_argument("--max-batch", type=int, default=8, help="running batch limit")
-    parser.add_argument(
-        "--inline-prepost",
-        action="store_true",
-        help="pre/post-processing on the engine thread (naive batching)",
-    )
-    parser.add_argument("--pre-workers", type=int, default=1, help="pre-processing processes")
-    parser.add_argument("--post-workers", type=int, default=1, help="post-processing processes")
-    return parser.parse_args(argv)
+    add_flags(parser, ExecutorOptions)
+    args = parser.parse_args(argv)
+    args.options = ExecutorOptions(**from_flags(ExecutorOptions, args))
+    try:
+        args.options.check()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
 
 
 def build_core(args: argparse.Namespace) -> ExecutorCore:
     """The core, not started: the app's lifespan starts and closes it."""
+    options: ExecutorOptions = args.options
     device = torch.device(args.device)
     store = ActivationStore(
-        StoreConfig(path=store_path(args.data_dir), host_budget_bytes=args.host_cache_bytes)
+        StoreConfig(path=store_path(args.data_dir), host_budget_bytes=options.host_cache_bytes)
     )
     shared = args.shared_dir or args.data_dir
     engine_config = EngineConfig(
-        EngineMode(args.engine), args.max_batch, disaggregated=not args.inline_prepost
+        EngineMode(options.engine), options.max_batch, disaggregated=not options.inline_prepost
     )
-    stages = (
-        None
-        if args.inline_prepost
-        else WorkerStages(
-            PrePostPool(
-                shared / "models",
-                device,
-                pre=args.pre_workers,
-                post=args.post_workers,
-                threads=1,
-            )
+    stages = None
+    if not options.inline_prepost:
+        pre, post = options.workers(options.threads or None)
+        log.info("%d pre and %d post workers", pre, post)
+        pool = PrePostPool(
+            shared / "models", device, pre=pre, post=post, threads=options.worker_threads
         )
-    )
+        stages = WorkerStages(pool)
     return ExecutorCore(
         args.name,
         ModelCache(shared / "models", device),
         TemplateCache(store),
         Engine(engine_config, stages),
         stages,
-        maskaware=not args.no_maskaware,
+        maskaware=options.maskaware,
         data_dir=shared,
     )
 
@@ -117,8 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     if not token:
         raise SystemExit(f"{TOKEN_ENV} must be set")
     _exit_with_parent()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    if args.options.threads > 0:
+        torch.set_num_threads(args.options.threads)
     core = build_core(args)
     if os.environ.get(DEBUG_HOOKS_ENV) == "1":
         signal.signal(signal.SIGUSR1, lambda *_: core.engine.inject_fault("SIGUSR1 debug hook"))

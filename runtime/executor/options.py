@@ -1,0 +1,72 @@
+"""The executor's knobs, each defined once (:mod:`retouch.functions.knobs`).
+
+``retouch serve`` offers every one of them as a flag and a ``RETOUCH_*`` variable
+(:class:`retouch.platform.config.ServeConfig` holds an :class:`ExecutorOptions`), passes
+them to each executor process as flags, and the executor parses those flags from the same
+declaration. Torch-free: the gateway and the CLI import it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from retouch.cachestore.defaults import HOST_BUDGET_BYTES
+from retouch.functions.knobs import knob
+
+ENGINE_MODES = ("continuous", "static")
+CORES_PER_WORKER = 4  # pre and post workers each: one per this many cores, at least one
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    host_cache_bytes: int = knob(
+        HOST_BUDGET_BYTES,
+        "host-RAM budget of each executor's activation store, in bytes",
+        shown="4 GiB",
+    )
+    maskaware: bool = knob(
+        True, "mask-aware edits; --no-maskaware computes every token (for comparisons)"
+    )
+    engine: str = knob(
+        "continuous",
+        "step-level continuous batching, or static batches (for comparisons)",
+        choices=ENGINE_MODES,
+    )
+    max_batch: int = knob(8, "running batch limit per model and resolution")
+    inline_prepost: bool = knob(
+        False, "pre/post-processing on the engine thread (naive batching, for comparisons)"
+    )
+    pre_workers: int = knob(
+        0,
+        "pre-processing worker processes per executor "
+        f"(0: one per {CORES_PER_WORKER} of the executor's cores, at least one)",
+    )
+    post_workers: int = knob(
+        0,
+        "post-processing worker processes per executor "
+        f"(0: one per {CORES_PER_WORKER} of the executor's cores, at least one)",
+    )
+    worker_threads: int = knob(1, "torch threads of each pre/post worker process")
+    threads: int = knob(
+        0, "torch threads of each executor (0: the machine's cores shared among executors)"
+    )
+
+    def check(self) -> None:
+        """Refuse values that cannot work, naming the knob."""
+        for name in ("host_cache_bytes", "pre_workers", "post_workers", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_batch", "worker_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.engine not in ENGINE_MODES:
+            raise ValueError(f"engine must be one of {ENGINE_MODES}, got {self.engine!r}")
+
+    def workers(self, cores: int | None = None) -> tuple[int, int]:
+        """(pre, post) worker processes for an executor with ``cores`` CPU cores (default:
+        the cores this process may run on); a knob set above 0 wins."""
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        auto = max(1, cores // CORES_PER_WORKER)
+        return self.pre_workers or auto, self.post_workers or auto
