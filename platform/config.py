@@ -26,7 +26,9 @@ class ServeConfig:
     executors: int = 1  # CPU slots when no GPU is found; with GPUs, one executor per GPU
     token_file: Path | None = None
     max_body_bytes: int = 32 << 20
-    placement: str = "least-requests"
+    placement: str = "maskaware"  # or a baseline: least-requests, round-robin, ...
+    admission: bool = True  # refuse invocations predicted to miss their function's SLO
+    admission_dry_run: bool = False  # log what admission would refuse, refuse nothing
     host_cache_bytes: int = 4 << 30  # per executor: host-RAM tier of the activation store
     maskaware: bool = True  # False: every token computed, the cache never read (comparisons)
     engine: str = "continuous"  # or "static" (a batch runs to completion; for comparisons)
@@ -111,6 +113,12 @@ class ServeConfig:
             raise ValueError(f"job_retention_s must be positive, got {self.job_retention_s}")
         if self.progress_interval_s < 0:
             raise ValueError("progress_interval_s must be >= 0")
+        from retouch.functions.spec import PLACEMENTS  # torch-free, as this module
+
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
+            )
 
 
 def _int_env(name: str) -> int | None:

@@ -83,7 +83,7 @@ class Job:
     result: wire.InvokeResult | None = None
     error: RetouchError | None = None
     # In memory only: the decoded invocation (rebuilt from the request after a restart).
-    prepared: tuple[wire.ExecutorInvoke, float] | None = None
+    prepared: tuple[wire.ExecutorInvoke, Any] | None = None  # (invocation, placement request)
     cancel_requested: bool = False
     events: list[wire.JobEvent] = field(default_factory=list)
     task: asyncio.Task | None = None
@@ -258,7 +258,7 @@ class JobStore:
         self,
         function: str,
         request: wire.JobRequest,
-        prepared: tuple[wire.ExecutorInvoke, float],
+        prepared: tuple[wire.ExecutorInvoke, Any],
         durable: bool = True,
         job_id: str | None = None,
     ) -> Job:

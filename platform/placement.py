@@ -1,42 +1,57 @@
 """Placement: which executor runs an invocation.
 
-Every policy sees the executors that can serve the function (healthy, function loaded)
-and what the gateway knows about the invocation. ``least-requests`` is the default until
-the mask-aware, cost-model placement of FlashPS Algorithm 2 lands (it needs the executors'
-profiled cost models); ``round-robin`` stays as a baseline for comparisons.
+A policy sees the executors that can serve the function and have room (each with its
+:class:`~retouch.platform.control.cluster.ExecutorView`) and the invocation. Policies are
+pure choices over that picture; they hold no I/O and no clock.
+
+``maskaware`` (the default) is FlashPS Algorithm 2 with template affinity: the minimum of
+the predicted completion (the executor's batch ⊕ the newcomer, stepped with its cost model
+and the bubble-free plan) plus the template's residency cost there (0 in host memory, a
+disk load, a bake); near-ties are broken at random so equal executors share the work, and a
+guard stops affinity from piling work onto one executor: when the affine choice would
+finish more than ``imbalance`` later than the fastest, the fastest wins. The baselines stay
+for comparison: ``least-requests``, ``round-robin``, ``least-masked-tokens`` and
+``template-hash`` (consistent hashing on the template).
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import itertools
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from retouch.platform.control.cluster import ExecutorView, PlacementRequest
 
-@dataclass(frozen=True)
-class PlacementRequest:
-    function: str
-    template: str
-    mask_ratio: float
+__all__ = ["POLICIES", "Candidate", "Placement", "PlacementRequest", "make_placement"]
+
+NEAR_TIE = 0.05  # predicted scores within 5 % (or 10 ms) count as equal
 
 
 class Candidate(Protocol):
     name: str
     inflight: int
+    slots: int
+    view: ExecutorView
 
 
 class Placement(Protocol):
     name: str
+    late_binding: bool  # bind only when an executor has batch room (else: any free slot)
 
-    def choose(self, candidates: list[Candidate], request: PlacementRequest) -> Candidate: ...
+    def choose(self, candidates: Sequence[Candidate], request: PlacementRequest) -> Candidate: ...
 
 
 @dataclass
 class RoundRobin:
     name: str = "round-robin"
+    late_binding: bool = False
     _counter: itertools.count = field(default_factory=itertools.count)
 
-    def choose(self, candidates: list[Candidate], request: PlacementRequest) -> Candidate:
+    def choose(self, candidates: Sequence[Candidate], request: PlacementRequest) -> Candidate:
         return candidates[next(self._counter) % len(candidates)]
 
 
@@ -45,12 +60,96 @@ class LeastRequests:
     """Fewest invocations in flight; ties go to the executor listed first (stable)."""
 
     name: str = "least-requests"
+    late_binding: bool = False
 
-    def choose(self, candidates: list[Candidate], request: PlacementRequest) -> Candidate:
+    def choose(self, candidates: Sequence[Candidate], request: PlacementRequest) -> Candidate:
         return min(candidates, key=lambda c: c.inflight)
 
 
-POLICIES = {"round-robin": RoundRobin, "least-requests": LeastRequests}
+@dataclass
+class LeastMaskedTokens:
+    """Fewest masked tokens in flight (a mask-aware count, no cost model)."""
+
+    name: str = "least-masked-tokens"
+    late_binding: bool = False
+
+    def choose(self, candidates: Sequence[Candidate], request: PlacementRequest) -> Candidate:
+        return min(candidates, key=lambda c: (c.view.masked_tokens(), c.inflight))
+
+
+@dataclass
+class TemplateHash:
+    """Consistent hashing of the template onto the executors (virtual nodes on a ring): a
+    template keeps going to the same executor while the pool is stable, and only its share
+    moves when one joins or leaves. An executor without room is skipped along the ring."""
+
+    name: str = "template-hash"
+    late_binding: bool = False
+    vnodes: int = 64
+    _rings: dict[tuple[str, ...], tuple[list[int], list[str]]] = field(default_factory=dict)
+
+    def choose(self, candidates: Sequence[Candidate], request: PlacementRequest) -> Candidate:
+        by_name = {c.name: c for c in candidates}
+        hashes, names = self._ring(tuple(sorted(by_name)))
+        start = bisect.bisect(hashes, _hash(f"{request.function}/{request.template}"))
+        for i in range(len(names)):
+            name = names[(start + i) % len(names)]
+            if name in by_name:
+                return by_name[name]
+        return candidates[0]
+
+    def _ring(self, names: tuple[str, ...]) -> tuple[list[int], list[str]]:
+        ring = self._rings.get(names)
+        if ring is None:
+            points = sorted((_hash(f"{n}#{i}"), n) for n in names for i in range(self.vnodes))
+            ring = ([h for h, _ in points], [n for _, n in points])
+            self._rings = {names: ring}  # the pool changed: older rings are stale
+        return ring
+
+
+def _hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+@dataclass
+class MaskAware:
+    """Minimum predicted completion plus residency cost, near-ties at random, and an
+    imbalance guard (see the module docstring)."""
+
+    name: str = "maskaware"
+    late_binding: bool = True
+    imbalance: float = 0.5  # affinity may finish at most this much later than the fastest
+    seed: int | None = None
+    fallback: LeastRequests = field(default_factory=LeastRequests)
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def choose(self, candidates: Sequence[Candidate], request: PlacementRequest) -> Candidate:
+        scored = []
+        for c in candidates:
+            prediction = c.view.predict(request)
+            if prediction is None:  # no profile of its model there yet: count requests
+                return self.fallback.choose(candidates, request)
+            finish = prediction.finish_s
+            scored.append((finish + c.view.residency_cost_s(request), finish, c))
+        best = min(s for s, _, _ in scored)
+        near = [item for item in scored if item[0] <= best * (1 + NEAR_TIE) + 0.01]
+        _, finish, chosen = near[0] if len(near) == 1 else self._rng.choice(near)
+        fastest = min(f for _, f, _ in scored)
+        if finish > fastest * (1 + self.imbalance) + 0.01:
+            return min(scored, key=lambda item: item[1])[2]
+        return chosen
+
+
+POLICIES = {
+    "maskaware": MaskAware,
+    "least-requests": LeastRequests,
+    "round-robin": RoundRobin,
+    "least-masked-tokens": LeastMaskedTokens,
+    "template-hash": TemplateHash,
+}
 
 
 def make_placement(name: str) -> Placement:

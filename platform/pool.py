@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +36,9 @@ from retouch.functions.errors import (
     RetouchError,
     Unavailable,
 )
+from retouch.platform.control.cluster import ClusterView, ExecutorView
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
-from retouch.platform.placement import Placement, PlacementRequest
+from retouch.platform.placement import Placement, PlacementRequest, make_placement
 from retouch.platform.providers import ExecutorProcess, LocalProvider
 from retouch.platform.registry import StoredFunction
 
@@ -64,17 +66,29 @@ class ExecutorHandle:
     """One executor as the pool sees it (event-loop state, no lock needed)."""
 
     process: ExecutorProcess
-    phase: wire.ExecutorPhase = wire.ExecutorPhase.STARTING
+    view: ExecutorView = field(init=False)  # the control plane's picture of it
     inflight: int = 0
     slots: int = 1
     functions: set[str] = field(default_factory=set)
     probe_failures: int = 0
     state: wire.ExecutorState | None = None
     restarts: int = 0
+    refreshing: bool = False  # a state read is under way (reads are coalesced)
+
+    def __post_init__(self) -> None:
+        self.view = ExecutorView(self.process.name)
 
     @property
     def name(self) -> str:
         return self.process.name
+
+    @property
+    def phase(self) -> wire.ExecutorPhase:
+        return self.view.phase
+
+    @phase.setter
+    def phase(self, phase: wire.ExecutorPhase) -> None:
+        self.view.phase = phase
 
     @property
     def healthy(self) -> bool:
@@ -91,7 +105,20 @@ class ExecutorHandle:
             "slots": self.slots,
             "restarts": self.restarts,
             "functions": sorted(self.functions),
+            "predicted_work_s": round(self.view.work_s(), 3),
+            "templates": {f"{fn}/{t}": tier.value for (fn, t), tier in self.view.residency.items()},
         }
+
+
+@dataclass
+class PlacementStats:
+    """Recent decisions and predictions, for ``/metrics`` and the benches."""
+
+    admission_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    prediction_error: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    reads: dict[str, int] = field(
+        default_factory=lambda: {tier.value: 0 for tier in wire.CacheTier}
+    )
 
 
 class ExecutorLost(Exception):
@@ -113,8 +140,11 @@ class ExecutorPool:
         self.executors: list[ExecutorHandle] = []
         self.functions: dict[str, StoredFunction] = {}
         self.generations: dict[str, int] = {}  # latest control operation per function name
-        self.queue = InvocationQueue(limits, placement, self.candidates)
+        self.cluster = ClusterView()
+        self.placements: dict[str, Placement] = {}  # per function, where its spec names one
+        self.queue = InvocationQueue(limits, placement, self.candidates, policy_of=self.policy)
         self.lost = 0  # invocations re-placed after their executor was lost
+        self.stats = PlacementStats()
         # Invocations with an id while the pool runs them: the executor holding each (None
         # while queued), and the ids whose cancel was asked for.
         self._active: dict[str, ExecutorHandle | None] = {}
@@ -131,10 +161,15 @@ class ExecutorPool:
         self._probe = httpx.AsyncClient(headers=headers, timeout=PROBE_TIMEOUT_S)
         self._monitor: asyncio.Task | None = None
         self._restarts: dict[str, asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()
 
     @property
     def placement(self) -> Placement:
         return self.queue.placement
+
+    def policy(self, function: str) -> Placement:
+        """The placement policy of ``function``: its own, or the server's."""
+        return self.placements.get(function, self.queue.placement)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -149,7 +184,9 @@ class ExecutorPool:
         self._monitor = asyncio.create_task(self._watch())
 
     async def close(self) -> None:
-        tasks = [t for t in (self._monitor, *self._restarts.values()) if t is not None]
+        tasks = [
+            t for t in (self._monitor, *self._restarts.values(), *self._background) if t is not None
+        ]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -175,6 +212,10 @@ class ExecutorPool:
         sequence): executors drop a deploy overtaken by a later deploy or delete."""
         self.functions[stored.spec.name] = stored
         self.generations[stored.spec.name] = generation
+        if stored.spec.placement:
+            self.placements[stored.spec.name] = make_placement(stored.spec.placement)
+        else:
+            self.placements.pop(stored.spec.name, None)
         targets = [e for e in self.executors if e.healthy]
         results = await asyncio.gather(
             *(self._push(e, stored) for e in targets), return_exceptions=True
@@ -186,6 +227,7 @@ class ExecutorPool:
     async def unload(self, name: str, generation: int) -> None:
         """Remove a function everywhere; invocations still waiting for it fail."""
         self.functions.pop(name, None)
+        self.placements.pop(name, None)
         self.generations[name] = generation
         for e in self.executors:
             e.functions.discard(name)
@@ -206,13 +248,46 @@ class ExecutorPool:
             "generation": generation,
         }
         await self._call(handle, "PUT", f"/functions/{stored.spec.name}", body)
+        await self.refresh(handle)  # its cost model and templates, now deployed
         if self.functions.get(stored.spec.name) is stored:  # not deleted or replaced meanwhile
             handle.functions.add(stored.spec.name)
             self.queue.dispatch()
 
+    async def refresh(self, handle: ExecutorHandle) -> None:
+        """Read the executor's state into its view (after a deploy, a bake, an eviction).
+        Reads of one executor are coalesced; a failed read changes nothing."""
+        if handle.refreshing:
+            return
+        handle.refreshing = True
+        try:
+            state = wire.ExecutorState.from_wire(
+                await self._call(handle, "GET", "/state", client=self._probe)
+            )
+        except (RetouchError, httpx.HTTPError) as exc:
+            log.debug("state of %s not read: %r", handle.name, exc)
+            return
+        finally:
+            handle.refreshing = False
+        handle.state = state
+        handle.view.observe_state(state, self.cluster.costers)
+        self.queue.dispatch()
+
+    def _refresh_soon(self, handle: ExecutorHandle) -> None:
+        task = asyncio.create_task(self.refresh(handle))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     # ---- invocations --------------------------------------------------------------------
     def admit(self, function: str) -> None:
         self.queue.admit(function)
+
+    def admit_slo(self, request: PlacementRequest) -> None:
+        """429 ``slo_unattainable`` when ``request`` is predicted to miss its SLO."""
+        started = time.perf_counter()
+        try:
+            self.queue.admit_slo(request)
+        finally:
+            self.stats.admission_s.append(time.perf_counter() - started)
 
     def queue_positions(self) -> dict[str, int]:
         """Waiting invocations (by id) and how many wait ahead of each."""
@@ -237,7 +312,7 @@ class ExecutorPool:
     async def invoke(
         self,
         inv: wire.ExecutorInvoke,
-        mask_ratio: float,
+        request: PlacementRequest,
         on_start: OnStart | None = None,
         on_progress: OnProgress | None = None,
     ) -> wire.InvokeResult:
@@ -245,10 +320,10 @@ class ExecutorPool:
         is lost (up to ``max_attempts`` executors, within ``invoke_timeout_s``).
         ``on_start`` hears each time it leaves the queue, ``on_progress`` each step."""
         if not inv.id:
-            return await self._invoke(inv, mask_ratio, on_start, on_progress)
+            return await self._invoke(inv, request, on_start, on_progress)
         self._active[inv.id] = None
         try:
-            return await self._invoke(inv, mask_ratio, on_start, on_progress)
+            return await self._invoke(inv, request, on_start, on_progress)
         finally:
             self._active.pop(inv.id, None)
             self._cancels.discard(inv.id)
@@ -260,21 +335,28 @@ class ExecutorPool:
     async def _invoke(
         self,
         inv: wire.ExecutorInvoke,
-        mask_ratio: float,
+        request: PlacementRequest,
         on_start: OnStart | None,
         on_progress: OnProgress | None,
     ) -> wire.InvokeResult:
-        request = PlacementRequest(inv.function, inv.template, mask_ratio)
         deadline = time.monotonic() + self.retry.invoke_timeout_s
+        service_s = self.queue.service_s(request)
         lost_on: list[str] = []
         queued_s = 0.0
         while True:
             self._check_canceled(inv)
             enqueued = time.monotonic()
+            token = self.cluster.token()
             handle = await self.queue.acquire(
-                request, deadline, front=bool(lost_on), tag=inv.id or None
+                request,
+                deadline,
+                front=bool(lost_on),
+                tag=inv.id or None,
+                token=token,
+                service_s=service_s,
             )
             bound = time.monotonic()
+            placed = handle.view.placed.get(token)
             queued_s += bound - enqueued
             try:
                 self._check_canceled(inv)  # canceled between binding and this line
@@ -282,9 +364,9 @@ class ExecutorPool:
                     self._active[inv.id] = handle
                 if on_start is not None:
                     on_start(handle.name, len(lost_on) + 1)
-                result = await self._send(handle, inv, deadline, on_progress)
+                result = await self._send(handle, inv, deadline, on_progress, token)
             except ExecutorLost as exc:
-                self.queue.release(handle)
+                self.queue.release(handle, token=token)
                 if inv.id:
                     self._active[inv.id] = None  # back in the queue
                 lost_on.append(handle.name)
@@ -298,12 +380,33 @@ class ExecutorPool:
                 log.warning("%s lost an invocation (%s); re-placing it", handle.name, exc)
                 continue
             except BaseException:
-                self.queue.release(handle)
+                self.queue.release(handle, token=token)
                 raise
-            self.queue.release(handle, time.monotonic() - bound)
+            result.timings.placed_ms = (time.monotonic() - bound) * 1e3
+            self._learn(handle, token, result, placed)
+            self.queue.release(handle, time.monotonic() - bound, token=token)
             result.attempts = len(lost_on) + 1
             result.timings.gateway_queue_ms = queued_s * 1e3
             return result
+
+    def _learn(
+        self,
+        handle: ExecutorHandle,
+        token: int,
+        result: wire.InvokeResult,
+        placed: Any,
+    ) -> None:
+        """Completion: the view learns (calibration, residency), the prediction is scored,
+        and the executor's state is re-read when the store changed (a bake, a new host
+        resident)."""
+        error = handle.view.finish(token, time.monotonic(), result)
+        if placed is not None:
+            result.timings.predicted_ms = placed.predicted.finish_s * 1e3
+        if error is not None:
+            self.stats.prediction_error.append(error)
+        self.stats.reads[result.cache.tier.value] += 1
+        if result.path is wire.InvokePath.STOCK or result.cache.tier is not wire.CacheTier.HOST:
+            self._refresh_soon(handle)
 
     async def _send(
         self,
@@ -311,11 +414,12 @@ class ExecutorPool:
         inv: wire.ExecutorInvoke,
         deadline: float,
         on_progress: OnProgress | None = None,
+        token: int = -1,
     ) -> wire.InvokeResult:
         timeout = max(0.1, deadline - time.monotonic())
         try:
             async with asyncio.timeout(timeout):
-                return await self._stream(handle, inv, on_progress)
+                return await self._stream(handle, inv, on_progress, token)
         except (httpx.TimeoutException, TimeoutError):
             raise GatewayTimeout(
                 f"{handle.name} did not answer before the invocation's deadline", code="timeout"
@@ -330,7 +434,11 @@ class ExecutorPool:
             raise
 
     async def _stream(
-        self, handle: ExecutorHandle, inv: wire.ExecutorInvoke, on_progress: OnProgress | None
+        self,
+        handle: ExecutorHandle,
+        inv: wire.ExecutorInvoke,
+        on_progress: OnProgress | None,
+        token: int = -1,
     ) -> wire.InvokeResult:
         """``POST /invoke/stream``: step frames, then the result or the error."""
         reader = wire.FrameReader()
@@ -342,6 +450,7 @@ class ExecutorPool:
             async for chunk in resp.aiter_bytes():
                 for frame in reader.feed(chunk):
                     if isinstance(frame, wire.StepProgress):
+                        handle.view.progress(token, frame.step, frame.total)
                         if on_progress is not None:
                             on_progress(frame)
                     elif isinstance(frame, wire.InvokeResult):
@@ -396,6 +505,8 @@ class ExecutorPool:
         )
         handle.state = state
         handle.slots = max(1, state.engine.max_batch * SLOTS_PER_BATCH)
+        handle.view.slots = handle.slots
+        handle.view.observe_state(state, self.cluster.costers)
         for stored in list(self.functions.values()):
             try:
                 await self._push(handle, stored)

@@ -45,7 +45,13 @@ def build_gateway(config: ServeConfig) -> Gateway:
         cpu_slots=config.executors,
         executor_args=config.executor_args(),
     )
-    limits = QueueLimits(config.max_queued, config.max_queued_per_function, config.queue_timeout_s)
+    limits = QueueLimits(
+        config.max_queued,
+        config.max_queued_per_function,
+        config.queue_timeout_s,
+        admission=config.admission,
+        dry_run=config.admission_dry_run,
+    )
     retry = RetryPolicy(config.max_attempts, config.invoke_timeout_s)
     pool = ExecutorPool(provider, make_placement(config.placement), limits, retry)
     return Gateway(

@@ -46,6 +46,7 @@ import torch
 
 from retouch.functions.errors import Canceled, Unavailable
 from retouch.functions.imaging import encode_image
+from retouch.runtime.costmodel import LinearFit
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
 from retouch.runtime.maskaware.loader import attached
@@ -165,6 +166,7 @@ class StepRecord:
     load_wait_ms: float  # time blocks waited for cached rows during the step
     sparse_blocks: int
     blocks: int
+    predicted_ms: float = 0.0  # the plan's latency of the profiled blocks (0: no planner)
 
 
 @dataclass
@@ -192,7 +194,20 @@ class EngineCounters:
             "last_plan": {"sparse": recent[-1].sparse_blocks, "blocks": recent[-1].blocks}
             if recent
             else None,
+            **step_overhead(recent),
         }
+
+
+def step_overhead(records: list[StepRecord]) -> dict[str, float]:
+    """What a step takes beyond the plan's profiled blocks, as a line in the batch size
+    (medians per size): the gateway's prediction adds it to every predicted step."""
+    planned = [r for r in records if r.predicted_ms > 0]
+    if not planned:
+        return {}
+    fit = LinearFit.fit_medians(
+        [float(r.batch) for r in planned], [r.step_ms - r.predicted_ms for r in planned]
+    )
+    return {"overhead_ms": fit.intercept, "overhead_per_request_ms": fit.slope}
 
 
 class Engine:
@@ -474,6 +489,7 @@ class Engine:
                 _load_wait_ms(editor),
                 sparse,
                 len(modes),
+                _predicted_ms(editor),
             )
         )
         for work in group:
@@ -564,6 +580,12 @@ class Engine:
         except Exception:
             log.exception("background job failed")
         self.counters.bakes += 1
+
+
+def _predicted_ms(editor: MaskAwareEditor) -> float:
+    """The planner's predicted latency of the step just run (0 without a cost model)."""
+    plan = getattr(editor.plan, "last", None)
+    return plan.latency * 1e3 if plan is not None else 0.0
 
 
 def _load_wait_ms(editor: MaskAwareEditor) -> float:

@@ -12,18 +12,25 @@ pair, so it finds the plan with the earliest finish exactly, in O(N · frontier)
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from retouch.runtime.maskaware.context import Mode
 
 if TYPE_CHECKING:
     from retouch.runtime.costmodel import CostModel
     from retouch.runtime.maskaware.request import RequestState
 
 log = logging.getLogger(__name__)
+
+
+class Mode(enum.Enum):
+    """How a block runs in one step. Defined here, torch-free, because the gateway's
+    prediction runs the same plan as the executor without importing torch."""
+
+    FULL = "full"  # the standard block over every token
+    SPARSE = "sparse"  # masked tokens only, cached K/V/Y for the rest
 
 
 @dataclass(frozen=True)
@@ -157,10 +164,13 @@ class Planner:
 
     def __call__(self, states: list[RequestState], blocks: list[str]) -> dict[str, Mode]:
         modes = dict.fromkeys(blocks, Mode.FULL)
+        costs = self.cost_model.block_costs(batch_tokens(self.cost_model, states))
         if not any(s.step_reader is not None for s in states):
-            self.last = None
-            return modes  # nothing cached: sparse would compute every token anyway
-        plan = bubble_free_plan(self.cost_model.block_costs(batch_tokens(self.cost_model, states)))
+            # Nothing cached: sparse would compute every token anyway. The all-full plan
+            # is still kept: its latency is what the step is predicted to take.
+            self.last = Plan(tuple(modes.values()), sum(c.full for c in costs), 0.0)
+            return modes
+        plan = bubble_free_plan(costs)
         self.last = plan
         for profile, mode in zip(self.cost_model.blocks, plan.modes, strict=True):
             if profile.name in modes:

@@ -39,7 +39,7 @@ from retouch.runtime.maskaware.tokens import TokenBatch
 log = logging.getLogger(__name__)
 
 PROFILE_NICE = 10  # the profiling child yields most of the CPU to the engine beside it
-PROFILE_VERSION = 1  # bump when what is measured changes: cached profiles are redone
+PROFILE_VERSION = 2  # bump when what is measured changes: cached profiles are redone
 PROMPT = "a quiet street"  # the demo tokenizers take 14 characters
 SWEEP_COPIES = (1, 2, 4, 8)  # requests per timed load job in the load sweep
 
@@ -369,7 +369,8 @@ def _fit(
     sizes, seconds = zip(*samples.load, strict=True) if samples.load else ((), ())
     load = LinearFit.fit_medians([float(b) for b in sizes], list(seconds))
     device = str(editor.device) if editor.device.type != "cuda" else device_label(editor.device)
-    return CostModel(device, blocks, load)
+    # A request's tokens per grid level: the gateway's prediction sums masks on them.
+    return CostModel(device, blocks, load, {"grids": list(samples.grids)})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-body-bytes", type=int, default=None, help="payload limit (default 32 MiB)"
     )
-    p.add_argument("--placement", default=None, help="least-requests (default) or round-robin")
+    p.add_argument(
+        "--placement",
+        default=None,
+        help="maskaware (default: predicted completion + template residency), or a baseline: "
+        "least-requests, round-robin, least-masked-tokens, template-hash",
+    )
+    p.add_argument(
+        "--no-admission",
+        dest="admission",
+        action="store_false",
+        default=None,
+        help="queue invocations predicted to miss their SLO instead of refusing them (429)",
+    )
+    p.add_argument(
+        "--admission-dry-run",
+        action="store_true",
+        default=None,
+        help="log what SLO admission would refuse, refuse nothing",
+    )
     p.add_argument(
         "--host-cache-bytes",
         type=int,
@@ -133,6 +151,8 @@ def _serve(args: argparse.Namespace) -> None:
         token_file=args.token_file,
         max_body_bytes=args.max_body_bytes,
         placement=args.placement,
+        admission=args.admission,
+        admission_dry_run=args.admission_dry_run,
         host_cache_bytes=args.host_cache_bytes,
         maskaware=args.maskaware,
         engine=args.engine,

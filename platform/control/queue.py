@@ -10,14 +10,25 @@ for one function); beyond that :meth:`admit` refuses with 429 ``overloaded`` and
 ``Retry-After`` estimated from the recent service time. Invocations re-placed after their
 executor was lost go to the head of the queue: they were accepted first.
 
-The placement-and-admission issue replaces :meth:`admit` with predicted-completion
-admission and :meth:`_dispatch` with cost-model placement; both plug in here.
+Late binding (for policies that ask for it, ``maskaware``): an invocation is bound only
+when an executor has *batch* room, or when its predicted start there is within the
+prefetch horizon (so the template's disk-to-host prefetch still overlaps the wait); until
+then the decision stays open and sees every later event. Once bound it does not move.
+Order: re-placed invocations first, then least slack when an SLO is set (deadline minus
+predicted service), arrival order otherwise.
+
+SLO admission: an invocation of a function with ``slo.latency_ms`` is refused at once (429
+``slo_unattainable`` with ``Retry-After``) when its best predicted completion, the queue
+ahead of it included, exceeds the SLO; a queued one that can no longer make it is dropped
+with the same error. Both counted; ``admission=False`` turns it off and ``dry_run`` only
+logs what it would do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections import deque
@@ -26,10 +37,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from retouch.functions.errors import Canceled, GatewayTimeout, Overloaded
+from retouch.platform.control.cluster import ExecutorView
 from retouch.platform.placement import Placement, PlacementRequest
+
+log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 POLL_S = 1.0  # how often a waiter re-checks that some executor serves its function
+PolicyOf = Callable[[str], Placement]  # the placement policy of a function
 
 
 class Slotted(Protocol):
@@ -38,6 +53,7 @@ class Slotted(Protocol):
     name: str
     inflight: int
     slots: int
+    view: ExecutorView
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,9 @@ class QueueLimits:
     max_queued: int = 256  # waiting invocations, all functions
     max_per_function: int = 0  # waiting invocations of one function (0: no own limit)
     wait_timeout_s: float = 120.0  # longest wait with no executor serving the function
+    admission: bool = True  # refuse invocations predicted to miss their function's SLO
+    dry_run: bool = False  # log admission decisions instead of taking them
+    prefetch_horizon_s: float = 0.25  # late binding: bind this long before batch room
 
 
 @dataclass(eq=False)
@@ -54,19 +73,31 @@ class Waiter:
     request: PlacementRequest
     enqueued: float
     tag: str | None = None  # the invocation's id: its queue position and cancel refer to it
+    token: int = -1  # its name in the cluster view once bound
+    front: bool = False  # re-placed after its executor was lost: goes first
+    service_s: float = 0.0  # predicted service once started (least-slack order, feasibility)
     future: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+
+    def order(self, default_slack_s: float) -> tuple[bool, float]:
+        slo = self.request.slo_s
+        due = self.enqueued + (slo - self.service_s if slo is not None else default_slack_s)
+        return (not self.front, due)
 
 
 @dataclass
 class QueueStats:
     admitted: int = 0
-    rejected: int = 0
+    rejected: int = 0  # refused: the queue was full
+    slo_rejected: int = 0  # refused on arrival: predicted to miss the SLO
+    slo_dropped: int = 0  # dropped from the queue: could no longer make the SLO
+    would_reject: int = 0  # dry run: what admission would have refused or dropped
     timed_out: int = 0
     replaced: int = 0  # invocations re-queued after their executor was lost
     canceled: int = 0  # left the queue by cancel
     service_s: float = 1.0  # EWMA of slot holding time (for Retry-After)
+    decision_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class InvocationQueue:
@@ -78,9 +109,11 @@ class InvocationQueue:
         placement: Placement,
         candidates: Callable[[str], Sequence[Slotted]],
         clock: Clock = time.monotonic,
+        policy_of: PolicyOf | None = None,
     ) -> None:
         self.limits = limits
-        self.placement = placement
+        self.placement = placement  # the server's default policy
+        self._policy_of = policy_of or (lambda function: self.placement)
         self._candidates = candidates  # executors that serve a function now
         self._clock = clock
         self._waiting: deque[Waiter] = deque()
@@ -94,7 +127,8 @@ class InvocationQueue:
 
     def positions(self) -> dict[str, int]:
         """Tagged waiters and how many invocations wait ahead of each (0: next)."""
-        return {w.tag: i for i, w in enumerate(self._waiting) if w.tag is not None}
+        ordered = sorted(self._waiting, key=lambda w: w.order(self.limits.wait_timeout_s))
+        return {w.tag: i for i, w in enumerate(ordered) if w.tag is not None}
 
     def cancel(self, tag: str) -> bool:
         """Take the waiter tagged ``tag`` out of the queue; it fails with ``canceled``."""
@@ -121,6 +155,50 @@ class InvocationQueue:
                 retry_after_s=retry,
             )
 
+    def admit_slo(self, request: PlacementRequest) -> float:
+        """Refuse ``request`` (429 ``slo_unattainable``) when its best predicted completion,
+        the queue ahead included, exceeds its SLO. Returns its predicted service (seconds
+        once started) for the queue's order; 0 when nothing can be predicted."""
+        best, service = self._best(request)
+        if request.slo_s is None or not self.limits.admission or math.isinf(best):
+            return service
+        predicted = best + self._backlog_s(request.function)
+        if predicted <= request.slo_s:
+            return service
+        retry = max(1, math.ceil(predicted - request.slo_s))
+        if self.limits.dry_run:
+            self.stats.would_reject += 1
+            log.info("admission (dry run) would refuse %s: %.2f s > SLO %.2f s",
+                     request.function, predicted, request.slo_s)  # fmt: skip
+            return service
+        self.stats.slo_rejected += 1
+        raise Overloaded(
+            f"predicted completion {predicted:.2f} s exceeds the SLO of "
+            f"{request.slo_s:.2f} s; retry in {retry} s",
+            code="slo_unattainable",
+            retry_after_s=retry,
+        )
+
+    def service_s(self, request: PlacementRequest) -> float:
+        """Predicted service of ``request`` once started (0: nothing can predict it)."""
+        return self._best(request)[1]
+
+    def _best(self, request: PlacementRequest) -> tuple[float, float]:
+        """The earliest predicted finish over the function's executors, and the service
+        time (finish - start) of that prediction."""
+        best, service = math.inf, 0.0
+        for c in self._candidates(request.function):
+            prediction = c.view.predict(request)
+            if prediction is not None and prediction.finish_s < best:
+                best, service = prediction.finish_s, prediction.finish_s - prediction.start_s
+        return best, service
+
+    def _backlog_s(self, function: str) -> float:
+        """Predicted service of the invocations of ``function`` queued ahead, shared by
+        the executors that serve it."""
+        ahead = sum(w.service_s for w in self._waiting if w.request.function == function)
+        return ahead / max(1, len(self._candidates(function)))
+
     def retry_after_s(self) -> int:
         """Seconds until the queue has drained by about the limit: queued × service time
         over the slots that serve them (at least 1)."""
@@ -137,19 +215,20 @@ class InvocationQueue:
         deadline: float,
         front: bool = False,
         tag: str | None = None,
+        token: int = -1,
+        service_s: float = 0.0,
     ) -> Slotted:
         """Wait until an executor serving ``request.function`` has a free slot (bound to
         it, ``inflight`` counted). Raises :class:`GatewayTimeout` at the invocation's
         deadline, or once *no* executor has been able to serve the function for
         ``wait_timeout_s`` (an executor restarting, a deploy in progress): waiting behind
         other work is bounded by the deadline and the queue limit, not by this timeout."""
-        waiter = Waiter(request, self._clock(), tag)
+        waiter = Waiter(request, self._clock(), tag, token, front, service_s)
         if front:
             self.stats.replaced += 1
-            self._waiting.appendleft(waiter)
         else:
             self.stats.admitted += 1
-            self._waiting.append(waiter)
+        self._waiting.append(waiter)
         self.dispatch()
         unserved_since: float | None = None
         try:
@@ -179,7 +258,7 @@ class InvocationQueue:
         except asyncio.CancelledError:  # the client went away: give back a bound slot
             fut = waiter.future
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.release(fut.result())
+                self.release(fut.result(), token=waiter.token)
             self._drop(waiter)
             raise
 
@@ -188,9 +267,11 @@ class InvocationQueue:
         self.stats.timed_out += 1
         return GatewayTimeout(why, code="timeout")
 
-    def release(self, executor: Slotted, held_s: float | None = None) -> None:
+    def release(self, executor: Slotted, held_s: float | None = None, token: int = -1) -> None:
         """An invocation left ``executor``: free its slot and bind the next waiters."""
         executor.inflight = max(0, executor.inflight - 1)
+        if token >= 0:
+            executor.view.finish(token, self._clock(), None)  # no-op once the pool learnt
         if held_s is not None and held_s > 0:
             self.stats.service_s = 0.9 * self.stats.service_s + 0.1 * held_s
         self.dispatch()
@@ -200,17 +281,53 @@ class InvocationQueue:
         no executor with room stays without blocking the others."""
         if not self._waiting:
             return
-        for waiter in list(self._waiting):
+        now = self._clock()
+        default_slack = self.limits.wait_timeout_s
+        for waiter in sorted(self._waiting, key=lambda w: w.order(default_slack)):
             if waiter.future.done():
                 self._drop(waiter)
                 continue
-            room = [c for c in self._candidates(waiter.request.function) if c.inflight < c.slots]
+            if self._infeasible(waiter, now):
+                continue
+            policy = self._policy_of(waiter.request.function)
+            room = [
+                c
+                for c in self._candidates(waiter.request.function)
+                if _has_room(c, policy.late_binding, self.limits.prefetch_horizon_s)
+            ]
             if not room:
                 continue
-            chosen = self.placement.choose(room, waiter.request)
+            started = time.perf_counter()
+            chosen = policy.choose(room, waiter.request)
+            self.stats.decision_s.append(time.perf_counter() - started)
             chosen.inflight += 1
+            if waiter.token >= 0:
+                chosen.view.place(waiter.token, waiter.request, now)
             self._drop(waiter)
             waiter.future.set_result(chosen)
+
+    def _infeasible(self, waiter: Waiter, now: float) -> bool:
+        """Drop a queued invocation that can no longer finish within its SLO."""
+        slo = waiter.request.slo_s
+        if slo is None or not self.limits.admission or waiter.service_s <= 0:
+            return False
+        late = now + waiter.service_s - (waiter.enqueued + slo)
+        if late <= 0:
+            return False
+        if self.limits.dry_run:
+            self.stats.would_reject += 1
+            return False
+        self.stats.slo_dropped += 1
+        self._drop(waiter)
+        waiter.future.set_exception(
+            Overloaded(
+                f"queued {now - waiter.enqueued:.2f} s, it can no longer finish within the "
+                f"SLO of {slo:.2f} s",
+                code="slo_unattainable",
+                retry_after_s=max(1, math.ceil(late)),
+            )
+        )
+        return True
 
     def fail(self, function: str, error: Exception) -> None:
         """Fail every invocation of ``function`` still waiting (e.g. it was deleted)."""
@@ -222,3 +339,13 @@ class InvocationQueue:
     def _drop(self, waiter: Waiter) -> None:
         with contextlib.suppress(ValueError):  # already bound or dropped
             self._waiting.remove(waiter)
+
+
+def _has_room(c: Slotted, late_binding: bool, horizon_s: float) -> bool:
+    """A free slot; with late binding, batch room, or a predicted start within the
+    prefetch horizon (the template's prefetch overlaps the last bit of waiting)."""
+    if c.inflight >= c.slots:
+        return False
+    if not late_binding or c.inflight < c.view.max_batch:
+        return True
+    return c.view.next_start_s() <= horizon_s

@@ -7,7 +7,6 @@ pipeline keeps running unchanged on the same model, even from another thread.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -18,13 +17,7 @@ import torch
 
 from retouch.runtime.maskaware.store import ActivationReader, ActivationWriter
 from retouch.runtime.maskaware.tokens import TokenBatch
-
-
-class Mode(enum.Enum):
-    """How a block runs in one step."""
-
-    FULL = "full"  # the standard block over every token
-    SPARSE = "sparse"  # masked tokens only, cached K/V/Y for the rest
+from retouch.runtime.plan import Mode
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from retouch.functions.errors import GatewayTimeout, NotFound, Overloaded
+from retouch.platform.control.cluster import ExecutorView
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.placement import LeastRequests, PlacementRequest
 
@@ -21,6 +22,10 @@ class FakeExecutor:
     slots: int = 1
     inflight: int = 0
     functions: set[str] = field(default_factory=lambda: {"f"})
+    view: ExecutorView = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.view = ExecutorView(self.name, max_batch=self.slots, slots=self.slots)
 
 
 def sync(test: Callable[..., Coroutine]) -> Callable[..., None]:

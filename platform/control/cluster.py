@@ -1,0 +1,352 @@
+"""The cluster view: the gateway's one picture of every executor, updated on events.
+
+Per executor it holds what placement, admission and the autoscaler need: its phase, cost
+models (one :class:`~retouch.runtime.prediction.StepCoster` per model, from the profile the
+executor reports), its calibration (time outside the profiled blocks, pre/post, drift), the
+invocations placed on it (mask footprint, steps left, template) and where each template is
+(host tier, disk, baking, absent). It changes when the gateway places an invocation, when
+a step-progress frame or a result arrives on the invocation's stream, and when the
+executor's state is read after a deploy, a bake or an eviction — never by waiting for a
+periodic scrape. Nothing here does I/O; time is a parameter (the simulator drives the same
+objects on a virtual clock).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from retouch.functions import wire
+from retouch.runtime.costmodel import CostModel
+from retouch.runtime.prediction import (
+    MaskFootprint,
+    Member,
+    Prediction,
+    StepCalibration,
+    StepCoster,
+    first_departure_s,
+    predict,
+)
+
+EWMA = 0.2  # weight of a new observation in the calibration's running averages
+SCALE_LIMITS = (0.25, 8.0)  # the drift correction never runs away on one outlier
+DISK_LOAD_S = 0.05  # a template's disk load before one was observed
+MEMO_BUCKETS = 64  # mask resolution of the per-executor prediction memo
+
+
+class Residency(StrEnum):
+    """Where a template's activations are on one executor, as the gateway knows it."""
+
+    HOST = "host"
+    DISK = "disk"
+    BAKING = "baking"
+    ABSENT = "absent"
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """An invocation to place: what placement and the prediction need to know of it.
+    Without a ``footprint`` (no mask summary) nothing can be predicted for it."""
+
+    function: str
+    template: str
+    mask_ratio: float
+    model: str = ""
+    steps: int = 0
+    footprint: MaskFootprint | None = None
+    slo_s: float | None = None  # its function's latency objective
+
+
+@dataclass
+class Placed:
+    """An invocation on an executor: its cost member, when it was placed, what was
+    predicted then, and whether it joined the running batch yet."""
+
+    newcomer: PlacementRequest
+    member: Member
+    placed_at: float
+    predicted: Prediction
+    started: bool = False
+
+
+@dataclass
+class Calibration:
+    """Running averages that turn the profile's block costs into observed completion."""
+
+    overhead_s: float = 0.0
+    overhead_per_request_s: float = 0.0
+    scale: float = 1.0
+    pre_s: float = 0.0
+    post_s: float = 0.0
+    disk_load_s: float = DISK_LOAD_S
+    observations: int = 0
+
+    def step(self) -> StepCalibration:
+        return StepCalibration(
+            self.overhead_s, self.overhead_per_request_s, self.scale, self.pre_s, self.post_s
+        )
+
+
+class ExecutorView:
+    """One executor as the control plane sees it (event-loop state: no lock)."""
+
+    def __init__(self, name: str, max_batch: int = 8, slots: int = 16) -> None:
+        self.name = name
+        self.phase = wire.ExecutorPhase.STARTING
+        self.max_batch = max_batch
+        self.slots = slots
+        self.device = ""
+        self.costers: dict[str, StepCoster] = {}  # model -> coster
+        self.calibration = Calibration()
+        self.placed: dict[int, Placed] = {}  # in placement order
+        self.residency: OrderedDict[tuple[str, str], Residency] = OrderedDict()  # LRU last
+        self.host_capacity: int | None = None  # templates the host tier holds (None: unknown)
+        self.version = 0
+        self._memo: dict[tuple, Prediction] = {}
+        self._memo_version = -1
+
+    # ---- what the executor is -----------------------------------------------------------
+    def observe_state(self, state: wire.ExecutorState, costers: CosterCache) -> None:
+        """Cost models, engine calibration and template residency from the executor's own
+        state (read after it became ready, after a deploy and after bakes and evictions)."""
+        self.device = state.device
+        self.max_batch = max(1, state.engine.max_batch)
+        for model, doc in state.cost_models.items():
+            coster = costers.get(state.device, model, doc)
+            if coster is not None:
+                self.costers[model] = coster
+        self.calibration.overhead_s = max(0.0, state.engine.overhead_ms / 1e3)
+        self.calibration.overhead_per_request_s = max(
+            0.0, state.engine.overhead_per_request_ms / 1e3
+        )
+        self._observe_templates(state)
+        self._changed()
+
+    def _observe_templates(self, state: wire.ExecutorState) -> None:
+        sizes = []
+        for function, templates in state.templates.items():
+            for template, status in templates.items():
+                key = (function, template)
+                if status.state is wire.BakeState.BAKED:
+                    tier = Residency.HOST if status.host else Residency.DISK
+                    if status.bytes:
+                        sizes.append(status.bytes)
+                elif status.state in (wire.BakeState.BAKING, wire.BakeState.QUEUED):
+                    tier = Residency.BAKING
+                else:
+                    tier = Residency.ABSENT
+                if tier is Residency.HOST:
+                    self.residency[key] = tier
+                    self.residency.move_to_end(key)
+                elif self.residency.get(key) is not Residency.HOST or tier is Residency.ABSENT:
+                    self.residency[key] = tier
+        cache = state.cache
+        if cache.host_budget_bytes and (sizes or cache.host_templates):
+            each = sum(sizes) / len(sizes) if sizes else cache.host_bytes / cache.host_templates
+            self.host_capacity = max(1, int(cache.host_budget_bytes // max(1.0, each)))
+
+    @property
+    def ready(self) -> bool:
+        return self.phase is wire.ExecutorPhase.READY
+
+    @property
+    def inflight(self) -> int:
+        return len(self.placed)
+
+    # ---- events -------------------------------------------------------------------------
+    def member(self, newcomer: PlacementRequest) -> Member | None:
+        """The newcomer's cost on this executor (None: no profile of its model here yet)."""
+        coster = self.costers.get(newcomer.model)
+        if coster is None or newcomer.footprint is None:
+            return None
+        if self.tier(newcomer.function, newcomer.template) in (
+            Residency.HOST,
+            Residency.DISK,
+        ):
+            masked = newcomer.footprint.on(coster.grids)
+        else:  # not baked here: the full path computes every token
+            masked = coster.full_masks()
+        return Member(coster, newcomer.steps, masked)
+
+    def place(self, token: int, newcomer: PlacementRequest, now: float) -> Placed | None:
+        member = self.member(newcomer)
+        if member is None:
+            return None
+        predicted = self.predict(newcomer) or Prediction(0.0, 0.0)
+        placed = Placed(newcomer, member, now, predicted)
+        self.placed[token] = placed
+        self._changed()
+        return placed
+
+    def progress(self, token: int, step: int, total: int) -> None:
+        placed = self.placed.get(token)
+        if placed is None:
+            return
+        placed.started = True
+        placed.member.steps_left = max(0, total - step)
+        self._changed()
+
+    def finish(self, token: int, now: float, result: wire.InvokeResult | None) -> float | None:
+        """The invocation left; learn from its result. Returns the relative prediction
+        error (|predicted - actual| / actual) when it completed."""
+        placed = self.placed.pop(token, None)
+        self._changed()
+        if placed is None or result is None:
+            return None
+        self._touch(placed.newcomer, result)
+        actual = now - placed.placed_at
+        predicted = placed.predicted.finish_s
+        self._calibrate(result, actual, predicted)
+        return abs(predicted - actual) / actual if actual > 0 and predicted > 0 else None
+
+    def _calibrate(self, result: wire.InvokeResult, actual: float, predicted: float) -> None:
+        c = self.calibration
+        t = result.timings
+        first = c.observations == 0
+        c.pre_s = t.pre_ms / 1e3 if first else (1 - EWMA) * c.pre_s + EWMA * t.pre_ms / 1e3
+        c.post_s = t.post_ms / 1e3 if first else (1 - EWMA) * c.post_s + EWMA * t.post_ms / 1e3
+        if result.cache.tier is wire.CacheTier.DISK:
+            c.disk_load_s = (1 - EWMA) * c.disk_load_s + EWMA * result.cache.wait_ms / 1e3
+        if predicted > 0 and actual > 0:
+            ratio = actual / predicted
+            c.scale = min(SCALE_LIMITS[1], max(SCALE_LIMITS[0], c.scale * ratio**EWMA))
+        c.observations += 1
+
+    def _touch(self, newcomer: PlacementRequest, result: wire.InvokeResult) -> None:
+        """An edit read its template: now host-resident (most recent); an edit that ran the
+        full path leaves it baking. The host tier's LRU is mirrored to know evictions."""
+        key = (newcomer.function, newcomer.template)
+        if result.path is wire.InvokePath.STOCK:
+            self.residency[key] = Residency.BAKING
+            return
+        self.residency[key] = Residency.HOST
+        self.residency.move_to_end(key)
+        if self.host_capacity is None:
+            return
+        hosted = [k for k, tier in self.residency.items() if tier is Residency.HOST]
+        for old in hosted[: max(0, len(hosted) - self.host_capacity)]:
+            self.residency[old] = Residency.DISK
+
+    def tier(self, function: str, template: str) -> Residency:
+        return self.residency.get((function, template), Residency.ABSENT)
+
+    def _changed(self) -> None:
+        self.version += 1
+
+    # ---- prediction ---------------------------------------------------------------------
+    def predict(self, newcomer: PlacementRequest | None) -> Prediction | None:
+        """Predicted start and finish (seconds from now) of ``newcomer`` here, or of the
+        work already here when None; memoised until the view changes."""
+        if self._memo_version != self.version:
+            self._memo.clear()
+            self._memo_version = self.version
+        member = None
+        if newcomer is not None:
+            member = self.member(newcomer)
+            if member is None:
+                return None
+        # Newcomers whose masks differ by under 1/64 of the grid share a prediction.
+        key = (
+            None
+            if member is None
+            else (
+                id(member.coster),
+                member.steps_left,
+                round(member.masked[0] * MEMO_BUCKETS / member.coster.grids[0]),
+            )
+        )
+        cached = self._memo.get(key)
+        if cached is not None:
+            return cached
+        running = [p.member for p in self.placed.values() if p.started]
+        waiting = [p.member for p in self.placed.values() if not p.started]
+        result = predict(running, waiting, member, self.max_batch, self.calibration.step())
+        self._memo[key] = result
+        return result
+
+    def next_start_s(self) -> float:
+        """Predicted seconds until the running batch has room for one more."""
+        running = [p.member for p in self.placed.values() if p.started]
+        if len(self.placed) < self.max_batch:
+            return 0.0
+        return first_departure_s(running, self.calibration.step()) if running else 0.0
+
+    def work_s(self) -> float:
+        """Predicted seconds until everything placed here is done (0 when idle)."""
+        if not self.placed:
+            return 0.0
+        prediction = self.predict(None)
+        return prediction.finish_s if prediction is not None else 0.0
+
+    def residency_cost_s(self, newcomer: PlacementRequest) -> float:
+        """What the template's place adds: nothing in host memory, a disk load, or a bake
+        (the engine time of a full-path run) when it is not baked here."""
+        tier = self.tier(newcomer.function, newcomer.template)
+        if tier is Residency.HOST:
+            return 0.0
+        if tier is Residency.DISK:
+            return self.calibration.disk_load_s
+        coster = self.costers.get(newcomer.model)
+        if coster is None:
+            return 0.0
+        c = self.calibration
+        step = coster.step_s(1, coster.full_masks()) + c.overhead_s + c.overhead_per_request_s
+        return newcomer.steps * step * c.scale
+
+    def masked_tokens(self) -> int:
+        """Masked tokens (finest grid) of the invocations placed here."""
+        return sum(p.member.masked[0] for p in self.placed.values())
+
+
+class CosterCache:
+    """Step costers shared by every executor with the same profile (same device type and
+    model): their memoised plans are reused across the pool."""
+
+    def __init__(self) -> None:
+        self._costers: dict[tuple[str, str, str], StepCoster] = {}
+
+    def get(self, device: str, model: str, doc: dict) -> StepCoster | None:
+        grids = (doc.get("extra") or {}).get("grids")
+        if not grids:
+            return None  # a profile from before grids were recorded: no prediction
+        key = (device, model, repr(sorted(doc.get("extra", {}).items())))
+        coster = self._costers.get(key)
+        if coster is None:
+            coster = StepCoster(CostModel.from_dict(doc), grids, doc["extra"].get("step_table"))
+            self._costers[key] = coster
+        return coster
+
+
+@dataclass
+class ClusterView:
+    """Every executor's view, and the tokens that name placed invocations."""
+
+    executors: dict[str, ExecutorView] = field(default_factory=dict)
+    costers: CosterCache = field(default_factory=CosterCache)
+    _tokens: itertools.count = field(default_factory=itertools.count)
+
+    def add(self, name: str, max_batch: int = 8, slots: int = 16) -> ExecutorView:
+        view = ExecutorView(name, max_batch, slots)
+        self.executors[name] = view
+        return view
+
+    def remove(self, name: str) -> None:
+        self.executors.pop(name, None)
+
+    def token(self) -> int:
+        return next(self._tokens)
+
+    def best(self, newcomer: PlacementRequest, names: list[str] | None = None) -> float:
+        """The earliest predicted finish of ``newcomer`` among ready executors (inf: none
+        can predict it)."""
+        best = math.inf
+        for view in self.executors.values():
+            if not view.ready or (names is not None and view.name not in names):
+                continue
+            prediction = view.predict(newcomer)
+            if prediction is not None:
+                best = min(best, prediction.finish_s)
+        return best

@@ -1,0 +1,248 @@
+"""Predicted completion of an invocation on an executor: its batch ⊕ a newcomer, stepped
+forward with the executor's cost model and the bubble-free plan the executor itself runs.
+
+One function, :func:`predict`, used by placement, admission, the autoscaler and the
+simulator. It is torch-free (the gateway imports it) and shares the plan code with the
+executor's :class:`~retouch.runtime.plan.Planner`: each step of a batch is costed by
+``bubble_free_plan(cost_model.block_costs(tokens))``, the very call the planner makes, plus
+what the profile leaves out (time outside the profiled blocks, fitted by the executor from
+its own steps: :class:`StepCalibration`).
+
+The batch is stepped forward as the engine runs it: a group (the invocations of one model)
+steps all its members at once, groups take turns, members leave when their steps are done,
+waiting invocations join in order while the batch has room (``max_batch``). Between two
+departures the batch is constant, so a prediction costs one plan per *segment*, not per
+step, and plans are memoised per batch signature (:class:`StepCoster`): a decision over
+hundreds of executors stays well under a millisecond.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from retouch.runtime.costmodel import CostModel
+from retouch.runtime.plan import bubble_free_plan
+
+
+@dataclass(frozen=True)
+class StepCalibration:
+    """What the profiled block fits leave out, measured by the executor on its own steps.
+
+    ``overhead_s + overhead_per_request_s × n`` is a step's time outside the profiled blocks
+    (convolutions, embeddings, the scheduler) for a batch of ``n``; ``scale`` the ratio of
+    observed to predicted run time (a device shared with other work runs slower than it
+    profiled); ``pre_s``/``post_s`` the encode and decode an invocation waits for outside
+    the engine's steps."""
+
+    overhead_s: float = 0.0
+    overhead_per_request_s: float = 0.0
+    scale: float = 1.0
+    pre_s: float = 0.0
+    post_s: float = 0.0
+
+
+TABLE_POINTS = 17  # masked fractions 0, 1/16, ..., 1 at which a step's plan is tabulated
+
+
+def plan_table(cost_model: CostModel, grids: Sequence[int], max_batch: int) -> list[list[float]]:
+    """The bubble-free plan's latency for batches of 1..``max_batch`` requests at masked
+    fractions 0, 1/16, ..., 1 (the same fraction on every token grid). The executor builds
+    it once per profile (a plan of a 57-block model takes milliseconds, too long for the
+    gateway's event loop) and ships it with its cost model; predictions interpolate."""
+    return [_plan_row(cost_model, grids, n) for n in range(1, max_batch + 1)]
+
+
+def _plan_row(cost_model: CostModel, grids: Sequence[int], n: int) -> list[float]:
+    row = []
+    for i in range(TABLE_POINTS):
+        fraction = i / (TABLE_POINTS - 1)
+        tokens = []
+        for block in cost_model.blocks:
+            total = n * grids[min(block.level, len(grids) - 1)]
+            tokens.append((round(fraction * total), total))
+        row.append(bubble_free_plan(cost_model.block_costs(tokens)).latency)
+    return row
+
+
+class StepCoster:
+    """Step latency of one model's batch from its cost model.
+
+    ``grids`` are a request's token counts per grid level (finest first), as the cost
+    model's blocks index them. A batch is summarised by its size and the masked fraction of
+    its finest grid; the plan latency is interpolated in the executor's :func:`plan_table`
+    (rows for batch sizes it lacks are planned here, once).
+    """
+
+    def __init__(
+        self, cost_model: CostModel, grids: Sequence[int], table: list[list[float]] | None = None
+    ) -> None:
+        if not grids:
+            raise ValueError("a step coster needs the token grid of a request")
+        self.cost_model = cost_model
+        self.grids = tuple(int(g) for g in grids)
+        self._rows: dict[int, list[float]] = {n + 1: row for n, row in enumerate(table or [])}
+
+    def full_masks(self) -> tuple[int, ...]:
+        """The per-level token counts of an invocation that computes every token."""
+        return self.grids
+
+    def step_s(self, n: int, masked: Sequence[int]) -> float:
+        """Predicted seconds of the profiled blocks for ``n`` requests with ``masked``
+        tokens per level, summed over the batch (the bubble-free plan's finish)."""
+        return self.step_s0(n, masked[0])
+
+    def step_s0(self, n: int, masked0: int) -> float:
+        """:meth:`step_s` from the masked tokens of the finest grid alone."""
+        if n <= 0:
+            return 0.0
+        row = self._rows.get(n)
+        if row is None:
+            row = self._rows[n] = _plan_row(self.cost_model, self.grids, n)
+        x = min(1.0, max(0.0, masked0 / (n * self.grids[0]))) * (TABLE_POINTS - 1)
+        i = min(int(x), TABLE_POINTS - 2)
+        return row[i] + (row[i + 1] - row[i]) * (x - i)
+
+
+@dataclass
+class Member:
+    """An invocation as the prediction sees it: its model's coster, steps left, and masked
+    tokens per level (equal to the grid when it runs the full path: nothing cached)."""
+
+    coster: StepCoster
+    steps_left: int
+    masked: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Seconds from now until the newcomer joins the batch and until its result is ready."""
+
+    start_s: float
+    finish_s: float
+
+
+def predict(
+    batch: Sequence[Member],
+    waiting: Sequence[Member],
+    newcomer: Member | None,
+    max_batch: int,
+    calibration: StepCalibration,
+) -> Prediction:
+    """When would ``newcomer`` finish on an executor running ``batch`` with ``waiting``
+    invocations ahead of it (in join order)? With ``newcomer`` None: when would the
+    executor have drained everything it holds (``start_s == finish_s``).
+
+    Members are stepped as ``[steps left, masked tokens of the finest grid, coster]``
+    lists: a decision runs this for every executor, so it stays allocation-light."""
+    active = [[max(1, m.steps_left), m.masked[0], m.coster] for m in batch]
+    queue = [[max(1, m.steps_left), m.masked[0], m.coster] for m in waiting]
+    target = None
+    if newcomer is not None:
+        target = [max(1, newcomer.steps_left), newcomer.masked[0], newcomer.coster]
+        queue.append(target)
+    ready_at = calibration.pre_s  # the newcomer's encode runs while the batch steps
+    now = 0.0
+    start = None
+    while True:
+        while queue and len(active) < max_batch:
+            if queue[0] is target and now < ready_at:
+                break
+            active.append(queue.pop(0))
+        if start is None and target is not None and not any(q is target for q in queue):
+            start = now  # it joined the running batch
+        if not active:
+            if target is None or not queue:
+                break
+            now = max(now, ready_at)  # only the newcomer's own encode left to wait for
+            continue
+        round_s = max(1e-9, _round_s(active, calibration))
+        k = min(m[0] for m in active)
+        if queue and queue[0] is target and len(active) < max_batch:
+            k = max(1, min(k, math.ceil((ready_at - now) / round_s)))  # joins when encoded
+        now += k * round_s
+        for m in active:
+            m[0] -= k
+        if target is not None and target[0] <= 0:
+            break
+        active = [m for m in active if m[0] > 0]
+    if target is None:
+        return Prediction(now, now)
+    return Prediction(start if start is not None else now, now + calibration.post_s)
+
+
+def _round_s(active: list[list], calibration: StepCalibration) -> float:
+    """One step of every group (the engine takes turns between models): each group's plan
+    plus the time outside the profiled blocks, scaled by the observed drift."""
+    coster = active[0][2]
+    if all(m[2] is coster for m in active):  # the common case: one model
+        n = len(active)
+        step = coster.step_s0(n, sum(m[1] for m in active))
+        step += calibration.overhead_s + calibration.overhead_per_request_s * n
+        return step * calibration.scale
+    groups: dict[int, list] = {}
+    for m in active:
+        group = groups.setdefault(id(m[2]), [m[2], 0, 0])
+        group[1] += 1
+        group[2] += m[1]
+    total = 0.0
+    for coster, n, masked in groups.values():
+        total += coster.step_s0(n, masked)
+        total += calibration.overhead_s + calibration.overhead_per_request_s * n
+    return total * calibration.scale
+
+
+def first_departure_s(batch: Sequence[Member], calibration: StepCalibration) -> float:
+    """Seconds until the first member of a running batch finishes (its batch room frees)."""
+    if not batch:
+        return 0.0
+    active = [[m.steps_left, m.masked[0], m.coster] for m in batch]
+    return min(m.steps_left for m in batch) * _round_s(active, calibration)
+
+
+# -- what a mask costs on each token grid ----------------------------------------------------
+
+TOKEN_PX = (8, 16, 32, 64)  # token sizes in pixels: SD UNet levels; Flux and SD3 pack 16
+
+
+@dataclass(frozen=True)
+class MaskFootprint:
+    """An edit mask summarised for prediction: masked tokens on every token size a family
+    uses (a token counts when any pixel under it is masked, as the executor max-pools)."""
+
+    ratio: float
+    pixels: int  # image pixels (H x W)
+    masked: dict[int, int]  # token size in pixels -> masked tokens
+    _on: dict[tuple[int, ...], tuple[int, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @classmethod
+    def of(cls, mask: np.ndarray) -> MaskFootprint:
+        h, w = mask.shape
+        masked = {}
+        for px in TOKEN_PX:
+            gh, gw = -(-h // px), -(-w // px)
+            padded = np.zeros((gh * px, gw * px), dtype=bool)
+            padded[:h, :w] = mask
+            masked[px] = int(padded.reshape(gh, px, gw, px).any(axis=(1, 3)).sum())
+        return cls(float(mask.mean()) if mask.size else 0.0, h * w, masked)
+
+    def on(self, grids: Sequence[int]) -> tuple[int, ...]:
+        """Masked tokens per level of a model whose request has ``grids`` tokens per level."""
+        key = tuple(grids)
+        cached = self._on.get(key)
+        if cached is None:
+            cached = self._on[key] = self._tokens_on(key)
+        return cached
+
+    def _tokens_on(self, grids: tuple[int, ...]) -> tuple[int, ...]:
+        out = []
+        for tokens in grids:
+            px = math.sqrt(self.pixels / tokens) if tokens else TOKEN_PX[-1]
+            nearest = min(TOKEN_PX, key=lambda p: abs(p - px))
+            out.append(min(tokens, self.masked[nearest]))
+        return tuple(out)
