@@ -111,8 +111,26 @@ class GatewayMetrics:
         )
         self.queue_events = Gauge(
             "retouch_queue_events",
-            "Gateway queue totals since start: admitted, rejected (429 overloaded), timed_out, replaced (re-placed after an executor was lost)",
+            "Gateway queue totals since start: admitted, rejected (429 overloaded), slo_rejected (429 slo_unattainable on arrival), slo_dropped (dropped from the queue, SLO out of reach), would_reject (admission dry run), timed_out, replaced (re-placed after an executor was lost)",
             ["event"],
+            registry=r,
+        )
+        self.placement = Gauge(
+            "retouch_placement",
+            "Control plane at scrape time: decision_ms_p50/p99 (a placement choice), admission_ms_p50/p99 (an SLO check), prediction_error_p50/p90 (|predicted - actual| / actual completion, recent invocations)",
+            ["quantity"],
+            registry=r,
+        )
+        self.template_reads = Gauge(
+            "retouch_template_reads",
+            "Invocations by where their template's activations were found: host, disk, none (full path)",
+            ["tier"],
+            registry=r,
+        )
+        self.slo = Counter(
+            "retouch_slo",
+            "Completed invocations of functions with an SLO: met or missed",
+            ["function", "outcome"],
             registry=r,
         )
 

@@ -459,6 +459,27 @@ class ExecutorPool:
                         raise frame
         raise ExecutorLost(f"{handle.name} ended the invocation stream without an answer")
 
+    def placement_summary(self) -> dict[str, Any]:
+        """Decision and admission times, prediction error, template reads per tier."""
+
+        def q(values: deque[float], fraction: float, scale: float = 1.0) -> float:
+            if not values:
+                return 0.0
+            ordered = sorted(values)
+            return ordered[int(fraction * (len(ordered) - 1))] * scale
+
+        decisions, admissions = self.queue.stats.decision_s, self.stats.admission_s
+        errors = self.stats.prediction_error
+        return {
+            "decision_ms_p50": q(decisions, 0.5, 1e3),
+            "decision_ms_p99": q(decisions, 0.99, 1e3),
+            "admission_ms_p50": q(admissions, 0.5, 1e3),
+            "admission_ms_p99": q(admissions, 0.99, 1e3),
+            "prediction_error_p50": q(errors, 0.5),
+            "prediction_error_p90": q(errors, 0.9),
+            "reads": dict(self.stats.reads),
+        }
+
     # ---- state --------------------------------------------------------------------------
     def describe(self) -> list[dict[str, Any]]:
         return [e.describe() for e in self.executors]

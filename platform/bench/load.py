@@ -44,6 +44,7 @@ class Workload:
     mask_file: Path | None = None  # one ratio per line, sampled with replacement
     zipf: float = 1.1
     seed: int = 0
+    masks: str = "beta"  # or "bimodal": small (0.05) and large (0.6) masks, half each
 
 
 @dataclass(frozen=True)
@@ -62,19 +63,28 @@ class Outcome:
     interruptions: int = 0
     error: str | None = None
     warmup: bool = False
+    tier: str = ""  # where the template's activations were found
+    predicted_ms: float = 0.0  # the gateway's prediction when it placed it
+    placed_ms: float = 0.0  # and what it took from there
+    rejected_ms: float = 0.0  # how long a refusal (429) took to arrive
+
+
+REJECTIONS = ("overloaded", "slo_unattainable")
 
 
 @dataclass
 class RunStats:
     outcomes: list[Outcome] = field(default_factory=list)
     wall_s: float = 0.0
+    slo_ms: float | None = None
 
     def summary(self) -> dict[str, float | int]:
         measured = [o for o in self.outcomes if not o.warmup]
         ok = [o for o in measured if o.error is None]
+        rejected = [o for o in measured if o.error in REJECTIONS]
         lat = np.array([o.latency_ms for o in ok]) if ok else np.array([np.nan])
         queue = np.array([o.queue_ms for o in ok]) if ok else np.array([np.nan])
-        return {
+        out: dict[str, float | int] = {
             "p50_ms": float(np.percentile(lat, 50)),
             "p95_ms": float(np.percentile(lat, 95)),
             "p99_ms": float(np.percentile(lat, 99)),
@@ -82,8 +92,30 @@ class RunStats:
             "throughput_rps": len(ok) / self.wall_s if self.wall_s else 0.0,
             "queue_p95_ms": float(np.percentile(queue, 95)),
             "interruptions": sum(o.interruptions for o in ok),
-            "errors": len(measured) - len(ok),
+            "errors": len(measured) - len(ok) - len(rejected),
+            "rejected": len(rejected),
+            "host_hit_rate": _share(ok, lambda o: o.tier == "host", lambda o: o.tier != ""),
+            "prediction_error_p50": _median(
+                [abs(o.predicted_ms - o.placed_ms) / o.placed_ms for o in ok if o.predicted_ms]
+            ),
         }
+        if rejected:
+            out["reject_p99_ms"] = float(np.percentile([o.rejected_ms for o in rejected], 99))
+        if self.slo_ms is not None:
+            met = [o for o in ok if o.latency_ms <= self.slo_ms]
+            out["slo_attainment"] = len(met) / len(measured) if measured else 0.0
+            out["slo_attainment_accepted"] = len(met) / len(ok) if ok else 0.0
+            out["goodput_rps"] = len(met) / self.wall_s if self.wall_s else 0.0
+        return out
+
+
+def _share(items: list[Outcome], hit: Any, counted: Any) -> float:
+    pool = [o for o in items if counted(o)]
+    return sum(1 for o in pool if hit(o)) / len(pool) if pool else 0.0
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values)) if values else float("nan")
 
 
 def inter_arrivals(
@@ -98,7 +130,14 @@ def inter_arrivals(
     raise ValueError(f"arrivals must be poisson or gamma, not {kind!r}")
 
 
+BIMODAL = (0.05, 0.6)
+
+
 def mask_ratios(n: int, workload: Workload, rng: np.random.Generator) -> np.ndarray:
+    if workload.masks == "bimodal":
+        return rng.choice(np.array(BIMODAL), n)
+    if workload.masks != "beta":
+        raise ValueError(f"--masks must be beta or bimodal, not {workload.masks!r}")
     if workload.mask_file is not None:
         values = np.array([float(v) for v in workload.mask_file.read_text().split()])
         if not len(values) or values.min() < 0 or values.max() > 1:
@@ -153,15 +192,20 @@ async def replay(
         async def one(i: int, req: PlannedRequest) -> None:
             await asyncio.sleep(max(0.0, start + req.at - time.perf_counter()))
             t0 = time.perf_counter()
+            outcome = stats.outcomes[i]
             try:
                 result = await client.invoke(
                     function, req.template, req.mask, prompt, seed=req.seed
                 )
-                stats.outcomes[i].queue_ms = result.timings.queue_ms
-                stats.outcomes[i].interruptions = result.engine.interruptions
+                outcome.queue_ms = result.timings.queue_ms
+                outcome.interruptions = result.engine.interruptions
+                outcome.tier = result.cache.tier.value
+                outcome.predicted_ms = result.timings.predicted_ms
+                outcome.placed_ms = result.timings.placed_ms
             except RetouchError as exc:
-                stats.outcomes[i].error = exc.code
-            stats.outcomes[i].latency_ms = (time.perf_counter() - t0) * 1e3
+                outcome.error = exc.code
+                outcome.rejected_ms = (time.perf_counter() - t0) * 1e3
+            outcome.latency_ms = (time.perf_counter() - t0) * 1e3
             bar.update()
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(plan)))
@@ -236,7 +280,11 @@ def table(summaries: dict[str, dict[str, Any]]) -> str:
         "queue_p95_ms",
         "interruptions",
         "errors",
-        "batch_overhead_ms_p50",
+        "rejected",
+        "host_hit_rate",
+        "prediction_error_p50",
+        "slo_attainment",
+        "goodput_rps",
     )
     width = {c: max(15, len(c) + 2) for c in cols}
     first = max(12, *(len(name) + 2 for name in summaries))
@@ -261,6 +309,12 @@ CONFIG_TOKENS = {
     "stock": ("--no-maskaware",),
     "disaggregated": (),
     "naive": ("--inline-prepost",),
+    "no-admission": ("--no-admission",),
+    # placement policies (``--placement A,B``); "maskaware" above is the default policy
+    "least-requests": ("--placement", "least-requests"),
+    "round-robin": ("--placement", "round-robin"),
+    "least-masked-tokens": ("--placement", "least-masked-tokens"),
+    "template-hash": ("--placement", "template-hash"),
 }
 
 
@@ -289,13 +343,16 @@ class LoadSpec:
     max_batch: int = 8
     executors: int = 1
     plot: Path | None = None
+    slo_ms: float | None = None
 
 
-def bench_function(model: str, steps: int, templates: int) -> tuple[FunctionSpec, dict[str, bytes]]:
+def bench_function(
+    model: str, steps: int, templates: int, slo_ms: float | None = None
+) -> tuple[FunctionSpec, dict[str, bytes]]:
     """A function on ``model`` with procedurally generated templates."""
     demo = demo_model(model)
     size = demo.resolution
-    doc = {
+    doc: dict[str, Any] = {
         "name": "bench",
         "model": model,
         "family": demo.family,
@@ -305,6 +362,8 @@ def bench_function(model: str, steps: int, templates: int) -> tuple[FunctionSpec
             f"t{i}": {"prompt": f"template scene {i}", "seed": 100 + i} for i in range(templates)
         },
     }
+    if slo_ms is not None:
+        doc["slo"] = {"latency_ms": slo_ms}
     images = {
         f"t{i}": encode_image(template_image((size, size), 500 + i), "png")
         for i in range(templates)
@@ -329,8 +388,10 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
         raise ValueError("--compare names no configuration")
     for name in spec.configs:
         config_args(name)  # reject a typo before any server starts
+    if spec.slo_ms is not None and not spec.slo_ms > 0:
+        raise ValueError(f"--slo must be a positive number of milliseconds, not {spec.slo_ms}")
     rate, factor = parse_rate(spec.rate)
-    function, images = bench_function(spec.model, spec.steps, spec.templates)
+    function, images = bench_function(spec.model, spec.steps, spec.templates, spec.slo_ms)
     size = (function.width, function.height)
     results: dict[str, RunStats] = {}
     summaries: dict[str, dict[str, Any]] = {}
@@ -347,9 +408,10 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
             if rate is None:
                 probe = plan_requests(
                     Workload(
-                        requests=3 * spec.max_batch,
+                        requests=3 * spec.max_batch * spec.executors,
                         warmup=0,
                         mask_mean=spec.workload.mask_mean,
+                        masks=spec.workload.masks,
                         seed=spec.workload.seed + 1,
                     ),
                     1.0,
@@ -357,7 +419,9 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
                     size,
                 )
                 capacity = asyncio.run(
-                    measure_capacity(server.url, None, function.name, probe, spec.max_batch)
+                    measure_capacity(
+                        server.url, None, function.name, probe, spec.max_batch * spec.executors
+                    )
                 )
                 rate = factor * capacity
                 log.info(
@@ -368,6 +432,7 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
             results[name] = asyncio.run(
                 replay(server.url, None, function.name, plan, spec.workload.warmup)
             )
+            results[name].slo_ms = spec.slo_ms
             summaries[name] = {**results[name].summary(), **engine_figures(client)}
     if spec.plot is not None:
         plot_cdfs(results, spec.plot)
@@ -375,6 +440,9 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
         "model": spec.model,
         "rate_rps": rate,
         "requests": spec.workload.requests,
+        "executors": spec.executors,
+        "masks": spec.workload.masks,
+        "slo_ms": spec.slo_ms,
         "configs": summaries,
     }
 

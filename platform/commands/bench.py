@@ -24,7 +24,7 @@ from retouch.platform.commands.common import (
 def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for add in (_gateway, _deploy, _engine, _fidelity, _load, _plan, _edits, _store):
+    for add in (_gateway, _deploy, _engine, _fidelity, _load, _placement, _plan, _edits, _store):
         add(bench_sub)
 
 
@@ -174,6 +174,22 @@ def _load(bench_sub: argparse._SubParsersAction) -> None:
         default=None,
         help="mask ratios, one per line (instead of the beta)",
     )
+    p.add_argument(
+        "--masks",
+        choices=("beta", "bimodal"),
+        default="beta",
+        help="mask ratios: a beta with --mask-mean, or bimodal (0.05 and 0.6, half each)",
+    )
+    p.add_argument(
+        "--placement",
+        default=None,
+        help="compare placement policies instead of --compare: comma-separated, e.g. "
+        "maskaware,least-requests,round-robin (a policy may add +no-admission)",
+    )
+    p.add_argument("--executors", type=int, default=1, help="executors of each server")
+    p.add_argument(
+        "--slo", type=float, default=None, help="the function's latency SLO in ms (admission)"
+    )
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--templates", type=int, default=4)
@@ -202,16 +218,22 @@ def _run_load(args: argparse.Namespace) -> None:
         args.mask_file,
         args.zipf,
         args.seed,
+        args.masks,
     )
+    if args.executors < 1:
+        raise ValueError("--executors must be >= 1")
+    configs = args.placement if args.placement is not None else args.compare
     spec = LoadSpec(
         args.model,
-        [c for c in args.compare.split(",") if c],
+        [c for c in configs.split(",") if c],
         args.rate,
         workload,
         args.steps,
         args.templates,
         args.max_batch,
+        executors=args.executors,
         plot=args.plot,
+        slo_ms=args.slo,
     )
     with tempfile.TemporaryDirectory(prefix="retouch-bench-load-") as tmp:
         result = run_load_bench(spec, args.data_dir or Path(tmp))
@@ -222,6 +244,37 @@ def _run_load(args: argparse.Namespace) -> None:
         f"model {result['model']}, offered load {result['rate_rps']:.3f} invocations/s, {result['requests']} measured requests per configuration"
     )
     print(table(result["configs"]))
+
+
+def _placement(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "placement",
+        help="time of one placement decision against N synthetic executors with running batches",
+    )
+    p.add_argument(
+        "--executors",
+        default="64,256",
+        help="pool sizes, comma-separated (one row each)",
+    )
+    p.add_argument("--decisions", type=int, default=2000, help="decisions timed per pool size")
+    p.add_argument("--policy", default="maskaware", help="the placement policy to time")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic pool")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_run_placement)
+
+
+def _run_placement(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.placement import run_placement_bench
+    from retouch.platform.placement import make_placement
+
+    try:
+        sizes = [int(v) for v in args.executors.split(",") if v]
+    except ValueError:
+        raise ValueError(f"--executors must be integers, not {args.executors!r}") from None
+    if not sizes or min(sizes) < 1 or args.decisions < 1:
+        raise ValueError("--executors and --decisions must be >= 1")
+    make_placement(args.policy)  # an unknown policy fails before any work
+    report(run_placement_bench(sizes, args.decisions, args.policy, args.seed), args.json)
 
 
 def _plan(bench_sub: argparse._SubParsersAction) -> None:
