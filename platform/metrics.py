@@ -56,7 +56,7 @@ class GatewayMetrics:
         )
         self.cache_reads = Counter(
             "retouch_template_reads",
-            "Mask-aware invocations by the store tier their template was found in",
+            "Invocations by where their template's activations were found on the executor that ran them: host, disk, none (the full path); host / all is placement's template hit rate",
             ["tier"],
             registry=r,
         )
@@ -119,12 +119,6 @@ class GatewayMetrics:
             "retouch_placement",
             "Control plane at scrape time: decision_ms_p50/p99 (a placement choice), admission_ms_p50/p99 (an SLO check), prediction_error_p50/p90 (|predicted - actual| / actual completion, recent invocations)",
             ["quantity"],
-            registry=r,
-        )
-        self.template_reads = Gauge(
-            "retouch_template_reads",
-            "Invocations by where their template's activations were found: host, disk, none (full path)",
-            ["tier"],
             registry=r,
         )
         self.slo = Counter(

@@ -116,9 +116,6 @@ class PlacementStats:
 
     admission_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     prediction_error: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    reads: dict[str, int] = field(
-        default_factory=lambda: {tier.value: 0 for tier in wire.CacheTier}
-    )
 
 
 class ExecutorLost(Exception):
@@ -404,7 +401,6 @@ class ExecutorPool:
             result.timings.predicted_ms = placed.predicted.finish_s * 1e3
         if error is not None:
             self.stats.prediction_error.append(error)
-        self.stats.reads[result.cache.tier.value] += 1
         if result.path is wire.InvokePath.STOCK or result.cache.tier is not wire.CacheTier.HOST:
             self._refresh_soon(handle)
 
@@ -459,8 +455,8 @@ class ExecutorPool:
                         raise frame
         raise ExecutorLost(f"{handle.name} ended the invocation stream without an answer")
 
-    def placement_summary(self) -> dict[str, Any]:
-        """Decision and admission times, prediction error, template reads per tier."""
+    def placement_summary(self) -> dict[str, float]:
+        """Decision and admission times and the prediction error (recent invocations)."""
 
         def q(values: deque[float], fraction: float, scale: float = 1.0) -> float:
             if not values:
@@ -477,7 +473,6 @@ class ExecutorPool:
             "admission_ms_p99": q(admissions, 0.99, 1e3),
             "prediction_error_p50": q(errors, 0.5),
             "prediction_error_p90": q(errors, 0.9),
-            "reads": dict(self.stats.reads),
         }
 
     # ---- state --------------------------------------------------------------------------

@@ -1,0 +1,275 @@
+"""The prediction function and the cluster view: what placement and admission rely on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from retouch.functions import wire
+from retouch.platform.control.cluster import ClusterView, PlacementRequest, Residency
+from retouch.runtime.costmodel import BlockProfile, CostModel, LinearFit
+from retouch.runtime.plan import bubble_free_plan
+from retouch.runtime.prediction import (
+    MaskFootprint,
+    Member,
+    StepCalibration,
+    StepCoster,
+    plan_table,
+    predict,
+)
+
+GRID = 256  # tokens of one request (16 x 16 tokens of 16 px: a 256-pixel image)
+
+
+def cost_model(blocks: int = 4) -> CostModel:
+    """Compute 1 ms + 10 µs per token per block; loads 1 ms per MB (a slow link)."""
+    return CostModel(
+        "test",
+        [BlockProfile(f"b{i}", LinearFit(1e-3, 1e-5, 1.0), 4096, 1024) for i in range(blocks)],
+        LinearFit(0.0, 1e-9, 1.0),
+        {"grids": [GRID]},
+    )
+
+
+def coster(max_batch: int = 4) -> StepCoster:
+    model = cost_model()
+    return StepCoster(model, [GRID], plan_table(model, [GRID], max_batch))
+
+
+def member(c: StepCoster, steps: int, ratio: float) -> Member:
+    return Member(c, steps, (round(ratio * GRID),))
+
+
+def test_step_cost_is_the_bubble_free_plan_at_table_points_and_between() -> None:
+    model = cost_model()
+    c = StepCoster(model, [GRID], plan_table(model, [GRID], 2))
+    for n, fraction in ((1, 0.25), (2, 0.5), (1, 1.0)):
+        total = n * GRID
+        exact = bubble_free_plan(model.block_costs([(int(fraction * total), total)] * 4)).latency
+        assert c.step_s(n, (int(fraction * total),)) == pytest.approx(exact, rel=1e-9)
+    # Between two table points the cost lies between theirs (monotone in the mask).
+    low, mid, high = (c.step_s(1, (m,)) for m in (64, 72, 80))
+    assert low < mid < high
+    # A batch size beyond the table is planned on demand.
+    assert c.step_s(3, (3 * GRID,)) > c.step_s(2, (2 * GRID,))
+
+
+def test_alone_it_takes_its_steps_plus_pre_and_post() -> None:
+    c = coster()
+    cal = StepCalibration(overhead_s=0.002, overhead_per_request_s=0.001, pre_s=0.05, post_s=0.03)
+    newcomer = member(c, 10, 0.2)
+    p = predict([], [], newcomer, 4, cal)
+    step = c.step_s(1, newcomer.masked) + 0.002 + 0.001
+    assert p.start_s == pytest.approx(0.05)
+    assert p.finish_s == pytest.approx(0.05 + 10 * step + 0.03)
+
+
+def test_a_full_batch_makes_the_newcomer_wait_for_the_first_departure() -> None:
+    c = coster()
+    cal = StepCalibration()
+    running = [member(c, 3, 0.1), member(c, 9, 0.1)]
+    p = predict(running, [], member(c, 5, 0.1), 2, cal)
+    assert p.start_s == pytest.approx(3 * c.step_s(2, (2 * round(0.1 * GRID),)))
+    assert p.finish_s > p.start_s
+    # With room it joins at once, and a bigger mask finishes later.
+    small = predict(running, [], member(c, 5, 0.1), 4, cal)
+    large = predict(running, [], member(c, 5, 0.9), 4, cal)
+    assert small.start_s == 0.0 and small.finish_s < large.finish_s
+
+
+def test_drift_scales_the_steps() -> None:
+    c = coster()
+    base = predict([member(c, 4, 0.3)], [], member(c, 4, 0.3), 4, StepCalibration())
+    slow = predict([member(c, 4, 0.3)], [], member(c, 4, 0.3), 4, StepCalibration(scale=2.0))
+    assert slow.finish_s == pytest.approx(2 * base.finish_s)
+
+
+def test_mask_footprint_counts_tokens_a_pixel_touches() -> None:
+    mask = np.zeros((64, 64), dtype=bool)
+    mask[0:8, 0:8] = True  # one 8-px token, one 16-px token
+    mask[20, 40] = True  # one more of each
+    fp = MaskFootprint.of(mask)
+    assert fp.masked[8] == 2 and fp.masked[16] == 2 and fp.masked[32] == 2
+    assert fp.on([16 * 16]) == (2,)  # 4-px tokens on a 64-px mask: the nearest size, 8 px
+    assert fp.ratio == pytest.approx((64 + 1) / 4096)
+
+
+def view_with(cluster: ClusterView, name: str, max_batch: int = 4):
+    model = cost_model()
+    model.extra["step_table"] = plan_table(model, [GRID], max_batch)
+    state = wire.ExecutorState(
+        name,
+        0,
+        "cpu",
+        engine=wire.EngineStats(max_batch=max_batch),
+        cost_models={"m": model.to_dict()},
+        templates={"fn": {"t": wire.TemplateStatus(wire.BakeState.BAKED)}},
+    )
+    view = cluster.add(name, max_batch, 2 * max_batch)
+    view.observe_state(state, cluster.costers)
+    return view
+
+
+def request(ratio: float, template: str = "t") -> PlacementRequest:
+    mask = np.zeros((256, 256), dtype=bool)
+    side = int(256 * ratio**0.5)
+    mask[:side, :side] = True
+    fp = MaskFootprint.of(mask)
+    return PlacementRequest("fn", template, fp.ratio, "m", 10, fp)
+
+
+def test_view_follows_place_progress_finish_and_learns_drift() -> None:
+    cluster = ClusterView()
+    view = view_with(cluster, "a")
+    assert view.tier("fn", "t") is Residency.DISK
+    idle = view.predict(request(0.2))
+    placed = view.place(1, request(0.2), now=100.0)
+    assert placed is not None and placed.predicted == idle
+    busier = view.predict(request(0.2))
+    assert busier.finish_s > idle.finish_s  # it shares the batch now
+    view.progress(1, 9, 10)  # nearly done: the newcomer barely waits for it
+    assert view.predict(request(0.2)).finish_s < busier.finish_s
+    result = wire.InvokeResult(
+        b"",
+        "png",
+        1,
+        1,
+        0.2,
+        "a",
+        wire.InvokePath.MASKAWARE,
+        cache=wire.CacheRead(wire.CacheTier.DISK, 5.0),
+    )
+    error = view.finish(1, 100.0 + 2 * idle.finish_s, result)  # it took twice as long
+    assert error == pytest.approx(0.5)
+    assert view.calibration.scale > 1.0  # the next predictions are slower
+    assert view.tier("fn", "t") is Residency.HOST  # read: now host-resident
+    assert view.inflight == 0
+
+
+def test_maskaware_prefers_less_work_not_fewer_requests() -> None:
+    from retouch.platform.placement import LeastRequests, MaskAware
+
+    cluster = ClusterView()
+
+    class Handle:
+        def __init__(self, view) -> None:
+            self.view, self.name, self.slots = view, view.name, view.slots
+
+        @property
+        def inflight(self) -> int:
+            return self.view.inflight
+
+    a, b = (Handle(view_with(cluster, n)) for n in "ab")
+    a.view.place(1, request(0.9), 0.0)  # one large edit
+    for token in (2, 3):
+        b.view.place(token, request(0.02), 0.0)  # two small ones
+    new = request(0.3)
+    assert LeastRequests().choose([a, b], new) is a
+    assert MaskAware(seed=0).choose([a, b], new) is b
+
+
+def test_maskaware_follows_the_template_unless_it_piles_up() -> None:
+    from retouch.platform.placement import MaskAware
+
+    cluster = ClusterView()
+
+    class Handle:
+        def __init__(self, view) -> None:
+            self.view, self.name, self.slots, self.inflight = view, view.name, view.slots, 0
+
+    a, b = (Handle(view_with(cluster, n)) for n in "ab")
+    b.view.residency[("fn", "t")] = Residency.ABSENT  # a bake there
+    policy = MaskAware(seed=0)
+    assert all(policy.choose([a, b], request(0.2)) is a for _ in range(5))
+    for token in range(4):  # a is now far busier than b
+        a.view.place(token, request(0.9), 0.0)
+    assert policy.choose([a, b], request(0.2)) is b
+
+
+def test_template_hash_is_consistent_and_moves_little() -> None:
+    from retouch.platform.placement import TemplateHash
+
+    class Handle:
+        def __init__(self, name: str) -> None:
+            self.name, self.inflight, self.slots = name, 0, 8
+
+    pool = [Handle(f"e{i}") for i in range(4)]
+    policy = TemplateHash()
+    reqs = [PlacementRequest("fn", f"t{i}", 0.1) for i in range(40)]
+    before = {r.template: policy.choose(pool, r).name for r in reqs}
+    assert before == {r.template: policy.choose(pool, r).name for r in reqs}
+    assert len(set(before.values())) >= 3  # spread over the pool
+    after = {r.template: policy.choose(pool[:3], r).name for r in reqs}
+    moved = [t for t in before if before[t] != after[t]]
+    assert all(before[t] == "e3" for t in moved)  # only the removed executor's share moves
+
+
+def test_slo_admission_refuses_with_retry_after_and_drops_the_infeasible() -> None:
+    import asyncio
+
+    from retouch.functions.errors import Overloaded
+    from retouch.platform.control.queue import InvocationQueue, QueueLimits
+    from retouch.platform.placement import MaskAware
+
+    cluster = ClusterView()
+
+    class Handle:
+        def __init__(self, view) -> None:
+            self.view, self.name, self.slots, self.inflight = view, view.name, 1, 0
+
+    handle = Handle(view_with(cluster, "a", max_batch=1))
+    alone = handle.view.predict(request(0.5)).finish_s
+
+    def slo(seconds: float) -> PlacementRequest:
+        r = request(0.5)
+        return PlacementRequest(
+            r.function, r.template, r.mask_ratio, r.model, 10, r.footprint, seconds
+        )
+
+    async def scenario() -> None:
+        now = [0.0]
+        queue = InvocationQueue(
+            QueueLimits(), MaskAware(seed=0), lambda fn: [handle], lambda: now[0]
+        )
+        assert queue.admit_slo(slo(10 * alone)) > 0  # feasible: admitted
+        with pytest.raises(Overloaded) as err:
+            queue.admit_slo(slo(alone / 2))
+        assert err.value.code == "slo_unattainable" and err.value.retry_after_s >= 1
+        assert queue.stats.slo_rejected == 1
+        # One runs; a second waits for its slot; time passes beyond what its SLO allows.
+        first = await queue.acquire(slo(10 * alone), 1e9, token=1)
+        waiting = asyncio.create_task(
+            queue.acquire(slo(1.5 * alone), 1e9, token=2, service_s=alone)
+        )
+        await asyncio.sleep(0)
+        now[0] = alone  # the first is still running: the second can no longer make it
+        queue.release(first, token=1)
+        with pytest.raises(Overloaded):
+            await waiting
+        assert queue.stats.slo_dropped == 1
+        # Admission off: nothing is refused.
+        off = InvocationQueue(
+            QueueLimits(admission=False), MaskAware(seed=0), lambda fn: [handle], lambda: now[0]
+        )
+        off.admit_slo(slo(alone / 2))
+
+    asyncio.run(scenario())
+
+
+def test_every_placement_a_spec_may_name_exists_and_bad_ones_are_refused() -> None:
+    from retouch.functions.errors import InvalidSpec
+    from retouch.functions.spec import PLACEMENTS, parse_spec
+    from retouch.platform.placement import POLICIES
+
+    assert set(PLACEMENTS) == set(POLICIES)
+    doc = {"name": "f", "model": "retouch:tiny-flux", "family": "flux-inpaint", "resolution": 128}
+    doc["templates"] = {"t": {"prompt": "p", "seed": 1}}
+    assert parse_spec({**doc, "placement": "template-hash"}).placement == "template-hash"
+    assert parse_spec(doc).placement is None
+    with pytest.raises(InvalidSpec) as err:
+        parse_spec({**doc, "placement": "random"})
+    assert err.value.field == "placement"
+    for bad in (0, -5, "fast"):
+        with pytest.raises(InvalidSpec) as err:
+            parse_spec({**doc, "slo": {"latency_ms": bad}})
+        assert err.value.field == "slo.latency_ms"
