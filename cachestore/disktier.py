@@ -66,7 +66,7 @@ from retouch.cachestore.manifest import (
     ManifestSummary,
     is_valid,
 )
-from retouch.cachestore.policy import EvictionPolicy, saved_compute
+from retouch.cachestore.policy import EvictionPolicy, ephemeral_first, saved_compute
 from retouch.cachestore.stats import StoreCounters
 
 log = logging.getLogger(__name__)
@@ -660,10 +660,11 @@ class DiskTier:
         return scan
 
     def _eviction_order(self, scan: _Scan) -> list[str]:
-        """Broken and invalid templates first, then valid ones least valuable first."""
+        """Broken and invalid templates first, then valid ones least valuable first
+        (ephemeral ones before all others)."""
         valid = sorted((m for m in scan.manifests.values() if m.valid), key=lambda m: m.created)
         with self._policy_lock:
-            ranked = self._policy.rank(m.key for m in valid)
+            ranked = ephemeral_first(self._policy, (m.key for m in valid))
         invalid = [k for k, m in scan.manifests.items() if not m.valid]
         return [*scan.broken, *invalid, *ranked]
 

@@ -23,7 +23,7 @@ import torch
 
 from retouch.cachestore.buffers import BufferPool, HostBuffer, allocate
 from retouch.cachestore.layout import Slot
-from retouch.cachestore.policy import EvictionPolicy, saved_compute
+from retouch.cachestore.policy import EvictionPolicy, ephemeral_first, saved_compute
 from retouch.cachestore.stats import StoreCounters
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ class HostTier:
 
     def _victim(self) -> str | None:
         candidates = [key for key, res in self._resident.items() if res.refs == 0]
-        ranked = self.policy.rank(candidates)
+        ranked = ephemeral_first(self.policy, candidates)
         return ranked[0] if ranked else None
 
     def _evict(self, key: str) -> None:

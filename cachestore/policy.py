@@ -9,6 +9,11 @@ so the host tier and the disk tier keep separate access histories.
   absent); the least valuable goes first. Frequencies are aged GreedyDual-style: a
   template's priority is ``L + freq * saved`` where ``L`` rises to the priority of the last
   victim, so a template that was popular long ago cannot stay forever.
+
+Both tiers evict *ephemeral* templates (keys starting with :data:`EPHEMERAL_PREFIX`, e.g.
+the runtime's bakes of uploaded images) before any other valid template, in the policy's
+order among themselves. The class lives in the key so that every process sharing the disk
+tier sees it without decoding metadata.
 """
 
 from __future__ import annotations
@@ -19,6 +24,20 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 DEFAULT_SAVED_COMPUTE = 1.0
+EPHEMERAL_PREFIX = "~"  # keys of templates evicted before all others
+
+
+def is_ephemeral(key: str) -> bool:
+    return key.startswith(EPHEMERAL_PREFIX)
+
+
+def ephemeral_first(policy: EvictionPolicy, keys: Iterable[str]) -> list[str]:
+    """``keys`` least valuable first, every ephemeral key before every other one."""
+    keys = list(keys)
+    return [
+        *policy.rank(k for k in keys if is_ephemeral(k)),
+        *policy.rank(k for k in keys if not is_ephemeral(k)),
+    ]
 
 
 def saved_compute(meta: dict) -> float:

@@ -236,6 +236,20 @@ class ActivationStore:
             return Tier.HOST
         return Tier.DISK if self._disk.contains(key) else Tier.NONE
 
+    def resident(self, key: str) -> bool:
+        """Whether ``key`` is in host memory (resident or being spilled)."""
+        self._check_open()
+        return self._host.contains(key)
+
+    def nbytes(self, key: str) -> int:
+        """The bytes of ``key``'s activations in the fastest tier holding it (0: none)."""
+        self._check_open()
+        for res in self._host.residents():
+            if res.key == key:
+                return res.nbytes
+        manifest = self._disk.manifest(key)
+        return manifest.nbytes if manifest is not None and manifest.valid else 0
+
     def prefetch(self, key: str) -> Future[int]:
         """Start loading ``key`` disk -> host in the background.
 

@@ -42,10 +42,13 @@ FIELDS = (
     "templates",
     "scaling",
     "slo",
+    "uploads",
 )
 TEMPLATE_FIELDS = ("image", "prompt", "seed")  # image: a path, in TOML files only
 SCALING_FIELDS = ("min_executors", "max_executors")
 SLO_FIELDS = ("latency_ms",)
+# implements each; a test keeps the two lists equal).
+UPLOADS_FIELDS = ("max_images", "max_bytes", "prompt", "seed")
 SIZE_MULTIPLE = 16  # Flux packs 2x2 latents on top of the VAE factor (8); SD needs 8
 
 
@@ -63,6 +66,20 @@ class ScalingSpec:
 
 
 @dataclass(frozen=True)
+class UploadsSpec:
+    """Edits of uploaded images (``image`` instead of ``template``): each distinct image
+    becomes an ad-hoc template of the function, baked with ``prompt`` and ``seed`` after
+    its first edit. ``max_images`` ad-hoc templates (0: uploads refused) and ``max_bytes``
+    of their baked activations are kept per executor; beyond either, the least recently
+    used one is dropped (its bake deleted)."""
+
+    max_images: int = 16
+    max_bytes: int = 4 << 30
+    prompt: str = ""
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class FunctionSpec:
     name: str
     model: str
@@ -76,6 +93,7 @@ class FunctionSpec:
     scaling: ScalingSpec = field(default_factory=ScalingSpec)
     slo_ms: float | None = None
     full_steps: int = 0  # first denoising steps computed over every token (quality warm-up)
+    uploads: UploadsSpec = field(default_factory=UploadsSpec)
 
     def to_dict(self) -> dict[str, Any]:
         """The spec document in the same shape as the TOML file (what :func:`parse_spec`
@@ -93,6 +111,7 @@ class FunctionSpec:
                 tid: {"prompt": t.prompt, "seed": t.seed} for tid, t in self.templates.items()
             },
             "scaling": asdict(self.scaling),
+            "uploads": asdict(self.uploads),
         }
         if self.slo_ms is not None:
             doc["slo"] = {"latency_ms": self.slo_ms}
@@ -151,6 +170,7 @@ def parse_spec(raw: Any) -> FunctionSpec:
         scaling=_scaling(raw.get("scaling", {})),
         slo_ms=_slo(raw.get("slo")),
         full_steps=full_steps,
+        uploads=_uploads(raw.get("uploads", {})),
     )
 
 
@@ -211,6 +231,24 @@ def _scaling(raw: Any) -> ScalingSpec:
     if lo > hi:
         raise InvalidSpec("min_executors exceeds max_executors", field="scaling.min_executors")
     return ScalingSpec(lo, hi)
+
+
+def _uploads(raw: Any) -> UploadsSpec:
+    if not isinstance(raw, dict):
+        raise InvalidSpec("uploads must be a table", field="uploads")
+    _known(raw, UPLOADS_FIELDS, "uploads")
+    default = UploadsSpec()
+    prompt = _str(raw, "prompt", default.prompt, where="uploads")
+    if len(prompt) > wire.MAX_PROMPT_CHARS:
+        raise InvalidSpec(
+            f"prompt longer than {wire.MAX_PROMPT_CHARS} characters", field="uploads.prompt"
+        )
+    return UploadsSpec(
+        max_images=_int(raw, "max_images", default.max_images, 0, 4096, where="uploads"),
+        max_bytes=_int(raw, "max_bytes", default.max_bytes, 0, 2**62, where="uploads"),
+        prompt=prompt,
+        seed=_int(raw, "seed", default.seed, 0, 2**63 - 1, where="uploads"),
+    )
 
 
 def _slo(raw: Any) -> float | None:

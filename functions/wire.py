@@ -123,27 +123,43 @@ def as_map(obj: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class InvokeRequest:
-    """A public invocation, validated. ``mask`` is still the encoded image the user sent."""
+    """A public invocation, validated. ``mask`` is still the encoded image the user sent.
 
-    template: str
+    It edits either one of the function's templates (``template``) or an uploaded image
+    (``image``: encoded bytes, decoded by the gateway), never both."""
+
+    template: str | None
     mask: bytes
     prompt: str
     seed: int
     steps: int | None = None
     guidance: float | None = None
     format: str = "png"
+    image: bytes | None = None
 
     @classmethod
     def from_wire(cls, obj: Any) -> InvokeRequest:
         body = as_map(obj)
+        image = optional(body, "image", (bytes, bytearray), None)
+        if image is None and body.get("template") is None:
+            raise BadRequest(
+                "field 'template' (or 'image', an uploaded image) is required",
+                field="template",
+                code="missing_field",
+            )
+        if image is not None and body.get("template") is not None:
+            raise BadRequest(
+                "send either 'template' or 'image', not both", field="image", code="invalid_field"
+            )
         req = cls(
-            template=require(body, "template", str),
+            template=None if image is not None else require(body, "template", str),
             mask=bytes(require(body, "mask", (bytes, bytearray))),
             prompt=require(body, "prompt", str),
             seed=require(body, "seed", int),
             steps=optional(body, "steps", int, None),
             guidance=optional(body, "guidance", (int, float), None),
             format=optional(body, "format", str, "png"),
+            image=None if image is None else bytes(image),
         )
         req.check()
         return req
@@ -185,9 +201,14 @@ class ExecutorInvoke:
     guidance: float
     format: str
     id: str = ""  # the gateway's invocation id: cancel and progress refer to it
+    # An uploaded image (RGB8 ``[H, W, 3]``) instead of a deployed template; ``template``
+    # is then its content address (``upload:<hash of the pixels>``).
+    image: RawArray | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {**asdict(self), "mask": self.mask.to_wire()}
+        out = {**asdict(self), "mask": self.mask.to_wire()}
+        out["image"] = None if self.image is None else self.image.to_wire()
+        return out
 
     @classmethod
     def from_wire(cls, obj: Any) -> ExecutorInvoke:
@@ -202,6 +223,9 @@ class ExecutorInvoke:
             guidance=float(require(body, "guidance", (int, float))),
             format=require(body, "format", str),
             id=optional(body, "id", str, ""),
+            image=None
+            if body.get("image") is None
+            else RawArray.from_wire(require(body, "image", dict), "image"),
         )
 
 
@@ -347,9 +371,11 @@ class InvokeResult:
     cache: CacheRead = field(default_factory=CacheRead)
     engine: RunStats = field(default_factory=RunStats)
     attempts: int = 1  # executors it was sent to (more than one after an executor was lost)
+    template: str = ""  # the template edited (``upload:<hash>`` for an uploaded image)
 
     def to_wire(self) -> dict[str, Any]:
         return {
+            "template": self.template,
             "image": self.image,
             "format": self.format,
             "width": self.width,
@@ -378,6 +404,7 @@ class InvokeResult:
             cache=CacheRead.from_wire(body.get("cache")),
             engine=RunStats.from_wire(body.get("engine")),
             attempts=int(body.get("attempts", 1)),
+            template=str(body.get("template", "")),
         )
 
 
@@ -392,6 +419,9 @@ class TemplateStatus:
     bakes: int = 0
     key: str = ""
     error: str | None = None
+    upload: bool = False  # an ad-hoc template (an uploaded image), not a deployed one
+    bytes: int = 0  # its baked activations (0 until baked)
+    host: bool = False  # host-resident now (the fastest tier)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -399,6 +429,9 @@ class TemplateStatus:
             "bakes": self.bakes,
             "key": self.key,
             "error": self.error,
+            "upload": self.upload,
+            "bytes": self.bytes,
+            "host": self.host,
         }
 
     @classmethod
@@ -409,6 +442,9 @@ class TemplateStatus:
             int(body.get("bakes", 0)),
             str(body.get("key", "")),
             body.get("error"),
+            bool(body.get("upload", False)),
+            int(body.get("bytes", 0)),
+            bool(body.get("host", False)),
         )
 
 

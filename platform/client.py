@@ -61,8 +61,14 @@ def read_spec_file(path: Path) -> tuple[FunctionSpec, dict[str, bytes]]:
 
 
 def invoke_call(
-    name: str, template: str, mask: bytes | np.ndarray, prompt: str, seed: int = 0, **options: Any
+    name: str,
+    template: str | None,
+    mask: bytes | np.ndarray,
+    prompt: str,
+    seed: int = 0,
+    **options: Any,
 ) -> Call:
+    """``template=None, image=<encoded image bytes>`` edits an uploaded image instead."""
     mask_bytes = encode_mask(mask) if isinstance(mask, np.ndarray) else mask
     req = wire.InvokeRequest(
         template=template, mask=mask_bytes, prompt=prompt, seed=seed, **options
@@ -72,7 +78,7 @@ def invoke_call(
 
 def job_call(
     name: str,
-    template: str,
+    template: str | None,
     mask: bytes | np.ndarray,
     prompt: str,
     seed: int = 0,
@@ -221,7 +227,7 @@ class Client:
     def submit(
         self,
         name: str,
-        template: str,
+        template: str | None,
         mask: bytes | np.ndarray,
         prompt: str,
         seed: int = 0,
@@ -318,12 +324,13 @@ class Client:
     def invoke(
         self,
         name: str,
-        template: str,
+        template: str | None,
         mask: bytes | np.ndarray,
         prompt: str,
         seed: int = 0,
         **options: Any,
     ) -> wire.InvokeResult:
+        """Edit ``template``, or an uploaded image: ``template=None, image=<bytes>``."""
         return wire.InvokeResult.from_wire(
             self.call(invoke_call(name, template, mask, prompt, seed, **options))
         )
@@ -365,7 +372,7 @@ class AsyncClient:
     async def submit(
         self,
         name: str,
-        template: str,
+        template: str | None,
         mask: bytes | np.ndarray,
         prompt: str,
         seed: int = 0,
@@ -432,7 +439,7 @@ class AsyncClient:
     async def invoke(
         self,
         name: str,
-        template: str,
+        template: str | None,
         mask: bytes | np.ndarray,
         prompt: str,
         seed: int = 0,

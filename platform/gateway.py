@@ -48,7 +48,7 @@ from retouch.functions.imaging import decode_image, decode_mask, encode_image, m
 from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import BAKE_PROGRESS, BakeState, DeployStatus, ExecutorState
-from retouch.platform import sse
+from retouch.platform import sse, uploads
 from retouch.platform.auth import TokenAuth
 from retouch.platform.jobs import (
     DEFAULT_PROGRESS_INTERVAL_S,
@@ -114,7 +114,22 @@ class DeployedFunction:
                 }
                 for tid, (w, h) in self.sizes.items()
             },
+            "uploads": self._uploads(executor_states or []),
         }
+
+    def _uploads(self, executor_states: list[ExecutorState]) -> dict[str, dict[str, Any]]:
+        """The ad-hoc templates (uploaded images) the executors hold, most advanced state."""
+        out: dict[str, dict[str, Any]] = {}
+        for state in executor_states:
+            for tid, status in state.templates.get(self.spec.name, {}).items():
+                if not status.upload:
+                    continue
+                seen = out.setdefault(tid, {"state": status.state.value, "bytes": 0})
+                rank = BAKE_PROGRESS.index
+                if rank(status.state) < rank(BakeState(seen["state"])):
+                    seen["state"] = status.state.value
+                seen["bytes"] = max(seen["bytes"], status.bytes)
+        return out
 
     def _template_state(self, tid: str, executor_states: list[ExecutorState]) -> BakeState:
         """pending while deploying; then the most advanced bake state any executor reports
@@ -325,8 +340,14 @@ class Gateway:
         self, fn: DeployedFunction, req: wire.InvokeRequest, invocation_id: str
     ) -> tuple[wire.ExecutorInvoke, float]:
         """Check the template, decode the mask (on a thread) and build what the executor
-        gets; also how a resumed job is rebuilt from its journaled request."""
-        size = fn.sizes.get(req.template)
+        gets; also how a resumed job is rebuilt from its journaled request. An uploaded
+        ``image`` is decoded and content-addressed here (``uploads.upload_id``)."""
+        image = None
+        if req.image is not None:
+            template, image = await asyncio.to_thread(uploads.decode_upload, fn.spec, req.image)
+            size = (fn.spec.width, fn.spec.height)
+        else:
+            template, size = req.template or "", fn.sizes.get(req.template or "")
         if size is None:
             raise NotFound(
                 f"function {fn.spec.name!r} has no template {req.template!r}",
@@ -336,7 +357,8 @@ class Gateway:
         mask = await asyncio.to_thread(decode_mask, req.mask, size)
         inv = wire.ExecutorInvoke(
             function=fn.spec.name,
-            template=req.template,
+            template=template,
+            image=image,
             mask=wire.RawArray.of(mask.astype("uint8")),
             prompt=req.prompt,
             seed=req.seed,

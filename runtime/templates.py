@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ import numpy as np
 from PIL import Image
 
 from retouch.cachestore.errors import CorruptEntry, StoreError
+from retouch.cachestore.policy import EPHEMERAL_PREFIX
 from retouch.cachestore.store import ActivationStore, HostTemplate, Tier
-from retouch.functions.spec import FunctionSpec
+from retouch.functions.spec import FunctionSpec, UploadsSpec
 from retouch.functions.wire import BakeState, TemplateStatus
 from retouch.runtime.fingerprint import template_key
 
@@ -47,6 +49,9 @@ class Template:
     state: BakeState = BakeState.UNBAKED
     error: str | None = None
     bakes: int = 0
+    upload: bool = False  # an ad-hoc template: an uploaded image
+    nbytes: int = 0  # bytes of its bake, once baked here
+    dropped: bool = False  # no longer tracked (evicted upload, removed function): never baked
 
     def covers(self, steps: int, guidance: float) -> bool:
         """Whether the bake's activations are valid for an edit with these settings."""
@@ -62,11 +67,27 @@ class Acquired:
     wait_ms: float
 
 
+def _settings(spec: FunctionSpec) -> dict[str, Any]:
+    """The generation settings a bake depends on (part of its key)."""
+    return {
+        "family": spec.family,
+        "width": spec.width,
+        "height": spec.height,
+        "steps": spec.steps,
+        "guidance": spec.guidance,
+        "scheduler": spec.scheduler,
+    }
+
+
 @dataclass
 class TemplateCache:
     store: ActivationStore
     templates: dict[tuple[str, str], Template] = field(default_factory=dict)
+    # Ad-hoc templates per function, least recently used first, with the function's limits.
+    uploads: dict[str, OrderedDict[str, Template]] = field(default_factory=dict)
+    limits: dict[str, UploadsSpec] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _dropped: list[Template] = field(default_factory=list)
 
     def register(
         self,
@@ -75,53 +96,80 @@ class TemplateCache:
         model_fp: str,
         scheduler_config: dict[str, Any],
     ) -> list[Template]:
-        settings = {
-            "family": spec.family,
-            "width": spec.width,
-            "height": spec.height,
-            "steps": spec.steps,
-            "guidance": spec.guidance,
-            "scheduler": spec.scheduler,
-        }
-        added = []
-        for tid, tspec in spec.templates.items():
-            image = images[tid]
-            key = template_key(
-                model_fp,
-                settings,
-                scheduler_config,
-                np.asarray(image).tobytes(),
-                tspec.prompt,
-                tspec.seed,
-            )
-            baked = self.store.tier(key) is not Tier.NONE
-            template = Template(
-                spec.name,
-                tid,
-                image,
-                tspec.prompt,
-                tspec.seed,
-                spec.steps,
-                spec.guidance,
-                key,
-                BakeState.BAKED if baked else BakeState.UNBAKED,
-            )
-            added.append(template)
+        """Register a function's deployed templates (replacing an earlier deploy's). Its
+        ad-hoc templates are dropped (the settings may have changed): see
+        :meth:`take_dropped`."""
+        added = [
+            self._make(spec, tid, images[tid], t.prompt, t.seed, model_fp, scheduler_config)
+            for tid, t in spec.templates.items()
+        ]
         with self.lock:
             for key in [k for k in self.templates if k[0] == spec.name]:
                 del self.templates[key]
             self.templates.update({(t.function, t.id): t for t in added})
+            self._dropped.extend(self._drop_uploads(spec.name))
+            self.limits[spec.name] = spec.uploads
         return added
+
+    def _make(
+        self,
+        spec: FunctionSpec,
+        tid: str,
+        image: Image.Image,
+        prompt: str,
+        seed: int,
+        model_fp: str,
+        scheduler_config: dict[str, Any],
+        upload: bool = False,
+    ) -> Template:
+        """A template keyed by its content and settings; baked if the store holds the key
+        (ad-hoc ones get the store's ephemeral prefix: evicted before deployed ones)."""
+        pixels = np.asarray(image).tobytes()
+        key = template_key(model_fp, _settings(spec), scheduler_config, pixels, prompt, seed)
+        if upload:
+            key = EPHEMERAL_PREFIX + key
+        baked = self.store.tier(key) is not Tier.NONE
+        return Template(
+            spec.name,
+            tid,
+            image,
+            prompt,
+            seed,
+            spec.steps,
+            spec.guidance,
+            key,
+            BakeState.BAKED if baked else BakeState.UNBAKED,
+            upload=upload,
+            nbytes=self.store.nbytes(key) if baked else 0,
+        )
 
     def detach(self, function: str) -> list[Template]:
         """Forget a function's templates (fast: no store work); see :meth:`drop_unused`."""
         with self.lock:
-            return [self.templates.pop(k) for k in [k for k in self.templates if k[0] == function]]
+            gone = [self.templates.pop(k) for k in [k for k in self.templates if k[0] == function]]
+            for template in gone:
+                template.dropped = True
+            self.limits.pop(function, None)
+            return gone + self._drop_uploads(function)
+
+    def _drop_uploads(self, function: str) -> list[Template]:
+        """(lock held) Untrack a function's ad-hoc templates."""
+        gone = list(self.uploads.pop(function, {}).values())
+        for template in gone:
+            template.dropped = True
+        return gone
+
+    def take_dropped(self) -> list[Template]:
+        """Templates dropped by :meth:`register` whose bakes should go (:meth:`drop_unused`)."""
+        with self.lock:
+            dropped, self._dropped = self._dropped, []
+            return dropped
 
     def drop_unused(self, gone: list[Template]) -> None:
         """Delete the bakes of detached templates that no registered template uses."""
         with self.lock:
             in_use = {t.key for t in self.templates.values()}
+            in_use |= {t.key for ups in self.uploads.values() for t in ups.values()}
         for template in gone:
             if template.key not in in_use:
                 self.store.delete(template.key)
@@ -130,9 +178,75 @@ class TemplateCache:
         with self.lock:
             return self.templates.get((function, template))
 
-    def claim_bake(self, template: Template) -> bool:
-        """Mark an unbaked template as queued for baking; False if it is baked or queued."""
+    def upload(
+        self,
+        spec: FunctionSpec,
+        template_id: str,
+        image: Image.Image,
+        model_fp: str,
+        scheduler_config: dict[str, Any],
+    ) -> Template:
+        """The ad-hoc template of an uploaded image (created on first sight, marked most
+        recently used). Baked already when the store holds it (another executor of the
+        host, or an earlier life of this one, baked the same pixels)."""
         with self.lock:
+            known = self.uploads.get(spec.name, {}).get(template_id)
+            if known is not None:
+                self.uploads[spec.name].move_to_end(template_id)
+                return known
+        up = spec.uploads
+        template = self._make(
+            spec, template_id, image, up.prompt, up.seed, model_fp, scheduler_config, upload=True
+        )
+        with self.lock:
+            table = self.uploads.setdefault(spec.name, OrderedDict())
+            known = table.get(template_id)
+            if known is not None:  # raced with another arrival of the same image
+                table.move_to_end(template_id)
+                return known
+            table[template_id] = template
+            victims = self._over_limits(spec.name, keep=template)
+        self._delete(victims)
+        return template
+
+    def _over_limits(self, function: str, keep: Template | None = None) -> list[Template]:
+        """(lock held) Untrack the least recently used ad-hoc templates of ``function``
+        until its count and byte limits hold; ``keep`` goes last (it is being used)."""
+        table = self.uploads.get(function)
+        limits = self.limits.get(function, UploadsSpec())
+        if not table:
+            return []
+        victims = []
+        while table and (
+            len(table) > limits.max_images
+            or sum(t.nbytes for t in table.values()) > limits.max_bytes
+        ):
+            order = [t for t in table.values() if t is not keep] + ([keep] if keep else [])
+            victim = next(t for t in order if t.id in table)
+            del table[victim.id]
+            victim.dropped = True
+            victims.append(victim)
+        return victims
+
+    def _delete(self, victims: list[Template]) -> None:
+        """Delete dropped ad-hoc templates' bakes (no lock held: this is store I/O)."""
+        for victim in victims:
+            log.info(
+                "upload %s/%s dropped (limits of the function); its bake is deleted",
+                victim.function,
+                victim.id,
+            )
+            try:
+                self.store.delete(victim.key)
+            except StoreError as exc:
+                log.warning("deleting the bake of %s/%s: %s", victim.function, victim.id, exc)
+
+    def claim_bake(self, template: Template) -> bool:
+        """Mark an unbaked template as queued for baking; False if it is baked or queued,
+        or no longer tracked (a dropped upload is not baked again)."""
+        with self.lock:
+            if template.dropped:
+                return False
             if template.state not in (BakeState.UNBAKED, BakeState.FAILED):
                 return False
             template.state = BakeState.QUEUED
@@ -176,6 +290,8 @@ class TemplateCache:
         with self.lock:
             template.state = BakeState.BAKING
         meta = {"function": template.function, "template": template.id, "steps": template.steps}
+        if template.upload:
+            meta["upload"] = True
         try:
             with self.store.bake(template.key, meta) as writer:
                 record(writer)
@@ -187,12 +303,26 @@ class TemplateCache:
         with self.lock:
             template.state, template.error = BakeState.BAKED, None
             template.bakes += 1
+            template.nbytes = writer.nbytes
+            # dropped while it baked: its bake goes too; else the byte budget may now bite
+            victims = [template] if template.dropped else self._over_limits(template.function)
+        self._delete(victims)
 
     def states(self) -> dict[str, dict[str, TemplateStatus]]:
+        """Every template's state, ad-hoc ones included (cheap: host residency is a set
+        lookup, no disk access)."""
         with self.lock:
-            out: dict[str, dict[str, TemplateStatus]] = {}
-            for t in self.templates.values():
-                out.setdefault(t.function, {})[t.id] = TemplateStatus(
-                    t.state, t.bakes, t.key, t.error
-                )
-            return out
+            tracked = [*self.templates.values()]
+            tracked += [t for ups in self.uploads.values() for t in ups.values()]
+        out: dict[str, dict[str, TemplateStatus]] = {}
+        for t in tracked:
+            out.setdefault(t.function, {})[t.id] = TemplateStatus(
+                t.state,
+                t.bakes,
+                t.key,
+                t.error,
+                upload=t.upload,
+                bytes=t.nbytes,
+                host=self.store.resident(t.key),
+            )
+        return out

@@ -18,10 +18,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -115,10 +116,13 @@ def _refuse_if_superseded(name: str, generation: int, latest: int) -> None:
 
 @dataclass
 class FunctionEntry:
-    """A deployed function as the executor holds it: its spec and decoded templates."""
+    """A deployed function as the executor holds it: its spec and decoded templates, and
+    what keys its bakes (for the ad-hoc templates of uploaded images)."""
 
     spec: FunctionSpec
     templates: dict[str, Image.Image]
+    fingerprint: str = ""
+    scheduler_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -203,7 +207,8 @@ class ExecutorCore:
             if generation >= latest:
                 self._generations[spec.name] = generation
                 registered = self.templates.register(spec, images, fingerprint, sched_config)
-                self.functions[spec.name] = FunctionEntry(spec, images)
+                self.functions[spec.name] = FunctionEntry(spec, images, fingerprint, sched_config)
+        self.templates.drop_unused(self.templates.take_dropped())  # an earlier deploy's uploads
         _refuse_if_superseded(spec.name, generation, latest)
         if self.maskaware:
             for template in registered:
@@ -332,7 +337,10 @@ class ExecutorCore:
                     del self._canceled[inv.id]
                     raise Canceled(f"invocation {inv.id} was canceled", field="id")
         entry = self.entry(inv.function)
-        template = self.templates.get(inv.function, inv.template)
+        if inv.image is not None:
+            template = self._upload(entry, inv)
+        else:
+            template = self.templates.get(inv.function, inv.template)
         if template is None:
             raise NotFound(
                 f"unknown template {inv.template!r}", field="template", code="template_not_found"
@@ -380,6 +388,29 @@ class ExecutorCore:
         self.stats.queued += 1
         return self._finish(inv, work, future, mask)
 
+    def _upload(self, entry: FunctionEntry, inv: wire.ExecutorInvoke) -> Template:
+        """The ad-hoc template of an uploaded image (the gateway decoded and checked it)."""
+        spec = entry.spec
+        assert inv.image is not None
+        pixels = inv.image.to_numpy()
+        if pixels.dtype != "uint8" or pixels.shape != (spec.height, spec.width, 3):
+            raise BadRequest(
+                f"image must be RGB8 of {spec.width}x{spec.height}, got {inv.image.dtype} "
+                f"{list(pixels.shape)}",
+                field="image",
+                code="image_size_mismatch",
+            )
+        if spec.uploads.max_images == 0:
+            raise BadRequest(
+                f"function {spec.name!r} does not accept uploaded images",
+                field="image",
+                code="uploads_disabled",
+            )
+        image = Image.fromarray(np.ascontiguousarray(pixels), "RGB")
+        return self.templates.upload(
+            spec, inv.template, image, entry.fingerprint, entry.scheduler_config
+        )
+
     async def _finish(
         self, inv: wire.ExecutorInvoke, work: Work, future: Future, mask: Any
     ) -> wire.InvokeResult:
@@ -406,6 +437,7 @@ class ExecutorCore:
             timings=wire.Timings(**report["timings"]),
             cache=wire.CacheRead.from_wire(report["cache"]),
             engine=wire.RunStats.from_wire(report["engine"]),
+            template=inv.template,
         )
 
     def _template_result(
@@ -421,6 +453,7 @@ class ExecutorCore:
             executor=self.name,
             path=wire.InvokePath.TEMPLATE,
             timings=wire.Timings(run_ms=(time.perf_counter() - arrived) * 1e3),
+            template=inv.template,
         )
 
     # ---- the engine thread ----------------------------------------------------------------

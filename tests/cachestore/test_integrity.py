@@ -177,3 +177,29 @@ def test_disk_full_is_recognised() -> None:
     assert _is_full(lmdb.Error("mdb_txn_commit: No space left on device"))
     assert _is_full(lmdb.MapFullError("mdb_put: MDB_MAP_FULL"))
     assert not _is_full(lmdb.Error("mdb_put: Invalid argument"))
+
+
+@pytest.mark.parametrize("policy", ["lru", "lcbfu"])
+def test_disk_budget_evicts_ephemeral_templates_first(tmp_path: Path, policy: str) -> None:
+    """An uploaded image's bake (ephemeral key) goes before a deployed template, even one
+    that is older and never read again."""
+    one = sum(t.nbytes for t in template(0).values())
+    with open_store(tmp_path / "c", disk_budget_bytes=int(2.5 * one), policy=policy) as store:
+        bake(store, "deployed", template(1))
+        bake(store, "~upload", template(2))
+        for _ in range(3):
+            store.acquire("~upload").release()
+        bake(store, "deployed-2", template(3))
+        assert store.tier("~upload") is Tier.NONE
+        assert store.tier("deployed") is Tier.DISK and store.tier("deployed-2") is Tier.DISK
+
+
+def test_host_tier_evicts_ephemeral_templates_first(tmp_path: Path) -> None:
+    one = sum(t.nbytes for t in template(0).values())
+    with open_store(tmp_path / "c", host_budget_bytes=int(2.5 * one)) as store:
+        bake(store, "deployed", template(1))
+        bake(store, "~upload", template(2))
+        store.acquire("~upload").release()  # most recently used, still the first to go
+        bake(store, "deployed-2", template(3))
+        assert store.tier("deployed") is Tier.HOST and store.tier("deployed-2") is Tier.HOST
+        assert store.tier("~upload") is Tier.DISK

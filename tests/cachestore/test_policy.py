@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from retouch.cachestore.policy import LCBFUPolicy, LRUPolicy, make_policy, saved_compute
+from retouch.cachestore.policy import (
+    LCBFUPolicy,
+    LRUPolicy,
+    ephemeral_first,
+    is_ephemeral,
+    make_policy,
+    saved_compute,
+)
 
 
 def test_lru_evicts_least_recently_used_and_unseen_first() -> None:
@@ -58,3 +65,15 @@ def test_saved_compute_defaults_and_clamps() -> None:
     assert saved_compute({"saved_compute": 0.25}) == 0.25
     assert saved_compute({"saved_compute": -3}) == 0.0
     assert saved_compute({"saved_compute": "x"}) == 1.0
+
+
+def test_ephemeral_keys_rank_before_all_others() -> None:
+    """Uploaded images' bakes (ephemeral keys) go first, whatever the policy prefers."""
+    for policy in (LRUPolicy(), LCBFUPolicy()):
+        for key in ("~old", "deployed", "~new"):
+            policy.on_access(key, 1.0)
+        for _ in range(3):
+            policy.on_access("~new", 1.0)
+        ranked = ephemeral_first(policy, ["deployed", "~new", "~old", "unseen"])
+        assert ranked[:2] == ["~old", "~new"] and set(ranked[2:]) == {"deployed", "unseen"}
+        assert is_ephemeral("~x") and not is_ephemeral("x~")

@@ -23,6 +23,7 @@ CONTROL_PLANE = (
     "retouch.platform.journal",
     "retouch.platform.webhooks",
     "retouch.platform.sse",
+    "retouch.platform.uploads",
     "retouch.runtime.executor.app",
 )
 HEAVY = ("torch", "diffusers", "lmdb", "transformers")

@@ -1,0 +1,217 @@
+"""Edits of uploaded images end to end: the first edit of an unseen image runs the stock
+path and bakes it in the background, later edits of it run mask-aware; the same pixels in
+another encoding are the same ad-hoc template; the per-function count and byte limits are
+enforced (least recently used bake deleted from the store); bad uploads are 4xx naming
+``image`` and the server stays healthy.
+
+One server for the file, one executor, ``tiny-sd`` at 128² with few steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import struct
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from retouch.functions import wire
+from retouch.functions.errors import RetouchError
+from retouch.functions.spec import UploadsSpec
+from retouch.platform.cachecli import run_cache_command
+from retouch.platform.client import Client, read_spec_file
+from retouch.platform.server import ServerProcess
+
+from .conftest import ADMIN, INVOKE, TOKENS
+
+FUNCTION, STEPS = "up-sd", 4
+SIZE = 128
+MASK = np.zeros((SIZE, SIZE), bool)
+MASK[32:80, 40:96] = True
+
+
+def photo(seed: int, fmt: str = "PNG") -> bytes:
+    """A smooth random 'photo' of the function's size, encoded losslessly."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    img = Image.fromarray(small).resize((SIZE, SIZE), Image.BILINEAR)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def server(data_dir: Path, examples: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(data_dir, env=TOKENS) as proc:
+        spec, images = read_spec_file(examples / "tiny-sd.toml")
+        spec = dataclasses.replace(
+            spec, name=FUNCTION, steps=STEPS, templates={"street": spec.templates["street"]}
+        )
+        with Client(proc.url, ADMIN) as admin:
+            assert admin.deploy(spec, {"street": images["street"]})["status"] == "ready"
+        yield proc
+
+
+def deploy(url: str, examples: Path, name: str, uploads: UploadsSpec) -> None:
+    spec, images = read_spec_file(examples / "tiny-sd.toml")
+    spec = dataclasses.replace(
+        spec,
+        name=name,
+        steps=STEPS,
+        templates={"street": spec.templates["street"]},
+        uploads=uploads,
+    )
+    with Client(url, ADMIN) as admin:
+        assert admin.deploy(spec, {"street": images["street"]})["status"] == "ready"
+
+
+def edit(client: Client, image: bytes, seed: int = 1, name: str = FUNCTION) -> wire.InvokeResult:
+    return client.invoke(name, None, MASK, "a red door", seed=seed, image=image, format="raw")
+
+
+def uploads(client: Client, name: str) -> dict[str, dict]:
+    return client.get(name)["uploads"]
+
+
+def wait_baked(client: Client, name: str, upload: str, timeout: float = 180.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while (doc := uploads(client, name).get(upload, {})).get("state") != "baked":
+        assert time.monotonic() < deadline, f"{upload} not baked: {doc}"
+        time.sleep(0.1)
+    return doc
+
+
+def test_first_edit_is_stock_later_ones_mask_aware(server: ServerProcess) -> None:
+    image = photo(1)
+    with Client(server.url, INVOKE) as client:
+        first = edit(client, image)
+        assert first.path is wire.InvokePath.STOCK
+        assert first.template.startswith("upload:") and first.cache.tier is wire.CacheTier.NONE
+        assert (first.width, first.height) == (SIZE, SIZE)
+        wait_baked(client, FUNCTION, first.template)
+        second = edit(client, image, seed=2)
+        third = edit(client, image, seed=3)
+        assert second.template == third.template == first.template
+        assert third.path is wire.InvokePath.MASKAWARE
+        assert third.cache.tier in (wire.CacheTier.HOST, wire.CacheTier.DISK)
+        # the same pixels in another encoding are the same ad-hoc template, already baked
+        webp = edit(client, photo(1, "WEBP"), seed=3)
+        assert webp.template == first.template and webp.path is wire.InvokePath.MASKAWARE
+        assert webp.image == third.image
+        # an empty mask answers the uploaded image itself
+        empty = client.invoke(
+            FUNCTION, None, np.zeros((SIZE, SIZE), bool), "x", seed=1, image=image, format="raw"
+        )
+        assert empty.path is wire.InvokePath.TEMPLATE
+        expected = np.asarray(Image.open(io.BytesIO(image)).convert("RGB"))
+        assert np.array_equal(
+            np.frombuffer(empty.image, np.uint8).reshape(expected.shape), expected
+        )
+        # an uploaded image as an async job
+        job = client.submit(FUNCTION, None, MASK, "a red door", seed=3, image=image, format="raw")
+        assert job.wait(timeout=120).image == third.image
+    rows = [r for r in run_cache_command("ls", server.data_dir) if r["key"].startswith("~")]
+    assert any(r["meta"].get("template") == first.template for r in rows)
+    assert all(r["meta"].get("upload") for r in rows)
+
+
+def test_byte_budget_drops_the_least_recently_used_bake(
+    server: ServerProcess, examples: Path
+) -> None:
+    with Client(server.url, INVOKE) as client:
+        first = edit(client, photo(10))
+        one = wait_baked(client, FUNCTION, first.template)["bytes"]
+        assert one > 0
+        name = "up-budget"
+        deploy(server.url, examples, name, UploadsSpec(max_images=8, max_bytes=int(1.5 * one)))
+        a = edit(client, photo(11), name=name)
+        wait_baked(client, name, a.template)
+        b = edit(client, photo(12), name=name)
+        wait_baked(client, name, b.template)
+        held = uploads(client, name)
+        assert a.template not in held and held[b.template]["bytes"] == one
+        keys = {r["meta"].get("template"): r for r in run_cache_command("ls", server.data_dir)}
+        held_bytes = sum(r["bytes"] for r in keys.values() if r["meta"].get("function") == name)
+        assert held_bytes <= 1.5 * one
+        assert b.template in keys
+        # the dropped image is simply new again: stock, then baked again
+        again = edit(client, photo(11), name=name)
+        assert again.path is wire.InvokePath.STOCK
+
+
+def test_count_limit_and_uploads_disabled(server: ServerProcess, examples: Path) -> None:
+    deploy(server.url, examples, "up-one", UploadsSpec(max_images=1))
+    deploy(server.url, examples, "up-none", UploadsSpec(max_images=0))
+    with Client(server.url, INVOKE) as client:
+        a = edit(client, photo(21), name="up-one")
+        b = edit(client, photo(22), name="up-one")
+        assert list(uploads(client, "up-one")) == [b.template] != [a.template]
+        with pytest.raises(RetouchError) as info:
+            edit(client, photo(21), name="up-none")
+        assert (info.value.status, info.value.code, info.value.field) == (
+            400,
+            "uploads_disabled",
+            "image",
+        )
+
+
+def bomb(side: int = 30000) -> bytes:
+    """A PNG whose header declares side x side pixels: a decompression bomb's header (what
+    the gateway must refuse before decoding anything), a few dozen bytes on the wire."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )  # fmt: skip
+
+    ihdr = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)
+    idat = zlib.compress(b"\0" * 1024)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "field"),
+    [
+        ({"image": b"not an image"}, 400, "undecodable_image", "image"),
+        ({"image": photo(1)[:200]}, 400, "undecodable_image", "image"),
+        ({"image": "a string"}, 400, "invalid_field", "image"),
+        ({"image": b"x", "template": "street"}, 400, "invalid_field", "image"),
+        ({}, 400, "missing_field", "template"),
+        ({"image": "wrong-size"}, 400, "image_size_mismatch", "image"),
+        ({"image": "bomb"}, 400, "image_too_large", "image"),
+    ],
+)
+def test_bad_uploads_are_4xx_naming_the_field(
+    server: ServerProcess, body: dict, status: int, code: str, field: str
+) -> None:
+    if body.get("image") == "wrong-size":
+        buf = io.BytesIO()
+        Image.new("RGB", (64, 64)).save(buf, format="PNG")
+        body = {"image": buf.getvalue()}
+    elif body.get("image") == "bomb":
+        body = {"image": BOMB}
+    mask = io.BytesIO()
+    Image.fromarray(MASK.astype(np.uint8) * 255).save(mask, format="PNG")
+    request = {"mask": mask.getvalue(), "prompt": "p", "seed": 1, **body}
+    for route in ("invoke", "jobs"):
+        resp = httpx.post(
+            f"{server.url}/v1/functions/{FUNCTION}/{route}",
+            content=wire.pack(request),
+            headers={"authorization": f"Bearer {INVOKE}", "content-type": "application/msgpack"},
+            timeout=60,
+        )
+        assert resp.status_code == status, resp.content
+        error = wire.unpack(resp.content)["error"]
+        assert (error["code"], error["field"]) == (code, field), error
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+BOMB = bomb()
