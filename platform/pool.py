@@ -464,7 +464,7 @@ class ExecutorPool:
             ordered = sorted(values)
             return ordered[int(fraction * (len(ordered) - 1))] * scale
 
-        decisions, admissions = self.queue.stats.decision_s, self.stats.admission_s
+        decisions, admissions = self.queue.decision_s, self.stats.admission_s
         errors = self.stats.prediction_error
         return {
             "decision_ms_p50": q(decisions, 0.5, 1e3),

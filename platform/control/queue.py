@@ -97,7 +97,6 @@ class QueueStats:
     replaced: int = 0  # invocations re-queued after their executor was lost
     canceled: int = 0  # left the queue by cancel
     service_s: float = 1.0  # EWMA of slot holding time (for Retry-After)
-    decision_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class InvocationQueue:
@@ -118,6 +117,7 @@ class InvocationQueue:
         self._clock = clock
         self._waiting: deque[Waiter] = deque()
         self.stats = QueueStats()
+        self.decision_s: deque[float] = deque(maxlen=4096)  # recent placement choices
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -299,7 +299,7 @@ class InvocationQueue:
                 continue
             started = time.perf_counter()
             chosen = policy.choose(room, waiter.request)
-            self.stats.decision_s.append(time.perf_counter() - started)
+            self.decision_s.append(time.perf_counter() - started)
             chosen.inflight += 1
             if waiter.token >= 0:
                 chosen.view.place(waiter.token, waiter.request, now)
