@@ -1,52 +1,127 @@
 """``retouch bench gateway``: what the gateway adds to an invocation.
 
-Starts a real ``retouch serve``, deploys the tiny Flux example and measures, per invocation,
-the gateway's own time (total at the gateway minus executor queue and run) and the client's
-round trip, for template-only invocations (no model run) and 20 % edits.
+Starts real ``retouch serve`` processes, deploys the tiny Flux example and measures, per
+invocation, the gateway's own time (total at the gateway minus executor queue and run) and
+the client's round trip, for template-only invocations (no model run) and 20 % edits.
+
+Two gateways run side by side, requests alternating between them: ``control_on`` (the
+default: ``maskaware`` placement with SLO admission, the example has an SLO) and
+``control_off`` (``least-requests``, ``--no-admission``). Each is measured quiet and while
+other clients keep large (1024 x 1024) masks arriving, whose decoding and summarising must
+not stall the gateway's event loop for the small invocation measured.
 """
 
 from __future__ import annotations
 
 import statistics
 import tempfile
+import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from retouch.functions.demo.images import mask_of_ratio
+from retouch.functions.demo.images import mask_of_ratio, template_image
+from retouch.functions.imaging import encode_image, encode_mask
+from retouch.functions.spec import parse_spec
 from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess
 
+CONFIGS = {"control_on": [], "control_off": ["--placement", "least-requests", "--no-admission"]}
+BIG = 1024  # pixels of the large-mask function (the same tiny model)
+BIG_SENDERS = 4  # large-mask invocations kept in flight during the "busy" condition
+
 
 def run_gateway_bench(examples: Path, requests: int = 50, steps: int = 2) -> dict[str, Any]:
-    with (
-        tempfile.TemporaryDirectory(prefix="retouch-bench-") as tmp,
-        ServerProcess(Path(tmp)) as server,
-        Client(server.url) as client,
-    ):
-        client.deploy_file(examples / "tiny-flux.toml")
+    with tempfile.TemporaryDirectory(prefix="retouch-bench-") as tmp, ExitStack() as stack:
+        clients = {}
+        for name, args in CONFIGS.items():
+            server = stack.enter_context(ServerProcess(Path(tmp) / name, extra_args=args))
+            client = stack.enter_context(Client(server.url))
+            client.deploy_file(examples / "tiny-flux.toml")
+            client.deploy(*_big_function())
+            clients[name] = client
         cases = {
             "empty_mask": np.zeros((128, 128), bool),
             "mask_0.2": mask_of_ratio((128, 128), 0.2, "ellipse", 1),
         }
         out: dict[str, Any] = {"requests": requests}
-        for case, mask in cases.items():
-            client.invoke("tiny-flux", "shirt", mask, "warm up", steps=steps)
-            overhead, outside_run, round_trip = [], [], []
-            for i in tqdm(range(requests), desc=f"gateway {case}", unit="req"):
-                t0 = time.perf_counter()
-                result = client.invoke("tiny-flux", "shirt", mask, "a hat", seed=i, steps=steps)
-                round_trip.append((time.perf_counter() - t0) * 1e3)
-                t = result.timings
-                overhead.append(t.total_ms - t.run_ms - t.queue_ms)
-                outside_run.append(t.total_ms - t.run_ms)
-            out[case] = {
-                "gateway_overhead_ms_p50": statistics.median(overhead),
-                "gateway_overhead_ms_p95": float(np.percentile(overhead, 95)),
-                "total_minus_run_ms_p50": statistics.median(outside_run),
-                "client_round_trip_ms_p50": statistics.median(round_trip),
-            }
+        for condition in ("quiet", "large_masks"):
+            for case, mask in cases.items():
+                with _large_masks(clients, condition == "large_masks"):
+                    figures = _measure(clients, mask, requests, steps, f"{condition} {case}")
+                for name, row in figures.items():
+                    out.setdefault(name, {}).setdefault(condition, {})[case] = row
         return out
+
+
+def _measure(
+    clients: dict[str, Client], mask: np.ndarray, requests: int, steps: int, label: str
+) -> dict[str, dict[str, float]]:
+    """Small invocations alternating between the gateways (same noise for both)."""
+    samples: dict[str, dict[str, list[float]]] = {
+        name: {"overhead": [], "outside": [], "round": []} for name in clients
+    }
+    for client in clients.values():
+        client.invoke("tiny-flux", "shirt", mask, "warm up", steps=steps)
+    for i in tqdm(range(requests), desc=f"gateway {label}", unit="req"):
+        for name, client in clients.items():
+            t0 = time.perf_counter()
+            result = client.invoke("tiny-flux", "shirt", mask, "a hat", seed=i, steps=steps)
+            s = samples[name]
+            s["round"].append((time.perf_counter() - t0) * 1e3)
+            t = result.timings
+            s["overhead"].append(t.total_ms - t.run_ms - t.queue_ms)
+            s["outside"].append(t.total_ms - t.run_ms)
+    return {
+        name: {
+            "gateway_overhead_ms_p50": statistics.median(s["overhead"]),
+            "gateway_overhead_ms_p95": float(np.percentile(s["overhead"], 95)),
+            "total_minus_run_ms_p50": statistics.median(s["outside"]),
+            "client_round_trip_ms_p50": statistics.median(s["round"]),
+        }
+        for name, s in samples.items()
+    }
+
+
+def _big_function():
+    doc = {
+        "name": "big",
+        "model": "retouch:tiny-flux",
+        "family": "flux-inpaint",
+        "resolution": BIG,
+        "steps": 2,
+        "templates": {"t": {"prompt": "a large scene", "seed": 3}},
+    }
+    return parse_spec(doc), {"t": encode_image(template_image((BIG, BIG), 7), "png")}
+
+
+class _large_masks:
+    """While active, clients keep large empty-mask invocations arriving at both gateways
+    (the gateway decodes and summarises each; the executor answers with the template)."""
+
+    def __init__(self, clients: dict[str, Client], active: bool) -> None:
+        self.urls = [c.url for c in clients.values()] if active else []
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.mask = encode_mask(np.zeros((BIG, BIG), bool))
+
+    def __enter__(self) -> None:
+        for url in self.urls:
+            for _ in range(BIG_SENDERS // 2 or 1):
+                thread = threading.Thread(target=self._send, args=(url,), daemon=True)
+                thread.start()
+                self.threads.append(thread)
+
+    def _send(self, url: str) -> None:
+        with Client(url) as client:
+            while not self.stop.is_set():
+                client.invoke("big", "t", self.mask, "nothing", steps=2)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=60)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -344,6 +345,7 @@ class LoadSpec:
     executors: int = 1
     plot: Path | None = None
     slo_ms: float | None = None
+    rounds: int = 1  # replays per configuration, alternating the order
 
 
 def bench_function(
@@ -384,67 +386,90 @@ def parse_rate(text: str) -> tuple[float | None, float]:
 
 
 def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
+    """Every configuration on its own server, all started first (models and profiles
+    shared through one ``--shared-dir``); then ``rounds`` rounds replay the same planned
+    arrivals on each server in turn, the order reversed every other round (A B, B A, ...)
+    so a machine that gets busier or quieter during the run weighs on all alike."""
     if not spec.configs:
         raise ValueError("--compare names no configuration")
     for name in spec.configs:
         config_args(name)  # reject a typo before any server starts
     if spec.slo_ms is not None and not spec.slo_ms > 0:
         raise ValueError(f"--slo must be a positive number of milliseconds, not {spec.slo_ms}")
+    if spec.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, not {spec.rounds}")
     rate, factor = parse_rate(spec.rate)
     function, images = bench_function(spec.model, spec.steps, spec.templates, spec.slo_ms)
     size = (function.width, function.height)
-    results: dict[str, RunStats] = {}
+    results = {name: RunStats(slo_ms=spec.slo_ms) for name in spec.configs}
     summaries: dict[str, dict[str, Any]] = {}
-    plan: list[PlannedRequest] = []
-    for name in spec.configs:
-        extra = [*config_args(name), "--max-batch", str(spec.max_batch)]
-        with (
-            ServerProcess(data_dir, executors=spec.executors, extra_args=extra) as server,
-            Client(server.url) as client,
-        ):
+    with ExitStack() as stack:
+        servers: dict[str, tuple[ServerProcess, Client]] = {}
+        for name in spec.configs:
+            extra = [
+                *config_args(name),
+                "--max-batch", str(spec.max_batch),
+                "--shared-dir", str(data_dir / "shared"),
+            ]  # fmt: skip
+            server = stack.enter_context(
+                ServerProcess(data_dir / name, executors=spec.executors, extra_args=extra)
+            )
+            client = stack.enter_context(Client(server.url))
             client.deploy(function, images)
             if "stock" not in name.split("+"):
                 wait_baked(client, function.name)
-            if rate is None:
-                probe = plan_requests(
-                    Workload(
-                        requests=3 * spec.max_batch * spec.executors,
-                        warmup=0,
-                        mask_mean=spec.workload.mask_mean,
-                        masks=spec.workload.masks,
-                        seed=spec.workload.seed + 1,
-                    ),
-                    1.0,
-                    list(images),
-                    size,
-                )
-                capacity = asyncio.run(
-                    measure_capacity(
-                        server.url, None, function.name, probe, spec.max_batch * spec.executors
-                    )
-                )
-                rate = factor * capacity
-                log.info(
-                    "capacity of %s: %.3f invocations/s; offered load %.3f/s", name, capacity, rate
-                )
-            if not plan:
-                plan = plan_requests(spec.workload, rate, list(images), size)
-            results[name] = asyncio.run(
-                replay(server.url, None, function.name, plan, spec.workload.warmup)
+            servers[name] = (server, client)
+        if rate is None:
+            first = servers[spec.configs[0]][0]
+            rate = factor * _capacity(first.url, function.name, spec, list(images), size)
+        for r in range(spec.rounds):
+            plan = plan_requests(
+                replace(spec.workload, seed=spec.workload.seed + r), rate, list(images), size
             )
-            results[name].slo_ms = spec.slo_ms
+            order = spec.configs if r % 2 == 0 else spec.configs[::-1]
+            for name in order:
+                stats = asyncio.run(
+                    replay(servers[name][0].url, None, function.name, plan, spec.workload.warmup)
+                )
+                results[name].outcomes += stats.outcomes
+                results[name].wall_s += stats.wall_s
+        for name, (_, client) in servers.items():
             summaries[name] = {**results[name].summary(), **engine_figures(client)}
     if spec.plot is not None:
         plot_cdfs(results, spec.plot)
     return {
         "model": spec.model,
         "rate_rps": rate,
-        "requests": spec.workload.requests,
+        "requests": spec.workload.requests * spec.rounds,
+        "rounds": spec.rounds,
         "executors": spec.executors,
         "masks": spec.workload.masks,
         "slo_ms": spec.slo_ms,
         "configs": summaries,
     }
+
+
+def _capacity(
+    url: str, function: str, spec: LoadSpec, templates: list[str], size: tuple[int, int]
+) -> float:
+    """Closed-loop throughput of the first configuration: the unit of ``auto:F`` rates."""
+    probe = plan_requests(
+        Workload(
+            requests=3 * spec.max_batch * spec.executors,
+            warmup=0,
+            mask_mean=spec.workload.mask_mean,
+            masks=spec.workload.masks,
+            seed=spec.workload.seed + 1000,
+        ),
+        1.0,
+        templates,
+        size,
+    )
+    capacity = asyncio.run(
+        measure_capacity(url, None, function, probe, spec.max_batch * spec.executors)
+    )
+    log.info("capacity: %.3f invocations/s", capacity)
+    return capacity
 
 
 ENGINE_FIGURES = ("batch_overhead_ms_p50", "step_ms_p50", "batch_mean", "load_wait_ms_p50")

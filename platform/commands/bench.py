@@ -12,11 +12,20 @@ import tempfile
 from pathlib import Path
 
 from retouch.platform.commands.common import (
+    add_json,
     add_models_dir,
+    builtin,
+    existing_dir,
+    existing_file,
     floats,
     ints,
+    model,
     models_dir,
-    one_line_error,
+    non_negative_int,
+    non_negative_ints,
+    positive_float,
+    positive_int,
+    ratio,
     report,
 )
 
@@ -30,9 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _gateway(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser("gateway", help="the gateway's own time per invocation")
-    p.add_argument("--requests", type=int, default=50)
-    p.add_argument("--examples", type=Path, default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--requests", type=positive_int, default=50, help="invocations of each kind (default 50)"
+    )
+    p.add_argument("--examples", type=existing_dir, default=None, help="folder of example specs")
+    add_json(p)
     p.set_defaults(run=_run_gateway)
 
 
@@ -49,11 +60,14 @@ def _deploy(bench_sub: argparse._SubParsersAction) -> None:
         help="a served function's latency while a second model deploys and profiles (same run)",
     )
     p.add_argument(
-        "--requests", type=int, default=12, help="undisturbed invocations before and after"
+        "--requests",
+        type=positive_int,
+        default=12,
+        help="undisturbed invocations before and after",
     )
-    p.add_argument("--steps", type=int, default=10, help="denoising steps per invocation")
-    p.add_argument("--examples", type=Path, default=None, help="folder of example specs")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--steps", type=positive_int, default=10, help="denoising steps per invocation")
+    p.add_argument("--examples", type=existing_dir, default=None, help="folder of example specs")
+    add_json(p)
     p.set_defaults(run=_run_deploy)
 
 
@@ -61,8 +75,6 @@ def _run_deploy(args: argparse.Namespace) -> None:
     from retouch.platform.bench.deploy import run_deploy_bench
     from retouch.platform.demo import find_examples
 
-    if args.requests < 1 or args.steps < 1:
-        raise ValueError("--requests and --steps must be >= 1")
     report(run_deploy_bench(find_examples(args.examples), args.requests, args.steps), args.json)
 
 
@@ -70,14 +82,21 @@ def _engine(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser(
         "engine", help="mask-aware vs stock diffusers edits, same model, same run"
     )
-    p.add_argument("--model", default="retouch:small-flux")
-    p.add_argument("--mask-ratios", type=floats, default=[0.05, 0.1, 0.2, 0.35, 0.5, 1.0])
-    p.add_argument("--batch", type=ints, default=[1, 4])
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
+    add_builtin_model(p, "retouch:small-flux")
+    p.add_argument(
+        "--mask-ratios",
+        type=floats,
+        default=[0.05, 0.1, 0.2, 0.35, 0.5, 1.0],
+        help="mask ratios, comma-separated (default 0.05,0.1,0.2,0.35,0.5,1.0)",
+    )
+    p.add_argument(
+        "--batch", type=ints, default=[1, 4], help="batch sizes, comma-separated (default 1,4)"
+    )
+    add_steps(p, 8)
+    add_repeats(p)
     p.add_argument(
         "--full-steps",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="warm-up steps of the mask-aware edits computed over every token",
     )
@@ -88,7 +107,7 @@ def _engine(bench_sub: argparse._SubParsersAction) -> None:
         help="wall time, or process CPU time (steadier on a shared machine)",
     )
     add_models_dir(p)
-    p.add_argument("--json", action="store_true")
+    add_json(p, "the rows")
     p.set_defaults(run=_run_engine)
 
 
@@ -121,14 +140,17 @@ def _fidelity(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser(
         "fidelity", help="mask-aware edits against the stock pipeline: PSNR, SSIM, unmasked PSNR"
     )
-    p.add_argument("--model", default="retouch:small-sd")
-    p.add_argument("--steps", type=int, default=6)
+    add_builtin_model(p, "retouch:small-sd")
+    add_steps(p, 6)
     p.add_argument(
-        "--full-steps", type=ints, default=[0], help="warm-up steps to compare, e.g. 0,1,2"
+        "--full-steps",
+        type=non_negative_ints,
+        default=[0],
+        help="warm-up steps to compare, e.g. 0,1,2 (default 0)",
     )
-    p.add_argument("--mask-ratio", type=float, default=0.2)
+    add_mask_ratio(p)
     add_models_dir(p)
-    p.add_argument("--json", action="store_true")
+    add_json(p, "the rows")
     p.set_defaults(run=_run_fidelity)
 
 
@@ -145,7 +167,7 @@ def _load(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser(
         "load", help="load generator comparing executor configurations in one run"
     )
-    p.add_argument("--model", default="retouch:small-flux")
+    add_builtin_model(p, "retouch:small-flux")
     p.add_argument(
         "--compare",
         default="continuous,static",
@@ -156,9 +178,24 @@ def _load(bench_sub: argparse._SubParsersAction) -> None:
         default="auto:0.7",
         help="invocations/s, or auto:F = F x measured capacity of the first configuration",
     )
-    p.add_argument("--requests", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--arrivals", choices=("poisson", "gamma"), default="poisson")
+    p.add_argument(
+        "--requests",
+        type=positive_int,
+        default=60,
+        help="measured invocations per configuration (default 60)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=4,
+        help="invocations sent first and left out of the figures (default 4)",
+    )
+    p.add_argument(
+        "--arrivals",
+        choices=("poisson", "gamma"),
+        default="poisson",
+        help="inter-arrival distribution (default poisson)",
+    )
     p.add_argument(
         "--cv", type=float, default=1.0, help="coefficient of variation of gamma inter-arrivals"
     )
@@ -170,7 +207,7 @@ def _load(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--mask-file",
-        type=Path,
+        type=existing_file,
         default=None,
         help="mask ratios, one per line (instead of the beta)",
     )
@@ -188,13 +225,33 @@ def _load(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--executors", type=int, default=1, help="executors of each server")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="replays per configuration, the order reversed every other round (A B, B A)",
+    )
+    p.add_argument(
         "--slo", type=float, default=None, help="the function's latency SLO in ms (admission)"
     )
-    p.add_argument("--zipf", type=float, default=1.1)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--templates", type=int, default=4)
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--zipf",
+        type=positive_float,
+        default=1.1,
+        help="Zipf exponent of template popularity (default 1.1)",
+    )
+    add_steps(p, 8)
+    p.add_argument(
+        "--templates", type=positive_int, default=4, help="templates of the function (default 4)"
+    )
+    p.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=8,
+        help="each executor's running batch limit (default 8)",
+    )
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of arrivals and masks (default 0)"
+    )
     p.add_argument(
         "--data-dir",
         type=Path,
@@ -202,7 +259,7 @@ def _load(bench_sub: argparse._SubParsersAction) -> None:
         help="platform data dir reused by every configuration (default: a temporary one)",
     )
     p.add_argument("--plot", type=Path, default=None, help="write latency CDFs to this PNG")
-    p.add_argument("--json", action="store_true")
+    add_json(p)
     p.set_defaults(run=_run_load)
 
 
@@ -234,6 +291,7 @@ def _run_load(args: argparse.Namespace) -> None:
         executors=args.executors,
         plot=args.plot,
         slo_ms=args.slo,
+        rounds=args.rounds,
     )
     with tempfile.TemporaryDirectory(prefix="retouch-bench-load-") as tmp:
         result = run_load_bench(spec, args.data_dir or Path(tmp))
@@ -281,19 +339,19 @@ def _plan(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser(
         "plan", help="bubble-free plan vs naive sequential loading, whole edits, same run"
     )
-    p.add_argument("--model", default="retouch:small-flux")
-    p.add_argument("--mask-ratio", type=float, default=0.2)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
+    add_builtin_model(p, "retouch:small-flux")
+    add_mask_ratio(p)
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    add_steps(p, 4)
+    add_repeats(p)
     p.add_argument(
         "--link-gbps",
-        type=float,
+        type=positive_float,
         default=None,
         help="emulate a host->device link of this bandwidth (GB/s) behind every row read",
     )
     add_models_dir(p)
-    p.add_argument("--json", action="store_true")
+    add_json(p)
     p.set_defaults(run=_run_plan)
 
 
@@ -318,24 +376,37 @@ def _edits(bench_sub: argparse._SubParsersAction) -> None:
         help="edit-success rate: does the masked region get the requested colour? (stock pipeline)",
     )
     p.add_argument(
-        "--model", default="retouch:shapes-sd", help="retouch:shapes-sd or a diffusers folder"
+        "--model",
+        type=model,
+        default="retouch:shapes-sd",
+        help="a built-in model or a diffusers folder (default retouch:shapes-sd)",
     )
     p.add_argument(
-        "--edits", type=int, default=50, help="number of edits (half recolour, half replace)"
+        "--edits",
+        type=positive_int,
+        default=50,
+        help="number of edits (half recolour, half replace)",
     )
-    p.add_argument("--steps", type=int, default=25, help="denoising steps per edit")
-    p.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale")
-    p.add_argument("--seed", type=int, default=0, help="selects the held-out scenes and noise")
+    add_steps(p, 25)
+    p.add_argument(
+        "--guidance", type=positive_float, default=5.0, help="classifier-free guidance scale"
+    )
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="selects the held-out scenes and noise"
+    )
     p.add_argument("--sheet", type=Path, default=None, help="write a PNG of every edit here")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--threads",
+        type=non_negative_int,
+        default=0,
+        help="CPU threads (default: torch's choice)",
+    )
     add_models_dir(p)
     p.add_argument("--json", action="store_true", help="print JSON with every edit's row")
     p.set_defaults(run=_run_edits)
 
 
 def _run_edits(args: argparse.Namespace) -> None:
-    if args.edits < 1 or args.steps < 1 or args.threads < 0:
-        one_line_error("--edits and --steps must be >= 1, --threads >= 0")
     import torch
 
     from retouch.platform.bench.edits import load_pipeline, run_edit_bench
@@ -351,11 +422,43 @@ def _run_edits(args: argparse.Namespace) -> None:
     report(result, args.json)
 
 
+def add_builtin_model(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument(
+        "--model", type=builtin, default=default, help=f"a built-in model (default {default})"
+    )
+
+
+def add_steps(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument(
+        "--steps", type=positive_int, default=default, help=f"denoising steps (default {default})"
+    )
+
+
+def add_repeats(p: argparse.ArgumentParser, default: int = 3) -> None:
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=default,
+        help=f"timed runs of each case, alternating the order (default {default})",
+    )
+
+
+def add_mask_ratio(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mask-ratio", type=ratio, default=0.2, help="masked fraction of the image (default 0.2)"
+    )
+
+
 def _store(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser("store", help="activation store vs memcpy and raw disk reads")
-    p.add_argument("--size-mb", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--size-mb",
+        type=positive_int,
+        default=256,
+        help="bytes of activations, in MB (default 256)",
+    )
+    add_repeats(p, 5)
+    add_json(p)
     p.set_defaults(run=_run_store)
 
 

@@ -83,21 +83,26 @@ def test_bench_load_compares_configurations_in_one_run(shared_dir: Path, tmp_pat
         "retouch.platform.cli",
         "bench",
         "load",
-        *("--model", "retouch:tiny-flux", "--compare", "continuous,static"),
-        *("--rate", "auto:0.7", "--requests", "6", "--warmup", "1", "--steps", "2"),
+        *("--model", "retouch:tiny-flux", "--placement", "maskaware,least-requests+static"),
+        *("--rate", "auto:0.7", "--requests", "4", "--warmup", "1", "--steps", "2"),
         *("--templates", "2", "--max-batch", "2", "--data-dir", str(tmp_path / "data")),
+        *("--masks", "bimodal", "--slo", "600000", "--rounds", "2"),
         *("--plot", str(tmp_path / "cdf.png"), "--json"),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["model"] == "retouch:tiny-flux" and result["rate_rps"] > 0
-    for name in ("continuous", "static"):
+    assert result["requests"] == 8 and result["masks"] == "bimodal"
+    for name in ("maskaware", "least-requests+static"):
         figures = result["configs"][name]
-        assert figures["errors"] == 0
+        assert figures["errors"] == 0 and figures["rejected"] == 0  # a generous SLO
         assert figures["interruptions"] == 0  # pre/post ran in worker processes
         assert 0 < figures["p50_ms"] <= figures["p95_ms"] <= figures["p99_ms"]
-        assert figures["throughput_rps"] > 0
+        assert figures["throughput_rps"] > 0 and figures["goodput_rps"] > 0
+        assert figures["slo_attainment"] == 1.0
+        assert 0.0 <= figures["host_hit_rate"] <= 1.0
+        assert figures["prediction_error_p50"] >= 0  # every result carried a prediction
         assert figures["step_ms_p50"] > 0 and figures["batch_mean"] >= 1
     assert (tmp_path / "cdf.png").stat().st_size > 0
 
@@ -117,8 +122,10 @@ def test_bench_load_rejects_bad_input_without_traceback() -> None:
     cli = [sys.executable, "-m", "retouch.platform.cli", "bench", "load"]
     for args, message in (
         (["--compare", "fast"], "unknown configuration token 'fast'"),
+        (["--placement", "maskaware,closest"], "unknown configuration token 'closest'"),
+        (["--slo", "-5"], "--slo must be a positive number"),
         (["--rate", "auto:x"], "--rate must be a positive number"),
     ):
         out = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
-        assert out.returncode == 1 and message in out.stderr
+        assert out.returncode == 2 and message in out.stderr
         assert "Traceback" not in out.stderr
