@@ -346,6 +346,7 @@ class LoadSpec:
     plot: Path | None = None
     slo_ms: float | None = None
     rounds: int = 1  # replays per configuration, alternating the order
+    host_cache_bytes: int | None = None  # each executor's host tier (None: the default)
 
 
 def bench_function(
@@ -411,6 +412,8 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
                 "--max-batch", str(spec.max_batch),
                 "--shared-dir", str(data_dir / "shared"),
             ]  # fmt: skip
+            if spec.host_cache_bytes is not None:
+                extra += ["--host-cache-bytes", str(spec.host_cache_bytes)]
             server = stack.enter_context(
                 ServerProcess(data_dir / name, executors=spec.executors, extra_args=extra)
             )

@@ -225,6 +225,12 @@ def _load(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--executors", type=int, default=1, help="executors of each server")
     p.add_argument(
+        "--host-cache-bytes",
+        type=int,
+        default=None,
+        help="each executor's host-RAM tier (e.g. room for ~3 templates to compare affinity)",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -292,6 +298,7 @@ def _run_load(args: argparse.Namespace) -> None:
         plot=args.plot,
         slo_ms=args.slo,
         rounds=args.rounds,
+        host_cache_bytes=args.host_cache_bytes,
     )
     with tempfile.TemporaryDirectory(prefix="retouch-bench-load-") as tmp:
         result = run_load_bench(spec, args.data_dir or Path(tmp))
