@@ -153,7 +153,7 @@ def add_flags(
         parser.add_argument(
             flag,
             dest=field.name,
-            type=_flag_type(flag, parse),
+            type=_flag_type(parse),
             choices=meta["choices"],
             default=default,
             help=text,
@@ -161,14 +161,14 @@ def add_flags(
         )
 
 
-def _flag_type(flag: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``parse`` with errors argparse reports as one line naming the flag."""
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` with its ``ValueError`` message kept (argparse prefixes the flag)."""
 
     def convert(text: str) -> Any:
         try:
             return parse(text)
         except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"{flag}: {exc}") from None
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
     convert.__name__ = getattr(parse, "__name__", "value")
     return convert

@@ -4,8 +4,10 @@
 Server side: ``serve``, ``demo``, ``train-demo``, ``cache``, ``bench``. Client side
 (``--url``, default ``$RETOUCH_URL`` or http://127.0.0.1:8000; ``--token``, default
 ``$RETOUCH_TOKEN``): ``deploy``, ``ls``, ``rm``, ``invoke`` (``--async``: submit a job),
-``jobs ls|watch|cancel``. A user error prints one line (``error: <code>: <message>``) and
-exits 1; no traceback.
+``jobs ls|watch|cancel``. No traceback for a user's mistake: a bad option value, a missing
+or invalid local file (a spec with a misspelt field included) prints one line
+(``error: ...``) and exits 2; an error answered by the gateway prints one line
+(``error: <code>: <message>``) and exits 1.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 
 from retouch.functions.errors import RetouchError
 from retouch.platform.commands import bench, cache, functions, jobs, serve, train
+from retouch.platform.commands.common import Parser, UsageError, describe
 
 GROUPS = (serve, functions, jobs, cache, train, bench)
 
@@ -33,18 +36,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args.run(args)
     except RetouchError as exc:
-        where = f" (field: {exc.field})" if exc.field else ""
-        print(f"error: {exc.code}: {exc.message}{where}", file=sys.stderr)
+        print(f"error: {describe(exc)}", file=sys.stderr)
         sys.exit(1)
-    except (OSError, ValueError) as exc:
+    except (UsageError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="retouch", description="Serverless masked image editing.")
+    parser = Parser(prog="retouch", description="Serverless masked image editing.")
     sub = parser.add_subparsers(dest="command", required=True)
     for group in GROUPS:
         group.register(sub)

@@ -59,13 +59,14 @@ class LocalProvider:
     token: str
     cpu_slots: int = 1
     executor_args: tuple[str, ...] = ()  # passed to every executor process
+    threads: int = 0  # torch threads per executor (0: the machine's cores shared out)
 
     def devices(self) -> list[str]:
         gpus = gpu_devices()
         return gpus if gpus else ["cpu"] * self.cpu_slots
 
     def threads_per_executor(self, count: int) -> int:
-        return max(1, (os.cpu_count() or 1) // max(1, count))
+        return self.threads or max(1, (os.cpu_count() or 1) // max(1, count))
 
     async def start(self, name: str, device: str, threads: int) -> ExecutorProcess:
         run_dir = self.data_dir / "run"

@@ -44,6 +44,7 @@ def build_gateway(config: ServeConfig) -> Gateway:
         secrets.token_urlsafe(32),
         cpu_slots=config.executors,
         executor_args=config.executor_args(),
+        threads=config.executor.threads,
     )
     limits = QueueLimits(
         config.max_queued,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from retouch.platform.commands.common import report
+from retouch.platform.commands.common import add_json, report
 from retouch.platform.config import ServeConfig
 
 
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("gc", "remove invalid templates, partial bakes and orphans"),
     ):
         p = cache_sub.add_parser(name, help=helptext)
-        p.add_argument("--json", action="store_true")
+        add_json(p)
         p.set_defaults(run=_cache)
 
 

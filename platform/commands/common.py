@@ -5,30 +5,117 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NoReturn
 
+from retouch.functions.errors import RetouchError
+from retouch.functions.models import is_builtin, known_builtin, model_family
 from retouch.platform.client import Client
 from retouch.platform.config import ServeConfig, default_url
 
 
-def _numbers(text: str, kind: type, what: str) -> list:
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``error: retouch <command>: ...``) and
+    exit status 2, without the usage dump; subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message}\n")
+
+
+class UsageError(Exception):
+    """A bad value or file found after parsing: one line and exit status 2."""
+
+
+def describe(exc: RetouchError) -> str:
+    """``<code>: <message> (field: <field>)``: a structured error on one line."""
+    where = f" (field: {exc.field})" if exc.field else ""
+    return f"{exc.code}: {exc.message}{where}"
+
+
+def local_input(what: Callable[[], Any]) -> Any:
+    """``what()``, reading the user's local files: its errors are usage errors (exit 2)."""
     try:
-        return [kind(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        return what()
+    except RetouchError as exc:
+        raise UsageError(describe(exc)) from None
 
 
-def floats(text: str) -> list[float]:
-    return _numbers(text, float, "numbers")
+def _checked(kind: Callable[[str], Any], what: str, ok: Callable[[Any], bool]) -> Callable:
+    """An argument type: ``kind(text)`` that must satisfy ``ok``, else "expected <what>"."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    convert.__name__ = what  # argparse names the type in some messages
+    return convert
 
 
-def ints(text: str) -> list[int]:
-    return _numbers(text, int, "integers")
+def _listed(item: Callable[[str], Any], what: str) -> Callable[[str], list]:
+    """A comma-separated list of ``item`` values (at least one)."""
+
+    def convert(text: str) -> list:
+        values = [v for v in text.split(",") if v.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+        try:
+            return [item(v) for v in values]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {what}, got {text!r}"
+            ) from None
+
+    return convert
 
 
-def words(text: str) -> tuple[str, ...]:
-    return tuple(w.strip() for w in text.split(",") if w.strip())
+positive_int = _checked(int, "an integer >= 1", lambda v: v >= 1)
+non_negative_int = _checked(int, "an integer >= 0", lambda v: v >= 0)
+positive_float = _checked(float, "a number > 0", lambda v: v > 0)
+non_negative_float = _checked(float, "a number >= 0", lambda v: v >= 0)
+ratio = _checked(float, "a mask ratio in (0, 1]", lambda v: 0 < v <= 1)
+floats = _listed(ratio, "mask ratios in (0, 1]")
+ints = _listed(positive_int, "integers >= 1")
+non_negative_ints = _listed(non_negative_int, "integers >= 0")
+
+
+def existing_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return path
+
+
+def existing_dir(text: str) -> Path:
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"no such folder: {text}")
+    return path
+
+
+def builtin(text: str) -> str:
+    """A built-in ``retouch:`` model of the catalogue."""
+    if not is_builtin(text):
+        raise argparse.ArgumentTypeError(f"expected a built-in retouch: model, got {text!r}")
+    try:
+        known_builtin(text)
+    except RetouchError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return text
+
+
+def model(text: str) -> str:
+    """A built-in model, or a local diffusers folder that a family can load."""
+    try:
+        model_family(text)
+    except RetouchError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return text
 
 
 def report(result: object, as_json: bool) -> None:
@@ -36,10 +123,9 @@ def report(result: object, as_json: bool) -> None:
     print(json.dumps(result) if as_json else json.dumps(result, indent=2))
 
 
-def one_line_error(message: str) -> None:
-    """A bad option value: one line and exit status 2 (no usage dump, no traceback)."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+def one_line_error(message: str) -> NoReturn:
+    """A bad option value found while running: one line and exit status 2."""
+    raise UsageError(message)
 
 
 def bar(fraction: float, width: int = 30) -> str:
@@ -52,8 +138,12 @@ def add_models_dir(p: argparse.ArgumentParser) -> None:
         "--data-dir",
         type=Path,
         default=None,
-        help="where demo models are built (default $RETOUCH_DATA_DIR)",
+        help="where demo models are built, under models/ (default $RETOUCH_DATA_DIR)",
     )
+
+
+def add_json(p: argparse.ArgumentParser, what: str = "the result") -> None:
+    p.add_argument("--json", action="store_true", help=f"print {what} as one line of JSON")
 
 
 def models_dir(args: argparse.Namespace) -> Path:

@@ -6,13 +6,24 @@ import argparse
 import sys
 from pathlib import Path
 
-from retouch.functions.errors import RetouchError
-from retouch.platform.commands.common import bar, client_options, connect, words
+from retouch.functions.knobs import words
+from retouch.platform.client import read_spec_file
+from retouch.platform.commands.common import (
+    UsageError,
+    bar,
+    client_options,
+    connect,
+    existing_file,
+    local_input,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = client_options(sub.add_parser("deploy", help="deploy a function from a TOML spec"))
-    p.add_argument("spec", type=Path)
+    p.add_argument("spec", type=existing_file, help="the function's TOML spec")
     p.add_argument(
         "--no-wait", action="store_true", help="return once stored, before executors load it"
     )
@@ -29,19 +40,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_ls)
 
     p = client_options(sub.add_parser("rm", help="delete a function"))
-    p.add_argument("name")
+    p.add_argument("name", help="the function's name")
     p.set_defaults(run=_rm)
 
     p = client_options(sub.add_parser("invoke", help="edit a template: paint the masked region"))
-    p.add_argument("name")
-    p.add_argument("--template", required=True)
-    p.add_argument("--mask", type=Path, required=True, help="image file, nonzero = edit")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--guidance", type=float, default=None)
-    p.add_argument("--format", choices=("png", "webp", "raw"), default="png")
-    p.add_argument("-o", "--output", type=Path, default=Path("out.png"))
+    p.add_argument("name", help="the function's name")
+    p.add_argument("--template", required=True, help="the template to edit (its id in the spec)")
+    p.add_argument(
+        "--mask", type=existing_file, required=True, help="mask image file, nonzero = edit"
+    )
+    p.add_argument("--prompt", required=True, help="what to paint in the masked region")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="noise seed (default 0)")
+    p.add_argument(
+        "--steps", type=positive_int, default=None, help="denoising steps (default: the spec's)"
+    )
+    p.add_argument(
+        "--guidance",
+        type=non_negative_float,
+        default=None,
+        help="guidance scale (default: the spec's)",
+    )
+    p.add_argument(
+        "--format",
+        choices=("png", "webp", "raw"),
+        default="png",
+        help="output image encoding (default png)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=Path("out.png"),
+        help="where to write the image (default ./out.png)",
+    )
     p.add_argument(
         "--async",
         dest="as_job",
@@ -59,8 +90,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _deploy(args: argparse.Namespace) -> None:
+    spec, images = local_input(lambda: read_spec_file(args.spec))
     with connect(args) as client:
-        doc = client.deploy_file(args.spec, wait=not args.no_wait)
+        doc = client.deploy(spec, images, wait=not args.no_wait)
         baking = ""
         if not args.no_wait and args.wait == "baked" and doc["status"] == "ready":
             tty = sys.stderr.isatty()
@@ -101,12 +133,10 @@ def _invoke(args: argparse.Namespace) -> None:
     try:
         mask = args.mask.read_bytes()
     except OSError as exc:
-        raise RetouchError(
-            f"cannot read mask {args.mask}: {exc.strerror}", field="mask", code="invalid_argument"
-        ) from exc
+        raise UsageError(f"--mask: cannot read {args.mask}: {exc.strerror}") from exc
     options = {"steps": args.steps, "guidance": args.guidance, "format": args.format}
     if not args.as_job and args.webhook is not None:
-        raise RetouchError("--webhook needs --async", field="webhook", code="invalid_argument")
+        raise UsageError("--webhook needs --async")
     if args.as_job:
         options |= {"webhook": args.webhook, "webhook_events": args.webhook_events}
     given = {k: v for k, v in options.items() if v is not None}

@@ -8,26 +8,33 @@ import sys
 from pathlib import Path
 
 from retouch.functions import wire
-from retouch.platform.commands.common import bar, client_options, connect
+from retouch.platform.commands.common import add_json, bar, client_options, connect, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     jobs = sub.add_parser("jobs", help="async jobs: list, watch, cancel")
     jobs_sub = jobs.add_subparsers(dest="jobs", required=True)
     p = client_options(jobs_sub.add_parser("ls", help="list jobs, newest first"))
-    p.add_argument("--status", default=None, help="queued, running, succeeded, failed, canceled")
-    p.add_argument("--function", default=None)
-    p.add_argument("--limit", type=int, default=50)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--status",
+        choices=("queued", "running", "succeeded", "failed", "canceled"),
+        default=None,
+        help="only jobs in this state",
+    )
+    p.add_argument("--function", default=None, help="only jobs of this function")
+    p.add_argument(
+        "--limit", type=positive_int, default=50, help="at most this many jobs (default 50)"
+    )
+    add_json(p, "the jobs")
     p.set_defaults(run=_ls)
     p = client_options(jobs_sub.add_parser("watch", help="follow a job with a progress bar"))
-    p.add_argument("id")
+    p.add_argument("id", help="the job's id")
     p.add_argument(
         "-o", "--output", type=Path, default=None, help="write the image here when it succeeds"
     )
     p.set_defaults(run=_watch)
     p = client_options(jobs_sub.add_parser("cancel", help="cancel a queued or running job"))
-    p.add_argument("id")
+    p.add_argument("id", help="the job's id")
     p.set_defaults(run=_cancel)
 
 

@@ -16,7 +16,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "UNet) on the procedural shapes data set and export it as a diffusers folder in fp16. "
         "Checkpoints in --ckpt-dir let an interrupted run resume where it stopped.",
     )
-    p.error = one_line_error  # type: ignore[method-assign]
     p.add_argument(
         "--out",
         type=Path,

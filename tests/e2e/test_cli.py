@@ -69,21 +69,23 @@ def test_cli_round_trip(
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "message", "code"),
     [
-        (["rm", "does-not-exist"], "error: function_not_found"),
+        (["rm", "does-not-exist"], "error: function_not_found", 1),
         (
             ["invoke", "x", "--template", "t", "--mask", "/no/such/mask.png", "--prompt", "p"],
-            "error: invalid_argument: cannot read mask",
+            "error: retouch invoke: argument --mask: no such file",
+            2,
         ),
-        (["deploy", "/no/such/spec.toml"], "error: invalid_spec: cannot read"),
+        (["deploy", "/no/such/spec.toml"], "error: retouch deploy: argument spec: no such file", 2),
     ],
 )
 def test_cli_user_errors_without_traceback(
-    server: ServerProcess, tokens: dict[str, str], args: list[str], message: str
+    server: ServerProcess, tokens: dict[str, str], args: list[str], message: str, code: int
 ) -> None:
+    """The gateway's answers exit 1; a bad value or missing local file exits 2."""
     out = _cli(*args, url=server.url, token=tokens["RETOUCH_ADMIN_TOKEN"])
-    assert out.returncode == 1
+    assert out.returncode == code
     assert message in out.stderr
     assert "Traceback" not in out.stderr
 
@@ -111,8 +113,8 @@ def test_cli_invalid_spec_file(
         'name = "bad"\nmodel = "retouch:tiny-sd"\nfamily = "sd-inpaint"\nresolution = 128\nsteps = -1\n'
     )
     out = _cli("deploy", str(spec), url=server.url, token=tokens["RETOUCH_ADMIN_TOKEN"])
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert "error: invalid_spec" in out.stderr and "(field: steps)" in out.stderr
     spec.write_text("name = [unclosed")
     out = _cli("deploy", str(spec), url=server.url, token=tokens["RETOUCH_ADMIN_TOKEN"])
-    assert out.returncode == 1 and "not valid TOML" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "not valid TOML" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,125 @@
+"""The ``retouch`` command line: every option has a help text, user mistakes end in one line
+and exit status 2 (no traceback), every knob of ``serve`` reaches the executors."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from retouch.functions.knobs import to_flags
+from retouch.platform.cli import build_parser, main
+from retouch.platform.commands.serve import config_of
+from retouch.platform.config import ServeConfig
+from retouch.runtime.executor.main import parse_args as executor_args
+from retouch.runtime.executor.options import ExecutorOptions
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str = "retouch"):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{path} {name}")
+
+
+def test_every_option_of_every_subcommand_has_a_help_text() -> None:
+    missing = []
+    commands = 0
+    for path, parser in _parsers(build_parser()):
+        commands += 1
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                continue
+            if not (action.help or "").strip():
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+    assert commands > 20
+    assert missing == []
+
+
+def _spec(tmp_path: Path, **fields: str) -> Path:
+    (tmp_path / "t.png").write_bytes(b"")
+    lines = [f"{k} = {v}" for k, v in fields.items()]
+    spec = tmp_path / "spec.toml"
+    spec.write_text("\n".join([*lines, "[templates.a]", 'image = "t.png"', ""]))
+    return spec
+
+
+BAD = [
+    (["bench", "engine", "--model", "retouch:small-flux,retouch:small-sd"], "unknown built-in"),
+    (["bench", "engine", "--batch", "0"], "--batch"),
+    (["bench", "engine", "--mask-ratios", "0.2,x"], "--mask-ratios"),
+    (["bench", "fidelity", "--model", "/no/such/folder"], "--model"),
+    (["bench", "edits", "--model", "/no/such/folder"], "not a diffusers folder"),
+    (["bench", "load", "--mask-file", "/no/such/file"], "no such file"),
+    (["bench", "gateway", "--examples", "/no/such/folder"], "no such folder"),
+    (["bench", "plan", "--mask-ratio", "1.5"], "--mask-ratio"),
+    (["serve", "--max-batch", "0"], "max_batch"),
+    (["serve", "--port", "http"], "--port"),
+    (["serve", "--engine", "fast"], "--engine"),
+    (["serve", "--placement", "nearest"], "placement"),
+    (["deploy", "/no/such/spec.toml"], "no such file"),
+    (["invoke", "f", "--template", "t", "--mask", "/no/such.png", "--prompt", "p"], "--mask"),
+    (["invoke", "f", "--template", "t"], "required"),
+    (["jobs", "ls", "--limit", "-1"], "--limit"),
+    (["train-demo", "--batch", "x"], "--batch"),
+    (["nonsense"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize(("argv", "says"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_bad_value_or_missing_file_is_one_line_and_exit_2(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert says in err
+
+
+def test_a_misspelt_spec_field_is_named_with_a_suggestion(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = _spec(
+        tmp_path, name='"f"', modell='"retouch:tiny-sd"', family='"sd-inpaint"', resolution="128"
+    )
+    with pytest.raises(SystemExit) as exc:
+        main(["deploy", str(spec), "--url", "http://127.0.0.1:9"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown field 'modell' — did you mean 'model'?" in err and "\n" not in err
+
+
+def test_the_entry_point_runs_without_a_traceback() -> None:
+    run = [sys.executable, "-m", "retouch.platform.cli"]
+    out = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "serve" in out.stdout
+    out = subprocess.run([*run, "bench", "engine", "--steps", "0"], capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+
+
+def test_every_executor_knob_is_reachable_from_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    wanted = replace(ExecutorOptions(), maskaware=False, engine="static", max_batch=3)
+    wanted = replace(wanted, pre_workers=2, post_workers=3, worker_threads=2, threads=4)
+    args = build_parser().parse_args(["serve", *to_flags(wanted)])
+    config = config_of(args)
+    assert config.executor == wanted
+    started = executor_args(
+        ["--name", "e", "--data-dir", "d", "--port-file", "p", *config.executor_args()]
+    )
+    assert started.options == ExecutorOptions(**{**vars(wanted), "threads": 0})
+
+    monkeypatch.setenv("RETOUCH_MAX_BATCH", "5")
+    monkeypatch.setenv("RETOUCH_PRE_WORKERS", "2")
+    assert ServeConfig.from_env().executor.max_batch == 5
+    assert ServeConfig.from_env(max_batch=6).executor.pre_workers == 2
+    assert ServeConfig.from_env(max_batch=6).executor.max_batch == 6
+    monkeypatch.setenv("RETOUCH_MAX_BATCH", "many")
+    with pytest.raises(ValueError, match="RETOUCH_MAX_BATCH"):
+        ServeConfig.from_env()
