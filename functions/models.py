@@ -54,25 +54,46 @@ def builtin_model(model: str) -> BuiltinModel:
     return BUILTIN_MODELS[model.removeprefix(PREFIX)]
 
 
-def check_model(model: str, family: str) -> None:
-    """Reject a model that cannot serve ``family`` before anything is stored or loaded."""
-    if is_builtin(model):
-        try:
-            native = builtin_model(model).family
-        except KeyError:
-            known = ", ".join(PREFIX + n for n in sorted(BUILTIN_MODELS))
-            raise InvalidSpec(
-                f"unknown built-in model {model!r}; built-in models: {known}", field="model"
-            ) from None
-        if native != family:
-            raise InvalidSpec(f"{model} is a {native} model, not {family}", field="family")
-        return
+def known_builtin(model: str) -> BuiltinModel:
+    """The built-in model named ``model``; an :class:`InvalidSpec` listing them if none."""
+    try:
+        return builtin_model(model)
+    except KeyError:
+        known = ", ".join(PREFIX + n for n in sorted(BUILTIN_MODELS))
+        raise InvalidSpec(
+            f"unknown built-in model {model!r}; built-in models: {known}", field="model"
+        ) from None
+
+
+def pipeline_class(model: str) -> str:
+    """The pipeline class a local diffusers folder declares (its ``model_index.json``)."""
     index = Path(model).expanduser() / "model_index.json"
     try:
-        cls = json.loads(index.read_text()).get("_class_name", "")
+        return json.loads(index.read_text()).get("_class_name", "")
     except (OSError, ValueError, AttributeError):
         raise InvalidSpec(
             f"{model!r} is not a diffusers folder (no readable model_index.json)", field="model"
         ) from None
+
+
+def model_family(model: str) -> str:
+    """The family of a built-in model, or of a diffusers folder by its pipeline class."""
+    if is_builtin(model):
+        return known_builtin(model).family
+    cls = pipeline_class(model)
+    for family, classes in COMPATIBLE.items():
+        if cls in classes:
+            return family
+    raise InvalidSpec(f"{model} holds a {cls}, which no family serves", field="model")
+
+
+def check_model(model: str, family: str) -> None:
+    """Reject a model that cannot serve ``family`` before anything is stored or loaded."""
+    if is_builtin(model):
+        native = known_builtin(model).family
+        if native != family:
+            raise InvalidSpec(f"{model} is a {native} model, not {family}", field="family")
+        return
+    cls = pipeline_class(model)
     if cls not in COMPATIBLE[family]:
         raise InvalidSpec(f"{model} holds a {cls}, which cannot serve {family}", field="family")

@@ -1,7 +1,7 @@
 """``retouch bench edits``: does an edit paint what the prompt asks? (edit-success rate)
 
 A measure that needs no reference model: on held-out shapes scenes (seeds the training set
-never uses), one object is masked and the stock ``StableDiffusionInpaintPipeline`` is asked
+never uses), one object is masked and the model's stock inpainting pipeline is asked
 for an object of another colour. An edit succeeds when the masked region's mean hue lies in
 the requested colour's range (``shapes.colour_matches``). Two kinds of edit, reported apart
 and together:
@@ -151,7 +151,8 @@ def _write_sheet(tiles: list[np.ndarray], path: Path, per_row: int = 10) -> None
 def load_pipeline(model: str, models_dir: Path) -> Any:
     """The stock inpainting pipeline of ``model`` (``retouch:shapes-sd`` or a folder), fp32."""
     from retouch.functions.demo.models import ensure_demo_model, is_demo
+    from retouch.functions.models import model_family
     from retouch.runtime.models import load_pipeline as load_family_pipeline
 
     folder = ensure_demo_model(model, models_dir) if is_demo(model) else Path(model)
-    return load_family_pipeline(folder, "sd-inpaint", torch.device("cpu"))
+    return load_family_pipeline(folder, model_family(model), torch.device("cpu"))
