@@ -26,13 +26,11 @@ from diffusers import FluxInpaintPipeline
 from diffusers.pipelines.flux.pipeline_flux_inpaint import calculate_shift, retrieve_timesteps
 from PIL import Image
 
-from retouch.functions.families import family_spec
+from retouch.runtime.families.base import Family, FamilyModel
 from retouch.runtime.maskaware import flux_blocks, flux_packed, inpaint
 from retouch.runtime.maskaware.context import ForwardContext, Mode
 from retouch.runtime.maskaware.flops import Flops, linear_flops
 from retouch.runtime.maskaware.flux_packed import PackedInputs
-from retouch.runtime.maskaware.loader import FamilyRows
-from retouch.runtime.maskaware.noise import SeedNoise
 from retouch.runtime.maskaware.request import (
     EditRequest,
     ImageSize,
@@ -55,44 +53,34 @@ class FluxInputs:
     noise: torch.Tensor  # [1, N, 64] packed initial noise (re-noises the template)
 
 
-class FluxInpaint:
+class FluxInpaint(FamilyModel):
     """Glue between the editor and a FluxInpaintPipeline."""
 
     rows_per_request = 1  # guidance is an embedding: no CFG halves
     packs = True
     template_tensors = ("image_latents",)  # the blend needs them every step
 
-    def __init__(self, pipe: FluxInpaintPipeline, device: torch.device) -> None:
-        self.pipe, self.device = pipe, device
-        self.has_denoiser = pipe.transformer is not None
-        self.blocks: list[str] = []
-        if self.has_denoiser:
-            self.blocks = flux_blocks.install(pipe.transformer)
-            self.channels = pipe.transformer.config.in_channels // 4
-        else:
-            self.channels = pipe.vae.config.latent_channels
-        self.dtype = (pipe.transformer if self.has_denoiser else pipe.vae).dtype
+    def install(self, transformer: torch.nn.Module) -> list[str]:
+        self.channels = transformer.config.in_channels // 4
+        return flux_blocks.install(transformer)
 
-    def latent_size(self, height: int, width: int) -> tuple[int, int]:
-        factor = self.pipe.vae_scale_factor * 2
+    @staticmethod
+    def latent_grid(pipe: FluxInpaintPipeline, height: int, width: int) -> tuple[int, int]:
+        factor = pipe.vae_scale_factor * 2  # 2x2 packing on top of the VAE factor
         return 2 * (height // factor), 2 * (width // factor)
 
-    def noise_shape(self, height: int, width: int) -> tuple[int, ...]:
-        return (1, self.channels, *self.latent_size(height, width))
+    @staticmethod
+    def text_length(pipe: FluxInpaintPipeline) -> int:
+        return pipe.tokenizer_2.model_max_length
+
+    def max_sequence_length(self) -> int:
+        return self.text_length(self.pipe)
 
     def _pack(self, latents: torch.Tensor) -> torch.Tensor:
         return self.pipe._pack_latents(latents, latents.shape[0], self.channels, *latents.shape[2:])
 
-    def latent_mask(self, request: EditRequest) -> torch.Tensor:
-        return inpaint.latent_mask(
-            self.pipe, request, self.latent_size(request.height, request.width)
-        )
-
-    def image_latents(self, image: Image.Image, vae_noise: torch.Tensor) -> torch.Tensor:
-        return inpaint.template_latents(self.pipe, image, vae_noise, self.device, self.dtype)
-
     def _scheduler(self, request: EditRequest) -> tuple[object, torch.Tensor]:
-        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        scheduler = self.new_scheduler()
         steps, factor = request.steps, self.pipe.vae_scale_factor
         sigmas = np.linspace(1.0, 1 / steps, steps)
         seq_len = (request.image.height // factor // 2) * (request.image.width // factor // 2)
@@ -108,34 +96,18 @@ class FluxInpaint:
         scheduler.set_begin_index(0)
         return scheduler, timesteps
 
-    def encode(
-        self,
-        request: EditRequest,
-        template_noise: SeedNoise,
-        request_noise: SeedNoise,
-        template_latents: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """The heavy, cache-independent part: latent mask, composed noise, text encoding and,
-        unless ``template_latents`` are given, the template's VAE encode; host tensors."""
-        mask = self.latent_mask(request)
-        noise = template_noise.compose(request_noise, mask[0, 0] > 0.5)
-        if template_latents is None:
-            template_latents = self.image_latents(request.image, template_noise.vae)
-        pipe = self.pipe
-        prompt_embeds, pooled, text_ids = pipe.encode_prompt(
-            prompt=request.prompt,
+    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
+        prompt_embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompt=prompt,
             prompt_2=None,
             device=self.device,
             num_images_per_prompt=1,
-            max_sequence_length=pipe.tokenizer_2.model_max_length,
+            max_sequence_length=self.max_sequence_length(),
         )
         return {
             "prompt_embeds": prompt_embeds.cpu(),  # [1, L, D]
             "pooled": pooled.cpu(),  # [1, P]
             "text_ids": text_ids.cpu(),  # [L, 3]
-            "mask": mask,  # [1, 1, h, w] float32
-            "noise": noise.latents,  # [1, C, h, w] float32
-            "image_latents": template_latents.cpu(),  # [1, C, h, w]
         }
 
     def assemble(
@@ -211,24 +183,6 @@ class FluxInpaint:
         decoded = vae.decode(latents, return_dict=False)[0]
         return pipe.image_processor.postprocess(decoded, output_type=output_type)[0]
 
-    def stock(
-        self,
-        requests: list[EditRequest],
-        noises: list[tuple[SeedNoise, SeedNoise]],
-        output_type: str = "pil",
-    ) -> list[Image.Image] | np.ndarray:
-        """One stock pipeline call for ``requests`` (same size, steps and guidance), each
-        with its composed noise and its template's image latents."""
-        return inpaint.stock_with_template(
-            self.pipe,
-            requests,
-            noises,
-            self.latent_mask,
-            self.image_latents,
-            output_type,
-            max_sequence_length=self.pipe.tokenizer_2.model_max_length,
-        )
-
 
 def _batched(states: list[RequestState]) -> PackedInputs:
     """The transformer inputs of all requests, as the pipeline prepares them for one."""
@@ -283,37 +237,14 @@ def flux_flops(
     return Flops(dense, attention)
 
 
-class FluxInpaintFamily:
+class FluxInpaintFamily(Family):
     """``flux-inpaint``: a Flux DiT (dual- and single-stream blocks, 2x2-packed latents)."""
 
     name = "flux-inpaint"
-    spec = family_spec(name)
+    model = FluxInpaint
     pipeline = FluxInpaintPipeline
-    load_kwargs: Mapping[str, Any] = {}
-    denoisers = ("transformer",)
     text_components = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
-    rows_per_request = FluxInpaint.rows_per_request
-
-    def bind(self, pipe: FluxInpaintPipeline, device: torch.device) -> FluxInpaint:
-        return FluxInpaint(pipe, device)
-
-    def rows(self, model: FluxInpaint) -> FamilyRows:
-        """A sparse block reads its K/V; a full block after a sparse one reads that one's Y."""
-        blocks = list(model.blocks)
-        sparse = dict.fromkeys(blocks, flux_blocks.SPARSE_ROWS)
-        return FamilyRows(tuple(blocks), sparse, dict.fromkeys(blocks, flux_blocks.EXIT_ROWS))
-
-    def step_flops(
-        self, config: Mapping[str, Any], latent_size: tuple[int, int], text_len: int, ratio: float
-    ) -> Flops:
-        return flux_flops(config, latent_size, text_len, ratio)
-
-    def flop_shape(
-        self, pipe: FluxInpaintPipeline, height: int, width: int
-    ) -> tuple[Mapping[str, Any], tuple[int, int], int]:
-        cell = pipe.vae_scale_factor * 2
-        latent = (2 * (height // cell), 2 * (width // cell))
-        return pipe.transformer.config, latent, pipe.tokenizer_2.model_max_length
+    flops = flux_flops
 
     def token_cell(self, pipe: FluxInpaintPipeline) -> int:
         return pipe.vae_scale_factor * 2

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers import SD3Transformer2DModel, StableDiffusion3InpaintPipeline
 from diffusers.models.attention import JointTransformerBlock
@@ -31,26 +30,20 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3_inpaint 
     calculate_shift,
     retrieve_timesteps,
 )
-from PIL import Image
 
-from retouch.functions.families import family_spec
+from retouch.runtime.families.base import Family, FamilyModel, guided
 from retouch.runtime.maskaware import inpaint
-from retouch.runtime.maskaware.attention import assemble, sdpa
-from retouch.runtime.maskaware.context import ForwardContext, Mode, current
+from retouch.runtime.maskaware.attention import Call, Processor, assemble, sdpa
+from retouch.runtime.maskaware.context import ForwardContext, current
 from retouch.runtime.maskaware.flops import Flops, conv_flops, linear_flops
 from retouch.runtime.maskaware.flux_blocks import (
-    EXIT_ROWS,
     INSTALLED,
     SPARSE_CARRY,
-    SPARSE_ROWS,
     record_output,
     switch_layout,
 )
-from retouch.runtime.maskaware.loader import FamilyRows
-from retouch.runtime.maskaware.noise import SeedNoise
 from retouch.runtime.maskaware.request import (
     EditRequest,
-    ImageSize,
     RequestState,
     token_sets,
 )
@@ -67,42 +60,29 @@ class SD3Inputs:
     noise: torch.Tensor  # [1, 16, h, w] initial noise (re-noises the template)
 
 
-class SD3Inpaint:
+class SD3Inpaint(FamilyModel):
     """Glue between the editor and a StableDiffusion3InpaintPipeline."""
 
     rows_per_request = 2  # classifier-free guidance halves
     packs = False  # adaLN modulates per model row: the blocks run the padded layout
     template_tensors = ("image_latents",)  # the blend needs them every step
+    patch = 2
 
-    def __init__(self, pipe: StableDiffusion3InpaintPipeline, device: torch.device) -> None:
-        self.pipe, self.device = pipe, device
-        self.has_denoiser = pipe.transformer is not None
-        self.blocks: list[str] = []
-        self.patch = 2
-        if self.has_denoiser:
-            if pipe.transformer.config.in_channels != 16:
-                raise ValueError("mask-aware SD3 inpainting needs a 16-channel transformer")
-            self.blocks = install(pipe.transformer)
-            self.patch = pipe.transformer.config.patch_size
-        self.dtype = (pipe.transformer if self.has_denoiser else pipe.vae).dtype
+    def install(self, transformer: torch.nn.Module) -> list[str]:
+        if transformer.config.in_channels != 16:
+            raise ValueError("mask-aware SD3 inpainting needs a 16-channel transformer")
+        self.patch = transformer.config.patch_size
+        return install(transformer)
 
-    def latent_size(self, height: int, width: int) -> tuple[int, int]:
-        factor = self.pipe.vae_scale_factor
-        return height // factor, width // factor
+    @staticmethod
+    def text_length(pipe: StableDiffusion3InpaintPipeline) -> int:
+        return pipe.tokenizer_max_length + pipe.tokenizer_3.model_max_length  # CLIP ; T5
 
-    def noise_shape(self, height: int, width: int) -> tuple[int, ...]:
-        return (1, self.pipe.vae.config.latent_channels, *self.latent_size(height, width))
-
-    def latent_mask(self, request: EditRequest) -> torch.Tensor:
-        return inpaint.latent_mask(
-            self.pipe, request, self.latent_size(request.height, request.width)
-        )
-
-    def image_latents(self, image: Image.Image, vae_noise: torch.Tensor) -> torch.Tensor:
-        return inpaint.template_latents(self.pipe, image, vae_noise, self.device, self.dtype)
+    def max_sequence_length(self) -> int:
+        return self.pipe.tokenizer_3.model_max_length
 
     def _scheduler(self, request: EditRequest) -> tuple[object, torch.Tensor]:
-        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        scheduler = self.new_scheduler()
         config, kwargs = scheduler.config, {}
         if config.get("use_dynamic_shifting", None):
             h, w = self.latent_size(request.height, request.width)
@@ -117,34 +97,20 @@ class SD3Inpaint:
         scheduler.set_begin_index(0)
         return scheduler, timesteps
 
-    def encode(
-        self,
-        request: EditRequest,
-        template_noise: SeedNoise,
-        request_noise: SeedNoise,
-        template_latents: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """The heavy, cache-independent part: latent mask, composed noise, the three text
-        encoders and, unless ``template_latents`` are given, the template's VAE encode."""
-        mask = self.latent_mask(request)
-        noise = template_noise.compose(request_noise, mask[0, 0] > 0.5)
-        if template_latents is None:
-            template_latents = self.image_latents(request.image, template_noise.vae)
+    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
+        """The three text encoders, negative (empty) prompt first."""
         positive, negative, pooled, negative_pooled = self.pipe.encode_prompt(
-            prompt=request.prompt,
+            prompt=prompt,
             prompt_2=None,
             prompt_3=None,
             device=self.device,
             num_images_per_prompt=1,
             do_classifier_free_guidance=True,
-            max_sequence_length=self.pipe.tokenizer_3.model_max_length,
+            max_sequence_length=self.max_sequence_length(),
         )
         return {
             "prompt_embeds": torch.cat([negative, positive]).cpu(),  # [2, L, D]
             "pooled": torch.cat([negative_pooled, pooled]).cpu(),  # [2, P]
-            "mask": mask,  # [1, 1, h, w] float32
-            "noise": noise.latents,  # [1, 16, h, w] float32
-            "image_latents": template_latents.cpu(),  # [1, 16, h, w]
         }
 
     def assemble(
@@ -185,34 +151,11 @@ class SD3Inpaint:
 
     def advance(self, state: RequestState, prediction: torch.Tensor) -> None:
         """Guidance, the request's scheduler step, then the pipeline's inpaint blend."""
-        uncond, text = prediction.chunk(2)
-        guided = uncond + state.request.guidance * (text - uncond)
-        latents = state.scheduler.step(guided, state.timestep, state.latents, return_dict=False)[0]
-        state.latents = inpaint.blend(state, latents)
-
-    def decode(
-        self, latents: torch.Tensor, size: ImageSize, output_type: str = "pil"
-    ) -> Image.Image | np.ndarray:
-        """VAE decode as the inpaint pipeline does it (``latents / scaling_factor``)."""
-        return inpaint.scaled_decode(self.pipe, latents, self.device, output_type)
-
-    def stock(
-        self,
-        requests: list[EditRequest],
-        noises: list[tuple[SeedNoise, SeedNoise]],
-        output_type: str = "pil",
-    ) -> list[Image.Image] | np.ndarray:
-        """One stock pipeline call for ``requests`` (same size, steps and guidance), each
-        with its composed noise and its template's latents."""
-        return inpaint.stock_with_template(
-            self.pipe,
-            requests,
-            noises,
-            self.latent_mask,
-            self.image_latents,
-            output_type,
-            max_sequence_length=self.pipe.tokenizer_3.model_max_length,
+        step = state.scheduler.step(
+            guided(state, prediction), state.timestep, state.latents, return_dict=False
         )
+        latents = step[0]
+        state.latents = inpaint.blend(state, latents)
 
 
 # -- blocks -------------------------------------------------------------------------------
@@ -250,33 +193,18 @@ def _to_whole_grid(block: torch.nn.Module, args: tuple, output: tuple) -> tuple 
     return text, rows.scatter(image, whole)
 
 
-class JointAttention:
+class JointAttention(Processor):
     """``JointAttnProcessor2_0``, sparse- and record-aware (image rows first, then text)."""
 
-    def __init__(self, block: str, inner: Any) -> None:
-        self.block, self.inner = block, inner
+    def active(self, ctx: ForwardContext, call: Call) -> bool:
+        return call.encoder_hidden_states is not None and super().active(ctx, call)
 
-    def __call__(
-        self,
-        attn: Attention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        *args: Any,
-        **kwargs: Any,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ctx = current()
-        sparse = ctx is not None and ctx.grid is not None and ctx.mode(self.block) is Mode.SPARSE
-        if ctx is None or encoder_hidden_states is None or not (sparse or ctx.recording):
-            return self.inner(
-                attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs
-            )
-        if attention_mask is not None:
-            raise ValueError("mask-aware SD3 attention takes no attention mask")
+    def run(self, ctx: ForwardContext, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, hidden_states = call.attn, call.hidden_states
         head = (attn.heads, -1)
         query, key, value = _projected(attn, hidden_states, head, text=False)
-        text_q, text_k, text_v = _projected(attn, encoder_hidden_states, head, text=True)
-        if sparse:
+        text_q, text_k, text_v = _projected(attn, call.encoder_hidden_states, head, text=True)
+        if self.sparse(ctx):
             tokens = ctx.grid
             key = assemble(ctx, tokens, self.block, "k", tokens.real_rows(key.flatten(2)))
             value = assemble(ctx, tokens, self.block, "v", tokens.real_rows(value.flatten(2)))
@@ -349,14 +277,12 @@ def sd3_flops(
     return Flops(dense, attention)
 
 
-class SD3InpaintFamily:
+class SD3InpaintFamily(Family):
     """``sd3-inpaint``: an SD3 MMDiT (joint-attention blocks, CLIP-L + CLIP-G + T5 text)."""
 
     name = "sd3-inpaint"
-    spec = family_spec(name)
+    model = SD3Inpaint
     pipeline = StableDiffusion3InpaintPipeline
-    load_kwargs: Mapping[str, Any] = {}
-    denoisers = ("transformer",)
     text_components = (
         "text_encoder",
         "text_encoder_2",
@@ -365,29 +291,7 @@ class SD3InpaintFamily:
         "tokenizer_2",
         "tokenizer_3",
     )
-    rows_per_request = SD3Inpaint.rows_per_request
-
-    def bind(self, pipe: StableDiffusion3InpaintPipeline, device: torch.device) -> SD3Inpaint:
-        return SD3Inpaint(pipe, device)
-
-    def rows(self, model: SD3Inpaint) -> FamilyRows:
-        """A sparse block reads its image K/V; a full block after a sparse one that one's Y."""
-        blocks = list(model.blocks)
-        return FamilyRows(
-            tuple(blocks), dict.fromkeys(blocks, SPARSE_ROWS), dict.fromkeys(blocks, EXIT_ROWS)
-        )
-
-    def step_flops(
-        self, config: Mapping[str, Any], latent_size: tuple[int, int], text_len: int, ratio: float
-    ) -> Flops:
-        return sd3_flops(config, latent_size, text_len, ratio)
-
-    def flop_shape(
-        self, pipe: StableDiffusion3InpaintPipeline, height: int, width: int
-    ) -> tuple[Mapping[str, Any], tuple[int, int], int]:
-        factor = pipe.vae_scale_factor
-        text_len = pipe.tokenizer_max_length + pipe.tokenizer_3.model_max_length  # CLIP ; T5
-        return pipe.transformer.config, (height // factor, width // factor), text_len
+    flops = sd3_flops
 
     def token_cell(self, pipe: StableDiffusion3InpaintPipeline) -> int:
         return pipe.vae_scale_factor * pipe.transformer.config.patch_size

@@ -16,26 +16,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import StableDiffusionInpaintPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint import (
     retrieve_timesteps,
 )
 from PIL import Image
 
-from retouch.functions.families import family_spec
-from retouch.runtime.maskaware import inpaint, unet_blocks
+from retouch.runtime.families.base import Encoding, Family, FamilyModel, guided
+from retouch.runtime.maskaware import unet_blocks
 from retouch.runtime.maskaware.context import ForwardContext
 from retouch.runtime.maskaware.flops import Flops, conv_flops, linear_flops
 from retouch.runtime.maskaware.loader import FamilyRows
 from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
 from retouch.runtime.maskaware.request import (
     EditRequest,
-    ImageSize,
     RequestState,
-    check_batchable,
     token_sets,
 )
 from retouch.runtime.maskaware.tokens import level_sizes
@@ -51,42 +47,24 @@ class SDInputs:
     extra_step_kwargs: dict[str, Any]
 
 
-class SDInpaint:
+class SDInpaint(FamilyModel):
     """Glue between the editor and a StableDiffusionInpaintPipeline."""
 
+    denoiser = "unet"
     rows_per_request = 2  # classifier-free guidance halves
     packs = True
-    template_tensors: tuple[str, ...] = ()  # the masked-image latents depend on the mask
+    template_tensors = ()  # the masked-image latents depend on the mask
+    levels = 0  # UNet levels (resolutions); known once the UNet is installed
 
-    def __init__(self, pipe: StableDiffusionInpaintPipeline, device: torch.device) -> None:
-        self.pipe, self.device = pipe, device
-        self.has_denoiser = pipe.unet is not None
-        self.blocks: list[str] = []
-        self.levels = 0
-        if self.has_denoiser:
-            if pipe.unet.config.in_channels != 9:
-                raise ValueError("mask-aware inference needs a 9-channel inpainting UNet")
-            self.blocks = unet_blocks.install(pipe.unet)
-            self.levels = len(pipe.unet.config.block_out_channels)
-        self.dtype = (pipe.unet if self.has_denoiser else pipe.vae).dtype
+    def install(self, unet: torch.nn.Module) -> list[str]:
+        if unet.config.in_channels != 9:
+            raise ValueError("mask-aware inference needs a 9-channel inpainting UNet")
+        self.levels = len(unet.config.block_out_channels)
+        return unet_blocks.install(unet)
 
-    def latent_size(self, height: int, width: int) -> tuple[int, int]:
-        factor = self.pipe.vae_scale_factor
-        return height // factor, width // factor
-
-    def noise_shape(self, height: int, width: int) -> tuple[int, ...]:
-        return (1, self.pipe.vae.config.latent_channels, *self.latent_size(height, width))
-
-    def _mask_condition(self, request: EditRequest) -> torch.Tensor:
-        image = request.image
-        return self.pipe.mask_processor.preprocess(
-            request.mask_image(), height=image.height, width=image.width
-        )
-
-    def latent_mask(self, mask_condition: torch.Tensor) -> torch.Tensor:
-        """The UNet's mask channel: ``prepare_mask_latents``' nearest resize to latent size."""
-        size = self.latent_size(mask_condition.shape[-2], mask_condition.shape[-1])
-        return F.interpolate(mask_condition, size=size)
+    @staticmethod
+    def text_length(pipe: StableDiffusionInpaintPipeline) -> int:
+        return pipe.tokenizer.model_max_length
 
     def _masked_image_latents(
         self, request: EditRequest, mask_condition: torch.Tensor, vae_noise: torch.Tensor
@@ -96,26 +74,14 @@ class SDInpaint:
         masked = (init.to(torch.float32) * (mask_condition < 0.5)).to(self.device, self.dtype)
         return self.pipe.vae.config.scaling_factor * vae_sample(self.pipe.vae, masked, vae_noise)
 
-    def encode(
-        self,
-        request: EditRequest,
-        template_noise: SeedNoise,
-        request_noise: SeedNoise,
-        template_latents: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """The heavy, cache-independent part: latent mask, composed noise, masked-image VAE
-        encode and text encoding, as host tensors (``template_latents`` is Flux's; unused)."""
-        condition = self._mask_condition(request)
-        mask = self.latent_mask(condition)
-        noise = template_noise.compose(request_noise, mask[0, 0] > 0.5)
-        masked_latents = self._masked_image_latents(request, condition, noise.vae)
-        positive, negative = self.pipe.encode_prompt(request.prompt, self.device, 1, True)
-        return {
-            "prompt_embeds": torch.cat([negative, positive]).cpu(),  # [2, L, D]
-            "mask": mask,  # [1, 1, h, w] float32
-            "noise": noise.latents,  # [1, 4, h, w] float32
-            "masked_image_latents": masked_latents.cpu(),  # [1, 4, h, w]
-        }
+    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
+        positive, negative = self.pipe.encode_prompt(prompt, self.device, 1, True)
+        return {"prompt_embeds": torch.cat([negative, positive]).cpu()}  # [2, L, D]
+
+    def encode_image(self, job: Encoding) -> dict[str, torch.Tensor]:
+        """The masked image's VAE encode."""
+        latents = self._masked_image_latents(job.request, job.condition, job.noise.vae)
+        return {"masked_image_latents": latents.cpu()}  # [1, 4, h, w]
 
     def assemble(
         self, request: EditRequest, tensors: dict[str, torch.Tensor], *, every: bool
@@ -126,7 +92,7 @@ class SDInpaint:
         """
         mask = tensors["mask"].to(self.device, self.dtype)
         hard = tensors["mask"][0, 0] > 0.5
-        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        scheduler = self.new_scheduler()
         timesteps, _ = retrieve_timesteps(scheduler, request.steps, self.device)
         if hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
@@ -160,10 +126,8 @@ class SDInpaint:
 
     def advance(self, state: RequestState, prediction: torch.Tensor) -> None:
         """Guidance and the request's own scheduler step."""
-        uncond, text = prediction.chunk(2)
-        guided = uncond + state.request.guidance * (text - uncond)
         step = state.scheduler.step(
-            guided,
+            guided(state, prediction),
             state.timestep,
             state.latents,
             **state.inputs.extra_step_kwargs,
@@ -171,43 +135,20 @@ class SDInpaint:
         )
         state.latents = step[0]
 
-    def decode(
-        self, latents: torch.Tensor, size: ImageSize, output_type: str = "pil"
-    ) -> Image.Image | np.ndarray:
-        """VAE decode of ``[1, 4, h, w]`` final latents and the pipeline's postprocess."""
-        return inpaint.scaled_decode(self.pipe, latents, self.device, output_type)
+    def stock_options(self) -> dict[str, Any]:
+        return {}
 
-    def stock(
-        self,
-        requests: list[EditRequest],
-        noises: list[tuple[SeedNoise, SeedNoise]],
-        output_type: str = "pil",
-    ) -> list[Image.Image] | np.ndarray:
-        """One stock pipeline call for ``requests`` (same size, steps and guidance).
-
-        Each request gets its composed noise and masked-image latents; ``noises`` holds the
-        (template, request) noise of each.
-        """
-        first = check_batchable(requests)
-        latents, masked = [], []
-        for request, (template_noise, request_noise) in zip(requests, noises, strict=True):
-            condition = self._mask_condition(request)
-            noise = template_noise.compose(request_noise, self.latent_mask(condition)[0, 0] > 0.5)
-            latents.append(noise.latents.to(self.device, self.dtype))
-            masked.append(self._masked_image_latents(request, condition, noise.vae))
-        return self.pipe(
-            prompt=[r.prompt for r in requests],
-            image=[r.image for r in requests],
-            mask_image=[r.mask_image() for r in requests],
-            masked_image_latents=torch.cat(masked),
-            height=first.image.height,
-            width=first.image.width,
-            strength=1.0,
-            num_inference_steps=first.steps,
-            guidance_scale=first.guidance,
-            latents=torch.cat(latents),
-            output_type=output_type,
-        ).images
+    def stock_inputs(
+        self, request: EditRequest, template_noise: SeedNoise, request_noise: SeedNoise
+    ) -> tuple[torch.Tensor, Image.Image, torch.Tensor]:
+        """The composed noise, the image and its masked-image latents."""
+        condition, mask = self.masks(request)
+        noise = template_noise.compose(request_noise, mask[0, 0] > 0.5)
+        return (
+            noise.latents,
+            request.image,
+            self._masked_image_latents(request, condition, noise.vae),
+        )
 
 
 # -- UNet ---------------------------------------------------------------------------------
@@ -288,19 +229,15 @@ def _unet_transformer(
     return Flops(dense, attention)
 
 
-class SDInpaintFamily:
+class SDInpaintFamily(Family):
     """``sd-inpaint``: a 9-channel inpainting UNet (Stable Diffusion 1.x/2.x inpainting)."""
 
     name = "sd-inpaint"
-    spec = family_spec(name)
+    model = SDInpaint
     pipeline = StableDiffusionInpaintPipeline
     load_kwargs: Mapping[str, Any] = {"safety_checker": None, "requires_safety_checker": False}
-    denoisers = ("unet",)
     text_components = ("text_encoder", "tokenizer")
-    rows_per_request = SDInpaint.rows_per_request
-
-    def bind(self, pipe: StableDiffusionInpaintPipeline, device: torch.device) -> SDInpaint:
-        return SDInpaint(pipe, device)
+    flops = unet_flops
 
     def rows(self, model: SDInpaint) -> FamilyRows:
         """A sparse block reads its attn1 K/V and its Y; a full block reads nothing (the
@@ -309,21 +246,6 @@ class SDInpaintFamily:
         sparse = {b: unet_blocks.sparse_rows(unet.get_submodule(b)) for b in blocks}
         order = tuple(unet_blocks.execution_order(blocks))
         return FamilyRows(order, sparse, dict.fromkeys(blocks, ()))
-
-    def step_flops(
-        self, config: Mapping[str, Any], latent_size: tuple[int, int], text_len: int, ratio: float
-    ) -> Flops:
-        return unet_flops(config, latent_size, text_len, ratio)
-
-    def flop_shape(
-        self, pipe: StableDiffusionInpaintPipeline, height: int, width: int
-    ) -> tuple[Mapping[str, Any], tuple[int, int], int]:
-        factor = pipe.vae_scale_factor
-        return (
-            pipe.unet.config,
-            (height // factor, width // factor),
-            pipe.tokenizer.model_max_length,
-        )
 
     def token_cell(self, pipe: StableDiffusionInpaintPipeline) -> int:
         return pipe.vae_scale_factor * 2 ** (len(pipe.unet.config.block_out_channels) - 1)

@@ -10,10 +10,13 @@ key set, so the padded layout needs no attention mask.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from retouch.runtime.maskaware.context import ForwardContext
+from retouch.runtime.maskaware.context import ForwardContext, Mode, current
 from retouch.runtime.maskaware.store import fetch_rows
 from retouch.runtime.maskaware.tokens import TokenBatch
 
@@ -62,3 +65,53 @@ def sdpa_segments(
             q = query[:, start : start + length]
             out[:, start : start + length] = sdpa(q, key[row : row + 1], value[row : row + 1])
     return out
+
+
+@dataclass(frozen=True)
+class Call:
+    """One attention call as diffusers made it: the module, its inputs and the rest of the
+    positional arguments (Flux passes its rotary embedding there)."""
+
+    attn: Any
+    hidden_states: torch.Tensor
+    encoder_hidden_states: torch.Tensor | None
+    rest: tuple[Any, ...] = ()
+
+
+class Processor:
+    """A mask-aware attention processor, declared on one block's attention module with
+    diffusers' ``set_processor``: outside a mask-aware forward, or when :meth:`active`
+    says this forward does not need it, it hands the call unchanged to the processor it
+    replaced (``inner``); else :meth:`run` computes it (attention masks are refused)."""
+
+    def __init__(self, block: str, inner: Any) -> None:
+        self.block, self.inner = block, inner
+
+    def active(self, ctx: ForwardContext, call: Call) -> bool:
+        """By default: the block runs sparse, or the forward records (a bake)."""
+        return self.sparse(ctx) or ctx.recording
+
+    def sparse(self, ctx: ForwardContext) -> bool:
+        return ctx.grid is not None and ctx.mode(self.block) is Mode.SPARSE
+
+    def run(self, ctx: ForwardContext, call: Call) -> Any:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        ctx = current()
+        call = Call(attn, hidden_states, encoder_hidden_states, args)
+        if ctx is None or not self.active(ctx, call):
+            return self.inner(
+                attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs
+            )
+        if attention_mask is not None:
+            raise ValueError(f"{type(self).__name__} (mask-aware) takes no attention mask")
+        return self.run(ctx, call)

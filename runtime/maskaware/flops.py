@@ -49,22 +49,11 @@ class StepFlops:
 
 
 def step_flops(
-    family: str,
-    config: Mapping[str, Any],
-    mask_ratio: float,
-    batch: int,
-    *,
-    latent_size: tuple[int, int],
-    text_len: int,
+    family: str, config: Mapping[str, Any], mask_ratio: float, batch: int, **shape: Any
 ) -> tuple[float, float]:
-    """(full, mask-aware) FLOPs of one step for ``batch`` requests at ``mask_ratio``.
-
-    ``config`` is the denoiser's config (``unet.config`` or ``transformer.config``),
-    ``latent_size`` the VAE latent grid and ``text_len`` the prompt length in tokens.
-    """
-    flops = step_flop_breakdown(
-        family, config, mask_ratio, batch, latent_size=latent_size, text_len=text_len
-    )
+    """(full, mask-aware) FLOPs of one step for ``batch`` requests at ``mask_ratio``
+    (``shape``: ``latent_size`` and ``text_len``, see :func:`step_flop_breakdown`)."""
+    flops = step_flop_breakdown(family, config, mask_ratio, batch, **shape)
     return flops.full.total, flops.maskaware.total
 
 
@@ -77,7 +66,10 @@ def step_flop_breakdown(
     latent_size: tuple[int, int],
     text_len: int,
 ) -> StepFlops:
-    """:func:`step_flops` with the dense / attention split (the formulas are the family's)."""
+    """(full, mask-aware) FLOPs of one step for ``batch`` requests at ``mask_ratio``, dense
+    and attention apart (the formulas are the family's). ``config`` is the denoiser's
+    config (``unet.config`` or ``transformer.config``), ``latent_size`` the VAE latent grid
+    and ``text_len`` the prompt length in tokens."""
     if not 0.0 <= mask_ratio <= 1.0:
         raise ValueError(f"mask ratio {mask_ratio} is not in [0, 1]")
     model = families.family(family)

@@ -24,7 +24,7 @@ from diffusers.models.transformers.transformer_flux import (
 )
 from torch import nn
 
-from retouch.runtime.maskaware.attention import assemble, sdpa
+from retouch.runtime.maskaware.attention import Call, Processor, assemble, sdpa
 from retouch.runtime.maskaware.context import ForwardContext, Mode, current
 from retouch.runtime.maskaware.tokens import TokenBatch
 
@@ -127,31 +127,16 @@ def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return apply_rotary_emb(flat, rope, sequence_dim=1).view_as(x)
 
 
-class JointAttention:
+class JointAttention(Processor):
     """The Flux attention processor, sparse- and record-aware."""
 
-    def __init__(self, block: str, inner: Any) -> None:
-        self.block, self.inner = block, inner
-
-    def __call__(
-        self,
-        attn: FluxAttention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ctx = current()
-        sparse = ctx is not None and ctx.grid is not None and ctx.mode(self.block) is Mode.SPARSE
-        if ctx is None or not (sparse or ctx.recording):
-            return self.inner(
-                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
-            )
-        if attention_mask is not None:
-            raise ValueError("mask-aware Flux attention takes no attention mask")
+    def run(self, ctx: ForwardContext, call: Call) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        attn, encoder_hidden_states = call.attn, call.encoder_hidden_states
+        image_rotary_emb = call.rest[0] if call.rest else None
+        sparse = self.sparse(ctx)
         joint = encoder_hidden_states is not None
         text_len = encoder_hidden_states.shape[1] if joint else ctx.text_len
-        query, key, value = qkv(attn, hidden_states, encoder_hidden_states)
+        query, key, value = qkv(attn, call.hidden_states, encoder_hidden_states)
         rope = sparse_rope(ctx, image_rotary_emb, text_len) if sparse else image_rotary_emb
         query, key = rotate(query, rope), rotate(key, rope)
         if sparse:

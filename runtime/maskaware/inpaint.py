@@ -2,14 +2,14 @@
 
 Flux and SD3 inpainting (16-channel denoisers) blend the unmasked latents back to the
 template re-noised to the next timestep after every step and take the template's latents
-as ``image`` (then skip their VAE encode); SD and SD3 decode with ``latents / scaling``.
+as ``image`` (then skip their VAE encode: the stock call of ``families/base.py``); SD and SD3
+decode with ``latents / scaling``.
 Each function does exactly what those pipelines do, so a family built on them stays equal
 to its stock pipeline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,16 +17,20 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
-from retouch.runtime.maskaware.request import EditRequest, RequestState, check_batchable
+from retouch.runtime.maskaware.noise import vae_sample
+from retouch.runtime.maskaware.request import EditRequest, RequestState
 
 
-def latent_mask(pipe: Any, request: EditRequest, size: tuple[int, int]) -> torch.Tensor:
-    """``[1, 1, h, w]``: ``prepare_mask_latents``' nearest resize of the binarised mask."""
+def mask_condition(pipe: Any, request: EditRequest) -> torch.Tensor:
+    """``[1, 1, H, W]``: the pipeline's ``mask_processor`` on the request's mask."""
     image = request.image
-    condition = pipe.mask_processor.preprocess(
+    return pipe.mask_processor.preprocess(
         request.mask_image(), height=image.height, width=image.width
     )
+
+
+def latent_mask(condition: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """``[1, 1, h, w]``: ``prepare_mask_latents``' nearest resize of the binarised mask."""
     return F.interpolate(condition, size=size)
 
 
@@ -49,41 +53,6 @@ def blend(state: RequestState, latents: torch.Tensor) -> torch.Tensor:
         following = state.timesteps[state.index + 1]
         template = state.scheduler.scale_noise(template, torch.tensor([following]), inputs.noise)
     return (1 - inputs.mask) * template + inputs.mask * latents
-
-
-def stock_with_template(
-    pipe: Any,
-    requests: list[EditRequest],
-    noises: list[tuple[SeedNoise, SeedNoise]],
-    mask_of: Callable[[EditRequest], torch.Tensor],
-    latents_of: Callable[[Image.Image, torch.Tensor], torch.Tensor],
-    output_type: str,
-    **options: Any,
-) -> list[Image.Image] | np.ndarray:
-    """One stock call of a blending pipeline for ``requests`` (same size, steps, guidance):
-    each with its composed noise and its template's latents, passed as ``image`` (which
-    the pipeline then uses without encoding) and as ``masked_image_latents`` (unused by
-    the blend; skips an encode). ``mask_of`` gives a request's latent mask, ``latents_of``
-    an image's latents from its VAE noise."""
-    first = check_batchable(requests)
-    pairs = list(zip(requests, noises, strict=True))
-    noise = [t.compose(own, mask_of(r)[0, 0] > 0.5).latents for r, (t, own) in pairs]
-    latents = torch.cat([latents_of(r.image, t.vae) for r, (t, _) in pairs])
-    denoiser = pipe.transformer
-    return pipe(
-        prompt=[r.prompt for r in requests],
-        image=latents,
-        mask_image=[r.mask_image() for r in requests],
-        masked_image_latents=latents,
-        height=first.image.height,
-        width=first.image.width,
-        strength=1.0,
-        num_inference_steps=first.steps,
-        guidance_scale=first.guidance,
-        latents=torch.cat(noise).to(denoiser.device, denoiser.dtype),
-        output_type=output_type,
-        **options,
-    ).images
 
 
 def scaled_decode(

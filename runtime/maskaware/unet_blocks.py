@@ -26,7 +26,13 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch import nn
 
-from retouch.runtime.maskaware.attention import assemble, sdpa, sdpa_segments
+from retouch.runtime.maskaware.attention import (
+    Call,
+    Processor,
+    assemble,
+    sdpa,
+    sdpa_segments,
+)
 from retouch.runtime.maskaware.context import ForwardContext, Mode, current
 
 
@@ -104,7 +110,7 @@ class MaskAwareTransformer2D(nn.Module):
         for index, layer in enumerate(block.transformer_blocks):
             layer.attn1.set_processor(SelfAttention(name, index, layer.attn1.processor))
             if layer.attn2 is not None:
-                layer.attn2.set_processor(CrossAttention(layer.attn2.processor))
+                layer.attn2.set_processor(CrossAttention(name, layer.attn2.processor))
 
     @property
     def inner(self) -> Transformer2DModel:
@@ -190,35 +196,24 @@ def _heads(attn: Attention, x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (attn.heads, -1))
 
 
-class SelfAttention:
+class SelfAttention(Processor):
     """``attn1`` of a BasicTransformerBlock: records K/V in a bake, reads them in an edit."""
 
     def __init__(self, block: str, index: int, inner: Any) -> None:
-        self.block, self.inner = block, inner
+        super().__init__(block, inner)
         self.k_name, self.v_name = f"k{index}", f"v{index}"
 
-    def __call__(
-        self,
-        attn: Attention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        temb: torch.Tensor | None = None,
-        *args: Any,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        ctx = current()
-        sparse = ctx is not None and ctx.grid is not None
-        if ctx is None or not (sparse or ctx.recording):
-            return self.inner(
-                attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs
-            )
+    def sparse(self, ctx: ForwardContext) -> bool:
+        return ctx.grid is not None  # set by the block's wrapper while it runs sparse
+
+    def run(self, ctx: ForwardContext, call: Call) -> torch.Tensor:
+        attn, hidden_states = call.attn, call.hidden_states
         query, key, value = (
             attn.to_q(hidden_states),
             attn.to_k(hidden_states),
             attn.to_v(hidden_states),
         )
-        if sparse:
+        if self.sparse(ctx):
             out = self._sparse(ctx, attn, query, key, value)
         else:
             ctx.record(self.block, self.k_name, key)
@@ -244,28 +239,17 @@ class SelfAttention:
         return sdpa(_heads(attn, query), keys, values)
 
 
-class CrossAttention:
+class CrossAttention(Processor):
     """``attn2``: in the packed layout each row's tokens attend to that row's text."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    def active(self, ctx: ForwardContext, call: Call) -> bool:
+        return ctx.grid is not None and ctx.grid.packed
 
-    def __call__(
-        self,
-        attn: Attention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        temb: torch.Tensor | None = None,
-        *args: Any,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        ctx = current()
-        if ctx is None or ctx.grid is None or not ctx.grid.packed:
-            return self.inner(
-                attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs
-            )
-        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+    def run(self, ctx: ForwardContext, call: Call) -> torch.Tensor:
+        attn, hidden_states = call.attn, call.hidden_states
+        context = call.encoder_hidden_states
+        if context is None:
+            context = hidden_states
         if attn.norm_cross:
             context = attn.norm_encoder_hidden_states(context)
         query = _heads(attn, attn.to_q(hidden_states))
