@@ -1,0 +1,98 @@
+"""Placement and admission on real processes: two executors, the default ``maskaware``
+policy, predictions on every result, SLO admission, and bad control-plane input."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from retouch.functions.demo.images import template_image
+from retouch.functions.errors import InvalidSpec, Overloaded
+from retouch.functions.imaging import encode_image
+from retouch.functions.spec import parse_spec
+from retouch.platform.client import Client
+from retouch.platform.server import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+def spec(name: str, **extra: object):
+    doc = {
+        "name": name,
+        "model": "retouch:tiny-flux",
+        "family": "flux-inpaint",
+        "resolution": 128,
+        "steps": 4,
+        "templates": {f"t{i}": {"prompt": f"scene {i}", "seed": i} for i in range(3)},
+        **extra,
+    }
+    images = {f"t{i}": encode_image(template_image((128, 128), 40 + i), "png") for i in range(3)}
+    return parse_spec(doc), images
+
+
+def mask(ratio: float) -> np.ndarray:
+    m = np.zeros((128, 128), bool)
+    side = int(128 * ratio**0.5)
+    m[:side, :side] = True
+    return m
+
+
+def test_maskaware_places_on_both_executors_and_reports_its_predictions(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "data", executors=2) as server, Client(server.url) as client:
+        client.deploy(*spec("edit"))
+        jobs = [(f"t{i % 3}", mask(0.05 if i % 2 else 0.6), i) for i in range(12)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            results = list(
+                pool.map(lambda j: client.invoke("edit", j[0], j[1], "a hat", seed=j[2]), jobs)
+            )
+        assert {r.executor for r in results} == {"exec-0", "exec-1"}
+        for r in results:
+            assert r.timings.predicted_ms > 0 and r.timings.placed_ms > 0
+        executors = client.executors()
+        assert executors["placement"] == "maskaware"
+        control = executors["control"]
+        assert control["decision_ms_p99"] > 0 and control["prediction_error_p50"] >= 0
+        # Template residency as the gateway knows it, from the executors' own reports.
+        residency = {
+            t for e in executors["executors"] for t, tier in e["templates"].items() if tier == "host"
+        }
+        assert residency  # the templates just read are host-resident
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'retouch_placement{quantity="decision_ms_p99"}' in metrics
+        assert 'retouch_template_reads_total{tier="host"}' in metrics
+
+
+def test_slo_admission_refuses_what_cannot_make_it(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "data") as server, Client(server.url) as client:
+        client.deploy(*spec("strict", slo={"latency_ms": 1}))
+        client.deploy(*spec("relaxed", slo={"latency_ms": 600000}))
+        with pytest.raises(Overloaded) as err:
+            client.invoke("strict", "t0", mask(0.3), "a hat")
+        assert err.value.code == "slo_unattainable" and err.value.retry_after_s >= 1
+        assert client.invoke("relaxed", "t0", mask(0.3), "a hat").image  # admitted and served
+        queue = client.executors()["queue"]
+        assert queue["slo_rejected"] >= 1
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'retouch_slo_total{function="relaxed",outcome="met"} 1.0' in metrics
+
+
+def test_bad_control_plane_input_is_refused_naming_the_field(tmp_path: Path) -> None:
+    with pytest.raises(InvalidSpec) as err:
+        spec("x", placement="nearest")
+    assert err.value.field == "placement"
+    with ServerProcess(tmp_path / "data") as server:
+        for doc, field in (
+            ({"placement": "nearest"}, "placement"),
+            ({"slo": {"latency_ms": 0}}, "slo.latency_ms"),
+            ({"slo": {"latency_ms": "fast"}}, "slo.latency_ms"),
+        ):
+            good, _ = spec("f")
+            body = {**good.to_dict(), **doc}
+            response = httpx.put(f"{server.url}/v1/functions/f", json={"spec": body})
+            assert response.status_code == 422, response.text
+            assert response.json()["error"]["field"] == field
+        assert httpx.get(f"{server.url}/healthz").status_code == 200
