@@ -41,6 +41,9 @@ WEIGHTS = [
 package_data = {name: ["*.json", "*.txt", "*.toml", "*.png"] for name in package_dir}
 if "retouch.functions.demo" in package_data:
     package_data["retouch.functions.demo"] += WEIGHTS
+# The web page (plain HTML, CSS and JavaScript; no build step).
+if "retouch.platform.web" in package_data:
+    package_data["retouch.platform.web"] += ["static/*.html", "static/*.js", "static/*.css"]
 
 setup(
     packages=list(package_dir),

@@ -112,15 +112,7 @@ def decode_mask(data: bytes, size: tuple[int, int], field: str = "mask") -> np.n
     The size is compared from the header, before any pixel is decoded; see the module
     docstring for which pixels count as selected.
     """
-    img = _open(data, field)
-    if img.size != tuple(size):
-        raise BadRequest(
-            f"mask is {img.width}x{img.height}, template is {size[0]}x{size[1]}",
-            field=field,
-            code="mask_size_mismatch",
-        )
-    _load(img, field)
-    colour, alpha = _convert(field, f"{img.mode} mask", _channels, img)
+    colour, alpha = _mask_channels(data, size, field, "template")
     if alpha is None:
         return colour
     opaque = alpha > 0
@@ -136,6 +128,55 @@ def decode_mask(data: bytes, size: tuple[int, int], field: str = "mask") -> np.n
             )
         return selected
     return colour & opaque
+
+
+MASK_MODES = ("auto", "alpha", "white")
+
+
+def decode_openai_mask(
+    data: bytes, size: tuple[int, int], mode: str = "auto", field: str = "mask"
+) -> np.ndarray:
+    """A boolean ``[H, W]`` edit mask under the OpenAI Images API's conventions.
+
+    ``alpha``: fully transparent pixels (alpha 0) are edited, as OpenAI masks (and an image
+    sent without a mask) mark them. ``white``: non-black, non-transparent pixels are edited,
+    as diffusers masks and this API's own invoke mark them. ``auto``: ``alpha`` when the
+    mask has an alpha channel with a fully transparent pixel, else ``white``.
+    """
+    if mode not in MASK_MODES:
+        raise BadRequest(
+            f"mask_mode must be one of {', '.join(MASK_MODES)}",
+            field="mask_mode",
+            code="invalid_field",
+        )
+    colour, alpha = _mask_channels(data, size, field, "image")
+    transparent = None if alpha is None else alpha == 0
+    if mode == "auto":
+        mode = "alpha" if transparent is not None and transparent.any() else "white"
+    if mode == "alpha":
+        if transparent is None:
+            raise BadRequest(
+                f"{field} has no alpha channel; mask_mode 'alpha' edits its transparent pixels",
+                field=field,
+                code="invalid_field",
+            )
+        return transparent
+    return colour if alpha is None else colour & (alpha > 0)
+
+
+def _mask_channels(
+    data: bytes, size: tuple[int, int], field: str, against: str
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(not-black per pixel, alpha or None) of a mask whose header declares ``size``."""
+    img = _open(data, field)
+    if img.size != tuple(size):
+        raise BadRequest(
+            f"{field} is {img.width}x{img.height}, {against} is {size[0]}x{size[1]}",
+            field=field,
+            code="mask_size_mismatch",
+        )
+    _load(img, field)
+    return _convert(field, f"{img.mode} mask", _channels, img)
 
 
 def _channels(img: Image.Image) -> tuple[np.ndarray, np.ndarray | None]:

@@ -62,8 +62,10 @@ from retouch.platform.jobs import (
 )
 from retouch.platform.journal import JobJournal
 from retouch.platform.metrics import GatewayMetrics
+from retouch.platform.openai_images import OpenAIImages
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
+from retouch.platform.web import WebUI
 from retouch.platform.webhooks import AllowList, WebhookSender
 from retouch.runtime.asgi import (
     bearer,
@@ -305,6 +307,18 @@ class Gateway:
                 field=f"templates.{extra[0]}",
             )
         return out
+
+    async def template_image(self, request: Request) -> Response:
+        """A deployed template's image (PNG), for the web page."""
+        fn = self.function(request.path_params["name"])
+        png = fn.stored.templates.get(request.path_params["template"])
+        if png is None:
+            raise NotFound(
+                f"function {fn.spec.name!r} has no template {request.path_params['template']!r}",
+                field="template",
+                code="template_not_found",
+            )
+        return Response(png, media_type="image/png", headers={"cache-control": "no-cache"})
 
     async def delete_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
@@ -563,6 +577,8 @@ class Gateway:
                 path, endpoint(handler, authorize, self.count_error, status), methods=[method]
             )
 
+        images, web = OpenAIImages(self), WebUI()
+
         @contextlib.asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
             await self.start()
@@ -587,6 +603,13 @@ class Gateway:
                 route("/v1/jobs/{id}/cancel", self.cancel_job, "POST", scope="invoke"),
                 route("/v1/jobs/{id}/events", self.job_events, scope="invoke"),
                 route("/v1/executors", self.executors, scope="invoke"),
+                route(
+                    "/v1/functions/{name}/templates/{template}", self.template_image, scope="invoke"
+                ),
+                route("/v1/images/edits", images.edits, "POST", scope="invoke"),
+                route("/v1/images/{name}", images.image),  # a signed link: no token
+                route("/", web.index),  # the page holds no data; its API calls carry a token
+                route("/ui/{file}", web.asset),
             ],
             exception_handlers=structured_http_errors(self.count_error),
             lifespan=lifespan,

@@ -64,8 +64,8 @@ def error_response(
     return respond(request, exc.to_wire(), exc.status, headers)
 
 
-async def read_body(request: Request, limit: int, allow_json: bool = True) -> Any:
-    """Read at most ``limit`` bytes and decode msgpack (or JSON where allowed)."""
+async def read_raw_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 beyond ``limit`` bytes (declared, or while streaming)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
@@ -75,7 +75,12 @@ async def read_body(request: Request, limit: int, allow_json: bool = True) -> An
         if size > limit:
             raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
-    data = b"".join(chunks)
+    return b"".join(chunks)
+
+
+async def read_body(request: Request, limit: int, allow_json: bool = True) -> Any:
+    """Read at most ``limit`` bytes and decode msgpack (or JSON where allowed)."""
+    data = await read_raw_body(request, limit)
     ctype = request.headers.get("content-type", MSGPACK)
     if _is_msgpack(ctype):
         return wire.unpack(data)

@@ -12,7 +12,13 @@ from PIL import Image
 
 from retouch.functions.demo.images import SHAPES, mask_of_ratio, template_image
 from retouch.functions.errors import BadRequest
-from retouch.functions.imaging import decode_image, decode_mask, encode_image, encode_mask
+from retouch.functions.imaging import (
+    decode_image,
+    decode_mask,
+    decode_openai_mask,
+    encode_image,
+    encode_mask,
+)
 
 
 @settings(deadline=None, max_examples=30)
@@ -175,3 +181,45 @@ def test_templates_of_unusual_modes_become_rgb() -> None:
     cmyk = decode_image(_encode(Image.new("CMYK", (4, 4), (0, 255, 255, 0)), "TIFF"), "t")
     assert cmyk.getpixel((0, 0)) == (255, 0, 0)
     assert len(encode_image(Image.new("LAB", (4, 4)), "raw")) == 4 * 4 * 3
+
+
+def _png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_openai_masks_transparent_hole_white_and_explicit_modes() -> None:
+    """OpenAI's transparent hole and the white-on-black mask select the same pixels; auto
+    picks the alpha convention only when some pixel is fully transparent."""
+    region = np.zeros((32, 48), bool)
+    region[8:20, 10:30] = True
+    hole = np.full((32, 48, 4), 255, np.uint8)
+    hole[region, 3] = 0
+    white = _png(Image.fromarray(region.astype(np.uint8) * 255))
+    for mode in ("auto", "alpha"):
+        assert np.array_equal(
+            decode_openai_mask(_png(Image.fromarray(hole, "RGBA")), (48, 32), mode), region
+        )
+    for mode in ("auto", "white"):
+        assert np.array_equal(decode_openai_mask(white, (48, 32), mode), region)
+    # white painted on a transparent layer: the alpha convention under auto, white if asked
+    layer = np.zeros((32, 48, 4), np.uint8)
+    layer[region] = 255
+    painted = _png(Image.fromarray(layer, "RGBA"))
+    assert np.array_equal(decode_openai_mask(painted, (48, 32), "auto"), ~region)
+    assert np.array_equal(decode_openai_mask(painted, (48, 32), "white"), region)
+    # an opaque RGBA mask is read by its colour
+    opaque = np.dstack([np.repeat(region[..., None] * 255, 3, -1), np.full((32, 48), 255)])
+    assert np.array_equal(
+        decode_openai_mask(_png(Image.fromarray(opaque.astype(np.uint8), "RGBA")), (48, 32)), region
+    )
+    with pytest.raises(BadRequest) as err:
+        decode_openai_mask(white, (48, 32), "alpha")
+    assert (err.value.code, err.value.field) == ("invalid_field", "mask")
+    with pytest.raises(BadRequest) as err:
+        decode_openai_mask(white, (48, 32), "black")
+    assert err.value.field == "mask_mode"
+    with pytest.raises(BadRequest) as err:
+        decode_openai_mask(white, (32, 32))
+    assert err.value.code == "mask_size_mismatch"

@@ -24,6 +24,8 @@ CONTROL_PLANE = (
     "retouch.platform.webhooks",
     "retouch.platform.sse",
     "retouch.platform.uploads",
+    "retouch.platform.openai_images",
+    "retouch.platform.web",
     "retouch.runtime.executor.app",
 )
 HEAVY = ("torch", "diffusers", "lmdb", "transformers")

@@ -1,0 +1,421 @@
+"""The OpenAI Images API's edit endpoint over retouch functions.
+
+``POST /v1/images/edits`` takes the multipart form the official clients send: ``model``
+names a function, ``image`` is an uploaded image (an ad-hoc template, see
+``platform/uploads.py``) or, as a text field (or a ``text/plain`` part, for clients that
+only send files), one of the function's template ids,
+``mask`` follows OpenAI's convention (transparent = edit) or the diffusers one (white =
+edit), ``prompt``, ``n``, ``size``, ``response_format`` (``b64_json``, or ``url``: a signed
+link the gateway serves), ``output_format``, and the common extensions ``seed``,
+``num_inference_steps``, ``guidance_scale`` and ``mask_mode``. Each of the ``n`` images is
+one job (seeds ``seed``, ``seed + 1``, ...), run through the same queue as every invocation.
+
+Errors keep this API's body (``code``, ``message``, ``field``) and add OpenAI's ``type``
+and ``param`` so its clients show them as they would OpenAI's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from retouch.functions import wire
+from retouch.functions.errors import (
+    BadRequest,
+    Canceled,
+    NotFound,
+    RetouchError,
+    UnsupportedMediaType,
+)
+from retouch.functions.imaging import MASK_MODES, decode_openai_mask, encode_mask
+from retouch.platform.jobs import Job, new_job_id
+from retouch.platform.uploads import decode_upload
+from retouch.runtime.asgi import read_raw_body
+
+if TYPE_CHECKING:
+    from retouch.platform.gateway import DeployedFunction, Gateway
+
+MAX_N = 10
+URL_TTL_S = 3600.0  # how long a ``url`` answer stays valid (OpenAI: 60 minutes)
+MAX_FIELD_BYTES = 64 << 10  # a text field (a prompt is at most 4096 characters)
+RESPONSE_FORMATS = ("b64_json", "url")
+OUTPUT_FORMATS = {"png": "png", "webp": "webp"}
+MEDIA_TYPES = {"png": "image/png", "webp": "image/webp"}
+# OpenAI fields that change nothing here; accepted so stock clients work unchanged.
+IGNORED = (
+    "user",
+    "quality",
+    "background",
+    "input_fidelity",
+    "output_compression",
+    "moderation",
+    "partial_images",
+    "safety_identifier",
+)
+FIELDS = (
+    "model",
+    "image",
+    "mask",
+    "prompt",
+    "n",
+    "size",
+    "response_format",
+    "output_format",
+    "seed",
+    "num_inference_steps",
+    "guidance_scale",
+    "mask_mode",
+    "stream",
+    *IGNORED,
+)
+IMAGE_NAME = re.compile(r"([0-9a-f]{32})\.(png|webp)")
+
+
+@dataclass(frozen=True)
+class EditForm:
+    """A validated ``/v1/images/edits`` form."""
+
+    model: str
+    prompt: str
+    image: bytes | None  # an uploaded image ...
+    template: str | None  # ... or a template id of the function
+    mask: bytes | None
+    mask_mode: str = "auto"
+    n: int = 1
+    size: tuple[int, int] | None = None
+    response_format: str = "b64_json"
+    output_format: str = "png"
+    seed: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+
+
+def _int(raw: str, field: str, lo: int, hi: int) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise BadRequest(
+            f"{field} must be an integer in [{lo}, {hi}]", field=field, code="invalid_field"
+        )
+    return value
+
+
+def _float(raw: str, field: str, lo: float, hi: float) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = float("nan")
+    if not lo <= value <= hi:  # NaN fails too
+        raise BadRequest(
+            f"{field} must be a number in [{lo}, {hi}]", field=field, code="invalid_field"
+        )
+    return value
+
+
+def _size(raw: str) -> tuple[int, int] | None:
+    if raw.strip() == "auto":
+        return None
+    m = re.fullmatch(r"\s*(\d{1,5})x(\d{1,5})\s*", raw)
+    if m is None:
+        raise BadRequest(
+            "size must be WIDTHxHEIGHT (e.g. 512x512) or auto", field="size", code="invalid_field"
+        )
+    return int(m.group(1)), int(m.group(2))
+
+
+async def read_form(request: Request, max_body: int) -> EditForm:
+    """Read the multipart body (at most ``max_body`` bytes) and validate every field."""
+    ctype = request.headers.get("content-type", "")
+    if not ctype.startswith("multipart/form-data"):
+        raise UnsupportedMediaType(
+            f"content type {ctype!r} is not supported here; send multipart/form-data"
+        )
+    request._body = await read_raw_body(request, max_body)  # what request.form() parses
+    try:
+        form = await request.form(max_files=4, max_fields=64, max_part_size=MAX_FIELD_BYTES)
+    except HTTPException as exc:
+        raise BadRequest(f"malformed multipart body: {exc.detail}", code="malformed_body") from exc
+    except Exception as exc:  # the parser raises a few types on truncated input
+        raise BadRequest(f"malformed multipart body: {exc}", code="malformed_body") from exc
+    try:
+        return await _validate(form)
+    finally:
+        await form.close()
+
+
+async def _validate(form: Any) -> EditForm:
+    seen: dict[str, list[Any]] = {}
+    for key, value in form.multi_items():
+        name = key[:-2] if key.endswith("[]") else key
+        if name not in FIELDS:
+            raise BadRequest(
+                f"unknown field {key!r}; known: {', '.join(FIELDS[: -len(IGNORED)])}",
+                field=key,
+                code="invalid_field",
+            )
+        seen.setdefault(name, []).append(value)
+
+    async def file_or_text(name: str) -> bytes | str | None:
+        values = seen.get(name, [])
+        if len(values) > 1:
+            raise BadRequest(f"one {name} only", field=name, code="invalid_field")
+        if not values:
+            return None
+        value = values[0]
+        if not isinstance(value, UploadFile):
+            return value
+        data = await value.read()
+        if (value.content_type or "").startswith("text/plain"):  # a client that only sends
+            try:  # files (the openai package) names a template as a text/plain part
+                return data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise BadRequest(
+                    f"{name} as text must be UTF-8", field=name, code="invalid_field"
+                ) from exc
+        return data
+
+    def text(name: str, required: bool = False) -> str | None:
+        values = seen.get(name, [])
+        if len(values) > 1:
+            raise BadRequest(f"field {name!r} given twice", field=name, code="invalid_field")
+        if not values:
+            if required:
+                raise BadRequest(f"field {name!r} is required", field=name, code="missing_field")
+            return None
+        if not isinstance(values[0], str):
+            raise BadRequest(
+                f"field {name!r} must be text, not a file", field=name, code="invalid_field"
+            )
+        return values[0]
+
+    model = text("model", required=True) or ""
+    prompt = text("prompt", required=True) or ""
+    if len(prompt) > wire.MAX_PROMPT_CHARS:
+        raise BadRequest(
+            f"prompt longer than {wire.MAX_PROMPT_CHARS}", field="prompt", code="invalid_field"
+        )
+    if (text("stream") or "false").strip().lower() not in ("false", "0"):
+        raise BadRequest("streaming edits are not supported", field="stream", code="invalid_field")
+    image = await file_or_text("image")
+    if image is None:
+        raise BadRequest(
+            "field 'image' is required (an image file, or a template id as text)",
+            field="image",
+            code="missing_field",
+        )
+    mask = await file_or_text("mask")
+    if isinstance(mask, str):
+        raise BadRequest("mask must be an image file", field="mask", code="invalid_field")
+
+    def choice(name: str, choices: tuple[str, ...]) -> str:
+        value = (text(name) or choices[0]).strip()
+        if value not in choices:
+            raise BadRequest(
+                f"{name} must be one of {', '.join(choices)}", field=name, code="invalid_field"
+            )
+        return value
+
+    mask_mode = choice("mask_mode", MASK_MODES)
+    response_format = choice("response_format", RESPONSE_FORMATS)
+    output_format = choice("output_format", tuple(OUTPUT_FORMATS))
+    raw = {k: text(k) for k in ("n", "size", "seed", "num_inference_steps", "guidance_scale")}
+    return EditForm(
+        model=model.strip(),
+        prompt=prompt,
+        image=image if isinstance(image, bytes) else None,
+        template=image.strip() if isinstance(image, str) else None,
+        mask=mask,
+        mask_mode=mask_mode,
+        n=1 if raw["n"] is None else _int(raw["n"], "n", 1, MAX_N),
+        size=None if raw["size"] is None else _size(raw["size"]),
+        response_format=response_format,
+        output_format=OUTPUT_FORMATS[output_format],
+        seed=None if raw["seed"] is None else _int(raw["seed"], "seed", 0, 2**63 - 1),
+        steps=None
+        if raw["num_inference_steps"] is None
+        else _int(raw["num_inference_steps"], "num_inference_steps", 1, wire.MAX_STEPS),
+        guidance=None
+        if raw["guidance_scale"] is None
+        else _float(raw["guidance_scale"], "guidance_scale", 0.0, wire.MAX_GUIDANCE),
+    )
+
+
+def _edit_mask(fn: DeployedFunction, form: EditForm) -> bytes:
+    """The form's mask as this API's white-on-black PNG, checked against the image."""
+    spec = fn.spec
+    if form.image is not None:
+        decode_upload(spec, form.image)  # image errors first, naming ``image``
+        size = (spec.width, spec.height)
+    else:
+        found = fn.sizes.get(form.template or "")
+        if found is None:
+            raise NotFound(
+                f"function {spec.name!r} has no template {form.template!r} (send an image file "
+                "to edit an uploaded image)",
+                field="image",
+                code="template_not_found",
+            )
+        size = found
+    if form.mask is not None:
+        mask = decode_openai_mask(form.mask, size, form.mask_mode)
+    elif form.image is not None:  # OpenAI: without a mask, the image's transparency is it
+        try:
+            mask = decode_openai_mask(form.image, size, "alpha", field="image")
+        except BadRequest as exc:
+            raise BadRequest(
+                "mask is required when the image has no transparent pixels",
+                field="mask",
+                code="missing_field",
+            ) from exc
+    else:
+        raise BadRequest(
+            "mask is required when image names a template", field="mask", code="missing_field"
+        )
+    return encode_mask(mask)
+
+
+def _sign(secret: bytes, job_id: str, expires: int) -> str:
+    msg = f"image-url.{job_id}.{expires}".encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def openai_error(request: Request, exc: RetouchError) -> Response:
+    """This API's error body plus OpenAI's ``type`` and ``param``."""
+    body = exc.to_wire()
+    body["error"]["type"] = "invalid_request_error" if exc.status < 500 else "server_error"
+    body["error"]["param"] = exc.field
+    headers = (
+        {"retry-after": str(getattr(exc, "retry_after_s", 1))} if exc.status in (429, 503) else None
+    )
+    return Response(json.dumps(body), exc.status, headers, media_type="application/json")
+
+
+class OpenAIImages:
+    """The handlers of ``/v1/images/*`` over a :class:`~retouch.platform.gateway.Gateway`."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def edits(self, request: Request) -> Response:
+        try:
+            return await self._edits(request)
+        except RetouchError as exc:
+            self.gateway.count_error(exc)
+            return openai_error(request, exc)
+
+    async def _edits(self, request: Request) -> Response:
+        gw = self.gateway
+        form = await read_form(request, gw.max_body)
+        try:
+            fn = gw._servable(form.model)
+        except NotFound as exc:
+            exc.field = "model"
+            raise
+        spec = fn.spec
+        if form.size is not None and form.size != (spec.width, spec.height):
+            raise BadRequest(
+                f"size must be {spec.width}x{spec.height} (function {spec.name!r}) or auto",
+                field="size",
+                code="invalid_field",
+            )
+        gw.pool.admit(spec.name)
+        mask = await asyncio.to_thread(_edit_mask, fn, form)
+        first_seed = secrets.randbits(62) if form.seed is None else form.seed
+        durable = form.response_format == "url"  # its image is served from the journal
+        jobs: list[Job] = []
+        try:
+            for i in range(form.n):
+                req = wire.InvokeRequest(
+                    template=form.template,
+                    image=form.image,
+                    mask=mask,
+                    prompt=form.prompt,
+                    seed=(first_seed + i) % 2**63,
+                    steps=form.steps,
+                    guidance=form.guidance,
+                    format=form.output_format,
+                )
+                job_id = new_job_id()
+                prepared = await gw._prepare(fn, req, job_id)
+                gw.pool.admit(spec.name)
+                jobs.append(
+                    await gw.jobs.submit(
+                        spec.name, wire.JobRequest(req), prepared, durable=durable, job_id=job_id
+                    )
+                )
+            await asyncio.gather(*(asyncio.shield(j.task) for j in jobs if j.task is not None))
+        finally:
+            if not durable:
+                for job in jobs:
+                    gw.jobs.forget(job)
+        data = []
+        for i, job in enumerate(jobs):
+            if job.error is not None:
+                raise job.error
+            if job.result is None:
+                raise Canceled(f"edit {job.id} was canceled")
+            item: dict[str, Any] = {"seed": (first_seed + i) % 2**63, "path": job.result.path.value}
+            if durable:
+                item["url"] = self._url(request, job)
+            else:
+                item["b64_json"] = base64.b64encode(job.result.image).decode()
+            data.append(item)
+        body = {
+            "created": int(time.time()),
+            "data": data,
+            "size": f"{spec.width}x{spec.height}",
+            "output_format": form.output_format,
+        }
+        return Response(json.dumps(body), 200, media_type="application/json")
+
+    def _url(self, request: Request, job: Job) -> str:
+        gw = self.gateway
+        expires = int(time.time() + min(URL_TTL_S, gw.job_retention_s))
+        sig = _sign(gw.webhook_secret, job.id, expires)
+        ext = job.request.invoke.format
+        base = str(request.base_url).rstrip("/")
+        return f"{base}/v1/images/{job.id}.{ext}?expires={expires}&sig={sig}"
+
+    async def image(self, request: Request) -> Response:
+        """``GET /v1/images/{id}.{ext}?expires=&sig=``: a signed link needs no token."""
+        gw = self.gateway
+        m = IMAGE_NAME.fullmatch(request.path_params["name"])
+        if m is None:
+            raise NotFound("no such image", field="name", code="image_not_found")
+        job_id = m.group(1)
+        expires = request.query_params.get("expires", "")
+        sig = request.query_params.get("sig", "")
+        if not expires.isdigit() or not hmac.compare_digest(
+            sig.encode(), _sign(gw.webhook_secret, job_id, int(expires)).encode()
+        ):
+            raise BadRequest("invalid image link signature", field="sig", code="invalid_signature")
+        if int(expires) < time.time():
+            raise NotFound("this image link has expired", field="expires", code="link_expired")
+        try:
+            job = gw.jobs.get(job_id)
+        except NotFound as exc:
+            raise NotFound("the image is gone", field="name", code="image_not_found") from exc
+        doc = await gw.jobs.document(job)
+        result = doc.get("result")
+        if result is None:
+            raise NotFound("the image is gone", field="name", code="image_not_found")
+        return Response(
+            bytes(result["image"]),
+            media_type=MEDIA_TYPES.get(result["format"], "application/octet-stream"),
+            headers={"cache-control": "private, max-age=3600"},
+        )

@@ -1,0 +1,219 @@
+"""The OpenAI-compatible ``POST /v1/images/edits``, driven by the official ``openai`` client:
+the right size, OpenAI's transparent-hole mask and the equivalent white mask give the same
+image, uploaded images and template ids, ``n``, ``url`` answers served by the gateway, and
+bad forms answered with a structured 4xx naming the field (the server staying healthy)."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from retouch.functions import wire
+from retouch.platform.client import Client, read_spec_file
+from retouch.platform.server import ServerProcess
+
+from .conftest import ADMIN, INVOKE, TOKENS
+
+openai = pytest.importorskip("openai", reason="the openai package (a dev dependency) is needed")
+
+FUNCTION, STEPS, SIZE = "oai-sd", 3, 128
+REGION = (slice(32, 80), slice(40, 96))  # rows, columns edited
+
+
+def png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def photo(seed: int = 5) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    return Image.fromarray(small).resize((SIZE, SIZE), Image.BILINEAR)
+
+
+def white_mask() -> bytes:
+    arr = np.zeros((SIZE, SIZE), np.uint8)
+    arr[REGION] = 255
+    return png(Image.fromarray(arr))
+
+
+def transparent_mask() -> bytes:
+    """OpenAI's convention: an opaque image with a fully transparent hole where to edit."""
+    rgba = np.full((SIZE, SIZE, 4), 255, np.uint8)
+    rgba[(*REGION, 3)] = 0
+    return png(Image.fromarray(rgba, "RGBA"))
+
+
+@pytest.fixture(scope="module")
+def server(data_dir: Path, examples: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(data_dir, env=TOKENS) as proc:
+        spec, images = read_spec_file(examples / "tiny-sd.toml")
+        spec = dataclasses.replace(spec, name=FUNCTION, steps=STEPS)
+        with Client(proc.url, ADMIN) as admin:
+            assert admin.deploy(spec, images)["status"] == "ready"
+        yield proc
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=INVOKE, max_retries=0) as c:
+        yield c
+
+
+def decode(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def test_edit_of_an_uploaded_image_with_openai_and_white_masks(client: openai.OpenAI) -> None:
+    image = ("photo.png", png(photo()), "image/png")
+    extra = {"seed": 7, "num_inference_steps": STEPS, "guidance_scale": 6.0}
+    alpha = client.images.edit(
+        model=FUNCTION, image=image, mask=("mask.png", transparent_mask(), "image/png"),
+        prompt="a red door", size=f"{SIZE}x{SIZE}", response_format="b64_json", extra_body=extra,
+    )  # fmt: skip
+    white = client.images.edit(
+        model=FUNCTION, image=image, mask=("mask.png", white_mask(), "image/png"),
+        prompt="a red door", response_format="b64_json", extra_body={**extra, "mask_mode": "white"},
+    )  # fmt: skip
+    assert alpha.created > 0 and len(alpha.data) == 1
+    a, w = decode(alpha.data[0].b64_json), decode(white.data[0].b64_json)
+    assert a.shape == (SIZE, SIZE, 3)
+    assert np.array_equal(a, w)
+    # only the masked region changed (up to the VAE's round trip outside it)
+    original = np.asarray(photo())
+    inside = np.abs(a[REGION].astype(int) - original[REGION]).mean()
+    assert inside > 5
+
+
+def test_template_id_n_and_url(client: openai.OpenAI, server: ServerProcess) -> None:
+    resp = client.images.edit(
+        model=FUNCTION, image=("street", b"street", "text/plain"), mask=("m.png", white_mask(), "image/png"),
+        prompt="a red door", n=2, response_format="url", extra_body={"seed": 11},
+    )  # fmt: skip
+    assert len(resp.data) == 2
+    images = []
+    for item in resp.data:
+        assert item.url.startswith(server.url + "/v1/images/")
+        got = httpx.get(item.url, timeout=30)  # a signed link: no token
+        assert got.status_code == 200 and got.headers["content-type"] == "image/png"
+        images.append(np.asarray(Image.open(io.BytesIO(got.content))))
+        bad = httpx.get(item.url.replace("sig=", "sig=0"), timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["field"] == "sig"
+    assert images[0].shape == (SIZE, SIZE, 3) and not np.array_equal(images[0], images[1])
+    # the seeds are seed, seed + 1: the second image equals a sync invoke with seed 12
+    with Client(server.url, INVOKE) as c:
+        ref = c.invoke(FUNCTION, "street", white_mask(), "a red door", seed=12, format="raw")
+    assert np.array_equal(np.frombuffer(ref.image, np.uint8).reshape(SIZE, SIZE, 3), images[1])
+
+
+def test_image_transparency_is_the_mask_when_none_is_sent(client: openai.OpenAI) -> None:
+    rgba = np.asarray(photo().convert("RGBA")).copy()
+    rgba[(*REGION, 3)] = 0
+    holed = client.images.edit(
+        model=FUNCTION, image=("p.png", png(Image.fromarray(rgba, "RGBA")), "image/png"),
+        prompt="a red door", extra_body={"seed": 7, "num_inference_steps": STEPS, "guidance_scale": 6.0},
+    )  # fmt: skip
+    masked = client.images.edit(
+        model=FUNCTION, image=("p.png", png(photo()), "image/png"),
+        mask=("m.png", white_mask(), "image/png"), prompt="a red door",
+        extra_body={"seed": 7, "num_inference_steps": STEPS, "guidance_scale": 6.0},
+    )  # fmt: skip
+    assert np.array_equal(decode(holed.data[0].b64_json), decode(masked.data[0].b64_json))
+
+
+def post(server: ServerProcess, files: dict, data: dict, **kw) -> httpx.Response:
+    headers = {"authorization": f"Bearer {INVOKE}", **kw.pop("headers", {})}
+    return httpx.post(
+        f"{server.url}/v1/images/edits", files=files, data=data, headers=headers, timeout=60, **kw
+    )
+
+
+GOOD = {"model": FUNCTION, "prompt": "a red door"}
+
+
+@pytest.mark.parametrize(
+    ("files", "data", "status", "code", "field"),
+    [
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {"model": FUNCTION}, 400, "missing_field", "prompt"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {"prompt": "x"}, 400, "missing_field", "model"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "model": "nope"}, 404, "function_not_found", "model"),
+        ({"mask": ("m.png", "MASK")}, GOOD, 400, "missing_field", "image"),
+        ({"image": ("p.png", b"not an image"), "mask": ("m.png", "MASK")}, GOOD, 400, "undecodable_image", "image"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", b"nope")}, GOOD, 400, "undecodable_image", "mask"),
+        ({"image": ("p.png", "PHOTO")}, GOOD, 400, "missing_field", "mask"),
+        ({"image": ("p.png", "SMALL"), "mask": ("m.png", "MASK")}, GOOD, 400, "image_size_mismatch", "image"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "SMALL")}, GOOD, 400, "mask_size_mismatch", "mask"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "size": "256x256"}, 400, "invalid_field", "size"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "size": "big"}, 400, "invalid_field", "size"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "n": "0"}, 400, "invalid_field", "n"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "n": "x"}, 400, "invalid_field", "n"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "response_format": "jpeg"}, 400, "invalid_field", "response_format"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "output_format": "gif"}, 400, "invalid_field", "output_format"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "mask_mode": "black"}, 400, "invalid_field", "mask_mode"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "mask_mode": "alpha"}, 400, "invalid_field", "mask"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "seed": "-1"}, 400, "invalid_field", "seed"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "guidance_scale": "nan"}, 400, "invalid_field", "guidance_scale"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "num_inference_steps": "0"}, 400, "invalid_field", "num_inference_steps"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "stream": "true"}, 400, "invalid_field", "stream"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "stepz": "3"}, 400, "invalid_field", "stepz"),
+        ({"image": ("p.png", "PHOTO"), "mask": ("m.png", "MASK")}, {**GOOD, "prompt": "x" * 5000}, 400, "invalid_field", "prompt"),
+        ({"image": (None, "nope"), "mask": ("m.png", "MASK")}, GOOD, 404, "template_not_found", "image"),
+        ({"image": ("p.png", "PHOTO"), "mask": (None, "text")}, GOOD, 400, "invalid_field", "mask"),
+    ],
+)  # fmt: skip
+def test_bad_forms_are_structured_4xx(
+    server: ServerProcess, files: dict, data: dict, status: int, code: str, field: str
+) -> None:
+    payloads = {
+        "PHOTO": png(photo()),
+        "MASK": white_mask(),
+        "SMALL": png(Image.new("RGB", (64, 64))),
+    }
+    files = {
+        k: (name, payloads.get(v, v) if isinstance(v, str) else v) for k, (name, v) in files.items()
+    }
+    resp = post(server, files, data)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert (error["code"], error["field"], error["param"]) == (code, field, field), error
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def test_oversized_and_malformed_bodies(server: ServerProcess) -> None:
+    big = post(server, {"image": ("p.png", b"\0" * (33 << 20))}, GOOD)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "payload_too_large"
+    broken = httpx.post(
+        f"{server.url}/v1/images/edits",
+        content=b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\noai',
+        headers={
+            "authorization": f"Bearer {INVOKE}",
+            "content-type": "multipart/form-data; boundary=x",
+        },
+        timeout=30,
+    )
+    assert broken.status_code == 400 and broken.json()["error"]["code"] in (
+        "malformed_body",
+        "missing_field",
+    )
+    msgpack = httpx.post(
+        f"{server.url}/v1/images/edits",
+        content=wire.pack({"model": FUNCTION}),
+        headers={"authorization": f"Bearer {INVOKE}", "content-type": "application/msgpack"},
+        timeout=30,
+    )
+    assert msgpack.status_code == 415
+    unauthorized = post(
+        server, {"image": ("p.png", b"x")}, GOOD, headers={"authorization": "Bearer wrong"}
+    )
+    assert unauthorized.status_code == 401
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
