@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,15 +100,24 @@ class LoadedModel:
 
 
 class ModelCache:
-    """Loads each model once per executor.
+    """Loads each model once per process (the executor, and each pre/post worker).
 
-    The lock only guards the table of per-model futures: a load runs outside it, so
-    ``loaded()`` (read by ``/state``) and other models never wait on a ``from_pretrained``;
-    concurrent requests for the model being loaded wait on its future."""
+    ``without`` leaves component kinds out of every model: ``"denoiser"`` (the family's
+    denoiser: a pre/post worker's pipeline) and ``"text"`` (its text encoders and
+    tokenizers: a post worker's). The lock only guards the table of per-model futures: a
+    load runs outside it, so ``loaded()`` (read by ``/state``) and other models never wait
+    on a ``from_pretrained``; concurrent requests for the model being loaded wait on its
+    future."""
 
-    def __init__(self, models_dir: Path, device: torch.device) -> None:
+    def __init__(
+        self, models_dir: Path, device: torch.device, *, without: tuple[str, ...] = ()
+    ) -> None:
+        unknown = set(without) - {"denoiser", "text"}
+        if unknown:
+            raise ValueError(f"unknown component kinds {sorted(unknown)}")
         self.models_dir = models_dir
         self.device = device
+        self.without = without
         self._models: dict[str, Future[LoadedModel]] = {}
         self._lock = threading.Lock()
 
@@ -137,6 +147,18 @@ class ModelCache:
 
     def _load(self, model: str, family: str) -> LoadedModel:
         folder = model_folder(model, self.models_dir)
-        log.info("loading %s (%s) on %s", model, family, self.device)
-        pipe = load_pipeline(folder, family, self.device)
+        kinds = family_of(family)
+        left_out = (kinds.denoisers if "denoiser" in self.without else ()) + (
+            kinds.text_components if "text" in self.without else ()
+        )
+        started = time.perf_counter()
+        pipe = load_pipeline(folder, family, self.device, without=left_out)
+        log.info(
+            "loaded %s (%s) on %s%s in %.1f s",
+            model,
+            family,
+            self.device,
+            f" without {', '.join(left_out)}" if left_out else "",
+            time.perf_counter() - started,
+        )
         return LoadedModel(model, family, pipe, self.device, folder, dict(pipe.scheduler.config))

@@ -1,4 +1,5 @@
-"""Pre/post-processing in worker processes, so the engine thread only runs denoising steps.
+"""Pre/post-processing in worker processes, so the engine thread only runs denoising steps:
+the pool, on the engine process's side (the worker process is :mod:`.worker_server`).
 
 FlashPS (§4.3) measured that pre- and post-processing inside the continuous-batching loop
 interrupt every running request (+40 % P95); moving them to other processes took −29 % P95.
@@ -25,7 +26,6 @@ import logging
 import multiprocessing
 import os
 import secrets
-import signal
 import threading
 import time
 from collections import deque
@@ -39,16 +39,14 @@ from typing import Any
 import torch
 
 from retouch.functions import wire
-from retouch.functions.imaging import encode_image
 from retouch.runtime import shm
-from retouch.runtime.families import family as family_of
-from retouch.runtime.maskaware.editor import Encoded, MaskAwareEditor, OutputSize
+from retouch.runtime.maskaware.editor import Encoded
 from retouch.runtime.maskaware.request import EditRequest
-from retouch.runtime.models import LoadedModel, default_device, load_pipeline, model_folder
+from retouch.runtime.models import default_device
+from retouch.runtime.worker_server import POST, PRE, WorkerSpec, serve
 
 log = logging.getLogger(__name__)
 
-PRE, POST = "pre", "post"
 TIMINGS_KEPT = 1024
 
 
@@ -66,22 +64,6 @@ class WorkerError(RuntimeError):
 
 class PoolClosed(RuntimeError):
     """The pool was closed before the job ran."""
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker process needs to start (plain values: they cross the spawn)."""
-
-    role: str
-    index: int
-    models_dir: str
-    device: str
-    threads: int | None
-    log_level: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.role} worker {self.index}"
 
 
 @dataclass(frozen=True)
@@ -486,108 +468,3 @@ def _parse_items(meta: dict[str, Any], items: dict[str, shm.Item]) -> dict[str, 
 
 def _parse_nothing(meta: dict[str, Any], items: dict[str, shm.Item]) -> None:
     return None
-
-
-# -- the worker process ---------------------------------------------------------------------
-
-
-def serve(spec: WorkerSpec, conn: Connection) -> None:
-    """A worker process's main loop: one job at a time until "stop" or the parent is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the pool's to handle: it closes us
-    logging.basicConfig(
-        level=spec.log_level, format="%(asctime)s %(processName)s %(name)s %(message)s"
-    )
-    if spec.threads is not None:
-        torch.set_num_threads(spec.threads)
-    worker = _Server(spec)
-    try:
-        conn.send_bytes(wire.pack({"op": "ready", "pid": os.getpid()}))
-        while (message := wire.unpack(conn.recv_bytes())).get("op") != "stop":
-            conn.send_bytes(wire.pack(worker.handle(message)))
-    except (EOFError, OSError):
-        log.info("%s: the pool's process is gone; exiting", spec.name)
-
-
-class _Server:
-    """The models of one worker process and its job handlers."""
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.spec = spec
-        self.device = torch.device(spec.device)
-        self.models: dict[tuple[str, str], LoadedModel] = {}
-        self.editors: dict[tuple[str, str, str], MaskAwareEditor] = {}
-
-    def handle(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Run one job; a failure becomes an error reply (the worker keeps serving)."""
-        try:
-            items = shm.take_tensors(message["items"])
-            started = time.perf_counter()
-            handler = getattr(self, f"_{message['op']}", None)
-            if handler is None:
-                raise ValueError(f"unknown job {message['op']!r}")
-            meta, out = handler(message["meta"], items)
-            compute = time.perf_counter() - started
-            header = shm.put_tensors(out, message["reply"])
-        except Exception as exc:
-            log.exception("%s: %s job failed", self.spec.name, message.get("op"))
-            return {"ok": False, "kind": type(exc).__name__, "error": str(exc)}
-        return {"ok": True, "meta": meta, "items": header, "compute_s": compute}
-
-    # -- handlers: (meta, items) -> (reply meta, reply items) -------------------------------
-
-    def _encode(self, meta: dict[str, Any], items: dict[str, Any]) -> tuple[dict, dict]:
-        editor = self._editor(meta["model"], meta["family"], meta["scheduler"])
-        request = EditRequest.from_wire(meta["request"], items)
-        encoded = editor.encode(request, items.get("template_latents"))
-        reply = {"family": encoded.family, "height": encoded.height, "width": encoded.width}
-        return reply, encoded.tensors
-
-    def _decode(self, meta: dict[str, Any], items: dict[str, Any]) -> tuple[dict, dict]:
-        editor = self._editor(meta["model"], meta["family"], None)
-        image = editor.decode(items["latents"], OutputSize(meta["height"], meta["width"]))
-        data = encode_image(image, meta["format"])
-        return {"width": image.width, "height": image.height}, {"image": data}
-
-    def _load(self, meta: dict[str, Any], items: dict[str, Any]) -> tuple[dict, dict]:
-        self._model(meta["model"], meta["family"])
-        return {}, {}
-
-    def _echo(self, meta: dict[str, Any], items: dict[str, Any]) -> tuple[dict, dict]:
-        return {}, items
-
-    # -- models -----------------------------------------------------------------------------
-
-    def _editor(self, model: str, family: str, scheduler: str | None) -> MaskAwareEditor:
-        """One editor per (model, scheduler); decode does not depend on the scheduler."""
-        key = (model, family, scheduler or "")
-        editor = self.editors.get(key)
-        if editor is None:
-            loaded = self._model(model, family)
-            pipe = loaded.pipe if scheduler is None else loaded.pipeline_for(scheduler)
-            editor = self.editors[key] = MaskAwareEditor(pipe, family, self.device)
-        return editor
-
-    def _model(self, model: str, family: str) -> LoadedModel:
-        loaded = self.models.get((model, family))
-        if loaded is None:
-            loaded = self.models[(model, family)] = self._load_model(model, family)
-        return loaded
-
-    def _load_model(self, model: str, family: str) -> LoadedModel:
-        """The pipeline without its denoiser (post workers: without text encoders either),
-        in the executor's dtype on its device."""
-        folder = model_folder(model, Path(self.spec.models_dir))
-        model_family = family_of(family)
-        left_out = model_family.denoisers
-        if self.spec.role == POST:
-            left_out += model_family.text_components
-        started = time.perf_counter()
-        pipe = load_pipeline(folder, family, self.device, without=left_out)
-        log.info(
-            "%s loaded %s without %s in %.1f s",
-            self.spec.name,
-            model,
-            ", ".join(left_out),
-            time.perf_counter() - started,
-        )
-        return LoadedModel(model, family, pipe, self.device, folder, dict(pipe.scheduler.config))
