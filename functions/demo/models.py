@@ -23,11 +23,13 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import (
     AutoencoderKL,
     DDIMScheduler,
+    DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     FluxInpaintPipeline,
     FluxTransformer2DModel,
@@ -122,6 +124,14 @@ def _vae(channels: tuple[int, ...], latent_channels: int, **extra: float) -> Aut
     )
 
 
+def _save(folder: Path, make: Callable[[Any], DiffusionPipeline]) -> None:
+    """Save ``make(tokenizer)``'s pipeline into ``folder``; the demo tokenizer serves every
+    tokenizer slot (written to a scratch folder first, to be loaded as a tokenizer)."""
+    tokenizer = save_tokenizer(folder / "_tokenizer", TEXT_LEN)
+    make(tokenizer).save_pretrained(folder, safe_serialization=True)
+    shutil.rmtree(folder / "_tokenizer")
+
+
 def _build_sd(
     folder: Path,
     *,
@@ -153,19 +163,19 @@ def _build_sd(
         set_alpha_to_one=False,
         steps_offset=1,
     )
-    tokenizer = save_tokenizer(folder / "_tokenizer", TEXT_LEN)
-    pipe = StableDiffusionInpaintPipeline(
-        vae=_vae(vae_channels, 4),
-        text_encoder=_clip_text(text_hidden),
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
+    _save(
+        folder,
+        lambda tokenizer: StableDiffusionInpaintPipeline(
+            vae=_vae(vae_channels, 4),
+            text_encoder=_clip_text(text_hidden),
+            tokenizer=tokenizer,
+            unet=unet,
+            scheduler=scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        ),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    shutil.rmtree(folder / "_tokenizer")
 
 
 def _build_flux(
@@ -192,18 +202,18 @@ def _build_flux(
         axes_dims_rope=rope,
     )
     t5 = _t5(text_hidden)
-    tokenizer = save_tokenizer(folder / "_tokenizer", TEXT_LEN)
-    pipe = FluxInpaintPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=_vae(vae_channels, 16, scaling_factor=0.3611, shift_factor=0.1159),
-        text_encoder=_clip_text(text_hidden),
-        tokenizer=tokenizer,
-        text_encoder_2=t5,
-        tokenizer_2=tokenizer,
-        transformer=transformer,
+    _save(
+        folder,
+        lambda tokenizer: FluxInpaintPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            vae=_vae(vae_channels, 16, scaling_factor=0.3611, shift_factor=0.1159),
+            text_encoder=_clip_text(text_hidden),
+            tokenizer=tokenizer,
+            text_encoder_2=t5,
+            tokenizer_2=tokenizer,
+            transformer=transformer,
+        ),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    shutil.rmtree(folder / "_tokenizer")
 
 
 def _build_sd3(
@@ -231,20 +241,20 @@ def _build_sd3(
         out_channels=16,
         pos_embed_max_size=latent // 2,
     )
-    tokenizer = save_tokenizer(folder / "_tokenizer", TEXT_LEN)
-    pipe = StableDiffusion3InpaintPipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=_vae(vae_channels, 16, scaling_factor=1.5305, shift_factor=0.0609),
-        text_encoder=CLIPTextModelWithProjection(_clip_config(text_hidden)),
-        tokenizer=tokenizer,
-        text_encoder_2=CLIPTextModelWithProjection(_clip_config(text_hidden)),
-        tokenizer_2=tokenizer,
-        text_encoder_3=_t5(2 * text_hidden),
-        tokenizer_3=tokenizer,
+    _save(
+        folder,
+        lambda tokenizer: StableDiffusion3InpaintPipeline(
+            transformer=transformer,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            vae=_vae(vae_channels, 16, scaling_factor=1.5305, shift_factor=0.0609),
+            text_encoder=CLIPTextModelWithProjection(_clip_config(text_hidden)),
+            tokenizer=tokenizer,
+            text_encoder_2=CLIPTextModelWithProjection(_clip_config(text_hidden)),
+            tokenizer_2=tokenizer,
+            text_encoder_3=_t5(2 * text_hidden),
+            tokenizer_3=tokenizer,
+        ),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    shutil.rmtree(folder / "_tokenizer")
 
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
