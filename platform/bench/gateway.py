@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from retouch.functions.demo.images import mask_of_ratio, template_image
 from retouch.functions.imaging import encode_image, encode_mask
+from retouch.functions.models import builtin_model
 from retouch.functions.spec import parse_spec
 from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess
@@ -88,10 +89,11 @@ def _measure(
 
 
 def _big_function():
+    model = "retouch:tiny-flux"
     doc = {
         "name": "big",
-        "model": "retouch:tiny-flux",
-        "family": "flux-inpaint",
+        "model": model,
+        "family": builtin_model(model).family,
         "resolution": BIG,
         "steps": 2,
         "templates": {"t": {"prompt": "a large scene", "seed": 3}},
