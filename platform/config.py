@@ -18,10 +18,12 @@ from retouch.runtime.executor.options import ExecutorOptions
 
 DEFAULT_PORT = 8000
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+DEFAULT_DATA_DIR = Path.home() / ".retouch"
 
 
 def default_data_dir() -> Path:
-    return Path(os.environ.get("RETOUCH_DATA_DIR", Path.home() / ".retouch"))
+    """The data directory when none is given: ``$RETOUCH_DATA_DIR``, else ~/.retouch."""
+    return Path(os.environ.get("RETOUCH_DATA_DIR", DEFAULT_DATA_DIR))
 
 
 def default_url() -> str:
@@ -34,9 +36,7 @@ class ServeConfig:
 
     host: str = knob("127.0.0.1", "bind address")
     port: int = knob(DEFAULT_PORT, "port")
-    data_dir: Path = knob(
-        Path.home() / ".retouch", "registry, models, caches, jobs", shown="~/.retouch"
-    )
+    data_dir: Path = knob(DEFAULT_DATA_DIR, "registry, models, caches, jobs", shown="~/.retouch")
     executors: int = knob(1, "CPU executors when no GPU is found (with GPUs: one per GPU)")
     token_file: Path | None = knob(None, "a file of '<admin|invoke> <token>' lines")
     max_body_bytes: int = knob(32 << 20, "payload limit in bytes", shown="32 MiB")

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from retouch.platform.commands.common import add_json, report
-from retouch.platform.config import ServeConfig
+from retouch.platform.config import default_data_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _cache(args: argparse.Namespace) -> None:
     from retouch.platform.cachecli import run_cache_command
 
-    data_dir = args.data_dir or ServeConfig.from_env().data_dir
+    data_dir = args.data_dir or default_data_dir()
     result = run_cache_command(args.cache, data_dir)
     if args.json or args.cache != "ls":
         report(result, args.json)

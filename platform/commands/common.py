@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 from retouch.functions.errors import RetouchError
 from retouch.functions.models import is_builtin, known_builtin, model_family
 from retouch.platform.client import Client
-from retouch.platform.config import ServeConfig, default_url
+from retouch.platform.config import default_data_dir, default_url
 
 
 class Parser(argparse.ArgumentParser):
@@ -147,7 +147,7 @@ def add_json(p: argparse.ArgumentParser, what: str = "the result") -> None:
 
 
 def models_dir(args: argparse.Namespace) -> Path:
-    return (args.data_dir or ServeConfig.from_env().data_dir) / "models"
+    return (args.data_dir or default_data_dir()) / "models"
 
 
 def client_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
