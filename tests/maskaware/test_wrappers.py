@@ -1,8 +1,11 @@
-"""Block wrappers are declared, not patched in: no instance ``forward``, module names and
-``state_dict`` keys as diffusers made them, installing twice changes nothing."""
+"""Every family's loading and block wrappers: the one loader raises no warning (whole, or as
+a pre/post worker loads it); wrappers are declared, not patched in (no instance ``forward``,
+module names and ``state_dict`` keys as diffusers made them, installing twice changes
+nothing)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,7 @@ import torch
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.runtime import families
 from retouch.runtime.maskaware.editor import MaskAwareEditor
-from retouch.runtime.models import load_pipeline
+from retouch.runtime.models import ModelCache, load_pipeline
 
 MODELS = {
     "sd-inpaint": "retouch:tiny-sd",
@@ -41,3 +44,16 @@ def test_wrappers_keep_names_and_state_dict_keys(family: str, models_dir: Path) 
     again = MaskAwareEditor(pipe, family, torch.device("cpu"))
     assert again.blocks == editor.blocks
     assert [n for n, _ in denoiser.named_modules()] == names
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_loading_raises_no_warning(family: str, models_dir: Path) -> None:
+    ensure_demo_model(MODELS[family], models_dir)  # building may warn; loading may not
+    for without in ((), ("denoiser",), ("denoiser", "text")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache = ModelCache(models_dir, torch.device("cpu"), without=without)
+            loaded = cache.get(MODELS[family], family)
+        assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+        (denoiser,) = families.family(family).denoisers
+        assert (getattr(loaded.pipe, denoiser) is None) == ("denoiser" in without)
