@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.retouch-installed
 
-.PHONY: demo test setup lint format clean
+.PHONY: demo test setup browser lint format clean
 
 setup: $(STAMP)
 
@@ -20,7 +20,19 @@ $(STAMP): pyproject.toml setup.py
 demo: setup
 	$(VENV)/bin/retouch demo
 
-test: setup
+# The web page's test drives Debian's chromium with Selenium: installed here when missing
+# (as root, with apt); elsewhere that one test is skipped and says why.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing chromium and chromium-driver (apt) for the web page's test"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && apt-get install -y -q chromium chromium-driver >/dev/null; } || \
+	    echo "warning: could not install chromium: the web page's browser test will be skipped"; \
+	  else echo "note: no chromium and not root: the web page's browser test will be skipped"; fi; }
+
+test: setup browser
 	$(PY) -m pytest -q --durations=25
 
 lint: setup
