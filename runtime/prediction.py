@@ -118,6 +118,18 @@ class Member:
 
 
 @dataclass(frozen=True)
+class Arrivals:
+    """Work expected to join after the newcomer: one invocation like ``typical`` every
+    ``interval_s`` (the executor's recent placement rate). On a device whose step time
+    grows with the batch (a CPU, a saturated GPU) later arrivals slow the newcomer down;
+    predicting them is what keeps the error small at high load."""
+
+    interval_s: float
+    typical: Member
+    limit: int = 16  # at most this many expected arrivals are stepped
+
+
+@dataclass(frozen=True)
 class Prediction:
     """Seconds from now until the newcomer joins the batch and until its result is ready."""
 
@@ -131,10 +143,12 @@ def predict(
     newcomer: Member | None,
     max_batch: int,
     calibration: StepCalibration,
+    arrivals: Arrivals | None = None,
 ) -> Prediction:
     """When would ``newcomer`` finish on an executor running ``batch`` with ``waiting``
-    invocations ahead of it (in join order)? With ``newcomer`` None: when would the
-    executor have drained everything it holds (``start_s == finish_s``).
+    invocations ahead of it (in join order), and with ``arrivals`` expected after it? With
+    ``newcomer`` None: when would the executor have drained everything it holds
+    (``start_s == finish_s``; expected arrivals are not counted then).
 
     Members are stepped as ``[steps left, masked tokens of the finest grid, coster]``
     lists: a decision runs this for every executor, so it stays allocation-light."""
@@ -147,6 +161,9 @@ def predict(
     ready_at = calibration.pre_s  # the newcomer's encode runs while the batch steps
     now = 0.0
     start = None
+    expected = arrivals if arrivals is not None and target is not None else None
+    next_arrival = expected.interval_s if expected is not None else math.inf
+    arrived = 0
     while True:
         while queue and len(active) < max_batch:
             if queue[0] is target and now < ready_at:
@@ -163,12 +180,21 @@ def predict(
         k = min(m[0] for m in active)
         if queue and queue[0] is target and len(active) < max_batch:
             k = max(1, min(k, math.ceil((ready_at - now) / round_s)))  # joins when encoded
+        if next_arrival < now + k * round_s:  # the next expected arrival comes earlier
+            k = max(1, min(k, math.ceil((next_arrival - now) / round_s)))
         now += k * round_s
         for m in active:
             m[0] -= k
         if target is not None and target[0] <= 0:
             break
         active = [m for m in active if m[0] > 0]
+        while expected is not None and next_arrival <= now and arrived < expected.limit:
+            typical = expected.typical
+            queue.append([max(1, typical.steps_left), typical.masked[0], typical.coster])
+            arrived += 1
+            next_arrival += expected.interval_s
+        if expected is not None and arrived >= expected.limit:
+            next_arrival = math.inf
     if target is None:
         return Prediction(now, now)
     return Prediction(start if start is not None else now, now + calibration.post_s)

@@ -22,6 +22,7 @@ from enum import StrEnum
 from retouch.functions import wire
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.prediction import (
+    Arrivals,
     MaskFootprint,
     Member,
     Prediction,
@@ -105,6 +106,7 @@ class ExecutorView:
         self.residency: OrderedDict[tuple[str, str], Residency] = OrderedDict()  # LRU last
         self.host_capacity: int | None = None  # templates the host tier holds (None: unknown)
         self.version = 0
+        self.arrivals = ArrivalRate()  # placements here, to predict who joins later
         self._memo: dict[tuple, Prediction] = {}
         self._memo_version = -1
 
@@ -178,6 +180,7 @@ class ExecutorView:
         predicted = self.predict(newcomer) or Prediction(0.0, 0.0)
         placed = Placed(newcomer, member, now, predicted)
         self.placed[token] = placed
+        self.arrivals.observe(now, member)
         self._changed()
         return placed
 
@@ -263,7 +266,14 @@ class ExecutorView:
             return cached
         running = [p.member for p in self.placed.values() if p.started]
         waiting = [p.member for p in self.placed.values() if not p.started]
-        result = predict(running, waiting, member, self.max_batch, self.calibration.step())
+        result = predict(
+            running,
+            waiting,
+            member,
+            self.max_batch,
+            self.calibration.step(),
+            self.arrivals.expected(),
+        )
         self._memo[key] = result
         return result
 
@@ -299,6 +309,38 @@ class ExecutorView:
     def masked_tokens(self) -> int:
         """Masked tokens (finest grid) of the invocations placed here."""
         return sum(p.member.masked[0] for p in self.placed.values())
+
+
+@dataclass
+class ArrivalRate:
+    """Running averages of the gap between placements on one executor and of what was
+    placed (steps, masked tokens): the arrivals a prediction expects after its newcomer."""
+
+    gap_s: float | None = None
+    steps: float = 0.0
+    masked: float = 0.0
+    coster: StepCoster | None = None
+    _last: float | None = None
+
+    def observe(self, now: float, member: Member) -> None:
+        if self._last is not None:
+            gap = max(0.0, now - self._last)
+            self.gap_s = gap if self.gap_s is None else (1 - EWMA) * self.gap_s + EWMA * gap
+        self._last = now
+        first = self.coster is None
+        self.coster = member.coster
+        self.steps = (
+            member.steps_left if first else (1 - EWMA) * self.steps + EWMA * member.steps_left
+        )
+        self.masked = (
+            member.masked[0] if first else (1 - EWMA) * self.masked + EWMA * member.masked[0]
+        )
+
+    def expected(self) -> Arrivals | None:
+        if self.gap_s is None or self.gap_s <= 0 or self.coster is None:
+            return None
+        typical = Member(self.coster, max(1, round(self.steps)), (round(self.masked),))
+        return Arrivals(self.gap_s, typical)
 
 
 class CosterCache:

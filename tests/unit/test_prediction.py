@@ -273,3 +273,18 @@ def test_every_placement_a_spec_may_name_exists_and_bad_ones_are_refused() -> No
         with pytest.raises(InvalidSpec) as err:
             parse_spec({**doc, "slo": {"latency_ms": bad}})
         assert err.value.field == "slo.latency_ms"
+
+
+def test_expected_arrivals_slow_the_newcomer_where_the_batch_costs_more() -> None:
+    from retouch.runtime.prediction import Arrivals
+
+    c = coster()
+    cal = StepCalibration()
+    newcomer = member(c, 10, 0.3)
+    alone = predict([], [], newcomer, 4, cal)
+    step = alone.finish_s / 10
+    busy = predict([], [], newcomer, 4, cal, Arrivals(2 * step, member(c, 10, 0.3)))
+    rare = predict([], [], newcomer, 4, cal, Arrivals(100 * alone.finish_s, member(c, 10, 0.3)))
+    assert busy.finish_s > alone.finish_s  # others join its batch and every step costs more
+    assert rare.finish_s == pytest.approx(alone.finish_s)
+    assert predict([], [], None, 4, cal, Arrivals(step, member(c, 10, 0.3))).finish_s == 0.0
