@@ -60,6 +60,11 @@ def _serve(args: argparse.Namespace) -> None:
 
     config = config_of(args)
     log.info("serving on http://%s:%d (data dir %s)", config.host, config.port, config.data_dir)
+    log.info(
+        "web page: http://%s:%d/#token=<your invoke token> (the fragment stays in the browser)",
+        config.host,
+        config.port,
+    )
     serve(config)
 
 
