@@ -241,6 +241,9 @@ class Timings:
     pre_ms: float = 0.0
     post_ms: float = 0.0
     gateway_queue_ms: float = 0.0
+    # From the moment the gateway placed it to its result: predicted then, and actual.
+    predicted_ms: float = 0.0
+    placed_ms: float = 0.0
 
     @classmethod
     def from_wire(cls, obj: Any) -> Timings:
@@ -471,6 +474,9 @@ class EngineStats:
     batch_mean: float = 0.0
     plan_sparse_blocks: int | None = None  # the last step's plan
     plan_blocks: int | None = None
+    # How steps took against the plan's prediction: step = intercept_ms + slope x planned
+    step_intercept_ms: float = 0.0
+    step_slope: float = 1.0
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 2.0
 PROBE_FAILURES = 3  # consecutive failed probes of a live process before it is restarted
+RECALIBRATE_ERROR = 0.15  # a prediction this far off re-reads the executor's step fit
 SLOTS_PER_BATCH = 2  # slots = max_batch x this: the running batch plus a pre-processing buffer
 # Executor answers that mean "this executor lost the invocation; it never finished here".
 LOST_CODES = frozenset({"engine_dead", "engine_unavailable"})
@@ -401,7 +402,12 @@ class ExecutorPool:
             result.timings.predicted_ms = placed.predicted.finish_s * 1e3
         if error is not None:
             self.stats.prediction_error.append(error)
-        if result.path is wire.InvokePath.STOCK or result.cache.tier is not wire.CacheTier.HOST:
+        stale = error is not None and error > RECALIBRATE_ERROR  # the executor's fit moved
+        if (
+            stale
+            or result.path is wire.InvokePath.STOCK
+            or result.cache.tier is not wire.CacheTier.HOST
+        ):
             self._refresh_soon(handle)
 
     async def _send(

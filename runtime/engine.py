@@ -199,15 +199,25 @@ class EngineCounters:
 
 
 def step_overhead(records: list[StepRecord]) -> dict[str, float]:
-    """What a step takes beyond the plan's profiled blocks, as a line in the batch size
-    (medians per size): the gateway's prediction adds it to every predicted step."""
+    """How steps really took against what the plan predicted for them: ``step_ms =
+    step_intercept_ms + step_slope × planned_ms``, fitted on the recent steps. It absorbs
+    the time outside the profiled blocks and a profile taken while the device was busier
+    or quieter than now; the gateway's predictions apply it to every planned step. With
+    too little spread in the planned times for a line, the slope is the median ratio."""
     planned = [r for r in records if r.predicted_ms > 0]
     if not planned:
         return {}
-    fit = LinearFit.fit_medians(
-        [float(r.batch) for r in planned], [r.step_ms - r.predicted_ms for r in planned]
-    )
-    return {"overhead_ms": fit.intercept, "overhead_per_request_ms": fit.slope}
+    xs = [r.predicted_ms for r in planned]
+    ys = [r.step_ms for r in planned]
+    mean = sum(xs) / len(xs)
+    if len(xs) >= 4 and max(xs) - min(xs) > 0.3 * mean:
+        fit = LinearFit.fit(xs, ys)
+        if fit.slope > 0 and fit.intercept >= 0:
+            return {"step_intercept_ms": fit.intercept, "step_slope": fit.slope}
+    return {
+        "step_intercept_ms": 0.0,
+        "step_slope": statistics.median(y / x for x, y in zip(xs, ys, strict=True)),
+    }
 
 
 class Engine:

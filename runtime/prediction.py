@@ -30,16 +30,16 @@ from retouch.runtime.plan import bubble_free_plan
 
 @dataclass(frozen=True)
 class StepCalibration:
-    """What the profiled block fits leave out, measured by the executor on its own steps.
+    """What turns planned block costs into observed time.
 
-    ``overhead_s + overhead_per_request_s × n`` is a step's time outside the profiled blocks
-    (convolutions, embeddings, the scheduler) for a batch of ``n``; ``scale`` the ratio of
-    observed to predicted run time (a device shared with other work runs slower than it
-    profiled); ``pre_s``/``post_s`` the encode and decode an invocation waits for outside
-    the engine's steps."""
+    ``step_intercept_s + step_slope × planned`` is what a step really takes, fitted by the
+    executor on its own steps (the time outside the profiled blocks; a profile taken while
+    the device was busier or quieter than now); ``scale`` the ratio of observed to
+    predicted completion the gateway sees on top (drift since that fit); ``pre_s`` and
+    ``post_s`` the encode and decode an invocation waits for outside the engine's steps."""
 
-    overhead_s: float = 0.0
-    overhead_per_request_s: float = 0.0
+    step_intercept_s: float = 0.0
+    step_slope: float = 1.0
     scale: float = 1.0
     pre_s: float = 0.0
     post_s: float = 0.0
@@ -206,8 +206,9 @@ def _round_s(active: list[list], calibration: StepCalibration) -> float:
     coster = active[0][2]
     if all(m[2] is coster for m in active):  # the common case: one model
         n = len(active)
-        step = coster.step_s0(n, sum(m[1] for m in active))
-        step += calibration.overhead_s + calibration.overhead_per_request_s * n
+        step = calibration.step_intercept_s + calibration.step_slope * coster.step_s0(
+            n, sum(m[1] for m in active)
+        )
         return step * calibration.scale
     groups: dict[int, list] = {}
     for m in active:
@@ -216,8 +217,7 @@ def _round_s(active: list[list], calibration: StepCalibration) -> float:
         group[2] += m[1]
     total = 0.0
     for coster, n, masked in groups.values():
-        total += coster.step_s0(n, masked)
-        total += calibration.overhead_s + calibration.overhead_per_request_s * n
+        total += calibration.step_intercept_s + calibration.step_slope * coster.step_s0(n, masked)
     return total * calibration.scale
 
 

@@ -77,8 +77,8 @@ class Placed:
 class Calibration:
     """Running averages that turn the profile's block costs into observed completion."""
 
-    overhead_s: float = 0.0
-    overhead_per_request_s: float = 0.0
+    step_intercept_s: float = 0.0
+    step_slope: float = 1.0
     scale: float = 1.0
     pre_s: float = 0.0
     post_s: float = 0.0
@@ -87,7 +87,7 @@ class Calibration:
 
     def step(self) -> StepCalibration:
         return StepCalibration(
-            self.overhead_s, self.overhead_per_request_s, self.scale, self.pre_s, self.post_s
+            self.step_intercept_s, self.step_slope, self.scale, self.pre_s, self.post_s
         )
 
 
@@ -120,10 +120,9 @@ class ExecutorView:
             coster = costers.get(state.device, model, doc)
             if coster is not None:
                 self.costers[model] = coster
-        self.calibration.overhead_s = max(0.0, state.engine.overhead_ms / 1e3)
-        self.calibration.overhead_per_request_s = max(
-            0.0, state.engine.overhead_per_request_ms / 1e3
-        )
+        if state.engine.step_slope > 0:
+            self.calibration.step_intercept_s = max(0.0, state.engine.step_intercept_ms / 1e3)
+            self.calibration.step_slope = state.engine.step_slope
         self._observe_templates(state)
         self._changed()
 
@@ -303,7 +302,7 @@ class ExecutorView:
         if coster is None:
             return 0.0
         c = self.calibration
-        step = coster.step_s(1, coster.full_masks()) + c.overhead_s + c.overhead_per_request_s
+        step = c.step_intercept_s + c.step_slope * coster.step_s(1, coster.full_masks())
         return newcomer.steps * step * c.scale
 
     def masked_tokens(self) -> int:

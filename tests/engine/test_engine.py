@@ -288,3 +288,16 @@ def test_cancel_leaves_the_batch_at_the_next_step_and_others_go_on(editor, baked
     x = np.frombuffer(solo["output"].image, np.uint8).astype(int)
     y = np.frombuffer(together["output"].image, np.uint8).astype(int)
     assert np.abs(x - y).max() <= 1
+
+
+def test_step_fit_turns_planned_time_into_observed() -> None:
+    """The calibration the gateway's prediction applies: a line when planned times spread,
+    the median ratio when they do not (a profile taken on a busier machine: slope < 1)."""
+    from retouch.runtime.engine import StepRecord, step_overhead
+
+    spread = [StepRecord(1, 0.0, 10 + 0.5 * p, 0.0, 0, 4, p) for p in (100, 200, 300, 400, 500)]
+    fit = step_overhead(spread)
+    assert fit["step_intercept_ms"] == pytest.approx(10) and fit["step_slope"] == pytest.approx(0.5)
+    flat = [StepRecord(1, 0.0, 0.25 * 400, 0.0, 0, 4, 400.0) for _ in range(5)]
+    assert step_overhead(flat) == {"step_intercept_ms": 0.0, "step_slope": pytest.approx(0.25)}
+    assert step_overhead([StepRecord(1, 0.0, 5.0, 0.0, 0, 4)]) == {}  # no planner: nothing
