@@ -42,12 +42,15 @@ FIELDS = (
     "templates",
     "scaling",
     "slo",
+    "placement",
     "uploads",
 )
 TEMPLATE_FIELDS = ("image", "prompt", "seed")  # image: a path, in TOML files only
 SCALING_FIELDS = ("min_executors", "max_executors")
 SLO_FIELDS = ("latency_ms",)
+# The placement policies a function may ask for (the gateway's ``platform/placement.py``
 # implements each; a test keeps the two lists equal).
+PLACEMENTS = ("maskaware", "least-requests", "round-robin", "least-masked-tokens", "template-hash")
 UPLOADS_FIELDS = ("max_images", "max_bytes", "prompt", "seed")
 SIZE_MULTIPLE = 16  # Flux packs 2x2 latents on top of the VAE factor (8); SD needs 8
 
@@ -94,6 +97,7 @@ class FunctionSpec:
     slo_ms: float | None = None
     full_steps: int = 0  # first denoising steps computed over every token (quality warm-up)
     uploads: UploadsSpec = field(default_factory=UploadsSpec)
+    placement: str | None = None  # its own placement policy (None: the server's)
 
     def to_dict(self) -> dict[str, Any]:
         """The spec document in the same shape as the TOML file (what :func:`parse_spec`
@@ -115,6 +119,8 @@ class FunctionSpec:
         }
         if self.slo_ms is not None:
             doc["slo"] = {"latency_ms": self.slo_ms}
+        if self.placement is not None:
+            doc["placement"] = self.placement
         return doc
 
 
@@ -171,7 +177,17 @@ def parse_spec(raw: Any) -> FunctionSpec:
         slo_ms=_slo(raw.get("slo")),
         full_steps=full_steps,
         uploads=_uploads(raw.get("uploads", {})),
+        placement=_placement(raw),
     )
+
+
+def _placement(raw: dict[str, Any]) -> str | None:
+    if raw.get("placement") is None:
+        return None
+    value = _str(raw, "placement")
+    if value not in PLACEMENTS:
+        raise InvalidSpec(f"placement must be one of {PLACEMENTS}", field="placement")
+    return value
 
 
 def _resolution(raw: dict[str, Any]) -> tuple[int, int]:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from PIL import Image
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -44,7 +45,7 @@ from retouch.functions.errors import (
     RetouchError,
     Unavailable,
 )
-from retouch.functions.imaging import decode_image, decode_mask, encode_image, mask_ratio
+from retouch.functions.imaging import decode_image, decode_mask, encode_image
 from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import BAKE_PROGRESS, BakeState, DeployStatus, ExecutorState
@@ -63,6 +64,7 @@ from retouch.platform.jobs import (
 from retouch.platform.journal import JobJournal
 from retouch.platform.metrics import GatewayMetrics
 from retouch.platform.openai_images import OpenAIImages
+from retouch.platform.placement import PlacementRequest
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
 from retouch.platform.web import WebUI
@@ -75,6 +77,7 @@ from retouch.runtime.asgi import (
     respond,
     structured_http_errors,
 )
+from retouch.runtime.prediction import MaskFootprint
 
 log = logging.getLogger(__name__)
 
@@ -339,6 +342,7 @@ class Gateway:
             "executors": executors,
             "placement": self.pool.placement.name,
             "queue": {"waiting": len(self.pool.queue), **asdict(self.pool.queue.stats)},
+            "control": self.pool.placement_summary(),
         }
 
     def _servable(self, name: str) -> DeployedFunction:
@@ -352,7 +356,7 @@ class Gateway:
 
     async def _prepare(
         self, fn: DeployedFunction, req: wire.InvokeRequest, invocation_id: str
-    ) -> tuple[wire.ExecutorInvoke, float]:
+    ) -> tuple[wire.ExecutorInvoke, PlacementRequest]:
         """Check the template, decode the mask (on a thread) and build what the executor
         gets; also how a resumed job is rebuilt from its journaled request. An uploaded
         ``image`` is decoded and content-addressed here (``uploads.upload_id``)."""
@@ -368,7 +372,7 @@ class Gateway:
                 field="template",
                 code="template_not_found",
             )
-        mask = await asyncio.to_thread(decode_mask, req.mask, size)
+        mask, footprint = await asyncio.to_thread(_decode_mask, req.mask, size)
         inv = wire.ExecutorInvoke(
             function=fn.spec.name,
             template=template,
@@ -381,7 +385,16 @@ class Gateway:
             format=req.format,
             id=invocation_id,
         )
-        return inv, mask_ratio(mask)
+        request = PlacementRequest(
+            fn.spec.name,
+            template,
+            footprint.ratio,
+            fn.spec.model,
+            inv.steps,
+            footprint,
+            None if fn.spec.slo_ms is None else fn.spec.slo_ms / 1e3,
+        )
+        return inv, request
 
     async def _execute(
         self, job: Job, on_start: OnStart, on_progress: OnProgress
@@ -391,12 +404,12 @@ class Gateway:
             job.prepared = await self._prepare(
                 self._servable(job.function), job.request.invoke, job.id
             )
-        inv, ratio = job.prepared
+        inv, request = job.prepared
         if job.cancel_requested:  # canceled while its mask was decoded
             raise Canceled(f"job {job.id} was canceled", field="id")
-        result = await self.pool.invoke(inv, ratio, on_start, on_progress)
+        result = await self.pool.invoke(inv, request, on_start, on_progress)
         result.timings.total_ms = (time.time() - job.created_at) * 1e3
-        self._observe(job.function, result, ratio)
+        self._observe(job.function, result, request.mask_ratio)
         return result
 
     async def invoke(self, request: Request) -> dict[str, Any]:
@@ -409,6 +422,7 @@ class Gateway:
         job_id = new_job_id()
         prepared = await self._prepare(fn, req, job_id)
         self.pool.admit(fn.spec.name)  # others may have filled the queue meanwhile
+        self.pool.admit_slo(prepared[1])
         job = await self.jobs.submit(
             fn.spec.name, wire.JobRequest(req), prepared, durable=False, job_id=job_id
         )
@@ -434,6 +448,7 @@ class Gateway:
         job_id = new_job_id()
         prepared = await self._prepare(fn, req.invoke, job_id)
         self.pool.admit(fn.spec.name)
+        self.pool.admit_slo(prepared[1])
         job = await self.jobs.submit(fn.spec.name, req, prepared, job_id=job_id)
         return await self._job_response(request, job, wait_s, 202)
 
@@ -548,18 +563,27 @@ class Gateway:
         self.metrics.queue_events.labels("timed_out").set(queue.stats.timed_out)
         self.metrics.queue_events.labels("replaced").set(queue.stats.replaced)
         self.metrics.queue_events.labels("admitted").set(queue.stats.admitted)
+        for event in ("slo_rejected", "slo_dropped", "would_reject"):
+            self.metrics.queue_events.labels(event).set(getattr(queue.stats, event))
+        placement = self.pool.placement_summary()
+        for quantity, value in placement.items():
+            self.metrics.placement.labels(quantity).set(value)
 
     def _observe(self, function: str, result: wire.InvokeResult, ratio: float) -> None:
         t = result.timings
         self.metrics.invocations.labels(function, result.path.value).inc()
+        self.metrics.cache_reads.labels(result.cache.tier.value).inc()
         if result.path is wire.InvokePath.MASKAWARE:
-            self.metrics.cache_reads.labels(result.cache.tier.value).inc()
             self.metrics.prefetch_wait.observe(result.cache.wait_ms / 1e3)
         self.metrics.latency.labels(function).observe(t.total_ms / 1e3)
         self.metrics.run.labels(function).observe(t.run_ms / 1e3)
         self.metrics.queue.labels(function).observe(t.queue_ms / 1e3)
         self.metrics.overhead.observe(max(0.0, t.total_ms - t.run_ms - t.queue_ms) / 1e3)
         self.metrics.mask_ratio.observe(ratio)
+        fn = self.functions.get(function)
+        if fn is not None and fn.spec.slo_ms is not None:
+            met = t.total_ms <= fn.spec.slo_ms
+            self.metrics.slo.labels(function, "met" if met else "missed").inc()
         self.metrics.pre.labels(function).observe(t.pre_ms / 1e3)
         self.metrics.post.labels(function).observe(t.post_ms / 1e3)
         self.metrics.steps.labels(function).inc(result.engine.steps)
@@ -614,3 +638,10 @@ class Gateway:
             exception_handlers=structured_http_errors(self.count_error),
             lifespan=lifespan,
         )
+
+
+def _decode_mask(data: bytes, size: tuple[int, int]) -> tuple[np.ndarray, MaskFootprint]:
+    """Decode a mask and summarise it for prediction: CPU work, run on a worker thread so
+    a large mask never stalls the event loop for other invocations."""
+    mask = decode_mask(data, size)
+    return mask, MaskFootprint.of(mask)

@@ -37,6 +37,7 @@ from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.models import ModelCache
 from retouch.runtime.plan import make_planner
+from retouch.runtime.prediction import plan_table
 from retouch.runtime.profiling import cached_profile, load_or_profile, profile_in_subprocess
 from retouch.runtime.templates import BakeState, Template, TemplateCache
 from retouch.runtime.workers import PrePostPool, WorkerDied
@@ -293,6 +294,13 @@ class ExecutorCore:
         attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
         cost_model = load_or_profile(editor, loaded.folder, self.data_dir, spec.width)
         editor.set_planner(make_planner(cost_model))
+        grids = cost_model.extra.get("grids")
+        if grids and "step_table" not in cost_model.extra:
+            # The gateway predicts completions from this table (plans at 17 mask ratios
+            # per batch size), built here once: the gateway never runs the plan itself.
+            cost_model.extra["step_table"] = plan_table(
+                cost_model, grids, self.engine.config.max_batch
+            )
         return editor, cost_model
 
     def entry(self, name: str) -> FunctionEntry:

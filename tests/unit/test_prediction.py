@@ -56,10 +56,10 @@ def test_step_cost_is_the_bubble_free_plan_at_table_points_and_between() -> None
 
 def test_alone_it_takes_its_steps_plus_pre_and_post() -> None:
     c = coster()
-    cal = StepCalibration(overhead_s=0.002, overhead_per_request_s=0.001, pre_s=0.05, post_s=0.03)
+    cal = StepCalibration(step_intercept_s=0.002, step_slope=1.5, pre_s=0.05, post_s=0.03)
     newcomer = member(c, 10, 0.2)
     p = predict([], [], newcomer, 4, cal)
-    step = c.step_s(1, newcomer.masked) + 0.002 + 0.001
+    step = 0.002 + 1.5 * c.step_s(1, newcomer.masked)
     assert p.start_s == pytest.approx(0.05)
     assert p.finish_s == pytest.approx(0.05 + 10 * step + 0.03)
 
