@@ -201,24 +201,25 @@ def predict(
 
 
 def _round_s(active: list[list], calibration: StepCalibration) -> float:
-    """One step of every group (the engine takes turns between models): each group's plan
-    plus the time outside the profiled blocks, scaled by the observed drift."""
+    """One step of every group (the engine takes turns between models): each group's plan,
+    calibrated."""
     coster = active[0][2]
     if all(m[2] is coster for m in active):  # the common case: one model
-        n = len(active)
-        step = calibration.step_intercept_s + calibration.step_slope * coster.step_s0(
-            n, sum(m[1] for m in active)
-        )
-        return step * calibration.scale
+        return _calibrated(coster.step_s0(len(active), sum(m[1] for m in active)), calibration)
     groups: dict[int, list] = {}
     for m in active:
         group = groups.setdefault(id(m[2]), [m[2], 0, 0])
         group[1] += 1
         group[2] += m[1]
-    total = 0.0
-    for coster, n, masked in groups.values():
-        total += calibration.step_intercept_s + calibration.step_slope * coster.step_s0(n, masked)
-    return total * calibration.scale
+    return sum(_calibrated(c.step_s0(n, masked), calibration) for c, n, masked in groups.values())
+
+
+def _calibrated(planned_s: float, calibration: StepCalibration) -> float:
+    """A planned step as it will take: the executor's fit (never below a tenth of the
+    planned time, however far a negative intercept reaches), times the drift."""
+    slope = calibration.step_slope
+    step = max(calibration.step_intercept_s + slope * planned_s, 0.1 * slope * planned_s)
+    return step * calibration.scale
 
 
 def first_departure_s(batch: Sequence[Member], calibration: StepCalibration) -> float:

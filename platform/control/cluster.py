@@ -121,7 +121,7 @@ class ExecutorView:
             if coster is not None:
                 self.costers[model] = coster
         if state.engine.step_slope > 0:
-            self.calibration.step_intercept_s = max(0.0, state.engine.step_intercept_ms / 1e3)
+            self.calibration.step_intercept_s = state.engine.step_intercept_ms / 1e3
             self.calibration.step_slope = state.engine.step_slope
         self._observe_templates(state)
         self._changed()
