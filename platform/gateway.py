@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,17 @@ class DeployedFunction:
     @property
     def spec(self) -> FunctionSpec:
         return self.stored.spec
+
+    @cached_property
+    def cheapest(self) -> PlacementRequest:
+        """The cheapest invocation of this function (an empty mask, its template in host
+        memory): when even it is predicted to miss the SLO, a 429 needs no body read."""
+        spec = self.spec
+        footprint = MaskFootprint.of(np.zeros((spec.height, spec.width), dtype=bool))
+        slo = None if spec.slo_ms is None else spec.slo_ms / 1e3
+        return PlacementRequest(
+            spec.name, "", 0.0, spec.model, spec.steps, footprint, slo, optimistic=True
+        )
 
     def describe(self, executor_states: list[ExecutorState] | None = None) -> dict[str, Any]:
         """The status document; template states come from the executors when given."""
@@ -416,6 +428,7 @@ class Gateway:
         received = time.perf_counter()
         fn = self._servable(request.path_params["name"])
         self.pool.admit(fn.spec.name)  # a full queue answers 429 before the body is read
+        self.pool.admit_slo(fn.cheapest)  # ... and so does an SLO nothing could meet
         req = wire.InvokeRequest.from_wire(
             await read_body(request, self.max_body, allow_json=False)
         )
@@ -442,6 +455,7 @@ class Gateway:
         fn = self._servable(request.path_params["name"])
         wait_s = parse_prefer_wait(request.headers.get("prefer"))
         self.pool.admit(fn.spec.name)
+        self.pool.admit_slo(fn.cheapest)
         req = wire.JobRequest.from_wire(await read_body(request, self.max_body, allow_json=False))
         if req.webhook is not None:
             await self.webhook_allow.check(req.webhook)

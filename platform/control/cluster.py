@@ -59,6 +59,7 @@ class PlacementRequest:
     steps: int = 0
     footprint: MaskFootprint | None = None
     slo_s: float | None = None  # its function's latency objective
+    optimistic: bool = False  # predict it as if its template were in host memory
 
 
 @dataclass
@@ -163,7 +164,7 @@ class ExecutorView:
         coster = self.costers.get(newcomer.model)
         if coster is None or newcomer.footprint is None:
             return None
-        if self.tier(newcomer.function, newcomer.template) in (
+        if newcomer.optimistic or self.tier(newcomer.function, newcomer.template) in (
             Residency.HOST,
             Residency.DISK,
         ):

@@ -158,9 +158,12 @@ class InvocationQueue:
     def admit_slo(self, request: PlacementRequest) -> float:
         """Refuse ``request`` (429 ``slo_unattainable``) when its best predicted completion,
         the queue ahead included, exceeds its SLO. Returns its predicted service (seconds
-        once started) for the queue's order; 0 when nothing can be predicted."""
+        once started) for the queue's order; 0 when nothing can be predicted or the
+        request has no SLO to check."""
+        if request.slo_s is None or not self.limits.admission:
+            return 0.0
         best, service = self._best(request)
-        if request.slo_s is None or not self.limits.admission or math.isinf(best):
+        if math.isinf(best):
             return service
         predicted = best + self._backlog_s(request.function)
         if predicted <= request.slo_s:
