@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -387,10 +386,12 @@ def parse_rate(text: str) -> tuple[float | None, float]:
 
 
 def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
-    """Every configuration on its own server, all started first (models and profiles
-    shared through one ``--shared-dir``); then ``rounds`` rounds replay the same planned
-    arrivals on each server in turn, the order reversed every other round (A B, B A, ...)
-    so a machine that gets busier or quieter during the run weighs on all alike."""
+    """Each configuration on its own server, one server at a time (memory: a few GiB per
+    executor of a 512-pixel model), each in its own data dir so its bakes survive between
+    rounds, models and profiles shared through one ``--shared-dir``. ``rounds`` rounds
+    replay the same planned arrivals on each configuration in turn, the order reversed
+    every other round (A B, B A, ...), so a machine that gets busier or quieter during the
+    run weighs on all alike."""
     if not spec.configs:
         raise ValueError("--compare names no configuration")
     for name in spec.configs:
@@ -404,40 +405,25 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
     size = (function.width, function.height)
     results = {name: RunStats(slo_ms=spec.slo_ms) for name in spec.configs}
     summaries: dict[str, dict[str, Any]] = {}
-    with ExitStack() as stack:
-        servers: dict[str, tuple[ServerProcess, Client]] = {}
-        for name in spec.configs:
-            extra = [
-                *config_args(name),
-                "--max-batch", str(spec.max_batch),
-                "--shared-dir", str(data_dir / "shared"),
-            ]  # fmt: skip
-            if spec.host_cache_bytes is not None:
-                extra += ["--host-cache-bytes", str(spec.host_cache_bytes)]
-            server = stack.enter_context(
-                ServerProcess(data_dir / name, executors=spec.executors, extra_args=extra)
-            )
-            client = stack.enter_context(Client(server.url))
-            client.deploy(function, images)
-            if "stock" not in name.split("+"):
-                wait_baked(client, function.name)
-            servers[name] = (server, client)
-        if rate is None:
-            first = servers[spec.configs[0]][0]
-            rate = factor * _capacity(first.url, function.name, spec, list(images), size)
-        for r in range(spec.rounds):
-            plan = plan_requests(
-                replace(spec.workload, seed=spec.workload.seed + r), rate, list(images), size
-            )
-            order = spec.configs if r % 2 == 0 else spec.configs[::-1]
-            for name in order:
+    for r in range(spec.rounds):
+        for name in spec.configs if r % 2 == 0 else spec.configs[::-1]:
+            with _server(spec, name, data_dir) as server, Client(server.url) as client:
+                client.deploy(function, images)
+                if "stock" not in name.split("+"):
+                    wait_baked(client, function.name)
+                if rate is None:
+                    rate = factor * _capacity(server.url, function.name, spec, list(images), size)
+                plan = plan_requests(
+                    replace(spec.workload, seed=spec.workload.seed + r), rate, list(images), size
+                )
                 stats = asyncio.run(
-                    replay(servers[name][0].url, None, function.name, plan, spec.workload.warmup)
+                    replay(server.url, None, function.name, plan, spec.workload.warmup)
                 )
                 results[name].outcomes += stats.outcomes
                 results[name].wall_s += stats.wall_s
-        for name, (_, client) in servers.items():
-            summaries[name] = {**results[name].summary(), **engine_figures(client)}
+                summaries[name] = engine_figures(client)  # of its last round
+    for name in spec.configs:
+        summaries[name] = {**results[name].summary(), **summaries[name]}
     if spec.plot is not None:
         plot_cdfs(results, spec.plot)
     return {
@@ -450,6 +436,17 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
         "slo_ms": spec.slo_ms,
         "configs": summaries,
     }
+
+
+def _server(spec: LoadSpec, name: str, data_dir: Path) -> ServerProcess:
+    extra = [
+        *config_args(name),
+        "--max-batch", str(spec.max_batch),
+        "--shared-dir", str(data_dir / "shared"),
+    ]  # fmt: skip
+    if spec.host_cache_bytes is not None:
+        extra += ["--host-cache-bytes", str(spec.host_cache_bytes)]
+    return ServerProcess(data_dir / name, executors=spec.executors, extra_args=extra)
 
 
 def _capacity(
