@@ -13,7 +13,8 @@ and every such call counts as an *interruption* of each running invocation.
 when the engine is idle and runs to completion before the next one forms.
 
 Background work (template bakes) runs when the engine is idle, or after waiting longer than
-``bake_starvation_s`` under sustained load, so insert-on-miss still happens.
+``bake_starvation_s`` under sustained load (newer invocations keep arriving), so
+insert-on-miss still happens.
 
 Lifecycle: the owner calls :meth:`Engine.start` and :meth:`Engine.stop`. The engine thread
 alone touches the running batch; other threads read a snapshot. Every accepted invocation
@@ -572,12 +573,20 @@ class Engine:
             work.future.set_exception(exc)
 
     def _starved_job(self) -> Callable[[], None] | None:
-        if (
-            self._background
-            and time.perf_counter() - self._background[0][0] > self.config.bake_starvation_s
-        ):
-            return self._background.popleft()[1]
-        return None
+        """(lock held) The oldest background job, once it has waited ``bake_starvation_s``
+        *and* the load is sustained: some invocation that arrived after it was queued is
+        waiting or running. Without newer work the engine becomes idle when the current
+        invocations end, and the job runs then; so a single long edit (a first edit of an
+        uploaded image on a CPU) is not stalled by the bake it queued itself."""
+        if not self._background:
+            return None
+        queued_at = self._background[0][0]
+        if time.perf_counter() - queued_at <= self.config.bake_starvation_s:
+            return None
+        running = (w for group in self._running.values() for w in group)
+        if not any(w.arrived > queued_at for w in (*self._ready, *running)):
+            return None
+        return self._background.popleft()[1]
 
     def _idle_background(self) -> None:
         with self._cv:

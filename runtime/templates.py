@@ -52,6 +52,7 @@ class Template:
     upload: bool = False  # an ad-hoc template: an uploaded image
     nbytes: int = 0  # bytes of its bake, once baked here
     dropped: bool = False  # no longer tracked (evicted upload, removed function): never baked
+    too_large: bool = False  # an upload whose bake alone exceeds uploads.max_bytes: never baked
 
     def covers(self, steps: int, guidance: float) -> bool:
         """Whether the bake's activations are valid for an edit with these settings."""
@@ -245,7 +246,7 @@ class TemplateCache:
         """Mark an unbaked template as queued for baking; False if it is baked or queued,
         or no longer tracked (a dropped upload is not baked again)."""
         with self.lock:
-            if template.dropped:
+            if template.dropped or template.too_large:
                 return False
             if template.state not in (BakeState.UNBAKED, BakeState.FAILED):
                 return False
@@ -304,8 +305,16 @@ class TemplateCache:
             template.state, template.error = BakeState.BAKED, None
             template.bakes += 1
             template.nbytes = writer.nbytes
-            # dropped while it baked: its bake goes too; else the byte budget may now bite
-            victims = [template] if template.dropped else self._over_limits(template.function)
+            limit = self.limits.get(template.function, UploadsSpec()).max_bytes
+            if template.upload and not template.dropped and writer.nbytes > limit:
+                # kept (its edits run stock) but never baked again: no bake-and-delete churn
+                template.state, template.nbytes, template.too_large = BakeState.FAILED, 0, True
+                template.error = f"its bake ({writer.nbytes} bytes) exceeds uploads.max_bytes"
+                victims = [template]
+            elif template.dropped:  # dropped while it baked: its bake goes too
+                victims = [template]
+            else:  # the byte budget may now bite
+                victims = self._over_limits(template.function)
         self._delete(victims)
 
     def states(self) -> dict[str, dict[str, TemplateStatus]]:

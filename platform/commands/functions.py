@@ -45,7 +45,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = client_options(sub.add_parser("invoke", help="edit a template: paint the masked region"))
     p.add_argument("name", help="the function's name")
-    p.add_argument("--template", required=True, help="the template to edit (its id in the spec)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--template", help="the template to edit (its id in the spec)")
+    what.add_argument(
+        "--image",
+        type=existing_file,
+        help="or an image file to edit (the function's resolution): its first edit runs in "
+        "full, later ones mask-aware",
+    )
     p.add_argument(
         "--mask", type=existing_file, required=True, help="mask image file, nonzero = edit"
     )
@@ -135,6 +142,11 @@ def _invoke(args: argparse.Namespace) -> None:
     except OSError as exc:
         raise UsageError(f"--mask: cannot read {args.mask}: {exc.strerror}") from exc
     options = {"steps": args.steps, "guidance": args.guidance, "format": args.format}
+    if args.image is not None:
+        try:
+            options["image"] = args.image.read_bytes()
+        except OSError as exc:
+            raise UsageError(f"--image: cannot read {args.image}: {exc.strerror}") from exc
     if not args.as_job and args.webhook is not None:
         raise UsageError("--webhook needs --async")
     if args.as_job:

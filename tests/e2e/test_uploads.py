@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from collections.abc import Iterator
@@ -162,6 +164,24 @@ def test_count_limit_and_uploads_disabled(server: ServerProcess, examples: Path)
         )
 
 
+def test_an_image_whose_bake_exceeds_the_budget_is_served_stock_without_churn(
+    server: ServerProcess, examples: Path
+) -> None:
+    deploy(server.url, examples, "up-tiny-budget", UploadsSpec(max_bytes=1))
+    with Client(server.url, INVOKE) as client:
+        first = edit(client, photo(41), name="up-tiny-budget")
+        deadline = time.monotonic() + 180
+        while uploads(client, "up-tiny-budget").get(first.template, {}).get("state") != "failed":
+            assert time.monotonic() < deadline, uploads(client, "up-tiny-budget")
+            time.sleep(0.1)
+        again = edit(client, photo(41), seed=2, name="up-tiny-budget")
+        assert again.path is wire.InvokePath.STOCK
+        state = client.executors()["executors"][0]["state"]["templates"]["up-tiny-budget"]
+        assert state[first.template]["bakes"] == 1  # baked once, not again on every edit
+    rows = run_cache_command("ls", server.data_dir)
+    assert not [r for r in rows if r["meta"].get("function") == "up-tiny-budget"]
+
+
 def bomb(side: int = 30000) -> bytes:
     """A PNG whose header declares side x side pixels: a decompression bomb's header (what
     the gateway must refuse before decoding anything), a few dozen bytes on the wire."""
@@ -215,3 +235,26 @@ def test_bad_uploads_are_4xx_naming_the_field(
 
 
 BOMB = bomb()
+
+
+def test_cli_edits_an_image_file(server: ServerProcess, tmp_path: Path) -> None:
+    (tmp_path / "photo.png").write_bytes(photo(31))
+    mask = io.BytesIO()
+    Image.fromarray(MASK.astype(np.uint8) * 255).save(mask, format="PNG")
+    (tmp_path / "mask.png").write_bytes(mask.getvalue())
+    out = subprocess.run(
+        [sys.executable, "-m", "retouch.platform.cli", "invoke", FUNCTION,
+         "--image", str(tmp_path / "photo.png"), "--mask", str(tmp_path / "mask.png"),
+         "--prompt", "a red door", "-o", str(tmp_path / "out.png"),
+         "--url", server.url, "--token", INVOKE],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "path=stock" in out.stdout and Image.open(tmp_path / "out.png").size == (SIZE, SIZE)
+    both = subprocess.run(
+        [sys.executable, "-m", "retouch.platform.cli", "invoke", FUNCTION, "--template", "street",
+         "--image", str(tmp_path / "photo.png"), "--mask", str(tmp_path / "mask.png"),
+         "--prompt", "x", "--url", server.url, "--token", INVOKE],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert both.returncode != 0 and "not allowed with" in both.stderr

@@ -104,6 +104,14 @@ def test_page_and_static_files_are_served(server: ServerProcess) -> None:
         headers={"authorization": f"Bearer {INVOKE}"},
     )
     assert tpl.status_code == 200 and tpl.content.startswith(b"\x89PNG")
+    for path, code, field in (
+        (f"/v1/functions/{FUNCTION}/templates/nope", "template_not_found", "template"),
+        ("/v1/functions/nope/templates/street", "function_not_found", "name"),
+    ):
+        resp = httpx.get(server.url + path, headers={"authorization": f"Bearer {INVOKE}"})
+        error = resp.json()["error"]
+        assert (resp.status_code, error["code"], error["field"]) == (404, code, field)
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
 
 
 def test_playground_paints_submits_and_shows_the_result(server: ServerProcess, browser) -> None:
