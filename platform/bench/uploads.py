@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from retouch.functions.models import model_family
 from retouch.functions.spec import parse_spec
 from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess
@@ -43,7 +44,7 @@ def run(model: str, size: int, steps: int, photo_seed: int, data_dir: Path) -> l
         {
             "name": "m",
             "model": model,
-            "family": "sd-inpaint",
+            "family": model_family(model),
             "resolution": size,
             "steps": steps,
             "templates": {"t": {"prompt": "", "seed": 0}},
