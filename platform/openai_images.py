@@ -310,6 +310,9 @@ class OpenAIImages:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        # Image links are signed with the server's secret (``retouch serve`` always has one:
+        # the webhook secret); a gateway built without one signs with a per-process key.
+        self.secret = gateway.webhook_secret or secrets.token_bytes(32)
 
     async def edits(self, request: Request) -> Response:
         try:
@@ -386,7 +389,7 @@ class OpenAIImages:
     def _url(self, request: Request, job: Job) -> str:
         gw = self.gateway
         expires = int(time.time() + min(URL_TTL_S, gw.job_retention_s))
-        sig = _sign(gw.webhook_secret, job.id, expires)
+        sig = _sign(self.secret, job.id, expires)
         ext = job.request.invoke.format
         base = str(request.base_url).rstrip("/")
         return f"{base}/v1/images/{job.id}.{ext}?expires={expires}&sig={sig}"
@@ -401,7 +404,7 @@ class OpenAIImages:
         expires = request.query_params.get("expires", "")
         sig = request.query_params.get("sig", "")
         if not expires.isdigit() or not hmac.compare_digest(
-            sig.encode(), _sign(gw.webhook_secret, job_id, int(expires)).encode()
+            sig.encode(), _sign(self.secret, job_id, int(expires)).encode()
         ):
             raise BadRequest("invalid image link signature", field="sig", code="invalid_signature")
         if int(expires) < time.time():

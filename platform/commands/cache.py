@@ -34,9 +34,11 @@ def _cache(args: argparse.Namespace) -> None:
     if args.json or args.cache != "ls":
         report(result, args.json)
         return
-    print(f"{'KEY':<34} {'TIER':<5} {'MB':>9} {'FUNCTION':<16} {'TEMPLATE':<12} VALID")
+    # ad-hoc templates (uploaded images) are ``upload:<hash>``, keys ``~<hash>``
+    width = max([12, *(len(str(r["meta"].get("template", ""))) for r in result)])
+    print(f"{'KEY':<34} {'TIER':<5} {'MB':>9} {'FUNCTION':<16} {'TEMPLATE':<{width}} VALID")
     for row in result:
         meta = row["meta"]
         print(
-            f"{row['key']:<34} {row['tier']:<5} {row['bytes'] / 1e6:>9.1f} {meta.get('function', ''):<16} {meta.get('template', ''):<12} {'yes' if row['valid'] else 'no: ' + row['reason']}"
+            f"{row['key']:<34} {row['tier']:<5} {row['bytes'] / 1e6:>9.1f} {meta.get('function', ''):<16} {meta.get('template', ''):<{width}} {'yes' if row['valid'] else 'no: ' + row['reason']}"
         )
