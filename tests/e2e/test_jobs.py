@@ -136,20 +136,23 @@ def test_queue_positions_progress_results_and_cancel(server: ServerProcess) -> N
         )
         state = client.executors()["executors"][0]["state"]["engine"]
 
-    exact = 0
+    exact = fell = 0
     for job in jobs[:5]:
         kinds = [e.kind for e in events[job.id]]
         positions = [e.data["position"] for e in events[job.id] if e.kind is JobEventKind.QUEUED]
         positions = [p for p in positions if p is not None]
         assert positions and positions == sorted(positions, reverse=True), positions
-        if positions[0] > 0:
-            assert positions[-1] < positions[0], f"position never fell: {positions}"
+        # A job may leave position 1 for the batch between two 250 ms position events (two
+        # slots freeing at once): its fall is then the STARTED event. Some job must be seen
+        # falling while still queued (checked after the loop).
+        fell += positions[-1] < positions[0]
         taken = [e.data["step"] for e in events[job.id] if e.kind is JobEventKind.PROGRESS]
         assert taken == list(range(1, STEPS + 1)), taken
         assert kinds[-1] is JobEventKind.SUCCEEDED
         assert kinds.index(JobEventKind.STARTED) < kinds.index(JobEventKind.PROGRESS)
         assert same_image(results[job.id], references[job.id])
         exact += results[job.id].image == references[job.id].image
+    assert fell >= 1, "no queued job was seen moving up the queue"
     # the running batch's other job went on and its image is unchanged
     assert same_image(results[blockers[1].id], references[blockers[1].id])
     running_steps = [e.data["step"] for e in events[running.id] if e.kind is JobEventKind.PROGRESS]
