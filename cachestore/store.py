@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from retouch.cachestore.bake import BakeWriter
+from retouch.cachestore.defaults import HOST_BUDGET_BYTES
 from retouch.cachestore.disktier import DATA_FILE, DiskConfig, DiskTier
 from retouch.cachestore.errors import CorruptEntry, ReadOnlyStore, StoreClosed, StoreError
 from retouch.cachestore.hosttier import HostTier, ResidentTemplate
-from retouch.cachestore.defaults import HOST_BUDGET_BYTES
 from retouch.cachestore.layout import Slot, template_key
 from retouch.cachestore.manifest import Manifest, check_meta
 from retouch.cachestore.policy import PolicySpec, make_policy

@@ -36,7 +36,7 @@ from retouch.functions.errors import (
     RetouchError,
     Unavailable,
 )
-from retouch.platform.control.cluster import ClusterView, ExecutorView
+from retouch.platform.control.cluster import ClusterView, ExecutorView, Placed
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.placement import Placement, PlacementRequest, make_placement
 from retouch.platform.providers import ExecutorProcess, LocalProvider
@@ -392,7 +392,7 @@ class ExecutorPool:
         handle: ExecutorHandle,
         token: int,
         result: wire.InvokeResult,
-        placed: Any,
+        placed: Placed | None,
     ) -> None:
         """Completion: the view learns (calibration, residency), the prediction is scored,
         and the executor's state is re-read when the store changed (a bake, a new host
