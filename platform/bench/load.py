@@ -228,7 +228,14 @@ async def measure_capacity(
             nonlocal done
             while queue:
                 req = queue.pop()
-                await client.invoke(function, req.template, req.mask, "capacity", seed=req.seed)
+                try:
+                    await client.invoke(function, req.template, req.mask, "capacity", seed=req.seed)
+                except RetouchError as exc:  # refused by admission: it is not throughput
+                    if exc.code not in REJECTIONS:
+                        raise
+                    queue.append(req)
+                    await asyncio.sleep(0.05)
+                    continue
                 done += 1
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
