@@ -272,7 +272,10 @@ class ExecutorView:
             member,
             self.max_batch,
             self.calibration.step(),
-            self.arrivals.expected(),
+            # Arrivals are expected only while work is placed here: an idle executor has
+            # no evidence of a stream, and admission must never refuse everything because
+            # of a rate measured in a burst long gone.
+            self.arrivals.expected() if self.placed else None,
         )
         self._memo[key] = result
         return result

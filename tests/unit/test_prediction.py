@@ -288,3 +288,17 @@ def test_expected_arrivals_slow_the_newcomer_where_the_batch_costs_more() -> Non
     assert busy.finish_s > alone.finish_s  # others join its batch and every step costs more
     assert rare.finish_s == pytest.approx(alone.finish_s)
     assert predict([], [], None, 4, cal, Arrivals(step, member(c, 10, 0.3))).finish_s == 0.0
+
+
+def test_an_idle_executor_expects_no_arrivals_so_admission_cannot_lock_out() -> None:
+    """A burst teaches a short placement gap; once the executor is idle again, predictions
+    (and so SLO admission) must not keep counting that burst's arrivals."""
+    cluster = ClusterView()
+    view = view_with(cluster, "a")
+    alone = view.predict(request(0.3)).finish_s
+    for token in range(6):  # a burst: six placements 1 ms apart
+        view.place(token, request(0.3), now=token * 0.001)
+    assert view.predict(request(0.3)).finish_s > alone  # busy, and more expected
+    for token in range(6):
+        view.finish(token, 10.0, None)
+    assert view.predict(request(0.3)).finish_s == pytest.approx(alone)
