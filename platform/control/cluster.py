@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from retouch.functions import wire
@@ -33,7 +33,7 @@ from retouch.runtime.prediction import (
 )
 
 EWMA = 0.2  # weight of a new observation in the calibration's running averages
-SCALE_LIMITS = (0.25, 8.0)  # the drift correction never runs away on one outlier
+SCALE_LIMITS = (0.5, 2.0)  # the drift correction never runs away on a burst
 DISK_LOAD_S = 0.05  # a template's disk load before one was observed
 MEMO_BUCKETS = 64  # mask resolution of the per-executor prediction memo
 
@@ -266,12 +266,18 @@ class ExecutorView:
             return cached
         running = [p.member for p in self.placed.values() if p.started]
         waiting = [p.member for p in self.placed.values() if not p.started]
+        calibration = self.calibration.step()
+        if not self.placed:
+            # Drift is learnt under load; an idle executor runs as its step fit says. Else a
+            # burst's drift could keep admission refusing an idle pool, which would then
+            # never observe anything to unlearn it.
+            calibration = replace(calibration, scale=1.0)
         result = predict(
             running,
             waiting,
             member,
             self.max_batch,
-            self.calibration.step(),
+            calibration,
             # Arrivals are expected only while work is placed here: an idle executor has
             # no evidence of a stream, and admission must never refuse everything because
             # of a rate measured in a burst long gone.

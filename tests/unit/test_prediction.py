@@ -302,3 +302,13 @@ def test_an_idle_executor_expects_no_arrivals_so_admission_cannot_lock_out() -> 
     for token in range(6):
         view.finish(token, 10.0, None)
     assert view.predict(request(0.3)).finish_s == pytest.approx(alone)
+
+
+def test_drift_learnt_under_load_does_not_apply_to_an_idle_executor() -> None:
+    cluster = ClusterView()
+    view = view_with(cluster, "a")
+    alone = view.predict(request(0.3)).finish_s
+    view.calibration.scale = 2.0  # learnt in a burst
+    assert view.predict(request(0.3)).finish_s == pytest.approx(alone)
+    view.place(1, request(0.3), now=0.0)
+    assert view.predict(request(0.3)).finish_s > 2 * alone  # busy: drift applies
