@@ -14,7 +14,6 @@ objects on a virtual clock).
 from __future__ import annotations
 
 import itertools
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -149,10 +148,6 @@ class ExecutorView:
         if cache.host_budget_bytes and (sizes or cache.host_templates):
             each = sum(sizes) / len(sizes) if sizes else cache.host_bytes / cache.host_templates
             self.host_capacity = max(1, int(cache.host_budget_bytes // max(1.0, each)))
-
-    @property
-    def ready(self) -> bool:
-        return self.phase is wire.ExecutorPhase.READY
 
     @property
     def inflight(self) -> int:
@@ -384,20 +379,5 @@ class ClusterView:
         self.executors[name] = view
         return view
 
-    def remove(self, name: str) -> None:
-        self.executors.pop(name, None)
-
     def token(self) -> int:
         return next(self._tokens)
-
-    def best(self, newcomer: PlacementRequest, names: list[str] | None = None) -> float:
-        """The earliest predicted finish of ``newcomer`` among ready executors (inf: none
-        can predict it)."""
-        best = math.inf
-        for view in self.executors.values():
-            if not view.ready or (names is not None and view.name not in names):
-                continue
-            prediction = view.predict(newcomer)
-            if prediction is not None:
-                best = min(best, prediction.finish_s)
-        return best
