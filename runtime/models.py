@@ -57,6 +57,27 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` (CUDA when there is one), ``cpu`` or ``cuda``; asking for CUDA on a machine
+    without it is an error rather than a silent fall-back (a benchmark would mislabel)."""
+    if name not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {DEVICE_CHOICES}, not {name!r}")
+    if name == "auto":
+        return default_device()
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels, so that a wall clock read after it covers them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def device_dtype(device: torch.device) -> torch.dtype:
     """The compute dtype on ``device``: float16 on CUDA, else float32."""
     return torch.float16 if device.type == "cuda" else torch.float32

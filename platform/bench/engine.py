@@ -28,7 +28,7 @@ from retouch.platform.config import default_data_dir
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.flops import pipeline_step_flops
 from retouch.runtime.maskaware.store import MemoryActivations
-from retouch.runtime.models import load_pipeline
+from retouch.runtime.models import load_pipeline, pick_device, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ def run_engine_bench(
     guidance: float = 4.0,
     clock: str = "wall",
     full_steps: int = 0,
+    device: str = "auto",
 ) -> list[dict[str, Any]]:
     """Stock vs mask-aware whole edits for every batch size and mask ratio.
 
@@ -56,6 +57,7 @@ def run_engine_bench(
     ``$RETOUCH_DATA_DIR/models``) on first use. ``clock="cpu"`` times process CPU time instead
     of wall time (steadier on a machine shared with other work). ``full_steps``: the
     mask-aware edits' warm-up steps over every token (rows then carry ``full_steps``).
+    ``device``: ``auto`` (CUDA when there is one), ``cpu`` or ``cuda``; rows name it.
     """
     if repeats < 1:
         raise ValueError("repeats must be at least 1")
@@ -63,8 +65,11 @@ def run_engine_bench(
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, not {clock!r}")
     if not 0 <= full_steps <= steps:
         raise ValueError(f"full_steps must be in [0, steps={steps}], not {full_steps}")
-    family, pipe, size = load_demo(model, models_dir or default_data_dir() / "models", "engine")
-    editor = MaskAwareEditor(pipe, family, torch.device("cpu"))
+    where = pick_device(device)
+    family, pipe, size = load_demo(
+        model, models_dir or default_data_dir() / "models", "engine", where
+    )
+    editor = MaskAwareEditor(pipe, family, where)
     template = template_image((size, size), seed=1)
     store = MemoryActivations()
     editor.bake(template, TEMPLATE_PROMPT, 1, steps, guidance, store)
@@ -96,7 +101,7 @@ def run_engine_bench(
             if index == 0 or cases[index - 1][0] != batch:
                 for run in runs.values():  # warm-up: first-call allocations, kernel choices
                     run()
-            times = _interleaved(runs, repeats, CLOCKS[clock], bar)
+            times = _interleaved(runs, repeats, CLOCKS[clock], bar, where)
             flops = pipeline_step_flops(pipe, family, size, size, float(mask.mean()), batch)
             stock, sparse = statistics.median(times["stock"]), statistics.median(times["maskaware"])
             results.append(
@@ -108,6 +113,7 @@ def run_engine_bench(
                     "maskaware_s": round(sparse, 4),
                     "ratio": round(sparse / stock, 4),
                     "flop_ratio": round(flops.ratio, 4),
+                    "device": device_name(where),
                 }
             )
             if full_steps:
@@ -143,14 +149,23 @@ def aligned_mask(size: int, ratio: float, cell: int) -> np.ndarray:
     return mask
 
 
-def load_demo(model: str, models_dir: Path, bench: str) -> tuple[str, DiffusionPipeline, int]:
-    """Family, loaded pipeline and square image size of a built-in model (the benchmarks
-    need its known resolution; ``bench`` names the caller in the error)."""
+def load_demo(
+    model: str, models_dir: Path, bench: str, device: torch.device
+) -> tuple[str, DiffusionPipeline, int]:
+    """Family, pipeline loaded on ``device`` and square image size of a built-in model (the
+    benchmarks need its known resolution; ``bench`` names the caller in the error)."""
     if not is_demo(model):
         raise ValueError(f"bench {bench} runs the built-in retouch: models")
     spec = demo_model(model)
     folder = ensure_demo_model(model, models_dir)
-    return spec.family, load_pipeline(folder, spec.family, torch.device("cpu")), spec.resolution
+    return spec.family, load_pipeline(folder, spec.family, device), spec.resolution
+
+
+def device_name(device: torch.device) -> str:
+    """What a benchmark row records as its device: the GPU's name, or ``cpu``."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
 
 
 def _token_cell(editor: MaskAwareEditor, size: int) -> int:
@@ -173,14 +188,18 @@ def _interleaved(
     repeats: int,
     clock: Callable[[], float],
     bar: tqdm,
+    device: torch.device,
 ) -> dict[str, list[float]]:
-    """Time every run ``repeats`` times, alternating which goes first."""
+    """Time every run ``repeats`` times, alternating which goes first (the device's queued
+    kernels are waited for on both sides of each run)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs)
     for repeat in range(repeats):
         for name in order if repeat % 2 == 0 else order[::-1]:
+            synchronize(device)
             start = clock()
             runs[name]()
+            synchronize(device)
             times[name].append(clock() - start)
         bar.update()
     return times

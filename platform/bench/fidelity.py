@@ -15,13 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from retouch.functions.demo.images import template_image
-from retouch.platform.bench.engine import EDIT_PROMPT, TEMPLATE_PROMPT, load_demo
+from retouch.platform.bench.engine import (
+    EDIT_PROMPT,
+    TEMPLATE_PROMPT,
+    device_name,
+    load_demo,
+)
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.quality import psnr, ssim
 from retouch.runtime.maskaware.store import MemoryActivations
+from retouch.runtime.models import pick_device
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +48,15 @@ def run_fidelity_bench(
     *,
     mask_ratio: float = 0.2,
     guidance: float = 5.0,
+    device: str = "auto",
 ) -> list[dict[str, Any]]:
     """One row per ``full_steps`` value: ``psnr``, ``ssim``, ``psnr_unmasked`` against the
     stock output, and ``stock_vs_stock_psnr`` (stock with only the masked noise changed)."""
     if any(not 0 <= k <= steps for k in full_steps):
         raise ValueError(f"every full_steps value must be in [0, steps={steps}]")
-    family, pipe, size = load_demo(model, models_dir, "fidelity")
-    editor = MaskAwareEditor(pipe, family, torch.device("cpu"))
+    where = pick_device(device)
+    family, pipe, size = load_demo(model, models_dir, "fidelity", where)
+    editor = MaskAwareEditor(pipe, family, where)
     image, mask = template_image((size, size), 3), rectangle(size, mask_ratio)
     store = MemoryActivations()
     editor.bake(image, TEMPLATE_PROMPT, 1, steps, guidance, store)
@@ -65,6 +72,7 @@ def run_fidelity_bench(
                 "steps": steps,
                 "full_steps": k,
                 "mask_ratio": round(float(mask.mean()), 4),
+                "device": device_name(editor.device),
                 "psnr": round(psnr(edited, stock), 2),
                 "ssim": round(ssim(edited, stock), 4),
                 "psnr_unmasked": round(psnr(edited, stock, ~mask), 2),

@@ -40,12 +40,18 @@ from tqdm import tqdm
 
 from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.functions.demo.images import mask_of_ratio, template_image
-from retouch.platform.bench.engine import EDIT_PROMPT, TEMPLATE_PROMPT, load_demo
+from retouch.platform.bench.engine import (
+    EDIT_PROMPT,
+    TEMPLATE_PROMPT,
+    device_name,
+    load_demo,
+)
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor, RequestState
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach, family_rows
 from retouch.runtime.maskaware.store import ActivationReader, MemoryActivations, fetch_rows
+from retouch.runtime.models import pick_device, synchronize
 from retouch.runtime.plan import BlockCost, Planner, batch_tokens, evaluate, make_planner
 from retouch.runtime.plan import sequential_latency as predicted_sequential
 from retouch.runtime.profiling import ProfileConfig, measure_load_line, profile_editor
@@ -96,6 +102,7 @@ def run_plan_bench(
     profile: ProfileConfig | None = None,
     readers: tuple[str, ...] = READERS,
     link_gbps: float | None = None,
+    device: str = "auto",
 ) -> dict[str, Any]:
     """Plan vs sequential vs overlapped whole edits. The first of ``readers`` ("store":
     an ``ActivationStore`` host tier, "memory": a ``MemoryActivations``) reports at the top
@@ -104,8 +111,9 @@ def run_plan_bench(
         raise ValueError("repeats, batch and steps must be at least 1, readers not empty")
     if unknown := set(readers) - set(READERS):
         raise ValueError(f"unknown readers {sorted(unknown)}; choose from {READERS}")
-    family, pipe, size = load_demo(model, models_dir, "plan")
-    editor = MaskAwareEditor(pipe, family, torch.device("cpu"))
+    where = pick_device(device)
+    family, pipe, size = load_demo(model, models_dir, "plan", where)
+    editor = MaskAwareEditor(pipe, family, where)
     template = template_image((size, size), seed=1)
     memory = MemoryActivations()
     editor.bake(template, TEMPLATE_PROMPT, 1, steps, guidance, memory)
@@ -146,6 +154,7 @@ def run_plan_bench(
         steps=steps,
         size=size,
         threads=torch.get_num_threads(),
+        device=device_name(editor.device),
         link_gbps=link_gbps,
         cost_model_min_r2=round(cost_model.min_r2(), 4),
         cost_model=cost_model.to_dict(),
@@ -222,6 +231,7 @@ def _round(
     for name in order:
         start = time.perf_counter()
         states[name] = [editor.prepare(r, reader) for r in requests]
+        synchronize(editor.device)
         spent[name] += time.perf_counter() - start
     while not states[names[0]][0].done:
         for name in order:
@@ -229,6 +239,7 @@ def _round(
             attach(editor, variant.loader)
             start = time.perf_counter()
             editor.step(states[name], variant.plan(states[name], editor.blocks))
+            synchronize(editor.device)
             seconds = time.perf_counter() - start
             stepping[name] += seconds
             if record:
@@ -237,6 +248,7 @@ def _round(
         start = time.perf_counter()
         for state in states[name]:
             editor.finish(state)
+        synchronize(editor.device)
         spent[name] += time.perf_counter() - start
     if record:
         for name, variant in variants.items():

@@ -37,6 +37,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         add(bench_sub)
 
 
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the model runs: auto = CUDA when there is one (default), cpu, cuda",
+    )
+
+
 def _gateway(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser("gateway", help="the gateway's own time per invocation")
     p.add_argument(
@@ -106,6 +115,7 @@ def _engine(bench_sub: argparse._SubParsersAction) -> None:
         default="wall",
         help="wall time, or process CPU time (steadier on a shared machine)",
     )
+    add_device(p)
     add_models_dir(p)
     add_json(p, "the rows")
     p.set_defaults(run=_run_engine)
@@ -123,6 +133,7 @@ def _run_engine(args: argparse.Namespace) -> None:
         models_dir(args),
         clock=args.clock,
         full_steps=args.full_steps,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(rows))
@@ -149,6 +160,7 @@ def _fidelity(bench_sub: argparse._SubParsersAction) -> None:
         help="warm-up steps to compare, e.g. 0,1,2 (default 0)",
     )
     add_mask_ratio(p)
+    add_device(p)
     add_models_dir(p)
     add_json(p, "the rows")
     p.set_defaults(run=_run_fidelity)
@@ -158,7 +170,12 @@ def _run_fidelity(args: argparse.Namespace) -> None:
     from retouch.platform.bench.fidelity import run_fidelity_bench
 
     rows = run_fidelity_bench(
-        args.model, args.steps, args.full_steps, models_dir(args), mask_ratio=args.mask_ratio
+        args.model,
+        args.steps,
+        args.full_steps,
+        models_dir(args),
+        mask_ratio=args.mask_ratio,
+        device=args.device,
     )
     report(rows, args.json)
 
@@ -357,6 +374,7 @@ def _plan(bench_sub: argparse._SubParsersAction) -> None:
         default=None,
         help="emulate a host->device link of this bandwidth (GB/s) behind every row read",
     )
+    add_device(p)
     add_models_dir(p)
     add_json(p)
     p.set_defaults(run=_run_plan)
@@ -373,6 +391,7 @@ def _run_plan(args: argparse.Namespace) -> None:
         args.repeats,
         models_dir(args),
         link_gbps=args.link_gbps,
+        device=args.device,
     )
     report(result, args.json)
 
