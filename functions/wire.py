@@ -604,6 +604,70 @@ class StepProgress:
         return {"progress": {"step": self.step, "total": self.total}}
 
 
+class ChangeKind(StrEnum):
+    """What changed on an executor that the gateway's cluster view must learn."""
+
+    BAKED = "baked"  # a template's bake committed (it is in the store, usually host memory)
+    BAKE_FAILED = "bake_failed"
+    HOST_TIER = "host_tier"  # a template was loaded into host memory (others may have left)
+    LOST = "lost"  # a template's activations were not found (it will be baked again)
+
+
+@dataclass(frozen=True)
+class ExecutorChange:
+    """One numbered event of an executor's change feed."""
+
+    version: int
+    kind: ChangeKind
+    function: str = ""
+    template: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "kind": self.kind.value,
+            "function": self.function,
+            "template": self.template,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> ExecutorChange:
+        body = as_map(obj)
+        return cls(
+            int(body["version"]),
+            ChangeKind(body["kind"]),
+            str(body.get("function", "")),
+            str(body.get("template", "")),
+        )
+
+
+@dataclass(frozen=True)
+class ExecutorChanges:
+    """The answer to ``GET /changes?after=N``: the events after N, the feed's version, and
+    ``reset`` when some were missed (the feed dropped them, or the executor restarted and
+    counts from 0 again): the reader then re-reads the whole state."""
+
+    version: int
+    changes: tuple[ExecutorChange, ...] = ()
+    reset: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "changes": [c.to_wire() for c in self.changes],
+            "reset": self.reset,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> ExecutorChanges:
+        body = as_map(obj)
+        return cls(
+            int(body["version"]),
+            tuple(ExecutorChange.from_wire(c) for c in body.get("changes", ())),
+            bool(body.get("reset", False)),
+        )
+
+
 Frame = StepProgress | InvokeResult | RetouchError
 
 

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 2.0
+CHANGES_WAIT_S = 20  # an executor's change-feed long poll answers within this when idle
 PROBE_FAILURES = 3  # consecutive failed probes of a live process before it is restarted
 RECALIBRATE_ERROR = 0.15  # a prediction this far off re-reads the executor's step fit
 SLOTS_PER_BATCH = 2  # slots = max_batch x this: the running batch plus a pre-processing buffer
@@ -75,6 +76,7 @@ class ExecutorHandle:
     state: wire.ExecutorState | None = None
     restarts: int = 0
     refreshing: bool = False  # a state read is under way (reads are coalesced)
+    refresh_again: bool = False  # something changed during that read: read once more
 
     def __post_init__(self) -> None:
         self.view = ExecutorView(self.process.name)
@@ -107,6 +109,7 @@ class ExecutorHandle:
             "restarts": self.restarts,
             "functions": sorted(self.functions),
             "predicted_work_s": round(self.view.work_s(), 3),
+            "calibration": self.view.calibration.describe(self.view.overheads),
             "templates": {f"{fn}/{t}": tier.value for (fn, t), tier in self.view.residency.items()},
         }
 
@@ -160,6 +163,7 @@ class ExecutorPool:
         self._monitor: asyncio.Task | None = None
         self._restarts: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
+        self._followers: dict[str, asyncio.Task] = {}  # change-feed long polls, per executor
 
     @property
     def placement(self) -> Placement:
@@ -177,13 +181,25 @@ class ExecutorPool:
         procs = await asyncio.gather(
             *(self.provider.start(n, d, threads) for n, d in zip(names, devices, strict=True))
         )
-        self.executors = [ExecutorHandle(p) for p in procs]
+        self.executors = [self._handle(p) for p in procs]
         await asyncio.gather(*(self._become_ready(e) for e in self.executors))
         self._monitor = asyncio.create_task(self._watch())
 
+    def _handle(self, process: ExecutorProcess, restarts: int = 0) -> ExecutorHandle:
+        handle = ExecutorHandle(process, restarts=restarts)
+        handle.view.overheads = self.cluster.overheads  # learnt pool-wide
+        return handle
+
     async def close(self) -> None:
         tasks = [
-            t for t in (self._monitor, *self._restarts.values(), *self._background) if t is not None
+            t
+            for t in (
+                self._monitor,
+                *self._restarts.values(),
+                *self._background,
+                *self._followers.values(),
+            )
+            if t is not None
         ]
         for task in tasks:
             task.cancel()
@@ -253,22 +269,62 @@ class ExecutorPool:
 
     async def refresh(self, handle: ExecutorHandle) -> None:
         """Read the executor's state into its view (after a deploy, a bake, an eviction).
-        Reads of one executor are coalesced; a failed read changes nothing."""
+        Reads of one executor are coalesced: a refresh asked for while one is under way
+        makes that one read again when it ends (the first read may predate the change).
+        A failed read changes nothing."""
         if handle.refreshing:
+            handle.refresh_again = True
             return
         handle.refreshing = True
         try:
-            state = wire.ExecutorState.from_wire(
-                await self._call(handle, "GET", "/state", client=self._probe)
-            )
-        except (RetouchError, httpx.HTTPError) as exc:
-            log.debug("state of %s not read: %r", handle.name, exc)
-            return
+            while True:
+                handle.refresh_again = False
+                try:
+                    state = wire.ExecutorState.from_wire(
+                        await self._call(handle, "GET", "/state", client=self._probe)
+                    )
+                except (RetouchError, httpx.HTTPError) as exc:
+                    log.debug("state of %s not read: %r", handle.name, exc)
+                    return
+                handle.state = state
+                handle.view.observe_state(state, self.cluster.costers)
+                self.queue.dispatch()
+                if not handle.refresh_again:
+                    return
         finally:
             handle.refreshing = False
-        handle.state = state
-        handle.view.observe_state(state, self.cluster.costers)
-        self.queue.dispatch()
+
+    def _follow(self, handle: ExecutorHandle) -> None:
+        """(Re)start following ``handle``'s change feed (one follower per executor name)."""
+        old = self._followers.pop(handle.name, None)
+        if old is not None:
+            old.cancel()
+        self._followers[handle.name] = asyncio.create_task(self._follow_changes(handle))
+
+    async def _follow_changes(self, handle: ExecutorHandle) -> None:
+        """Long-poll the executor's change feed and re-read its state on every change: a
+        bake that finished or a template that entered host memory changes placement, and
+        an executor that gets no invocations would otherwise never tell (its view would
+        say "baking" forever and affinity would never send it work). Ends when the
+        executor is replaced; a failed poll is retried (health is the monitor's job)."""
+        after = 0
+        while any(e is handle for e in self.executors):
+            try:
+                body = await self._call(
+                    handle,
+                    "GET",
+                    f"/changes?after={after}&timeout={CHANGES_WAIT_S}",
+                    timeout=CHANGES_WAIT_S + PROBE_TIMEOUT_S,
+                )
+                changes = wire.ExecutorChanges.from_wire(body)
+            except (RetouchError, httpx.HTTPError, KeyError, ValueError) as exc:
+                log.debug("change feed of %s: %r", handle.name, exc)
+                await asyncio.sleep(MONITOR_INTERVAL_S)
+                continue
+            if changes.changes or changes.reset:
+                log.debug("%s changed: %s", handle.name, [c.kind.value for c in changes.changes])
+                await self.refresh(handle)
+            after = changes.version
 
     def _refresh_soon(self, handle: ExecutorHandle) -> None:
         task = asyncio.create_task(self.refresh(handle))
@@ -535,6 +591,7 @@ class ExecutorPool:
             except (RetouchError, httpx.HTTPError) as exc:
                 log.error("pushing %s to %s failed: %s", stored.spec.name, handle.name, exc)
         handle.phase = wire.ExecutorPhase.READY
+        self._follow(handle)
         self.queue.dispatch()
 
     def _suspect(self, handle: ExecutorHandle, why: str) -> None:
@@ -601,7 +658,7 @@ class ExecutorPool:
             except RetouchError as exc:
                 log.error("could not restart %s: %s; retrying", old.name, exc)
                 await asyncio.sleep(MONITOR_INTERVAL_S * 5)
-        handle = ExecutorHandle(proc, restarts=old.restarts + 1)
+        handle = self._handle(proc, restarts=old.restarts + 1)
         self.executors[self.executors.index(old)] = handle
         try:
             await self._become_ready(handle)

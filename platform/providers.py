@@ -28,7 +28,15 @@ START_TIMEOUT_S = 120.0
 
 
 def gpu_devices() -> list[str]:
-    """``cuda:<i>`` for every GPU NVML sees; empty when there is no driver or no GPU."""
+    """``cuda:<i>`` for every GPU the executors' torch will see: those that
+    ``CUDA_VISIBLE_DEVICES`` names when it is set (empty or ``-1``: none, a CPU pool on a GPU
+    machine), else every GPU NVML sees; empty when there is no driver or no GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        # torch renumbers the visible GPUs from 0 and stops at the first invalid entry ("-1").
+        names = [v.strip() for v in visible.split(",") if v.strip()]
+        count = next((i for i, v in enumerate(names) if v.startswith("-")), len(names))
+        return [f"cuda:{i}" for i in range(count)] if count else []
     try:
         import pynvml
 

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from retouch.cachestore.errors import CorruptEntry, StoreError
 from retouch.cachestore.policy import EPHEMERAL_PREFIX
 from retouch.cachestore.store import ActivationStore, HostTemplate, Tier
 from retouch.functions.spec import FunctionSpec, UploadsSpec
-from retouch.functions.wire import BakeState, TemplateStatus
+from retouch.functions.wire import BakeState, ChangeKind, TemplateStatus
 from retouch.runtime.fingerprint import template_key
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class TemplateCache:
     uploads: dict[str, OrderedDict[str, Template]] = field(default_factory=dict)
     limits: dict[str, UploadsSpec] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Told (on the thread where it happens) when placement-relevant state changed: a bake
+    # finished or failed, a template entered host memory or was found missing.
+    on_change: Callable[[ChangeKind, str, str], None] | None = None
     _dropped: list[Template] = field(default_factory=list)
 
     def register(
@@ -284,7 +288,14 @@ class TemplateCache:
                 if template.state is BakeState.BAKED:
                     template.state = BakeState.UNBAKED
             tier = Tier.NONE.value
+            self._changed(ChangeKind.LOST, template)
+        elif tier != Tier.HOST.value:
+            self._changed(ChangeKind.HOST_TIER, template)
         return Acquired(handle, tier, wait_ms)
+
+    def _changed(self, kind: ChangeKind, template: Template) -> None:
+        if self.on_change is not None:
+            self.on_change(kind, template.function, template.id)
 
     def bake(self, template: Template, record) -> None:
         """Run ``record(writer)`` (one recorded generation) into the store, atomically."""
@@ -300,6 +311,7 @@ class TemplateCache:
             with self.lock:
                 template.state, template.error = BakeState.FAILED, str(exc)
             log.exception("baking %s/%s failed", template.function, template.id)
+            self._changed(ChangeKind.BAKE_FAILED, template)
             return
         with self.lock:
             template.state, template.error = BakeState.BAKED, None
@@ -315,7 +327,9 @@ class TemplateCache:
                 victims = [template]
             else:  # the byte budget may now bite
                 victims = self._over_limits(template.function)
+            baked = template.state is BakeState.BAKED
         self._delete(victims)
+        self._changed(ChangeKind.BAKED if baked else ChangeKind.BAKE_FAILED, template)
 
     def states(self) -> dict[str, dict[str, TemplateStatus]]:
         """Every template's state, ad-hoc ones included (cheap: host residency is a set

@@ -10,6 +10,7 @@ request sequence, one after another in the same run, so their ratios are compara
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -67,6 +68,8 @@ class Outcome:
     predicted_ms: float = 0.0  # the gateway's prediction when it placed it
     placed_ms: float = 0.0  # and what it took from there
     rejected_ms: float = 0.0  # how long a refusal (429) took to arrive
+    executor: str = ""  # where it ran
+    mask_ratio: float = 0.0
 
 
 REJECTIONS = ("overloaded", "slo_unattainable")
@@ -78,7 +81,7 @@ class RunStats:
     wall_s: float = 0.0
     slo_ms: float | None = None
 
-    def summary(self) -> dict[str, float | int]:
+    def summary(self) -> dict[str, Any]:
         measured = [o for o in self.outcomes if not o.warmup]
         ok = [o for o in measured if o.error is None]
         rejected = [o for o in measured if o.error in REJECTIONS]
@@ -99,6 +102,12 @@ class RunStats:
                 [abs(o.predicted_ms - o.placed_ms) / o.placed_ms for o in ok if o.predicted_ms]
             ),
         }
+        predicted = [o for o in ok if o.predicted_ms and o.placed_ms]
+        # signed: > 0 when the gateway predicted longer than it took
+        out["prediction_bias_p50"] = _median(
+            [(o.predicted_ms - o.placed_ms) / o.placed_ms for o in predicted]
+        )
+        out["per_executor"] = _per_executor(ok)
         if rejected:
             out["reject_p99_ms"] = float(np.percentile([o.rejected_ms for o in rejected], 99))
         if self.slo_ms is not None:
@@ -107,6 +116,20 @@ class RunStats:
             out["slo_attainment_accepted"] = len(met) / len(ok) if ok else 0.0
             out["goodput_rps"] = len(met) / self.wall_s if self.wall_s else 0.0
         return out
+
+
+def _per_executor(ok: list[Outcome]) -> dict[str, dict[str, float]]:
+    """How the work was spread: invocations, summed mask ratio and p95 per executor."""
+    names = sorted({o.executor for o in ok if o.executor})
+    spread = {}
+    for name in names:
+        mine = [o for o in ok if o.executor == name]
+        spread[name] = {
+            "invocations": len(mine),
+            "mask_sum": round(sum(o.mask_ratio for o in mine), 3),
+            "p95_ms": round(float(np.percentile([o.latency_ms for o in mine], 95)), 1),
+        }
+    return spread
 
 
 def _share(items: list[Outcome], hit: Any, counted: Any) -> float:
@@ -202,6 +225,8 @@ async def replay(
                 outcome.tier = result.cache.tier.value
                 outcome.predicted_ms = result.timings.predicted_ms
                 outcome.placed_ms = result.timings.placed_ms
+                outcome.executor = result.executor
+                outcome.mask_ratio = result.mask_ratio
             except RetouchError as exc:
                 outcome.error = exc.code
                 outcome.rejected_ms = (time.perf_counter() - t0) * 1e3
@@ -353,6 +378,7 @@ class LoadSpec:
     slo_ms: float | None = None
     rounds: int = 1  # replays per configuration, alternating the order
     host_cache_bytes: int | None = None  # each executor's host tier (None: the default)
+    threads: int = 0  # torch threads per executor (0: the machine's cores shared out)
 
 
 def bench_function(
@@ -429,6 +455,8 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
                 results[name].outcomes += stats.outcomes
                 results[name].wall_s += stats.wall_s
                 summaries[name] = engine_figures(client)  # of its last round
+            # each configuration's figures as soon as it ends: a run cut short keeps them
+            log.info("%s after round %d: %s", name, r + 1, json.dumps(results[name].summary()))
     for name in spec.configs:
         summaries[name] = {**results[name].summary(), **summaries[name]}
     if spec.plot is not None:
@@ -439,6 +467,7 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
         "requests": spec.workload.requests * spec.rounds,
         "rounds": spec.rounds,
         "executors": spec.executors,
+        "threads": spec.threads,
         "masks": spec.workload.masks,
         "slo_ms": spec.slo_ms,
         "configs": summaries,
@@ -453,6 +482,8 @@ def _server(spec: LoadSpec, name: str, data_dir: Path) -> ServerProcess:
     ]  # fmt: skip
     if spec.host_cache_bytes is not None:
         extra += ["--host-cache-bytes", str(spec.host_cache_bytes)]
+    if spec.threads:
+        extra += ["--threads", str(spec.threads)]
     return ServerProcess(data_dir / name, executors=spec.executors, extra_args=extra)
 
 

@@ -248,6 +248,12 @@ def _load(bench_sub: argparse._SubParsersAction) -> None:
         help="each executor's host-RAM tier (e.g. room for ~3 templates to compare affinity)",
     )
     p.add_argument(
+        "--threads",
+        type=non_negative_int,
+        default=0,
+        help="torch threads of each executor (default 0: the machine's cores shared out)",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -316,6 +322,7 @@ def _run_load(args: argparse.Namespace) -> None:
         slo_ms=args.slo,
         rounds=args.rounds,
         host_cache_bytes=args.host_cache_bytes,
+        threads=args.threads,
     )
     with tempfile.TemporaryDirectory(prefix="retouch-bench-load-") as tmp:
         result = run_load_bench(spec, args.data_dir or Path(tmp))

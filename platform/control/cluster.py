@@ -74,27 +74,63 @@ class Placed:
 
 
 @dataclass
-class Calibration:
-    """Running averages that turn the profile's block costs into observed completion."""
+class Overheads:
+    """Time around the denoising steps (pre/post-processing, a template's disk load),
+    learnt from every executor's results and shared by the pool's views.
 
-    step_intercept_s: float = 0.0
-    step_slope: float = 1.0
-    scale: float = 1.0
+    They are properties of the model and the machine rather than of one executor, and a
+    per-executor average goes stale exactly where it matters: an executor whose first,
+    cold invocations were slow looks slow, gets no more work, and never observes anything
+    that would correct it (measured: one of two executors got 4 of 120 invocations)."""
+
     pre_s: float = 0.0
     post_s: float = 0.0
     disk_load_s: float = DISK_LOAD_S
     observations: int = 0
 
-    def step(self) -> StepCalibration:
+    def observe(self, pre_s: float, post_s: float) -> None:
+        first = self.observations == 0
+        self.pre_s = pre_s if first else (1 - EWMA) * self.pre_s + EWMA * pre_s
+        self.post_s = post_s if first else (1 - EWMA) * self.post_s + EWMA * post_s
+        self.observations += 1
+
+    def observe_disk_load(self, seconds: float) -> None:
+        self.disk_load_s = (1 - EWMA) * self.disk_load_s + EWMA * seconds
+
+
+@dataclass
+class Calibration:
+    """One executor's correction of its profile: the step fit its engine reports, and a
+    bounded drift learnt from its own results (reset while it is idle)."""
+
+    step_intercept_s: float = 0.0
+    step_slope: float = 1.0
+    scale: float = 1.0
+    observations: int = 0
+
+    def step(self, overheads: Overheads) -> StepCalibration:
         return StepCalibration(
-            self.step_intercept_s, self.step_slope, self.scale, self.pre_s, self.post_s
+            self.step_intercept_s, self.step_slope, self.scale, overheads.pre_s, overheads.post_s
         )
+
+    def describe(self, overheads: Overheads) -> dict[str, float]:
+        return {
+            "step_intercept_ms": round(self.step_intercept_s * 1e3, 3),
+            "step_slope": round(self.step_slope, 4),
+            "scale": round(self.scale, 4),
+            "observations": self.observations,
+            "pre_ms": round(overheads.pre_s * 1e3, 2),
+            "post_ms": round(overheads.post_s * 1e3, 2),
+            "disk_load_ms": round(overheads.disk_load_s * 1e3, 2),
+        }
 
 
 class ExecutorView:
     """One executor as the control plane sees it (event-loop state: no lock)."""
 
-    def __init__(self, name: str, max_batch: int = 8, slots: int = 16) -> None:
+    def __init__(
+        self, name: str, max_batch: int = 8, slots: int = 16, overheads: Overheads | None = None
+    ) -> None:
         self.name = name
         self.phase = wire.ExecutorPhase.STARTING
         self.max_batch = max_batch
@@ -102,6 +138,7 @@ class ExecutorView:
         self.device = ""
         self.costers: dict[str, StepCoster] = {}  # model -> coster
         self.calibration = Calibration()
+        self.overheads = overheads or Overheads()  # the pool's, shared (see Overheads)
         self.placed: dict[int, Placed] = {}  # in placement order
         self.residency: OrderedDict[tuple[str, str], Residency] = OrderedDict()  # LRU last
         self.host_capacity: int | None = None  # templates the host tier holds (None: unknown)
@@ -202,16 +239,16 @@ class ExecutorView:
 
     def _calibrate(self, result: wire.InvokeResult, actual: float, predicted: float) -> None:
         c = self.calibration
+        c.observations += 1
+        if c.observations == 1:
+            return  # an executor's first result is cold (first loads, first allocations)
         t = result.timings
-        first = c.observations == 0
-        c.pre_s = t.pre_ms / 1e3 if first else (1 - EWMA) * c.pre_s + EWMA * t.pre_ms / 1e3
-        c.post_s = t.post_ms / 1e3 if first else (1 - EWMA) * c.post_s + EWMA * t.post_ms / 1e3
+        self.overheads.observe(t.pre_ms / 1e3, t.post_ms / 1e3)
         if result.cache.tier is wire.CacheTier.DISK:
-            c.disk_load_s = (1 - EWMA) * c.disk_load_s + EWMA * result.cache.wait_ms / 1e3
+            self.overheads.observe_disk_load(result.cache.wait_ms / 1e3)
         if predicted > 0 and actual > 0:
             ratio = actual / predicted
             c.scale = min(SCALE_LIMITS[1], max(SCALE_LIMITS[0], c.scale * ratio**EWMA))
-        c.observations += 1
 
     def _touch(self, newcomer: PlacementRequest, result: wire.InvokeResult) -> None:
         """An edit read its template: now host-resident (most recent); an edit that ran the
@@ -261,7 +298,7 @@ class ExecutorView:
             return cached
         running = [p.member for p in self.placed.values() if p.started]
         waiting = [p.member for p in self.placed.values() if not p.started]
-        calibration = self.calibration.step()
+        calibration = self.calibration.step(self.overheads)
         if not self.placed:
             # Drift is learnt under load; an idle executor runs as its step fit says. Else a
             # burst's drift could keep admission refusing an idle pool, which would then
@@ -286,7 +323,7 @@ class ExecutorView:
         running = [p.member for p in self.placed.values() if p.started]
         if len(self.placed) < self.max_batch:
             return 0.0
-        return first_departure_s(running, self.calibration.step()) if running else 0.0
+        return first_departure_s(running, self.calibration.step(self.overheads)) if running else 0.0
 
     def work_s(self) -> float:
         """Predicted seconds until everything placed here is done (0 when idle)."""
@@ -302,7 +339,7 @@ class ExecutorView:
         if tier is Residency.HOST:
             return 0.0
         if tier is Residency.DISK:
-            return self.calibration.disk_load_s
+            return self.overheads.disk_load_s
         coster = self.costers.get(newcomer.model)
         if coster is None:
             return 0.0
@@ -372,10 +409,11 @@ class ClusterView:
 
     executors: dict[str, ExecutorView] = field(default_factory=dict)
     costers: CosterCache = field(default_factory=CosterCache)
+    overheads: Overheads = field(default_factory=Overheads)  # shared by every view
     _tokens: itertools.count = field(default_factory=itertools.count)
 
     def add(self, name: str, max_batch: int = 8, slots: int = 16) -> ExecutorView:
-        view = ExecutorView(name, max_batch, slots)
+        view = ExecutorView(name, max_batch, slots, self.overheads)
         self.executors[name] = view
         return view
 

@@ -5,7 +5,9 @@ the executor), ``GET /state`` (a :class:`~retouch.functions.wire.ExecutorState`)
 ``PUT /functions/{name}``, ``DELETE /functions/{name}``, ``POST /invoke``,
 ``POST /invoke/stream`` (the same invocation answered as a stream of msgpack frames: one
 :class:`~retouch.functions.wire.StepProgress` per denoising step as the engine takes it,
-then the result or the error), ``POST /invocations/{id}/cancel``.
+then the result or the error), ``POST /invocations/{id}/cancel``, and
+``GET /changes?after=N&timeout=S`` (a long poll on the change feed: bakes done, templates
+entering host memory; see :mod:`retouch.runtime.executor.changes`).
 
 Progress travels on the invocation's own response rather than on a side channel: it needs
 no subscription, ends with the invocation, and a gateway that goes away closes the stream,
@@ -53,6 +55,8 @@ log = logging.getLogger(__name__)
 TOKEN_ENV = "RETOUCH_EXECUTOR_TOKEN"
 STREAM_MEDIA_TYPE = "application/msgpack"  # a sequence of msgpack maps
 MAX_BODY = 1 << 30  # the gateway already enforced the public limit
+CHANGES_WAIT_S = 20  # a change-feed long poll answers after this long when nothing changed
+MAX_CHANGES_WAIT_S = 60
 
 
 def _generation(raw: Any) -> int:
@@ -64,6 +68,19 @@ def _generation(raw: Any) -> int:
             "generation must be a non-negative integer", field="generation", code="invalid_field"
         )
     return raw
+
+
+def _query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequest(f"{name} must be an integer", field=name) from None
+    if not low <= value <= high:
+        raise BadRequest(f"{name} must be in [{low}, {high}]", field=name)
+    return value
 
 
 def _parse_deploy(body: Any) -> tuple[FunctionSpec, dict[str, Image.Image], int]:
@@ -93,6 +110,12 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
 
     async def state(request: Request) -> dict[str, Any]:
         return core.state().to_wire()
+
+    async def changes(request: Request) -> dict[str, Any]:
+        """Long poll: the change feed's events after ``after``, as soon as there are any."""
+        after = _query_int(request, "after", 0, 0, 2**62)
+        timeout_s = _query_int(request, "timeout", CHANGES_WAIT_S, 0, MAX_CHANGES_WAIT_S)
+        return (await core.changes.wait(after, timeout_s)).to_wire()
 
     async def put_function(request: Request) -> dict[str, Any]:
         body = await read_body(request, MAX_BODY, allow_json=False)
@@ -140,6 +163,7 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
         routes=[
             route("/healthz", healthz),
             route("/state", state),
+            route("/changes", changes),
             route("/functions/{name}", put_function, "PUT"),
             route("/functions/{name}", delete_function, "DELETE"),
             route("/invoke", invoke, "POST"),

@@ -32,6 +32,7 @@ from retouch.functions.imaging import encode_image, mask_ratio
 from retouch.functions.spec import FunctionSpec
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.engine import Engine, OnStep, Output, Work
+from retouch.runtime.executor.changes import ChangeFeed
 from retouch.runtime.fingerprint import model_fingerprint
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
@@ -151,6 +152,8 @@ class ExecutorCore:
         self.name = name
         self.models = models
         self.templates = templates
+        self.changes = ChangeFeed()  # what the gateway's cluster view follows
+        templates.on_change = self.changes.publish
         self.engine = engine
         self.stages = stages  # None: pre/post on the engine thread
         self.maskaware = maskaware  # False: every token computed, no cache (comparisons)

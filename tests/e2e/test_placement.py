@@ -4,6 +4,7 @@ policy, predictions on every result, SLO admission, and bad control-plane input.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from pathlib import Path
 
 import httpx
@@ -58,7 +59,10 @@ def test_maskaware_places_on_both_executors_and_reports_its_predictions(tmp_path
         assert control["decision_ms_p99"] > 0 and control["prediction_error_p50"] >= 0
         # Template residency as the gateway knows it, from the executors' own reports.
         residency = {
-            t for e in executors["executors"] for t, tier in e["templates"].items() if tier == "host"
+            t
+            for e in executors["executors"]
+            for t, tier in e["templates"].items()
+            if tier == "host"
         }
         assert residency  # the templates just read are host-resident
         metrics = httpx.get(f"{server.url}/metrics").text
@@ -96,3 +100,21 @@ def test_bad_control_plane_input_is_refused_naming_the_field(tmp_path: Path) -> 
             assert response.status_code == 422, response.text
             assert response.json()["error"]["field"] == field
         assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def test_the_view_learns_of_finished_bakes_without_any_invocation(tmp_path: Path) -> None:
+    """Each executor's change feed tells the gateway when its bakes finish. Without it an
+    executor that got no invocation yet stayed "baking" in the view forever, and the
+    affinity term of ``maskaware`` sent every invocation to the other one."""
+    with ServerProcess(tmp_path / "data", executors=2) as server, Client(server.url) as client:
+        client.deploy(*spec("edit"))  # returns once every executor has baked every template
+        deadline = time.monotonic() + 15
+        while True:
+            views = {e["name"]: e["templates"] for e in client.executors()["executors"]}
+            known = {name: set(tiers.values()) for name, tiers in views.items()}
+            if all(tiers and tiers <= {"host", "disk"} for tiers in known.values()):
+                break
+            assert time.monotonic() < deadline, f"the view still has {known}"
+            time.sleep(0.2)
+        assert set(views) == {"exec-0", "exec-1"}
+        assert all(len(tiers) == 3 for tiers in views.values())

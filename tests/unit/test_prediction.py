@@ -141,9 +141,30 @@ def test_view_follows_place_progress_finish_and_learns_drift() -> None:
     )
     error = view.finish(1, 100.0 + 2 * idle.finish_s, result)  # it took twice as long
     assert error == pytest.approx(0.5)
-    assert view.calibration.scale > 1.0  # the next predictions are slower
+    assert view.calibration.scale == 1.0  # an executor's first result is cold: not learnt
     assert view.tier("fn", "t") is Residency.HOST  # read: now host-resident
     assert view.inflight == 0
+    again = view.place(2, request(0.2), now=200.0)
+    assert again is not None
+    view.finish(2, 200.0 + 2 * again.predicted.finish_s, result)
+    assert view.calibration.scale > 1.0  # the next predictions are slower
+
+
+def test_pre_and_post_times_are_learnt_pool_wide() -> None:
+    """An executor that got no work since its slow, cold start is not predicted slow for
+    ever: the time around the steps is the pool's, learnt from every executor."""
+    cluster = ClusterView()
+    busy, idle = view_with(cluster, "busy"), view_with(cluster, "idle")
+    timings = wire.Timings(pre_ms=40.0, post_ms=60.0)
+    result = wire.InvokeResult(b"", "png", 1, 1, 0.2, "busy", wire.InvokePath.MASKAWARE)
+    result.timings = timings
+    for token in range(3):
+        placed = busy.place(token, request(0.2), now=float(token))
+        assert placed is not None
+        busy.finish(token, token + placed.predicted.finish_s, result)
+    assert idle.overheads is busy.overheads
+    assert idle.overheads.pre_s == pytest.approx(0.04) and idle.overheads.post_s == 0.06
+    assert idle.predict(request(0.2)).finish_s == pytest.approx(busy.predict(request(0.2)).finish_s)
 
 
 def test_maskaware_prefers_less_work_not_fewer_requests() -> None:
