@@ -428,7 +428,7 @@ class Gateway:
         received = time.perf_counter()
         fn = self._servable(request.path_params["name"])
         self.pool.admit(fn.spec.name)  # a full queue answers 429 before the body is read
-        self.pool.admit_slo(fn.cheapest)  # ... and so does an SLO nothing could meet
+        self.pool.admit_slo(fn.cheapest, early=True)  # ... and so does an SLO nothing could meet
         req = wire.InvokeRequest.from_wire(
             await read_body(request, self.max_body, allow_json=False)
         )
@@ -455,7 +455,7 @@ class Gateway:
         fn = self._servable(request.path_params["name"])
         wait_s = parse_prefer_wait(request.headers.get("prefer"))
         self.pool.admit(fn.spec.name)
-        self.pool.admit_slo(fn.cheapest)
+        self.pool.admit_slo(fn.cheapest, early=True)
         req = wire.JobRequest.from_wire(await read_body(request, self.max_body, allow_json=False))
         if req.webhook is not None:
             await self.webhook_allow.check(req.webhook)
@@ -577,7 +577,7 @@ class Gateway:
         self.metrics.queue_events.labels("timed_out").set(queue.stats.timed_out)
         self.metrics.queue_events.labels("replaced").set(queue.stats.replaced)
         self.metrics.queue_events.labels("admitted").set(queue.stats.admitted)
-        for event in ("slo_rejected", "slo_dropped", "would_reject"):
+        for event in ("slo_rejected", "slo_dropped", "would_reject", "slo_probes"):
             self.metrics.queue_events.labels(event).set(getattr(queue.stats, event))
         placement = self.pool.placement_summary()
         for quantity, value in placement.items():

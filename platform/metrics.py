@@ -111,7 +111,7 @@ class GatewayMetrics:
         )
         self.queue_events = Gauge(
             "retouch_queue_events",
-            "Gateway queue totals since start: admitted, rejected (429 overloaded), slo_rejected (429 slo_unattainable on arrival), slo_dropped (dropped from the queue, SLO out of reach), would_reject (admission dry run), timed_out, replaced (re-placed after an executor was lost)",
+            "Gateway queue totals since start: admitted, rejected (429 overloaded), slo_rejected (429 slo_unattainable on arrival), slo_dropped (dropped from the queue, SLO out of reach), would_reject (admission dry run), slo_probes (admitted to re-check a learnt refusal on an idle executor), timed_out, replaced (re-placed after an executor was lost)",
             ["event"],
             registry=r,
         )

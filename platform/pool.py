@@ -335,11 +335,11 @@ class ExecutorPool:
     def admit(self, function: str) -> None:
         self.queue.admit(function)
 
-    def admit_slo(self, request: PlacementRequest) -> None:
+    def admit_slo(self, request: PlacementRequest, *, early: bool = False) -> None:
         """429 ``slo_unattainable`` when ``request`` is predicted to miss its SLO."""
         started = time.perf_counter()
         try:
-            self.queue.admit_slo(request)
+            self.queue.admit_slo(request, early=early)
         finally:
             self.stats.admission_s.append(time.perf_counter() - started)
 
@@ -456,6 +456,8 @@ class ExecutorPool:
         error = handle.view.finish(token, time.monotonic(), result)
         if placed is not None:
             result.timings.predicted_ms = placed.predicted.finish_s * 1e3
+            if placed.predicted.finish_s > 0 and result.timings.placed_ms > 0:
+                self.queue.observe_outcome(result.timings.placed_ms / result.timings.predicted_ms)
         if error is not None:
             self.stats.prediction_error.append(error)
         stale = error is not None and error > RECALIBRATE_ERROR  # the executor's fit moved
@@ -535,6 +537,7 @@ class ExecutorPool:
             "admission_ms_p99": q(admissions, 0.99, 1e3),
             "prediction_error_p50": q(errors, 0.5),
             "prediction_error_p90": q(errors, 0.9),
+            "admission_margin": round(self.queue.margin, 3),
         }
 
     # ---- state --------------------------------------------------------------------------

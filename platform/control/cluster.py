@@ -145,7 +145,7 @@ class ExecutorView:
         self.version = 0
         self.arrivals = ArrivalRate()  # placements here, to predict who joins later
         self._memo: dict[tuple, Prediction] = {}
-        self._memo_version = -1
+        self._memo_version: tuple = ()
 
     # ---- what the executor is -----------------------------------------------------------
     def observe_state(self, state: wire.ExecutorState, costers: CosterCache) -> None:
@@ -272,12 +272,18 @@ class ExecutorView:
         self.version += 1
 
     # ---- prediction ---------------------------------------------------------------------
-    def predict(self, newcomer: PlacementRequest | None) -> Prediction | None:
+    def predict(
+        self, newcomer: PlacementRequest | None, *, learnt: bool = True
+    ) -> Prediction | None:
         """Predicted start and finish (seconds from now) of ``newcomer`` here, or of the
-        work already here when None; memoised until the view changes."""
-        if self._memo_version != self.version:
+        work already here when None; memoised until the view changes. ``learnt=False``:
+        from the profile alone, without the corrections learnt from results (admission's
+        half-open probe compares the two)."""
+        # The pool's overheads change with other executors' results: they count too.
+        version = (self.version, self.overheads.observations, self.overheads.disk_load_s)
+        if self._memo_version != version:
             self._memo.clear()
-            self._memo_version = self.version
+            self._memo_version = version
         member = None
         if newcomer is not None:
             member = self.member(newcomer)
@@ -285,13 +291,14 @@ class ExecutorView:
                 return None
         # Newcomers whose masks differ by under 1/64 of the grid share a prediction.
         key = (
+            learnt,
             None
             if member is None
             else (
                 id(member.coster),
                 member.steps_left,
                 round(member.masked[0] * MEMO_BUCKETS / member.coster.grids[0]),
-            )
+            ),
         )
         cached = self._memo.get(key)
         if cached is not None:
@@ -299,7 +306,9 @@ class ExecutorView:
         running = [p.member for p in self.placed.values() if p.started]
         waiting = [p.member for p in self.placed.values() if not p.started]
         calibration = self.calibration.step(self.overheads)
-        if not self.placed:
+        if not learnt:
+            calibration = StepCalibration()
+        elif not self.placed:
             # Drift is learnt under load; an idle executor runs as its step fit says. Else a
             # burst's drift could keep admission refusing an idle pool, which would then
             # never observe anything to unlearn it.

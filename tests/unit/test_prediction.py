@@ -333,3 +333,79 @@ def test_drift_learnt_under_load_does_not_apply_to_an_idle_executor() -> None:
     assert view.predict(request(0.3)).finish_s == pytest.approx(alone)
     view.place(1, request(0.3), now=0.0)
     assert view.predict(request(0.3)).finish_s > 2 * alone  # busy: drift applies
+
+
+def test_admission_probes_a_learnt_refusal_once_per_interval_on_an_idle_executor() -> None:
+    """Learnt pre/post times above the SLO refused everything on an idle pool for ever;
+    the half-open probe lets one through per interval when the profile alone says the SLO
+    can be met, and never when the executor is busy or the profile itself misses it."""
+    from retouch.functions.errors import Overloaded
+    from retouch.platform.control.queue import PROBE_INTERVAL_S, InvocationQueue, QueueLimits
+    from retouch.platform.placement import MaskAware
+
+    cluster = ClusterView()
+
+    class Handle:
+        def __init__(self, view) -> None:
+            self.view, self.name, self.slots = view, view.name, 4
+
+        @property
+        def inflight(self) -> int:
+            return self.view.inflight
+
+    handle = Handle(view_with(cluster, "a"))
+    alone = handle.view.predict(request(0.5)).finish_s
+    cluster.overheads.observe(2 * alone, 2 * alone)  # learnt in a burst
+
+    def slo(seconds: float) -> PlacementRequest:
+        r = request(0.5)
+        return PlacementRequest(
+            r.function, r.template, r.mask_ratio, r.model, 10, r.footprint, seconds
+        )
+
+    now = [0.0]
+    queue = InvocationQueue(QueueLimits(), MaskAware(seed=0), lambda fn: [handle], lambda: now[0])
+    queue.admit_slo(slo(2 * alone))  # refused by what was learnt, admitted as a probe
+    assert queue.stats.slo_probes == 1
+    with pytest.raises(Overloaded):
+        queue.admit_slo(slo(2 * alone))  # within the interval: refused
+    with pytest.raises(Overloaded):
+        queue.admit_slo(slo(alone / 2))  # the profile itself misses it: never probed
+    now[0] += PROBE_INTERVAL_S
+    handle.view.place(1, request(0.5), now[0])
+    with pytest.raises(Overloaded):
+        queue.admit_slo(slo(2 * alone))  # the executor is busy: no probe
+    assert queue.stats.slo_probes == 1
+    now[0] += PROBE_INTERVAL_S
+    handle.view.finish(1, now[0], None)
+    queue.admit_slo(slo(2 * alone), early=True)  # the check before the body: not used up
+    queue.admit_slo(slo(2 * alone))  # so the check after decoding can use it
+    assert queue.stats.slo_probes == 2
+
+
+def test_admission_margin_follows_how_late_admitted_invocations_ran() -> None:
+    from retouch.functions.errors import Overloaded
+    from retouch.platform.control.queue import InvocationQueue, QueueLimits
+    from retouch.platform.placement import MaskAware
+
+    cluster = ClusterView()
+
+    class Handle:
+        def __init__(self, view) -> None:
+            self.view, self.name, self.slots, self.inflight = view, view.name, 4, 1
+
+    handle = Handle(view_with(cluster, "a"))
+    alone = handle.view.predict(request(0.5)).finish_s
+    r = request(0.5)
+    fits = PlacementRequest(
+        r.function, r.template, r.mask_ratio, r.model, 10, r.footprint, 1.5 * alone
+    )
+    queue = InvocationQueue(QueueLimits(), MaskAware(seed=0), lambda fn: [handle], lambda: 0.0)
+    queue.admit_slo(fits)  # the prediction fits: admitted
+    for _ in range(32):
+        queue.observe_outcome(2.0)  # invocations took twice their prediction
+    assert queue.margin == 2.0
+    queue.admit_slo(fits)  # refused by the margin, let through as the idle pool's probe
+    assert queue.stats.slo_probes == 1
+    with pytest.raises(Overloaded):
+        queue.admit_slo(fits)
