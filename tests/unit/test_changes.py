@@ -74,3 +74,18 @@ def test_a_wait_with_nothing_new_ends_at_its_timeout_empty():
 def test_cuda_visible_devices_decides_the_gpus(monkeypatch, visible, expected):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert gpu_devices() == expected
+
+
+def test_close_answers_open_polls_at_once_so_shutdown_need_not_wait():
+    feed = ChangeFeed()
+
+    async def main() -> tuple[ExecutorChanges, ExecutorChanges]:
+        waiting = asyncio.create_task(feed.wait(0, timeout_s=30))
+        await asyncio.sleep(0.05)
+        feed.close()
+        first = await asyncio.wait_for(waiting, 1)
+        later = await asyncio.wait_for(feed.wait(0, timeout_s=30), 1)
+        return first, later
+
+    first, later = asyncio.run(main())
+    assert first.changes == () and later.changes == ()
