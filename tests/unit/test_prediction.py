@@ -189,6 +189,43 @@ def test_maskaware_prefers_less_work_not_fewer_requests() -> None:
     assert MaskAware(seed=0).choose([a, b], new) is b
 
 
+def test_maskaware_in_a_large_pool_predicts_only_a_shortlist_and_finds_the_idle_one() -> None:
+    from retouch.platform.placement import MaskAware
+
+    cluster = ClusterView()
+
+    class Handle:
+        def __init__(self, view) -> None:
+            self.view, self.name, self.slots = view, view.name, view.slots
+
+        @property
+        def inflight(self) -> int:
+            return self.view.inflight
+
+    pool = [Handle(view_with(cluster, f"e{i}")) for i in range(20)]
+    token = 0
+    for h in pool[:-1]:  # all busy but the last
+        for ratio in (0.5, 0.3):
+            token += 1
+            h.view.place(token, request(ratio), 0.0)
+    exact = []  # executors asked for the newcomer's own prediction
+
+    def counting(view):
+        original = view.predict
+
+        def predict(newcomer, **kwargs):
+            if newcomer is not None:
+                exact.append(view.name)
+            return original(newcomer, **kwargs)
+
+        return predict
+
+    for h in pool:
+        h.view.predict = counting(h.view)
+    assert MaskAware(seed=0, shortlist=4).choose(pool, request(0.2)) is pool[-1]
+    assert len(exact) == 4 and "e19" in exact
+
+
 def test_maskaware_follows_the_template_unless_it_piles_up() -> None:
     from retouch.platform.placement import MaskAware
 
