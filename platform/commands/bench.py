@@ -33,7 +33,18 @@ from retouch.platform.commands.common import (
 def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for add in (_gateway, _deploy, _engine, _fidelity, _load, _placement, _plan, _edits, _store):
+    for add in (
+        _gateway,
+        _deploy,
+        _engine,
+        _fidelity,
+        _load,
+        _placement,
+        _sim,
+        _plan,
+        _edits,
+        _store,
+    ):
         add(bench_sub)
 
 
@@ -364,6 +375,59 @@ def _run_placement(args: argparse.Namespace) -> None:
         raise ValueError("--executors and --decisions must be >= 1")
     make_placement(args.policy)  # an unknown policy fails before any work
     report(run_placement_bench(sizes, args.decisions, args.policy, args.seed), args.json)
+
+
+def _sim(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "sim",
+        help="placement policies on a simulated pool (virtual clock, the gateway's own "
+        "control-plane objects), the same arrivals for each",
+    )
+    p.add_argument("--executors", type=positive_int, default=64, help="pool size (default 64)")
+    p.add_argument(
+        "--placement",
+        default="maskaware,least-requests,round-robin",
+        help="policies, comma-separated (default maskaware,least-requests,round-robin)",
+    )
+    p.add_argument(
+        "--arrivals", default="poisson", help="poisson, or gamma:CV (e.g. gamma:2; default poisson)"
+    )
+    p.add_argument("--masks", choices=("beta", "bimodal"), default="beta", help="mask ratio mix")
+    p.add_argument(
+        "--mask-mean", type=ratio, default=0.19, help="mean of the Beta mask ratios (default 0.19)"
+    )
+    p.add_argument(
+        "--load", type=positive_float, default=0.85, help="offered rate / capacity (default 0.85)"
+    )
+    p.add_argument("--requests", type=positive_int, default=20000, help="arrivals (default 20000)")
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=1000, help="first arrivals left out (1000)"
+    )
+    add_steps(p, 28)
+    p.add_argument("--max-batch", type=positive_int, default=8, help="batch limit (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of arrivals, masks and noise")
+    add_json(p)
+    p.set_defaults(run=_run_sim)
+
+
+def _run_sim(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.placement import flux_like_cost_model
+    from retouch.platform.simulator import SimSpec, run_simulation
+
+    spec = SimSpec(
+        executors=args.executors,
+        placements=tuple(p for p in args.placement.split(",") if p),
+        arrivals=args.arrivals,
+        masks=args.masks,
+        mask_mean=args.mask_mean,
+        load=args.load,
+        requests=args.requests,
+        warmup=args.warmup,
+        steps=args.steps,
+        max_batch=args.max_batch,
+        seed=args.seed,
+    )
+    report(run_simulation(spec, flux_like_cost_model()), args.json)
 
 
 def _plan(bench_sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,333 @@
+"""A discrete-event simulation of a pool of executors on a virtual clock.
+
+The pool is driven by the gateway's own control-plane objects: one
+:class:`~retouch.platform.control.cluster.ExecutorView` per executor (placed into, stepped
+and finished exactly as the pool does it), the placement policies of
+:mod:`retouch.platform.placement`, and their predictions. The only things simulated are
+what a real pool would measure: the executors' step-level engines and the arrivals.
+
+A simulated engine follows the real one:
+* an invocation bound to it pre-processes for ``pre_s`` (in workers, beside the steps);
+* it then joins the running batch at the next step boundary while there is room
+  (``max_batch``);
+* each step of the batch costs what the profile's bubble-free plan says, times a lognormal
+  noise;
+* finished invocations post-process for ``post_s``.
+
+Which executors can take an invocation depends on the policy. A late-binding one
+(``maskaware``) has an invocation wait in the gateway queue until an executor has batch
+room. The baselines bind to any free slot (2 × ``max_batch``). Every template is in host
+memory; tiers and bakes are not simulated yet.
+
+Not built yet (see the issue note): admission, autoscaling, template tiers, trace replay,
+and validation against real runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from retouch.functions import wire
+from retouch.platform.control.cluster import (
+    ClusterView,
+    ExecutorView,
+    PlacementRequest,
+    Residency,
+)
+from retouch.platform.placement import MaskAware, Placement, make_placement
+from retouch.runtime.costmodel import CostModel
+from retouch.runtime.prediction import TOKEN_PX, MaskFootprint, StepCoster, plan_table
+
+MODEL = "sim-model"
+FUNCTION = "sim"
+TEMPLATE = "t"
+SLOTS_PER_BATCH = 2  # as the pool: the running batch plus a pre-processing buffer
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """One simulated workload on one pool (every placement gets the same arrivals)."""
+
+    executors: int = 64
+    placements: tuple[str, ...] = ("maskaware", "least-requests", "round-robin")
+    arrivals: str = "poisson"  # or "gamma:CV"
+    masks: str = "beta"  # or "bimodal" (half 0.05, half 0.6)
+    mask_mean: float = 0.19
+    load: float = 0.85  # offered rate as a fraction of the pool's capacity
+    requests: int = 20000
+    warmup: int = 1000  # the first arrivals are left out of the figures
+    steps: int = 28
+    max_batch: int = 8
+    size: int = 1024  # image side in pixels
+    pre_s: float = 0.05  # text/VAE encode, in workers
+    post_s: float = 0.05  # VAE decode and image encoding, in workers
+    noise: float = 0.05  # sigma of the lognormal factor on every step's profiled time
+    seed: int = 0
+
+
+@dataclass(eq=False)
+class Job:
+    index: int
+    arrival: float
+    request: PlacementRequest
+    token: int = -1
+    steps_left: int = 0
+    done_at: float = math.nan
+    predicted_s: float = 0.0
+    placed_at: float = 0.0
+
+
+@dataclass(eq=False)
+class SimExecutor:
+    """What the policy sees (name, inflight, slots, view) and the simulated engine."""
+
+    name: str
+    view: ExecutorView
+    slots: int
+    inflight: int = 0
+    running: list[Job] = field(default_factory=list)
+    ready: deque[Job] = field(default_factory=deque)  # encoded, waiting to join
+    stepping: bool = False
+    busy_s: float = 0.0
+
+
+class Simulation:
+    """One placement policy on one pool, run to the last arrival's completion."""
+
+    def __init__(
+        self, spec: SimSpec, cost_model: CostModel, policy: Placement, jobs: list[Job]
+    ) -> None:
+        self.spec = spec
+        self.policy = policy
+        self.jobs = jobs
+        self.cluster = ClusterView()
+        model = CostModel.from_dict(cost_model.to_dict())
+        model.extra["step_table"] = plan_table(model, model.extra["grids"], spec.max_batch)
+        state = wire.ExecutorState("sim", 0, model.device, cost_models={MODEL: model.to_dict()})
+        self.executors = []
+        for i in range(spec.executors):
+            view = self.cluster.add(f"exec-{i}", spec.max_batch, SLOTS_PER_BATCH * spec.max_batch)
+            view.observe_state(state, self.cluster.costers)
+            view.phase = wire.ExecutorPhase.READY
+            view.residency[(FUNCTION, TEMPLATE)] = Residency.HOST
+            self.executors.append(SimExecutor(view.name, view, view.slots))
+        self.coster = self.executors[0].view.costers[MODEL]
+        self.rng = np.random.default_rng(spec.seed + 7)
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.queue: deque[Job] = deque()
+        self.errors: list[float] = []
+        self.decision_s: list[float] = []
+
+    # ---- the event loop -----------------------------------------------------------------
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), action))
+
+    def run(self) -> dict[str, Any]:
+        for job in self.jobs:
+            self.at(job.arrival, lambda job=job: self._arrive(job))
+        started = time.perf_counter()
+        while self._events:
+            self.now, _, action = heapq.heappop(self._events)
+            action()
+        wall_s = time.perf_counter() - started
+        return self._summary(wall_s)
+
+    # ---- the gateway --------------------------------------------------------------------
+    def _arrive(self, job: Job) -> None:
+        self.queue.append(job)
+        self._dispatch()
+
+    def _room(self, ex: SimExecutor) -> bool:
+        limit = self.spec.max_batch if self.policy.late_binding else ex.slots
+        return ex.inflight < limit
+
+    def _dispatch(self) -> None:
+        while self.queue:
+            room = [e for e in self.executors if self._room(e)]
+            if not room:
+                return
+            job = self.queue.popleft()
+            started = time.perf_counter()
+            chosen = self.policy.choose(room, job.request)
+            self.decision_s.append(time.perf_counter() - started)
+            self._bind(chosen, job)
+
+    def _bind(self, ex: SimExecutor, job: Job) -> None:
+        job.token = self.cluster.token()
+        placed = ex.view.place(job.token, job.request, self.now)
+        job.predicted_s = placed.predicted.finish_s if placed is not None else 0.0
+        job.placed_at = self.now
+        job.steps_left = self.spec.steps
+        ex.inflight += 1
+        self.at(self.now + self.spec.pre_s, lambda: self._encoded(ex, job))
+
+    # ---- a simulated engine -------------------------------------------------------------
+    def _encoded(self, ex: SimExecutor, job: Job) -> None:
+        ex.ready.append(job)
+        if not ex.stepping:
+            self._step(ex)
+
+    def _step(self, ex: SimExecutor) -> None:
+        """Join what is ready while there is room, then run one step of the batch."""
+        while ex.ready and len(ex.running) < self.spec.max_batch:
+            ex.running.append(ex.ready.popleft())
+        if not ex.running:
+            ex.stepping = False
+            return
+        ex.stepping = True
+        masked = sum(j.request.footprint.on(self.coster.grids)[0] for j in ex.running)
+        seconds = self.coster.step_s0(len(ex.running), masked)
+        seconds *= float(self.rng.lognormal(0.0, self.spec.noise)) if self.spec.noise else 1.0
+        ex.busy_s += seconds
+        self.at(self.now + seconds, lambda: self._stepped(ex))
+
+    def _stepped(self, ex: SimExecutor) -> None:
+        still = []
+        for job in ex.running:
+            job.steps_left -= 1
+            ex.view.progress(job.token, self.spec.steps - job.steps_left, self.spec.steps)
+            if job.steps_left > 0:
+                still.append(job)
+            else:
+                self.at(self.now + self.spec.post_s, lambda job=job: self._done(ex, job))
+        ex.running = still
+        self._step(ex)
+
+    def _done(self, ex: SimExecutor, job: Job) -> None:
+        job.done_at = self.now
+        result = wire.InvokeResult(
+            b"",
+            "png",
+            1,
+            1,
+            job.request.mask_ratio,
+            ex.name,
+            wire.InvokePath.MASKAWARE,
+            timings=wire.Timings(pre_ms=self.spec.pre_s * 1e3, post_ms=self.spec.post_s * 1e3),
+            cache=wire.CacheRead(wire.CacheTier.HOST, 0.0),
+        )
+        error = ex.view.finish(job.token, self.now, result)
+        if error is not None and job.index >= self.spec.warmup:
+            self.errors.append(error)
+        ex.inflight -= 1
+        self._dispatch()
+
+    # ---- figures ------------------------------------------------------------------------
+    def _summary(self, wall_s: float) -> dict[str, Any]:
+        measured = [j for j in self.jobs if j.index >= self.spec.warmup]
+        latency = np.array([j.done_at - j.arrival for j in measured]) * 1e3
+        span = max(j.done_at for j in self.jobs) if self.jobs else 0.0
+        decisions = np.array(self.decision_s) * 1e3 if self.decision_s else np.zeros(1)
+        return {
+            "p50_ms": float(np.percentile(latency, 50)),
+            "p95_ms": float(np.percentile(latency, 95)),
+            "p99_ms": float(np.percentile(latency, 99)),
+            "mean_ms": float(latency.mean()),
+            "prediction_error_p50": float(np.median(self.errors)) if self.errors else math.nan,
+            "utilisation": sum(e.busy_s for e in self.executors) / (span * len(self.executors)),
+            "executor_seconds": span * len(self.executors),
+            "simulated_s": span,
+            "wall_s": wall_s,
+            "speedup": span / wall_s if wall_s > 0 else math.inf,
+            "decision_ms_p99": float(np.percentile(decisions, 99)),
+        }
+
+
+# ---- workloads --------------------------------------------------------------------------
+def footprint(ratio: float, size: int) -> MaskFootprint:
+    """A mask of ``ratio`` summarised directly (a compact square: no pixels drawn)."""
+    masked = {}
+    for px in TOKEN_PX:
+        side = -(-size // px)
+        masked[px] = min(side * side, math.ceil(ratio * side * side))
+    return MaskFootprint(ratio, size * size, masked)
+
+
+def mask_ratios(spec: SimSpec, rng: np.random.Generator) -> np.ndarray:
+    if spec.masks == "bimodal":
+        return np.where(rng.random(spec.requests) < 0.5, 0.05, 0.6)
+    if spec.masks != "beta":
+        raise ValueError(f"masks must be beta or bimodal, not {spec.masks!r}")
+    if not 0 < spec.mask_mean < 1:
+        raise ValueError(f"the mask mean must be in (0, 1), not {spec.mask_mean}")
+    concentration = 10.0
+    a, b = spec.mask_mean * concentration, (1 - spec.mask_mean) * concentration
+    return np.clip(rng.beta(a, b, spec.requests), 0.01, 1.0)
+
+
+def gaps(spec: SimSpec, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Inter-arrival gaps with mean ``1/rate``: exponential, or gamma with a CV."""
+    if spec.arrivals == "poisson":
+        return rng.exponential(1.0 / rate, spec.requests)
+    kind, _, cv_text = spec.arrivals.partition(":")
+    try:
+        cv = float(cv_text)
+    except ValueError:
+        cv = 0.0
+    if kind != "gamma" or cv <= 0:
+        raise ValueError(f"arrivals must be poisson or gamma:CV with CV > 0, not {spec.arrivals!r}")
+    shape = 1.0 / (cv * cv)
+    return rng.gamma(shape, 1.0 / (rate * shape), spec.requests)
+
+
+def capacity_rps(spec: SimSpec, cost_model: CostModel, ratios: np.ndarray) -> float:
+    """Invocations per second the pool sustains with full batches of the mean mask."""
+    model = CostModel.from_dict(cost_model.to_dict())
+    coster = StepCoster(model, model.extra["grids"])
+    grid = coster.grids[0]
+    masked = spec.max_batch * math.ceil(float(ratios.mean()) * grid)
+    step = coster.step_s0(spec.max_batch, masked)
+    return spec.executors * spec.max_batch / (spec.steps * step)
+
+
+def plan_jobs(spec: SimSpec, cost_model: CostModel) -> tuple[list[Job], float]:
+    """The arrivals every placement replays, and their rate."""
+    rng = np.random.default_rng(spec.seed)
+    ratios = mask_ratios(spec, rng)
+    rate = spec.load * capacity_rps(spec, cost_model, ratios)
+    arrivals = np.cumsum(gaps(spec, rate, rng))
+    jobs = []
+    for i, (at, ratio) in enumerate(zip(arrivals, ratios, strict=True)):
+        fp = footprint(float(ratio), spec.size)
+        request = PlacementRequest(FUNCTION, TEMPLATE, fp.ratio, MODEL, spec.steps, fp)
+        jobs.append(Job(i, float(at), request))
+    return jobs, rate
+
+
+def run_simulation(spec: SimSpec, cost_model: CostModel) -> dict[str, Any]:
+    """Every placement of ``spec`` on the same arrivals; one summary per placement."""
+    if spec.executors < 1 or spec.requests <= spec.warmup or spec.max_batch < 1:
+        raise ValueError("need executors >= 1, max batch >= 1 and requests > warmup")
+    if not spec.load > 0:
+        raise ValueError(f"load must be positive, not {spec.load}")
+    for name in spec.placements:
+        make_placement(name)  # a typo fails before any run
+    configs = {}
+    rate = 0.0
+    for name in spec.placements:
+        jobs, rate = plan_jobs(spec, cost_model)
+        policy = make_placement(name)
+        if isinstance(policy, MaskAware):  # its near-ties are random: seeded, reproducible
+            policy = dataclasses.replace(policy, seed=spec.seed)
+        configs[name] = Simulation(spec, cost_model, policy, jobs).run()
+    return {
+        "executors": spec.executors,
+        "rate_rps": rate,
+        "load": spec.load,
+        "arrivals": spec.arrivals,
+        "masks": spec.masks if spec.masks == "bimodal" else f"beta:{spec.mask_mean}",
+        "requests": spec.requests - spec.warmup,
+        "configs": configs,
+    }

@@ -1,0 +1,53 @@
+"""The simulated pool: the gateway's control-plane objects on a virtual clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from retouch.platform.bench.placement import flux_like_cost_model
+from retouch.platform.simulator import SimSpec, footprint, run_simulation
+from retouch.runtime.costmodel import CostModel
+from retouch.runtime.prediction import StepCoster
+
+SMALL = SimSpec(executors=4, requests=600, warmup=60, steps=8, noise=0.0)
+
+
+def test_every_invocation_completes_and_the_same_seed_gives_the_same_figures():
+    a = run_simulation(SMALL, flux_like_cost_model())
+    b = run_simulation(SMALL, flux_like_cost_model())
+    for name in SMALL.placements:
+        fig_a, fig_b = a["configs"][name], b["configs"][name]
+        for key in ("p50_ms", "p95_ms", "p99_ms", "executor_seconds"):
+            assert fig_a[key] == fig_b[key]
+        assert 0 < fig_a["utilisation"] <= 1
+        assert fig_a["speedup"] > 1  # faster than real time
+
+
+def test_a_lone_invocation_takes_its_steps_plus_pre_and_post():
+    spec = SimSpec(
+        executors=1,
+        requests=12,
+        warmup=0,
+        load=0.001,
+        steps=8,
+        noise=0.0,
+        placements=("maskaware",),
+    )
+    model = flux_like_cost_model()
+    got = run_simulation(spec, model)["configs"]["maskaware"]
+    coster = StepCoster(CostModel.from_dict(model.to_dict()), model.extra["grids"])
+    # Invocations far apart: each alone on the executor. The first two teach the view the
+    # time around the steps (the first result of an executor is not learnt: it is cold).
+    fp = footprint(0.19, spec.size)
+    one = spec.pre_s + spec.steps * coster.step_s0(1, fp.on(coster.grids)[0]) + spec.post_s
+    assert got["p50_ms"] == pytest.approx(one * 1e3, rel=0.6)  # masks differ (Beta draws)
+    assert got["prediction_error_p50"] < 0.01  # no noise: predictions are exact when alone
+
+
+def test_bad_workloads_are_refused_before_running():
+    with pytest.raises(ValueError, match="gamma"):
+        run_simulation(SimSpec(arrivals="gamma:0", requests=10, warmup=0), flux_like_cost_model())
+    with pytest.raises(ValueError, match="unknown placement"):
+        run_simulation(SimSpec(placements=("fastest",)), flux_like_cost_model())
+    with pytest.raises(ValueError, match="requests"):
+        run_simulation(SimSpec(requests=10, warmup=10), flux_like_cost_model())
