@@ -121,9 +121,9 @@ class MaskAware:
     name: str = "maskaware"
     late_binding: bool = True
     imbalance: float = 0.5  # affinity may finish at most this much later than the fastest
-    # Exact predictions only for this many executors, those with the least predicted work
-    # plus residency cost (memoised per executor between its changes, so nearly free):
-    # the power-of-k-choices idea of Ray Serve's router, with a cost model as the ranking.
+    # Exact predictions only for this many executors, those with the least remaining work
+    # (each invocation's steps left at its solo step cost: a sum, no batch stepping) plus
+    # residency cost: the power-of-k-choices idea of Ray Serve's router, ranked by cost.
     shortlist: int = 8
     seed: int | None = None
     fallback: LeastRequests = field(default_factory=LeastRequests)
@@ -154,7 +154,7 @@ class MaskAware:
         if len(candidates) <= self.shortlist:
             return candidates
         ranked = sorted(
-            candidates, key=lambda c: c.view.work_s() + c.view.residency_cost_s(request)
+            candidates, key=lambda c: c.view.solo_work_s() + c.view.residency_cost_s(request)
         )
         return ranked[: self.shortlist]
 

@@ -146,6 +146,7 @@ class ExecutorView:
         self.arrivals = ArrivalRate()  # placements here, to predict who joins later
         self._memo: dict[tuple, Prediction] = {}
         self._memo_version: tuple = ()
+        self._solo_version, self._solo_work_s = -1, 0.0
 
     # ---- what the executor is -----------------------------------------------------------
     def observe_state(self, state: wire.ExecutorState, costers: CosterCache) -> None:
@@ -340,6 +341,19 @@ class ExecutorView:
             return 0.0
         prediction = self.predict(None)
         return prediction.finish_s if prediction is not None else 0.0
+
+    def solo_work_s(self) -> float:
+        """A cheap upper bound of the work placed here: every invocation's remaining steps
+        as if it ran alone (no stepping of the batch). Ranks executors for the shortlist of
+        exact predictions; kept until the view changes."""
+        if self._solo_version == self.version:
+            return self._solo_work_s
+        total = 0.0
+        for p in self.placed.values():
+            m = p.member
+            total += m.steps_left * m.coster.step_s0(1, m.masked[0])
+        self._solo_version, self._solo_work_s = self.version, total
+        return total
 
     def residency_cost_s(self, newcomer: PlacementRequest) -> float:
         """What the template's place adds: nothing in host memory, a disk load, or a bake
