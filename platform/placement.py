@@ -31,6 +31,7 @@ from retouch.platform.control.cluster import ExecutorView, PlacementRequest
 __all__ = ["POLICIES", "Candidate", "Placement", "PlacementRequest", "make_placement"]
 
 NEAR_TIE = 0.05  # predicted scores within 5 % (or 10 ms) count as equal
+SHORTLIST = 8  # executors given an exact prediction per decision in a large pool
 
 
 class Candidate(Protocol):
@@ -124,7 +125,7 @@ class MaskAware:
     # Exact predictions only for this many executors, those with the least remaining work
     # (each invocation's steps left at its solo step cost: a sum, no batch stepping) plus
     # residency cost: the power-of-k-choices idea of Ray Serve's router, ranked by cost.
-    shortlist: int = 8
+    shortlist: int = SHORTLIST
     seed: int | None = None
     fallback: LeastRequests = field(default_factory=LeastRequests)
     _rng: random.Random = field(init=False)
@@ -151,12 +152,21 @@ class MaskAware:
     def _shortlist(
         self, candidates: Sequence[Candidate], request: PlacementRequest
     ) -> Sequence[Candidate]:
-        if len(candidates) <= self.shortlist:
-            return candidates
-        ranked = sorted(
-            candidates, key=lambda c: c.view.solo_work_s() + c.view.residency_cost_s(request)
-        )
-        return ranked[: self.shortlist]
+        return shortlist(candidates, request, self.shortlist)
+
+
+def shortlist(
+    candidates: Sequence[Candidate], request: PlacementRequest, k: int = SHORTLIST
+) -> Sequence[Candidate]:
+    """The ``k`` executors with the least remaining work (each invocation's steps left at
+    its solo step cost, memoised per view) plus the template's residency cost: the ones
+    worth an exact prediction (placement and admission both use it)."""
+    if len(candidates) <= k:
+        return candidates
+    ranked = sorted(
+        candidates, key=lambda c: c.view.solo_work_s() + c.view.residency_cost_s(request)
+    )
+    return ranked[:k]
 
 
 POLICIES = {

@@ -19,8 +19,10 @@ Which executors can take an invocation depends on the policy. A late-binding one
 room. The baselines bind to any free slot (2 × ``max_batch``). Every template is in host
 memory; tiers and bakes are not simulated yet.
 
-Not built yet (see the issue note): admission, autoscaling, template tiers, trace replay,
-and validation against real runs.
+SLO admission is the gateway's own (``InvocationQueue.admit_slo`` on the virtual clock,
+told the service queued ahead by the simulation, which owns its queue). Not built yet (see
+the issue note): dropping queued invocations that became infeasible, autoscaling, template
+tiers, trace replay, and validation against real runs.
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ from typing import Any
 import numpy as np
 
 from retouch.functions import wire
+from retouch.functions.errors import Overloaded
 from retouch.platform.control.cluster import (
     ClusterView,
     ExecutorView,
     PlacementRequest,
     Residency,
 )
+from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.placement import MaskAware, Placement, make_placement
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.prediction import TOKEN_PX, MaskFootprint, StepCoster, plan_table
@@ -72,6 +76,7 @@ class SimSpec:
     pre_s: float = 0.05  # text/VAE encode, in workers
     post_s: float = 0.05  # VAE decode and image encoding, in workers
     noise: float = 0.05  # sigma of the lognormal factor on every step's profiled time
+    slo_factor: float | None = None  # SLO = this x the standalone latency (admission on)
     seed: int = 0
 
 
@@ -85,6 +90,8 @@ class Job:
     done_at: float = math.nan
     predicted_s: float = 0.0
     placed_at: float = 0.0
+    service_s: float = 0.0  # admission's predicted service, while it waits in the queue
+    rejected: bool = False
 
 
 @dataclass(eq=False)
@@ -105,7 +112,12 @@ class Simulation:
     """One placement policy on one pool, run to the last arrival's completion."""
 
     def __init__(
-        self, spec: SimSpec, cost_model: CostModel, policy: Placement, jobs: list[Job]
+        self,
+        spec: SimSpec,
+        cost_model: CostModel,
+        policy: Placement,
+        jobs: list[Job],
+        admission: bool = True,
     ) -> None:
         self.spec = spec
         self.policy = policy
@@ -129,6 +141,15 @@ class Simulation:
         self.queue: deque[Job] = deque()
         self.errors: list[float] = []
         self.decision_s: list[float] = []
+        # Admission is the gateway's own (InvocationQueue.admit_slo on this virtual clock);
+        # the simulation owns the queue itself and tells it the service queued ahead.
+        self.admission = InvocationQueue(
+            QueueLimits(admission=admission),
+            policy,
+            lambda function: self.executors,
+            clock=lambda: self.now,
+        )
+        self.queued_s = 0.0
 
     # ---- the event loop -----------------------------------------------------------------
     def at(self, when: float, action: Callable[[], None]) -> None:
@@ -146,6 +167,12 @@ class Simulation:
 
     # ---- the gateway --------------------------------------------------------------------
     def _arrive(self, job: Job) -> None:
+        try:
+            job.service_s = self.admission.admit_slo(job.request, queued_s=self.queued_s)
+        except Overloaded:
+            job.rejected = True
+            return
+        self.queued_s += job.service_s
         self.queue.append(job)
         self._dispatch()
 
@@ -159,6 +186,7 @@ class Simulation:
             if not room:
                 return
             job = self.queue.popleft()
+            self.queued_s -= job.service_s
             started = time.perf_counter()
             chosen = self.policy.choose(room, job.request)
             self.decision_s.append(time.perf_counter() - started)
@@ -221,16 +249,19 @@ class Simulation:
         error = ex.view.finish(job.token, self.now, result)
         if error is not None and job.index >= self.spec.warmup:
             self.errors.append(error)
+        if job.predicted_s > 0:
+            self.admission.observe_outcome((self.now - job.placed_at) / job.predicted_s)
         ex.inflight -= 1
         self._dispatch()
 
     # ---- figures ------------------------------------------------------------------------
     def _summary(self, wall_s: float) -> dict[str, Any]:
         measured = [j for j in self.jobs if j.index >= self.spec.warmup]
-        latency = np.array([j.done_at - j.arrival for j in measured]) * 1e3
-        span = max(j.done_at for j in self.jobs) if self.jobs else 0.0
+        accepted = [j for j in measured if not j.rejected]
+        latency = np.array([j.done_at - j.arrival for j in accepted] or [math.nan]) * 1e3
+        span = max((j.done_at for j in self.jobs if not j.rejected), default=0.0)
         decisions = np.array(self.decision_s) * 1e3 if self.decision_s else np.zeros(1)
-        return {
+        out: dict[str, Any] = {
             "p50_ms": float(np.percentile(latency, 50)),
             "p95_ms": float(np.percentile(latency, 95)),
             "p99_ms": float(np.percentile(latency, 99)),
@@ -242,7 +273,17 @@ class Simulation:
             "wall_s": wall_s,
             "speedup": span / wall_s if wall_s > 0 else math.inf,
             "decision_ms_p99": float(np.percentile(decisions, 99)),
+            "rejected": len(measured) - len(accepted),
+            "throughput_rps": len(accepted) / (span - self.jobs[self.spec.warmup].arrival),
         }
+        slo_s = self.jobs[0].request.slo_s
+        if slo_s is not None:
+            met = int((latency <= slo_s * 1e3).sum())
+            window = span - self.jobs[self.spec.warmup].arrival
+            out["slo_attainment"] = met / len(measured)
+            out["slo_attainment_accepted"] = met / len(accepted) if accepted else 0.0
+            out["goodput_rps"] = met / window
+        return out
 
 
 # ---- workloads --------------------------------------------------------------------------
@@ -298,12 +339,22 @@ def plan_jobs(spec: SimSpec, cost_model: CostModel) -> tuple[list[Job], float]:
     ratios = mask_ratios(spec, rng)
     rate = spec.load * capacity_rps(spec, cost_model, ratios)
     arrivals = np.cumsum(gaps(spec, rate, rng))
+    slo_s = None if spec.slo_factor is None else spec.slo_factor * standalone_s(spec, cost_model)
     jobs = []
     for i, (at, ratio) in enumerate(zip(arrivals, ratios, strict=True)):
         fp = footprint(float(ratio), spec.size)
-        request = PlacementRequest(FUNCTION, TEMPLATE, fp.ratio, MODEL, spec.steps, fp)
+        request = PlacementRequest(FUNCTION, TEMPLATE, fp.ratio, MODEL, spec.steps, fp, slo_s)
         jobs.append(Job(i, float(at), request))
     return jobs, rate
+
+
+def standalone_s(spec: SimSpec, cost_model: CostModel) -> float:
+    """One invocation of the mean mask alone on an executor: the SLO's unit."""
+    model = CostModel.from_dict(cost_model.to_dict())
+    coster = StepCoster(model, model.extra["grids"])
+    masked = footprint(spec.mask_mean if spec.masks == "beta" else 0.325, spec.size)
+    step = coster.step_s0(1, masked.on(coster.grids)[0])
+    return spec.pre_s + spec.steps * step + spec.post_s
 
 
 def run_simulation(spec: SimSpec, cost_model: CostModel) -> dict[str, Any]:
@@ -313,21 +364,35 @@ def run_simulation(spec: SimSpec, cost_model: CostModel) -> dict[str, Any]:
     if not spec.load > 0:
         raise ValueError(f"load must be positive, not {spec.load}")
     for name in spec.placements:
-        make_placement(name)  # a typo fails before any run
+        _config(name)  # a typo fails before any run
+    if spec.slo_factor is not None and not spec.slo_factor > 0:
+        raise ValueError(f"the SLO factor must be positive, not {spec.slo_factor}")
     configs = {}
     rate = 0.0
     for name in spec.placements:
         jobs, rate = plan_jobs(spec, cost_model)
-        policy = make_placement(name)
+        policy, admission = _config(name)
         if isinstance(policy, MaskAware):  # its near-ties are random: seeded, reproducible
             policy = dataclasses.replace(policy, seed=spec.seed)
-        configs[name] = Simulation(spec, cost_model, policy, jobs).run()
-    return {
+        configs[name] = Simulation(spec, cost_model, policy, jobs, admission).run()
+    out = {
         "executors": spec.executors,
         "rate_rps": rate,
+        "capacity_rps": rate / spec.load,
         "load": spec.load,
         "arrivals": spec.arrivals,
         "masks": spec.masks if spec.masks == "bimodal" else f"beta:{spec.mask_mean}",
         "requests": spec.requests - spec.warmup,
         "configs": configs,
     }
+    if spec.slo_factor is not None:
+        out["slo_ms"] = spec.slo_factor * standalone_s(spec, cost_model) * 1e3
+    return out
+
+
+def _config(name: str) -> tuple[Placement, bool]:
+    """``policy`` or ``policy+no-admission``."""
+    policy, *flags = name.split("+")
+    if any(flag != "no-admission" for flag in flags):
+        raise ValueError(f"unknown option in {name!r}: only +no-admission is known")
+    return make_placement(policy), "no-admission" not in flags

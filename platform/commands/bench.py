@@ -405,6 +405,13 @@ def _sim(bench_sub: argparse._SubParsersAction) -> None:
     )
     add_steps(p, 28)
     p.add_argument("--max-batch", type=positive_int, default=8, help="batch limit (default 8)")
+    p.add_argument(
+        "--slo-factor",
+        type=positive_float,
+        default=None,
+        help="an SLO of this many times the standalone latency, with admission (a policy "
+        "may add +no-admission to compare)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of arrivals, masks and noise")
     add_json(p)
     p.set_defaults(run=_run_sim)
@@ -425,6 +432,7 @@ def _run_sim(args: argparse.Namespace) -> None:
         warmup=args.warmup,
         steps=args.steps,
         max_batch=args.max_batch,
+        slo_factor=args.slo_factor,
         seed=args.seed,
     )
     report(run_simulation(spec, flux_like_cost_model()), args.json)

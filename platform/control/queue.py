@@ -38,7 +38,7 @@ from typing import Protocol
 
 from retouch.functions.errors import Canceled, GatewayTimeout, Overloaded
 from retouch.platform.control.cluster import ExecutorView
-from retouch.platform.placement import Placement, PlacementRequest
+from retouch.platform.placement import Placement, PlacementRequest, shortlist
 
 log = logging.getLogger(__name__)
 
@@ -168,19 +168,27 @@ class InvocationQueue:
                 retry_after_s=retry,
             )
 
-    def admit_slo(self, request: PlacementRequest, *, early: bool = False) -> float:
+    def admit_slo(
+        self, request: PlacementRequest, *, early: bool = False, queued_s: float | None = None
+    ) -> float:
         """Refuse ``request`` (429 ``slo_unattainable``) when its best predicted completion,
         the queue ahead included, exceeds its SLO. Returns its predicted service (seconds
         once started) for the queue's order; 0 when nothing can be predicted or the
         request has no SLO to check. ``early``: the check before the body is read (with the
         function's cheapest invocation); it lets a half-open probe through without using
-        it up, so that the real check after decoding can."""
+        it up, so that the real check after decoding can. ``queued_s``: the predicted
+        service of the invocations queued ahead of it, when the caller owns that queue (the
+        simulator); by default this queue's own."""
         if request.slo_s is None or not self.limits.admission:
             return 0.0
         best, service = self._best(request)
         if math.isinf(best):
             return service
-        predicted = (best + self._backlog_s(request.function)) * self._margin
+        if queued_s is None:
+            backlog = self._backlog_s(request.function)
+        else:
+            backlog = queued_s / max(1, len(self._candidates(request.function)))
+        predicted = (best + backlog) * self._margin
         if predicted <= request.slo_s or self._probe(request, consume=not early):
             return service
         retry = max(1, math.ceil(predicted - request.slo_s))
@@ -248,7 +256,7 @@ class InvocationQueue:
         """The earliest predicted finish over the function's executors, and the service
         time (finish - start) of that prediction."""
         best, service = math.inf, 0.0
-        for c in self._candidates(request.function):
+        for c in shortlist(self._candidates(request.function), request):
             prediction = c.view.predict(request)
             if prediction is not None and prediction.finish_s < best:
                 best, service = prediction.finish_s, prediction.finish_s - prediction.start_s

@@ -51,3 +51,22 @@ def test_bad_workloads_are_refused_before_running():
         run_simulation(SimSpec(placements=("fastest",)), flux_like_cost_model())
     with pytest.raises(ValueError, match="requests"):
         run_simulation(SimSpec(requests=10, warmup=10), flux_like_cost_model())
+
+
+def test_admission_in_the_simulation_is_the_gateways_and_averts_the_collapse():
+    spec = SimSpec(
+        executors=4,
+        requests=1500,
+        warmup=150,
+        steps=8,
+        load=2.0,
+        slo_factor=5.0,
+        placements=("maskaware", "maskaware+no-admission"),
+    )
+    got = run_simulation(spec, flux_like_cost_model())
+    on, off = got["configs"]["maskaware"], got["configs"]["maskaware+no-admission"]
+    assert on["rejected"] > 0 and off["rejected"] == 0
+    assert on["goodput_rps"] > 5 * off["goodput_rps"]
+    assert on["p95_ms"] < off["p95_ms"]
+    with pytest.raises(ValueError, match="no-admission"):
+        run_simulation(SimSpec(placements=("maskaware+fast",)), flux_like_cost_model())
