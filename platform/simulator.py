@@ -123,8 +123,9 @@ class Simulation:
         self.policy = policy
         self.jobs = jobs
         self.cluster = ClusterView()
-        model = CostModel.from_dict(cost_model.to_dict())
-        model.extra["step_table"] = plan_table(model, model.extra["grids"], spec.max_batch)
+        model = cost_model
+        if "step_table" not in model.extra:  # as an executor ships its profile
+            model = with_plan_table(cost_model, spec.max_batch)
         state = wire.ExecutorState("sim", 0, model.device, cost_models={MODEL: model.to_dict()})
         self.executors = []
         for i in range(spec.executors):
@@ -357,6 +358,13 @@ def standalone_s(spec: SimSpec, cost_model: CostModel) -> float:
     return spec.pre_s + spec.steps * step + spec.post_s
 
 
+def with_plan_table(cost_model: CostModel, max_batch: int) -> CostModel:
+    """A copy of ``cost_model`` with the plan table an executor would ship with it."""
+    model = CostModel.from_dict(cost_model.to_dict())
+    model.extra["step_table"] = plan_table(model, model.extra["grids"], max_batch)
+    return model
+
+
 def run_simulation(spec: SimSpec, cost_model: CostModel) -> dict[str, Any]:
     """Every placement of ``spec`` on the same arrivals; one summary per placement."""
     if spec.executors < 1 or spec.requests <= spec.warmup or spec.max_batch < 1:
@@ -367,6 +375,7 @@ def run_simulation(spec: SimSpec, cost_model: CostModel) -> dict[str, Any]:
         _config(name)  # a typo fails before any run
     if spec.slo_factor is not None and not spec.slo_factor > 0:
         raise ValueError(f"the SLO factor must be positive, not {spec.slo_factor}")
+    cost_model = with_plan_table(cost_model, spec.max_batch)  # planned once, for every run
     configs = {}
     rate = 0.0
     for name in spec.placements:
