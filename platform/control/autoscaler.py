@@ -1,0 +1,169 @@
+"""Autoscaling a model pool on predicted work: a pure policy and a thin stateful wrapper.
+
+The signal is the *predicted seconds of work* on the pool: running invocations' remaining
+time plus the queued invocations' service, from the same predictions placement uses. GPU
+utilisation is not a signal, because it stays high whether a GPU is lightly loaded or
+saturated. The desired count is that work divided by ``target_s``, the work one executor
+should hold.
+
+The rules come from Knative's KPA and from the failure reports of Ray Serve users:
+* decisions count **target** executors (ready + starting), so a slow start-up does not
+  trigger another scale-up (Ray issue #18925);
+* scale-up follows the short **panic window** (6 s), so it reacts within a tick or two;
+  when that window asks for ``panic_threshold`` times the current count the pool panics,
+  and no scale-down happens for ``panic_hold_s``;
+* scale-down follows the longer **stable window**;
+* a scale-down takes the **highest** recommendation of the last ``downscale_delay_s`` (HPA),
+  and never happens while panicking or while anything is queued;
+* going to zero waits ``downscale_to_zero_delay_s`` of no work at all;
+* from zero, any work scales up at once.
+
+Time is always passed in; the simulator runs this on a virtual clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AutoscalingConfig:
+    """A pool's scaling settings. Defaults suit executors that take minutes to start: the
+    stable window outlasts a start-up, and scale-down waits ten minutes."""
+
+    min_executors: int = 0
+    max_executors: int = 1
+    target_s: float = 30.0  # predicted seconds of work per executor
+    stable_window_s: float = 60.0
+    panic_window_s: float = 6.0
+    panic_threshold: float = 2.0  # panic when the panic window wants this x the target count
+    panic_hold_s: float = 60.0  # a panic lasts at least this long
+    downscale_delay_s: float = 600.0
+    downscale_to_zero_delay_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_executors <= self.max_executors or self.max_executors < 1:
+            raise ValueError("need 0 <= min_executors <= max_executors and max_executors >= 1")
+        if self.target_s <= 0 or self.panic_window_s <= 0 or self.stable_window_s <= 0:
+            raise ValueError("target and windows must be positive")
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """The pool at one tick: predicted seconds of work and invocations still queued."""
+
+    at: float
+    work_s: float
+    queued: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    desired: int
+    panicking: bool
+    reason: str
+
+
+def recommend(config: AutoscalingConfig, samples: list[LoadSample], now: float) -> int:
+    """Executors for the mean work over the stable window, or over the panic window when
+    that asks for more (the pure core). Scale-down holds the highest of these over its
+    delay, so a scale-up made on the short window is not undone by the long one lagging."""
+    stable = _count(config, _mean(samples, now - config.stable_window_s))
+    return max(stable, _count(config, _mean(samples, now - config.panic_window_s)))
+
+
+def decide(
+    config: AutoscalingConfig,
+    samples: list[LoadSample],
+    target: int,
+    now: float,
+    panic_until: float,
+    recent: list[tuple[float, int]],
+) -> Decision:
+    """The pool's desired executor count.
+
+    ``samples`` are the recent ticks, ``target`` is ready + starting executors, and
+    ``panic_until`` is when the current panic ends. ``recent`` holds the stable
+    recommendations of the last ``downscale_delay_s``."""
+    latest = samples[-1] if samples else LoadSample(now, 0.0, 0)
+    stable = _count(config, _mean(samples, now - config.stable_window_s))
+    panic = _count(config, _mean(samples, now - config.panic_window_s))
+    if target == 0 and (latest.work_s > 0 or latest.queued > 0):
+        return Decision(max(1, panic, stable), True, "work arrived at an empty pool")
+    if target > 0 and panic >= config.panic_threshold * target:
+        return Decision(max(panic, target), True, "panic: the burst outgrows the pool")
+    if now < panic_until:
+        return Decision(max(target, stable, panic), True, "panicking: no scale-down")
+    if max(stable, panic) > target:  # up on the short window, down only on the long one
+        return Decision(max(stable, panic), False, "more work than the pool's target")
+    if latest.queued > 0 or any(s.queued for s in samples if s.at >= now - config.panic_window_s):
+        return Decision(target, False, "invocations queued: no scale-down")
+    window = [n for at, n in recent if at >= now - config.downscale_delay_s]
+    held = max(window, default=stable)
+    if held == 0:
+        idle_since = _idle_since(samples)
+        if idle_since is None or now - idle_since < config.downscale_to_zero_delay_s:
+            return Decision(max(config.min_executors, min(target, 1)), False, "not idle long")
+    desired = max(config.min_executors, min(target, held))
+    return Decision(desired, False, "scale down" if desired < target else "steady")
+
+
+def _mean(samples: list[LoadSample], since: float) -> float:
+    window = [s.work_s for s in samples if s.at >= since]
+    return sum(window) / len(window) if window else 0.0
+
+
+def _count(config: AutoscalingConfig, work_s: float) -> int:
+    wanted = math.ceil(work_s / config.target_s - 1e-9) if work_s > 0 else 0
+    return max(config.min_executors, min(config.max_executors, wanted))
+
+
+def _idle_since(samples: list[LoadSample]) -> float | None:
+    """When the last run of samples with no work began (None: the latest had work)."""
+    since = None
+    for s in reversed(samples):
+        if s.work_s > 0 or s.queued:
+            break
+        since = s.at
+    return since
+
+
+class Autoscaler:
+    """The stateful part: recent samples, recent recommendations and the panic's end.
+    It makes no calls and starts nothing; the caller acts on the decisions."""
+
+    def __init__(self, config: AutoscalingConfig) -> None:
+        self.config = config
+        keep = max(config.stable_window_s, config.downscale_to_zero_delay_s)
+        self._keep_s = keep
+        self._samples: deque[LoadSample] = deque()
+        self._recent: deque[tuple[float, int]] = deque()
+        self._panic_until = -math.inf
+        self.decisions = 0
+        self.reversals = 0
+        self._last_direction = 0
+
+    def tick(self, now: float, work_s: float, queued: int, target: int) -> Decision:
+        self._samples.append(LoadSample(now, work_s, queued))
+        while self._samples and self._samples[0].at < now - self._keep_s:
+            self._samples.popleft()
+        samples = list(self._samples)
+        self._recent.append((now, recommend(self.config, samples, now)))
+        while self._recent and self._recent[0][0] < now - self.config.downscale_delay_s:
+            self._recent.popleft()
+        decision = decide(self.config, samples, target, now, self._panic_until, list(self._recent))
+        if decision.panicking and now >= self._panic_until:
+            self._panic_until = now + self.config.panic_hold_s
+        self._count(decision.desired - target)
+        return decision
+
+    def _count(self, change: int) -> None:
+        if change == 0:
+            return
+        self.decisions += 1
+        direction = 1 if change > 0 else -1
+        if self._last_direction and direction != self._last_direction:
+            self.reversals += 1
+        self._last_direction = direction

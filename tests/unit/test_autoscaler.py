@@ -1,0 +1,78 @@
+"""The autoscaling policy on a virtual clock: scale-up, panics, held scale-downs, zero."""
+
+from __future__ import annotations
+
+import pytest
+
+from retouch.platform.control.autoscaler import Autoscaler, AutoscalingConfig
+
+CONFIG = AutoscalingConfig(
+    min_executors=0, max_executors=16, target_s=10.0, downscale_delay_s=120.0,
+    downscale_to_zero_delay_s=60.0,
+)  # fmt: skip
+
+
+def run(scaler: Autoscaler, work, start: float, end: float, target: int, queued=0, tick=2.0):
+    """Tick every ``tick`` seconds, applying each decision at once; returns the decisions."""
+    decisions, now = [], start
+    while now < end:
+        d = scaler.tick(now, work(now), queued, target)
+        decisions.append((now, d.desired))
+        target = d.desired
+        now += tick
+    return decisions, target
+
+
+def test_work_at_an_empty_pool_starts_one_at_once():
+    scaler = Autoscaler(CONFIG)
+    assert scaler.tick(0.0, 0.0, 0, 0).desired == 0
+    d = scaler.tick(2.0, 0.0, 1, 0)  # an invocation queued, nothing running
+    assert d.desired == 1 and d.panicking
+
+
+def test_a_step_in_work_scales_up_within_a_tick_and_counts_starting_executors():
+    scaler = Autoscaler(CONFIG)
+    _, target = run(scaler, lambda t: 38.0, 0.0, 120.0, 4)  # 4 executors' worth: steady
+    assert target == 4 and scaler.decisions == 0
+    decisions, target = run(scaler, lambda t: 80.0, 120.0, 140.0, target)
+    first_up = next(t for t, n in decisions if n > 4)
+    assert first_up - 120.0 <= 2.0
+    assert target == 8  # not more: the starting executors count as capacity
+    assert scaler.reversals == 0
+
+
+def test_scale_down_waits_for_the_window_and_never_while_queued():
+    scaler = Autoscaler(CONFIG)
+    _, target = run(scaler, lambda t: 80.0, 0.0, 100.0, 8)
+    decisions, after = run(scaler, lambda t: 20.0, 100.0, 200.0, target, queued=3)
+    assert after == 8 and all(n == 8 for _, n in decisions)  # invocations queued: held
+    decisions, after = run(scaler, lambda t: 20.0, 200.0, 400.0, after)
+    assert after == 2
+    assert scaler.reversals == 0  # straight down, no flapping on the way
+
+
+def test_idle_goes_to_zero_only_after_the_zero_delay_and_never_below_min():
+    scaler = Autoscaler(CONFIG)
+    _, target = run(scaler, lambda t: 5.0, 0.0, 60.0, 1)
+    decisions, target = run(scaler, lambda t: 0.0, 60.0, 400.0, target)
+    zero_at = next(t for t, n in decisions if n == 0)
+    assert zero_at - 60.0 >= CONFIG.downscale_to_zero_delay_s
+    keep_one = Autoscaler(AutoscalingConfig(min_executors=1, max_executors=4, target_s=10.0))
+    _, target = run(keep_one, lambda t: 0.0, 0.0, 2000.0, 1)
+    assert target == 1
+
+
+def test_stationary_noisy_load_does_not_flap():
+    import random
+
+    rng = random.Random(0)
+    scaler = Autoscaler(CONFIG)
+    run(scaler, lambda t: rng.uniform(30.0, 50.0), 0.0, 3600.0, 4)
+    assert scaler.reversals <= 2
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        AutoscalingConfig(min_executors=3, max_executors=2)
+    with pytest.raises(ValueError):
+        AutoscalingConfig(target_s=0)
