@@ -41,6 +41,7 @@ import numpy as np
 
 from retouch.functions import wire
 from retouch.functions.errors import Overloaded
+from retouch.platform.control.autoscaler import Autoscaler, AutoscalingConfig
 from retouch.platform.control.cluster import (
     ClusterView,
     ExecutorView,
@@ -77,6 +78,9 @@ class SimSpec:
     post_s: float = 0.05  # VAE decode and image encoding, in workers
     noise: float = 0.05  # sigma of the lognormal factor on every step's profiled time
     slo_factor: float | None = None  # SLO = this x the standalone latency (admission on)
+    autoscale: AutoscalingConfig | None = None  # None: a static pool of ``executors``
+    startup_s: float = 60.0  # a new executor's start (process, model load, first template)
+    tick_s: float = 2.0  # the autoscaler's period
     seed: int = 0
 
 
@@ -106,6 +110,9 @@ class SimExecutor:
     ready: deque[Job] = field(default_factory=deque)  # encoded, waiting to join
     stepping: bool = False
     busy_s: float = 0.0
+    started_at: float = 0.0
+    stopped_at: float | None = None
+    draining: bool = False  # chosen for scale-down: no new work, stops once idle
 
 
 class Simulation:
@@ -126,17 +133,16 @@ class Simulation:
         model = cost_model
         if "step_table" not in model.extra:  # as an executor ships its profile
             model = with_plan_table(cost_model, spec.max_batch)
-        state = wire.ExecutorState("sim", 0, model.device, cost_models={MODEL: model.to_dict()})
-        self.executors = []
-        for i in range(spec.executors):
-            view = self.cluster.add(f"exec-{i}", spec.max_batch, SLOTS_PER_BATCH * spec.max_batch)
-            view.observe_state(state, self.cluster.costers)
-            view.phase = wire.ExecutorPhase.READY
-            view.residency[(FUNCTION, TEMPLATE)] = Residency.HOST
-            self.executors.append(SimExecutor(view.name, view, view.slots))
+        self._state = wire.ExecutorState(
+            "sim", 0, model.device, cost_models={MODEL: model.to_dict()}
+        )
+        self.executors: list[SimExecutor] = []
+        self._names = itertools.count()
+        self.now = 0.0
+        for _ in range(spec.executors):
+            self._add_executor()
         self.coster = self.executors[0].view.costers[MODEL]
         self.rng = np.random.default_rng(spec.seed + 7)
-        self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.queue: deque[Job] = deque()
@@ -147,10 +153,29 @@ class Simulation:
         self.admission = InvocationQueue(
             QueueLimits(admission=admission),
             policy,
-            lambda function: self.executors,
+            lambda function: self.active(),
             clock=lambda: self.now,
         )
         self.queued_s = 0.0
+        self.scaler = None if spec.autoscale is None else Autoscaler(spec.autoscale)
+        self.starting = 0
+        self.scale_events: list[tuple[float, int]] = []
+        self._pending = len(jobs)  # arrivals not yet answered (the ticks stop after them)
+
+    def _add_executor(self) -> SimExecutor:
+        view = self.cluster.add(
+            f"exec-{next(self._names)}", self.spec.max_batch, SLOTS_PER_BATCH * self.spec.max_batch
+        )
+        view.observe_state(self._state, self.cluster.costers)
+        view.phase = wire.ExecutorPhase.READY
+        view.residency[(FUNCTION, TEMPLATE)] = Residency.HOST
+        ex = SimExecutor(view.name, view, view.slots, started_at=self.now)
+        self.executors.append(ex)
+        return ex
+
+    def active(self) -> list[SimExecutor]:
+        """Executors that take new work (not draining, not stopped)."""
+        return [e for e in self.executors if not e.draining and e.stopped_at is None]
 
     # ---- the event loop -----------------------------------------------------------------
     def at(self, when: float, action: Callable[[], None]) -> None:
@@ -159,6 +184,8 @@ class Simulation:
     def run(self) -> dict[str, Any]:
         for job in self.jobs:
             self.at(job.arrival, lambda job=job: self._arrive(job))
+        if self.scaler is not None:
+            self.at(0.0, self._tick)
         started = time.perf_counter()
         while self._events:
             self.now, _, action = heapq.heappop(self._events)
@@ -169,9 +196,13 @@ class Simulation:
     # ---- the gateway --------------------------------------------------------------------
     def _arrive(self, job: Job) -> None:
         try:
-            job.service_s = self.admission.admit_slo(job.request, queued_s=self.queued_s)
+            service = self.admission.admit_slo(job.request, queued_s=self.queued_s)
+            # without an SLO admission predicts nothing; the autoscaler still needs to
+            # know what waits in the queue
+            job.service_s = service or self.admission.service_s(job.request)
         except Overloaded:
             job.rejected = True
+            self._pending -= 1
             return
         self.queued_s += job.service_s
         self.queue.append(job)
@@ -183,7 +214,7 @@ class Simulation:
 
     def _dispatch(self) -> None:
         while self.queue:
-            room = [e for e in self.executors if self._room(e)]
+            room = [e for e in self.active() if self._room(e)]
             if not room:
                 return
             job = self.queue.popleft()
@@ -253,7 +284,44 @@ class Simulation:
         if job.predicted_s > 0:
             self.admission.observe_outcome((self.now - job.placed_at) / job.predicted_s)
         ex.inflight -= 1
+        self._pending -= 1
+        if ex.draining and ex.inflight == 0:
+            ex.stopped_at = self.now
         self._dispatch()
+
+    # ---- the autoscaler -----------------------------------------------------------------
+    def _tick(self) -> None:
+        """One autoscaler period: the pool's predicted work, a decision, and its actions
+        (starts that complete after ``startup_s``; victims that drain, then stop)."""
+        active = self.active()
+        work = sum(e.view.work_s() for e in active) + self.queued_s
+        target = len(active) + self.starting
+        decision = self.scaler.tick(self.now, work, len(self.queue), target)
+        change = decision.desired - target
+        if change > 0:
+            self.starting += change
+            self.at(self.now + self.spec.startup_s, lambda n=change: self._started(n))
+        elif change < 0:
+            for victim in self._victims(active, -change):
+                victim.draining = True
+                if victim.inflight == 0:
+                    victim.stopped_at = self.now
+        if change:
+            self.scale_events.append((self.now, change))
+        if self._pending > 0 or any(e.inflight for e in self.executors):
+            self.at(self.now + self.spec.tick_s, self._tick)
+
+    def _started(self, count: int) -> None:
+        self.starting -= count
+        for _ in range(count):
+            self._add_executor()
+        self._dispatch()
+
+    def _victims(self, active: list[SimExecutor], count: int) -> list[SimExecutor]:
+        """Least predicted work first, newest first among equals (a cold cache is the
+        cheapest to lose)."""
+        ranked = sorted(active, key=lambda e: (e.view.work_s(), -e.started_at))
+        return ranked[: min(count, len(active))]
 
     # ---- figures ------------------------------------------------------------------------
     def _summary(self, wall_s: float) -> dict[str, Any]:
@@ -262,14 +330,17 @@ class Simulation:
         latency = np.array([j.done_at - j.arrival for j in accepted] or [math.nan]) * 1e3
         span = max((j.done_at for j in self.jobs if not j.rejected), default=0.0)
         decisions = np.array(self.decision_s) * 1e3 if self.decision_s else np.zeros(1)
+        lifetimes = sum(
+            (span if e.stopped_at is None else e.stopped_at) - e.started_at for e in self.executors
+        )
         out: dict[str, Any] = {
             "p50_ms": float(np.percentile(latency, 50)),
             "p95_ms": float(np.percentile(latency, 95)),
             "p99_ms": float(np.percentile(latency, 99)),
             "mean_ms": float(latency.mean()),
             "prediction_error_p50": float(np.median(self.errors)) if self.errors else math.nan,
-            "utilisation": sum(e.busy_s for e in self.executors) / (span * len(self.executors)),
-            "executor_seconds": span * len(self.executors),
+            "utilisation": sum(e.busy_s for e in self.executors) / max(1e-9, lifetimes),
+            "executor_seconds": lifetimes,
             "simulated_s": span,
             "wall_s": wall_s,
             "speedup": span / wall_s if wall_s > 0 else math.inf,
@@ -277,6 +348,13 @@ class Simulation:
             "rejected": len(measured) - len(accepted),
             "throughput_rps": len(accepted) / (span - self.jobs[self.spec.warmup].arrival),
         }
+        if self.scaler is not None:
+            out["scale_events"] = len(self.scale_events)
+            out["reversals"] = self.scaler.reversals
+            out["executors_started"] = len(self.executors)
+            out["first_scale_up_s"] = next(
+                (at for at, change in self.scale_events if change > 0), None
+            )
         slo_s = self.jobs[0].request.slo_s
         if slo_s is not None:
             met = int((latency <= slo_s * 1e3).sum())
@@ -325,13 +403,15 @@ def gaps(spec: SimSpec, rate: float, rng: np.random.Generator) -> np.ndarray:
 
 
 def capacity_rps(spec: SimSpec, cost_model: CostModel, ratios: np.ndarray) -> float:
-    """Invocations per second the pool sustains with full batches of the mean mask."""
+    """Invocations per second the pool (at its maximum size, when autoscaled) sustains
+    with full batches of the mean mask."""
     model = CostModel.from_dict(cost_model.to_dict())
     coster = StepCoster(model, model.extra["grids"])
     grid = coster.grids[0]
     masked = spec.max_batch * math.ceil(float(ratios.mean()) * grid)
     step = coster.step_s0(spec.max_batch, masked)
-    return spec.executors * spec.max_batch / (spec.steps * step)
+    pool = spec.autoscale.max_executors if spec.autoscale is not None else spec.executors
+    return pool * spec.max_batch / (spec.steps * step)
 
 
 def plan_jobs(spec: SimSpec, cost_model: CostModel) -> tuple[list[Job], float]:

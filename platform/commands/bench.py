@@ -21,6 +21,7 @@ from retouch.platform.commands.common import (
     ints,
     model,
     models_dir,
+    non_negative_float,
     non_negative_int,
     non_negative_ints,
     positive_float,
@@ -412,6 +413,25 @@ def _sim(bench_sub: argparse._SubParsersAction) -> None:
         help="an SLO of this many times the standalone latency, with admission (a policy "
         "may add +no-admission to compare)",
     )
+    p.add_argument(
+        "--autoscale",
+        default=None,
+        metavar="MIN,MAX",
+        help="autoscale the pool between MIN and MAX executors (it starts with --executors; "
+        "--load is then relative to MAX)",
+    )
+    p.add_argument(
+        "--target-s",
+        type=positive_float,
+        default=30.0,
+        help="autoscaling target: predicted seconds of work per executor (default 30)",
+    )
+    p.add_argument(
+        "--startup-s",
+        type=non_negative_float,
+        default=60.0,
+        help="a new executor's start-up time in the simulation (default 60)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of arrivals, masks and noise")
     add_json(p)
     p.set_defaults(run=_run_sim)
@@ -421,8 +441,19 @@ def _run_sim(args: argparse.Namespace) -> None:
     from retouch.platform.bench.placement import flux_like_cost_model
     from retouch.platform.simulator import SimSpec, run_simulation
 
+    autoscale = None
+    if args.autoscale is not None:
+        from retouch.platform.control.autoscaler import AutoscalingConfig
+
+        try:
+            low, high = (int(v) for v in args.autoscale.split(","))
+        except ValueError:
+            raise ValueError(f"--autoscale takes MIN,MAX, not {args.autoscale!r}") from None
+        autoscale = AutoscalingConfig(min_executors=low, max_executors=high, target_s=args.target_s)
     spec = SimSpec(
         executors=args.executors,
+        autoscale=autoscale,
+        startup_s=args.startup_s,
         placements=tuple(p for p in args.placement.split(",") if p),
         arrivals=args.arrivals,
         masks=args.masks,

@@ -70,3 +70,22 @@ def test_admission_in_the_simulation_is_the_gateways_and_averts_the_collapse():
     assert on["p95_ms"] < off["p95_ms"]
     with pytest.raises(ValueError, match="no-admission"):
         run_simulation(SimSpec(placements=("maskaware+fast",)), flux_like_cost_model())
+
+
+def test_an_autoscaled_pool_grows_from_one_executor_under_load_and_loses_nothing():
+    from retouch.platform.control.autoscaler import AutoscalingConfig
+
+    spec = SimSpec(
+        executors=1,
+        requests=1500,
+        warmup=100,
+        steps=8,
+        load=0.5,  # of the pool at its maximum size
+        placements=("maskaware",),
+        autoscale=AutoscalingConfig(min_executors=1, max_executors=8, target_s=4.0),
+        startup_s=10.0,
+    )
+    got = run_simulation(spec, flux_like_cost_model())["configs"]["maskaware"]
+    assert got["executors_started"] > 2
+    assert got["first_scale_up_s"] is not None and got["first_scale_up_s"] <= 10.0
+    assert got["rejected"] == 0 and got["p99_ms"] < float("inf")
