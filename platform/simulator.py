@@ -20,9 +20,12 @@ room. The baselines bind to any free slot (2 × ``max_batch``). Every template i
 memory; tiers and bakes are not simulated yet.
 
 SLO admission is the gateway's own (``InvocationQueue.admit_slo`` on the virtual clock,
-told the service queued ahead by the simulation, which owns its queue). Not built yet (see
-the issue note): dropping queued invocations that became infeasible, autoscaling, template
-tiers, trace replay, and validation against real runs.
+told the service queued ahead by the simulation, which owns its queue). With ``autoscale``
+the pool's :class:`~retouch.platform.control.autoscaler.Autoscaler` ticks every
+``tick_s``: new executors become ready ``startup_s`` after the decision, and victims drain
+(no new work) and stop once idle. Not built yet (docs/simulator.md): dropping queued
+invocations that became infeasible, template tiers, trace replay, and validation against
+real runs.
 """
 
 from __future__ import annotations
