@@ -60,6 +60,7 @@ MODEL = "sim-model"
 FUNCTION = "sim"
 TEMPLATE = "t"
 SLOTS_PER_BATCH = 2  # as the pool: the running batch plus a pre-processing buffer
+BIMODAL = (0.05, 0.6)  # the two mask ratios of the bimodal mix, drawn equally often
 
 
 @dataclass(frozen=True)
@@ -380,7 +381,7 @@ def footprint(ratio: float, size: int) -> MaskFootprint:
 
 def mask_ratios(spec: SimSpec, rng: np.random.Generator) -> np.ndarray:
     if spec.masks == "bimodal":
-        return np.where(rng.random(spec.requests) < 0.5, 0.05, 0.6)
+        return np.where(rng.random(spec.requests) < 0.5, *BIMODAL)
     if spec.masks != "beta":
         raise ValueError(f"masks must be beta or bimodal, not {spec.masks!r}")
     if not 0 < spec.mask_mean < 1:
@@ -408,8 +409,7 @@ def gaps(spec: SimSpec, rate: float, rng: np.random.Generator) -> np.ndarray:
 def capacity_rps(spec: SimSpec, cost_model: CostModel, ratios: np.ndarray) -> float:
     """Invocations per second the pool (at its maximum size, when autoscaled) sustains
     with full batches of the mean mask."""
-    model = CostModel.from_dict(cost_model.to_dict())
-    coster = StepCoster(model, model.extra["grids"])
+    coster = _coster(cost_model)
     grid = coster.grids[0]
     masked = spec.max_batch * math.ceil(float(ratios.mean()) * grid)
     step = coster.step_s0(spec.max_batch, masked)
@@ -434,11 +434,16 @@ def plan_jobs(spec: SimSpec, cost_model: CostModel) -> tuple[list[Job], float]:
 
 def standalone_s(spec: SimSpec, cost_model: CostModel) -> float:
     """One invocation of the mean mask alone on an executor: the SLO's unit."""
-    model = CostModel.from_dict(cost_model.to_dict())
-    coster = StepCoster(model, model.extra["grids"])
-    masked = footprint(spec.mask_mean if spec.masks == "beta" else 0.325, spec.size)
+    coster = _coster(cost_model)
+    mean = spec.mask_mean if spec.masks == "beta" else sum(BIMODAL) / len(BIMODAL)
+    masked = footprint(mean, spec.size)
     step = coster.step_s0(1, masked.on(coster.grids)[0])
     return spec.pre_s + spec.steps * step + spec.post_s
+
+
+def _coster(cost_model: CostModel) -> StepCoster:
+    """The prediction's step coster of ``cost_model`` (its plan table when it has one)."""
+    return StepCoster(cost_model, cost_model.extra["grids"], cost_model.extra.get("step_table"))
 
 
 def with_plan_table(cost_model: CostModel, max_batch: int) -> CostModel:

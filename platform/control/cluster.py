@@ -87,15 +87,18 @@ class Overheads:
     post_s: float = 0.0
     disk_load_s: float = DISK_LOAD_S
     observations: int = 0
+    version: int = 0  # bumped on every change (the views' prediction memos follow it)
 
     def observe(self, pre_s: float, post_s: float) -> None:
         first = self.observations == 0
         self.pre_s = pre_s if first else (1 - EWMA) * self.pre_s + EWMA * pre_s
         self.post_s = post_s if first else (1 - EWMA) * self.post_s + EWMA * post_s
         self.observations += 1
+        self.version += 1
 
     def observe_disk_load(self, seconds: float) -> None:
         self.disk_load_s = (1 - EWMA) * self.disk_load_s + EWMA * seconds
+        self.version += 1
 
 
 @dataclass
@@ -281,7 +284,7 @@ class ExecutorView:
         from the profile alone, without the corrections learnt from results (admission's
         half-open probe compares the two)."""
         # The pool's overheads change with other executors' results: they count too.
-        version = (self.version, self.overheads.observations, self.overheads.disk_load_s)
+        version = (self.version, self.overheads.version)
         if self._memo_version != version:
             self._memo.clear()
             self._memo_version = version

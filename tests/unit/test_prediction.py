@@ -110,12 +110,30 @@ def view_with(cluster: ClusterView, name: str, max_batch: int = 4):
     return view
 
 
-def request(ratio: float, template: str = "t") -> PlacementRequest:
+def request(ratio: float, template: str = "t", slo_s: float | None = None) -> PlacementRequest:
     mask = np.zeros((256, 256), dtype=bool)
     side = int(256 * ratio**0.5)
     mask[:side, :side] = True
     fp = MaskFootprint.of(mask)
-    return PlacementRequest("fn", template, fp.ratio, "m", 10, fp)
+    return PlacementRequest("fn", template, fp.ratio, "m", 10, fp, slo_s)
+
+
+class Handle:
+    """A stand-in for the pool's ``ExecutorHandle``: what the queue and the policies read.
+    ``inflight`` follows the view until the queue counts its own bindings into it."""
+
+    def __init__(self, view, slots: int | None = None) -> None:
+        self.view, self.name = view, view.name
+        self.slots = view.slots if slots is None else slots
+        self._inflight: int | None = None
+
+    @property
+    def inflight(self) -> int:
+        return self.view.inflight if self._inflight is None else self._inflight
+
+    @inflight.setter
+    def inflight(self, count: int) -> None:
+        self._inflight = count
 
 
 def test_view_follows_place_progress_finish_and_learns_drift() -> None:
@@ -172,14 +190,6 @@ def test_maskaware_prefers_less_work_not_fewer_requests() -> None:
 
     cluster = ClusterView()
 
-    class Handle:
-        def __init__(self, view) -> None:
-            self.view, self.name, self.slots = view, view.name, view.slots
-
-        @property
-        def inflight(self) -> int:
-            return self.view.inflight
-
     a, b = (Handle(view_with(cluster, n)) for n in "ab")
     a.view.place(1, request(0.9), 0.0)  # one large edit
     for token in (2, 3):
@@ -193,14 +203,6 @@ def test_maskaware_in_a_large_pool_predicts_only_a_shortlist_and_finds_the_idle_
     from retouch.platform.placement import MaskAware
 
     cluster = ClusterView()
-
-    class Handle:
-        def __init__(self, view) -> None:
-            self.view, self.name, self.slots = view, view.name, view.slots
-
-        @property
-        def inflight(self) -> int:
-            return self.view.inflight
 
     pool = [Handle(view_with(cluster, f"e{i}")) for i in range(20)]
     token = 0
@@ -231,10 +233,6 @@ def test_maskaware_follows_the_template_unless_it_piles_up() -> None:
 
     cluster = ClusterView()
 
-    class Handle:
-        def __init__(self, view) -> None:
-            self.view, self.name, self.slots, self.inflight = view, view.name, view.slots, 0
-
     a, b = (Handle(view_with(cluster, n)) for n in "ab")
     b.view.residency[("fn", "t")] = Residency.ABSENT  # a bake there
     policy = MaskAware(seed=0)
@@ -247,11 +245,11 @@ def test_maskaware_follows_the_template_unless_it_piles_up() -> None:
 def test_template_hash_is_consistent_and_moves_little() -> None:
     from retouch.platform.placement import TemplateHash
 
-    class Handle:
+    class Named:  # consistent hashing reads names only
         def __init__(self, name: str) -> None:
             self.name, self.inflight, self.slots = name, 0, 8
 
-    pool = [Handle(f"e{i}") for i in range(4)]
+    pool = [Named(f"e{i}") for i in range(4)]
     policy = TemplateHash()
     reqs = [PlacementRequest("fn", f"t{i}", 0.1) for i in range(40)]
     before = {r.template: policy.choose(pool, r).name for r in reqs}
@@ -271,33 +269,23 @@ def test_slo_admission_refuses_with_retry_after_and_drops_the_infeasible() -> No
 
     cluster = ClusterView()
 
-    class Handle:
-        def __init__(self, view) -> None:
-            self.view, self.name, self.slots, self.inflight = view, view.name, 1, 0
-
-    handle = Handle(view_with(cluster, "a", max_batch=1))
+    handle = Handle(view_with(cluster, "a", max_batch=1), slots=1)
     alone = handle.view.predict(request(0.5)).finish_s
-
-    def slo(seconds: float) -> PlacementRequest:
-        r = request(0.5)
-        return PlacementRequest(
-            r.function, r.template, r.mask_ratio, r.model, 10, r.footprint, seconds
-        )
 
     async def scenario() -> None:
         now = [0.0]
         queue = InvocationQueue(
             QueueLimits(), MaskAware(seed=0), lambda fn: [handle], lambda: now[0]
         )
-        assert queue.admit_slo(slo(10 * alone)) > 0  # feasible: admitted
+        assert queue.admit_slo(request(0.5, slo_s=10 * alone)) > 0  # feasible: admitted
         with pytest.raises(Overloaded) as err:
-            queue.admit_slo(slo(alone / 2))
+            queue.admit_slo(request(0.5, slo_s=alone / 2))
         assert err.value.code == "slo_unattainable" and err.value.retry_after_s >= 1
         assert queue.stats.slo_rejected == 1
         # One runs; a second waits for its slot; time passes beyond what its SLO allows.
-        first = await queue.acquire(slo(10 * alone), 1e9, token=1)
+        first = await queue.acquire(request(0.5, slo_s=10 * alone), 1e9, token=1)
         waiting = asyncio.create_task(
-            queue.acquire(slo(1.5 * alone), 1e9, token=2, service_s=alone)
+            queue.acquire(request(0.5, slo_s=1.5 * alone), 1e9, token=2, service_s=alone)
         )
         await asyncio.sleep(0)
         now[0] = alone  # the first is still running: the second can no longer make it
@@ -309,7 +297,7 @@ def test_slo_admission_refuses_with_retry_after_and_drops_the_infeasible() -> No
         off = InvocationQueue(
             QueueLimits(admission=False), MaskAware(seed=0), lambda fn: [handle], lambda: now[0]
         )
-        off.admit_slo(slo(alone / 2))
+        off.admit_slo(request(0.5, slo_s=alone / 2))
 
     asyncio.run(scenario())
 
@@ -382,41 +370,31 @@ def test_admission_probes_a_learnt_refusal_once_per_interval_on_an_idle_executor
 
     cluster = ClusterView()
 
-    class Handle:
-        def __init__(self, view) -> None:
-            self.view, self.name, self.slots = view, view.name, 4
-
-        @property
-        def inflight(self) -> int:
-            return self.view.inflight
-
-    handle = Handle(view_with(cluster, "a"))
+    handle = Handle(view_with(cluster, "a"), slots=4)
     alone = handle.view.predict(request(0.5)).finish_s
     cluster.overheads.observe(2 * alone, 2 * alone)  # learnt in a burst
 
-    def slo(seconds: float) -> PlacementRequest:
-        r = request(0.5)
-        return PlacementRequest(
-            r.function, r.template, r.mask_ratio, r.model, 10, r.footprint, seconds
-        )
-
     now = [0.0]
     queue = InvocationQueue(QueueLimits(), MaskAware(seed=0), lambda fn: [handle], lambda: now[0])
-    queue.admit_slo(slo(2 * alone))  # refused by what was learnt, admitted as a probe
+    queue.admit_slo(
+        request(0.5, slo_s=2 * alone)
+    )  # refused by what was learnt, admitted as a probe
     assert queue.stats.slo_probes == 1
     with pytest.raises(Overloaded):
-        queue.admit_slo(slo(2 * alone))  # within the interval: refused
+        queue.admit_slo(request(0.5, slo_s=2 * alone))  # within the interval: refused
     with pytest.raises(Overloaded):
-        queue.admit_slo(slo(alone / 2))  # the profile itself misses it: never probed
+        queue.admit_slo(request(0.5, slo_s=alone / 2))  # the profile itself misses it: never probed
     now[0] += PROBE_INTERVAL_S
     handle.view.place(1, request(0.5), now[0])
     with pytest.raises(Overloaded):
-        queue.admit_slo(slo(2 * alone))  # the executor is busy: no probe
+        queue.admit_slo(request(0.5, slo_s=2 * alone))  # the executor is busy: no probe
     assert queue.stats.slo_probes == 1
     now[0] += PROBE_INTERVAL_S
     handle.view.finish(1, now[0], None)
-    queue.admit_slo(slo(2 * alone), early=True)  # the check before the body: not used up
-    queue.admit_slo(slo(2 * alone))  # so the check after decoding can use it
+    queue.admit_slo(
+        request(0.5, slo_s=2 * alone), early=True
+    )  # the check before the body: not used up
+    queue.admit_slo(request(0.5, slo_s=2 * alone))  # so the check after decoding can use it
     assert queue.stats.slo_probes == 2
 
 
@@ -427,16 +405,9 @@ def test_admission_margin_follows_how_late_admitted_invocations_ran() -> None:
 
     cluster = ClusterView()
 
-    class Handle:
-        def __init__(self, view) -> None:
-            self.view, self.name, self.slots, self.inflight = view, view.name, 4, 1
-
-    handle = Handle(view_with(cluster, "a"))
+    handle = Handle(view_with(cluster, "a"), slots=4)
     alone = handle.view.predict(request(0.5)).finish_s
-    r = request(0.5)
-    fits = PlacementRequest(
-        r.function, r.template, r.mask_ratio, r.model, 10, r.footprint, 1.5 * alone
-    )
+    fits = request(0.5, slo_s=1.5 * alone)
     queue = InvocationQueue(QueueLimits(), MaskAware(seed=0), lambda fn: [handle], lambda: 0.0)
     queue.admit_slo(fits)  # the prediction fits: admitted
     for _ in range(32):
