@@ -23,7 +23,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import httpx
@@ -36,7 +36,7 @@ from retouch.functions.errors import (
     RetouchError,
     Unavailable,
 )
-from retouch.platform.control.cluster import ClusterView, ExecutorView, Placed
+from retouch.platform.control.cluster import ClusterView, ExecutorView, Overheads, Placed
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.placement import Placement, PlacementRequest, make_placement
 from retouch.platform.providers import ExecutorProcess, LocalProvider
@@ -77,9 +77,10 @@ class ExecutorHandle:
     restarts: int = 0
     refreshing: bool = False  # a state read is under way (reads are coalesced)
     refresh_again: bool = False  # something changed during that read: read once more
+    overheads: InitVar[Overheads | None] = None  # the pool's, learnt from every executor
 
-    def __post_init__(self) -> None:
-        self.view = ExecutorView(self.process.name)
+    def __post_init__(self, overheads: Overheads | None) -> None:
+        self.view = ExecutorView(self.process.name, overheads=overheads)
 
     @property
     def name(self) -> str:
@@ -181,14 +182,9 @@ class ExecutorPool:
         procs = await asyncio.gather(
             *(self.provider.start(n, d, threads) for n, d in zip(names, devices, strict=True))
         )
-        self.executors = [self._handle(p) for p in procs]
+        self.executors = [ExecutorHandle(p, overheads=self.cluster.overheads) for p in procs]
         await asyncio.gather(*(self._become_ready(e) for e in self.executors))
         self._monitor = asyncio.create_task(self._watch())
-
-    def _handle(self, process: ExecutorProcess, restarts: int = 0) -> ExecutorHandle:
-        handle = ExecutorHandle(process, restarts=restarts)
-        handle.view.overheads = self.cluster.overheads  # learnt pool-wide
-        return handle
 
     async def close(self) -> None:
         tasks = [
@@ -308,7 +304,7 @@ class ExecutorPool:
         say "baking" forever and affinity would never send it work). Ends when the
         executor is replaced; a failed poll is retried (health is the monitor's job)."""
         after = 0
-        while any(e is handle for e in self.executors):
+        while handle in self.executors:  # handles compare by identity (eq=False)
             try:
                 body = await self._call(
                     handle,
@@ -661,7 +657,7 @@ class ExecutorPool:
             except RetouchError as exc:
                 log.error("could not restart %s: %s; retrying", old.name, exc)
                 await asyncio.sleep(MONITOR_INTERVAL_S * 5)
-        handle = self._handle(proc, restarts=old.restarts + 1)
+        handle = ExecutorHandle(proc, restarts=old.restarts + 1, overheads=self.cluster.overheads)
         self.executors[self.executors.index(old)] = handle
         try:
             await self._become_ready(handle)
