@@ -77,9 +77,9 @@ def _query_int(request: Request, name: str, default: int, low: int, high: int) -
     try:
         value = int(raw)
     except ValueError:
-        raise BadRequest(f"{name} must be an integer", field=name) from None
+        raise BadRequest(f"{name} must be an integer", field=name, code="invalid_field") from None
     if not low <= value <= high:
-        raise BadRequest(f"{name} must be in [{low}, {high}]", field=name)
+        raise BadRequest(f"{name} must be in [{low}, {high}]", field=name, code="invalid_field")
     return value
 
 

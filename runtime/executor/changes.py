@@ -33,19 +33,13 @@ class ChangeFeed:
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._closed = False
 
-    @property
-    def version(self) -> int:
-        return self._version
-
     def publish(self, kind: ChangeKind, function: str = "", template: str = "") -> None:
         """Record one event and wake every waiter (safe from any thread)."""
         with self._lock:
             self._version += 1
             self._events.append(ExecutorChange(self._version, kind, function, template))
             waiters = list(self._waiters)
-        for loop, event in waiters:
-            with contextlib.suppress(RuntimeError):  # that loop closed: nobody waits there
-                loop.call_soon_threadsafe(event.set)
+        _wake(waiters)
 
     def close(self) -> None:
         """Answer every long poll now, and later ones at once: the server is stopping, and
@@ -53,9 +47,7 @@ class ChangeFeed:
         with self._lock:
             self._closed = True
             waiters = list(self._waiters)
-        for loop, event in waiters:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(event.set)
+        _wake(waiters)
 
     def since(self, after: int) -> ExecutorChanges:
         """The events after ``after``; ``reset`` when some of them are no longer kept or
@@ -86,3 +78,10 @@ class ChangeFeed:
             with self._lock:
                 self._waiters.discard(waiter)
         return self.since(after)
+
+
+def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
+    """Set each waiter's event on its own loop (never while holding the feed's lock)."""
+    for loop, event in waiters:
+        with contextlib.suppress(RuntimeError):  # that loop closed: nobody waits there
+            loop.call_soon_threadsafe(event.set)

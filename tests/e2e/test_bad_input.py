@@ -585,6 +585,11 @@ def _executor() -> list[Case]:
         ex("invoke-duplicate-key", "POST", "/invoke", 400, "duplicate_key", "seed", body=packp(Pairs([*invoke.items(), ("seed", 2)]))),
         ex("invoke-unknown-function", "POST", "/invoke", 404, "function_not_found", "function", body=wire.pack(invoke)),
         ex("state-ok", "GET", "/state", 200, None),
+        ex("changes-after-not-int", "GET", "/changes?after=x", 400, "invalid_field", "after"),
+        ex("changes-after-negative", "GET", "/changes?after=-1", 400, "invalid_field", "after"),
+        ex("changes-timeout-too-long", "GET", "/changes?timeout=3600", 400, "invalid_field", "timeout"),
+        ex("changes-no-token", "GET", "/changes", 401, "unauthorized", headers={}),
+        ex("changes-ok", "GET", "/changes?after=0&timeout=0", 200, None),
     ]  # fmt: skip
 
 
