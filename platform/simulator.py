@@ -337,6 +337,7 @@ class Simulation:
         lifetimes = sum(
             (span if e.stopped_at is None else e.stopped_at) - e.started_at for e in self.executors
         )
+        window = span - self.jobs[self.spec.warmup].arrival  # the measured arrivals' span
         out: dict[str, Any] = {
             "p50_ms": float(np.percentile(latency, 50)),
             "p95_ms": float(np.percentile(latency, 95)),
@@ -350,7 +351,7 @@ class Simulation:
             "speedup": span / wall_s if wall_s > 0 else math.inf,
             "decision_ms_p99": float(np.percentile(decisions, 99)),
             "rejected": len(measured) - len(accepted),
-            "throughput_rps": len(accepted) / (span - self.jobs[self.spec.warmup].arrival),
+            "throughput_rps": len(accepted) / window,
         }
         if self.scaler is not None:
             out["scale_events"] = len(self.scale_events)
@@ -362,7 +363,6 @@ class Simulation:
         slo_s = self.jobs[0].request.slo_s
         if slo_s is not None:
             met = int((latency <= slo_s * 1e3).sum())
-            window = span - self.jobs[self.spec.warmup].arrival
             out["slo_attainment"] = met / len(measured)
             out["slo_attainment_accepted"] = met / len(accepted) if accepted else 0.0
             out["goodput_rps"] = met / window
