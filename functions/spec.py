@@ -39,6 +39,8 @@ FIELDS = (
     "guidance",
     "scheduler",
     "full_steps",
+    "composite",
+    "feather_px",
     "templates",
     "scaling",
     "slo",
@@ -98,6 +100,11 @@ class FunctionSpec:
     full_steps: int = 0  # first denoising steps computed over every token (quality warm-up)
     uploads: UploadsSpec = field(default_factory=UploadsSpec)
     placement: str | None = None  # its own placement policy (None: the server's)
+    # Paste the edit into the template so unmasked pixels stay the template's own (the VAE
+    # round trip changes them slightly otherwise), with a ``feather_px`` soft edge outside
+    # the mask. Off by default: the output then equals the stock diffusers pipeline's.
+    composite: bool = False
+    feather_px: int = 3
 
     def to_dict(self) -> dict[str, Any]:
         """The spec document in the same shape as the TOML file (what :func:`parse_spec`
@@ -111,6 +118,8 @@ class FunctionSpec:
             "guidance": self.guidance,
             "scheduler": self.scheduler,
             "full_steps": self.full_steps,
+            "composite": self.composite,
+            "feather_px": self.feather_px,
             "templates": {
                 tid: {"prompt": t.prompt, "seed": t.seed} for tid, t in self.templates.items()
             },
@@ -178,6 +187,8 @@ def parse_spec(raw: Any) -> FunctionSpec:
         full_steps=full_steps,
         uploads=_uploads(raw.get("uploads", {})),
         placement=_placement(raw),
+        composite=_bool(raw, "composite", False),
+        feather_px=_int(raw, "feather_px", 3, 0, 64),
     )
 
 
@@ -310,6 +321,13 @@ def _int(
     value = raw.get(key, default)
     if type(value) is not int or not lo <= value <= hi:
         raise InvalidSpec(f"{key} must be an integer in [{lo}, {hi}]", field=_path(where, key))
+    return value
+
+
+def _bool(raw: dict[str, Any], key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise InvalidSpec(f"{key} must be true or false", field=key)
     return value
 
 

@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import torch
 
 from retouch.functions.errors import Canceled, Unavailable
-from retouch.functions.imaging import encode_image
+from retouch.functions.imaging import composite, encode_image
 from retouch.runtime.costmodel import LinearFit
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
@@ -134,6 +134,7 @@ class Work:
     reader_released: bool = False
     on_step: OnStep | None = None  # progress: must be cheap and never block
     cancel_requested: bool = False  # set by Engine.cancel; honoured before the next step
+    feather_px: int | None = None  # composite into the template, this soft edge (None: off)
 
     @property
     def path(self) -> str:
@@ -540,6 +541,9 @@ class Engine:
         self._interrupt()
         try:
             image = work.editor.decode(latents, work.request)
+            if work.feather_px is not None:
+                request = work.request
+                image = composite(image, request.image, request.mask, work.feather_px)
             output = Output(encode_image(image, work.fmt), image.width, image.height)
         except Exception as exc:
             self._fail(work, exc)

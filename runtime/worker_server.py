@@ -18,10 +18,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
 from retouch.functions import wire
-from retouch.functions.imaging import encode_image
+from retouch.functions.imaging import composite, encode_image
 from retouch.runtime import shm
 from retouch.runtime.maskaware.editor import MaskAwareEditor, OutputSize
 from retouch.runtime.maskaware.request import EditRequest
@@ -104,6 +106,9 @@ class _Server:
     def _decode(self, meta: dict[str, Any], items: dict[str, Any]) -> tuple[dict, dict]:
         editor = self._editor(meta["model"], meta["family"], None)
         image = editor.decode(items["latents"], OutputSize(meta["height"], meta["width"]))
+        if "feather_px" in meta:
+            template = Image.fromarray(np.asarray(items["image"]))
+            image = composite(image, template, np.asarray(items["mask"]), meta["feather_px"])
         data = encode_image(image, meta["format"])
         return {"width": image.width, "height": image.height}, {"image": data}
 

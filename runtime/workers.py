@@ -160,19 +160,27 @@ class PrePostPool:
         height: int,
         width: int,
         fmt: str,
+        *,
+        over: EditRequest | None = None,
+        feather_px: int = 0,
     ) -> Future[tuple[bytes, int, int]]:
         """``editor.decode`` of final latents, then the image encoded as ``fmt`` ("png",
-        "webp" or "raw"), in a post worker; resolves to ``(data, width, height)``."""
+        "webp" or "raw"), in a post worker; resolves to ``(data, width, height)``. With
+        ``over``, the decoded image is composited into that request's template inside its
+        mask (``imaging.composite`` with ``feather_px``)."""
         if fmt not in wire.OUTPUT_FORMATS:
             raise ValueError(f"unknown output format {fmt!r}")
-        meta = {
+        meta: dict[str, Any] = {
             "model": model,
             "family": family,
             "height": int(height),
             "width": int(width),
             "format": fmt,
         }
-        return self._submit(POST, _Job("decode", meta, lambda: {"latents": latents}, _parse_image))
+        if over is not None:
+            meta["feather_px"] = int(feather_px)
+        items = functools.partial(_decode_items, latents, over)
+        return self._submit(POST, _Job("decode", meta, items, _parse_image))
 
     def load(self, model: str, family: str) -> list[Future[None]]:
         """Load ``model`` in every worker now (deploy time), not on its first job."""
@@ -451,6 +459,14 @@ def _request_items(
     items: dict[str, shm.Item] = dict(request.wire_arrays())
     if template_latents is not None:
         items["template_latents"] = template_latents
+    return items
+
+
+def _decode_items(latents: torch.Tensor, over: EditRequest | None) -> dict[str, shm.Item]:
+    """The arrays of a decode job: the latents, and the template and mask to composite into."""
+    items: dict[str, shm.Item] = {"latents": latents}
+    if over is not None:
+        items.update(over.wire_arrays())
     return items
 
 

@@ -97,7 +97,14 @@ class WorkerStages:
         request = work.request
         return _retrying(
             lambda: self.pool.decode(
-                work.model, work.family, latents, request.height, request.width, work.fmt
+                work.model,
+                work.family,
+                latents,
+                request.height,
+                request.width,
+                work.fmt,
+                over=request if work.feather_px is not None else None,
+                feather_px=work.feather_px or 0,
             ),
             self.attempts,
             "decode",
@@ -391,6 +398,7 @@ class ExecutorCore:
             acquire=lambda: self._acquire(template, covered),
             arrived=arrived,
             on_step=on_step,
+            feather_px=spec.feather_px if spec.composite else None,
         )
         future = self.engine.submit(work)  # raises EngineUnavailable when dead or stopping
         if inv.id:

@@ -85,3 +85,28 @@ def _wait_baked(client: Client, names: list[str], timeout: float = 300.0) -> Non
             return
         time.sleep(0.2)
     raise AssertionError(f"{names} not baked in {timeout} s")
+
+
+def test_composite_keeps_the_template_outside_the_mask(admin: Client, examples: Path) -> None:
+    """With ``composite``, unmasked pixels beyond the feather are the template's own and
+    masked pixels are the model's (the same as without composite, same seed)."""
+    spec, images = read_spec_file(examples / "tiny-sd.toml")
+    plain = dataclasses.replace(spec, name="sd-plain", steps=2)
+    pasted = dataclasses.replace(spec, name="sd-pasted", steps=2, composite=True, feather_px=3)
+    for fn in (plain, pasted):
+        admin.deploy(fn, images)
+    assert admin.get("sd-pasted")["composite"] is True
+    template = np.asarray(Image.open(io.BytesIO(images["poster"])).convert("RGB"))
+    mask = np.zeros((128, 128), bool)
+    mask[40:90, 20:60] = True
+    a, b = (
+        admin.invoke(n, "poster", mask, "a cat", seed=5, format="raw")
+        for n in ("sd-plain", "sd-pasted")
+    )
+    generated = np.frombuffer(a.image, np.uint8).reshape(128, 128, 3)
+    edited = np.frombuffer(b.image, np.uint8).reshape(128, 128, 3)
+    far = np.ones((128, 128), bool)
+    far[40 - 4 : 90 + 4, 20 - 4 : 60 + 4] = False
+    assert np.array_equal(edited[far], template[far])
+    assert not np.array_equal(generated[far], template[far])  # the VAE round trip moved them
+    assert np.array_equal(edited[mask], generated[mask])

@@ -223,3 +223,29 @@ def test_openai_masks_transparent_hole_white_and_explicit_modes() -> None:
     with pytest.raises(BadRequest) as err:
         decode_openai_mask(white, (32, 32))
     assert err.value.code == "mask_size_mismatch"
+
+
+def test_composite_pastes_the_masked_region_with_a_soft_edge_outside_it() -> None:
+    from retouch.functions.imaging import composite
+
+    template = Image.fromarray(np.full((64, 64, 3), 200, np.uint8))
+    generated = Image.fromarray(np.full((64, 64, 3), 10, np.uint8))
+    mask = np.zeros((64, 64), bool)
+    mask[20:40, 20:40] = True
+    out = np.asarray(composite(generated, template, mask, feather_px=4)).astype(int)
+    assert (out[mask] == 10).all()  # every masked pixel is the model's
+    assert (out[:14] == 200).all() and (out[:, 46:] == 200).all()  # beyond the feather
+    ramp = out[30, 40:45, 0]  # just right of the mask: from the edit towards the template
+    assert list(ramp) == sorted(ramp) and 10 < ramp[0] < ramp[-1] <= 200
+    hard = np.asarray(composite(generated, template, mask, feather_px=0)).astype(int)
+    assert (hard[mask] == 10).all() and (hard[~mask] == 200).all()
+
+
+def test_composite_with_an_empty_mask_is_the_template() -> None:
+    from retouch.functions.imaging import composite
+
+    rng = np.random.default_rng(0)
+    template = Image.fromarray(rng.integers(0, 255, (32, 48, 3), dtype=np.uint8))
+    generated = Image.fromarray(rng.integers(0, 255, (32, 48, 3), dtype=np.uint8))
+    out = composite(generated, template, np.zeros((32, 48), bool), feather_px=3)
+    assert np.array_equal(np.asarray(out), np.asarray(template))
