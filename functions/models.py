@@ -21,11 +21,13 @@ PREFIX = "retouch:"
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    """A built-in model: its family and native resolution."""
+    """A built-in model: its family and native resolution; ``trained`` ones ship real
+    weights (the others are random, for tests and benchmarks)."""
 
     name: str
     family: str
     resolution: int
+    trained: bool = False
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -37,7 +39,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel("small-flux", "flux-inpaint", 512),
         BuiltinModel("tiny-sd3", "sd3-inpaint", 128),
         BuiltinModel("small-sd3", "sd3-inpaint", 512),
-        BuiltinModel("shapes-sd", "sd-inpaint", 128),  # trained: functions/demo/weights
+        BuiltinModel("shapes-sd", "sd-inpaint", 128, trained=True),  # functions/demo/weights
     )
 }
 

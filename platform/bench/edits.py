@@ -21,21 +21,33 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageFilter
 
 from retouch.functions.demo.shapes import (
     COLOURS,
     OBJECTS,
+    Scene,
     colour_matches,
     hue_stats,
     make_scene,
     object_phrase,
 )
+from retouch.runtime.maskaware.editor import MaskAwareEditor
+from retouch.runtime.maskaware.request import EditRequest
+from retouch.runtime.maskaware.store import MemoryActivations
 
 log = logging.getLogger(__name__)
 
 EVAL_SEED = 900_000_000  # far from every training seed (train.py: seed * 1e6 + index)
+TEMPLATE_SEED = 0  # each held-out scene is baked with its caption and this seed
+
+
+def recolour_target(scene: Scene, rng: np.random.Generator) -> tuple[int, str]:
+    """The scene's most visible object and a colour to paint it in: neither its own nor the
+    background's, so keeping the template or filling in background never counts."""
+    index = int(np.argmax([s.sum() for s in scene.silhouettes]))
+    taken = {scene.objects[index][0], scene.background[0]}
+    return index, str(rng.choice([c for c in COLOURS if c not in taken]))
 
 
 def edit_cases(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -44,10 +56,8 @@ def edit_cases(n: int, seed: int = 0) -> list[dict[str, Any]]:
     rng = np.random.default_rng([seed, 7])
     for i in range(n):
         scene = make_scene(EVAL_SEED + seed * 10_000 + i)
-        index = int(np.argmax([s.sum() for s in scene.silhouettes]))  # the most visible object
-        colour, kind = scene.objects[index]
-        taken = {colour, scene.background[0]}
-        new_colour = str(rng.choice([c for c in COLOURS if c not in taken]))
+        index, new_colour = recolour_target(scene, rng)
+        kind = scene.objects[index][1]
         sil = scene.silhouettes[index]
         if i % 2 == 0:
             edit, new_kind = "recolour", kind
@@ -70,6 +80,7 @@ def edit_cases(n: int, seed: int = 0) -> list[dict[str, Any]]:
                 "image": scene.image,
                 "mask": mask,
                 "prompt": object_phrase(new_colour, new_kind),
+                "template_prompt": scene.caption(),
                 "colour": new_colour,
                 "edit": edit,
                 "seed": i,
@@ -79,61 +90,75 @@ def edit_cases(n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def run_edit_bench(
-    pipe: Any,
+    editor: MaskAwareEditor,
     n: int = 50,
     *,
     steps: int = 25,
     guidance: float = 5.0,
     seed: int = 0,
+    full_steps: int = 0,
+    retouch: bool = True,
     sheet: Path | None = None,
 ) -> dict[str, Any]:
-    """Stock edits of ``edit_cases(n)`` with ``pipe``; success rate overall and per kind."""
+    """Edits of ``edit_cases(n)`` by the stock pipeline and (``retouch``) by the mask-aware
+    path against each template's bake, same noise: success rates overall and per kind."""
     rows = []
     tiles = []
     for case in edit_cases(n, seed):
-        out = pipe(
-            prompt=case["prompt"],
-            image=Image.fromarray(case["image"]),
-            mask_image=Image.fromarray(case["mask"].astype(np.uint8) * 255),
-            height=case["image"].shape[0],
-            width=case["image"].shape[1],
-            num_inference_steps=steps,
-            guidance_scale=guidance,
-            generator=torch.Generator().manual_seed(case["seed"]),
-        ).images[0]
-        result = np.asarray(out.convert("RGB"))
-        ok = colour_matches(result, case["mask"], case["colour"])
-        hue, sat, val = hue_stats(result, case["mask"])
-        rows.append(
-            {
-                "edit": case["edit"],
-                "prompt": case["prompt"],
-                "success": bool(ok),
+        image = Image.fromarray(case["image"])
+        request = EditRequest(
+            image,
+            case["mask"],
+            case["prompt"],
+            case["seed"],
+            steps,
+            guidance,
+            case["template_prompt"],
+            TEMPLATE_SEED,
+            full_steps,
+        )
+        results = {"stock": _to_uint8(editor.stock_edit(request, "np"))}
+        if retouch:
+            store = MemoryActivations()
+            editor.bake(image, case["template_prompt"], TEMPLATE_SEED, steps, guidance, store)
+            results["retouch"] = _to_uint8(editor.edit(request, store, "np"))
+        row: dict[str, Any] = {"edit": case["edit"], "prompt": case["prompt"]}
+        for path, result in results.items():
+            hue, sat, val = hue_stats(result, case["mask"])
+            row[path] = {
+                "success": bool(colour_matches(result, case["mask"], case["colour"])),
                 "hue": round(hue, 1),
                 "sat": round(sat, 3),
                 "val": round(val, 3),
             }
-        )
+        rows.append(row)
         if sheet is not None:
             shown = case["image"].copy()
             shown[case["mask"]] = shown[case["mask"]] // 2 + 127
-            tiles.append(np.concatenate([shown, result], axis=0))
+            tiles.append(np.concatenate([shown, *results.values()], axis=0))
     if sheet is not None and tiles:
         _write_sheet(tiles, sheet)
 
-    def rate(kind: str | None) -> float:
-        chosen = [r["success"] for r in rows if kind is None or r["edit"] == kind]
+    def rate(path: str, kind: str | None) -> float:
+        chosen = [r[path]["success"] for r in rows if kind is None or r["edit"] == kind]
         return float(np.mean(chosen)) if chosen else float("nan")
 
-    return {
-        "edits": len(rows),
-        "steps": steps,
-        "guidance": guidance,
-        "success_rate": rate(None),
-        "recolour_success_rate": rate("recolour"),
-        "replace_success_rate": rate("replace"),
-        "rows": rows,
-    }
+    result: dict[str, Any] = {"edits": len(rows), "steps": steps, "guidance": guidance}
+    for path in ("stock", "retouch") if retouch else ("stock",):
+        result[path] = {
+            "success_rate": rate(path, None),
+            "recolour_success_rate": rate(path, "recolour"),
+            "replace_success_rate": rate(path, "replace"),
+        }
+    if retouch:
+        result["full_steps"] = full_steps
+    result["rows"] = rows
+    return result
+
+
+def _to_uint8(image: np.ndarray) -> np.ndarray:
+    """A pipeline's ``np`` output (floats in [0, 1]) as the RGB8 pixels a user receives."""
+    return np.clip(np.rint(np.asarray(image) * 255.0), 0, 255).astype(np.uint8)
 
 
 def _write_sheet(tiles: list[np.ndarray], path: Path, per_row: int = 10) -> None:
@@ -148,11 +173,15 @@ def _write_sheet(tiles: list[np.ndarray], path: Path, per_row: int = 10) -> None
     Image.fromarray(np.concatenate(rows, axis=0)).save(path)
 
 
-def load_pipeline(model: str, models_dir: Path) -> Any:
-    """The stock inpainting pipeline of ``model`` (``retouch:shapes-sd`` or a folder), fp32."""
+def load_editor(model: str, models_dir: Path, device: str = "cpu") -> MaskAwareEditor:
+    """A mask-aware editor over the stock pipeline of ``model`` (a built-in model or a
+    diffusers folder), fp32; its ``stock_edit`` is that pipeline as diffusers runs it."""
     from retouch.functions.demo.models import ensure_demo_model, is_demo
     from retouch.functions.models import model_family
     from retouch.runtime.models import load_pipeline as load_family_pipeline
+    from retouch.runtime.models import pick_device
 
+    where = pick_device(device)
     folder = ensure_demo_model(model, models_dir) if is_demo(model) else Path(model)
-    return load_family_pipeline(folder, model_family(model), torch.device("cpu"))
+    family = model_family(model)
+    return MaskAwareEditor(load_family_pipeline(folder, family, where), family, where)

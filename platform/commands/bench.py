@@ -161,17 +161,47 @@ def _run_engine(args: argparse.Namespace) -> None:
 
 def _fidelity(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser(
-        "fidelity", help="mask-aware edits against the stock pipeline: PSNR, SSIM, unmasked PSNR"
+        "fidelity",
+        help="mask-aware edits against the stock pipeline: PSNR, SSIM, unmasked region "
+        "(a grid of held-out scenes, mask ratios and edit success on trained models)",
     )
     add_builtin_model(p, "retouch:small-sd")
-    add_steps(p, 6)
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="denoising steps (default 25 on trained models, 6 on random-weight ones)",
+    )
     p.add_argument(
         "--full-steps",
         type=non_negative_ints,
         default=[0],
         help="warm-up steps to compare, e.g. 0,1,2 (default 0)",
     )
-    add_mask_ratio(p)
+    p.add_argument(
+        "--mask-ratios",
+        type=floats,
+        default=None,
+        help="masked fractions (default 0.1,0.2,0.35 on trained models, 0.2 otherwise)",
+    )
+    p.add_argument(
+        "--edits",
+        type=positive_int,
+        default=12,
+        help="held-out scenes per mask ratio (trained models; default 12)",
+    )
+    p.add_argument(
+        "--guidance", type=positive_float, default=5.0, help="guidance scale (default 5)"
+    )
+    p.add_argument(
+        "--feather-px",
+        type=non_negative_int,
+        default=3,
+        help="soft edge of the composited rows (trained models; default 3)",
+    )
+    p.add_argument(
+        "--threads", type=non_negative_int, default=0, help="CPU threads (default: torch's)"
+    )
     add_device(p)
     add_models_dir(p)
     add_json(p, "the rows")
@@ -179,15 +209,36 @@ def _fidelity(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def _run_fidelity(args: argparse.Namespace) -> None:
-    from retouch.platform.bench.fidelity import run_fidelity_bench
+    import torch
 
-    rows = run_fidelity_bench(
-        args.model,
-        args.steps,
-        args.full_steps,
-        models_dir(args),
-        mask_ratio=args.mask_ratio,
-        device=args.device,
+    from retouch.functions.models import builtin_model
+    from retouch.platform.bench.edits import load_editor
+    from retouch.platform.bench.fidelity import run_edit_grid, run_fidelity_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not builtin_model(args.model).trained:
+        rows = []
+        for ratio in args.mask_ratios or [0.2]:
+            rows += run_fidelity_bench(
+                args.model,
+                args.steps or 6,
+                args.full_steps,
+                models_dir(args),
+                mask_ratio=ratio,
+                guidance=args.guidance,
+                device=args.device,
+            )
+        report(rows, args.json)
+        return
+    rows = run_edit_grid(
+        load_editor(args.model, models_dir(args), args.device),
+        edits=args.edits,
+        ratios=args.mask_ratios or [0.1, 0.2, 0.35],
+        full_steps=args.full_steps,
+        steps=args.steps or 25,
+        guidance=args.guidance,
+        feather_px=args.feather_px,
     )
     report(rows, args.json)
 
@@ -509,7 +560,7 @@ def _run_plan(args: argparse.Namespace) -> None:
 def _edits(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser(
         "edits",
-        help="edit-success rate: does the masked region get the requested colour? (stock pipeline)",
+        help="edit-success rate: does the masked region get the requested colour? (stock and mask-aware)",
     )
     p.add_argument(
         "--model",
@@ -530,6 +581,17 @@ def _edits(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--seed", type=non_negative_int, default=0, help="selects the held-out scenes and noise"
     )
+    p.add_argument(
+        "--full-steps",
+        type=non_negative_int,
+        default=0,
+        help="warm-up steps of the mask-aware edits computed over every token (default 0)",
+    )
+    p.add_argument(
+        "--stock-only",
+        action="store_true",
+        help="only the stock pipeline (no bake, no mask-aware edit)",
+    )
     p.add_argument("--sheet", type=Path, default=None, help="write a PNG of every edit here")
     p.add_argument(
         "--threads",
@@ -545,13 +607,20 @@ def _edits(bench_sub: argparse._SubParsersAction) -> None:
 def _run_edits(args: argparse.Namespace) -> None:
     import torch
 
-    from retouch.platform.bench.edits import load_pipeline, run_edit_bench
+    from retouch.platform.bench.edits import load_editor, run_edit_bench
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    pipe = load_pipeline(args.model, models_dir(args))
+    editor = load_editor(args.model, models_dir(args))
     result = run_edit_bench(
-        pipe, args.edits, steps=args.steps, guidance=args.guidance, seed=args.seed, sheet=args.sheet
+        editor,
+        args.edits,
+        steps=args.steps,
+        guidance=args.guidance,
+        seed=args.seed,
+        full_steps=args.full_steps,
+        retouch=not args.stock_only,
+        sheet=args.sheet,
     )
     if not args.json:
         result = {k: v for k, v in result.items() if k != "rows"}

@@ -17,9 +17,16 @@ def psnr(a: np.ndarray, b: np.ndarray, region: np.ndarray | None = None) -> floa
     return float("inf") if mse == 0 else float(10.0 * np.log10(1.0 / mse))
 
 
-def ssim(a: np.ndarray, b: np.ndarray, sigma: float = 1.5, size: int = 11) -> float:
+def ssim(
+    a: np.ndarray,
+    b: np.ndarray,
+    sigma: float = 1.5,
+    size: int = 11,
+    region: np.ndarray | None = None,
+) -> float:
     """Mean SSIM (Wang et al. 2004: Gaussian window, K1 0.01, K2 0.03, data range 1) of two
-    ``[H, W, C]`` float images, averaged over channels."""
+    ``[H, W, C]`` float images, averaged over channels; with a boolean ``[H, W]`` region,
+    over the windows centred in it."""
     x = torch.as_tensor(np.asarray(a, dtype=np.float64)).permute(2, 0, 1)[:, None]
     y = torch.as_tensor(np.asarray(b, dtype=np.float64)).permute(2, 0, 1)[:, None]
     coords = torch.arange(size, dtype=torch.float64) - (size - 1) / 2
@@ -37,4 +44,9 @@ def ssim(a: np.ndarray, b: np.ndarray, sigma: float = 1.5, size: int = 11) -> fl
     c1, c2 = 0.01**2, 0.03**2
     num = (2 * mu_x * mu_y + c1) * (2 * cov + c2)
     den = (mu_x**2 + mu_y**2 + c1) * (var_x + var_y + c2)
-    return float((num / den).mean())
+    ssim_map = num / den
+    if region is None:
+        return float(ssim_map.mean())
+    pad = (size - 1) // 2
+    inside = torch.as_tensor(np.asarray(region, dtype=bool)[pad:-pad, pad:-pad])
+    return float(ssim_map[:, 0][:, inside].mean())

@@ -70,3 +70,21 @@ def test_sd_fidelity_with_warmup_steps(sd_rows: dict[int, dict[str, Any]], recor
     thresholds (tiny-sd: 45 dB; one warm-up step of four gives 36 dB, 37 dB unmasked)."""
     record_property("sd-warm", sd_rows[STEPS // 2])
     _meets_thresholds(sd_rows[STEPS // 2])
+
+
+def test_edit_grid_on_the_trained_model(models_dir: Path) -> None:
+    """The trained-model grid: with every step computed in full the mask-aware edit is the
+    stock edit (so the comparison is wired to the same inputs), and its masks have the
+    asked-for ratio around an object."""
+    from retouch.platform.bench.edits import load_editor
+    from retouch.platform.bench.fidelity import run_edit_grid
+
+    editor = load_editor("retouch:shapes-sd", models_dir)
+    rows = run_edit_grid(editor, edits=1, ratios=[0.2], full_steps=[0, 3], steps=3, guidance=5.0)
+    cached, full = rows
+    assert cached["full_steps"] == 0 and full["full_steps"] == 3
+    assert abs(full["mask_ratio_measured"] - 0.2) < 0.01
+    assert full["psnr"] >= 45.0 and full["ssim"] >= 0.999
+    assert full["stock_success"] == full["retouch_success"]
+    assert cached["psnr"] < full["psnr"]
+    assert cached["stock_ms_p50"] > 0 and cached["retouch_ms_p50"] > 0
