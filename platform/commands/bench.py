@@ -190,17 +190,12 @@ def _fidelity(bench_sub: argparse._SubParsersAction) -> None:
         default=12,
         help="held-out scenes per mask ratio (trained models; default 12)",
     )
-    p.add_argument(
-        "--guidance", type=positive_float, default=5.0, help="guidance scale (default 5)"
-    )
+    add_guidance_and_threads(p)
     p.add_argument(
         "--feather-px",
         type=non_negative_int,
         default=3,
         help="soft edge of the composited rows (trained models; default 3)",
-    )
-    p.add_argument(
-        "--threads", type=non_negative_int, default=0, help="CPU threads (default: torch's)"
     )
     add_device(p)
     add_models_dir(p)
@@ -575,9 +570,7 @@ def _edits(bench_sub: argparse._SubParsersAction) -> None:
         help="number of edits (half recolour, half replace)",
     )
     add_steps(p, 25)
-    p.add_argument(
-        "--guidance", type=positive_float, default=5.0, help="classifier-free guidance scale"
-    )
+    add_guidance_and_threads(p)
     p.add_argument(
         "--seed", type=non_negative_int, default=0, help="selects the held-out scenes and noise"
     )
@@ -593,12 +586,6 @@ def _edits(bench_sub: argparse._SubParsersAction) -> None:
         help="only the stock pipeline (no bake, no mask-aware edit)",
     )
     p.add_argument("--sheet", type=Path, default=None, help="write a PNG of every edit here")
-    p.add_argument(
-        "--threads",
-        type=non_negative_int,
-        default=0,
-        help="CPU threads (default: torch's choice)",
-    )
     add_models_dir(p)
     p.add_argument("--json", action="store_true", help="print JSON with every edit's row")
     p.set_defaults(run=_run_edits)
@@ -630,6 +617,16 @@ def _run_edits(args: argparse.Namespace) -> None:
 def add_builtin_model(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument(
         "--model", type=builtin, default=default, help=f"a built-in model (default {default})"
+    )
+
+
+def add_guidance_and_threads(p: argparse.ArgumentParser) -> None:
+    """The options of the benchmarks that run a model in this process (edits, fidelity)."""
+    p.add_argument(
+        "--guidance", type=positive_float, default=5.0, help="classifier-free guidance (default 5)"
+    )
+    p.add_argument(
+        "--threads", type=non_negative_int, default=0, help="CPU threads (default: torch's)"
     )
 
 
