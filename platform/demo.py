@@ -1,8 +1,12 @@
 """``retouch demo``: the whole product in one command, on any machine.
 
 Starts ``retouch serve`` as a child process on a free loopback port, deploys the two example
-functions (``deploy/examples``), sends a mix of invocations with masks of different shapes
-and sizes, prints a table, writes input/mask/output images, and shuts everything down.
+functions on random-weight models (``deploy/examples``), sends a mix of invocations with
+masks of different shapes and sizes, prints a table and writes input/mask/output images.
+Then it deploys ``shapes-sd.toml`` on the trained model, asks for real edits ("a yellow
+star"), runs the same edits through the stock diffusers pipeline in this process, and
+writes a side-by-side sheet (template, mask, stock, retouch, difference) with the fidelity,
+edit-success and speed figures of those edits. Everything is shut down at the end.
 """
 
 from __future__ import annotations
@@ -13,17 +17,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image
+import numpy as np
+from PIL import Image, ImageDraw
 
 from retouch.functions.demo.images import mask_of_ratio
+from retouch.functions.demo.shapes import colour_matches, make_scene, object_phrase
 from retouch.functions.errors import RetouchError
-from retouch.functions.imaging import encode_mask
+from retouch.functions.imaging import composite, encode_mask
+from retouch.platform.bench.edits import recolour_mask, replace_mask
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
+from retouch.runtime.maskaware.quality import psnr, ssim
+from retouch.runtime.maskaware.request import EditRequest
 
 log = logging.getLogger(__name__)
 
 EXAMPLES = ("tiny-sd.toml", "tiny-flux.toml")
+SHAPES_EXAMPLE = "shapes-sd.toml"
 MASKS = (
     ("rect", 0.1),
     ("ellipse", 0.25),
@@ -57,7 +67,7 @@ def find_examples(explicit: Path | None) -> Path:
         ]
     )
     for folder in candidates:
-        if folder and all((folder / name).exists() for name in EXAMPLES):
+        if folder and all((folder / name).exists() for name in (*EXAMPLES, SHAPES_EXAMPLE)):
             return folder
     raise RetouchError(
         f"example specs {EXAMPLES} not found in {[str(c) for c in candidates]}; pass --examples",
@@ -81,9 +91,13 @@ def run_demo(out: Path, examples: Path | None, executors: int) -> list[DemoRow]:
                     f"{spec.name} failed to deploy: {doc.get('error')}", code="deploy_failed"
                 )
             rows += _invoke_all(client, spec.name, spec.width, spec.height, images, out)
-    _print_table(rows)
+        _print_table(rows)
+        edits = run_shape_edits(client, folder / SHAPES_EXAMPLE, out / "data" / "models")
+    print_shape_edits(edits)
+    sheet = write_shape_sheet(edits, out / "shapes-sheet.png")
     print(
-        f"\nwrote {len(rows) * 3} images to {out.resolve()} in {time.perf_counter() - started:.1f} s; platform stopped"
+        f"\nwrote {len(rows) * 3} images and the sheet {sheet.resolve()} "
+        f"in {time.perf_counter() - started:.1f} s; platform stopped"
     )
     return rows
 
@@ -125,3 +139,153 @@ def _print_table(rows: list[DemoRow]) -> None:
             f"{r.function:<10} {r.template:<8} {r.shape:<8} {r.mask_ratio:>6.3f} {r.path:<9} {r.executor:<8} {r.total_ms:>9.1f} {r.run_ms:>8.1f}"
         )
     sys.stdout.flush()
+
+
+# The trained-model edits: (template id in shapes-sd.toml, colour, kind). The id carries the
+# scene's seed (``shapes.make_scene``); the edited object is the scene's most visible one. A
+# kind equal to that object's is a recolour (mask: its silhouette + 3 px), another kind
+# replaces it (mask: its box + 4 px), as ``retouch bench edits`` asks.
+SHAPE_EDITS = (
+    ("scene-900800001", "yellow", "star"),
+    ("scene-900800003", "green", "ring"),
+    ("scene-900800008", "orange", "circle"),
+    ("scene-900800011", "red", "ring"),
+)
+BAKE_TIMEOUT_S = 300.0
+DIFF_GAIN = 4  # the difference column, amplified so small differences show
+
+
+@dataclass
+class ShapeEdit:
+    """One trained-model edit, served and by the stock pipeline, with its figures."""
+
+    template: str
+    prompt: str
+    colour: str
+    image: np.ndarray  # the template, RGB8
+    mask: np.ndarray
+    stock: np.ndarray  # the stock diffusers pipeline, composited as the function does
+    retouch: np.ndarray  # the served (mask-aware) edit
+    path: str
+    stock_ms: float  # the stock pipeline in this process
+    served_ms: float  # the invocation's total on the platform (queue, pre, run, post)
+
+    @property
+    def psnr(self) -> float:
+        return psnr(self.retouch / 255.0, self.stock / 255.0)
+
+    @property
+    def ssim(self) -> float:
+        return ssim(self.retouch / 255.0, self.stock / 255.0)
+
+    def success(self, image: np.ndarray) -> bool:
+        return colour_matches(image, self.mask, self.colour)
+
+
+def run_shape_edits(client: Client, spec_file: Path, models_dir: Path) -> list[ShapeEdit]:
+    """Deploy ``spec_file`` (trained model), wait for its bakes, and run :data:`SHAPE_EDITS`
+    on the platform and through the stock pipeline here, same inputs."""
+    from retouch.platform.bench.edits import load_editor
+
+    spec, images = read_spec_file(spec_file)
+    print(f"deploying {spec.name} ({spec.model}, trained; {len(spec.templates)} templates) ...")
+    doc = client.deploy(spec, images)
+    if doc["status"] != "ready":
+        raise RetouchError(
+            f"{spec.name} failed to deploy: {doc.get('error')}", code="deploy_failed"
+        )
+    _wait_baked(client, spec.name)
+    editor = load_editor(spec.model, models_dir)
+    edits = []
+    for seed, (template, colour, kind) in enumerate(SHAPE_EDITS):
+        scene = make_scene(int(template.rsplit("-", 1)[1]))
+        index = int(np.argmax([s.sum() for s in scene.silhouettes]))
+        silhouette = scene.silhouettes[index]
+        mask = (
+            recolour_mask(silhouette)
+            if kind == scene.objects[index][1]
+            else replace_mask(silhouette)
+        )
+        prompt = object_phrase(colour, kind)
+        result = client.invoke(spec.name, template, mask, prompt, seed=seed, format="raw")
+        shape = (result.height, result.width, 3)
+        retouch = np.frombuffer(result.image, np.uint8).reshape(shape)
+        tpl = spec.templates[template]
+        image = Image.fromarray(scene.image)
+        request = EditRequest(
+            image, mask, prompt, seed, spec.steps, spec.guidance, tpl.prompt, tpl.seed
+        )
+        started = time.perf_counter()
+        stock = editor.stock_edit(request)
+        stock_ms = (time.perf_counter() - started) * 1e3
+        if spec.composite:
+            stock = composite(stock, image, mask, spec.feather_px)
+        edits.append(
+            ShapeEdit(
+                template,
+                prompt,
+                colour,
+                scene.image,
+                mask,
+                np.asarray(stock.convert("RGB")),
+                retouch,
+                result.path.value,
+                stock_ms,
+                result.timings.total_ms,
+            )
+        )
+    return edits
+
+
+def _wait_baked(client: Client, name: str) -> None:
+    """Mask-aware edits need the templates' bakes: wait for them (they run at deploy)."""
+    deadline = time.monotonic() + BAKE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        states = {t["state"] for t in client.get(name)["templates"].values()}
+        if states == {"baked"}:
+            return
+        if "failed" in states:
+            raise RetouchError(f"a template of {name} failed to bake", code="bake_failed")
+        time.sleep(0.2)
+    raise RetouchError(f"{name} not baked in {BAKE_TIMEOUT_S:.0f} s", code="bake_timeout")
+
+
+def print_shape_edits(edits: list[ShapeEdit]) -> None:
+    print(
+        f"\n{'template':<16} {'prompt':<16} {'path':<9} {'PSNR dB':>8} {'SSIM':>6} "
+        f"{'stock ok':>8} {'retouch ok':>10} {'stock ms':>9} {'served ms':>9}"
+    )
+    for e in edits:
+        print(
+            f"{e.template:<16} {e.prompt:<16} {e.path:<9} {e.psnr:>8.1f} {e.ssim:>6.3f} "
+            f"{e.success(e.stock)!s:>8} {e.success(e.retouch)!s:>10} "
+            f"{e.stock_ms:>9.0f} {e.served_ms:>9.0f}"
+        )
+    print(
+        "PSNR/SSIM: the served mask-aware edit against the stock diffusers pipeline (same "
+        "inputs, both composited); ok: the masked region has the requested colour; stock ms: "
+        "the stock pipeline in this process; served ms: the invocation's total on the platform"
+    )
+    sys.stdout.flush()
+
+
+def write_shape_sheet(edits: list[ShapeEdit], path: Path, scale: int = 2) -> Path:
+    """One row per edit: template, mask, stock, retouch, |retouch - stock| x DIFF_GAIN."""
+    header = ("template", "mask", "stock", "retouch", f"difference x{DIFF_GAIN}")
+    rows = []
+    for e in edits:
+        mask = np.repeat(e.mask[..., None].astype(np.uint8) * 255, 3, axis=-1)
+        diff = np.abs(e.retouch.astype(int) - e.stock.astype(int)) * DIFF_GAIN
+        tiles = [e.image, mask, e.stock, e.retouch, np.clip(diff, 0, 255).astype(np.uint8)]
+        rows.append(np.concatenate(tiles, axis=1))
+    grid = Image.fromarray(np.concatenate(rows, axis=0))
+    grid = grid.resize((grid.width * scale, grid.height * scale), Image.NEAREST)
+    tile_w, label_h = grid.width // len(header), 16
+    sheet = Image.new("RGB", (grid.width, grid.height + label_h), "white")
+    sheet.paste(grid, (0, label_h))
+    draw = ImageDraw.Draw(sheet)
+    for i, label in enumerate(header):
+        draw.text((i * tile_w + 4, 2), label, fill="black")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(path)
+    return path

@@ -50,6 +50,25 @@ def recolour_target(scene: Scene, rng: np.random.Generator) -> tuple[int, str]:
     return index, str(rng.choice([c for c in COLOURS if c not in taken]))
 
 
+def recolour_mask(silhouette: np.ndarray) -> np.ndarray:
+    """The mask of a recolour: the object's silhouette dilated by 3 px (mostly object, so
+    the region's mean hue is the object's)."""
+    grown = Image.fromarray(silhouette.astype(np.uint8) * 255).filter(ImageFilter.MaxFilter(7))
+    return np.asarray(grown) > 127
+
+
+def replace_mask(silhouette: np.ndarray) -> np.ndarray:
+    """The mask of a replacement by another kind of object: the object's box plus 4 px."""
+    ys, xs = np.nonzero(silhouette)
+    size = silhouette.shape[0]
+    mask = np.zeros_like(silhouette, dtype=bool)
+    mask[
+        max(0, ys.min() - 4) : min(size, ys.max() + 5),
+        max(0, xs.min() - 4) : min(size, xs.max() + 5),
+    ] = True
+    return mask
+
+
 def edit_cases(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` edits (half recolour, half replace): scene, mask, prompt and requested colour."""
     cases = []
@@ -60,21 +79,10 @@ def edit_cases(n: int, seed: int = 0) -> list[dict[str, Any]]:
         kind = scene.objects[index][1]
         sil = scene.silhouettes[index]
         if i % 2 == 0:
-            edit, new_kind = "recolour", kind
-            mask = np.asarray(
-                Image.fromarray(sil.astype(np.uint8) * 255).filter(ImageFilter.MaxFilter(7))
-            )
-            mask = mask > 127
+            edit, new_kind, mask = "recolour", kind, recolour_mask(sil)
         else:
-            edit = "replace"
-            new_kind = str(rng.choice([k for k in OBJECTS if k != kind]))
-            ys, xs = np.nonzero(sil)
-            size = sil.shape[0]
-            mask = np.zeros_like(sil)
-            mask[
-                max(0, ys.min() - 4) : min(size, ys.max() + 5),
-                max(0, xs.min() - 4) : min(size, xs.max() + 5),
-            ] = True
+            edit, new_kind = "replace", str(rng.choice([k for k in OBJECTS if k != kind]))
+            mask = replace_mask(sil)
         cases.append(
             {
                 "image": scene.image,
