@@ -15,8 +15,8 @@ FLOW = ("flow-euler",)
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """One family: the pipeline class it loads, its schedulers (the first is the default)
-    and its default steps and guidance."""
+    """One family: the pipeline class it loads, its schedulers (the first is the default),
+    its default steps and guidance, and the default ``halo`` of its mask-aware edits."""
 
     name: str
     pipeline: str  # the diffusers pipeline class a model of this family is loaded with
@@ -24,6 +24,11 @@ class FamilySpec:
     steps: int
     guidance: float
     also: tuple[str, ...] = ()  # more pipeline classes whose folders this family can load
+    # Latent pixels around the mask computed fresh in a mask-aware edit. A UNet's
+    # convolutions carry the edit into the unmasked tokens next to the mask; reusing the
+    # template's activations there leaves a seam (docs/maskaware.md, "Halo"). DiT families
+    # blend the unmasked latents back to the template every step and need none.
+    halo: int = 0
 
     @property
     def scheduler(self) -> str:
@@ -39,7 +44,7 @@ class FamilySpec:
 FAMILY_SPECS: dict[str, FamilySpec] = {
     f.name: f
     for f in (
-        FamilySpec("sd-inpaint", "StableDiffusionInpaintPipeline", SD_SCHEDULERS, 20, 7.5),
+        FamilySpec("sd-inpaint", "StableDiffusionInpaintPipeline", SD_SCHEDULERS, 20, 7.5, halo=2),
         FamilySpec("flux-inpaint", "FluxInpaintPipeline", FLOW, 20, 3.5, ("FluxImg2ImgPipeline",)),
         FamilySpec("sd3-inpaint", "StableDiffusion3InpaintPipeline", FLOW, 28, 7.0),
     )

@@ -39,6 +39,7 @@ FIELDS = (
     "guidance",
     "scheduler",
     "full_steps",
+    "halo",
     "composite",
     "feather_px",
     "templates",
@@ -105,6 +106,11 @@ class FunctionSpec:
     # the mask. Off by default: the output then equals the stock diffusers pipeline's.
     composite: bool = False
     feather_px: int = 3
+    halo: int | None = None  # latent pixels around the mask computed fresh (None: the family's)
+
+    def __post_init__(self) -> None:
+        if self.halo is None:
+            object.__setattr__(self, "halo", FAMILY_SPECS[self.family].halo)
 
     def to_dict(self) -> dict[str, Any]:
         """The spec document in the same shape as the TOML file (what :func:`parse_spec`
@@ -118,6 +124,7 @@ class FunctionSpec:
             "guidance": self.guidance,
             "scheduler": self.scheduler,
             "full_steps": self.full_steps,
+            "halo": self.halo,
             "composite": self.composite,
             "feather_px": self.feather_px,
             "templates": {
@@ -188,6 +195,7 @@ def parse_spec(raw: Any) -> FunctionSpec:
         uploads=_uploads(raw.get("uploads", {})),
         placement=_placement(raw),
         composite=_bool(raw, "composite", False),
+        halo=_int(raw, "halo", FAMILY_SPECS[family].halo, 0, 16),
         feather_px=_int(raw, "feather_px", 3, 0, 64),
     )
 

@@ -213,7 +213,16 @@ def run_shape_edits(client: Client, spec_file: Path, models_dir: Path) -> list[S
         tpl = spec.templates[template]
         image = Image.fromarray(scene.image)
         request = EditRequest(
-            image, mask, prompt, seed, spec.steps, spec.guidance, tpl.prompt, tpl.seed
+            image,
+            mask,
+            prompt,
+            seed,
+            spec.steps,
+            spec.guidance,
+            tpl.prompt,
+            tpl.seed,
+            spec.full_steps,
+            spec.halo or 0,
         )
         started = time.perf_counter()
         stock = editor.stock_edit(request)

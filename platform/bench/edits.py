@@ -32,6 +32,7 @@ from retouch.functions.demo.shapes import (
     make_scene,
     object_phrase,
 )
+from retouch.functions.families import family_spec
 from retouch.runtime.maskaware.editor import MaskAwareEditor
 from retouch.runtime.maskaware.request import EditRequest
 from retouch.runtime.maskaware.store import MemoryActivations
@@ -105,6 +106,7 @@ def run_edit_bench(
     guidance: float = 5.0,
     seed: int = 0,
     full_steps: int = 0,
+    halo: int | None = None,
     retouch: bool = True,
     sheet: Path | None = None,
 ) -> dict[str, Any]:
@@ -124,6 +126,7 @@ def run_edit_bench(
             case["template_prompt"],
             TEMPLATE_SEED,
             full_steps,
+            family_spec(editor.family).halo if halo is None else halo,
         )
         results = {"stock": _to_uint8(editor.stock_edit(request, "np"))}
         if retouch:
@@ -160,6 +163,7 @@ def run_edit_bench(
         }
     if retouch:
         result["full_steps"] = full_steps
+        result["halo"] = family_spec(editor.family).halo if halo is None else halo
     result["rows"] = rows
     return result
 

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import demo_model, ensure_demo_model, is_demo
+from retouch.functions.families import family_spec
 from retouch.platform.config import default_data_dir
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.flops import pipeline_step_flops
@@ -91,6 +92,7 @@ def run_engine_bench(
                     TEMPLATE_PROMPT,
                     1,
                     full_steps,
+                    family_spec(family).halo,
                 )
                 for i in range(batch)
             ]

@@ -29,6 +29,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.shapes import colour_matches, make_scene, object_phrase
+from retouch.functions.families import family_spec
 from retouch.functions.imaging import composite
 from retouch.platform.bench.edits import EVAL_SEED, TEMPLATE_SEED, recolour_target
 from retouch.platform.bench.engine import (
@@ -63,6 +64,7 @@ def run_fidelity_bench(
     mask_ratio: float = 0.2,
     guidance: float = 5.0,
     device: str = "auto",
+    halo: int | None = None,
 ) -> list[dict[str, Any]]:
     """One row per ``full_steps`` value: ``psnr``, ``ssim``, ``psnr_unmasked`` against the
     stock output, and ``stock_vs_stock_psnr`` (stock with only the masked noise changed)."""
@@ -71,10 +73,13 @@ def run_fidelity_bench(
     where = pick_device(device)
     family, pipe, size = load_demo(model, models_dir, "fidelity", where)
     editor = MaskAwareEditor(pipe, family, where)
+    halo = family_spec(family).halo if halo is None else halo
     image, mask = template_image((size, size), 3), rectangle(size, mask_ratio)
     store = MemoryActivations()
     editor.bake(image, TEMPLATE_PROMPT, 1, steps, guidance, store)
-    request = EditRequest(image, mask, EDIT_PROMPT, 2, steps, guidance, TEMPLATE_PROMPT, 1)
+    request = EditRequest(
+        image, mask, EDIT_PROMPT, 2, steps, guidance, TEMPLATE_PROMPT, 1, halo=halo
+    )
     stock = editor.stock_edit(request, "np")
     other_noise = editor.stock_edit(dataclasses.replace(request, seed=1), "np")
     rows = []
@@ -85,6 +90,7 @@ def run_fidelity_bench(
                 "model": model,
                 "steps": steps,
                 "full_steps": k,
+                "halo": halo,
                 "mask_ratio": round(float(mask.mean()), 4),
                 "device": device_name(editor.device),
                 "psnr": round(psnr(edited, stock), 2),
@@ -130,16 +136,18 @@ def run_edit_grid(
     full_steps: list[int],
     steps: int,
     guidance: float,
+    halos: list[int] | None = None,
     feather_px: int = 3,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """One row per (mask ratio, ``full_steps``), each over ``edits`` held-out scenes."""
+    """One row per (mask ratio, ``full_steps``, halo), each over ``edits`` held-out scenes
+    (``halos``: default the family's)."""
     if any(not 0 <= k <= steps for k in full_steps):
         raise ValueError(f"every full_steps value must be in [0, steps={steps}]")
     size = editor.impl.pipe.unet.config.sample_size * editor.impl.pipe.vae_scale_factor
-    samples: dict[tuple[float, int], list[dict[str, Any]]] = {
-        (r, k): [] for r in ratios for k in full_steps
-    }
+    halos = halos if halos is not None else [family_spec(editor.family).halo]
+    cells = [(r, k, h) for r in ratios for k in full_steps for h in halos]
+    samples: dict[tuple[float, int, int], list[dict[str, Any]]] = {cell: [] for cell in cells}
     rng = np.random.default_rng([seed, 11])
     for i in range(edits):
         scene = make_scene(GRID_SEED + seed * 10_000 + i, size)
@@ -159,10 +167,12 @@ def run_edit_grid(
                 editor.stock_edit(dataclasses.replace(request, seed=i + 1 + OTHER_SEED), "np")
             )
             reference = _compare(stock, other, scene.image, mask, colour, feather_px)
-            for k in full_steps:
-                edit = dataclasses.replace(request, full_steps=k)
+            for ratio_, k, h in cells:
+                if ratio_ != ratio:
+                    continue
+                edit = dataclasses.replace(request, full_steps=k, halo=h)
                 edited, edit_s = _timed(editor.edit, edit, store, "np")
-                samples[(ratio, k)].append(
+                samples[(ratio, k, h)].append(
                     _compare(stock, edited, scene.image, mask, colour, feather_px)
                     | {
                         "stock_s": stock_s,
@@ -172,7 +182,7 @@ def run_edit_grid(
                         "stock_vs_stock_ssim_composite": reference["ssim_composite"],
                     }
                 )
-    rows = [_grid_row(r, k, samples[(r, k)], steps, feather_px) for r in ratios for k in full_steps]
+    rows = [_grid_row(cell, samples[cell], steps, feather_px) for cell in cells]
     for row in rows:
         row["device"] = device_name(editor.device)
         log.info("%s", row)
@@ -218,8 +228,10 @@ def _compare(
 
 
 def _grid_row(
-    ratio: float, k: int, samples: list[dict[str, Any]], steps: int, feather_px: int
+    cell: tuple[float, int, int], samples: list[dict[str, Any]], steps: int, feather_px: int
 ) -> dict[str, Any]:
+    ratio, k, halo = cell
+
     def mean(key: str) -> float:
         values = [s[key] for s in samples]
         finite = [v for v in values if np.isfinite(v)]
@@ -231,6 +243,7 @@ def _grid_row(
         "mask_ratio": ratio,
         "mask_ratio_measured": round(mean("mask_ratio"), 3),
         "full_steps": k,
+        "halo": halo,
         "steps": steps,
         "edits": len(samples),
         "psnr": round(mean("psnr"), 2),

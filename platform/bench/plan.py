@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.functions.demo.images import mask_of_ratio, template_image
+from retouch.functions.families import family_spec
 from retouch.platform.bench.engine import (
     EDIT_PROMPT,
     TEMPLATE_PROMPT,
@@ -129,6 +130,7 @@ def run_plan_bench(
             guidance,
             TEMPLATE_PROMPT,
             1,
+            halo=family_spec(family).halo,
         )
         for i in range(batch)
     ]

@@ -185,6 +185,12 @@ def _fidelity(bench_sub: argparse._SubParsersAction) -> None:
         help="masked fractions (default 0.1,0.2,0.35 on trained models, 0.2 otherwise)",
     )
     p.add_argument(
+        "--halos",
+        type=non_negative_ints,
+        default=None,
+        help="latent pixels around the mask computed fresh, e.g. 0,2 (default: the family's)",
+    )
+    p.add_argument(
         "--edits",
         type=positive_int,
         default=12,
@@ -223,6 +229,7 @@ def _run_fidelity(args: argparse.Namespace) -> None:
                 mask_ratio=ratio,
                 guidance=args.guidance,
                 device=args.device,
+                halo=args.halos[0] if args.halos else None,
             )
         report(rows, args.json)
         return
@@ -233,6 +240,7 @@ def _run_fidelity(args: argparse.Namespace) -> None:
         full_steps=args.full_steps,
         steps=args.steps or 25,
         guidance=args.guidance,
+        halos=args.halos,
         feather_px=args.feather_px,
     )
     report(rows, args.json)
@@ -581,6 +589,12 @@ def _edits(bench_sub: argparse._SubParsersAction) -> None:
         help="warm-up steps of the mask-aware edits computed over every token (default 0)",
     )
     p.add_argument(
+        "--halo",
+        type=non_negative_int,
+        default=None,
+        help="latent pixels around the mask computed fresh (default: the family's)",
+    )
+    p.add_argument(
         "--stock-only",
         action="store_true",
         help="only the stock pipeline (no bake, no mask-aware edit)",
@@ -606,6 +620,7 @@ def _run_edits(args: argparse.Namespace) -> None:
         guidance=args.guidance,
         seed=args.seed,
         full_steps=args.full_steps,
+        halo=args.halo,
         retouch=not args.stock_only,
         sheet=args.sheet,
     )

@@ -386,6 +386,7 @@ class ExecutorCore:
             template.prompt,
             template.seed,
             spec.full_steps,
+            spec.halo,
         )
         work = Work(
             key=(spec.model, spec.scheduler, spec.width, spec.height),

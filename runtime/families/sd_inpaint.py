@@ -103,7 +103,9 @@ class SDInpaint(FamilyModel):
             masked_image_latents=tensors["masked_image_latents"].to(self.device, self.dtype),
             extra_step_kwargs=self.pipe.prepare_extra_step_kwargs(None, 0.0),  # eta 0
         )
-        tokens = token_sets(hard, level_sizes(*hard.shape, self.levels), every=every)
+        tokens = token_sets(
+            hard, level_sizes(*hard.shape, self.levels), every=every, halo=request.halo
+        )
         return RequestState(request, latents, scheduler, timesteps, inputs, tokens)
 
     def forward(self, states: list[RequestState], ctx: ForwardContext) -> list[torch.Tensor]:

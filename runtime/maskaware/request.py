@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from retouch.runtime.maskaware.store import ActivationReader, ActivationWriter
-from retouch.runtime.maskaware.tokens import TokenSet, pool_mask
+from retouch.runtime.maskaware.tokens import TokenSet, dilate, pool_mask
 
 ARRAY_FIELDS = ("image", "mask")  # cross a process boundary as arrays, the rest as plain data
 ARRAY_MODES = ("RGB", "RGBA", "L")  # image modes whose uint8 array rebuilds the same image
@@ -33,10 +33,13 @@ class EditRequest:
     template_prompt: str
     template_seed: int
     full_steps: int = 0  # the first steps compute every token (a quality warm-up)
+    halo: int = 0  # latent pixels around the mask computed fresh too (conv families)
 
     def __post_init__(self) -> None:
         if self.full_steps < 0:
             raise ValueError(f"full_steps must be >= 0, not {self.full_steps}")
+        if self.halo < 0:
+            raise ValueError(f"halo must be >= 0, not {self.halo}")
         if self.mask.shape != (self.image.height, self.image.width):
             raise ValueError(
                 f"mask is {self.mask.shape}, image is {(self.image.height, self.image.width)}"
@@ -195,16 +198,22 @@ def every_token(sizes: list[tuple[int, int]]) -> dict[tuple[int, int], TokenSet]
 
 
 def token_sets(
-    latent_mask: torch.Tensor, sizes: list[tuple[int, int]], *, every: bool = False
+    latent_mask: torch.Tensor,
+    sizes: list[tuple[int, int]],
+    *,
+    every: bool = False,
+    halo: int = 0,
 ) -> dict[tuple[int, int], TokenSet]:
-    """The token set of every grid ``size``, pooled from a boolean ``[h, w]`` latent mask.
+    """The token set of every grid ``size``, pooled from a boolean ``[h, w]`` latent mask
+    grown by ``halo`` latent pixels.
 
     ``every``: all tokens are computed, whatever the mask (a request without a cache reads
     no row, so it runs exactly like the stock pipeline).
     """
     if every:
         return every_token(sizes)
-    return {size: TokenSet.from_grid(pool_mask(latent_mask.cpu(), size)) for size in sizes}
+    grown = dilate(latent_mask.cpu(), halo)
+    return {size: TokenSet.from_grid(pool_mask(grown, size)) for size in sizes}
 
 
 def check_batchable(requests: list[EditRequest]) -> EditRequest:

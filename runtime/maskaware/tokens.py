@@ -43,6 +43,15 @@ class TokenSet:
         return self.count / self.n_tokens
 
 
+def dilate(latent_mask: torch.Tensor, pixels: int) -> torch.Tensor:
+    """A boolean ``[h, w]`` mask grown by ``pixels`` in every direction (a square window)."""
+    if pixels <= 0:
+        return latent_mask
+    window = 2 * pixels + 1
+    grown = F.max_pool2d(latent_mask[None, None].float(), window, stride=1, padding=pixels)
+    return grown[0, 0] > 0
+
+
 def pool_mask(latent_mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Max-pool a boolean ``[h, w]`` latent mask onto a coarser ``size`` grid.
 

@@ -112,3 +112,21 @@ def test_noise_composition_takes_the_request_inside_the_mask_only() -> None:
         assert got[..., ~mask].equal(other[..., ~mask])
     assert SeedNoise.draw(1, (1, 4, 6, 6), torch.float32).latents.equal(template.latents)
     assert not template.latents.equal(template.vae)
+
+
+def test_halo_grows_the_computed_tokens_around_the_mask() -> None:
+    """A halo of h latent pixels adds exactly the ring within h pixels (square window) of
+    the mask at the finest level, and the coarser levels pool the grown mask."""
+    from retouch.runtime.maskaware.request import token_sets
+
+    mask = torch.zeros(16, 16, dtype=torch.bool)
+    mask[5:8, 6:9] = True
+    sizes = [(16, 16), (8, 8)]
+    plain = token_sets(mask, sizes)
+    grown = token_sets(mask, sizes, halo=2)
+    assert plain[(16, 16)].count == 9
+    assert grown[(16, 16)].count == 7 * 7  # rows 3..9, columns 4..10
+    assert grown[(8, 8)].count >= plain[(8, 8)].count
+    corner = torch.zeros(16, 16, dtype=torch.bool)
+    corner[0, 0] = True
+    assert token_sets(corner, sizes, halo=2)[(16, 16)].count == 9  # clipped at the border

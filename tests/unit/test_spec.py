@@ -39,6 +39,11 @@ def test_defaults_follow_family() -> None:
     )
     assert (spec.width, spec.height, spec.scheduler, spec.steps) == (256, 128, "flow-euler", 20)
     assert spec.full_steps == 0  # every step mask-aware unless the function asks otherwise
+    assert spec.halo == 0  # a DiT family blends the unmasked latents back: no halo
+    sd = parse_spec({**_doc(), "family": "sd-inpaint"})
+    assert sd.halo == 2  # a UNet's convolutions reach past the mask
+    assert parse_spec(sd.to_dict()).halo == 2
+    assert parse_spec({**_doc(), "family": "sd-inpaint", "halo": 0}).halo == 0
 
 
 @given(
@@ -91,6 +96,8 @@ def test_round_trip(
         ({"composite": "yes"}, "composite"),
         ({"composite": 1}, "composite"),
         ({"feather_px": -1}, "feather_px"),
+        ({"halo": -1}, "halo"),
+        ({"halo": 17}, "halo"),
         ({"feather_px": 65}, "feather_px"),
         ({"scheduler": "flow-euler"}, "scheduler"),
         ({"templates": []}, "templates"),
