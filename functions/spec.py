@@ -49,7 +49,15 @@ FIELDS = (
     "uploads",
 )
 TEMPLATE_FIELDS = ("image", "prompt", "seed")  # image: a path, in TOML files only
-SCALING_FIELDS = ("min_executors", "max_executors")
+SCALING_FIELDS = (
+    "min_executors",
+    "max_executors",
+    "target_s",
+    "upscale_delay_s",
+    "stable_window_s",
+    "downscale_delay_s",
+    "downscale_to_zero_delay_s",
+)
 SLO_FIELDS = ("latency_ms",)
 # The placement policies a function may ask for (the gateway's ``platform/placement.py``
 # implements each; a test keeps the two lists equal).
@@ -67,8 +75,22 @@ class TemplateSpec:
 
 @dataclass(frozen=True)
 class ScalingSpec:
+    """How the autoscaler (``retouch serve --autoscale``) sizes the pool for this function.
+
+    ``target_s`` is the predicted seconds of work (running + queued) one executor should
+    hold; scale-up follows the mean over the last ``upscale_delay_s`` (Knative's panic
+    window), scale-down the mean over ``stable_window_s`` and then the highest
+    recommendation of the last ``downscale_delay_s``; the last executor goes after
+    ``downscale_to_zero_delay_s`` without work. The defaults suit GPU executors that take
+    minutes to start."""
+
     min_executors: int = 0
     max_executors: int = 1
+    target_s: float = 30.0
+    upscale_delay_s: float = 6.0
+    stable_window_s: float = 60.0
+    downscale_delay_s: float = 600.0
+    downscale_to_zero_delay_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -265,7 +287,15 @@ def _scaling(raw: Any) -> ScalingSpec:
     hi = _int(raw, "max_executors", max(1, lo), 1, 1024, where="scaling")
     if lo > hi:
         raise InvalidSpec("min_executors exceeds max_executors", field="scaling.min_executors")
-    return ScalingSpec(lo, hi)
+    default = ScalingSpec()
+    seconds = {
+        name: _float(raw, name, getattr(default, name), 0.0, 86_400.0, where="scaling")
+        for name in SCALING_FIELDS[2:]
+    }
+    for name in ("target_s", "upscale_delay_s", "stable_window_s"):
+        if seconds[name] <= 0:
+            raise InvalidSpec(f"{name} must be positive", field=f"scaling.{name}")
+    return ScalingSpec(lo, hi, **seconds)
 
 
 def _uploads(raw: Any) -> UploadsSpec:

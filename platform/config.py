@@ -37,7 +37,18 @@ class ServeConfig:
     host: str = knob("127.0.0.1", "bind address")
     port: int = knob(DEFAULT_PORT, "port")
     data_dir: Path = knob(DEFAULT_DATA_DIR, "registry, models, caches, jobs", shown="~/.retouch")
-    executors: int = knob(1, "CPU executors when no GPU is found (with GPUs: one per GPU)")
+    executors: int = knob(
+        1, "CPU executors when no GPU is found (with GPUs: one per GPU); with --autoscale, the most"
+    )
+    autoscale: bool = knob(
+        False,
+        "start and stop executors on load, as the functions' scaling tables say (from zero), "
+        "instead of one per device at start-up",
+    )
+    autoscale_dry_run: bool = knob(False, "log the autoscaler's decisions, start and stop nothing")
+    drain_timeout_s: float = knob(
+        600.0, "how long a scaled-down executor's running invocations get to finish"
+    )
     token_file: Path | None = knob(None, "a file of '<admin|invoke> <token>' lines")
     max_body_bytes: int = knob(32 << 20, "payload limit in bytes", shown="32 MiB")
     placement: str = knob(
@@ -116,6 +127,7 @@ class ServeConfig:
             "queue_timeout_s": self.queue_timeout_s,
             "invoke_timeout_s": self.invoke_timeout_s,
             "job_retention_s": self.job_retention_s,
+            "drain_timeout_s": self.drain_timeout_s,
         }
         for name, value in positive.items():
             if value <= 0:

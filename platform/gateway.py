@@ -259,7 +259,7 @@ class Gateway:
         healthy = sum(e.healthy for e in self.pool.executors)
         self.metrics.executors.set(healthy)
         pending = sorted(n for n, f in self.functions.items() if f.status is DeployStatus.DEPLOYING)
-        if not healthy:
+        if not self.pool.ready:  # an autoscaled pool is ready at zero: it starts one
             raise Unavailable("no healthy executor", code="not_ready")
         return {"status": "ready", "executors": healthy, "deploying": pending}
 
@@ -268,6 +268,7 @@ class Gateway:
         for state in await self.pool.states():
             self._export_engine(state)
         self._export_queue()
+        self._export_pool()
         self._export_jobs()
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -355,6 +356,7 @@ class Gateway:
             "placement": self.pool.placement.name,
             "queue": {"waiting": len(self.pool.queue), **asdict(self.pool.queue.stats)},
             "control": self.pool.placement_summary(),
+            "autoscaler": self.pool.scaler.describe() if self.pool.scaler else None,
         }
 
     def _servable(self, name: str) -> DeployedFunction:
@@ -569,6 +571,10 @@ class Gateway:
             self.metrics.webhooks.labels(event, "failed").set(n)
         self.metrics.webhooks.labels("", "retried").set(stats.retried)
         self.metrics.webhooks.labels("", "dropped").set(stats.dropped)
+
+    def _export_pool(self) -> None:
+        for quantity, value in self.pool.pool_summary().items():
+            self.metrics.pool.labels(quantity).set(value)
 
     def _export_queue(self) -> None:
         queue = self.pool.queue

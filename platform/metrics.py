@@ -106,6 +106,14 @@ class GatewayMetrics:
         )
         self.executors = Gauge("retouch_executors_healthy", "Healthy executors", registry=r)
         self.functions = Gauge("retouch_functions", "Deployed functions", registry=r)
+        self.pool = Gauge(
+            "retouch_pool",
+            "Executor pool at scrape time: ready, starting, draining, desired (the autoscaler's "
+            "last decision), scale_ups and scale_downs (decisions since start), startup_s_p50 "
+            "and startup_s_max (process start to ready, executors the autoscaler started)",
+            ["quantity"],
+            registry=r,
+        )
         self.queue_length = Gauge(
             "retouch_queue_length", "Invocations waiting in the gateway for a slot", registry=r
         )

@@ -36,15 +36,23 @@ from retouch.functions.errors import (
     RetouchError,
     Unavailable,
 )
-from retouch.platform.control.cluster import ClusterView, ExecutorView, Overheads, Placed
+from retouch.platform.control.cluster import (
+    ClusterView,
+    ExecutorView,
+    Overheads,
+    Placed,
+    Residency,
+)
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.placement import Placement, PlacementRequest, make_placement
 from retouch.platform.providers import ExecutorProcess, LocalProvider
 from retouch.platform.registry import StoredFunction
+from retouch.platform.scaler import PoolScaler
 
 log = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 1.0
+DRAIN_TIMEOUT_S = 600.0  # a draining executor's running invocations get this long to finish
 PROBE_TIMEOUT_S = 2.0
 CHANGES_WAIT_S = 20  # an executor's change-feed long poll answers within this when idle
 PROBE_FAILURES = 3  # consecutive failed probes of a live process before it is restarted
@@ -77,6 +85,7 @@ class ExecutorHandle:
     restarts: int = 0
     refreshing: bool = False  # a state read is under way (reads are coalesced)
     refresh_again: bool = False  # something changed during that read: read once more
+    started_at: float = field(default_factory=time.monotonic)
     overheads: InitVar[Overheads | None] = None  # the pool's, learnt from every executor
 
     def __post_init__(self, overheads: Overheads | None) -> None:
@@ -120,6 +129,7 @@ class PlacementStats:
     """Recent decisions and predictions, for ``/metrics`` and the benches."""
 
     admission_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    startup_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))  # autoscaled
     prediction_error: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -134,6 +144,10 @@ class ExecutorPool:
         placement: Placement,
         limits: QueueLimits | None = None,
         retry: RetryPolicy | None = None,
+        *,
+        autoscale: bool = False,
+        autoscale_dry_run: bool = False,
+        drain_timeout_s: float = DRAIN_TIMEOUT_S,
     ) -> None:
         limits = limits or QueueLimits()
         retry = retry or RetryPolicy()
@@ -165,6 +179,11 @@ class ExecutorPool:
         self._restarts: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
         self._followers: dict[str, asyncio.Task] = {}  # change-feed long polls, per executor
+        # Autoscaling: executors being started (by name) and drained; the scaler's task.
+        self.drain_timeout_s = drain_timeout_s
+        self._spawning: dict[str, asyncio.Task] = {}
+        self._draining: dict[str, asyncio.Task] = {}
+        self.scaler = PoolScaler(self, dry_run=autoscale_dry_run) if autoscale else None
 
     @property
     def placement(self) -> Placement:
@@ -176,6 +195,10 @@ class ExecutorPool:
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
+        if self.scaler is not None:  # the scaler starts what the functions' tables ask for
+            self._monitor = asyncio.create_task(self._watch())
+            self.scaler.start()
+            return
         devices = self.provider.devices()
         threads = self.provider.threads_per_executor(len(devices))
         names = [f"exec-{i}" for i in range(len(devices))]
@@ -187,6 +210,8 @@ class ExecutorPool:
         self._monitor = asyncio.create_task(self._watch())
 
     async def close(self) -> None:
+        if self.scaler is not None:
+            await self.scaler.close()
         tasks = [
             t
             for t in (
@@ -194,6 +219,8 @@ class ExecutorPool:
                 *self._restarts.values(),
                 *self._background,
                 *self._followers.values(),
+                *self._spawning.values(),
+                *self._draining.values(),
             )
             if t is not None
         ]
@@ -208,7 +235,95 @@ class ExecutorPool:
 
     @property
     def ready(self) -> bool:
-        return any(e.healthy for e in self.executors)
+        """Able to serve: a healthy executor, or an autoscaled pool (it starts one)."""
+        return self.scaler is not None or any(e.healthy for e in self.executors)
+
+    # ---- autoscaling --------------------------------------------------------------------
+    def capacity(self) -> int:
+        """Executors the provider can run at once (one per GPU, or its CPU slots)."""
+        return len(self.provider.devices())
+
+    def target_executors(self) -> int:
+        """Executors that count as capacity: ready, starting or restarting, not draining."""
+        serving = [e for e in self.executors if e.phase is not wire.ExecutorPhase.DRAINING]
+        return len(serving) + len(self._spawning)
+
+    def work_s(self) -> float:
+        """Predicted seconds of work on the pool: what its executors hold, plus the queue."""
+        held = sum(
+            e.view.work_s() for e in self.executors if e.phase is not wire.ExecutorPhase.DRAINING
+        )
+        return held + self.queue.queued_work_s()
+
+    def spawn(self) -> bool:
+        """Start one more executor (in its own task); False when every device is taken."""
+        taken = {e.name for e in self.executors} | set(self._spawning)
+        devices = self.provider.devices()
+        free = [i for i in range(len(devices)) if f"exec-{i}" not in taken]
+        if not free:
+            return False
+        name, device = f"exec-{free[0]}", devices[free[0]]
+        task = asyncio.create_task(self._spawn(name, device, len(devices)))
+        self._spawning[name] = task
+        task.add_done_callback(lambda _: self._spawning.pop(name, None))
+        return True
+
+    async def _spawn(self, name: str, device: str, capacity: int) -> None:
+        threads = self.provider.threads_per_executor(capacity)
+        started = time.monotonic()
+        try:
+            proc = await self.provider.start(name, device, threads)
+        except RetouchError as exc:
+            log.error("autoscaler could not start %s: %s", name, exc)
+            return
+        handle = ExecutorHandle(proc, overheads=self.cluster.overheads)
+        self.executors.append(handle)
+        try:
+            await self._become_ready(handle)
+        except (RetouchError, httpx.HTTPError) as exc:
+            log.error("started %s is not ready: %s", name, exc)
+            handle.phase = wire.ExecutorPhase.STARTING  # the monitor keeps probing it
+        self.stats.startup_s.append(time.monotonic() - started)
+        log.info("%s ready in %.1f s", name, time.monotonic() - started)
+
+    def scale_down_victims(self, count: int) -> list[ExecutorHandle]:
+        """Whom to drain: least predicted work, then least host-resident templates (the
+        cheapest cache to lose), then the newest."""
+        ready = [e for e in self.executors if e.healthy]
+
+        def cost(e: ExecutorHandle) -> tuple[float, int, float]:
+            hosted = sum(tier is Residency.HOST for tier in e.view.residency.values())
+            return (e.view.work_s(), hosted, -e.started_at)
+
+        return sorted(ready, key=cost)[: max(0, count)]
+
+    def retire(self, handle: ExecutorHandle) -> None:
+        """Drain ``handle`` (no new placements; what runs there finishes), then stop it."""
+        if handle.name in self._draining:
+            return
+        handle.phase = wire.ExecutorPhase.DRAINING
+        task = asyncio.create_task(self._drain(handle))
+        self._draining[handle.name] = task
+        task.add_done_callback(lambda _: self._draining.pop(handle.name, None))
+
+    async def _drain(self, handle: ExecutorHandle) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while handle.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if handle.inflight:
+            log.warning(
+                "%s still runs %d invocations after %.0f s of drain: they are re-placed",
+                handle.name,
+                handle.inflight,
+                self.drain_timeout_s,
+            )
+        if handle in self.executors:
+            self.executors.remove(handle)
+        follower = self._followers.pop(handle.name, None)
+        if follower is not None:
+            follower.cancel()
+        await self.provider.stop(handle.process)
+        log.info("%s drained and stopped", handle.name)
 
     def candidates(self, function: str) -> list[ExecutorHandle]:
         """Executors that can take an invocation of ``function`` now."""
@@ -540,6 +655,23 @@ class ExecutorPool:
     def describe(self) -> list[dict[str, Any]]:
         return [e.describe() for e in self.executors]
 
+    def pool_summary(self) -> dict[str, float]:
+        """Executors by phase, the autoscaler's last decision and its scale events, and the
+        start-up times it saw (``/metrics``)."""
+        phases = [e.phase for e in self.executors]
+        startups = sorted(self.stats.startup_s)
+        scaler = self.scaler
+        return {
+            "ready": float(phases.count(wire.ExecutorPhase.READY)),
+            "starting": float(phases.count(wire.ExecutorPhase.STARTING) + len(self._spawning)),
+            "draining": float(phases.count(wire.ExecutorPhase.DRAINING)),
+            "desired": float(scaler.last.desired if scaler and scaler.last else len(phases)),
+            "scale_ups": float(scaler.ups if scaler else 0),
+            "scale_downs": float(scaler.downs if scaler else 0),
+            "startup_s_p50": startups[len(startups) // 2] if startups else 0.0,
+            "startup_s_max": startups[-1] if startups else 0.0,
+        }
+
     async def states(self) -> list[wire.ExecutorState]:
         """Each ready executor's own state (models, templates, engine, cache counters)."""
         ready = [e for e in self.executors if e.healthy]
@@ -639,8 +771,8 @@ class ExecutorPool:
             self._schedule_restart(handle, f"{handle.probe_failures} failed probes: {why}")
 
     def _schedule_restart(self, handle: ExecutorHandle, why: str) -> None:
-        if handle.name in self._restarts:
-            return
+        if handle.name in self._restarts or handle.name in self._draining:
+            return  # a draining executor is going away anyway: its invocations are re-placed
         log.warning("restarting executor %s: %s", handle.name, why)
         handle.phase = wire.ExecutorPhase.DEAD
         task = asyncio.create_task(self._restart(handle))

@@ -54,7 +54,15 @@ def build_gateway(config: ServeConfig) -> Gateway:
         dry_run=config.admission_dry_run,
     )
     retry = RetryPolicy(config.max_attempts, config.invoke_timeout_s)
-    pool = ExecutorPool(provider, make_placement(config.placement), limits, retry)
+    pool = ExecutorPool(
+        provider,
+        make_placement(config.placement),
+        limits,
+        retry,
+        autoscale=config.autoscale or config.autoscale_dry_run,
+        autoscale_dry_run=config.autoscale_dry_run,
+        drain_timeout_s=config.drain_timeout_s,
+    )
     return Gateway(
         Registry(config.data_dir),
         pool,

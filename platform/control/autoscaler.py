@@ -120,6 +120,13 @@ def _count(config: AutoscalingConfig, work_s: float) -> int:
     return max(config.min_executors, min(config.max_executors, wanted))
 
 
+def _history_s(config: AutoscalingConfig) -> float:
+    """How long samples are kept: twice the longest window. Going to zero needs an idle
+    run *longer* than its delay, so a history of exactly that delay (ticks land a little
+    late in real time) would never see one."""
+    return 2.0 * max(config.stable_window_s, config.downscale_to_zero_delay_s)
+
+
 def _idle_since(samples: list[LoadSample]) -> float | None:
     """When the last run of samples with no work began (None: the latest had work)."""
     since = None
@@ -136,14 +143,18 @@ class Autoscaler:
 
     def __init__(self, config: AutoscalingConfig) -> None:
         self.config = config
-        keep = max(config.stable_window_s, config.downscale_to_zero_delay_s)
-        self._keep_s = keep
+        self._keep_s = _history_s(config)
         self._samples: deque[LoadSample] = deque()
         self._recent: deque[tuple[float, int]] = deque()
         self._panic_until = -math.inf
         self.decisions = 0
         self.reversals = 0
         self._last_direction = 0
+
+    def reconfigure(self, config: AutoscalingConfig) -> None:
+        """New settings (a function was deployed, changed or deleted); the history stays."""
+        self.config = config
+        self._keep_s = _history_s(config)
 
     def tick(self, now: float, work_s: float, queued: int, target: int) -> Decision:
         self._samples.append(LoadSample(now, work_s, queued))

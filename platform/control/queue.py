@@ -107,6 +107,7 @@ class QueueStats:
     replaced: int = 0  # invocations re-queued after their executor was lost
     canceled: int = 0  # left the queue by cancel
     service_s: float = 1.0  # EWMA of slot holding time (for Retry-After)
+    served: int = 0  # invocations whose holding time the EWMA has seen
 
 
 class InvocationQueue:
@@ -248,6 +249,14 @@ class InvocationQueue:
                 return True
         return False
 
+    def queued_work_s(self) -> float:
+        """Predicted service of everything waiting: the autoscaler's queued work. Where
+        nothing predicted it (no SLO, or no executor yet) the measured slot-holding average
+        stands in; before anything was measured it counts nothing, so a cold pool starts
+        one executor (the policy's rule for work at an empty pool), not a guessed many."""
+        fallback = self.stats.service_s if self.stats.served else 0.0
+        return sum(w.service_s or fallback for w in self._waiting)
+
     def service_s(self, request: PlacementRequest) -> float:
         """Predicted service of ``request`` once started (0: nothing can predict it)."""
         return self._best(request)[1]
@@ -343,6 +352,7 @@ class InvocationQueue:
             executor.view.finish(token, self._clock(), None)  # no-op once the pool learnt
         if held_s is not None and held_s > 0:
             self.stats.service_s = 0.9 * self.stats.service_s + 0.1 * held_s
+            self.stats.served += 1
         self.dispatch()
 
     def dispatch(self) -> None:

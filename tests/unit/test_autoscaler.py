@@ -76,3 +76,33 @@ def test_bad_settings_are_refused():
         AutoscalingConfig(min_executors=3, max_executors=2)
     with pytest.raises(ValueError):
         AutoscalingConfig(target_s=0)
+
+
+def test_goes_to_zero_when_ticks_land_late():
+    """Real ticks are a little late each time; the idle run must still reach the delay."""
+    config = AutoscalingConfig(
+        min_executors=0, max_executors=2, target_s=1.0, stable_window_s=3.0,
+        downscale_delay_s=2.0, downscale_to_zero_delay_s=3.0,
+    )  # fmt: skip
+    scaler = Autoscaler(config)
+    _, target = run(scaler, lambda t: 0.5, 0.0, 10.0, 1, tick=1.003)
+    assert target == 1
+    decisions, target = run(scaler, lambda t: 0.0, 10.0, 30.0, target, tick=1.003)
+    assert target == 0
+    zero_at = next(t for t, n in decisions if n == 0)
+    assert 10.0 + config.downscale_to_zero_delay_s <= zero_at <= 10.0 + 3 * 3.0
+
+
+def test_the_pool_merges_its_functions_scaling_tables():
+    from retouch.functions.spec import ScalingSpec
+    from retouch.platform.scaler import pool_config
+
+    eager = ScalingSpec(0, 3, target_s=5.0, upscale_delay_s=2.0, downscale_delay_s=60.0)
+    patient = ScalingSpec(1, 8, target_s=20.0, downscale_to_zero_delay_s=900.0)
+    config = pool_config([eager, patient], capacity=4)
+    assert (config.min_executors, config.max_executors) == (1, 4)  # capped by the devices
+    assert config.target_s == 5.0 and config.panic_window_s == 2.0  # the eagerest grows
+    assert config.downscale_delay_s == 600.0  # the most patient shrinks (patient's default)
+    assert config.downscale_to_zero_delay_s == 900.0
+    assert pool_config([], capacity=2).max_executors == 2  # nothing deployed: zero
+    assert pool_config([], capacity=2).min_executors == 0

@@ -1,0 +1,123 @@
+"""Real autoscaling on this machine (``retouch serve --autoscale``): from zero executors, a
+first invocation is answered after a cold start (held in the gateway queue, never 503); a
+step in load brings a second executor up; when the load falls one is drained and stopped
+without losing or failing an invocation; idle, the pool goes back to zero."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from retouch.functions.spec import ScalingSpec
+from retouch.platform.client import Client, read_spec_file
+from retouch.platform.server import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+SCALING = ScalingSpec(
+    min_executors=0,
+    max_executors=2,
+    target_s=0.25,  # tiny-flux at 16 steps: ~0.05 s of predicted work alone, ~0.5 s under 12
+    upscale_delay_s=2.0,
+    stable_window_s=3.0,
+    downscale_delay_s=2.0,
+    downscale_to_zero_delay_s=3.0,
+)
+WAIT_S = 240.0  # a cold start on a loaded 2-core machine: process, imports, model, profile
+
+
+class Load:
+    """``clients`` threads invoking in a loop until stopped; every answer is kept."""
+
+    def __init__(self, url: str, invoke: Callable[[Client, int], object], clients: int) -> None:
+        self.results: list[object] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(url, invoke, i), daemon=True)
+            for i in range(clients)
+        ]
+
+    def _run(self, url: str, invoke: Callable[[Client, int], object], index: int) -> None:
+        with Client(url) as client:
+            n = 0
+            while not self._stop.is_set():
+                try:
+                    self.results.append(invoke(client, index * 10_000 + n))
+                except BaseException as exc:  # every failure is the finding
+                    self.errors.append(exc)
+                n += 1
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=WAIT_S)
+
+
+def _phases(client: Client) -> list[str]:
+    return [e["phase"] for e in client.executors()["executors"]]
+
+
+def _wait(what: str, ok: Callable[[], bool], timeout: float = WAIT_S) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if ok():
+            return time.monotonic() - started
+        time.sleep(0.25)
+    raise AssertionError(f"not seen within {timeout:.0f} s: {what}")
+
+
+def test_scale_from_zero_up_down_and_back_to_zero(tmp_path: Path, examples: Path) -> None:
+    spec, images = read_spec_file(examples / "tiny-flux.toml")
+    spec = dataclasses.replace(spec, name="scaled", steps=16, scaling=SCALING)
+    mask = np.zeros((128, 128), bool)
+    mask[16:80, 24:88] = True
+
+    def invoke(client: Client, seed: int) -> object:
+        return client.invoke("scaled", "shirt", mask, "a red shirt", seed=seed, format="raw")
+
+    server = ServerProcess(tmp_path / "data", executors=2, extra_args=["--autoscale"])
+    with server, Client(server.url) as client:
+        assert _phases(client) == []  # nothing runs before there is work
+        client.deploy(spec, images)
+        assert _phases(client) == []
+        assert client.executors()["autoscaler"]["config"]["max_executors"] == 2
+
+        first = invoke(client, 0)  # held while exec-0 starts: answered, not 503
+        assert first.path in ("stock", "maskaware") and first.executor == "exec-0"
+
+        with Load(server.url, invoke, clients=12) as step:
+            _wait("a second executor", lambda: _phases(client).count("ready") == 2)
+            time.sleep(2.0)  # both serve the step for a while
+        assert not step.errors, step.errors[:3]
+        served = {r.executor for r in step.results}
+        assert served == {"exec-0", "exec-1"}, served
+
+        with Load(server.url, invoke, clients=1) as light:  # in flight during the drain
+            _wait("a scale-down to one executor", lambda: len(_phases(client)) == 1)
+            time.sleep(1.0)
+        assert not light.errors, light.errors[:3]
+        assert light.results
+
+        _wait("scale to zero when idle", lambda: _phases(client) == [])
+        scaler = client.executors()["autoscaler"]
+        changes = [e["change"] for e in scaler["events"]]
+        assert changes[0] > 0 and min(changes) < 0, scaler["events"]
+        again = invoke(client, 1)  # and back from zero
+        assert again.path in ("stock", "maskaware")
+        metrics = httpx.get(f"{server.url}/metrics").text
+        for line in ('retouch_pool{quantity="scale_ups"}', 'retouch_pool{quantity="scale_downs"}'):
+            assert float(metrics.split(line)[1].split()[0]) >= 2  # up twice, down twice
+        assert float(metrics.split('retouch_pool{quantity="startup_s_p50"}')[1].split()[0]) > 0
