@@ -30,6 +30,7 @@ real runs.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import heapq
 import itertools
@@ -38,6 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -69,7 +71,7 @@ class SimSpec:
 
     executors: int = 64
     placements: tuple[str, ...] = ("maskaware", "least-requests", "round-robin")
-    arrivals: str = "poisson"  # or "gamma:CV"
+    arrivals: str = "poisson"  # or "gamma:CV", or "trace:PATH" (a CSV, see read_trace)
     masks: str = "beta"  # or "bimodal" (half 0.05, half 0.6)
     mask_mean: float = 0.19
     load: float = 0.85  # offered rate as a fraction of the pool's capacity
@@ -379,16 +381,61 @@ def footprint(ratio: float, size: int) -> MaskFootprint:
     return MaskFootprint(ratio, size * size, masked)
 
 
-def mask_ratios(spec: SimSpec, rng: np.random.Generator) -> np.ndarray:
+@dataclass(frozen=True)
+class Trace:
+    """A replayed arrival trace: sorted arrival times, and mask ratios where it has them."""
+
+    arrival_s: np.ndarray
+    mask_ratio: np.ndarray | None = None
+
+    @property
+    def rate(self) -> float:
+        """Mean arrivals per second over the trace's span."""
+        span = float(self.arrival_s[-1] - self.arrival_s[0])
+        return (len(self.arrival_s) - 1) / span if span > 0 else math.inf
+
+
+def read_trace(path: Path) -> Trace:
+    """A CSV whose header has ``arrival_s`` (seconds from the start, sorted) and optionally
+    ``mask_ratio`` (in (0, 1]); other columns are ignored (the simulation runs one
+    function and template). Errors name the line."""
+    try:
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as exc:
+        raise ValueError(f"cannot read the trace {path}: {exc.strerror}") from exc
+    if not rows or "arrival_s" not in rows[0]:
+        raise ValueError(f"{path}: the header needs an arrival_s column")
+    times, ratios = [], []
+    has_ratio = "mask_ratio" in rows[0]
+    for line, row in enumerate(rows, start=2):
+        try:
+            at = float(row["arrival_s"])
+            ratio = float(row["mask_ratio"]) if has_ratio else 1.0
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}:{line}: not a number") from None
+        if times and at < times[-1]:
+            raise ValueError(f"{path}:{line}: arrival_s must be sorted")
+        if not (math.isfinite(at) and 0 < ratio <= 1):
+            raise ValueError(f"{path}:{line}: arrival_s finite, mask_ratio in (0, 1]")
+        times.append(at)
+        ratios.append(ratio)
+    if len(times) < 2:
+        raise ValueError(f"{path}: a trace needs at least two arrivals")
+    return Trace(np.array(times), np.array(ratios) if has_ratio else None)
+
+
+def mask_ratios(spec: SimSpec, rng: np.random.Generator, count: int | None = None) -> np.ndarray:
+    count = spec.requests if count is None else count
     if spec.masks == "bimodal":
-        return np.where(rng.random(spec.requests) < 0.5, *BIMODAL)
+        return np.where(rng.random(count) < 0.5, *BIMODAL)
     if spec.masks != "beta":
         raise ValueError(f"masks must be beta or bimodal, not {spec.masks!r}")
     if not 0 < spec.mask_mean < 1:
         raise ValueError(f"the mask mean must be in (0, 1), not {spec.mask_mean}")
     concentration = 10.0
     a, b = spec.mask_mean * concentration, (1 - spec.mask_mean) * concentration
-    return np.clip(rng.beta(a, b, spec.requests), 0.01, 1.0)
+    return np.clip(rng.beta(a, b, count), 0.01, 1.0)
 
 
 def gaps(spec: SimSpec, rate: float, rng: np.random.Generator) -> np.ndarray:
@@ -418,11 +465,21 @@ def capacity_rps(spec: SimSpec, cost_model: CostModel, ratios: np.ndarray) -> fl
 
 
 def plan_jobs(spec: SimSpec, cost_model: CostModel) -> tuple[list[Job], float]:
-    """The arrivals every placement replays, and their rate."""
+    """The arrivals every placement replays, and their rate. A trace is replayed with its
+    time compressed (or stretched) so its mean rate is ``load`` of the pool's capacity."""
     rng = np.random.default_rng(spec.seed)
-    ratios = mask_ratios(spec, rng)
+    trace = read_trace(Path(spec.arrivals[6:])) if spec.arrivals.startswith("trace:") else None
+    if trace is None:
+        ratios = mask_ratios(spec, rng)
+    else:
+        ratios = trace.mask_ratio
+        if ratios is None:
+            ratios = mask_ratios(spec, rng, len(trace.arrival_s))
     rate = spec.load * capacity_rps(spec, cost_model, ratios)
-    arrivals = np.cumsum(gaps(spec, rate, rng))
+    if trace is None:
+        arrivals = np.cumsum(gaps(spec, rate, rng))
+    else:
+        arrivals = (trace.arrival_s - trace.arrival_s[0]) * (trace.rate / rate)
     slo_s = None if spec.slo_factor is None else spec.slo_factor * standalone_s(spec, cost_model)
     jobs = []
     for i, (at, ratio) in enumerate(zip(arrivals, ratios, strict=True)):
@@ -457,6 +514,10 @@ def run_simulation(spec: SimSpec, cost_model: CostModel) -> dict[str, Any]:
     """Every placement of ``spec`` on the same arrivals; one summary per placement."""
     if spec.executors < 1 or spec.requests <= spec.warmup or spec.max_batch < 1:
         raise ValueError("need executors >= 1, max batch >= 1 and requests > warmup")
+    if spec.arrivals.startswith("trace:"):
+        arrivals = len(read_trace(Path(spec.arrivals[6:])).arrival_s)
+        if arrivals <= spec.warmup:
+            raise ValueError(f"the trace has {arrivals} arrivals, not more than the warm-up")
     if not spec.load > 0:
         raise ValueError(f"load must be positive, not {spec.load}")
     for name in spec.placements:
@@ -479,7 +540,7 @@ def run_simulation(spec: SimSpec, cost_model: CostModel) -> dict[str, Any]:
         "load": spec.load,
         "arrivals": spec.arrivals,
         "masks": spec.masks if spec.masks == "bimodal" else f"beta:{spec.mask_mean}",
-        "requests": spec.requests - spec.warmup,
+        "requests": len(jobs) - spec.warmup,
         "configs": configs,
     }
     if spec.slo_factor is not None:

@@ -445,7 +445,10 @@ def _sim(bench_sub: argparse._SubParsersAction) -> None:
         help="policies, comma-separated (default maskaware,least-requests,round-robin)",
     )
     p.add_argument(
-        "--arrivals", default="poisson", help="poisson, or gamma:CV (e.g. gamma:2; default poisson)"
+        "--arrivals",
+        default="poisson",
+        help="poisson, gamma:CV (e.g. gamma:2), or trace:FILE (a CSV with arrival_s and optionally "
+        "mask_ratio, replayed at --load of the pool's capacity; default poisson)",
     )
     p.add_argument("--masks", choices=("beta", "bimodal"), default="beta", help="mask ratio mix")
     p.add_argument(

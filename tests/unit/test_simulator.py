@@ -89,3 +89,44 @@ def test_an_autoscaled_pool_grows_from_one_executor_under_load_and_loses_nothing
     assert got["executors_started"] > 2
     assert got["first_scale_up_s"] is not None and got["first_scale_up_s"] <= 10.0
     assert got["rejected"] == 0 and got["p99_ms"] < float("inf")
+
+
+def test_a_replayed_trace_keeps_its_shape_at_the_asked_load(tmp_path):
+    from retouch.platform.simulator import plan_jobs, read_trace
+
+    trace = tmp_path / "trace.csv"
+    times = [0.0, 1.0, 1.5, 4.0, 10.0] + [10.0 + 0.1 * i for i in range(1, 400)]
+    trace.write_text("arrival_s,other\n" + "".join(f"{t},x\n" for t in times))
+    spec = SimSpec(executors=4, requests=100, warmup=10, steps=8, noise=0.0,
+                   arrivals=f"trace:{trace}", load=0.5)  # fmt: skip
+    jobs, rate = plan_jobs(spec, flux_like_cost_model())
+    assert len(jobs) == len(times)  # the whole trace, not --requests
+    arrivals = [j.arrival for j in jobs]
+    scale = arrivals[1] / times[1]
+    assert all(abs(a - t * scale) < 1e-9 for a, t in zip(arrivals, times, strict=True))
+    assert abs((len(jobs) - 1) / arrivals[-1] - rate) < 1e-6 * rate  # compressed to the load
+    got = run_simulation(spec, flux_like_cost_model())
+    assert got["requests"] == len(times) - 10
+
+    with_masks = tmp_path / "masks.csv"
+    with_masks.write_text("arrival_s,mask_ratio\n0,0.25\n2,0.5\n")
+    assert list(read_trace(with_masks).mask_ratio) == [0.25, 0.5]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("time\n1\n2\n", "arrival_s column"),
+        ("arrival_s\n2\n1\n", ":3: arrival_s must be sorted"),
+        ("arrival_s\n1\nx\n", ":3: not a number"),
+        ("arrival_s,mask_ratio\n1,0.5\n2,1.5\n", ":3: arrival_s finite"),
+        ("arrival_s\n1\n", "at least two arrivals"),
+    ],
+)
+def test_a_bad_trace_is_refused_naming_the_line(tmp_path, text, message):
+    from retouch.platform.simulator import read_trace
+
+    path = tmp_path / "t.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        read_trace(path)
