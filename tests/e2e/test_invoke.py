@@ -96,6 +96,7 @@ def test_composite_keeps_the_template_outside_the_mask(admin: Client, examples: 
     for fn in (plain, pasted):
         admin.deploy(fn, images)
     assert admin.get("sd-pasted")["composite"] is True
+    _wait_baked(admin, ["sd-plain", "sd-pasted"])  # both mask-aware: the same edit
     template = np.asarray(Image.open(io.BytesIO(images["poster"])).convert("RGB"))
     mask = np.zeros((128, 128), bool)
     mask[40:90, 20:60] = True
@@ -103,6 +104,7 @@ def test_composite_keeps_the_template_outside_the_mask(admin: Client, examples: 
         admin.invoke(n, "poster", mask, "a cat", seed=5, format="raw")
         for n in ("sd-plain", "sd-pasted")
     )
+    assert a.path == b.path == "maskaware"
     generated = np.frombuffer(a.image, np.uint8).reshape(128, 128, 3)
     edited = np.frombuffer(b.image, np.uint8).reshape(128, 128, 3)
     far = np.ones((128, 128), bool)
