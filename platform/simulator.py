@@ -61,6 +61,7 @@ from retouch.runtime.prediction import TOKEN_PX, MaskFootprint, StepCoster, plan
 MODEL = "sim-model"
 FUNCTION = "sim"
 TEMPLATE = "t"
+STEP_WINDOW_S = 10.0  # the windows of P95 after a step change
 SLOTS_PER_BATCH = 2  # as the pool: the running batch plus a pre-processing buffer
 BIMODAL = (0.05, 0.6)  # the two mask ratios of the bimodal mix, drawn equally often
 
@@ -71,7 +72,9 @@ class SimSpec:
 
     executors: int = 64
     placements: tuple[str, ...] = ("maskaware", "least-requests", "round-robin")
-    arrivals: str = "poisson"  # or "gamma:CV", or "trace:PATH" (a CSV, see read_trace)
+    # "poisson", "gamma:CV", "step:F@T" (Poisson whose rate is F x from T s on),
+    # "diurnal:P:A" (Poisson at rate x (1 + A sin(2 pi t / P))) or "trace:PATH" (a CSV)
+    arrivals: str = "poisson"
     masks: str = "beta"  # or "bimodal" (half 0.05, half 0.6)
     mask_mean: float = 0.19
     load: float = 0.85  # offered rate as a fraction of the pool's capacity
@@ -330,6 +333,32 @@ class Simulation:
         return ranked[: min(count, len(active))]
 
     # ---- figures ------------------------------------------------------------------------
+    def _after_step(self, at: float, accepted: list[Job]) -> dict[str, Any]:
+        """How the autoscaler met a step in the arrival rate at ``at``: its first scale-up
+        after it, and when the P95 of 10 s windows (by arrival) fell back under the SLO for
+        good (None: it never did, or there is no SLO)."""
+        first_up = next((t for t, c in self.scale_events if c > 0 and t >= at), None)
+        out: dict[str, Any] = {
+            "step_at_s": at,
+            "scale_up_after_step_s": None if first_up is None else first_up - at,
+        }
+        slo_s = self.jobs[0].request.slo_s
+        windows: dict[int, list[float]] = {}
+        for j in accepted:
+            if j.arrival >= at:
+                windows.setdefault(int((j.arrival - at) // STEP_WINDOW_S), []).append(
+                    j.done_at - j.arrival
+                )
+        p95 = {k: float(np.percentile(v, 95)) for k, v in sorted(windows.items())}
+        out["p95_by_window_ms"] = [round(v * 1e3, 1) for v in p95.values()]
+        if slo_s is not None and p95:
+            late = [k for k, v in p95.items() if v > slo_s]
+            recovered = not late or max(late) < max(p95)
+            out["p95_under_slo_after_s"] = (
+                (max(late, default=-1) + 1) * STEP_WINDOW_S if recovered else None
+            )
+        return out
+
     def _summary(self, wall_s: float) -> dict[str, Any]:
         measured = [j for j in self.jobs if j.index >= self.spec.warmup]
         accepted = [j for j in measured if not j.rejected]
@@ -362,6 +391,9 @@ class Simulation:
             out["first_scale_up_s"] = next(
                 (at for at, change in self.scale_events if change > 0), None
             )
+            step = step_change(self.spec.arrivals)
+            if step is not None:
+                out |= self._after_step(step[1], accepted)
         slo_s = self.jobs[0].request.slo_s
         if slo_s is not None:
             met = int((latency <= slo_s * 1e3).sum())
@@ -438,6 +470,59 @@ def mask_ratios(spec: SimSpec, rng: np.random.Generator, count: int | None = Non
     return np.clip(rng.beta(a, b, count), 0.01, 1.0)
 
 
+def step_change(arrivals: str) -> tuple[float, float] | None:
+    """``(factor, at_s)`` of ``step:F@T`` arrivals, else None."""
+    kind, _, args = arrivals.partition(":")
+    if kind != "step":
+        return None
+    factor, _, at = args.partition("@")
+    try:
+        f, t = float(factor), float(at)
+    except ValueError:
+        f, t = 0.0, -1.0
+    if not (f > 0 and t >= 0):
+        raise ValueError(f"step arrivals are step:FACTOR@SECONDS, not {arrivals!r}")
+    return f, t
+
+
+def arrival_times(spec: SimSpec, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """``spec.requests`` arrival times at mean rate ``rate`` (the base rate of a step or a
+    diurnal cycle): a Poisson process whose rate changes over time is drawn by thinning."""
+    kind, _, args = spec.arrivals.partition(":")
+    if kind == "step":
+        factor, at = step_change(spec.arrivals) or (1.0, 0.0)
+        return _thinned(rng, spec.requests, rate * max(1.0, factor),
+                        lambda t: rate * (factor if t >= at else 1.0))  # fmt: skip
+    if kind == "diurnal":
+        try:
+            period, amplitude = (float(v) for v in args.split(":"))
+        except ValueError:
+            period, amplitude = 0.0, -1.0
+        if not (period > 0 and 0 <= amplitude < 1):
+            raise ValueError(f"diurnal arrivals are diurnal:PERIOD_S:AMPLITUDE (< 1), not {args!r}")
+        return _thinned(
+            rng,
+            spec.requests,
+            rate * (1 + amplitude),
+            lambda t: rate * (1 + amplitude * math.sin(2 * math.pi * t / period)),
+        )
+    return np.cumsum(gaps(spec, rate, rng))
+
+
+def _thinned(
+    rng: np.random.Generator, count: int, peak: float, rate_at: Callable[[float], float]
+) -> np.ndarray:
+    """Lewis-Shedler thinning: candidates at the ``peak`` rate, each kept with probability
+    rate(t) / peak."""
+    times: list[float] = []
+    t = 0.0
+    while len(times) < count:
+        t += float(rng.exponential(1.0 / peak))
+        if rng.random() * peak <= rate_at(t):
+            times.append(t)
+    return np.array(times)
+
+
 def gaps(spec: SimSpec, rate: float, rng: np.random.Generator) -> np.ndarray:
     """Inter-arrival gaps with mean ``1/rate``: exponential, or gamma with a CV."""
     if spec.arrivals == "poisson":
@@ -448,7 +533,10 @@ def gaps(spec: SimSpec, rate: float, rng: np.random.Generator) -> np.ndarray:
     except ValueError:
         cv = 0.0
     if kind != "gamma" or cv <= 0:
-        raise ValueError(f"arrivals must be poisson or gamma:CV with CV > 0, not {spec.arrivals!r}")
+        raise ValueError(
+            "arrivals must be poisson, gamma:CV (CV > 0), step:F@T, diurnal:P:A or "
+            f"trace:FILE, not {spec.arrivals!r}"
+        )
     shape = 1.0 / (cv * cv)
     return rng.gamma(shape, 1.0 / (rate * shape), spec.requests)
 
@@ -477,7 +565,7 @@ def plan_jobs(spec: SimSpec, cost_model: CostModel) -> tuple[list[Job], float]:
             ratios = mask_ratios(spec, rng, len(trace.arrival_s))
     rate = spec.load * capacity_rps(spec, cost_model, ratios)
     if trace is None:
-        arrivals = np.cumsum(gaps(spec, rate, rng))
+        arrivals = arrival_times(spec, rate, rng)
     else:
         arrivals = (trace.arrival_s - trace.arrival_s[0]) * (trace.rate / rate)
     slo_s = None if spec.slo_factor is None else spec.slo_factor * standalone_s(spec, cost_model)

@@ -447,7 +447,7 @@ def _sim(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--arrivals",
         default="poisson",
-        help="poisson, gamma:CV (e.g. gamma:2), or trace:FILE (a CSV with arrival_s and optionally "
+        help="poisson, gamma:CV (e.g. gamma:2), step:F@T (rate x F from T s on), diurnal:P:A, or trace:FILE (a CSV with arrival_s and optionally "
         "mask_ratio, replayed at --load of the pool's capacity; default poisson)",
     )
     p.add_argument("--masks", choices=("beta", "bimodal"), default="beta", help="mask ratio mix")

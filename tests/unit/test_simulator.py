@@ -130,3 +130,34 @@ def test_a_bad_trace_is_refused_naming_the_line(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         read_trace(path)
+
+
+def test_step_and_diurnal_arrivals_change_the_rate_where_they_say():
+    import numpy as np
+
+    from retouch.platform.simulator import arrival_times
+
+    rng = np.random.default_rng(0)
+    step = arrival_times(SimSpec(requests=6000, arrivals="step:2@100"), 10.0, rng)
+    before = np.sum(step < 100) / 100
+    after = np.sum((step >= 100) & (step < 300)) / 200
+    assert abs(before - 10) < 1.5 and abs(after - 20) < 2.0
+    cycle = arrival_times(SimSpec(requests=20000, arrivals="diurnal:400:0.5"), 10.0, rng)
+    peak = np.sum((cycle % 400 >= 50) & (cycle % 400 < 150))  # around the sine's maximum
+    trough = np.sum((cycle % 400 >= 250) & (cycle % 400 < 350))
+    assert peak > 2 * trough
+    for bad in ("step:0@10", "step:2", "diurnal:100:1.5", "wave"):
+        with pytest.raises(ValueError):
+            arrival_times(SimSpec(requests=10, arrivals=bad), 10.0, rng)
+
+
+def test_after_a_step_the_autoscaled_pool_reports_its_reaction():
+    from retouch.platform.control.autoscaler import AutoscalingConfig
+
+    spec = SimSpec(executors=2, requests=1500, warmup=50, steps=8, noise=0.0, load=0.3,
+                   placements=("maskaware",), arrivals="step:2@40", slo_factor=5.0,
+                   autoscale=AutoscalingConfig(1, 8, target_s=0.5), startup_s=5.0)  # fmt: skip
+    got = run_simulation(spec, flux_like_cost_model())["configs"]["maskaware"]
+    assert got["step_at_s"] == 40.0
+    assert got["scale_up_after_step_s"] is not None and got["scale_up_after_step_s"] >= 0
+    assert got["p95_by_window_ms"] and "p95_under_slo_after_s" in got
