@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.retouch-installed
+RAY_STAMP := $(VENV)/.retouch-ray
 
 .PHONY: demo test setup browser lint format clean
 
@@ -32,7 +33,12 @@ browser:
 	    echo "warning: could not install chromium: the web page's browser test will be skipped"; \
 	  else echo "note: no chromium and not root: the web page's browser test will be skipped"; fi; }
 
-test: setup browser
+# The tests also cover the optional Ray provider: install the extra (no torch in it).
+$(RAY_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[dev,ray]"
+	touch $(RAY_STAMP)
+
+test: setup $(RAY_STAMP) browser
 	$(PY) -m pytest -q --durations=25
 
 lint: setup

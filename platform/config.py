@@ -40,6 +40,12 @@ class ServeConfig:
     executors: int = knob(
         1, "CPU executors when no GPU is found (with GPUs: one per GPU); with --autoscale, the most"
     )
+    provider: str = knob(
+        "local",
+        "where executors run: local (processes on this machine) or ray (Ray actors on the "
+        "cluster at --ray-address; pip install retouch[ray])",
+    )
+    ray_address: str = knob("auto", "the Ray cluster to join with --provider ray")
     autoscale: bool = knob(
         False,
         "start and stop executors on load, as the functions' scaling tables say (from zero), "
@@ -137,6 +143,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         from retouch.functions.spec import PLACEMENTS  # torch-free, as this module
 
+        if self.provider not in ("local", "ray"):
+            raise ValueError(f"provider must be local or ray, got {self.provider!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(
                 f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"

@@ -45,7 +45,7 @@ from retouch.platform.control.cluster import (
 )
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.placement import Placement, PlacementRequest, make_placement
-from retouch.platform.providers import ExecutorProcess, LocalProvider
+from retouch.platform.providers import Executor, Provider
 from retouch.platform.registry import StoredFunction
 from retouch.platform.scaler import PoolScaler
 
@@ -75,7 +75,7 @@ class RetryPolicy:
 class ExecutorHandle:
     """One executor as the pool sees it (event-loop state, no lock needed)."""
 
-    process: ExecutorProcess
+    process: Executor
     view: ExecutorView = field(init=False)  # the control plane's picture of it
     inflight: int = 0
     slots: int = 1
@@ -111,6 +111,7 @@ class ExecutorHandle:
         return {
             "name": self.name,
             "device": self.process.device,
+            "node": self.process.node,
             "url": self.process.url,
             "phase": self.phase.value,
             "healthy": self.healthy,
@@ -140,7 +141,7 @@ class ExecutorLost(Exception):
 class ExecutorPool:
     def __init__(
         self,
-        provider: LocalProvider,
+        provider: Provider,
         placement: Placement,
         limits: QueueLimits | None = None,
         retry: RetryPolicy | None = None,
@@ -745,7 +746,7 @@ class ExecutorPool:
 
     async def _check(self, handle: ExecutorHandle) -> None:
         if not handle.process.alive:
-            code = handle.process.process.returncode
+            code = handle.process.exit_code
             self._schedule_restart(handle, f"process exited with code {code}")
             return
         try:

@@ -1,9 +1,9 @@
-"""Providers start and stop executor processes.
+"""Providers start and stop executor processes, behind one protocol (:class:`Provider`).
 
 ``LocalProvider`` (the embedded default) runs one executor process per GPU found with NVML,
 or a number of CPU slots when there is no GPU. Each executor binds a free loopback port and
 publishes it in a file; the provider waits for it and for ``/healthz`` before handing the
-executor to the pool.
+executor to the pool. ``platform/rayprovider.py`` runs each executor under a Ray actor.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -49,8 +51,41 @@ def gpu_devices() -> list[str]:
         return []
 
 
+class Executor(Protocol):
+    """A started executor as its provider hands it to the pool."""
+
+    name: str
+    device: str
+    url: str
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def exit_code(self) -> int | None: ...
+
+    @property
+    def node(self) -> str: ...
+
+
+class Provider(Protocol):
+    """What the pool needs to start and stop executors (and how many it may run)."""
+
+    token: str
+
+    def devices(self) -> list[str]: ...
+
+    def threads_per_executor(self, count: int) -> int: ...
+
+    async def start(self, name: str, device: str, threads: int) -> Executor: ...
+
+    async def stop(self, executor: Executor) -> None: ...
+
+
 @dataclass
 class ExecutorProcess:
+    """An executor process on this machine."""
+
     name: str
     device: str
     url: str
@@ -59,6 +94,14 @@ class ExecutorProcess:
     @property
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.returncode
+
+    @property
+    def node(self) -> str:
+        return "local"
 
 
 @dataclass
@@ -95,14 +138,15 @@ class LocalProvider:
         try:
             port = await self._wait_port(proc, port_file)
             url = f"http://127.0.0.1:{port}"
-            await self._wait_healthy(proc, url)
+            await wait_healthy(url, self.token, lambda: proc.poll())
         except BaseException:
             self.stop_now(proc)
             raise
         log.info("executor %s on %s at %s (pid %d)", name, device, url, proc.pid)
         return ExecutorProcess(name, device, url, proc)
 
-    async def stop(self, executor: ExecutorProcess) -> None:
+    async def stop(self, executor: Executor) -> None:
+        assert isinstance(executor, ExecutorProcess)
         await asyncio.get_running_loop().run_in_executor(None, self.stop_now, executor.process)
 
     @staticmethod
@@ -127,17 +171,21 @@ class LocalProvider:
             await asyncio.sleep(0.05)
         raise Unavailable("executor did not start in time")
 
-    async def _wait_healthy(self, proc: subprocess.Popen, url: str) -> None:
-        headers = {"authorization": f"Bearer {self.token}"}
-        deadline = time.monotonic() + START_TIMEOUT_S
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise Unavailable(f"executor exited with code {proc.returncode} while starting")
-                try:
-                    if (await client.get(f"{url}/healthz", headers=headers)).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass  # not listening yet: poll again
-                await asyncio.sleep(0.05)
-        raise Unavailable("executor did not become healthy in time")
+
+async def wait_healthy(url: str, token: str, exit_code: Callable[[], int | None]) -> None:
+    """Poll ``url``'s ``/healthz`` until it answers 200; fail if the executor exits first
+    (``exit_code`` not None) or after :data:`START_TIMEOUT_S`."""
+    headers = {"authorization": f"Bearer {token}"}
+    deadline = time.monotonic() + START_TIMEOUT_S
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            code = exit_code()
+            if code is not None:
+                raise Unavailable(f"executor exited with code {code} while starting")
+            try:
+                if (await client.get(f"{url}/healthz", headers=headers)).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet: poll again
+            await asyncio.sleep(0.05)
+    raise Unavailable("executor did not become healthy in time")

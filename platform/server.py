@@ -22,7 +22,7 @@ from retouch.platform.control.queue import QueueLimits
 from retouch.platform.gateway import Gateway
 from retouch.platform.placement import make_placement
 from retouch.platform.pool import ExecutorPool, RetryPolicy
-from retouch.platform.providers import LocalProvider
+from retouch.platform.providers import LocalProvider, Provider
 from retouch.platform.registry import Registry
 from retouch.platform.webhooks import AllowList, load_secret
 
@@ -39,13 +39,7 @@ def build_gateway(config: ServeConfig) -> Gateway:
             config.port,
         )
     # Executors only listen on loopback and only accept this per-run internal token.
-    provider = LocalProvider(
-        config.data_dir,
-        secrets.token_urlsafe(32),
-        cpu_slots=config.executors,
-        executor_args=config.executor_args(),
-        threads=config.executor.threads,
-    )
+    provider = make_provider(config, secrets.token_urlsafe(32))
     limits = QueueLimits(
         config.max_queued,
         config.max_queued_per_function,
@@ -73,6 +67,27 @@ def build_gateway(config: ServeConfig) -> Gateway:
         progress_interval_s=config.progress_interval_s,
         webhook_secret=load_secret(config.data_dir, config.webhook_secret),
         webhook_allow=AllowList.parse(config.webhook_allow),
+    )
+
+
+def make_provider(config: ServeConfig, token: str) -> Provider:
+    """The provider ``--provider`` names (Ray is imported only when chosen)."""
+    if config.provider == "ray":
+        from retouch.platform.rayprovider import RayProvider
+
+        return RayProvider(
+            config.data_dir,
+            token,
+            config.ray_address,
+            executor_args=config.executor_args(),
+            threads=config.executor.threads,
+        )
+    return LocalProvider(
+        config.data_dir,
+        token,
+        cpu_slots=config.executors,
+        executor_args=config.executor_args(),
+        threads=config.executor.threads,
     )
 
 

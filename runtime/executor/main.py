@@ -50,6 +50,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--port-file", type=Path, required=True, help="where the bound port is published"
     )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (the node's own address when the gateway is on another node)",
+    )
     add_flags(parser, ExecutorOptions)
     args = parser.parse_args(argv)
     args.options = ExecutorOptions(**from_flags(ExecutorOptions, args))
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     # proto says TCP, and without it every response waits ~40 ms for a delayed ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((args.host, 0))
     # Publish the port only once bound: the pool reads it, then polls /healthz.
     tmp = args.port_file.with_suffix(".tmp")
     tmp.write_text(str(sock.getsockname()[1]))

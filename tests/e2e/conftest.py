@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -46,3 +48,14 @@ def invoker(server: ServerProcess) -> Iterator[Client]:
 def admin(server: ServerProcess) -> Iterator[Client]:
     with Client(server.url, ADMIN) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def loadgen() -> ModuleType:
+    """``loadgen.py`` beside this file (threads of invocations, a polling wait): the
+    importlib import mode puts no test folder on ``sys.path``, so it is loaded by path."""
+    spec = importlib.util.spec_from_file_location("loadgen", Path(__file__).with_name("loadgen.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

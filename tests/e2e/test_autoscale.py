@@ -6,10 +6,9 @@ without losing or failing an invocation; idle, the pool goes back to zero."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 import numpy as np
@@ -30,56 +29,15 @@ SCALING = ScalingSpec(
     downscale_delay_s=2.0,
     downscale_to_zero_delay_s=3.0,
 )
-WAIT_S = 240.0  # a cold start on a loaded 2-core machine: process, imports, model, profile
-
-
-class Load:
-    """``clients`` threads invoking in a loop until stopped; every answer is kept."""
-
-    def __init__(self, url: str, invoke: Callable[[Client, int], object], clients: int) -> None:
-        self.results: list[object] = []
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._run, args=(url, invoke, i), daemon=True)
-            for i in range(clients)
-        ]
-
-    def _run(self, url: str, invoke: Callable[[Client, int], object], index: int) -> None:
-        with Client(url) as client:
-            n = 0
-            while not self._stop.is_set():
-                try:
-                    self.results.append(invoke(client, index * 10_000 + n))
-                except BaseException as exc:  # every failure is the finding
-                    self.errors.append(exc)
-                n += 1
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=WAIT_S)
 
 
 def _phases(client: Client) -> list[str]:
     return [e["phase"] for e in client.executors()["executors"]]
 
 
-def _wait(what: str, ok: Callable[[], bool], timeout: float = WAIT_S) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        if ok():
-            return time.monotonic() - started
-        time.sleep(0.25)
-    raise AssertionError(f"not seen within {timeout:.0f} s: {what}")
-
-
-def test_scale_from_zero_up_down_and_back_to_zero(tmp_path: Path, examples: Path) -> None:
+def test_scale_from_zero_up_down_and_back_to_zero(
+    tmp_path: Path, examples: Path, loadgen: ModuleType
+) -> None:
     spec, images = read_spec_file(examples / "tiny-flux.toml")
     spec = dataclasses.replace(spec, name="scaled", steps=16, scaling=SCALING)
     mask = np.zeros((128, 128), bool)
@@ -98,21 +56,21 @@ def test_scale_from_zero_up_down_and_back_to_zero(tmp_path: Path, examples: Path
         first = invoke(client, 0)  # held while exec-0 starts: answered, not 503
         assert first.path in ("stock", "maskaware") and first.executor == "exec-0"
 
-        with Load(server.url, invoke, clients=12) as step:
-            _wait("a second executor", lambda: _phases(client).count("ready") == 2)
+        with loadgen.Load(server.url, invoke, clients=12) as step:
+            loadgen.wait_for("a second executor", lambda: _phases(client).count("ready") == 2)
             # Placement sends it work once that pays (it bakes the template first).
-            _wait("the second executor serving", lambda: any(
+            loadgen.wait_for("the second executor serving", lambda: any(
                 r.executor == "exec-1" for r in list(step.results)
             ))  # fmt: skip
         assert not step.errors, step.errors[:3]
 
-        with Load(server.url, invoke, clients=1) as light:  # in flight during the drain
-            _wait("a scale-down to one executor", lambda: len(_phases(client)) == 1)
+        with loadgen.Load(server.url, invoke, clients=1) as light:  # in flight during the drain
+            loadgen.wait_for("a scale-down to one executor", lambda: len(_phases(client)) == 1)
             time.sleep(1.0)
         assert not light.errors, light.errors[:3]
         assert light.results
 
-        _wait("scale to zero when idle", lambda: _phases(client) == [])
+        loadgen.wait_for("scale to zero when idle", lambda: _phases(client) == [])
         scaler = client.executors()["autoscaler"]
         changes = [e["change"] for e in scaler["events"]]
         assert changes[0] > 0 and min(changes) < 0, scaler["events"]

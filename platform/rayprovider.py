@@ -1,0 +1,208 @@
+"""Executors as Ray actors (``retouch serve --provider ray``).
+
+Each executor is the same HTTP process as with the local provider, started by a Ray actor
+on whichever node Ray places it: one GPU each (``num_gpus=1``), or, on CPU clusters, one unit
+of the custom resource ``retouch_executor`` (a node offers as many executors as it has
+units). The gateway stays the one control plane: it reaches executors over HTTP at the
+address the actor reports, and Ray's own autoscaler adds nodes for actors that cannot be
+placed (two-layer scaling). The executor binds its node's address and keeps its
+activation store under ``<data-dir>/nodes/<node id>``, shared by the executors of that node.
+
+The actor owns its executor process (the process's parent, so the executor's parent watch
+ends it when the actor dies); the provider owns the actors. An actor killed or a node lost
+shows as ``alive == False`` (a ``wait`` call on the actor returns or fails), and the pool
+re-places that executor's invocations as for a local process. Ray is an optional extra
+(``pip install retouch[ray]``); nothing imports it unless this provider is chosen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from retouch.functions.errors import Unavailable
+from retouch.platform.providers import START_TIMEOUT_S, Executor, wait_healthy
+from retouch.runtime.executor.app import TOKEN_ENV
+
+log = logging.getLogger(__name__)
+
+RESOURCE = "retouch_executor"  # the custom resource of CPU executor slots
+NAMESPACE = "retouch"
+STOP_TIMEOUT_S = 15.0
+
+
+class ExecutorActor:
+    """Runs one executor process on its node (a threaded actor: ``wait`` blocks)."""
+
+    def __init__(
+        self, name: str, device: str, data_dir: str, token: str, args: list[str], threads: int
+    ) -> None:
+        self.name, self.device, self.threads = name, device, threads
+        self.data_dir, self.token, self.args = Path(data_dir), token, args
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> tuple[str, str, int]:
+        """Start the executor; returns its URL, this node's id and the process id."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        host = ray.util.get_node_ip_address()
+        data_dir = self.data_dir / "nodes" / node[:12]
+        run_dir = data_dir / "run"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        port_file = run_dir / f"{self.name}.port"
+        port_file.unlink(missing_ok=True)
+        cmd = [
+            sys.executable, "-m", "retouch.runtime.executor",
+            "--name", self.name, "--device", self.device, "--data-dir", str(data_dir),
+            "--port-file", str(port_file), "--threads", str(self.threads), "--host", host,
+            *self.args,
+        ]  # fmt: skip
+        with (run_dir / f"{self.name}.log").open("ab") as log_file:
+            self.process = subprocess.Popen(
+                cmd,
+                env={**os.environ, TOKEN_ENV: self.token},
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not port_file.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"executor {self.name} did not start (see {run_dir})")
+            time.sleep(0.05)
+        return f"http://{host}:{int(port_file.read_text())}", node, self.process.pid
+
+    def wait(self) -> int | None:
+        """Returns the executor's exit code when its process ends."""
+        return self.process.wait() if self.process is not None else None
+
+    def stop(self) -> None:
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class RayExecutor:
+    """An executor under a Ray actor, as the pool holds it."""
+
+    name: str
+    device: str
+    url: str
+    actor: Any  # ray.actor.ActorHandle
+    ended: Any  # ray.ObjectRef of the actor's ``wait``: ready once the process is gone
+    node: str
+    pid: int
+
+    @property
+    def alive(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait([self.ended], timeout=0)
+        return not ready
+
+    @property
+    def exit_code(self) -> int | None:
+        import ray
+
+        if self.alive:
+            return None
+        try:
+            return ray.get(self.ended, timeout=0)
+        except Exception:  # the actor or its node died: no exit code to read
+            return -1
+
+
+class RayProvider:
+    """Starts executors as Ray actors on the cluster at ``address``."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        token: str,
+        address: str = "auto",
+        executor_args: tuple[str, ...] = (),
+        threads: int = 0,
+    ) -> None:
+        self.data_dir, self.token, self.address = data_dir, token, address
+        self.executor_args, self.threads = executor_args, threads
+        self._connected = False
+
+    def _ray(self) -> Any:
+        import ray
+
+        if not self._connected:
+            ray.init(
+                address=self.address,
+                namespace=NAMESPACE,
+                ignore_reinit_error=True,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+            self._connected = True
+        return ray
+
+    def devices(self) -> list[str]:
+        """One entry per executor the cluster can hold now: its GPUs, else its
+        ``retouch_executor`` units (each actor sees its own GPU as ``cuda:0``)."""
+        resources = self._ray().cluster_resources()
+        gpus = int(resources.get("GPU", 0))
+        if gpus:
+            return ["cuda:0"] * gpus
+        return ["cpu"] * int(resources.get(RESOURCE, 0))
+
+    def threads_per_executor(self, count: int) -> int:
+        return self.threads or 1
+
+    async def start(self, name: str, device: str, threads: int) -> Executor:
+        ray = self._ray()
+        placement = {"num_gpus": 1} if device.startswith("cuda") else {"resources": {RESOURCE: 1}}
+        actor = (
+            ray.remote(ExecutorActor)
+            .options(
+                name=f"{name}-{uuid.uuid4().hex[:8]}",
+                num_cpus=0,
+                max_concurrency=4,
+                max_restarts=0,
+                **placement,
+            )
+            .remote(name, device, str(self.data_dir), self.token, list(self.executor_args), threads)
+        )
+        try:
+            url, node, pid = await asyncio.to_thread(
+                ray.get, actor.start.remote(), timeout=START_TIMEOUT_S
+            )
+            ended = actor.wait.remote()
+            executor = RayExecutor(name, device, url, actor, ended, node, pid)
+            await wait_healthy(url, self.token, lambda: executor.exit_code)
+        except Exception as exc:
+            ray.kill(actor)
+            if isinstance(exc, Unavailable):
+                raise
+            raise Unavailable(f"executor {name} did not start under Ray: {exc}") from exc
+        log.info("executor %s on node %s at %s (Ray actor)", name, node[:12], url)
+        return executor
+
+    async def stop(self, executor: Executor) -> None:
+        assert isinstance(executor, RayExecutor)
+        ray = self._ray()
+        try:
+            await asyncio.to_thread(ray.get, executor.actor.stop.remote(), timeout=STOP_TIMEOUT_S)
+        except Exception as exc:  # already dead, or its node is gone: nothing to stop
+            log.debug("stopping %s: %r", executor.name, exc)
+        ray.kill(executor.actor)

@@ -1,0 +1,53 @@
+"""A load of invoking threads and a polling wait: what the scaling tests share."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from retouch.platform.client import Client
+
+WAIT_S = 240.0  # a cold start on a loaded 2-core machine: process, imports, model, profile
+
+
+class Load:
+    """``clients`` threads invoking in a loop until stopped; every answer is kept."""
+
+    def __init__(self, url: str, invoke: Callable[[Client, int], object], clients: int) -> None:
+        self.results: list[object] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(url, invoke, i), daemon=True)
+            for i in range(clients)
+        ]
+
+    def _run(self, url: str, invoke: Callable[[Client, int], object], index: int) -> None:
+        with Client(url) as client:
+            n = 0
+            while not self._stop.is_set():
+                try:
+                    self.results.append(invoke(client, index * 10_000 + n))
+                except BaseException as exc:  # every failure is the finding
+                    self.errors.append(exc)
+                n += 1
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=WAIT_S)
+
+
+def wait_for(what: str, ok: Callable[[], bool], timeout: float = WAIT_S) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if ok():
+            return time.monotonic() - started
+        time.sleep(0.25)
+    raise AssertionError(f"not seen within {timeout:.0f} s: {what}")
