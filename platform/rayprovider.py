@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from retouch.functions.errors import Unavailable
-from retouch.platform.providers import START_TIMEOUT_S, Executor, wait_healthy
+from retouch.platform.providers import START_TIMEOUT_S, Executor, LocalProvider, wait_healthy
 from retouch.runtime.executor.app import TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -86,15 +86,8 @@ class ExecutorActor:
         return self.process.wait() if self.process is not None else None
 
     def stop(self) -> None:
-        proc = self.process
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if self.process is not None:
+            LocalProvider.stop_now(self.process)
 
 
 @dataclass
