@@ -6,7 +6,8 @@ of the custom resource ``retouch_executor`` (a node offers as many executors as 
 units). The gateway stays the one control plane: it reaches executors over HTTP at the
 address the actor reports, and Ray's own autoscaler adds nodes for actors that cannot be
 placed (two-layer scaling). The executor binds its node's address and keeps its
-activation store under ``<data-dir>/nodes/<node id>``, shared by the executors of that node.
+activation store under ``<data-dir>/nodes/<node id>`` (the node's ``RETOUCH_DATA_DIR`` when
+it sets one, else the gateway's), shared by the executors of that node.
 
 The actor owns its executor process (the process's parent, so the executor's parent watch
 ends it when the actor dies); the provider owns the actors. An actor killed or a node lost
@@ -55,7 +56,10 @@ class ExecutorActor:
 
         node = ray.get_runtime_context().get_node_id()
         host = ray.util.get_node_ip_address()
-        data_dir = self.data_dir / "nodes" / node[:12]
+        # A node's own data dir (its local NVMe, RETOUCH_DATA_DIR in its environment) wins
+        # over the gateway's, which is only reachable here on a single-machine cluster.
+        base = Path(os.environ.get("RETOUCH_DATA_DIR") or self.data_dir)
+        data_dir = base / "nodes" / node[:12]
         run_dir = data_dir / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
         port_file = run_dir / f"{self.name}.port"
