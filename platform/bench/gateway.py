@@ -9,6 +9,10 @@ default: ``maskaware`` placement with SLO admission, the example has an SLO) and
 ``control_off`` (``least-requests``, ``--no-admission``). Each is measured quiet and while
 other clients keep large (1024 x 1024) masks arriving, whose decoding and summarising must
 not stall the gateway's event loop for the small invocation measured.
+
+With ``ray=True`` a third gateway, ``ray`` (control on, ``--provider ray``), runs beside them
+with its executor under a Ray actor on a one-node Ray cluster started for the run: the Ray
+path's extra overhead is ``ray`` minus ``control_on``, measured in the same run.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import statistics
 import tempfile
 import threading
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +41,16 @@ BIG = 1024  # pixels of the large-mask function (the same tiny model)
 BIG_SENDERS = 4  # large-mask invocations kept in flight during the "busy" condition
 
 
-def run_gateway_bench(examples: Path, requests: int = 50, steps: int = 2) -> dict[str, Any]:
+def run_gateway_bench(
+    examples: Path, requests: int = 50, steps: int = 2, ray: bool = False
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="retouch-bench-") as tmp, ExitStack() as stack:
+        configs = dict(CONFIGS)
+        if ray:
+            address = stack.enter_context(_ray_cluster())
+            configs["ray"] = ["--provider", "ray", "--ray-address", address]
         clients = {}
-        for name, args in CONFIGS.items():
+        for name, args in configs.items():
             server = stack.enter_context(ServerProcess(Path(tmp) / name, extra_args=args))
             client = stack.enter_context(Client(server.url))
             client.deploy_file(examples / "tiny-flux.toml")
@@ -57,6 +68,23 @@ def run_gateway_bench(examples: Path, requests: int = 50, steps: int = 2) -> dic
                 for name, row in figures.items():
                     out.setdefault(name, {}).setdefault(condition, {})[case] = row
         return out
+
+
+@contextmanager
+def _ray_cluster() -> Iterator[str]:
+    """A one-node Ray cluster on this machine with one executor slot; yields its address."""
+    from ray.cluster_utils import Cluster
+
+    from retouch.platform.rayprovider import RESOURCE
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {RESOURCE: 1}, "include_dashboard": False},
+    )
+    try:
+        yield cluster.address
+    finally:
+        cluster.shutdown()
 
 
 def _measure(

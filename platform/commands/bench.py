@@ -64,6 +64,11 @@ def _gateway(bench_sub: argparse._SubParsersAction) -> None:
         "--requests", type=positive_int, default=50, help="invocations of each kind (default 50)"
     )
     p.add_argument("--examples", type=existing_dir, default=None, help="folder of example specs")
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="also a gateway with --provider ray on a one-node Ray cluster (the ray extra)",
+    )
     add_json(p)
     p.set_defaults(run=_run_gateway)
 
@@ -72,7 +77,7 @@ def _run_gateway(args: argparse.Namespace) -> None:
     from retouch.platform.bench.gateway import run_gateway_bench
     from retouch.platform.demo import find_examples
 
-    report(run_gateway_bench(find_examples(args.examples), args.requests), args.json)
+    report(run_gateway_bench(find_examples(args.examples), args.requests, ray=args.ray), args.json)
 
 
 def _deploy(bench_sub: argparse._SubParsersAction) -> None:
