@@ -14,7 +14,14 @@ WAIT_S = 240.0  # a cold start on a loaded 2-core machine: process, imports, mod
 class Load:
     """``clients`` threads invoking in a loop until stopped; every answer is kept."""
 
-    def __init__(self, url: str, invoke: Callable[[Client, int], object], clients: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        invoke: Callable[[Client, int], object],
+        clients: int,
+        pause_s: float = 0.0,
+    ) -> None:
+        self.pause_s = pause_s  # each client's think time between invocations
         self.results: list[object] = []
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
@@ -32,6 +39,8 @@ class Load:
                 except BaseException as exc:  # every failure is the finding
                     self.errors.append(exc)
                 n += 1
+                if self.pause_s:
+                    self._stop.wait(self.pause_s)
 
     def __enter__(self) -> Load:
         for t in self._threads:

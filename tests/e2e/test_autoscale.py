@@ -46,7 +46,10 @@ def test_scale_from_zero_up_down_and_back_to_zero(
     def invoke(client: Client, seed: int) -> object:
         return client.invoke("scaled", "shirt", mask, "a red shirt", seed=seed, format="raw")
 
-    server = ServerProcess(tmp_path / "data", executors=2, extra_args=["--autoscale"])
+    # least-requests: a new executor gets work at once (maskaware may keep a light step on
+    # the executor that holds the template warm, which is placement's call, not scaling's).
+    args = ["--autoscale", "--placement", "least-requests"]
+    server = ServerProcess(tmp_path / "data", executors=2, extra_args=args)
     with server, Client(server.url) as client:
         assert _phases(client) == []  # nothing runs before there is work
         client.deploy(spec, images)
@@ -64,7 +67,9 @@ def test_scale_from_zero_up_down_and_back_to_zero(
             ))  # fmt: skip
         assert not step.errors, step.errors[:3]
 
-        with loadgen.Load(server.url, invoke, clients=1) as light:  # in flight during the drain
+        # A trickle (one client, thinking 0.5 s): in flight during the drain, and light
+        # enough for one executor however slow a loaded machine makes an invocation.
+        with loadgen.Load(server.url, invoke, clients=1, pause_s=0.5) as light:
             loadgen.wait_for("a scale-down to one executor", lambda: len(_phases(client)) == 1)
             time.sleep(1.0)
         assert not light.errors, light.errors[:3]
