@@ -24,7 +24,7 @@ from retouch.functions.demo.images import mask_of_ratio
 from retouch.functions.demo.shapes import colour_matches, make_scene, object_phrase
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import composite, encode_mask
-from retouch.platform.bench.edits import recolour_mask, replace_mask
+from retouch.platform.bench.edits import most_visible, recolour_mask, replace_mask
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
 from retouch.runtime.maskaware.quality import psnr, ssim
@@ -199,7 +199,7 @@ def run_shape_edits(client: Client, spec_file: Path, models_dir: Path) -> list[S
     edits = []
     for seed, (template, colour, kind) in enumerate(SHAPE_EDITS):
         scene = make_scene(int(template.rsplit("-", 1)[1]))
-        index = int(np.argmax([s.sum() for s in scene.silhouettes]))
+        index = most_visible(scene)
         silhouette = scene.silhouettes[index]
         mask = (
             recolour_mask(silhouette)

@@ -240,10 +240,6 @@ class ExecutorPool:
         return self.scaler is not None or any(e.healthy for e in self.executors)
 
     # ---- autoscaling --------------------------------------------------------------------
-    def capacity(self) -> int:
-        """Executors the provider can run at once (one per GPU, or its CPU slots)."""
-        return len(self.provider.devices())
-
     def target_executors(self) -> int:
         """Executors that count as capacity: ready, starting or restarting, not draining."""
         serving = [e for e in self.executors if e.phase is not wire.ExecutorPhase.DRAINING]
@@ -256,10 +252,10 @@ class ExecutorPool:
         )
         return held + self.queue.queued_work_s()
 
-    def spawn(self) -> bool:
-        """Start one more executor (in its own task); False when every device is taken."""
+    def spawn(self, devices: list[str]) -> bool:
+        """Start one more executor on a free one of the provider's ``devices`` (in its own
+        task); False when every device is taken."""
         taken = {e.name for e in self.executors} | set(self._spawning)
-        devices = self.provider.devices()
         free = [i for i in range(len(devices)) if f"exec-{i}" not in taken]
         if not free:
             return False

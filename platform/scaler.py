@@ -113,16 +113,18 @@ class PoolScaler:
     async def _run(self) -> None:
         while True:
             try:
-                self.tick()
+                # The provider's device list may be a network call (Ray's cluster state):
+                # read off the event loop, once per tick, and handed to what needs it.
+                devices = await asyncio.to_thread(self.pool.provider.devices)
+                self.tick(devices)
             except Exception:  # a failed tick must not end autoscaling
                 log.exception("autoscaler tick failed")
             await asyncio.sleep(self.tick_s)
 
-    def tick(self) -> Decision:
-        """One period: read the pool, decide, act (or log, in a dry run)."""
-        config = pool_config(
-            [f.spec.scaling for f in self.pool.functions.values()], self.pool.capacity()
-        )
+    def tick(self, devices: list[str]) -> Decision:
+        """One period: read the pool, decide, act (or log, in a dry run). ``devices``: the
+        provider's, one per executor it can run."""
+        config = pool_config([f.spec.scaling for f in self.pool.functions.values()], len(devices))
         if config != self._policy.config:
             self._policy.reconfigure(config)
         now = self._clock() - self._born
@@ -145,13 +147,13 @@ class PoolScaler:
                 decision.reason,
             )
             if not self.dry_run:
-                self._apply(change)
+                self._apply(change, devices)
         return decision
 
-    def _apply(self, change: int) -> None:
+    def _apply(self, change: int, devices: list[str]) -> None:
         if change > 0:
             for _ in range(change):
-                self.pool.spawn()
+                self.pool.spawn(devices)
             return
         for victim in self.pool.scale_down_victims(-change):
             self.pool.retire(victim)

@@ -43,10 +43,15 @@ EVAL_SEED = 900_000_000  # far from every training seed (train.py: seed * 1e6 + 
 TEMPLATE_SEED = 0  # each held-out scene is baked with its caption and this seed
 
 
+def most_visible(scene: Scene) -> int:
+    """The index of the scene's object with the most visible pixels (the one edits mask)."""
+    return int(np.argmax([s.sum() for s in scene.silhouettes]))
+
+
 def recolour_target(scene: Scene, rng: np.random.Generator) -> tuple[int, str]:
     """The scene's most visible object and a colour to paint it in: neither its own nor the
     background's, so keeping the template or filling in background never counts."""
-    index = int(np.argmax([s.sum() for s in scene.silhouettes]))
+    index = most_visible(scene)
     taken = {scene.objects[index][0], scene.background[0]}
     return index, str(rng.choice([c for c in COLOURS if c not in taken]))
 
@@ -128,11 +133,11 @@ def run_edit_bench(
             full_steps,
             family_spec(editor.family).halo if halo is None else halo,
         )
-        results = {"stock": _to_uint8(editor.stock_edit(request, "np"))}
+        results = {"stock": to_uint8(editor.stock_edit(request, "np"))}
         if retouch:
             store = MemoryActivations()
             editor.bake(image, case["template_prompt"], TEMPLATE_SEED, steps, guidance, store)
-            results["retouch"] = _to_uint8(editor.edit(request, store, "np"))
+            results["retouch"] = to_uint8(editor.edit(request, store, "np"))
         row: dict[str, Any] = {"edit": case["edit"], "prompt": case["prompt"]}
         for path, result in results.items():
             hue, sat, val = hue_stats(result, case["mask"])
@@ -168,7 +173,7 @@ def run_edit_bench(
     return result
 
 
-def _to_uint8(image: np.ndarray) -> np.ndarray:
+def to_uint8(image: np.ndarray) -> np.ndarray:
     """A pipeline's ``np`` output (floats in [0, 1]) as the RGB8 pixels a user receives."""
     return np.clip(np.rint(np.asarray(image) * 255.0), 0, 255).astype(np.uint8)
 

@@ -31,7 +31,7 @@ from retouch.functions.demo.images import template_image
 from retouch.functions.demo.shapes import colour_matches, make_scene, object_phrase
 from retouch.functions.families import family_spec
 from retouch.functions.imaging import composite
-from retouch.platform.bench.edits import EVAL_SEED, TEMPLATE_SEED, recolour_target
+from retouch.platform.bench.edits import EVAL_SEED, TEMPLATE_SEED, recolour_target, to_uint8
 from retouch.platform.bench.engine import (
     EDIT_PROMPT,
     TEMPLATE_PROMPT,
@@ -205,7 +205,7 @@ def _compare(
 ) -> dict[str, Any]:
     """Agreement of two ``np`` outputs (floats in [0, 1]), raw and composited, and whether
     each painted the requested colour."""
-    as8 = [np.clip(np.rint(a * 255), 0, 255).astype(np.uint8) for a in (stock, edited)]
+    as8 = [to_uint8(stock), to_uint8(edited)]
     tpl = Image.fromarray(template)
     pasted = [
         np.asarray(composite(Image.fromarray(a), tpl, mask, feather_px), dtype=np.float64) / 255
