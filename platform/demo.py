@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from retouch.functions.demo.images import mask_of_ratio
-from retouch.functions.demo.shapes import colour_matches, make_scene, object_phrase
+from retouch.functions.demo.shapes import edit_succeeded, make_scene, object_phrase
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import composite, encode_mask
 from retouch.platform.bench.edits import most_visible, recolour_mask, replace_mask
@@ -164,6 +164,7 @@ class ShapeEdit:
     colour: str
     image: np.ndarray  # the template, RGB8
     mask: np.ndarray
+    unpainted: np.ndarray  # the scene's colours an edit finds there (``Scene.unpainted``)
     stock: np.ndarray  # the stock diffusers pipeline, composited as the function does
     retouch: np.ndarray  # the served (mask-aware) edit
     path: str
@@ -179,7 +180,7 @@ class ShapeEdit:
         return ssim(self.retouch / 255.0, self.stock / 255.0)
 
     def success(self, image: np.ndarray) -> bool:
-        return colour_matches(image, self.mask, self.colour)
+        return edit_succeeded(image, self.mask, self.colour, self.unpainted)
 
 
 def run_shape_edits(client: Client, spec_file: Path, models_dir: Path) -> list[ShapeEdit]:
@@ -236,6 +237,7 @@ def run_shape_edits(client: Client, spec_file: Path, models_dir: Path) -> list[S
                 colour,
                 scene.image,
                 mask,
+                scene.unpainted(index),
                 np.asarray(stock.convert("RGB")),
                 retouch,
                 result.path.value,

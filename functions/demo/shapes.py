@@ -65,6 +65,7 @@ class Scene:
     background: tuple[str, str]  # (colour, kind)
     objects: list[tuple[str, str]]  # (colour, kind), drawing order
     silhouettes: list[np.ndarray] = field(default_factory=list)  # [H, W] bool per object
+    backdrop: np.ndarray | None = None  # [H, W, 3] uint8: the background before any object
 
     def caption(self, first: int | None = None) -> str:
         """Full caption; ``first`` names that object first (the one under an object mask)."""
@@ -75,6 +76,14 @@ class Scene:
         parts = [object_phrase(*self.objects[i]) for i in order]
         colour, kind = self.background
         return f"{' and '.join(parts)} on a {colour} {kind} background"
+
+    def unpainted(self, index: int) -> np.ndarray:
+        """The colours an edit of object ``index`` finds already there ([N, 3] uint8): the
+        background's and every other object's, sampled every 4th pixel."""
+        others = [s for i, s in enumerate(self.silhouettes) if i != index]
+        rest = self.image[np.logical_or.reduce(others)] if others else self.image[:0, 0]
+        backdrop = self.image if self.backdrop is None else self.backdrop
+        return np.concatenate([backdrop[::4, ::4].reshape(-1, 3), rest[::4]])
 
     def background_caption(self) -> str:
         colour, kind = self.background
@@ -205,6 +214,7 @@ def make_scene(seed: int, size: int = SIZE) -> Scene:
     bg_colour = names[int(rng.integers(len(names)))]
     bg_kind = BACKGROUNDS[int(rng.integers(len(BACKGROUNDS)))]
     img = _background(bg_colour, bg_kind, rng, size)
+    backdrop = np.clip(img, 0, 255).round().astype(np.uint8)
     n = 1 if rng.random() < 0.55 else 2
     objects: list[tuple[str, str]] = []
     silhouettes: list[np.ndarray] = []
@@ -228,7 +238,7 @@ def make_scene(seed: int, size: int = SIZE) -> Scene:
         objects.append((colour, kind))
         silhouettes.append(cover >= 0.5)
     image = np.clip(img, 0, 255).round().astype(np.uint8)
-    return Scene(image, (bg_colour, bg_kind), objects, silhouettes)
+    return Scene(image, (bg_colour, bg_kind), objects, silhouettes, backdrop)
 
 
 def object_mask(scene: Scene, index: int, rng: np.random.Generator) -> np.ndarray:
@@ -327,3 +337,43 @@ def colour_matches(image: np.ndarray, mask: np.ndarray, colour: str) -> bool:
         return False
     lo, hi = HUE_RANGES[colour]
     return lo <= hue < hi if lo < hi else (hue >= lo or hue < hi)
+
+
+# RGB distance within which a pixel counts as background: the backdrop's own grain and the
+# VAE's error are ~10-30, the nearest pair of named colours (with the backdrop's tints) ~90.
+BACKDROP_TOLERANCE = 32.0
+PAINTED_MIN_FRACTION = 0.1  # of the mask: less than this and nothing was drawn
+
+
+def painted(image: np.ndarray, mask: np.ndarray, unpainted: np.ndarray) -> np.ndarray:
+    """The masked pixels of ``image`` that were drawn there: farther than
+    :data:`BACKDROP_TOLERANCE` from every colour of ``unpainted`` (``Scene.unpainted``), less
+    a 1 px rim (an object's anti-aliased edge is a blend with the background, not its
+    colour)."""
+    palette = unpainted.reshape(-1, 3).astype(np.float32)
+    pixels = image[mask].astype(np.float32)
+    nearest = np.full(len(pixels), np.inf, dtype=np.float32)
+    for start in range(0, len(palette), 256):  # bounded memory for big masks
+        chunk = palette[start : start + 256]
+        d = np.sqrt(((pixels[:, None, :] - chunk[None]) ** 2).sum(-1)).min(axis=1)
+        nearest = np.minimum(nearest, d)
+    out = np.zeros(mask.shape, dtype=bool)
+    out[mask] = nearest > BACKDROP_TOLERANCE
+    eroded = np.asarray(
+        Image.fromarray(out.astype(np.uint8) * 255).filter(ImageFilter.MinFilter(3))
+    )
+    return eroded > 127 if eroded.sum() >= PAINTED_MIN_FRACTION * 255 * mask.sum() else out
+
+
+def edit_succeeded(image: np.ndarray, mask: np.ndarray, colour: str, unpainted: np.ndarray) -> bool:
+    """Whether an edit drew something of ``colour`` in ``mask`` (the edit-success measure).
+
+    The region judged is what was painted there (:func:`painted`), not the whole mask: a
+    replacement's box, or a recolour's dilated silhouette, also holds background, whose
+    colour would otherwise pull the mean hue away from a correctly drawn object. At least
+    :data:`PAINTED_MIN_FRACTION` of the mask must be painted, and its colour must match.
+    """
+    drawn = painted(image, mask, unpainted)
+    if drawn.sum() < PAINTED_MIN_FRACTION * mask.sum():
+        return False
+    return colour_matches(image, drawn, colour)

@@ -2,16 +2,18 @@
 
 A measure that needs no reference model: on held-out shapes scenes (seeds the training set
 never uses), one object is masked and the model's stock inpainting pipeline is asked
-for an object of another colour. An edit succeeds when the masked region's mean hue lies in
-the requested colour's range (``shapes.colour_matches``). Two kinds of edit, reported apart
-and together:
+for an object of another colour. An edit succeeds when what was painted in the mask (the
+pixels unlike the scene's background and other objects) has the requested colour
+(``shapes.edit_succeeded``). The older whole-mask measure (the mean hue of every masked
+pixel, background included) is reported beside it as ``whole_mask``. Two kinds of edit,
+reported apart and together:
 
 * ``recolour``: the same kind of object in a new colour, the mask its silhouette dilated by
   3 px (the region is mostly object, so its mean hue is the object's);
 * ``replace``: another kind of object in a new colour, the mask the object's box plus 4 px.
 
-The requested colour always differs from the object's and the background's, so keeping the
-template or filling in background never counts as success.
+The requested colour always differs from the object's, the background's and the other
+objects', so keeping the template or filling in background never counts as success.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from retouch.functions.demo.shapes import (
     OBJECTS,
     Scene,
     colour_matches,
+    edit_succeeded,
     hue_stats,
     make_scene,
     object_phrase,
@@ -49,10 +52,11 @@ def most_visible(scene: Scene) -> int:
 
 
 def recolour_target(scene: Scene, rng: np.random.Generator) -> tuple[int, str]:
-    """The scene's most visible object and a colour to paint it in: neither its own nor the
-    background's, so keeping the template or filling in background never counts."""
+    """The scene's most visible object and a colour to paint it in: not its own, the
+    background's or another object's, so keeping the template, filling in background or
+    copying the other object never counts."""
     index = most_visible(scene)
-    taken = {scene.objects[index][0], scene.background[0]}
+    taken = {scene.background[0], *(colour for colour, _kind in scene.objects)}
     return index, str(rng.choice([c for c in COLOURS if c not in taken]))
 
 
@@ -96,6 +100,7 @@ def edit_cases(n: int, seed: int = 0) -> list[dict[str, Any]]:
                 "prompt": object_phrase(new_colour, new_kind),
                 "template_prompt": scene.caption(),
                 "colour": new_colour,
+                "unpainted": scene.unpainted(index),
                 "edit": edit,
                 "seed": i,
             }
@@ -142,7 +147,8 @@ def run_edit_bench(
         for path, result in results.items():
             hue, sat, val = hue_stats(result, case["mask"])
             row[path] = {
-                "success": bool(colour_matches(result, case["mask"], case["colour"])),
+                "success": edit_succeeded(result, case["mask"], case["colour"], case["unpainted"]),
+                "whole_mask": bool(colour_matches(result, case["mask"], case["colour"])),
                 "hue": round(hue, 1),
                 "sat": round(sat, 3),
                 "val": round(val, 3),
@@ -155,8 +161,8 @@ def run_edit_bench(
     if sheet is not None and tiles:
         _write_sheet(tiles, sheet)
 
-    def rate(path: str, kind: str | None) -> float:
-        chosen = [r[path]["success"] for r in rows if kind is None or r["edit"] == kind]
+    def rate(path: str, kind: str | None, key: str = "success") -> float:
+        chosen = [r[path][key] for r in rows if kind is None or r["edit"] == kind]
         return float(np.mean(chosen)) if chosen else float("nan")
 
     result: dict[str, Any] = {"edits": len(rows), "steps": steps, "guidance": guidance}
@@ -165,6 +171,7 @@ def run_edit_bench(
             "success_rate": rate(path, None),
             "recolour_success_rate": rate(path, "recolour"),
             "replace_success_rate": rate(path, "replace"),
+            "whole_mask_success_rate": rate(path, None, "whole_mask"),
         }
     if retouch:
         result["full_steps"] = full_steps

@@ -28,7 +28,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from retouch.functions.demo.images import template_image
-from retouch.functions.demo.shapes import colour_matches, make_scene, object_phrase
+from retouch.functions.demo.shapes import edit_succeeded, make_scene, object_phrase
 from retouch.functions.families import family_spec
 from retouch.functions.imaging import composite
 from retouch.platform.bench.edits import EVAL_SEED, TEMPLATE_SEED, recolour_target, to_uint8
@@ -166,14 +166,15 @@ def run_edit_grid(
             other = np.asarray(
                 editor.stock_edit(dataclasses.replace(request, seed=i + 1 + OTHER_SEED), "np")
             )
-            reference = _compare(stock, other, scene.image, mask, colour, feather_px)
+            target = (colour, scene.unpainted(index))
+            reference = _compare(stock, other, scene.image, mask, target, feather_px)
             for ratio_, k, h in cells:
                 if ratio_ != ratio:
                     continue
                 edit = dataclasses.replace(request, full_steps=k, halo=h)
                 edited, edit_s = _timed(editor.edit, edit, store, "np")
                 samples[(ratio, k, h)].append(
-                    _compare(stock, edited, scene.image, mask, colour, feather_px)
+                    _compare(stock, edited, scene.image, mask, target, feather_px)
                     | {
                         "stock_s": stock_s,
                         "retouch_s": edit_s,
@@ -200,11 +201,12 @@ def _compare(
     edited: np.ndarray,
     template: np.ndarray,
     mask: np.ndarray,
-    colour: str,
+    target: tuple[str, np.ndarray],
     feather_px: int,
 ) -> dict[str, Any]:
     """Agreement of two ``np`` outputs (floats in [0, 1]), raw and composited, and whether
-    each painted the requested colour."""
+    each painted the requested colour (``target``: the colour and the scene's unpainted
+    colours, as ``shapes.edit_succeeded`` takes them)."""
     as8 = [to_uint8(stock), to_uint8(edited)]
     tpl = Image.fromarray(template)
     pasted = [
@@ -221,8 +223,8 @@ def _compare(
         "ssim_unmasked": ssim(edited, stock, region=~mask),
         "psnr_composite": psnr(pasted[1], pasted[0]),
         "ssim_composite": ssim(pasted[1], pasted[0]),
-        "stock_success": colour_matches(as8[0], mask, colour),
-        "retouch_success": colour_matches(as8[1], mask, colour),
+        "stock_success": edit_succeeded(as8[0], mask, *target),
+        "retouch_success": edit_succeeded(as8[1], mask, *target),
         "mask_ratio": float(mask.mean()),
     }
 

@@ -74,6 +74,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="export the latest checkpoint without training further",
     )
+    p.add_argument(
+        "--tune-decoder",
+        type=Path,
+        metavar="FOLDER",
+        help="instead of training: fine-tune the VAE decoder of the exported model in FOLDER "
+        "(encoder and UNet unchanged) and write the model to --out",
+    )
+    p.add_argument(
+        "--decoder-steps", type=int, default=6000, help="steps of --tune-decoder (default 6000)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(run=_train_demo)
 
@@ -91,6 +101,7 @@ def _train_demo(args: argparse.Namespace) -> None:
         (args.save_every >= 1, "--save-every must be >= 1"),
         (args.export_every >= 0, "--export-every must be >= 0"),
         (args.max_minutes >= 0, "--max-minutes must be >= 0"),
+        (args.decoder_steps >= 1, "--decoder-steps must be >= 1"),
         (
             args.device == "auto" or args.device == "cpu" or args.device.startswith("cuda"),
             f"--device must be auto, cpu or cuda[:N], not {args.device!r}",
@@ -105,6 +116,9 @@ def _train_demo(args: argparse.Namespace) -> None:
         if not torch.cuda.is_available():
             one_line_error("--device cuda: no CUDA device is available")
 
+    if args.tune_decoder is not None:
+        _tune_decoder(args)
+        return
     from retouch.functions.demo.train import TrainConfig, Trainer, train_demo
 
     config = TrainConfig(
@@ -137,6 +151,35 @@ def _train_demo(args: argparse.Namespace) -> None:
         args.out,
         device=args.device,
         threads=args.threads,
+        progress=not args.no_progress,
+    )
+    report(summary, False)
+
+
+def _tune_decoder(args: argparse.Namespace) -> None:
+    if not (args.tune_decoder / "vae" / "config.json").exists():
+        one_line_error(f"--tune-decoder: {args.tune_decoder} is not an exported model folder")
+    if args.tune_decoder.resolve() == args.out.resolve():
+        one_line_error("--tune-decoder: --out must be another folder than the input")
+    import torch
+
+    from retouch.functions.demo.train import DecoderTuning, finetune_decoder
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    tuning = DecoderTuning(
+        steps=args.decoder_steps,
+        batch=args.vae_batch,
+        seed=args.seed,
+        save_every=args.save_every,
+    )
+    summary = finetune_decoder(
+        args.tune_decoder,
+        args.out,
+        tuning,
+        args.ckpt_dir,
+        device="cpu" if device == "auto" else device,
         progress=not args.no_progress,
     )
     report(summary, False)

@@ -13,10 +13,18 @@ from retouch.functions.demo.shapes import (
     COLOURS,
     WORDS,
     colour_matches,
+    edit_succeeded,
     make_sample,
     make_scene,
 )
-from retouch.functions.demo.train import TrainConfig, Trainer, make_tokenizer
+from retouch.functions.demo.train import (
+    DecoderTuning,
+    TrainConfig,
+    Trainer,
+    finetune_decoder,
+    make_tokenizer,
+)
+from retouch.platform.bench.edits import most_visible, recolour_mask, replace_mask
 from retouch.platform.cli import main
 
 
@@ -59,6 +67,32 @@ def test_colour_measure_recognises_the_drawn_colours() -> None:
             assert not any(colour_matches(scene.image, sil, c) for c in others), (seed, colour)
             checked += 1
     assert checked > 50
+
+
+def test_edit_judge_sees_the_drawn_object_in_box_and_dilated_masks() -> None:
+    """The edit-success judge on the templates themselves: the masked object's own colour
+    is recognised in both edit masks (the box holds much background), no other colour is,
+    and the background alone (the object erased) is no success."""
+    checked = 0
+    for seed in range(60):
+        scene = make_scene(900_000_000 + seed)
+        index = most_visible(scene)
+        colour = scene.objects[index][0]
+        if [c for c, _kind in scene.objects].count(colour) > 1:
+            continue  # an identical other object is "already there", by design
+        unpainted = scene.unpainted(index)
+        taken = {scene.background[0], *(c for c, _kind in scene.objects)}
+        others = [c for c in COLOURS if c not in taken]
+        for mask in (
+            replace_mask(scene.silhouettes[index]),
+            recolour_mask(scene.silhouettes[index]),
+        ):
+            assert edit_succeeded(scene.image, mask, colour, unpainted), (seed, colour)
+            assert not any(edit_succeeded(scene.image, mask, c, unpainted) for c in others)
+            assert scene.backdrop is not None
+            assert not edit_succeeded(scene.backdrop, mask, colour, unpainted), seed
+            checked += 1
+    assert checked > 90
 
 
 def _trainer(tmp_path: Path) -> Trainer:
@@ -125,6 +159,8 @@ def test_export_loads_as_a_stock_inpainting_pipeline(tmp_path: Path) -> None:
         ["train-demo", "--batch", "x"],
         ["train-demo", "--device", "tpu"],
         ["train-demo", "--cond-dropout", "1.5"],
+        ["train-demo", "--tune-decoder", "/nonexistent"],
+        ["train-demo", "--tune-decoder", "x", "--decoder-steps", "0"],
     ],
 )
 def test_train_demo_rejects_bad_values_with_one_line(
@@ -135,3 +171,40 @@ def test_train_demo_rejects_bad_values_with_one_line(
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
+
+
+def test_decoder_finetune_keeps_encoder_and_unet_and_resumes(tmp_path: Path) -> None:
+    """Only the decoder learns (the UNet's latent space must not move), the rest of the
+    model is copied unchanged, and a second call resumes at the checkpointed step."""
+    from diffusers import AutoencoderKL, StableDiffusionInpaintPipeline
+
+    trainer = _trainer(tmp_path)
+    trainer.encode_samples()
+    folder = trainer.export(tmp_path / "shapes-sd")
+    tuning = DecoderTuning(steps=2, batch=2, save_every=1)
+    out = tmp_path / "tuned"
+    summary = finetune_decoder(folder, out, tuning, tmp_path / "dec", progress=False)
+    assert summary["decoder_finetune"]["steps"] == 2
+    before = AutoencoderKL.from_pretrained(folder / "vae")
+    after = AutoencoderKL.from_pretrained(out / "vae")
+    for a, b in zip(before.encoder.parameters(), after.encoder.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(before.decoder.parameters(), after.decoder.parameters(), strict=True)
+    )
+    assert (out / "unet" / "diffusion_pytorch_model.safetensors").read_bytes() == (
+        folder / "unet" / "diffusion_pytorch_model.safetensors"
+    ).read_bytes()
+    pipe = StableDiffusionInpaintPipeline.from_pretrained(
+        out, safety_checker=None, requires_safety_checker=False
+    )
+    assert pipe.unet.config.in_channels == 9
+    with safe_open(out / "vae" / "diffusion_pytorch_model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}  # noqa: SIM118
+    state = torch.load(tmp_path / "dec" / "decoder.pt", weights_only=False)
+    assert state["step"] == 2
+    more = DecoderTuning(steps=3, batch=2, save_every=1)
+    finetune_decoder(folder, out, more, tmp_path / "dec", progress=False)
+    state = torch.load(tmp_path / "dec" / "decoder.pt", weights_only=False)
+    assert state["step"] == 3 and len(state["history"]) == 3
