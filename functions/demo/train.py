@@ -79,6 +79,9 @@ class TrainConfig:
     save_every: int = 100
     export_every: int = 0  # also export the EMA weights every N UNet steps (0: at the end)
     max_minutes: float = 0.0  # stop the UNet phase after this much wall time (0: no limit)
+    # Loss weight of the latent pixels under the inpainting mask (1: uniform). Outside the
+    # mask the masked-image input gives the answer away; inside, the caption must.
+    mask_weight: float = 1.0
 
 
 def make_tokenizer(folder: Path) -> CLIPTokenizer:
@@ -185,6 +188,7 @@ class Trainer:
         out: Path,
         device: torch.device,
         progress: bool = True,
+        warm_start: Path | None = None,
     ) -> None:
         self.cfg = config
         self.ckpt_dir = ckpt_dir
@@ -201,13 +205,41 @@ class Trainer:
         self.vae_step = 0
         self.unet_step = 0
         self.history: dict[str, list[float]] = {"vae": [], "unet": []}
+        self.warm_start: dict[str, Any] | None = None  # what the UNet phase started from
         self.noise = DDPMScheduler(**SCHEDULE, num_train_timesteps=1000)
         self.vae_opt = torch.optim.AdamW(self.vae.parameters(), lr=config.vae_lr, weight_decay=0.0)
         self.opt = torch.optim.AdamW(
             [*self.unet.parameters(), *self.text.parameters()], lr=config.lr, weight_decay=1e-2
         )
         self.latents: dict[str, Any] | None = None
+        if warm_start is not None and not self.state_path.exists():
+            self._warm_start(warm_start)
         self._load()
+
+    def _warm_start(self, folder: Path) -> None:
+        """Start from an exported model (its EMA weights, fp16 widened to fp32) instead of a
+        fresh initialisation; the VAE phase counts as done (its weights are the folder's)."""
+        fp32 = {"torch_dtype": torch.float32}
+        self.vae.load_state_dict(AutoencoderKL.from_pretrained(folder / "vae", **fp32).state_dict())
+        self.vae.register_to_config(
+            scaling_factor=AutoencoderKL.load_config(folder / "vae")["scaling_factor"]
+        )
+        text = CLIPTextModel.from_pretrained(folder / "text_encoder", **fp32).state_dict()
+        unet = UNet2DConditionModel.from_pretrained(folder / "unet", **fp32).state_dict()
+        for live, ema, weights in (
+            (self.text, self.ema_text, text),
+            (self.unet, self.ema_unet, unet),
+        ):
+            live.load_state_dict(weights)
+            ema.load_state_dict(weights)
+        self.vae_step = self.cfg.vae_steps
+        self.vae.eval()
+        info = folder / "training.json"
+        self.warm_start = {
+            "folder": str(folder),
+            "training": json.loads(info.read_text()) if info.exists() else None,
+        }
+        log.info("warm start from %s", folder)
 
     # ---- checkpoints -------------------------------------------------------------------
     @property
@@ -229,6 +261,7 @@ class Trainer:
                 "unet_step": self.unet_step,
                 "history": self.history,
                 "scaling_factor": self.vae.config.scaling_factor,
+                "warm_start": self.warm_start,
             },
             self.state_path,
         )
@@ -251,6 +284,7 @@ class Trainer:
         self.opt.load_state_dict(state["opt"])
         self.vae_step, self.unet_step = state["vae_step"], state["unet_step"]
         self.history = state["history"]
+        self.warm_start = state.get("warm_start")
         self.vae.register_to_config(scaling_factor=state["scaling_factor"])
         log.info("resumed %s: vae step %d, unet step %d", self.state_path, *self.steps())
 
@@ -407,7 +441,11 @@ class Trainer:
         alphas = self.noise.alphas_cumprod.to(self.device)[t]
         snr = alphas / (1 - alphas)
         weight = torch.clamp(snr, max=MIN_SNR_GAMMA) / snr  # min-SNR-gamma, epsilon target
-        per_sample = F.mse_loss(pred, noise, reduction="none").mean(dim=(1, 2, 3))
+        error = F.mse_loss(pred, noise, reduction="none")
+        if self.cfg.mask_weight != 1.0:
+            mask = cond[:, :1]  # the latent-resolution inpainting mask, 1 = repaint
+            error = error * (1.0 + (self.cfg.mask_weight - 1.0) * mask)
+        per_sample = error.mean(dim=(1, 2, 3))
         return (per_sample * weight).mean()
 
     @torch.no_grad()
@@ -492,6 +530,7 @@ class Trainer:
             "vae_loss_last100": _recent(self.history["vae"], 100),
             "unet_loss_last100": _recent(self.history["unet"], 100),
             "scaling_factor": self.vae.config.scaling_factor,
+            "warm_start": self.warm_start,
             "params": {
                 "vae": _count(self.vae),
                 "text_encoder": _count(self.text),
@@ -528,6 +567,7 @@ def train_demo(
     threads: int = 0,
     progress: bool = True,
     on_trainer: Callable[[Trainer], None] | None = None,
+    warm_start: Path | None = None,
 ) -> dict[str, Any]:
     """The ``retouch train-demo`` entry point: seed, build or resume, train, export."""
     if threads:
@@ -535,7 +575,9 @@ def train_demo(
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(config.seed)
-    trainer = Trainer(config, ckpt_dir, out, torch.device(device), progress=progress)
+    trainer = Trainer(
+        config, ckpt_dir, out, torch.device(device), progress=progress, warm_start=warm_start
+    )
     if on_trainer is not None:
         on_trainer(trainer)
     return trainer.run()

@@ -47,7 +47,7 @@ def run_gateway_bench(
     with tempfile.TemporaryDirectory(prefix="retouch-bench-") as tmp, ExitStack() as stack:
         configs = dict(CONFIGS)
         if ray:
-            address = stack.enter_context(_ray_cluster())
+            address = stack.enter_context(ray_cluster(1))
             configs["ray"] = ["--provider", "ray", "--ray-address", address]
         clients = {}
         for name, args in configs.items():
@@ -71,16 +71,18 @@ def run_gateway_bench(
 
 
 @contextmanager
-def _ray_cluster() -> Iterator[str]:
-    """A one-node Ray cluster on this machine with one executor slot; yields its address."""
+def ray_cluster(nodes: int) -> Iterator[str]:
+    """A Ray cluster of ``nodes`` nodes on this machine (``ray.cluster_utils.Cluster``), one
+    executor slot each; yields its address."""
     from ray.cluster_utils import Cluster
 
     from retouch.platform.rayprovider import RESOURCE
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {RESOURCE: 1}, "include_dashboard": False},
-    )
+    slot = {"num_cpus": 1, "resources": {RESOURCE: 1}}
+    cluster = Cluster(initialize_head=True, head_node_args={**slot, "include_dashboard": False})
+    for _ in range(nodes - 1):
+        cluster.add_node(**slot)
+    cluster.wait_for_nodes()
     try:
         yield cluster.address
     finally:

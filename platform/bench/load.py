@@ -379,6 +379,7 @@ class LoadSpec:
     rounds: int = 1  # replays per configuration, alternating the order
     host_cache_bytes: int | None = None  # each executor's host tier (None: the default)
     threads: int = 0  # torch threads per executor (0: the machine's cores shared out)
+    ray_address: str | None = None  # executors as Ray actors on this cluster (one per slot)
 
 
 def bench_function(
@@ -473,6 +474,7 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
         "rounds": spec.rounds,
         "executors": spec.executors,
         "threads": spec.threads,
+        "provider": "local" if spec.ray_address is None else "ray",
         "masks": spec.workload.masks,
         "slo_ms": spec.slo_ms,
         "configs": summaries,
@@ -489,6 +491,8 @@ def _server(spec: LoadSpec, name: str, data_dir: Path) -> ServerProcess:
         extra += ["--host-cache-bytes", str(spec.host_cache_bytes)]
     if spec.threads:
         extra += ["--threads", str(spec.threads)]
+    if spec.ray_address is not None:
+        extra += ["--provider", "ray", "--ray-address", spec.ray_address]
     return ServerProcess(data_dir / name, executors=spec.executors, extra_args=extra)
 
 

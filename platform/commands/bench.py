@@ -7,8 +7,11 @@ of them need torch); this module only declares their options and prints their re
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import tempfile
+from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 from retouch.platform.commands.common import (
@@ -24,6 +27,7 @@ from retouch.platform.commands.common import (
     non_negative_float,
     non_negative_int,
     non_negative_ints,
+    one_line_error,
     positive_float,
     positive_int,
     ratio,
@@ -313,6 +317,12 @@ def _load(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--executors", type=int, default=1, help="executors of each server")
     p.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the executors as Ray actors on a Ray cluster of --executors nodes started "
+        "on this machine for the run (one executor slot each)",
+    )
+    p.add_argument(
         "--host-cache-bytes",
         type=int,
         default=None,
@@ -395,7 +405,14 @@ def _run_load(args: argparse.Namespace) -> None:
         host_cache_bytes=args.host_cache_bytes,
         threads=args.threads,
     )
-    with tempfile.TemporaryDirectory(prefix="retouch-bench-load-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="retouch-bench-load-") as tmp, ExitStack() as stack:
+        if args.ray:
+            from retouch.platform.bench.gateway import ray_cluster
+
+            if importlib.util.find_spec("ray") is None:
+                one_line_error("--ray needs the Ray extra: pip install 'retouch[ray]'")
+
+            spec = replace(spec, ray_address=stack.enter_context(ray_cluster(args.executors)))
         result = run_load_bench(spec, args.data_dir or Path(tmp))
     if args.json:
         print(json.dumps(result))

@@ -75,6 +75,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="export the latest checkpoint without training further",
     )
     p.add_argument(
+        "--warm-start",
+        type=Path,
+        metavar="FOLDER",
+        help="start the UNet phase from the exported model in FOLDER (its VAE, text encoder "
+        "and UNet) instead of training from scratch; ignored when --ckpt-dir has a checkpoint",
+    )
+    p.add_argument(
+        "--mask-weight",
+        type=float,
+        default=1.0,
+        help="loss weight of the latent pixels under the inpainting mask (default 1: uniform)",
+    )
+    p.add_argument(
         "--tune-decoder",
         type=Path,
         metavar="FOLDER",
@@ -102,6 +115,11 @@ def _train_demo(args: argparse.Namespace) -> None:
         (args.export_every >= 0, "--export-every must be >= 0"),
         (args.max_minutes >= 0, "--max-minutes must be >= 0"),
         (args.decoder_steps >= 1, "--decoder-steps must be >= 1"),
+        (args.mask_weight > 0, "--mask-weight must be > 0"),
+        (
+            args.warm_start is None or (args.warm_start / "unet" / "config.json").exists(),
+            f"--warm-start: {args.warm_start} is not an exported model folder",
+        ),
         (
             args.device == "auto" or args.device == "cpu" or args.device.startswith("cuda"),
             f"--device must be auto, cpu or cuda[:N], not {args.device!r}",
@@ -133,6 +151,7 @@ def _train_demo(args: argparse.Namespace) -> None:
         save_every=args.save_every,
         export_every=args.export_every,
         max_minutes=args.max_minutes,
+        mask_weight=args.mask_weight,
     )
     if args.export_only:
         if not (args.ckpt_dir / "state.pt").exists():
@@ -152,6 +171,7 @@ def _train_demo(args: argparse.Namespace) -> None:
         device=args.device,
         threads=args.threads,
         progress=not args.no_progress,
+        warm_start=args.warm_start,
     )
     report(summary, False)
 

@@ -208,3 +208,31 @@ def test_decoder_finetune_keeps_encoder_and_unet_and_resumes(tmp_path: Path) -> 
     finetune_decoder(folder, out, more, tmp_path / "dec", progress=False)
     state = torch.load(tmp_path / "dec" / "decoder.pt", weights_only=False)
     assert state["step"] == 3 and len(state["history"]) == 3
+
+
+def test_warm_start_begins_from_an_exported_model(tmp_path: Path) -> None:
+    """A warm start takes the folder's weights (not a fresh initialisation), skips the VAE
+    phase, and a checkpoint, once written, wins over the folder when resuming."""
+    trainer = _trainer(tmp_path)
+    trainer.encode_samples()
+    folder = trainer.export(tmp_path / "shapes-sd")
+    config = TrainConfig(
+        seed=1, vae_steps=5, vae_batch=2, samples=8, batch=2, warmup=1, mask_weight=3.0
+    )
+    warm = Trainer(
+        config, tmp_path / "warm", tmp_path / "o", torch.device("cpu"), False, warm_start=folder
+    )
+    assert warm.vae_step == 5 and warm.warm_start["folder"] == str(folder)
+    for a, b in zip(warm.unet.parameters(), trainer.ema_unet.parameters(), strict=True):
+        assert torch.equal(a, b.half().float())
+    warm.encode_samples()
+    with torch.no_grad():
+        weighted = warm.unet_loss(0).item()
+        warm.cfg.mask_weight = 1.0
+        assert warm.unet_loss(0).item() < weighted  # the masked pixels count three times
+    warm.unet_step = 3
+    warm.save()
+    resumed = Trainer(
+        config, tmp_path / "warm", tmp_path / "o", torch.device("cpu"), False, warm_start=None
+    )
+    assert resumed.unet_step == 3 and resumed.warm_start["folder"] == str(folder)
