@@ -78,6 +78,7 @@ class ExecutorActor:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
+        _normal_priority(self.process.pid)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not port_file.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -92,6 +93,27 @@ class ExecutorActor:
     def stop(self) -> None:
         if self.process is not None:
             LocalProvider.stop_now(self.process)
+
+
+def _normal_priority(pid: int) -> None:
+    """Run the executor at niceness 0, not the niceness 15 Ray gives its workers.
+
+    Ray lowers its workers' priority so they never starve the raylet; an executor is a
+    latency-bound server, and at 15 it lost the CPU to everything else on a busy node
+    (measured on a 2-core machine under load: gateway overhead p50 1.8 s vs 0.19 s for the
+    same executor started locally). Set right after the start, before the executor spawns
+    its pre/post workers, which inherit it. Raising priority needs CAP_SYS_NICE: without it
+    the executor stays at Ray's niceness and says so.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, 0)
+    except PermissionError:
+        log.warning(
+            "executor pid %d keeps Ray's worker niceness %d (no CAP_SYS_NICE): it yields the "
+            "CPU to other processes on its node; start Ray with RAY_worker_niceness=0",
+            pid,
+            os.getpriority(os.PRIO_PROCESS, pid),
+        )
 
 
 @dataclass

@@ -682,6 +682,10 @@ def _export_with_vae(folder: Path, out: Path, vae: AutoencoderKL, extra: dict[st
         shutil.copytree(folder, staged)
         shutil.rmtree(staged / "vae")
         copy.deepcopy(vae).half().cpu().save_pretrained(staged / "vae", safe_serialization=True)
+        config_path = staged / "vae" / "config.json"
+        config = json.loads(config_path.read_text())
+        config.pop("_name_or_path", None)  # where it was loaded from: not part of the model
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         info_path = staged / "training.json"
         info = json.loads(info_path.read_text()) if info_path.exists() else {}
         info_path.write_text(json.dumps({**info, **extra}, indent=2) + "\n")
