@@ -350,7 +350,9 @@ def painted(image: np.ndarray, mask: np.ndarray, unpainted: np.ndarray) -> np.nd
     :data:`BACKDROP_TOLERANCE` from every colour of ``unpainted`` (``Scene.unpainted``), less
     a 1 px rim (an object's anti-aliased edge is a blend with the background, not its
     colour)."""
-    palette = unpainted.reshape(-1, 3).astype(np.float32)
+    # Distinct colours only, to the nearest 4 (≤ 3.5 off, well inside the tolerance): a
+    # scene's few thousand samples reduce to a few hundred, and the judge gets ~10× faster.
+    palette = np.unique(unpainted.reshape(-1, 3) // 4, axis=0).astype(np.float32) * 4 + 1.5
     pixels = image[mask].astype(np.float32)
     nearest = np.full(len(pixels), np.inf, dtype=np.float32)
     for start in range(0, len(palette), 256):  # bounded memory for big masks

@@ -112,7 +112,11 @@ def test_template_id_n_and_url(client: openai.OpenAI, server: ServerProcess) -> 
     # the seeds are seed, seed + 1: the second image equals a sync invoke with seed 12
     with Client(server.url, INVOKE) as c:
         ref = c.invoke(FUNCTION, "street", white_mask(), "a red door", seed=12, format="raw")
-    assert np.array_equal(np.frombuffer(ref.image, np.uint8).reshape(SIZE, SIZE, 3), images[1])
+    solo = np.frombuffer(ref.image, np.uint8).reshape(SIZE, SIZE, 3).astype(int)
+    # n=2 ran as a batch of two, the reference alone: equal up to float rounding (±1-2 on a
+    # few pixels, seen on a loaded CI machine); another seed differs everywhere.
+    assert np.abs(solo - images[1]).max() <= 2, np.abs(solo - images[1]).max()
+    assert np.abs(solo - images[0]).mean() > 5
 
 
 def test_image_transparency_is_the_mask_when_none_is_sent(client: openai.OpenAI) -> None:

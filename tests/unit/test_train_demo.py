@@ -16,6 +16,7 @@ from retouch.functions.demo.shapes import (
     edit_succeeded,
     make_sample,
     make_scene,
+    painted,
 )
 from retouch.functions.demo.train import (
     DecoderTuning,
@@ -74,7 +75,7 @@ def test_edit_judge_sees_the_drawn_object_in_box_and_dilated_masks() -> None:
     is recognised in both edit masks (the box holds much background), no other colour is,
     and the background alone (the object erased) is no success."""
     checked = 0
-    for seed in range(60):
+    for seed in range(40):
         scene = make_scene(900_000_000 + seed)
         index = most_visible(scene)
         colour = scene.objects[index][0]
@@ -83,16 +84,17 @@ def test_edit_judge_sees_the_drawn_object_in_box_and_dilated_masks() -> None:
         unpainted = scene.unpainted(index)
         taken = {scene.background[0], *(c for c, _kind in scene.objects)}
         others = [c for c in COLOURS if c not in taken]
+        assert scene.backdrop is not None
         for mask in (
             replace_mask(scene.silhouettes[index]),
             recolour_mask(scene.silhouettes[index]),
         ):
             assert edit_succeeded(scene.image, mask, colour, unpainted), (seed, colour)
-            assert not any(edit_succeeded(scene.image, mask, c, unpainted) for c in others)
-            assert scene.backdrop is not None
+            drawn = painted(scene.image, mask, unpainted)  # what every other colour is judged on
+            assert not any(colour_matches(scene.image, drawn, c) for c in others), seed
             assert not edit_succeeded(scene.backdrop, mask, colour, unpainted), seed
             checked += 1
-    assert checked > 90
+    assert checked > 60
 
 
 def _trainer(tmp_path: Path) -> Trainer:
