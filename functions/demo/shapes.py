@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import colorsys
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
@@ -64,8 +64,8 @@ class Scene:
     image: np.ndarray  # [H, W, 3] uint8
     background: tuple[str, str]  # (colour, kind)
     objects: list[tuple[str, str]]  # (colour, kind), drawing order
-    silhouettes: list[np.ndarray] = field(default_factory=list)  # [H, W] bool per object
-    backdrop: np.ndarray | None = None  # [H, W, 3] uint8: the background before any object
+    silhouettes: list[np.ndarray]  # [H, W] bool per object
+    backdrop: np.ndarray  # [H, W, 3] uint8: the background before any object was drawn
 
     def caption(self, first: int | None = None) -> str:
         """Full caption; ``first`` names that object first (the one under an object mask)."""
@@ -82,8 +82,7 @@ class Scene:
         background's and every other object's, sampled every 4th pixel."""
         others = [s for i, s in enumerate(self.silhouettes) if i != index]
         rest = self.image[np.logical_or.reduce(others)] if others else self.image[:0, 0]
-        backdrop = self.image if self.backdrop is None else self.backdrop
-        return np.concatenate([backdrop[::4, ::4].reshape(-1, 3), rest[::4]])
+        return np.concatenate([self.backdrop[::4, ::4].reshape(-1, 3), rest[::4]])
 
     def background_caption(self) -> str:
         colour, kind = self.background

@@ -161,9 +161,16 @@ def inference_scheduler() -> DDIMScheduler:
     )
 
 
-def _to_tensor(images: np.ndarray) -> torch.Tensor:
+def to_tensor(images: np.ndarray) -> torch.Tensor:
     """uint8 [B, H, W, 3] -> float [B, 3, H, W] in [-1, 1], as the pipeline's preprocessing."""
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def _random_crop(image: torch.Tensor, size: int, rng: np.random.Generator) -> torch.Tensor:
+    """A ``size`` px crop at a random position on the 8 px latent grid (convolutions don't
+    care about the image size, and 64 px crops train the VAE ~4x faster)."""
+    y, x = (int(v) for v in rng.integers(0, SIZE - size + 1, 2) // 8 * 8)
+    return image[:, :, y : y + size, x : x + size]
 
 
 def _masked(images: torch.Tensor, masks: np.ndarray) -> torch.Tensor:
@@ -300,14 +307,14 @@ class Trainer:
         """Random 64 px crops of scenes, a third of them masked like the pipeline does."""
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, 1, step])
-        crops, c = [], cfg.vae_crop
+        c = cfg.vae_crop
+        crops = []
         for i in range(cfg.vae_batch):
             sample = make_sample(int(rng.integers(1 << 40)))
-            image = _to_tensor(sample.image[None])
+            image = to_tensor(sample.image[None])
             if i % 3 == 0:
                 image = _masked(image, sample.mask[None])
-            y, x = (int(v) for v in rng.integers(0, SIZE - c + 1, 2) // 8 * 8)
-            crops.append(image[:, :, y : y + c, x : x + c])
+            crops.append(_random_crop(image, c, rng))
         return torch.cat(crops).to(self.device)
 
     def vae_loss(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -363,7 +370,7 @@ class Trainer:
                 make_sample(_sample_seed(cfg.seed, i))
                 for i in range(start, min(start + chunk, cfg.samples))
             ]
-            images = _to_tensor(np.stack([s.image for s in batch])).to(self.device)
+            images = to_tensor(np.stack([s.image for s in batch])).to(self.device)
             mask = np.stack([s.mask for s in batch])
             for src, m_out, s_out in (
                 (images, means, stds),
@@ -572,15 +579,20 @@ def train_demo(
     """The ``retouch train-demo`` entry point: seed, build or resume, train, export."""
     if threads:
         torch.set_num_threads(threads)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(config.seed)
     trainer = Trainer(
-        config, ckpt_dir, out, torch.device(device), progress=progress, warm_start=warm_start
+        config, ckpt_dir, out, resolve_device(device), progress=progress, warm_start=warm_start
     )
     if on_trainer is not None:
         on_trainer(trainer)
     return trainer.run()
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is CUDA when there is one, else the CPU; anything else is taken as given."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
 
 
 def remove_checkpoints(ckpt_dir: Path) -> None:
@@ -608,12 +620,10 @@ class DecoderTuning:
 def _decoder_crops(tuning: DecoderTuning, step: int) -> torch.Tensor:
     """Random crops of unmasked scenes (the decoder only ever decodes whole images)."""
     rng = np.random.default_rng([tuning.seed, 4, step])
-    crops, c = [], tuning.crop
-    for _ in range(tuning.batch):
-        image = _to_tensor(make_sample(int(rng.integers(1 << 40))).image[None])
-        y, x = (int(v) for v in rng.integers(0, SIZE - c + 1, 2) // 8 * 8)
-        crops.append(image[:, :, y : y + c, x : x + c])
-    return torch.cat(crops)
+    images = (
+        to_tensor(make_sample(int(rng.integers(1 << 40))).image[None]) for _ in range(tuning.batch)
+    )
+    return torch.cat([_random_crop(image, tuning.crop, rng) for image in images])
 
 
 def finetune_decoder(
@@ -621,14 +631,14 @@ def finetune_decoder(
     out: Path,
     tuning: DecoderTuning,
     ckpt_dir: Path,
-    device: str = "cpu",
+    device: str = "auto",
     progress: bool = True,
 ) -> dict[str, Any]:
     """Fine-tune ``folder``'s VAE decoder and write the model, otherwise unchanged, to ``out``.
 
     Resumable: the decoder, optimiser and step are checkpointed in ``ckpt_dir``.
     """
-    where = torch.device(device)
+    where = resolve_device(device)
     vae = AutoencoderKL.from_pretrained(folder / "vae", torch_dtype=torch.float32).to(where)
     vae.requires_grad_(False)
     tuned = [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()]

@@ -193,11 +193,13 @@ def vae_colour_fidelity(vae: Any, scenes: int = 150) -> dict[str, float]:
     """
     import torch
 
+    from retouch.functions.demo.train import to_tensor
+
     hits: dict[str, list[bool]] = {}
     device, dtype = vae.device, vae.dtype
     for i in range(scenes):
         scene = make_scene(EVAL_SEED + 500_000 + i)
-        pixels = torch.from_numpy(scene.image).permute(2, 0, 1)[None].float() / 127.5 - 1
+        pixels = to_tensor(scene.image[None])
         with torch.no_grad():
             latents = vae.encode(pixels.to(device, dtype)).latent_dist.mode()
             decoded = vae.decode(latents).sample.float().cpu()

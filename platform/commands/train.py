@@ -187,7 +187,6 @@ def _tune_decoder(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     tuning = DecoderTuning(
         steps=args.decoder_steps,
         batch=args.vae_batch,
@@ -199,7 +198,7 @@ def _tune_decoder(args: argparse.Namespace) -> None:
         args.out,
         tuning,
         args.ckpt_dir,
-        device="cpu" if device == "auto" else device,
+        device=args.device,
         progress=not args.no_progress,
     )
     report(summary, False)

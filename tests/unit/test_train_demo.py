@@ -84,7 +84,6 @@ def test_edit_judge_sees_the_drawn_object_in_box_and_dilated_masks() -> None:
         unpainted = scene.unpainted(index)
         taken = {scene.background[0], *(c for c, _kind in scene.objects)}
         others = [c for c in COLOURS if c not in taken]
-        assert scene.backdrop is not None
         for mask in (
             replace_mask(scene.silhouettes[index]),
             recolour_mask(scene.silhouettes[index]),
