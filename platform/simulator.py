@@ -62,6 +62,7 @@ MODEL = "sim-model"
 FUNCTION = "sim"
 TEMPLATE = "t"
 STEP_WINDOW_S = 10.0  # the windows of P95 after a step change
+TIMELINE_S = 10.0  # the timeline's windows (arrivals, queue, executors, P95 over time)
 SLOTS_PER_BATCH = 2  # as the pool: the running batch plus a pre-processing buffer
 BIMODAL = (0.05, 0.6)  # the two mask ratios of the bimodal mix, drawn equally often
 
@@ -89,7 +90,7 @@ class SimSpec:
     slo_factor: float | None = None  # SLO = this x the standalone latency (admission on)
     autoscale: AutoscalingConfig | None = None  # None: a static pool of ``executors``
     startup_s: float = 60.0  # a new executor's start (process, model load, first template)
-    tick_s: float = 2.0  # the autoscaler's period
+    tick_s: float = 1.0  # the autoscaler's period (the real pool's, platform/scaler.py TICK_S)
     seed: int = 0
 
 
@@ -105,6 +106,7 @@ class Job:
     placed_at: float = 0.0
     service_s: float = 0.0  # admission's predicted service, while it waits in the queue
     rejected: bool = False
+    dropped: bool = False  # admitted, then dropped from the queue: it could no longer make its SLO
 
 
 @dataclass(eq=False)
@@ -170,6 +172,9 @@ class Simulation:
         self.starting = 0
         self.scale_events: list[tuple[float, int]] = []
         self._pending = len(jobs)  # arrivals not yet answered (the ticks stop after them)
+        self.samples: list[tuple[float, int, int, int, int]] = []  # the timeline's counts
+        self._arrived_s = 0.0  # executor-seconds of the arrivals since the last tick
+        self._last_tick = 0.0
 
     def _add_executor(self) -> SimExecutor:
         view = self.cluster.add(
@@ -195,6 +200,7 @@ class Simulation:
             self.at(job.arrival, lambda job=job: self._arrive(job))
         if self.scaler is not None:
             self.at(0.0, self._tick)
+        self.at(TIMELINE_S, self._sample)
         started = time.perf_counter()
         while self._events:
             self.now, _, action = heapq.heappop(self._events)
@@ -204,6 +210,7 @@ class Simulation:
 
     # ---- the gateway --------------------------------------------------------------------
     def _arrive(self, job: Job) -> None:
+        self._arrived_s += self._executor_s(job)  # refused or not: it is demand
         try:
             service = self.admission.admit_slo(job.request, queued_s=self.queued_s)
             # without an SLO admission predicts nothing; the autoscaler still needs to
@@ -228,10 +235,31 @@ class Simulation:
                 return
             job = self.queue.popleft()
             self.queued_s -= job.service_s
+            if self._infeasible(job):
+                continue
             started = time.perf_counter()
             chosen = self.policy.choose(room, job.request)
             self.decision_s.append(time.perf_counter() - started)
             self._bind(chosen, job)
+
+    def _executor_s(self, job: Job) -> float:
+        """Executor-seconds ``job`` takes as one of a full batch of its like: the demand
+        it adds (the pool's own computation, ``ExecutorPool.demand_s``)."""
+        n = self.spec.max_batch
+        masked = job.request.footprint.on(self.coster.grids)[0]
+        return self.spec.steps * self.coster.step_s0(n, n * masked) / n
+
+    def _infeasible(self, job: Job) -> bool:
+        """The gateway queue's rule: a queued invocation whose predicted service, started
+        now, ends past its deadline is dropped (429 ``slo_unattainable``), not run late."""
+        slo = job.request.slo_s
+        if slo is None or not self.admission.limits.admission or job.service_s <= 0:
+            return False
+        if self.now + job.service_s <= job.arrival + slo:
+            return False
+        job.rejected = job.dropped = True
+        self._pending -= 1
+        return True
 
     def _bind(self, ex: SimExecutor, job: Job) -> None:
         job.token = self.cluster.token()
@@ -305,7 +333,9 @@ class Simulation:
         active = self.active()
         work = sum(e.view.work_s() for e in active) + self.queued_s
         target = len(active) + self.starting
-        decision = self.scaler.tick(self.now, work, len(self.queue), target)
+        demand = self._arrived_s / max(1e-9, self.now - self._last_tick) if self.now else 0.0
+        self._arrived_s, self._last_tick = 0.0, self.now
+        decision = self.scaler.tick(self.now, work, len(self.queue), target, demand)
         change = decision.desired - target
         if change > 0:
             self.starting += change
@@ -319,6 +349,15 @@ class Simulation:
             self.scale_events.append((self.now, change))
         if self._pending > 0 or any(e.inflight for e in self.executors):
             self.at(self.now + self.spec.tick_s, self._tick)
+
+    def _sample(self) -> None:
+        """The pool's counts at the end of a timeline window (for ``--plot``)."""
+        draining = sum(1 for e in self.executors if e.draining and e.stopped_at is None)
+        self.samples.append(
+            (self.now, len(self.queue), len(self.active()), self.starting, draining)
+        )
+        if self._pending > 0:
+            self.at(self.now + TIMELINE_S, self._sample)
 
     def _started(self, count: int) -> None:
         self.starting -= count
@@ -382,6 +421,7 @@ class Simulation:
             "speedup": span / wall_s if wall_s > 0 else math.inf,
             "decision_ms_p99": float(np.percentile(decisions, 99)),
             "rejected": len(measured) - len(accepted),
+            "dropped": sum(1 for j in measured if j.dropped),
             "throughput_rps": len(accepted) / window,
         }
         if self.scaler is not None:
@@ -400,6 +440,34 @@ class Simulation:
             out["slo_attainment"] = met / len(measured)
             out["slo_attainment_accepted"] = met / len(accepted) if accepted else 0.0
             out["goodput_rps"] = met / window
+        out["timeline"] = self._timeline()
+        return out
+
+    def _timeline(self) -> list[dict[str, Any]]:
+        """Per window of ``TIMELINE_S``: arrivals and refusals (by arrival), the P95 of the
+        accepted ones that arrived in it, and the queue and executor counts at its end."""
+        by_window: dict[int, list[Job]] = {}
+        for job in self.jobs:
+            by_window.setdefault(int(job.arrival // TIMELINE_S), []).append(job)
+        counts = {round(at / TIMELINE_S) - 1: rest for at, *rest in self.samples}
+        last = (0, self.spec.executors, 0, 0)
+        out = []
+        for k in range(max(by_window, default=-1) + 1):
+            jobs = by_window.get(k, [])
+            done = [j.done_at - j.arrival for j in jobs if not j.rejected]
+            queued, ready, starting, draining = last = tuple(counts.get(k, last))
+            out.append(
+                {
+                    "t_s": k * TIMELINE_S,
+                    "arrivals": len(jobs),
+                    "rejected": sum(1 for j in jobs if j.rejected),
+                    "queued": queued,
+                    "ready": ready,
+                    "starting": starting,
+                    "draining": draining,
+                    "p95_ms": round(float(np.percentile(done, 95)) * 1e3, 1) if done else None,
+                }
+            )
         return out
 
 

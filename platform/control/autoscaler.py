@@ -1,10 +1,15 @@
 """Autoscaling a model pool on predicted work: a pure policy and a thin stateful wrapper.
 
-The signal is the *predicted seconds of work* on the pool: running invocations' remaining
-time plus the queued invocations' service, from the same predictions placement uses. GPU
-utilisation is not a signal, because it stays high whether a GPU is lightly loaded or
-saturated. The desired count is that work divided by ``target_s``, the work one executor
-should hold.
+Two signals, both from the predictions placement uses; the desired count is the larger:
+* the *predicted seconds of work* on the pool (running invocations' remaining time plus the
+  queued invocations' service) divided by ``target_s``, the work one executor should hold;
+* the *demand*: the executors the arriving work fills, i.e. the executor-seconds the recent
+  arrivals need (each at its share of a full batch) per second, divided by
+  ``target_utilisation``. Work on the pool rises only as it piles up, a tick or more after
+  the arrival rate stepped up; the demand sees the step in the first tick after it (Little's
+  law on arrivals, as Knative's concurrency sees it in its panic window).
+GPU utilisation is not a signal, because it stays high whether a GPU is lightly loaded or
+saturated.
 
 The rules come from Knative's KPA and from the failure reports of Ray Serve users:
 * decisions count **target** executors (ready + starting), so a slow start-up does not
@@ -15,6 +20,10 @@ The rules come from Knative's KPA and from the failure reports of Ray Serve user
 * scale-down follows the longer **stable window**;
 * a scale-down takes the **highest** recommendation of the last ``downscale_delay_s`` (HPA),
   and never happens while panicking or while anything is queued;
+* no scale-down before the pool was observed for a scale-down delay (the shorter of
+  ``downscale_delay_s`` and ``downscale_to_zero_delay_s``): the highest recommendation over
+  a delay needs that delay's history, so a pool that starts (or a gateway that restarts)
+  does not shrink on its first samples and grow back, a direction reversal;
 * going to zero waits ``downscale_to_zero_delay_s`` of no work at all;
 * from zero, any work scales up at once.
 
@@ -36,6 +45,7 @@ class AutoscalingConfig:
     min_executors: int = 0
     max_executors: int = 1
     target_s: float = 30.0  # predicted seconds of work per executor
+    target_utilisation: float = 0.8  # the share of an executor's capacity demand may fill
     stable_window_s: float = 60.0
     panic_window_s: float = 6.0
     panic_threshold: float = 2.0  # panic when the panic window wants this x the target count
@@ -48,15 +58,19 @@ class AutoscalingConfig:
             raise ValueError("need 0 <= min_executors <= max_executors and max_executors >= 1")
         if self.target_s <= 0 or self.panic_window_s <= 0 or self.stable_window_s <= 0:
             raise ValueError("target and windows must be positive")
+        if not 0 < self.target_utilisation <= 1:
+            raise ValueError("target_utilisation must be in (0, 1]")
 
 
 @dataclass(frozen=True)
 class LoadSample:
-    """The pool at one tick: predicted seconds of work and invocations still queued."""
+    """The pool at one tick: predicted seconds of work, invocations still queued, and the
+    demand of the arrivals since the last tick (executors' worth; 0 when not measured)."""
 
     at: float
     work_s: float
     queued: int
+    demand: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -70,8 +84,8 @@ def recommend(config: AutoscalingConfig, samples: list[LoadSample], now: float) 
     """Executors for the mean work over the stable window, or over the panic window when
     that asks for more (the pure core). Scale-down holds the highest of these over its
     delay, so a scale-up made on the short window is not undone by the long one lagging."""
-    stable = _count(config, _mean(samples, now - config.stable_window_s))
-    return max(stable, _count(config, _mean(samples, now - config.panic_window_s)))
+    stable = _count(config, samples, now - config.stable_window_s)
+    return max(stable, _count(config, samples, now - config.panic_window_s))
 
 
 def decide(
@@ -81,16 +95,18 @@ def decide(
     now: float,
     panic_until: float,
     recent: list[tuple[float, int]],
+    observed_since: float | None = None,
 ) -> Decision:
     """The pool's desired executor count.
 
     ``samples`` are the recent ticks, ``target`` is ready + starting executors, and
     ``panic_until`` is when the current panic ends. ``recent`` holds the stable
-    recommendations of the last ``downscale_delay_s``."""
+    recommendations of the last ``downscale_delay_s``; ``observed_since`` is the first
+    sample's time (default: the oldest kept)."""
     latest = samples[-1] if samples else LoadSample(now, 0.0, 0)
-    stable = _count(config, _mean(samples, now - config.stable_window_s))
-    panic = _count(config, _mean(samples, now - config.panic_window_s))
-    if target == 0 and (latest.work_s > 0 or latest.queued > 0):
+    stable = _count(config, samples, now - config.stable_window_s)
+    panic = _count(config, samples, now - config.panic_window_s)
+    if target == 0 and (latest.work_s > 0 or latest.queued > 0 or latest.demand > 0):
         return Decision(max(1, panic, stable), True, "work arrived at an empty pool")
     if target > 0 and panic >= config.panic_threshold * target:
         return Decision(max(panic, target), True, "panic: the burst outgrows the pool")
@@ -98,6 +114,9 @@ def decide(
         return Decision(max(target, stable, panic), True, "panicking: no scale-down")
     if max(stable, panic) > target:  # up on the short window, down only on the long one
         return Decision(max(stable, panic), False, "more work than the pool's target")
+    first = observed_since if observed_since is not None else samples[0].at if samples else now
+    if now - first < min(config.downscale_delay_s, config.downscale_to_zero_delay_s):
+        return Decision(target, False, "not observed for a scale-down delay yet")
     if latest.queued > 0 or any(s.queued for s in samples if s.at >= now - config.panic_window_s):
         return Decision(target, False, "invocations queued: no scale-down")
     window = [n for at, n in recent if at >= now - config.downscale_delay_s]
@@ -110,13 +129,19 @@ def decide(
     return Decision(desired, False, "scale down" if desired < target else "steady")
 
 
-def _mean(samples: list[LoadSample], since: float) -> float:
-    window = [s.work_s for s in samples if s.at >= since]
-    return sum(window) / len(window) if window else 0.0
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
-def _count(config: AutoscalingConfig, work_s: float) -> int:
-    wanted = math.ceil(work_s / config.target_s - 1e-9) if work_s > 0 else 0
+def _count(config: AutoscalingConfig, samples: list[LoadSample], since: float) -> int:
+    """Executors for the mean work and the mean demand of the samples since ``since``."""
+    window = [s for s in samples if s.at >= since]
+    work_s = _mean([s.work_s for s in window])
+    demand = _mean([s.demand for s in window])
+    wanted = max(
+        math.ceil(work_s / config.target_s - 1e-9) if work_s > 0 else 0,
+        math.ceil(demand / config.target_utilisation - 1e-9) if demand > 0 else 0,
+    )
     return max(config.min_executors, min(config.max_executors, wanted))
 
 
@@ -131,7 +156,7 @@ def _idle_since(samples: list[LoadSample]) -> float | None:
     """When the last run of samples with no work began (None: the latest had work)."""
     since = None
     for s in reversed(samples):
-        if s.work_s > 0 or s.queued:
+        if s.work_s > 0 or s.queued or s.demand > 0:
             break
         since = s.at
     return since
@@ -147,6 +172,7 @@ class Autoscaler:
         self._samples: deque[LoadSample] = deque()
         self._recent: deque[tuple[float, int]] = deque()
         self._panic_until = -math.inf
+        self._first_at: float | None = None
         self.decisions = 0
         self.reversals = 0
         self._last_direction = 0
@@ -156,15 +182,29 @@ class Autoscaler:
         self.config = config
         self._keep_s = _history_s(config)
 
-    def tick(self, now: float, work_s: float, queued: int, target: int) -> Decision:
-        self._samples.append(LoadSample(now, work_s, queued))
+    def tick(
+        self, now: float, work_s: float, queued: int, target: int, demand: float = 0.0
+    ) -> Decision:
+        """One decision. ``demand``: the executors' worth of work that arrived since the
+        last tick (executor-seconds per second); 0 leaves the work signal alone."""
+        self._samples.append(LoadSample(now, work_s, queued, demand))
         while self._samples and self._samples[0].at < now - self._keep_s:
             self._samples.popleft()
         samples = list(self._samples)
         self._recent.append((now, recommend(self.config, samples, now)))
         while self._recent and self._recent[0][0] < now - self.config.downscale_delay_s:
             self._recent.popleft()
-        decision = decide(self.config, samples, target, now, self._panic_until, list(self._recent))
+        if self._first_at is None:
+            self._first_at = now
+        decision = decide(
+            self.config,
+            samples,
+            target,
+            now,
+            self._panic_until,
+            list(self._recent),
+            self._first_at,
+        )
         if decision.panicking and now >= self._panic_until:
             self._panic_until = now + self.config.panic_hold_s
         self._count(decision.desired - target)

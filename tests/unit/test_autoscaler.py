@@ -106,3 +106,33 @@ def test_the_pool_merges_its_functions_scaling_tables():
     assert config.downscale_to_zero_delay_s == 900.0
     assert pool_config([], capacity=2).max_executors == 2  # nothing deployed: zero
     assert pool_config([], capacity=2).min_executors == 0
+
+
+def test_a_step_in_arrivals_scales_up_on_demand_before_the_work_piles_up():
+    """The work on the pool lags a step in the arrival rate (it grows as invocations pile
+    up); the demand (executors' worth of arriving work) shows it in the first tick."""
+    scaler = Autoscaler(CONFIG)
+    target = 4
+    for now in range(0, 120):  # 3 executors' worth arriving, little work held
+        target = scaler.tick(float(now), 12.0, 0, target, demand=3.0).desired
+    assert target == 4  # 3 / 0.8 = 3.75 -> 4: steady
+    d = scaler.tick(120.0, 12.0, 0, target, demand=6.0)  # rate doubled, work not yet
+    assert d.desired > 4
+
+
+def test_no_scale_down_before_a_delay_of_history():
+    """A pool that starts (or a gateway that restarts) with executors holds them until it
+    has seen a scale-down delay, instead of shrinking on its first samples and growing back
+    (a direction reversal)."""
+    scaler = Autoscaler(CONFIG)
+    d = scaler.tick(0.0, 0.0, 0, 8)
+    assert d.desired == 8
+    decisions, target = run(scaler, lambda t: 20.0, 2.0, 300.0, 8)
+    down_at = next(t for t, n in decisions if n < 8)
+    assert down_at >= CONFIG.downscale_to_zero_delay_s
+    assert target == 2 and scaler.reversals == 0
+
+
+def test_target_utilisation_is_checked():
+    with pytest.raises(ValueError, match="target_utilisation"):
+        AutoscalingConfig(max_executors=2, target_utilisation=0.0)

@@ -161,3 +161,15 @@ def test_after_a_step_the_autoscaled_pool_reports_its_reaction():
     assert got["step_at_s"] == 40.0
     assert got["scale_up_after_step_s"] is not None and got["scale_up_after_step_s"] >= 0
     assert got["p95_by_window_ms"] and "p95_under_slo_after_s" in got
+
+
+def test_the_timeline_counts_arrivals_refusals_and_executors_per_window():
+    spec = SimSpec(executors=4, requests=1500, warmup=150, steps=8, load=2.0, slo_factor=5.0,
+                   placements=("maskaware",))  # fmt: skip
+    got = run_simulation(spec, flux_like_cost_model())["configs"]["maskaware"]
+    timeline = got["timeline"]
+    assert sum(w["arrivals"] for w in timeline) == spec.requests
+    assert sum(w["rejected"] for w in timeline) >= got["rejected"]  # warm-up ones too
+    assert all(w["ready"] == 4 and w["starting"] == 0 for w in timeline)
+    assert [w["t_s"] for w in timeline] == [10.0 * k for k in range(len(timeline))]
+    assert any(w["p95_ms"] for w in timeline)
