@@ -18,6 +18,9 @@ The rules come from Knative's KPA and from the failure reports of Ray Serve user
   when that window asks for ``panic_threshold`` times the current count the pool panics,
   and no scale-down happens for ``panic_hold_s``;
 * scale-down follows the longer **stable window**;
+* either only when the recommendation leaves a **tolerance** band around the current count
+  (10 %, as Kubernetes' HPA): a short window's noise must not move a pool that holds its
+  load (each such move is undone later, a direction reversal);
 * a scale-down takes the **highest** recommendation of the last ``downscale_delay_s`` (HPA),
   and never happens while panicking or while anything is queued;
 * no scale-down before the pool was observed for a scale-down delay (the shorter of
@@ -46,6 +49,7 @@ class AutoscalingConfig:
     max_executors: int = 1
     target_s: float = 30.0  # predicted seconds of work per executor
     target_utilisation: float = 0.8  # the share of an executor's capacity demand may fill
+    tolerance: float = 0.1  # no change while the recommendation is within this of the count
     stable_window_s: float = 60.0
     panic_window_s: float = 6.0
     panic_threshold: float = 2.0  # panic when the panic window wants this x the target count
@@ -60,6 +64,8 @@ class AutoscalingConfig:
             raise ValueError("target and windows must be positive")
         if not 0 < self.target_utilisation <= 1:
             raise ValueError("target_utilisation must be in (0, 1]")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError("tolerance must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,9 @@ def decide(
         return Decision(max(panic, target), True, "panic: the burst outgrows the pool")
     if now < panic_until:
         return Decision(max(target, stable, panic), True, "panicking: no scale-down")
-    if max(stable, panic) > target:  # up on the short window, down only on the long one
+    # up on the short window, down only on the long one; both beyond a tolerance (HPA's),
+    # so that the noise of a short window does not move a pool that holds its load
+    if max(stable, panic) > target * (1 + config.tolerance):
         return Decision(max(stable, panic), False, "more work than the pool's target")
     first = observed_since if observed_since is not None else samples[0].at if samples else now
     if now - first < min(config.downscale_delay_s, config.downscale_to_zero_delay_s):
@@ -125,6 +133,8 @@ def decide(
         idle_since = _idle_since(samples)
         if idle_since is None or now - idle_since < config.downscale_to_zero_delay_s:
             return Decision(max(config.min_executors, min(target, 1)), False, "not idle long")
+    if held >= target * (1 - config.tolerance):
+        return Decision(target, False, "steady: within the tolerance")
     desired = max(config.min_executors, min(target, held))
     return Decision(desired, False, "scale down" if desired < target else "steady")
 

@@ -136,3 +136,18 @@ def test_no_scale_down_before_a_delay_of_history():
 def test_target_utilisation_is_checked():
     with pytest.raises(ValueError, match="target_utilisation"):
         AutoscalingConfig(max_executors=2, target_utilisation=0.0)
+
+
+def test_a_noisy_stationary_demand_does_not_flap():
+    """An hour of Poisson-like noise on the demand (6 % per tick): the pool settles and
+    makes at most one direction reversal (the tolerance band and the held maximum)."""
+    import random
+
+    rng = random.Random(3)
+    scaler = Autoscaler(AutoscalingConfig(min_executors=8, max_executors=64, target_s=2.0))
+    target = 32
+    for now in range(3600):
+        demand = 30.0 * (1 + rng.gauss(0.0, 0.06))
+        target = scaler.tick(float(now), 40.0, 0, target, demand=demand).desired
+    assert scaler.reversals <= 1
+    assert 36 <= target <= 50  # 30 / 0.8 = 37.5, plus the noise the held maximum keeps
