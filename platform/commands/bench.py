@@ -512,13 +512,23 @@ def _sim(bench_sub: argparse._SubParsersAction) -> None:
         help="a new executor's start-up time in the simulation (default 60)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of arrivals, masks and noise")
+    p.add_argument(
+        "--profile",
+        default="synthetic",
+        metavar="FILE|flux-h800|synthetic",
+        help="the executors' cost model: synthetic (the Flux-like profile of bench placement, "
+        "the default), flux-h800 (Flux on an H800, derived from FlashPS's published figures: "
+        "deploy/profiles/flux-h800-flashps.json) or a profile JSON file",
+    )
     add_json(p)
     p.set_defaults(run=_run_sim)
 
 
 def _run_sim(args: argparse.Namespace) -> None:
-    from retouch.platform.bench.placement import flux_like_cost_model
+    from retouch.platform.bench.gpuprofile import sim_profile
     from retouch.platform.simulator import SimSpec, run_simulation
+
+    cost_model = sim_profile(args.profile)  # a bad profile fails before the run
 
     autoscale = None
     if args.autoscale is not None:
@@ -545,7 +555,9 @@ def _run_sim(args: argparse.Namespace) -> None:
         slo_factor=args.slo_factor,
         seed=args.seed,
     )
-    report(run_simulation(spec, flux_like_cost_model()), args.json)
+    result = run_simulation(spec, cost_model)
+    result["profile"] = args.profile
+    report(result, args.json)
 
 
 def _plan(bench_sub: argparse._SubParsersAction) -> None:
