@@ -520,6 +520,14 @@ def _sim(bench_sub: argparse._SubParsersAction) -> None:
         "the default), flux-h800 (Flux on an H800, derived from FlashPS's published figures: "
         "deploy/profiles/flux-h800-flashps.json) or a profile JSON file",
     )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also draw the timelines (arrivals, queue, executors, P95 per 10 s) of every "
+        "placement to FILE (.png, .svg or .pdf; needs matplotlib)",
+    )
     add_json(p)
     p.set_defaults(run=_run_sim)
 
@@ -528,7 +536,11 @@ def _run_sim(args: argparse.Namespace) -> None:
     from retouch.platform.bench.gpuprofile import sim_profile
     from retouch.platform.simulator import SimSpec, run_simulation
 
-    cost_model = sim_profile(args.profile)  # a bad profile fails before the run
+    cost_model = sim_profile(args.profile)  # a bad profile or plot path fails before the run
+    if args.plot is not None:
+        from retouch.platform.bench.simplot import check_plot_path
+
+        check_plot_path(args.plot)
 
     autoscale = None
     if args.autoscale is not None:
@@ -557,6 +569,10 @@ def _run_sim(args: argparse.Namespace) -> None:
     )
     result = run_simulation(spec, cost_model)
     result["profile"] = args.profile
+    if args.plot is not None:
+        from retouch.platform.bench.simplot import plot_timelines
+
+        plot_timelines(result, args.plot)
     report(result, args.json)
 
 
