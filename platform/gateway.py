@@ -356,7 +356,7 @@ class Gateway:
             "placement": self.pool.placement.name,
             "queue": {"waiting": len(self.pool.queue), **asdict(self.pool.queue.stats)},
             "control": self.pool.placement_summary(),
-            "autoscaler": self.pool.scaler.describe() if self.pool.scaler else None,
+            "autoscaler": self.pool.describe_autoscaler(),
         }
 
     def _servable(self, name: str) -> DeployedFunction:
@@ -575,6 +575,9 @@ class Gateway:
     def _export_pool(self) -> None:
         for quantity, value in self.pool.pool_summary().items():
             self.metrics.pool.labels(quantity).set(value)
+        for model, summary in self.pool.model_pool_summaries().items():
+            for quantity, value in summary.items():
+                self.metrics.model_pool.labels(model, quantity).set(value)
 
     def _export_queue(self) -> None:
         queue = self.pool.queue

@@ -114,6 +114,14 @@ class GatewayMetrics:
             ["quantity"],
             registry=r,
         )
+        self.model_pool = Gauge(
+            "retouch_model_pool",
+            "Per model pool (--autoscale): ready, starting, draining executors of the model, "
+            "desired (its autoscaler's last decision), scale_ups and scale_downs (decisions "
+            "since start), no_device (ticks whose scale-up found no free device)",
+            ["model", "quantity"],
+            registry=r,
+        )
         self.queue_length = Gauge(
             "retouch_queue_length", "Invocations waiting in the gateway for a slot", registry=r
         )

@@ -47,7 +47,7 @@ from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.placement import Placement, PlacementRequest, make_placement
 from retouch.platform.providers import Executor, Provider
 from retouch.platform.registry import StoredFunction
-from retouch.platform.scaler import PoolScaler
+from retouch.platform.scaler import Member, ModelLoad, PoolScaler, split_load
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,9 @@ class ExecutorHandle:
     probe_failures: int = 0
     state: wire.ExecutorState | None = None
     restarts: int = 0
+    # The model pool it was started for (autoscaled): it is pushed, and placement sends it,
+    # only that model's functions. None: it serves every function (a static pool).
+    model: str | None = None
     refreshing: bool = False  # a state read is under way (reads are coalesced)
     refresh_again: bool = False  # something changed during that read: read once more
     started_at: float = field(default_factory=time.monotonic)
@@ -107,9 +110,14 @@ class ExecutorHandle:
     def healthy(self) -> bool:
         return self.phase is wire.ExecutorPhase.READY
 
+    def serves(self, model: str | None) -> bool:
+        """Whether functions of ``model`` may be deployed to and placed on it."""
+        return self.model is None or self.model == model
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,
+            "model": self.model,
             "device": self.process.device,
             "node": self.process.node,
             "url": self.process.url,
@@ -183,6 +191,7 @@ class ExecutorPool:
         # Autoscaling: executors being started (by name) and drained; the scaler's task.
         self.drain_timeout_s = drain_timeout_s
         self._spawning: dict[str, asyncio.Task] = {}
+        self._spawning_models: dict[str, str | None] = {}  # the model each one is started for
         self._draining: dict[str, asyncio.Task] = {}
         self.scaler = PoolScaler(self, dry_run=autoscale_dry_run) if autoscale else None
 
@@ -241,9 +250,27 @@ class ExecutorPool:
 
     # ---- autoscaling --------------------------------------------------------------------
     def target_executors(self) -> int:
-        """Executors that count as capacity: ready, starting or restarting, not draining."""
+        """Executors that count as capacity: ready, starting or restarting, not draining
+        (one being started counts once, before and after its process is up)."""
         serving = [e for e in self.executors if e.phase is not wire.ExecutorPhase.DRAINING]
-        return len(serving) + len(self._spawning)
+        return len(serving) + len(self._unstarted())
+
+    def _unstarted(self) -> dict[str, str | None]:
+        """Executors being started whose process is not up yet (no handle), and their
+        model. Once up, the handle (phase ``starting``) stands for it."""
+        present = {e.name for e in self.executors}
+        return {n: m for n, m in self._spawning_models.items() if n not in present}
+
+    def model_loads(self) -> dict[str, ModelLoad]:
+        """Each model pool's predicted work, queued invocations and target count (the
+        autoscaler's inputs, see :func:`~retouch.platform.scaler.split_load`)."""
+        members = [
+            Member(e.model, e.view.work_s(), e.phase is not wire.ExecutorPhase.DRAINING)
+            for e in self.executors
+        ]
+        members += [Member(m, 0.0, True) for m in self._unstarted().values()]
+        model_of = {name: stored.spec.model for name, stored in self.functions.items()}
+        return split_load(members, self.queue.queued(), model_of)
 
     def work_s(self) -> float:
         """Predicted seconds of work on the pool: what its executors hold, plus the queue."""
@@ -252,20 +279,27 @@ class ExecutorPool:
         )
         return held + self.queue.queued_work_s()
 
-    def spawn(self, devices: list[str]) -> bool:
+    def spawn(self, devices: list[str], model: str | None = None) -> bool:
         """Start one more executor on a free one of the provider's ``devices`` (in its own
-        task); False when every device is taken."""
+        task), for ``model``'s pool (None: every function); False when every device is
+        taken (by an executor of any model, draining ones included: none is taken over)."""
         taken = {e.name for e in self.executors} | set(self._spawning)
         free = [i for i in range(len(devices)) if f"exec-{i}" not in taken]
         if not free:
             return False
         name, device = f"exec-{free[0]}", devices[free[0]]
-        task = asyncio.create_task(self._spawn(name, device, len(devices)))
+        task = asyncio.create_task(self._spawn(name, device, len(devices), model))
         self._spawning[name] = task
-        task.add_done_callback(lambda _: self._spawning.pop(name, None))
+        self._spawning_models[name] = model
+
+        def done(_: asyncio.Task) -> None:
+            self._spawning.pop(name, None)
+            self._spawning_models.pop(name, None)
+
+        task.add_done_callback(done)
         return True
 
-    async def _spawn(self, name: str, device: str, capacity: int) -> None:
+    async def _spawn(self, name: str, device: str, capacity: int, model: str | None) -> None:
         threads = self.provider.threads_per_executor(capacity)
         started = time.monotonic()
         try:
@@ -273,7 +307,7 @@ class ExecutorPool:
         except RetouchError as exc:
             log.error("autoscaler could not start %s: %s", name, exc)
             return
-        handle = ExecutorHandle(proc, overheads=self.cluster.overheads)
+        handle = ExecutorHandle(proc, model=model, overheads=self.cluster.overheads)
         self.executors.append(handle)
         try:
             await self._become_ready(handle)
@@ -281,12 +315,15 @@ class ExecutorPool:
             log.error("started %s is not ready: %s", name, exc)
             handle.phase = wire.ExecutorPhase.STARTING  # the monitor keeps probing it
         self.stats.startup_s.append(time.monotonic() - started)
-        log.info("%s ready in %.1f s", name, time.monotonic() - started)
+        log.info(
+            "%s (%s) ready in %.1f s", name, model or "every model", time.monotonic() - started
+        )
 
-    def scale_down_victims(self, count: int) -> list[ExecutorHandle]:
-        """Whom to drain: least predicted work, then least host-resident templates (the
-        cheapest cache to lose), then the newest."""
-        ready = [e for e in self.executors if e.healthy]
+    def scale_down_victims(self, count: int, model: str | None = None) -> list[ExecutorHandle]:
+        """Whom to drain, among ``model``'s pool (None: every executor): least predicted
+        work, then least host-resident templates (the cheapest cache to lose), then the
+        newest."""
+        ready = [e for e in self.executors if e.healthy and (model is None or e.model == model)]
 
         def cost(e: ExecutorHandle) -> tuple[float, int, float]:
             hosted = sum(tier is Residency.HOST for tier in e.view.residency.values())
@@ -323,8 +360,13 @@ class ExecutorPool:
         log.info("%s drained and stopped", handle.name)
 
     def candidates(self, function: str) -> list[ExecutorHandle]:
-        """Executors that can take an invocation of ``function`` now."""
-        return [e for e in self.executors if e.healthy and function in e.functions]
+        """Executors that can take an invocation of ``function`` now: ready, holding it,
+        and of its model's pool (an autoscaled executor serves one model)."""
+        stored = self.functions.get(function)
+        model = stored.spec.model if stored is not None else None
+        return [
+            e for e in self.executors if e.healthy and function in e.functions and e.serves(model)
+        ]
 
     # ---- functions ----------------------------------------------------------------------
     async def load(self, stored: StoredFunction, generation: int) -> None:
@@ -338,7 +380,13 @@ class ExecutorPool:
             self.placements[stored.spec.name] = make_placement(stored.spec.placement)
         else:
             self.placements.pop(stored.spec.name, None)
-        targets = [e for e in self.executors if e.healthy]
+        model = stored.spec.model
+        # A replaced function may have changed model: executors of the old model drop it.
+        for e in self.executors:
+            if stored.spec.name in e.functions and not e.serves(model):
+                e.functions.discard(stored.spec.name)
+                self._drop_from(e, stored.spec.name, generation)
+        targets = [e for e in self.executors if e.healthy and e.serves(model)]
         results = await asyncio.gather(
             *(self._push(e, stored) for e in targets), return_exceptions=True
         )
@@ -361,6 +409,18 @@ class ExecutorPool:
             *(self._call(e, "DELETE", path) for e in self.executors if e.healthy),
             return_exceptions=True,
         )
+
+    def _drop_from(self, handle: ExecutorHandle, name: str, generation: int) -> None:
+        """Remove ``name`` from one executor, in the background (best effort: an executor
+        that misses it keeps a copy placement never sends work to)."""
+
+        async def drop() -> None:
+            with contextlib.suppress(RetouchError, httpx.HTTPError):
+                await self._call(handle, "DELETE", f"/functions/{name}?generation={generation}")
+
+        task = asyncio.create_task(drop())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _push(self, handle: ExecutorHandle, stored: StoredFunction) -> None:
         generation = self.generations.get(stored.spec.name, 0)
@@ -653,20 +713,59 @@ class ExecutorPool:
         return [e.describe() for e in self.executors]
 
     def pool_summary(self) -> dict[str, float]:
-        """Executors by phase, the autoscaler's last decision and its scale events, and the
-        start-up times it saw (``/metrics``)."""
-        phases = [e.phase for e in self.executors]
+        """Executors by phase, the autoscaler's last decision and its scale events (summed
+        over the model pools), and the start-up times it saw (``/metrics``)."""
         startups = sorted(self.stats.startup_s)
         scaler = self.scaler
+        desired = scaler.desired() if scaler is not None else None
         return {
-            "ready": float(phases.count(wire.ExecutorPhase.READY)),
-            "starting": float(phases.count(wire.ExecutorPhase.STARTING) + len(self._spawning)),
-            "draining": float(phases.count(wire.ExecutorPhase.DRAINING)),
-            "desired": float(scaler.last.desired if scaler and scaler.last else len(phases)),
+            **self._counts(),
+            "desired": float(len(self.executors) if desired is None else desired),
             "scale_ups": float(scaler.ups if scaler else 0),
             "scale_downs": float(scaler.downs if scaler else 0),
             "startup_s_p50": startups[len(startups) // 2] if startups else 0.0,
             "startup_s_max": startups[-1] if startups else 0.0,
+        }
+
+    def model_pool_summaries(self) -> dict[str, dict[str, float]]:
+        """Per model pool (autoscaled only): executors by phase, the last desired count,
+        scale events and the ticks whose scale-up found no free device (``/metrics``)."""
+        if self.scaler is None:
+            return {}
+        out = {}
+        for model, pool in sorted(self.scaler.models.items()):
+            out[model] = {
+                **self._counts(model),
+                "desired": float(pool.last.desired if pool.last else 0),
+                "scale_ups": float(pool.ups),
+                "scale_downs": float(pool.downs),
+                "no_device": float(pool.no_device),
+            }
+        return out
+
+    def describe_autoscaler(self) -> dict[str, Any] | None:
+        """The autoscaler's document (``/v1/executors``), each model pool with its
+        executors by phase and by name."""
+        if self.scaler is None:
+            return None
+        doc = self.scaler.describe()
+        for model, pool in doc["models"].items():
+            pool.update({k: int(v) for k, v in self._counts(model).items()})
+            pool["executors"] = sorted(
+                [e.name for e in self.executors if e.model == model]
+                + [n for n, m in self._unstarted().items() if m == model]
+            )
+        return doc
+
+    def _counts(self, model: str | None = None) -> dict[str, float]:
+        """Executors ready, starting and draining, of ``model``'s pool (None: all). One
+        being started counts as starting once, before and after its process is up."""
+        phases = [e.phase for e in self.executors if model is None or e.model == model]
+        spawning = [n for n, m in self._unstarted().items() if model is None or m == model]
+        return {
+            "ready": float(phases.count(wire.ExecutorPhase.READY)),
+            "starting": float(phases.count(wire.ExecutorPhase.STARTING) + len(spawning)),
+            "draining": float(phases.count(wire.ExecutorPhase.DRAINING)),
         }
 
     async def states(self) -> list[wire.ExecutorState]:
@@ -714,6 +813,8 @@ class ExecutorPool:
         handle.view.slots = handle.slots
         handle.view.observe_state(state, self.cluster.costers)
         for stored in list(self.functions.values()):
+            if not handle.serves(stored.spec.model):
+                continue  # another model pool's function: this executor never loads it
             try:
                 await self._push(handle, stored)
             except (RetouchError, httpx.HTTPError) as exc:
@@ -786,7 +887,9 @@ class ExecutorPool:
             except RetouchError as exc:
                 log.error("could not restart %s: %s; retrying", old.name, exc)
                 await asyncio.sleep(MONITOR_INTERVAL_S * 5)
-        handle = ExecutorHandle(proc, restarts=old.restarts + 1, overheads=self.cluster.overheads)
+        handle = ExecutorHandle(
+            proc, restarts=old.restarts + 1, model=old.model, overheads=self.cluster.overheads
+        )
         self.executors[self.executors.index(old)] = handle
         try:
             await self._become_ready(handle)
