@@ -74,7 +74,8 @@ class SimSpec:
     executors: int = 64
     placements: tuple[str, ...] = ("maskaware", "least-requests", "round-robin")
     # "poisson", "gamma:CV", "step:F@T" (Poisson whose rate is F x from T s on),
-    # "diurnal:P:A" (Poisson at rate x (1 + A sin(2 pi t / P))) or "trace:PATH" (a CSV)
+    # "diurnal:P:A[:CV]" (Poisson, or Gamma renewal with that CV, at rate x
+    # (1 + A sin(2 pi t / P))) or "trace:PATH" (a CSV)
     arrivals: str = "poisson"
     masks: str = "beta"  # or "bimodal" (half 0.05, half 0.6)
     mask_mean: float = 0.19
@@ -212,10 +213,7 @@ class Simulation:
     def _arrive(self, job: Job) -> None:
         self._arrived_s += self._executor_s(job)  # refused or not: it is demand
         try:
-            service = self.admission.admit_slo(job.request, queued_s=self.queued_s)
-            # without an SLO admission predicts nothing; the autoscaler still needs to
-            # know what waits in the queue
-            job.service_s = service or self.admission.service_s(job.request)
+            job.service_s = self.admission.admit_slo(job.request, queued_s=self.queued_s)
         except Overloaded:
             job.rejected = True
             self._pending -= 1
@@ -223,6 +221,12 @@ class Simulation:
         self.queued_s += job.service_s
         self.queue.append(job)
         self._dispatch()
+        if self.scaler is not None and not job.service_s and job.token < 0 and not job.rejected:
+            # Without an SLO admission predicts nothing, but the autoscaler still needs to
+            # know what waits in the queue (predicted only for those that do wait: a
+            # prediction over the shortlist is most of an arrival's cost).
+            job.service_s = self.admission.service_s(job.request)
+            self.queued_s += job.service_s
 
     def _room(self, ex: SimExecutor) -> bool:
         limit = self.spec.max_batch if self.policy.late_binding else ex.slots
@@ -563,11 +567,18 @@ def arrival_times(spec: SimSpec, rate: float, rng: np.random.Generator) -> np.nd
                         lambda t: rate * (factor if t >= at else 1.0))  # fmt: skip
     if kind == "diurnal":
         try:
-            period, amplitude = (float(v) for v in args.split(":"))
+            period, amplitude, *rest = (float(v) for v in args.split(":"))
+            cv = rest[0] if rest else 1.0
+            if len(rest) > 1:
+                raise ValueError
         except ValueError:
-            period, amplitude = 0.0, -1.0
-        if not (period > 0 and 0 <= amplitude < 1):
-            raise ValueError(f"diurnal arrivals are diurnal:PERIOD_S:AMPLITUDE (< 1), not {args!r}")
+            period, amplitude, cv = 0.0, -1.0, 1.0
+        if not (period > 0 and 0 <= amplitude < 1 and cv > 0):
+            raise ValueError(
+                f"diurnal arrivals are diurnal:PERIOD_S:AMPLITUDE (< 1)[:CV], not {args!r}"
+            )
+        if rest:
+            return _modulated_gamma(rng, spec.requests, rate, period, amplitude, cv)
         return _thinned(
             rng,
             spec.requests,
@@ -575,6 +586,22 @@ def arrival_times(spec: SimSpec, rate: float, rng: np.random.Generator) -> np.nd
             lambda t: rate * (1 + amplitude * math.sin(2 * math.pi * t / period)),
         )
     return np.cumsum(gaps(spec, rate, rng))
+
+
+def _modulated_gamma(
+    rng: np.random.Generator, count: int, rate: float, period: float, amplitude: float, cv: float
+) -> np.ndarray:
+    """A bursty diurnal stream: a Gamma renewal process (inter-arrival CV ``cv``) whose rate
+    follows ``rate (1 + amplitude sin(2 pi t / period))``, by time rescaling: unit-rate
+    arrivals in operational time ``u`` are mapped through the inverse of the cumulative
+    rate ``Lambda(t)``."""
+    shape = 1.0 / (cv * cv)
+    u = np.cumsum(rng.gamma(shape, 1.0 / shape, count))
+    horizon = u[-1] / (rate * (1 - amplitude)) + period  # Lambda(horizon) > u[-1]
+    t = np.linspace(0.0, horizon, max(2, int(horizon / 0.01)))
+    w = 2 * math.pi / period
+    cumulative = rate * (t + amplitude / w * (1 - np.cos(w * t)))
+    return np.interp(u, cumulative, t)
 
 
 def _thinned(

@@ -469,7 +469,8 @@ def _sim(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--arrivals",
         default="poisson",
-        help="poisson, gamma:CV (e.g. gamma:2), step:F@T (rate x F from T s on), diurnal:P:A, or trace:FILE (a CSV with arrival_s and optionally "
+        help="poisson, gamma:CV (e.g. gamma:2), step:F@T (rate x F from T s on), diurnal:P:A[:CV] (rate x (1 + A sin 2 pi t/P), "
+        "Poisson or Gamma with that CV), or trace:FILE (a CSV with arrival_s and optionally "
         "mask_ratio, replayed at --load of the pool's capacity; default poisson)",
     )
     p.add_argument("--masks", choices=("beta", "bimodal"), default="beta", help="mask ratio mix")
@@ -504,6 +505,20 @@ def _sim(bench_sub: argparse._SubParsersAction) -> None:
         type=positive_float,
         default=30.0,
         help="autoscaling target: predicted seconds of work per executor (default 30)",
+    )
+    p.add_argument(
+        "--target-utilisation",
+        type=positive_float,
+        default=0.8,
+        help="autoscaling: the share of an executor's capacity the arrivals' demand may fill "
+        "(default 0.8)",
+    )
+    p.add_argument(
+        "--downscale-delay-s",
+        type=positive_float,
+        default=600.0,
+        help="autoscaling: a scale-down takes the highest recommendation of this window "
+        "(default 600)",
     )
     p.add_argument(
         "--startup-s",
@@ -550,7 +565,13 @@ def _run_sim(args: argparse.Namespace) -> None:
             low, high = (int(v) for v in args.autoscale.split(","))
         except ValueError:
             raise ValueError(f"--autoscale takes MIN,MAX, not {args.autoscale!r}") from None
-        autoscale = AutoscalingConfig(min_executors=low, max_executors=high, target_s=args.target_s)
+        autoscale = AutoscalingConfig(
+            min_executors=low,
+            max_executors=high,
+            target_s=args.target_s,
+            target_utilisation=args.target_utilisation,
+            downscale_delay_s=args.downscale_delay_s,
+        )
     spec = SimSpec(
         executors=args.executors,
         autoscale=autoscale,
