@@ -85,3 +85,67 @@ def test_scale_from_zero_up_down_and_back_to_zero(
         for line in ('retouch_pool{quantity="scale_ups"}', 'retouch_pool{quantity="scale_downs"}'):
             assert float(metrics.split(line)[1].split()[0]) >= 2  # up twice, down twice
         assert float(metrics.split('retouch_pool{quantity="startup_s_p50"}')[1].split()[0]) > 0
+
+
+def test_per_model_pools_scale_apart_and_share_the_devices(
+    tmp_path: Path, examples: Path, loadgen: ModuleType
+) -> None:
+    """Two functions on two models, each ``max_executors = 1``, two CPU slots: invoking one
+    starts one executor for its model only; invoking the other starts a second for the
+    other model; each function is answered only by its model's executor; idle, both model
+    pools go back to zero."""
+    sd_model, flux_model = "retouch:tiny-sd", "retouch:tiny-flux"
+    scaling = dataclasses.replace(SCALING, max_executors=1)
+    sd, sd_images = read_spec_file(examples / "tiny-sd.toml")
+    sd = dataclasses.replace(sd, name="sd-pool", steps=4, scaling=scaling)
+    flux, flux_images = read_spec_file(examples / "tiny-flux.toml")
+    flux = dataclasses.replace(flux, name="flux-pool", steps=4, scaling=scaling)
+    mask = np.zeros((128, 128), bool)
+    mask[16:80, 24:88] = True
+
+    def invoke_sd(client: Client, seed: int) -> object:
+        return client.invoke("sd-pool", "street", mask, "a red door", seed=seed, format="raw")
+
+    def invoke_flux(client: Client, seed: int) -> object:
+        return client.invoke("flux-pool", "shirt", mask, "a red shirt", seed=seed, format="raw")
+
+    def models(client: Client) -> dict[str, str | None]:
+        return {e["name"]: e["model"] for e in client.executors()["executors"]}
+
+    args = ["--autoscale", "--placement", "least-requests"]
+    server = ServerProcess(tmp_path / "data", executors=2, extra_args=args)
+    with server, Client(server.url) as client:
+        client.deploy(sd, sd_images)
+        client.deploy(flux, flux_images)
+        assert models(client) == {}
+
+        first = invoke_sd(client, 0)  # held while an executor for tiny-sd starts
+        assert first.executor == "exec-0"
+        assert models(client) == {"exec-0": sd_model}  # exactly one, and not for flux
+        pools = client.executors()["autoscaler"]["models"]
+        assert pools[sd_model]["executors"] == ["exec-0"]
+        assert pools[flux_model]["executors"] == [] and pools[flux_model]["desired"] == 0
+        assert pools[flux_model]["config"]["max_executors"] == 1
+
+        # A steady client keeps tiny-sd's pool busy (the policy sees work at every tick, so
+        # it does not go idle) while flux's pool starts on the other device.
+        with loadgen.Load(server.url, invoke_sd, clients=1) as trickle:
+            second = invoke_flux(client, 1)
+            assert second.executor == "exec-1"
+            assert models(client) == {"exec-0": sd_model, "exec-1": flux_model}
+            again = invoke_flux(client, 2)
+            assert again.executor == "exec-1"
+        assert not trickle.errors, trickle.errors[:3]
+        assert trickle.results and {r.executor for r in trickle.results} == {"exec-0"}
+
+        loadgen.wait_for("both model pools back to zero", lambda: models(client) == {})
+        pools = client.executors()["autoscaler"]["models"]
+        for model in (sd_model, flux_model):
+            changes = [e["change"] for e in pools[model]["events"] if e["applied"]]
+            assert changes and max(changes) == 1 and min(changes) < 0, pools[model]["events"]
+            assert pools[model]["no_device"] == 0  # two devices, one each: never short
+        metrics = httpx.get(f"{server.url}/metrics").text
+        for model in (sd_model, flux_model):
+            line = f'retouch_model_pool{{model="{model}",quantity="scale_ups"}}'
+            assert float(metrics.split(line)[1].split()[0]) == 1, pools
+        assert float(metrics.split('retouch_pool{quantity="scale_ups"}')[1].split()[0]) == 2
