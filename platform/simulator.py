@@ -228,23 +228,33 @@ class Simulation:
             job.service_s = self.admission.service_s(job.request)
             self.queued_s += job.service_s
 
-    def _room(self, ex: SimExecutor) -> bool:
-        limit = self.spec.max_batch if self.policy.late_binding else ex.slots
-        return ex.inflight < limit
+    def _room(self, ex: SimExecutor, job: Job) -> bool:
+        """A free slot (batch room, with late binding); with an SLO and admission on, late
+        binding also keeps the deadlines of what runs there (``keeps_deadlines``)."""
+        if not self.policy.late_binding:
+            return ex.inflight < ex.slots
+        if ex.inflight >= self.spec.max_batch:
+            return False
+        if job.request.slo_s is None or not self.admission.limits.admission:
+            return True
+        return ex.view.keeps_deadlines(job.request, self.now)
 
     def _dispatch(self) -> None:
+        """Bind the queue's head while an executor has room for it (FIFO: every invocation
+        has the same SLO here, so least slack is arrival order); a head that can no longer
+        make its SLO is dropped first."""
         while self.queue:
-            room = [e for e in self.active() if self._room(e)]
-            if not room:
-                return
-            job = self.queue.popleft()
+            job = self.queue[0]
+            if not self._infeasible(job):
+                room = [e for e in self.active() if self._room(e, job)]
+                if not room:
+                    return
+                started = time.perf_counter()
+                chosen = self.policy.choose(room, job.request)
+                self.decision_s.append(time.perf_counter() - started)
+                self._bind(chosen, job)
+            self.queue.popleft()
             self.queued_s -= job.service_s
-            if self._infeasible(job):
-                continue
-            started = time.perf_counter()
-            chosen = self.policy.choose(room, job.request)
-            self.decision_s.append(time.perf_counter() - started)
-            self._bind(chosen, job)
 
     def _executor_s(self, job: Job) -> float:
         """Executor-seconds ``job`` takes as one of a full batch of its like: the demand
@@ -267,7 +277,9 @@ class Simulation:
 
     def _bind(self, ex: SimExecutor, job: Job) -> None:
         job.token = self.cluster.token()
-        placed = ex.view.place(job.token, job.request, self.now)
+        slo = job.request.slo_s
+        deadline = None if slo is None else job.arrival + slo
+        placed = ex.view.place(job.token, job.request, self.now, deadline)
         job.predicted_s = placed.predicted.finish_s if placed is not None else 0.0
         job.placed_at = self.now
         job.steps_left = self.spec.steps

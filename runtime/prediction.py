@@ -222,6 +222,13 @@ def _calibrated(planned_s: float, calibration: StepCalibration) -> float:
     return step * calibration.scale
 
 
+def batch_step_s(batch: Sequence[Member], calibration: StepCalibration) -> float:
+    """Predicted seconds of one step of ``batch`` (every model's group once), calibrated."""
+    if not batch:
+        return 0.0
+    return _round_s([[m.steps_left, m.masked[0], m.coster] for m in batch], calibration)
+
+
 def first_departure_s(batch: Sequence[Member], calibration: StepCalibration) -> float:
     """Seconds until the first member of a running batch finishes (its batch room frees)."""
     if not batch:

@@ -27,6 +27,7 @@ from retouch.runtime.prediction import (
     Prediction,
     StepCalibration,
     StepCoster,
+    batch_step_s,
     first_departure_s,
     predict,
 )
@@ -71,6 +72,7 @@ class Placed:
     placed_at: float
     predicted: Prediction
     started: bool = False
+    deadline: float | None = None  # when its SLO ends (clock time), if it has one
 
 
 @dataclass
@@ -209,12 +211,14 @@ class ExecutorView:
             masked = coster.full_masks()
         return Member(coster, newcomer.steps, masked)
 
-    def place(self, token: int, newcomer: PlacementRequest, now: float) -> Placed | None:
+    def place(
+        self, token: int, newcomer: PlacementRequest, now: float, deadline: float | None = None
+    ) -> Placed | None:
         member = self.member(newcomer)
         if member is None:
             return None
         predicted = self.predict(newcomer) or Prediction(0.0, 0.0)
-        placed = Placed(newcomer, member, now, predicted)
+        placed = Placed(newcomer, member, now, predicted, deadline=deadline)
         self.placed[token] = placed
         self.arrivals.observe(now, member)
         self._changed()
@@ -376,6 +380,29 @@ class ExecutorView:
     def masked_tokens(self) -> int:
         """Masked tokens (finest grid) of the invocations placed here."""
         return sum(p.member.masked[0] for p in self.placed.values())
+
+    def keeps_deadlines(self, newcomer: PlacementRequest, now: float) -> bool:
+        """Whether every invocation here with a deadline still meets it once ``newcomer``
+        joins (PatchedServe's rule for joining a batch). A join slows every step of the
+        batch; admission predicted each invocation with the arrivals it expected, and a
+        burst of joins beyond that would make admitted work late. Each member is stepped
+        at the batch's new step time for its remaining steps (members that leave first
+        only make it faster)."""
+        member = self.member(newcomer)
+        if member is None or not any(p.deadline is not None for p in self.placed.values()):
+            return True
+        calibration = self.calibration.step(self.overheads)
+        running = [p.member for p in self.placed.values()]
+        batch = [*running[: self.max_batch - 1], member]
+        step_s = batch_step_s(batch, calibration)
+        for p in self.placed.values():
+            if p.deadline is None:
+                continue
+            before = 0.0 if p.started else calibration.pre_s
+            finish = now + before + p.member.steps_left * step_s + calibration.post_s
+            if finish > p.deadline:
+                return False
+        return True
 
 
 @dataclass

@@ -417,3 +417,19 @@ def test_admission_margin_follows_how_late_admitted_invocations_ran() -> None:
     assert queue.stats.slo_probes == 1
     with pytest.raises(Overloaded):
         queue.admit_slo(fits)
+
+
+def test_a_join_that_would_make_a_running_invocation_late_is_not_taken() -> None:
+    """PatchedServe's rule at binding: a newcomer joins only if every invocation already
+    there still meets its deadline with it in the batch."""
+    cluster = ClusterView()
+    view = view_with(cluster, "a")
+    alone = view.predict(request(0.5)).finish_s
+    view.place(1, request(0.5), 0.0, deadline=alone * 1.001)  # no slack at all
+    assert not view.keeps_deadlines(request(0.5), 0.0)
+    loose = view_with(cluster, "b")
+    loose.place(1, request(0.5), 0.0, deadline=alone * 10)
+    assert loose.keeps_deadlines(request(0.5), 0.0)
+    free = view_with(cluster, "c")
+    free.place(1, request(0.5), 0.0)  # no deadline: nothing to keep
+    assert free.keeps_deadlines(request(0.5), 0.0)

@@ -67,6 +67,10 @@ def test_admission_in_the_simulation_is_the_gateways_and_averts_the_collapse():
     on, off = got["configs"]["maskaware"], got["configs"]["maskaware+no-admission"]
     assert on["rejected"] > 0 and off["rejected"] == 0
     assert on["goodput_rps"] > 5 * off["goodput_rps"]
+    # admitted work keeps its SLO (binding keeps the deadlines of what runs), and the pool
+    # still does nearly all it can
+    assert on["slo_attainment_accepted"] >= 0.99
+    assert on["goodput_rps"] >= 0.9 * got["capacity_rps"]
     assert on["p95_ms"] < off["p95_ms"]
     with pytest.raises(ValueError, match="no-admission"):
         run_simulation(SimSpec(placements=("maskaware+fast",)), flux_like_cost_model())
