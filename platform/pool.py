@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 from typing import Any
@@ -170,6 +170,7 @@ class ExecutorPool:
         self.queue = InvocationQueue(limits, placement, self.candidates, policy_of=self.policy)
         self.lost = 0  # invocations re-placed after their executor was lost
         self.stats = PlacementStats()
+        self._arrived_s: defaultdict[str, float] = defaultdict(float)  # see take_arrived
         # Invocations with an id while the pool runs them: the executor holding each (None
         # while queued), and the ids whose cancel was asked for.
         self._active: dict[str, ExecutorHandle | None] = {}
@@ -504,12 +505,31 @@ class ExecutorPool:
         self.queue.admit(function)
 
     def admit_slo(self, request: PlacementRequest, *, early: bool = False) -> None:
-        """429 ``slo_unattainable`` when ``request`` is predicted to miss its SLO."""
+        """429 ``slo_unattainable`` when ``request`` is predicted to miss its SLO. Every
+        decoded invocation passes here (refused or not): its demand is counted first."""
+        if not early:
+            self._arrive(request)
         started = time.perf_counter()
         try:
             self.queue.admit_slo(request, early=early)
         finally:
             self.stats.admission_s.append(time.perf_counter() - started)
+
+    def _arrive(self, request: PlacementRequest) -> None:
+        """Count ``request``'s executor-seconds into its model's demand, from the first
+        executor with a profile of that model (none yet: the pool is starting, and work at
+        an empty pool scales up on its own)."""
+        for e in self.executors:
+            executor_s = e.view.executor_s(request)
+            if executor_s > 0:
+                self._arrived_s[request.model] += executor_s
+                return
+
+    def take_arrived(self) -> dict[str, float]:
+        """Executor-seconds of the invocations that arrived since the last call, per model
+        (the autoscaler divides them by its tick)."""
+        arrived, self._arrived_s = dict(self._arrived_s), defaultdict(float)
+        return arrived
 
     def queue_positions(self) -> dict[str, int]:
         """Waiting invocations (by id) and how many wait ahead of each."""

@@ -13,7 +13,10 @@ grow) and the largest stable window and downscale delays (the most patient one d
 fast to shrink). Every ``tick_s`` the scaler splits the pool's load by model
 (:func:`split_load`): a model pool's work is what its own executors hold plus the
 predicted service of its functions' queued invocations, and its target count is its own
-ready + starting executors. Then it acts per model pool:
+ready + starting executors; its *demand* is the executor-seconds of its functions'
+invocations that arrived since the last tick (each at its share of a full batch, counted
+when decoded, refused or not: :meth:`ExecutorPool.take_arrived`) per second, which shows a
+step in the arrival rate before the work piles up. Then it acts per model pool:
 
 * scale-up starts executors *assigned to the model* through the pool: such an executor is
   pushed only that model's functions (so it loads only that model) and placement considers
@@ -215,6 +218,7 @@ class PoolScaler:
         self.models: dict[str, ModelPool] = {}  # kept after their functions go (counters)
         self.capacity = 0  # the provider's devices at the last tick
         self._task: asyncio.Task | None = None
+        self._last_tick = 0.0  # seconds since start: the demand's denominator
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -256,6 +260,9 @@ class PoolScaler:
         configs = model_configs((f.spec for f in self.pool.functions.values()), len(devices))
         loads = self.pool.model_loads()
         now = self._clock() - self._born
+        arrived = self.pool.take_arrived()
+        elapsed, self._last_tick = now - self._last_tick, now
+        demand = {m: s / elapsed for m, s in arrived.items()} if elapsed > 0 else {}
         for model in set(loads) - set(configs):
             self._orphaned(model, loads[model], now)
         decisions = {}
@@ -264,7 +271,9 @@ class PoolScaler:
         for model in sorted(configs, key=lambda m: (loads.get(m, ModelLoad()).target, m)):
             pool = self.models.setdefault(model, ModelPool(model, configs[model]))
             load = loads.get(model, ModelLoad())
-            decisions[model] = self._tick_model(pool, configs[model], load, now, devices)
+            decisions[model] = self._tick_model(
+                pool, configs[model], load, now, devices, demand.get(model, 0.0)
+            )
         return decisions
 
     def _tick_model(
@@ -274,10 +283,11 @@ class PoolScaler:
         load: ModelLoad,
         now: float,
         devices: list[str],
+        demand: float = 0.0,
     ) -> Decision:
         if config != pool.policy.config:
             pool.policy.reconfigure(config)
-        decision = pool.policy.tick(now, load.work_s, load.queued, load.target)
+        decision = pool.policy.tick(now, load.work_s, load.queued, load.target, demand)
         pool.last = decision
         change = decision.desired - load.target
         if change > 0:

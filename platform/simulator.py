@@ -257,11 +257,9 @@ class Simulation:
             self.queued_s -= job.service_s
 
     def _executor_s(self, job: Job) -> float:
-        """Executor-seconds ``job`` takes as one of a full batch of its like: the demand
-        it adds (the pool's own computation, ``ExecutorPool.demand_s``)."""
-        n = self.spec.max_batch
-        masked = job.request.footprint.on(self.coster.grids)[0]
-        return self.spec.steps * self.coster.step_s0(n, n * masked) / n
+        """Executor-seconds ``job`` takes as one of a full batch of its like: the demand it
+        adds (the pool's own computation, ``ExecutorView.executor_s``)."""
+        return self.executors[0].view.executor_s(job.request)
 
     def _infeasible(self, job: Job) -> bool:
         """The gateway queue's rule: a queued invocation whose predicted service, started

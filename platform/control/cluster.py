@@ -381,6 +381,17 @@ class ExecutorView:
         """Masked tokens (finest grid) of the invocations placed here."""
         return sum(p.member.masked[0] for p in self.placed.values())
 
+    def executor_s(self, newcomer: PlacementRequest) -> float:
+        """Executor-seconds ``newcomer`` takes here as one of a full batch of its like: its
+        share of the executor's capacity, the autoscaler's demand signal (0: no profile of
+        its model here)."""
+        member = self.member(newcomer)
+        if member is None:
+            return 0.0
+        n = self.max_batch
+        step_s = batch_step_s([member] * n, self.calibration.step(self.overheads))
+        return member.steps_left * step_s / n
+
     def keeps_deadlines(self, newcomer: PlacementRequest, now: float) -> bool:
         """Whether every invocation here with a deadline still meets it once ``newcomer``
         joins (PatchedServe's rule for joining a batch). A join slows every step of the

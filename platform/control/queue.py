@@ -20,8 +20,9 @@ predicted service), arrival order otherwise.
 SLO admission: an invocation of a function with ``slo.latency_ms`` is refused at once (429
 ``slo_unattainable`` with ``Retry-After``) when its best predicted completion, the queue
 ahead of it included, exceeds the SLO; a queued one that can no longer make it is dropped
-with the same error. Both counted; ``admission=False`` turns it off and ``dry_run`` only
-logs what it would do.
+with the same error; and a late-bound one joins an executor only if what runs there still
+meets its deadline with it. Both counted; ``admission=False`` turns it off and ``dry_run``
+only logs what it would do.
 """
 
 from __future__ import annotations
@@ -378,6 +379,7 @@ class InvocationQueue:
                 c
                 for c in self._candidates(waiter.request.function)
                 if _has_room(c, policy.late_binding, self.limits.prefetch_horizon_s)
+                and self._keeps_deadlines(c, waiter, policy.late_binding, now)
             ]
             if not room:
                 continue
@@ -386,9 +388,19 @@ class InvocationQueue:
             self.decision_s.append(time.perf_counter() - started)
             chosen.inflight += 1
             if waiter.token >= 0:
-                chosen.view.place(waiter.token, waiter.request, now)
+                slo = waiter.request.slo_s
+                deadline = None if slo is None else waiter.enqueued + slo
+                chosen.view.place(waiter.token, waiter.request, now, deadline)
             self._drop(waiter)
             waiter.future.set_result(chosen)
+
+    def _keeps_deadlines(self, c: Slotted, waiter: Waiter, late_binding: bool, now: float) -> bool:
+        """With admission on, a late-bound invocation with an SLO joins an executor only
+        if every invocation there still meets its deadline with it (PatchedServe's rule:
+        admitted work stays within its SLO when a burst of joins would slow its batch)."""
+        if not late_binding or waiter.request.slo_s is None or not self.limits.admission:
+            return True
+        return c.view.keeps_deadlines(waiter.request, now)
 
     def _infeasible(self, waiter: Waiter, now: float) -> bool:
         """Drop a queued invocation that can no longer finish within its SLO."""

@@ -85,9 +85,14 @@ class FakePool:
         self.handles: list[FakeHandle] = []
         self.loads: dict[str, ModelLoad] = {}
         self.retired: list[str] = []
+        self.arrived: dict[str, float] = {}  # executor-seconds that arrived, per model
 
     def model_loads(self) -> dict[str, ModelLoad]:
         return dict(self.loads)
+
+    def take_arrived(self) -> dict[str, float]:
+        arrived, self.arrived = self.arrived, {}
+        return arrived
 
     def spawn(self, devices: list[str], model: str | None = None) -> bool:
         if len(self.handles) >= self.devices:
@@ -192,3 +197,24 @@ def test_placement_sees_an_executor_only_for_its_models_functions() -> None:
         await pool._probe.aclose()
 
     asyncio.run(run())
+
+
+def test_a_model_pools_demand_scales_it_before_its_work_piles_up() -> None:
+    """The executor-seconds that arrived for one model (per second of tick) scale that
+    model's pool at its next tick, though its predicted work has not grown yet; the other
+    model's pool is untouched."""
+    wide = dataclasses.replace(FAST, max_executors=4)
+    pool = FakePool([spec("tiny-sd", "sd", wide), spec("tiny-flux", "flux", wide)], devices=4)
+    clock = [0.0]
+    scaler = PoolScaler(pool, clock=lambda: clock[0])  # type: ignore[arg-type]
+    pool.loads = {SD: ModelLoad(0.0, 1, 0)}
+    scaler.tick(["cpu"] * 4)  # one sd executor for the first invocation
+    pool.loads = {SD: ModelLoad(0.5, 0, 1)}
+    clock[0] += 1.0
+    pool.arrived = {SD: 2.0}  # two executors' worth arrived in the last second
+    decisions = scaler.tick(["cpu"] * 4)
+    # the 1 s panic window holds this tick (2 executors' worth) and the last (0): a mean
+    # of 1, over the 0.8 target utilisation -> 2 executors
+    assert decisions[SD].desired == 2
+    assert [h.model for h in pool.handles] == [SD, SD]
+    assert decisions[FLUX].desired == 0
