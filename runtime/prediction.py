@@ -19,6 +19,7 @@ hundreds of executors stays well under a millisecond.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -150,44 +151,61 @@ def predict(
     ``newcomer`` None: when would the executor have drained everything it holds
     (``start_s == finish_s``; expected arrivals are not counted then).
 
-    Members are stepped as ``[steps left, masked tokens of the finest grid, coster]``
-    lists: a decision runs this for every executor, so it stays allocation-light."""
+    A decision runs this for every shortlisted executor, so it stays allocation-light.
+    Members are stepped as ``[end, masked tokens of the finest grid, coster]`` lists,
+    where ``end`` is the round after which the member is done: the batch's rounds are
+    counted once (``done``) instead of decrementing every member, and the batch's masked
+    tokens are kept as a running sum (integers: the same as summing each round). A queued
+    member's ``end`` holds its steps left until it joins."""
     active = [[max(1, m.steps_left), m.masked[0], m.coster] for m in batch]
-    queue = [[max(1, m.steps_left), m.masked[0], m.coster] for m in waiting]
+    queue = deque([max(1, m.steps_left), m.masked[0], m.coster] for m in waiting)
     target = None
     if newcomer is not None:
         target = [max(1, newcomer.steps_left), newcomer.masked[0], newcomer.coster]
         queue.append(target)
+    expected = arrivals if arrivals is not None and target is not None else None
+    coster = _one_coster(active, queue, expected)  # None: groups of several models
     ready_at = calibration.pre_s  # the newcomer's encode runs while the batch steps
     now = 0.0
     start = None
-    expected = arrivals if arrivals is not None and target is not None else None
     next_arrival = expected.interval_s if expected is not None else math.inf
     arrived = 0
+    done = 0  # rounds stepped so far
+    masked = sum(m[1] for m in active)  # the running batch's masked tokens
+    next_end = min((m[0] for m in active), default=0)  # the first departure's round
     while True:
         while queue and len(active) < max_batch:
             if queue[0] is target and now < ready_at:
                 break
-            active.append(queue.pop(0))
-        if start is None and target is not None and not any(q is target for q in queue):
-            start = now  # it joined the running batch
+            joining = queue.popleft()
+            joining[0] += done
+            if joining is target:
+                start = now  # it joined the running batch
+            next_end = joining[0] if not active else min(next_end, joining[0])
+            active.append(joining)
+            masked += joining[1]
         if not active:
             if target is None or not queue:
                 break
             now = max(now, ready_at)  # only the newcomer's own encode left to wait for
             continue
-        round_s = max(1e-9, _round_s(active, calibration))
-        k = min(m[0] for m in active)
+        if coster is not None:
+            round_s = max(1e-9, _calibrated(coster.step_s0(len(active), masked), calibration))
+        else:
+            round_s = max(1e-9, _round_s(active, calibration))
+        k = next_end - done
         if queue and queue[0] is target and len(active) < max_batch:
             k = max(1, min(k, math.ceil((ready_at - now) / round_s)))  # joins when encoded
         if next_arrival < now + k * round_s:  # the next expected arrival comes earlier
             k = max(1, min(k, math.ceil((next_arrival - now) / round_s)))
         now += k * round_s
-        for m in active:
-            m[0] -= k
-        if target is not None and target[0] <= 0:
+        done += k
+        if start is not None and target[0] <= done:
             break
-        active = [m for m in active if m[0] > 0]
+        if next_end <= done:  # departures
+            active = [m for m in active if m[0] > done]
+            masked = sum(m[1] for m in active)
+            next_end = min((m[0] for m in active), default=0)
         while expected is not None and next_arrival <= now and arrived < expected.limit:
             typical = expected.typical
             queue.append([max(1, typical.steps_left), typical.masked[0], typical.coster])
@@ -198,6 +216,22 @@ def predict(
     if target is None:
         return Prediction(now, now)
     return Prediction(start if start is not None else now, now + calibration.post_s)
+
+
+def _one_coster(
+    active: list[list], queue: deque[list], expected: Arrivals | None
+) -> StepCoster | None:
+    """The coster every member shares (the common case: one model), else None: then each
+    round is costed by its groups (:func:`_round_s`)."""
+    members = [*active, *queue]
+    if not members:
+        return None
+    coster = members[0][2]
+    if any(m[2] is not coster for m in members):
+        return None
+    if expected is not None and expected.typical.coster is not coster:
+        return None
+    return coster
 
 
 def _round_s(active: list[list], calibration: StepCalibration) -> float:
