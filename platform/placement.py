@@ -163,10 +163,10 @@ def shortlist(
     worth an exact prediction (placement and admission both use it)."""
     if len(candidates) <= k:
         return candidates
-    ranked = sorted(
-        candidates, key=lambda c: c.view.solo_work_s() + c.view.residency_cost_s(request)
-    )
-    return ranked[:k]
+    # Each cost once, then a stable sort of positions (ties keep the listed order, as
+    # sorting the candidates themselves would): this runs on every decision and arrival.
+    costs = [c.view.solo_work_s() + c.view.residency_cost_s(request) for c in candidates]
+    return [candidates[i] for i in sorted(range(len(costs)), key=costs.__getitem__)[:k]]
 
 
 POLICIES = {

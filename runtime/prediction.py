@@ -166,6 +166,13 @@ def predict(
     expected = arrivals if arrivals is not None and target is not None else None
     coster = _one_coster(active, queue, expected)  # None: groups of several models
     ready_at = calibration.pre_s  # the newcomer's encode runs while the batch steps
+    step_s0 = coster.step_s0 if coster is not None else None
+    intercept, slope, scale = (
+        calibration.step_intercept_s,
+        calibration.step_slope,
+        calibration.scale,
+    )
+    tenth = 0.1 * slope  # as _calibrated multiplies: (0.1 * slope) * planned
     now = 0.0
     start = None
     next_arrival = expected.interval_s if expected is not None else math.inf
@@ -189,8 +196,11 @@ def predict(
                 break
             now = max(now, ready_at)  # only the newcomer's own encode left to wait for
             continue
-        if coster is not None:
-            round_s = max(1e-9, _calibrated(coster.step_s0(len(active), masked), calibration))
+        if coster is not None:  # _calibrated(step_s0(...)), inlined: the hot path
+            planned = step_s0(len(active), masked)
+            step = intercept + slope * planned
+            floor = tenth * planned
+            round_s = max(1e-9, (step if step >= floor else floor) * scale)
         else:
             round_s = max(1e-9, _round_s(active, calibration))
         k = next_end - done

@@ -36,6 +36,7 @@ EWMA = 0.2  # weight of a new observation in the calibration's running averages
 SCALE_LIMITS = (0.5, 2.0)  # the drift correction never runs away on a burst
 DISK_LOAD_S = 0.05  # a template's disk load before one was observed
 MEMO_BUCKETS = 64  # mask resolution of the per-executor prediction memo
+PROFILE_ONLY = StepCalibration()  # the profile alone, no learnt correction (immutable)
 
 
 class Residency(StrEnum):
@@ -152,6 +153,8 @@ class ExecutorView:
         self._memo: dict[tuple, Prediction] = {}
         self._memo_version: tuple = ()
         self._solo_version, self._solo_work_s = -1, 0.0
+        self._steps: dict[bool, StepCalibration] = {}  # the last step calibrations, by idle
+        self._steps_key: tuple[float, ...] = ()  # ... and the values they were built from
 
     # ---- what the executor is -----------------------------------------------------------
     def observe_state(self, state: wire.ExecutorState, costers: CosterCache) -> None:
@@ -202,10 +205,8 @@ class ExecutorView:
         coster = self.costers.get(newcomer.model)
         if coster is None or newcomer.footprint is None:
             return None
-        if newcomer.optimistic or self.tier(newcomer.function, newcomer.template) in (
-            Residency.HOST,
-            Residency.DISK,
-        ):
+        tier = self.residency.get((newcomer.function, newcomer.template))
+        if newcomer.optimistic or tier in (Residency.HOST, Residency.DISK):
             masked = newcomer.footprint.on(coster.grids)
         else:  # not baked here: the full path computes every token
             masked = coster.full_masks()
@@ -311,16 +312,13 @@ class ExecutorView:
         cached = self._memo.get(key)
         if cached is not None:
             return cached
-        running = [p.member for p in self.placed.values() if p.started]
-        waiting = [p.member for p in self.placed.values() if not p.started]
-        calibration = self.calibration.step(self.overheads)
-        if not learnt:
-            calibration = StepCalibration()
-        elif not self.placed:
-            # Drift is learnt under load; an idle executor runs as its step fit says. Else a
-            # burst's drift could keep admission refusing an idle pool, which would then
-            # never observe anything to unlearn it.
-            calibration = replace(calibration, scale=1.0)
+        running, waiting = [], []
+        for p in self.placed.values():
+            (running if p.started else waiting).append(p.member)
+        # Drift is learnt under load; an idle executor runs as its step fit says. Else a
+        # burst's drift could keep admission refusing an idle pool, which would then never
+        # observe anything to unlearn it.
+        calibration = PROFILE_ONLY if not learnt else self.step_calibration(idle=not self.placed)
         result = predict(
             running,
             waiting,
@@ -335,12 +333,27 @@ class ExecutorView:
         self._memo[key] = result
         return result
 
+    def step_calibration(self, *, idle: bool = False) -> StepCalibration:
+        """The calibration predictions step with (``idle``: without the drift, as an idle
+        executor runs). Rebuilt only when one of its values changed: every prediction asks
+        for it, and building a frozen dataclass costs more than the rest of a memo hit."""
+        c, o = self.calibration, self.overheads
+        key = (c.step_intercept_s, c.step_slope, c.scale, o.pre_s, o.post_s)
+        if key != self._steps_key:
+            self._steps_key, self._steps = key, {}
+        step = self._steps.get(idle)
+        if step is None:
+            step = self._steps[idle] = c.step(o)
+            if idle:
+                step = self._steps[idle] = replace(step, scale=1.0)
+        return step
+
     def next_start_s(self) -> float:
         """Predicted seconds until the running batch has room for one more."""
         running = [p.member for p in self.placed.values() if p.started]
         if len(self.placed) < self.max_batch:
             return 0.0
-        return first_departure_s(running, self.calibration.step(self.overheads)) if running else 0.0
+        return first_departure_s(running, self.step_calibration()) if running else 0.0
 
     def work_s(self) -> float:
         """Predicted seconds until everything placed here is done (0 when idle)."""
@@ -365,7 +378,7 @@ class ExecutorView:
     def residency_cost_s(self, newcomer: PlacementRequest) -> float:
         """What the template's place adds: nothing in host memory, a disk load, or a bake
         (the engine time of a full-path run) when it is not baked here."""
-        tier = self.tier(newcomer.function, newcomer.template)
+        tier = self.residency.get((newcomer.function, newcomer.template), Residency.ABSENT)
         if tier is Residency.HOST:
             return 0.0
         if tier is Residency.DISK:
@@ -389,7 +402,7 @@ class ExecutorView:
         if member is None:
             return 0.0
         n = self.max_batch
-        step_s = batch_step_s([member] * n, self.calibration.step(self.overheads))
+        step_s = batch_step_s([member] * n, self.step_calibration())
         return member.steps_left * step_s / n
 
     def keeps_deadlines(self, newcomer: PlacementRequest, now: float) -> bool:
@@ -402,7 +415,7 @@ class ExecutorView:
         member = self.member(newcomer)
         if member is None or not any(p.deadline is not None for p in self.placed.values()):
             return True
-        calibration = self.calibration.step(self.overheads)
+        calibration = self.step_calibration()
         running = [p.member for p in self.placed.values()]
         batch = [*running[: self.max_batch - 1], member]
         step_s = batch_step_s(batch, calibration)
@@ -426,6 +439,10 @@ class ArrivalRate:
     masked: float = 0.0
     coster: StepCoster | None = None
     _last: float | None = None
+    # the last expectation and the values it was built from (predictions ask on every call)
+    _expected: tuple[tuple, Arrivals | None] = field(
+        default=((), None), init=False, repr=False, compare=False
+    )
 
     def observe(self, now: float, member: Member) -> None:
         if self._last is not None:
@@ -442,6 +459,14 @@ class ArrivalRate:
         )
 
     def expected(self) -> Arrivals | None:
+        """One ``typical`` arrival every ``gap_s`` (None: no stream seen yet). The same
+        object while the averages are unchanged (predictions only read it)."""
+        key = (self.gap_s, self.steps, self.masked, self.coster)
+        if key != self._expected[0]:
+            self._expected = (key, self._arrivals())
+        return self._expected[1]
+
+    def _arrivals(self) -> Arrivals | None:
         if self.gap_s is None or self.gap_s <= 0 or self.coster is None:
             return None
         typical = Member(self.coster, max(1, round(self.steps)), (round(self.masked),))
