@@ -155,6 +155,7 @@ class ExecutorView:
         self._solo_version, self._solo_work_s = -1, 0.0
         self._steps: dict[bool, StepCalibration] = {}  # the last step calibrations, by idle
         self._steps_key: tuple[float, ...] = ()  # ... and the values they were built from
+        self._joined: tuple[tuple, float] = ((), 0.0)  # the last _joined_step_s and its key
 
     # ---- what the executor is -----------------------------------------------------------
     def observe_state(self, state: wire.ExecutorState, costers: CosterCache) -> None:
@@ -405,6 +406,18 @@ class ExecutorView:
         step_s = batch_step_s([member] * n, self.step_calibration())
         return member.steps_left * step_s / n
 
+    def _joined_step_s(self, member: Member, calibration: StepCalibration) -> float:
+        """One step of the batch with ``member`` joined (the first ``max_batch - 1`` placed
+        here, then it). The gateway asks it of every executor with room for the queue's
+        head, again on every arrival and result while that head waits: kept while the view,
+        the calibration and the member's cost are the same."""
+        key = (self.version, self.max_batch, calibration, member.coster, member.masked[0])
+        if self._joined[0] != key:
+            running = [p.member for p in self.placed.values()]
+            batch = [*running[: self.max_batch - 1], member]
+            self._joined = (key, batch_step_s(batch, calibration))
+        return self._joined[1]
+
     def keeps_deadlines(self, newcomer: PlacementRequest, now: float) -> bool:
         """Whether every invocation here with a deadline still meets it once ``newcomer``
         joins (PatchedServe's rule for joining a batch). A join slows every step of the
@@ -416,9 +429,7 @@ class ExecutorView:
         if member is None or not any(p.deadline is not None for p in self.placed.values()):
             return True
         calibration = self.step_calibration()
-        running = [p.member for p in self.placed.values()]
-        batch = [*running[: self.max_batch - 1], member]
-        step_s = batch_step_s(batch, calibration)
+        step_s = self._joined_step_s(member, calibration)
         for p in self.placed.values():
             if p.deadline is None:
                 continue
