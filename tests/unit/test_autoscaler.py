@@ -151,3 +151,26 @@ def test_a_noisy_stationary_demand_does_not_flap():
         target = scaler.tick(float(now), 40.0, 0, target, demand=demand).desired
     assert scaler.reversals <= 1
     assert 36 <= target <= 50  # 30 / 0.8 = 37.5, plus the noise the held maximum keeps
+
+
+def test_a_sustained_rise_in_demand_is_seen_within_two_ticks_and_noise_is_not():
+    """The demand's CUSUM against the stable window before it: a 2x step scales up within
+    two 1 s ticks; an hour of the same noise without a step raises no false rise."""
+    import random
+
+    rng = random.Random(5)
+    config = AutoscalingConfig(min_executors=4, max_executors=64, downscale_delay_s=120.0)
+    scaler = Autoscaler(config)
+    target = 20
+    for now in range(3600):
+        demand = 15.0 * (1 + rng.gauss(0.0, 0.15))
+        d = scaler.tick(float(now), 30.0, 0, target, demand=demand)
+        assert d.reason != "the arrivals' demand rose and stayed up", now
+        target = d.desired
+    assert scaler.reversals <= 1
+    before = target
+    for now in range(3600, 3602):
+        target = scaler.tick(
+            float(now), 30.0, 0, target, demand=30.0 * (1 + rng.gauss(0, 0.15))
+        ).desired
+    assert target >= 1.5 * before
