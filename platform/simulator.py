@@ -88,6 +88,14 @@ class SimSpec:
     pre_s: float = 0.05  # text/VAE encode, in workers
     post_s: float = 0.05  # VAE decode and image encoding, in workers
     noise: float = 0.05  # sigma of the lognormal factor on every step's profiled time
+    # The engine's step fit (``EngineStats.step_intercept_ms / step_slope``): a step takes
+    # intercept + slope x its profiled plan, as a real executor reports it (bench validate)
+    step_intercept_s: float = 0.0
+    step_slope: float = 1.0
+    # Measured pre/post times (seconds): each invocation draws its own from them (seeded)
+    # instead of the constant pre_s/post_s
+    pre_samples: tuple[float, ...] = ()
+    post_samples: tuple[float, ...] = ()
     slo_factor: float | None = None  # SLO = this x the standalone latency (admission on)
     autoscale: AutoscalingConfig | None = None  # None: a static pool of ``executors``
     startup_s: float = 60.0  # a new executor's start (process, model load, first template)
@@ -108,6 +116,8 @@ class Job:
     service_s: float = 0.0  # admission's predicted service, while it waits in the queue
     rejected: bool = False
     dropped: bool = False  # admitted, then dropped from the queue: it could no longer make its SLO
+    pre_s: float = 0.0  # its own encode and decode (spec.pre_s/post_s, or drawn from samples)
+    post_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -145,8 +155,13 @@ class Simulation:
         model = cost_model
         if "step_table" not in model.extra:  # as an executor ships its profile
             model = with_plan_table(cost_model, spec.max_batch)
+        engine = wire.EngineStats(
+            max_batch=spec.max_batch,
+            step_intercept_ms=spec.step_intercept_s * 1e3,
+            step_slope=spec.step_slope,
+        )
         self._state = wire.ExecutorState(
-            "sim", 0, model.device, cost_models={MODEL: model.to_dict()}
+            "sim", 0, model.device, engine=engine, cost_models={MODEL: model.to_dict()}
         )
         self.executors: list[SimExecutor] = []
         self._names = itertools.count()
@@ -155,6 +170,7 @@ class Simulation:
             self._add_executor()
         self.coster = self.executors[0].view.costers[MODEL]
         self.rng = np.random.default_rng(spec.seed + 7)
+        self._overhead_rng = np.random.default_rng(spec.seed + 11)  # pre/post samples
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.queue: deque[Job] = deque()
@@ -282,7 +298,14 @@ class Simulation:
         job.placed_at = self.now
         job.steps_left = self.spec.steps
         ex.inflight += 1
-        self.at(self.now + self.spec.pre_s, lambda: self._encoded(ex, job))
+        job.pre_s = self._drawn(self.spec.pre_samples, self.spec.pre_s)
+        job.post_s = self._drawn(self.spec.post_samples, self.spec.post_s)
+        self.at(self.now + job.pre_s, lambda: self._encoded(ex, job))
+
+    def _drawn(self, samples: tuple[float, ...], constant: float) -> float:
+        if not samples:
+            return constant
+        return samples[int(self._overhead_rng.integers(len(samples)))]
 
     # ---- a simulated engine -------------------------------------------------------------
     def _encoded(self, ex: SimExecutor, job: Job) -> None:
@@ -299,10 +322,18 @@ class Simulation:
             return
         ex.stepping = True
         masked = sum(j.request.footprint.on(self.coster.grids)[0] for j in ex.running)
-        seconds = self.coster.step_s0(len(ex.running), masked)
+        seconds = self._fitted(self.coster.step_s0(len(ex.running), masked))
         seconds *= float(self.rng.lognormal(0.0, self.spec.noise)) if self.spec.noise else 1.0
         ex.busy_s += seconds
         self.at(self.now + seconds, lambda: self._stepped(ex))
+
+    def _fitted(self, planned_s: float) -> float:
+        """A planned step as the engine's step fit says it takes (never below a tenth of
+        the plan, as the prediction bounds a negative intercept)."""
+        slope = self.spec.step_slope
+        if self.spec.step_intercept_s == 0.0 and slope == 1.0:
+            return planned_s
+        return max(self.spec.step_intercept_s + slope * planned_s, 0.1 * slope * planned_s)
 
     def _stepped(self, ex: SimExecutor) -> None:
         still = []
@@ -312,7 +343,7 @@ class Simulation:
             if job.steps_left > 0:
                 still.append(job)
             else:
-                self.at(self.now + self.spec.post_s, lambda job=job: self._done(ex, job))
+                self.at(self.now + job.post_s, lambda job=job: self._done(ex, job))
         ex.running = still
         self._step(ex)
 
@@ -326,7 +357,7 @@ class Simulation:
             job.request.mask_ratio,
             ex.name,
             wire.InvokePath.MASKAWARE,
-            timings=wire.Timings(pre_ms=self.spec.pre_s * 1e3, post_ms=self.spec.post_s * 1e3),
+            timings=wire.Timings(pre_ms=job.pre_s * 1e3, post_ms=job.post_s * 1e3),
             cache=wire.CacheRead(wire.CacheTier.HOST, 0.0),
         )
         error = ex.view.finish(job.token, self.now, result)
@@ -496,6 +527,15 @@ def footprint(ratio: float, size: int) -> MaskFootprint:
 
 
 @dataclass(frozen=True)
+class Arrival:
+    """One arrival replayed 1:1 (``run_simulation(..., arrivals=...)``): when it came, in
+    seconds from the start, and its mask as the gateway summarised it."""
+
+    at_s: float
+    footprint: MaskFootprint
+
+
+@dataclass(frozen=True)
 class Trace:
     """A replayed arrival trace: sorted arrival times, and mask ratios where it has them."""
 
@@ -657,9 +697,21 @@ def capacity_rps(spec: SimSpec, cost_model: CostModel, ratios: np.ndarray) -> fl
     return pool * spec.max_batch / (spec.steps * step)
 
 
-def plan_jobs(spec: SimSpec, cost_model: CostModel) -> tuple[list[Job], float]:
+def plan_jobs(
+    spec: SimSpec, cost_model: CostModel, arrivals: list[Arrival] | None = None
+) -> tuple[list[Job], float]:
     """The arrivals every placement replays, and their rate. A trace is replayed with its
-    time compressed (or stretched) so its mean rate is ``load`` of the pool's capacity."""
+    time compressed (or stretched) so its mean rate is ``load`` of the pool's capacity;
+    ``arrivals`` are replayed as they are (times and masks: a real run's, bench validate)."""
+    slo_s = None if spec.slo_factor is None else spec.slo_factor * standalone_s(spec, cost_model)
+    if arrivals is not None:
+        jobs = []
+        for i, a in enumerate(arrivals):
+            fp = a.footprint
+            request = PlacementRequest(FUNCTION, TEMPLATE, fp.ratio, MODEL, spec.steps, fp, slo_s)
+            jobs.append(Job(i, a.at_s, request))
+        span = arrivals[-1].at_s - arrivals[0].at_s
+        return jobs, (len(arrivals) - 1) / span if span > 0 else math.inf
     rng = np.random.default_rng(spec.seed)
     trace = read_trace(Path(spec.arrivals[6:])) if spec.arrivals.startswith("trace:") else None
     if trace is None:
@@ -673,7 +725,6 @@ def plan_jobs(spec: SimSpec, cost_model: CostModel) -> tuple[list[Job], float]:
         arrivals = arrival_times(spec, rate, rng)
     else:
         arrivals = (trace.arrival_s - trace.arrival_s[0]) * (trace.rate / rate)
-    slo_s = None if spec.slo_factor is None else spec.slo_factor * standalone_s(spec, cost_model)
     jobs = []
     for i, (at, ratio) in enumerate(zip(arrivals, ratios, strict=True)):
         fp = footprint(float(ratio), spec.size)
@@ -703,14 +754,21 @@ def with_plan_table(cost_model: CostModel, max_batch: int) -> CostModel:
     return model
 
 
-def run_simulation(spec: SimSpec, cost_model: CostModel) -> dict[str, Any]:
-    """Every placement of ``spec`` on the same arrivals; one summary per placement."""
-    if spec.executors < 1 or spec.requests <= spec.warmup or spec.max_batch < 1:
+def run_simulation(
+    spec: SimSpec, cost_model: CostModel, arrivals: list[Arrival] | None = None
+) -> dict[str, Any]:
+    """Every placement of ``spec`` on the same arrivals; one summary per placement.
+    ``arrivals``: replay these 1:1 (sorted; ``spec.arrivals``, ``load`` and ``requests``
+    are then not used to draw any)."""
+    requests = spec.requests if arrivals is None else len(arrivals)
+    if spec.executors < 1 or requests <= spec.warmup or spec.max_batch < 1:
         raise ValueError("need executors >= 1, max batch >= 1 and requests > warmup")
-    if spec.arrivals.startswith("trace:"):
-        arrivals = len(read_trace(Path(spec.arrivals[6:])).arrival_s)
-        if arrivals <= spec.warmup:
-            raise ValueError(f"the trace has {arrivals} arrivals, not more than the warm-up")
+    if arrivals is not None and any(b.at_s < a.at_s for a, b in itertools.pairwise(arrivals)):
+        raise ValueError("replayed arrivals must be sorted by time")
+    if arrivals is None and spec.arrivals.startswith("trace:"):
+        traced = len(read_trace(Path(spec.arrivals[6:])).arrival_s)
+        if traced <= spec.warmup:
+            raise ValueError(f"the trace has {traced} arrivals, not more than the warm-up")
     if not spec.load > 0:
         raise ValueError(f"load must be positive, not {spec.load}")
     for name in spec.placements:
@@ -721,7 +779,7 @@ def run_simulation(spec: SimSpec, cost_model: CostModel) -> dict[str, Any]:
     configs = {}
     rate = 0.0
     for name in spec.placements:
-        jobs, rate = plan_jobs(spec, cost_model)
+        jobs, rate = plan_jobs(spec, cost_model, arrivals)
         policy, admission = _config(name)
         if isinstance(policy, MaskAware):  # its near-ties are random: seeded, reproducible
             policy = dataclasses.replace(policy, seed=spec.seed)
@@ -731,7 +789,7 @@ def run_simulation(spec: SimSpec, cost_model: CostModel) -> dict[str, Any]:
         "rate_rps": rate,
         "capacity_rps": rate / spec.load,
         "load": spec.load,
-        "arrivals": spec.arrivals,
+        "arrivals": spec.arrivals if arrivals is None else "replayed",
         "masks": spec.masks if spec.masks == "bimodal" else f"beta:{spec.mask_mean}",
         "requests": len(jobs) - spec.warmup,
         "configs": configs,

@@ -70,6 +70,11 @@ class Outcome:
     rejected_ms: float = 0.0  # how long a refusal (429) took to arrive
     executor: str = ""  # where it ran
     mask_ratio: float = 0.0
+    sent_s: float = 0.0  # when it was sent, seconds after the replay's start
+    pre_ms: float = 0.0  # the executor's own timings: encode (with its wait for a worker)
+    post_ms: float = 0.0  # and decode
+    gateway_queue_ms: float = 0.0  # waiting in the gateway's queue for an executor slot
+    run_ms: float = 0.0  # the executor's: from joining the batch to the last step
 
 
 REJECTIONS = ("overloaded", "slo_unattainable")
@@ -216,6 +221,7 @@ async def replay(
             await asyncio.sleep(max(0.0, start + req.at - time.perf_counter()))
             t0 = time.perf_counter()
             outcome = stats.outcomes[i]
+            outcome.sent_s = t0 - start
             try:
                 result = await client.invoke(
                     function, req.template, req.mask, prompt, seed=req.seed
@@ -227,6 +233,10 @@ async def replay(
                 outcome.placed_ms = result.timings.placed_ms
                 outcome.executor = result.executor
                 outcome.mask_ratio = result.mask_ratio
+                outcome.pre_ms = result.timings.pre_ms
+                outcome.post_ms = result.timings.post_ms
+                outcome.gateway_queue_ms = result.timings.gateway_queue_ms
+                outcome.run_ms = result.timings.run_ms
             except RetouchError as exc:
                 outcome.error = exc.code
                 outcome.rejected_ms = (time.perf_counter() - t0) * 1e3

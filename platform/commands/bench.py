@@ -46,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         _load,
         _placement,
         _sim,
+        _validate,
         _plan,
         _edits,
         _store,
@@ -595,6 +596,127 @@ def _run_sim(args: argparse.Namespace) -> None:
 
         plot_timelines(result, args.plot)
     report(result, args.json)
+
+
+def _validate(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "validate",
+        help="the pool simulator against a real pool on this machine: the same arrivals, "
+        "cost model, step fit and pre/post times; mean and P95 errors and policy rankings",
+    )
+    add_builtin_model(p, "retouch:tiny-flux")
+    p.add_argument(
+        "--loads",
+        type=floats,
+        default=(0.5, 0.7, 0.85),
+        help="offered loads, fractions of the capacity in (0, 1] (default 0.5,0.7,0.85)",
+    )
+    p.add_argument(
+        "--placement",
+        default="maskaware,least-requests,round-robin",
+        help="policies, comma-separated (default maskaware,least-requests,round-robin)",
+    )
+    p.add_argument("--executors", type=positive_int, default=2, help="executors (default 2)")
+    p.add_argument(
+        "--threads", type=positive_int, default=1, help="torch threads per executor (default 1)"
+    )
+    p.add_argument(
+        "--requests", type=positive_int, default=100, help="measured invocations per run (100)"
+    )
+    p.add_argument("--warmup", type=non_negative_int, default=5, help="warm-up invocations (5)")
+    p.add_argument("--masks", choices=("beta", "bimodal"), default="bimodal", help="mask mix")
+    p.add_argument("--mask-mean", type=ratio, default=0.19, help="Beta mean (default 0.19)")
+    add_steps(p, 8)
+    p.add_argument("--templates", type=positive_int, default=4, help="templates (default 4)")
+    p.add_argument("--max-batch", type=positive_int, default=8, help="batch limit (default 8)")
+    p.add_argument(
+        "--capacity",
+        type=positive_float,
+        default=None,
+        help="the pool's capacity in invocations/s (default: one closed-loop probe)",
+    )
+    p.add_argument(
+        "--noise", type=non_negative_float, default=0.05, help="simulated step noise sigma"
+    )
+    p.add_argument(
+        "--overheads",
+        choices=("samples", "mean"),
+        default="samples",
+        help="the simulated pre/post times: drawn from the run's measured ones (default), "
+        "or their mean",
+    )
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of arrivals and masks")
+    p.add_argument(
+        "--record", type=Path, default=None, help="save the real runs (arrivals, latencies) here"
+    )
+    p.add_argument(
+        "--from",
+        dest="from_file",
+        type=existing_file,
+        default=None,
+        help="simulate runs saved by --record again, without running the real pool",
+    )
+    p.add_argument(
+        "--against",
+        type=existing_file,
+        default=None,
+        help="with --from: compare with another recorded real run of the same arrivals "
+        "instead of the simulation (real-run noise on this machine)",
+    )
+    p.add_argument("--data-dir", type=Path, default=None, help="platform data dir (default: temp)")
+    add_json(p)
+    p.set_defaults(run=_run_validate)
+
+
+def _run_validate(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.load import Workload
+    from retouch.platform.bench.validate import (
+        ValidateSpec,
+        load_runs,
+        run_real,
+        save_runs,
+        table,
+        validate,
+    )
+
+    if args.from_file is not None:
+        spec, capacity, runs = load_runs(args.from_file)
+        spec = replace(spec, noise=args.noise, overheads=args.overheads)
+    else:
+        spec = ValidateSpec(
+            model=args.model,
+            loads=tuple(args.loads),
+            placements=tuple(p for p in args.placement.split(",") if p),
+            workload=Workload(
+                requests=args.requests,
+                warmup=args.warmup,
+                masks=args.masks,
+                mask_mean=args.mask_mean,
+                seed=args.seed,
+            ),
+            steps=args.steps,
+            templates=args.templates,
+            max_batch=args.max_batch,
+            executors=args.executors,
+            threads=args.threads,
+            noise=args.noise,
+            rate_rps=args.capacity,
+            overheads=args.overheads,
+        )
+        with tempfile.TemporaryDirectory(prefix="retouch-bench-validate-") as tmp:
+            capacity, runs = run_real(spec, args.data_dir or Path(tmp))
+        if args.record is not None:
+            save_runs(args.record, spec, capacity, runs)
+    against = None
+    if args.against is not None:
+        if args.from_file is None:
+            one_line_error("--against needs --from (two recorded runs)")
+        against = load_runs(args.against)[2]
+    result = validate(runs, spec, capacity, against)
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(table(result))
 
 
 def _plan(bench_sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,139 @@
+"""bench validate's pure parts: the 1:1 replay through the simulator and the comparison."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from retouch.platform.bench.placement import flux_like_cost_model
+from retouch.platform.bench.validate import RealRun, ValidateSpec, compare, sim_inputs, simulate
+from retouch.platform.placement import make_placement
+from retouch.platform.simulator import (
+    Arrival,
+    SimSpec,
+    Simulation,
+    footprint,
+    plan_jobs,
+    run_simulation,
+    with_plan_table,
+)
+from retouch.runtime.costmodel import CostModel
+from retouch.runtime.prediction import StepCoster
+
+# Batch room of one: plan tables of the 57-block model cost seconds per batch size; arrivals
+# far apart never share a batch anyway.
+BATCH = 1
+
+
+def _alone_s(spec: SimSpec, ratio: float) -> float:
+    model = flux_like_cost_model()
+    coster = StepCoster(CostModel.from_dict(model.to_dict()), model.extra["grids"])
+    planned = coster.step_s0(1, footprint(ratio, spec.size).on(coster.grids)[0])
+    step = spec.step_intercept_s + spec.step_slope * planned
+    return spec.pre_s + spec.steps * step + spec.post_s
+
+
+def test_arrivals_far_apart_are_replayed_one_to_one_each_alone():
+    spec = SimSpec(
+        executors=2,
+        placements=("maskaware", "round-robin"),
+        warmup=0,
+        max_batch=BATCH,
+        steps=6,
+        pre_s=0.03,
+        post_s=0.02,
+        noise=0.0,
+        step_intercept_s=0.004,
+        step_slope=1.5,
+    )
+    ratios = [0.05, 0.6, 0.2, 0.05, 0.6]
+    arrivals = [Arrival(100.0 * i + 0.5, footprint(r, spec.size)) for i, r in enumerate(ratios)]
+    model = with_plan_table(flux_like_cost_model(), BATCH)
+    jobs, rate = plan_jobs(spec, model, arrivals)
+    assert [j.arrival for j in jobs] == [a.at_s for a in arrivals]  # not rescaled
+    assert rate == pytest.approx(4 / 400.0)
+    sim = Simulation(spec, model, make_placement("maskaware"), jobs)
+    sim.run()
+    for job, ratio in zip(sim.jobs, ratios, strict=True):
+        assert job.done_at - job.arrival == pytest.approx(_alone_s(spec, ratio), rel=1e-9)
+    out = run_simulation(spec, model, arrivals)
+    assert out["arrivals"] == "replayed" and out["requests"] == len(ratios)
+    alone = [_alone_s(spec, r) * 1e3 for r in ratios]
+    for name in spec.placements:
+        assert out["configs"][name]["mean_ms"] == pytest.approx(sum(alone) / len(alone))
+        assert out["configs"][name]["p95_ms"] == pytest.approx(np.percentile(alone, 95))
+
+
+def test_replayed_arrivals_must_be_sorted():
+    spec = SimSpec(executors=1, warmup=0, noise=0.0, max_batch=BATCH)
+    arrivals = [Arrival(t, footprint(0.2, spec.size)) for t in (1.0, 0.5, 2.0)]
+    with pytest.raises(ValueError, match="sorted"):
+        run_simulation(spec, flux_like_cost_model(), arrivals)
+
+
+def test_the_comparison_gives_relative_errors_and_whether_rankings_agree():
+    real = {
+        "maskaware": {"mean_ms": 100.0, "p95_ms": 200.0},
+        "least-requests": {"mean_ms": 110.0, "p95_ms": 240.0},
+        "round-robin": {"mean_ms": 120.0, "p95_ms": 220.0},
+    }
+    sim = {
+        "maskaware": {"mean_ms": 90.0, "p95_ms": 230.0},  # -10 %, +15 %
+        "least-requests": {"mean_ms": 100.0, "p95_ms": 300.0},  # +25 % on P95
+        "round-robin": {"mean_ms": 130.0, "p95_ms": 250.0},
+    }
+    out = compare(real, sim)
+    ma = out["configs"]["maskaware"]
+    assert ma["mean_error"] == pytest.approx(-0.10)
+    assert ma["p95_error"] == pytest.approx(0.15)
+    assert ma["within_tolerance"]
+    assert not out["configs"]["least-requests"]["within_tolerance"]
+    assert out["ranking_p95_real"] == ["maskaware", "round-robin", "least-requests"]
+    assert out["ranking_p95_sim"] == ["maskaware", "round-robin", "least-requests"]
+    assert out["ranking_p95_agrees"]
+    assert out["ranking_mean_real"] == ["maskaware", "least-requests", "round-robin"]
+    assert out["ranking_mean_agrees"]
+    sim["round-robin"]["mean_ms"] = 95.0
+    assert not compare(real, sim)["ranking_mean_agrees"]
+
+
+def test_the_simulator_is_given_the_pools_self_description_not_its_latencies():
+    model = flux_like_cost_model()
+    fp = footprint(0.3, 1024)
+    rows = [
+        {
+            "at_s": 50.0 * i,
+            "sent_s": 50.0 * i + 0.001,
+            "ratio": fp.ratio,
+            "pixels": fp.pixels,
+            "masked": {str(k): v for k, v in fp.masked.items()},  # as saved in JSON
+            "template": "t0",
+            "steps": 4,
+            "warmup": i == 0,
+            "latency_ms": 1e6,  # the answer: never read by the simulation
+            "error": None,
+            "pre_ms": 20.0 + 10 * i,
+            "post_ms": 10.0,
+            "executor": "exec-0",
+        }
+        for i in range(4)
+    ]
+    executors = [
+        {"engine": {"step_intercept_ms": 2.0, "step_slope": 1.2}},
+        {"engine": {"step_intercept_ms": 4.0, "step_slope": 1.4}},
+    ]
+    run = RealRun("maskaware", 0.5, 1.0, rows, model.to_dict(), executors)
+    inputs = sim_inputs(run)
+    assert inputs == pytest.approx(
+        {"step_intercept_s": 0.003, "step_slope": 1.3, "pre_s": 0.035, "post_s": 0.010}
+    )
+    spec = ValidateSpec(steps=4, noise=0.0, max_batch=BATCH, overheads="mean")
+    got = simulate(run, spec)
+    one = SimSpec(steps=4, pre_s=0.035, post_s=0.01, step_intercept_s=0.003, step_slope=1.3)
+    assert got["mean_ms"] == pytest.approx(_alone_s(one, 0.3) * 1e3)
+    # Drawn from the measured pre times instead: each one of them, never anything else.
+    got = simulate(run, replace(spec, overheads="samples"))
+    steps_ms = _alone_s(replace(one, pre_s=0.0, post_s=0.0), 0.3) * 1e3
+    assert any(abs(got["p50_ms"] - steps_ms - 10.0 - pre) < 1e-6 for pre in (20, 30, 40, 50))
