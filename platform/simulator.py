@@ -16,16 +16,20 @@ A simulated engine follows the real one:
 
 Which executors can take an invocation depends on the policy. A late-binding one
 (``maskaware``) has an invocation wait in the gateway queue until an executor has batch
-room. The baselines bind to any free slot (2 × ``max_batch``). Every template is in host
-memory; tiers and bakes are not simulated yet.
+room and, with an SLO, until joining keeps every deadline there
+(``ExecutorView.keeps_deadlines``, as the gateway queue does); the queue's head is dropped
+when it can no longer make its SLO. The baselines bind to any free slot
+(2 × ``max_batch``). Every template is in host memory; tiers and bakes are not simulated.
 
 SLO admission is the gateway's own (``InvocationQueue.admit_slo`` on the virtual clock,
 told the service queued ahead by the simulation, which owns its queue). With ``autoscale``
 the pool's :class:`~retouch.platform.control.autoscaler.Autoscaler` ticks every
-``tick_s``: new executors become ready ``startup_s`` after the decision, and victims drain
-(no new work) and stop once idle. Not built yet (docs/simulator.md): dropping queued
-invocations that became infeasible, template tiers, trace replay, and validation against
-real runs.
+``tick_s`` on the work and the demand (``ExecutorView.executor_s`` of the arrivals, as the
+real pool counts it): new executors become ready ``startup_s`` after the decision, and
+victims drain (no new work) and stop once idle. Arrivals are drawn (Poisson, Gamma, steps,
+bursty days), replayed from a CSV trace compressed to a load, or replayed 1:1
+(``run_simulation(arrivals=...)``, ``retouch bench validate``). What is not built is listed
+in docs/simulator.md.
 """
 
 from __future__ import annotations
