@@ -57,6 +57,7 @@ SCALING_FIELDS = (
     "stable_window_s",
     "downscale_delay_s",
     "downscale_to_zero_delay_s",
+    "target_utilisation",
 )
 SLO_FIELDS = ("latency_ms",)
 # The placement policies a function may ask for (the gateway's ``platform/placement.py``
@@ -78,7 +79,8 @@ class ScalingSpec:
     """How the autoscaler (``retouch serve --autoscale``) sizes the pool for this function.
 
     ``target_s`` is the predicted seconds of work (running + queued) one executor should
-    hold; scale-up follows the mean over the last ``upscale_delay_s`` (Knative's panic
+    hold, ``target_utilisation`` the share of an executor's capacity the arriving work may
+    fill (the demand signal, which sees a rise before the work piles up); scale-up follows the mean over the last ``upscale_delay_s`` (Knative's panic
     window), scale-down the mean over ``stable_window_s`` and then the highest
     recommendation of the last ``downscale_delay_s``; the last executor goes after
     ``downscale_to_zero_delay_s`` without work. The defaults suit GPU executors that take
@@ -91,6 +93,7 @@ class ScalingSpec:
     stable_window_s: float = 60.0
     downscale_delay_s: float = 600.0
     downscale_to_zero_delay_s: float = 300.0
+    target_utilisation: float = 0.8  # the share of an executor's capacity arrivals may fill
 
 
 @dataclass(frozen=True)
@@ -290,12 +293,18 @@ def _scaling(raw: Any) -> ScalingSpec:
     default = ScalingSpec()
     seconds = {
         name: _float(raw, name, getattr(default, name), 0.0, 86_400.0, where="scaling")
-        for name in SCALING_FIELDS[2:]
+        for name in SCALING_FIELDS[2:-1]
     }
     for name in ("target_s", "upscale_delay_s", "stable_window_s"):
         if seconds[name] <= 0:
             raise InvalidSpec(f"{name} must be positive", field=f"scaling.{name}")
-    return ScalingSpec(lo, hi, **seconds)
+    utilisation = _float(raw, "target_utilisation", default.target_utilisation, 0.0, 1.0,
+                         where="scaling")  # fmt: skip
+    if utilisation <= 0:
+        raise InvalidSpec(
+            "target_utilisation must be in (0, 1]", field="scaling.target_utilisation"
+        )
+    return ScalingSpec(lo, hi, **seconds, target_utilisation=utilisation)
 
 
 def _uploads(raw: Any) -> UploadsSpec:

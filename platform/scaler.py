@@ -8,7 +8,8 @@ they share its executors, and the model is loaded once per executor (LegoDiffusi
 per-model scaling). Each model pool has its own :class:`Autoscaler`, configured by
 :func:`pool_config` over *its* functions' ``scaling`` tables only: the largest
 ``min_executors`` and ``max_executors`` (capped by the devices the provider has), the
-smallest ``target_s`` and ``upscale_delay_s`` (the most eager function decides how fast to
+smallest ``target_s``, ``target_utilisation`` and ``upscale_delay_s`` (the most eager
+function decides how fast to
 grow) and the largest stable window and downscale delays (the most patient one decides how
 fast to shrink). Every ``tick_s`` the scaler splits the pool's load by model
 (:func:`split_load`): a model pool's work is what its own executors hold plus the
@@ -70,6 +71,7 @@ def pool_config(scalings: list[ScalingSpec], capacity: int) -> AutoscalingConfig
         min_executors=min(top, max(s.min_executors for s in scalings)),
         max_executors=top,
         target_s=min(s.target_s for s in scalings),
+        target_utilisation=min(s.target_utilisation for s in scalings),
         panic_window_s=min(s.upscale_delay_s for s in scalings),
         stable_window_s=max(s.stable_window_s for s in scalings),
         downscale_delay_s=max(s.downscale_delay_s for s in scalings),
@@ -188,6 +190,7 @@ def describe_config(config: AutoscalingConfig) -> dict[str, Any]:
         "min_executors": config.min_executors,
         "max_executors": config.max_executors,
         "target_s": config.target_s,
+        "target_utilisation": config.target_utilisation,
         "upscale_delay_s": config.panic_window_s,
         "stable_window_s": config.stable_window_s,
         "downscale_delay_s": config.downscale_delay_s,

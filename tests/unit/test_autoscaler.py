@@ -98,8 +98,11 @@ def test_the_pool_merges_its_functions_scaling_tables():
     from retouch.platform.scaler import pool_config
 
     eager = ScalingSpec(0, 3, target_s=5.0, upscale_delay_s=2.0, downscale_delay_s=60.0)
-    patient = ScalingSpec(1, 8, target_s=20.0, downscale_to_zero_delay_s=900.0)
+    patient = ScalingSpec(
+        1, 8, target_s=20.0, downscale_to_zero_delay_s=900.0, target_utilisation=0.6
+    )
     config = pool_config([eager, patient], capacity=4)
+    assert config.target_utilisation == 0.6  # the eagerest keeps the most headroom
     assert (config.min_executors, config.max_executors) == (1, 4)  # capped by the devices
     assert config.target_s == 5.0 and config.panic_window_s == 2.0  # the eagerest grows
     assert config.downscale_delay_s == 600.0  # the most patient shrinks (patient's default)

@@ -105,6 +105,8 @@ def test_round_trip(
         ({"templates": {"t": {"seed": -1}}}, "templates.t.seed"),
         ({"templates": {"t": {"prompt": 5}}}, "templates.t.prompt"),
         ({"scaling": {"min_executors": 3, "max_executors": 1}}, "scaling.min_executors"),
+        ({"scaling": {"target_utilisation": 0}}, "scaling.target_utilisation"),
+        ({"scaling": {"target_utilisation": 1.5}}, "scaling.target_utilisation"),
         ({"slo": {"latency_ms": 0}}, "slo.latency_ms"),
     ],
 )
