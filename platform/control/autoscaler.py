@@ -6,29 +6,32 @@ Two signals, both from the predictions placement uses; the desired count is the 
 * the *demand*: the executors the arriving work fills, i.e. the executor-seconds the recent
   arrivals need (each at its share of a full batch) per second, divided by
   ``target_utilisation``. Work on the pool rises only as it piles up, a tick or more after
-  the arrival rate stepped up; the demand sees the step in the first tick after it (Little's
-  law on arrivals, as Knative's concurrency sees it in its panic window).
+  the arrival rate stepped up; the demand moves with the arrivals themselves (refused ones
+  included, so admission control does not hide the load).
 GPU utilisation is not a signal, because it stays high whether a GPU is lightly loaded or
 saturated.
 
-The rules come from Knative's KPA and from the failure reports of Ray Serve users:
+The rules come from Knative's KPA, Kubernetes' HPA and the failure reports of Ray Serve
+users:
 * decisions count **target** executors (ready + starting), so a slow start-up does not
   trigger another scale-up (Ray issue #18925);
-* scale-up follows the short **panic window** (6 s), and a CUSUM of the demand against
-  the stable window's mean and spread sees a step in the arrivals within two ticks;
-  when that window asks for ``panic_threshold`` times the current count the pool panics,
-  and no scale-down happens for ``panic_hold_s``;
-* scale-down follows the longer **stable window**;
-* either only when the recommendation leaves a **tolerance** band around the current count
-  (10 %, as Kubernetes' HPA): a short window's noise must not move a pool that holds its
-  load (each such move is undone later, a direction reversal);
-* a scale-down takes the **highest** recommendation of the last ``downscale_delay_s`` (HPA),
-  and never happens while panicking or while anything is queued;
+* scale-up follows the **stable window** (60 s) of both signals, the short **panic window**
+  (6 s) of the work, and a **CUSUM** of the demand against the stable window before it (a
+  sustained rise shows within a few ticks, the noise of a stationary stream about once in
+  hours). The panic window does not count the demand: over a few seconds its noise would
+  move the pool back and forth. When the panic window asks for ``panic_threshold`` times
+  the current count the pool panics, and no scale-down happens for ``panic_hold_s``;
+* either direction moves only when the recommendation leaves a **tolerance** band around
+  the current count (10 %, as Kubernetes' HPA): a short window's noise must not move a pool
+  that holds its load (each such move is undone later, a direction reversal);
+* a scale-down takes the **highest** recommendation, or count a scale-up chose, of the last
+  ``downscale_delay_s`` (HPA's stabilisation window), and never happens while panicking or
+  while anything is queued;
 * no scale-down before the pool was observed for a scale-down delay (the shorter of
   ``downscale_delay_s`` and ``downscale_to_zero_delay_s``): the highest recommendation over
   a delay needs that delay's history, so a pool that starts (or a gateway that restarts)
   does not shrink on its first samples and grow back, a direction reversal;
-* going to zero waits ``downscale_to_zero_delay_s`` of no work at all;
+* going to zero waits ``downscale_to_zero_delay_s`` of no work, no queue and no demand;
 * from zero, any work scales up at once.
 
 Time is always passed in; the simulator runs this on a virtual clock.
