@@ -58,6 +58,7 @@ SCALING_FIELDS = (
     "downscale_delay_s",
     "downscale_to_zero_delay_s",
     "target_utilisation",
+    "headroom_sigmas",
 )
 SLO_FIELDS = ("latency_ms",)
 # The placement policies a function may ask for (the gateway's ``platform/placement.py``
@@ -94,6 +95,7 @@ class ScalingSpec:
     downscale_delay_s: float = 600.0
     downscale_to_zero_delay_s: float = 300.0
     target_utilisation: float = 0.8  # the share of an executor's capacity arrivals may fill
+    headroom_sigmas: float = 0.0  # + this x sqrt(demand) executors: room for bursts
 
 
 @dataclass(frozen=True)
@@ -293,7 +295,7 @@ def _scaling(raw: Any) -> ScalingSpec:
     default = ScalingSpec()
     seconds = {
         name: _float(raw, name, getattr(default, name), 0.0, 86_400.0, where="scaling")
-        for name in SCALING_FIELDS[2:-1]
+        for name in SCALING_FIELDS[2:-2]
     }
     for name in ("target_s", "upscale_delay_s", "stable_window_s"):
         if seconds[name] <= 0:
@@ -304,7 +306,8 @@ def _scaling(raw: Any) -> ScalingSpec:
         raise InvalidSpec(
             "target_utilisation must be in (0, 1]", field="scaling.target_utilisation"
         )
-    return ScalingSpec(lo, hi, **seconds, target_utilisation=utilisation)
+    headroom = _float(raw, "headroom_sigmas", default.headroom_sigmas, 0.0, 10.0, where="scaling")
+    return ScalingSpec(lo, hi, **seconds, target_utilisation=utilisation, headroom_sigmas=headroom)
 
 
 def _uploads(raw: Any) -> UploadsSpec:

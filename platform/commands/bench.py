@@ -515,6 +515,13 @@ def _sim(bench_sub: argparse._SubParsersAction) -> None:
         "(default 0.8)",
     )
     p.add_argument(
+        "--headroom-sigmas",
+        type=non_negative_float,
+        default=0.0,
+        help="autoscaling: add this x sqrt(demand) executors (square-root staffing: room "
+        "for bursts, relatively more in a small pool; default 0)",
+    )
+    p.add_argument(
         "--downscale-delay-s",
         type=positive_float,
         default=600.0,
@@ -571,6 +578,7 @@ def _run_sim(args: argparse.Namespace) -> None:
             max_executors=high,
             target_s=args.target_s,
             target_utilisation=args.target_utilisation,
+            headroom_sigmas=args.headroom_sigmas,
             downscale_delay_s=args.downscale_delay_s,
         )
     spec = SimSpec(

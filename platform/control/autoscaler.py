@@ -5,9 +5,11 @@ Two signals, both from the predictions placement uses; the desired count is the 
   queued invocations' service) divided by ``target_s``, the work one executor should hold;
 * the *demand*: the executors the arriving work fills, i.e. the executor-seconds the recent
   arrivals need (each at its share of a full batch) per second, divided by
-  ``target_utilisation``. Work on the pool rises only as it piles up, a tick or more after
-  the arrival rate stepped up; the demand moves with the arrivals themselves (refused ones
-  included, so admission control does not hide the load).
+  ``target_utilisation``, plus ``headroom_sigmas`` × its square root (square-root
+  staffing: a small pool needs relatively more room for a burst). Work on the pool rises
+  only as it piles up, a tick or more after the arrival rate stepped up; the demand moves
+  with the arrivals themselves (refused ones included, so admission control does not hide
+  the load).
 GPU utilisation is not a signal, because it stays high whether a GPU is lightly loaded or
 saturated.
 
@@ -54,6 +56,7 @@ class AutoscalingConfig:
     target_s: float = 30.0  # predicted seconds of work per executor
     target_utilisation: float = 0.8  # the share of an executor's capacity demand may fill
     tolerance: float = 0.1  # no change while the recommendation is within this of the count
+    headroom_sigmas: float = 0.0  # + this x sqrt(demand) executors (see _for_demand)
     shift_k: float = 1.0  # a demand rise's CUSUM: slack per sample, in sigmas (see _risen_to)
     shift_h: float = 5.0  # ... and the sum that counts as a rise, in sigmas
     stable_window_s: float = 60.0
@@ -72,6 +75,8 @@ class AutoscalingConfig:
             raise ValueError("target_utilisation must be in (0, 1]")
         if not 0 <= self.tolerance < 1:
             raise ValueError("tolerance must be in [0, 1)")
+        if not self.headroom_sigmas >= 0:
+            raise ValueError("headroom_sigmas must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -178,8 +183,7 @@ def _risen_to(config: AutoscalingConfig, samples: list[LoadSample], now: float) 
             best, level = total, sum(run) / len(run)
     if best <= config.shift_h * sigma:
         return 0
-    wanted = math.ceil(level / config.target_utilisation - 1e-9)
-    return max(config.min_executors, min(config.max_executors, wanted))
+    return max(config.min_executors, min(config.max_executors, _for_demand(config, level)))
 
 
 def _mean(values: list[float]) -> float:
@@ -196,9 +200,19 @@ def _count(
     demand_mean = _mean([s.demand for s in window]) if demand else 0.0
     wanted = max(
         math.ceil(work_s / config.target_s - 1e-9) if work_s > 0 else 0,
-        math.ceil(demand_mean / config.target_utilisation - 1e-9) if demand_mean > 0 else 0,
+        _for_demand(config, demand_mean),
     )
     return max(config.min_executors, min(config.max_executors, wanted))
+
+
+def _for_demand(config: AutoscalingConfig, demand: float) -> int:
+    """Executors for ``demand`` (executors' worth of arriving work): at the target
+    utilisation, plus ``headroom_sigmas`` times its square root (square-root staffing: a
+    small pool needs relatively more room for a burst than a large one)."""
+    if demand <= 0:
+        return 0
+    wanted = demand / config.target_utilisation + config.headroom_sigmas * math.sqrt(demand)
+    return math.ceil(wanted - 1e-9)
 
 
 def _history_s(config: AutoscalingConfig) -> float:

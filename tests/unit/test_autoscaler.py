@@ -177,3 +177,19 @@ def test_a_sustained_rise_in_demand_is_seen_within_two_ticks_and_noise_is_not():
             float(now), 30.0, 0, target, demand=30.0 * (1 + rng.gauss(0, 0.15))
         ).desired
     assert target >= 1.5 * before
+
+
+def test_square_root_headroom_gives_a_small_pool_relatively_more_room():
+    """Square-root staffing: demand / utilisation + k sqrt(demand) executors."""
+    plain = Autoscaler(AutoscalingConfig(max_executors=200, target_utilisation=1.0))
+    roomy = Autoscaler(
+        AutoscalingConfig(max_executors=200, target_utilisation=1.0, headroom_sigmas=2.0)
+    )
+    assert plain.tick(0.0, 0.0, 0, 0, demand=4.0).desired == 4
+    assert roomy.tick(0.0, 0.0, 0, 0, demand=4.0).desired == 8  # 4 + 2 x 2: twice
+    big = Autoscaler(
+        AutoscalingConfig(max_executors=200, target_utilisation=1.0, headroom_sigmas=2.0)
+    )
+    assert big.tick(0.0, 0.0, 0, 0, demand=100.0).desired == 120  # 100 + 2 x 10: +20 %
+    with pytest.raises(ValueError, match="headroom"):
+        AutoscalingConfig(max_executors=2, headroom_sigmas=-1.0)

@@ -107,6 +107,7 @@ def test_round_trip(
         ({"scaling": {"min_executors": 3, "max_executors": 1}}, "scaling.min_executors"),
         ({"scaling": {"target_utilisation": 0}}, "scaling.target_utilisation"),
         ({"scaling": {"target_utilisation": 1.5}}, "scaling.target_utilisation"),
+        ({"scaling": {"headroom_sigmas": -1}}, "scaling.headroom_sigmas"),
         ({"slo": {"latency_ms": 0}}, "slo.latency_ms"),
     ],
 )
