@@ -183,6 +183,9 @@ def _risen_to(config: AutoscalingConfig, samples: list[LoadSample], now: float) 
             best, level = total, sum(run) / len(run)
     if best <= config.shift_h * sigma:
         return 0
+    # A few bursty seconds can average several times the baseline; the rise is taken at
+    # most to ``panic_threshold`` x the baseline (the stable window follows a larger one).
+    level = min(level, config.panic_threshold * mean)
     return max(config.min_executors, min(config.max_executors, _for_demand(config, level)))
 
 
