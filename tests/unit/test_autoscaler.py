@@ -193,3 +193,19 @@ def test_square_root_headroom_gives_a_small_pool_relatively_more_room():
     assert big.tick(0.0, 0.0, 0, 0, demand=100.0).desired == 120  # 100 + 2 x 10: +20 %
     with pytest.raises(ValueError, match="headroom"):
         AutoscalingConfig(max_executors=2, headroom_sigmas=-1.0)
+
+
+def test_a_burst_out_of_a_quiet_spell_raises_the_pool_at_most_to_twice_its_baseline():
+    """A few bursty seconds can average several times the baseline; the CUSUM's rise is
+    taken at most to panic_threshold (2) x the baseline, the stable window follows a real
+    larger one."""
+    config = AutoscalingConfig(
+        min_executors=1, max_executors=200, target_utilisation=1.0, downscale_delay_s=120.0
+    )
+    scaler = Autoscaler(config)
+    target = 10
+    for now in range(300):
+        target = scaler.tick(float(now), 5.0, 0, target, demand=10.0).desired
+    for now in range(300, 304):
+        target = scaler.tick(float(now), 5.0, 0, target, demand=40.0).desired
+    assert 10 < target <= 2 * 10 + 1
