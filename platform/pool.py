@@ -191,8 +191,8 @@ class ExecutorPool:
         self._followers: dict[str, asyncio.Task] = {}  # change-feed long polls, per executor
         # Autoscaling: executors being started (by name) and drained; the scaler's task.
         self.drain_timeout_s = drain_timeout_s
-        self._spawning: dict[str, asyncio.Task] = {}
-        self._spawning_models: dict[str, str | None] = {}  # the model each one is started for
+        # executors being started: their task, and the model pool each is for
+        self._spawning: dict[str, tuple[asyncio.Task, str | None]] = {}
         self._draining: dict[str, asyncio.Task] = {}
         self.scaler = PoolScaler(self, dry_run=autoscale_dry_run) if autoscale else None
 
@@ -230,7 +230,7 @@ class ExecutorPool:
                 *self._restarts.values(),
                 *self._background,
                 *self._followers.values(),
-                *self._spawning.values(),
+                *(task for task, _ in self._spawning.values()),
                 *self._draining.values(),
             )
             if t is not None
@@ -260,7 +260,7 @@ class ExecutorPool:
         """Executors being started whose process is not up yet (no handle), and their
         model. Once up, the handle (phase ``starting``) stands for it."""
         present = {e.name for e in self.executors}
-        return {n: m for n, m in self._spawning_models.items() if n not in present}
+        return {n: m for n, (_, m) in self._spawning.items() if n not in present}
 
     def model_loads(self) -> dict[str, ModelLoad]:
         """Each model pool's predicted work, queued invocations and target count (the
@@ -273,13 +273,6 @@ class ExecutorPool:
         model_of = {name: stored.spec.model for name, stored in self.functions.items()}
         return split_load(members, self.queue.queued(), model_of)
 
-    def work_s(self) -> float:
-        """Predicted seconds of work on the pool: what its executors hold, plus the queue."""
-        held = sum(
-            e.view.work_s() for e in self.executors if e.phase is not wire.ExecutorPhase.DRAINING
-        )
-        return held + self.queue.queued_work_s()
-
     def spawn(self, devices: list[str], model: str | None = None) -> bool:
         """Start one more executor on a free one of the provider's ``devices`` (in its own
         task), for ``model``'s pool (None: every function); False when every device is
@@ -290,14 +283,8 @@ class ExecutorPool:
             return False
         name, device = f"exec-{free[0]}", devices[free[0]]
         task = asyncio.create_task(self._spawn(name, device, len(devices), model))
-        self._spawning[name] = task
-        self._spawning_models[name] = model
-
-        def done(_: asyncio.Task) -> None:
-            self._spawning.pop(name, None)
-            self._spawning_models.pop(name, None)
-
-        task.add_done_callback(done)
+        self._spawning[name] = (task, model)
+        task.add_done_callback(lambda _: self._spawning.pop(name, None))
         return True
 
     async def _spawn(self, name: str, device: str, capacity: int, model: str | None) -> None:

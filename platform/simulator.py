@@ -60,7 +60,13 @@ from retouch.platform.control.cluster import (
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.placement import MaskAware, Placement, make_placement
 from retouch.runtime.costmodel import CostModel
-from retouch.runtime.prediction import TOKEN_PX, MaskFootprint, StepCoster, plan_table
+from retouch.runtime.prediction import (
+    TOKEN_PX,
+    MaskFootprint,
+    StepCoster,
+    fitted_step_s,
+    plan_table,
+)
 
 MODEL = "sim-model"
 FUNCTION = "sim"
@@ -326,18 +332,11 @@ class Simulation:
             return
         ex.stepping = True
         masked = sum(j.request.footprint.on(self.coster.grids)[0] for j in ex.running)
-        seconds = self._fitted(self.coster.step_s0(len(ex.running), masked))
+        planned = self.coster.step_s0(len(ex.running), masked)
+        seconds = fitted_step_s(planned, self.spec.step_intercept_s, self.spec.step_slope)
         seconds *= float(self.rng.lognormal(0.0, self.spec.noise)) if self.spec.noise else 1.0
         ex.busy_s += seconds
         self.at(self.now + seconds, lambda: self._stepped(ex))
-
-    def _fitted(self, planned_s: float) -> float:
-        """A planned step as the engine's step fit says it takes (never below a tenth of
-        the plan, as the prediction bounds a negative intercept)."""
-        slope = self.spec.step_slope
-        if self.spec.step_intercept_s == 0.0 and slope == 1.0:
-            return planned_s
-        return max(self.spec.step_intercept_s + slope * planned_s, 0.1 * slope * planned_s)
 
     def _stepped(self, ex: SimExecutor) -> None:
         still = []

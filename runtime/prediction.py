@@ -259,11 +259,16 @@ def _round_s(active: list[list], calibration: StepCalibration) -> float:
 
 
 def _calibrated(planned_s: float, calibration: StepCalibration) -> float:
-    """A planned step as it will take: the executor's fit (never below a tenth of the
-    planned time, however far a negative intercept reaches), times the drift."""
-    slope = calibration.step_slope
-    step = max(calibration.step_intercept_s + slope * planned_s, 0.1 * slope * planned_s)
-    return step * calibration.scale
+    """A planned step as it will take: the executor's fit, times the drift."""
+    fitted = fitted_step_s(planned_s, calibration.step_intercept_s, calibration.step_slope)
+    return fitted * calibration.scale
+
+
+def fitted_step_s(planned_s: float, intercept_s: float, slope: float) -> float:
+    """A planned step as an engine's step fit says it takes: ``intercept + slope x plan``,
+    never below a tenth of the (sloped) plan however far a negative intercept reaches (the
+    simulated engine steps with the same fit)."""
+    return max(intercept_s + slope * planned_s, 0.1 * slope * planned_s)
 
 
 def batch_step_s(batch: Sequence[Member], calibration: StepCalibration) -> float:

@@ -451,14 +451,16 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
     summaries: dict[str, dict[str, Any]] = {}
     for r in range(spec.rounds):
         for name in spec.configs if r % 2 == 0 else spec.configs[::-1]:
-            with _server(spec, name, data_dir) as server, Client(server.url) as client:
+            with config_server(spec, name, data_dir) as server, Client(server.url) as client:
                 # Capacity is measured without the SLO: admission's refusals are not lost
                 # throughput (with them, a 2x-overload run once measured 4.8/s of 19.6).
                 client.deploy(replace(function, slo_ms=None) if rate is None else function, images)
                 if "stock" not in name.split("+"):
                     wait_baked(client, function.name)
                 if rate is None:
-                    rate = factor * _capacity(server.url, function.name, spec, list(images), size)
+                    rate = factor * probe_capacity(
+                        server.url, function.name, spec, list(images), size
+                    )
                     if function.slo_ms is not None:
                         client.deploy(function, images)  # same templates: no new bakes
                         wait_baked(client, function.name)
@@ -491,7 +493,7 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
     }
 
 
-def _server(spec: LoadSpec, name: str, data_dir: Path) -> ServerProcess:
+def config_server(spec: LoadSpec, name: str, data_dir: Path) -> ServerProcess:
     extra = [
         *config_args(name),
         "--max-batch", str(spec.max_batch),
@@ -506,7 +508,7 @@ def _server(spec: LoadSpec, name: str, data_dir: Path) -> ServerProcess:
     return ServerProcess(data_dir / name, executors=spec.executors, extra_args=extra)
 
 
-def _capacity(
+def probe_capacity(
     url: str, function: str, spec: LoadSpec, templates: list[str], size: tuple[int, int]
 ) -> float:
     """Closed-loop throughput of the first configuration: the unit of ``auto:F`` rates."""

@@ -67,20 +67,19 @@ def timelines(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+# What the title names of a result, in order, and how
+TITLE_PARTS = (
+    ("arrivals", "arrivals {}"),
+    ("rate_rps", "{:.1f}/s"),
+    ("load", "load {:g}"),
+    ("executors", "{} executors"),
+    ("masks", "masks {}"),
+    ("profile", "profile {}"),
+)
+
+
 def _title(result: dict[str, Any]) -> str:
-    parts = []
-    if "arrivals" in result:
-        parts.append(f"arrivals {result['arrivals']}")
-    if "rate_rps" in result:
-        parts.append(f"{result['rate_rps']:.1f}/s")
-    if "load" in result:
-        parts.append(f"load {result['load']:g}")
-    if "executors" in result:
-        parts.append(f"{result['executors']} executors")
-    if "masks" in result:
-        parts.append(f"masks {result['masks']}")
-    if "profile" in result:
-        parts.append(f"profile {result['profile']}")
+    parts = [form.format(result[key]) for key, form in TITLE_PARTS if key in result]
     return "Simulated pool: " + ", ".join(parts) if parts else "Simulated pool"
 
 

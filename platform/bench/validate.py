@@ -28,10 +28,10 @@ from retouch.platform.bench.load import (
     LoadSpec,
     Outcome,
     Workload,
-    _capacity,
-    _server,
     bench_function,
+    config_server,
     plan_requests,
+    probe_capacity,
     replay,
     wait_baked,
 )
@@ -133,7 +133,7 @@ def simulate(run: RealRun, spec: ValidateSpec, seed: int = 0) -> dict[str, Any]:
     )
     model = CostModel.from_dict(run.cost_model)
     result = run_simulation(sim, model, replayed(run))["configs"][run.placement]
-    return {**result, "inputs": inputs}
+    return result
 
 
 def _median(values: list[float]) -> float | None:
@@ -194,33 +194,36 @@ def validate(
     """Simulate every recorded run and compare, load by load. With ``against`` (another
     real run of the same arrivals), its real figures stand in for the simulation's: how
     far two real runs of one workload are apart on this machine."""
+    pairs = {(r.placement, r.load): r for r in against or []}
     loads = []
     for load in spec.loads:
         mine = [r for r in runs if r.load == load]
         if against is not None:
-            pairs = {(r.placement, r.load): r for r in against}
             mine = [r for r in mine if (r.placement, load) in pairs]
         if not mine:
             continue
         real, simulated, inputs = {}, {}, {}
         for run in mine:
             real[run.placement] = latency_figures([a["latency_ms"] for a in run.measured])
-            sim = simulate(run, spec, seed=spec.workload.seed)
-            simulated[run.placement] = {"mean_ms": sim["mean_ms"], "p95_ms": sim["p95_ms"]}
-            if against is not None:
+            simulated_only: dict[str, Any] = {}
+            if against is None:
+                sim = simulate(run, spec, seed=spec.workload.seed)
+                simulated[run.placement] = {"mean_ms": sim["mean_ms"], "p95_ms": sim["p95_ms"]}
+                simulated_only["sim_utilisation"] = sim["utilisation"]
+            else:
                 other = pairs[(run.placement, load)]
                 simulated[run.placement] = latency_figures(
                     [a["latency_ms"] for a in other.measured]
                 )
             inputs[run.placement] = {
-                **{k: round(v, 5) for k, v in sim["inputs"].items()},
+                **{k: round(v, 5) for k, v in sim_inputs(run).items()},
+                **simulated_only,
                 "real_errors": sum(
                     1 for a in run.arrivals if not a["warmup"] and a["error"] is not None
                 ),
                 "sent_late_ms_p95": float(
                     np.percentile([1e3 * (a["sent_s"] - a["at_s"]) for a in run.arrivals], 95)
                 ),
-                "sim_utilisation": sim["utilisation"],
                 # not given to the simulator: the time outside the gateway queue and the
                 # executor (HTTP, mask decode, result encoding), what it cannot model
                 "outside_ms_p50": _median(
@@ -365,15 +368,15 @@ def run_real(spec: ValidateSpec, data_dir: Path) -> tuple[float, list[RealRun]]:
     size = (function.width, function.height)
     capacity = spec.rate_rps
     if capacity is None:
-        probe = _server(load_spec, spec.placements[0], data_dir)
+        probe = config_server(load_spec, spec.placements[0], data_dir)
         probe.data_dir = data_dir / "probe"  # the same shared dir: the same profile
         with probe as server, Client(server.url) as client:
             client.deploy(function, images)
             wait_baked(client, function.name)
-            capacity = _capacity(server.url, function.name, load_spec, list(images), size)
+            capacity = probe_capacity(server.url, function.name, load_spec, list(images), size)
     runs = []
     for name in spec.placements:
-        with _server(load_spec, name, data_dir) as server, Client(server.url) as client:
+        with config_server(load_spec, name, data_dir) as server, Client(server.url) as client:
             client.deploy(function, images)
             wait_baked(client, function.name)
             for k, load in enumerate(spec.loads):

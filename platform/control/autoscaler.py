@@ -160,9 +160,9 @@ def _risen_to(config: AutoscalingConfig, samples: list[LoadSample], now: float) 
     """Executors for the demand's new level when it rose and stayed up (0: it did not).
 
     A one-sided CUSUM over the panic window's samples, against the mean and spread of the
-    demand in the stable window before them: the largest sum, over the recent runs of samples, of each
-    sample's excess over mean + ``shift_k`` sigma; a rise is a sum beyond ``shift_h``
-    sigma. A 2x step in arrivals shows within two ticks, while the noise of a stationary
+    demand in the stable window before them: the largest sum, over the runs of samples
+    ending now, of each sample's excess over mean + ``shift_k`` sigma; a rise is a sum
+    beyond ``shift_h`` sigma. A 2x step in arrivals shows within two ticks, while the noise of a stationary
     stream raises a false one about once in hours (Page's CUSUM, k = 1, h = 5). The panic
     window's mean alone reacts slowly (a 2x step moves a 6 s mean by a third after two
     ticks) and a shorter window flaps on noise."""
@@ -171,8 +171,8 @@ def _risen_to(config: AutoscalingConfig, samples: list[LoadSample], now: float) 
     recent = [s.demand for s in samples if s.at >= since]
     if len(stable) < 2 * len(recent) or not recent:  # the baseline precedes the run
         return 0
-    mean = sum(stable) / len(stable)
-    sigma = max(math.sqrt(sum((d - mean) ** 2 for d in stable) / len(stable)), 0.05 * mean)
+    mean = _mean(stable)
+    sigma = max(math.sqrt(_mean([(d - mean) ** 2 for d in stable])), 0.05 * mean)
     if sigma <= 0:
         return 0
     best, level, total, run = 0.0, 0.0, 0.0, []
@@ -185,8 +185,7 @@ def _risen_to(config: AutoscalingConfig, samples: list[LoadSample], now: float) 
         return 0
     # A few bursty seconds can average several times the baseline; the rise is taken at
     # most to ``panic_threshold`` x the baseline (the stable window follows a larger one).
-    level = min(level, config.panic_threshold * mean)
-    return max(config.min_executors, min(config.max_executors, _for_demand(config, level)))
+    return _clamped(config, _for_demand(config, min(level, config.panic_threshold * mean)))
 
 
 def _mean(values: list[float]) -> float:
@@ -201,10 +200,11 @@ def _count(
     window = [s for s in samples if s.at >= since]
     work_s = _mean([s.work_s for s in window])
     demand_mean = _mean([s.demand for s in window]) if demand else 0.0
-    wanted = max(
-        math.ceil(work_s / config.target_s - 1e-9) if work_s > 0 else 0,
-        _for_demand(config, demand_mean),
-    )
+    for_work = math.ceil(work_s / config.target_s - 1e-9) if work_s > 0 else 0
+    return _clamped(config, max(for_work, _for_demand(config, demand_mean)))
+
+
+def _clamped(config: AutoscalingConfig, wanted: int) -> int:
     return max(config.min_executors, min(config.max_executors, wanted))
 
 

@@ -206,7 +206,7 @@ class ExecutorView:
         coster = self.costers.get(newcomer.model)
         if coster is None or newcomer.footprint is None:
             return None
-        tier = self.residency.get((newcomer.function, newcomer.template))
+        tier = self.tier(newcomer.function, newcomer.template)
         if newcomer.optimistic or tier in (Residency.HOST, Residency.DISK):
             masked = newcomer.footprint.on(coster.grids)
         else:  # not baked here: the full path computes every token
@@ -379,7 +379,7 @@ class ExecutorView:
     def residency_cost_s(self, newcomer: PlacementRequest) -> float:
         """What the template's place adds: nothing in host memory, a disk load, or a bake
         (the engine time of a full-path run) when it is not baked here."""
-        tier = self.residency.get((newcomer.function, newcomer.template), Residency.ABSENT)
+        tier = self.tier(newcomer.function, newcomer.template)
         if tier is Residency.HOST:
             return 0.0
         if tier is Residency.DISK:

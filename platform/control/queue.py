@@ -250,16 +250,12 @@ class InvocationQueue:
                 return True
         return False
 
-    def queued_work_s(self) -> float:
-        """Predicted service of everything waiting: the autoscaler's queued work. Where
-        nothing predicted it (no SLO, or no executor yet) the measured slot-holding average
-        stands in; before anything was measured it counts nothing, so a cold pool starts
-        one executor (the policy's rule for work at an empty pool), not a guessed many."""
-        return sum(service_s for _, service_s in self.queued())
-
     def queued(self) -> list[tuple[str, float]]:
-        """Each waiting invocation's function and predicted service (as
-        :meth:`queued_work_s` counts it): the autoscaler splits the queue by model pool."""
+        """Each waiting invocation's function and predicted service: the autoscaler's
+        queued work, split by model pool. Where nothing predicted it (no SLO, or no executor
+        yet) the measured slot-holding average stands in; before anything was measured it
+        counts nothing, so a cold pool starts one executor (the policy's rule for work at an
+        empty pool), not a guessed many."""
         fallback = self.stats.service_s if self.stats.served else 0.0
         return [(w.request.function, w.service_s or fallback) for w in self._waiting]
 
