@@ -17,15 +17,28 @@ class RetouchError(Exception):
     status: int = 500
     code: str = "internal"
 
-    def __init__(self, message: str, *, field: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        code: str | None = None,
+        detail: dict[str, Any] | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.field = field
+        # machine-readable facts beside the message (e.g. where a 429 was decided), so that
+        # a caller never has to parse ``message``; absent from the body when None
+        self.detail = detail
         if code is not None:
             self.code = code
 
     def to_wire(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message, "field": self.field}}
+        err: dict[str, Any] = {"code": self.code, "message": self.message, "field": self.field}
+        if self.detail is not None:
+            err["detail"] = self.detail
+        return {"error": err}
 
     @classmethod
     def from_wire(cls, status: int, body: Any) -> RetouchError:
@@ -37,6 +50,8 @@ class RetouchError(Exception):
             field=err.get("field"),
             code=str(err.get("code", kind.code)),
         )
+        detail = err.get("detail")
+        exc.detail = detail if isinstance(detail, dict) else None
         exc.status = status
         return exc
 
@@ -95,8 +110,9 @@ class Overloaded(RetouchError):
         field: str | None = None,
         code: str | None = None,
         retry_after_s: int = 1,
+        detail: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(message, field=field, code=code)
+        super().__init__(message, field=field, code=code, detail=detail)
         self.retry_after_s = max(1, int(retry_after_s))
 
 

@@ -140,6 +140,9 @@ class PlacementStats:
     admission_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     startup_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))  # autoscaled
     prediction_error: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    # from a request's arrival at the gateway to its 429 on arrival (admission's own answer
+    # time, without the client's side of the connection)
+    refusal_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class ExecutorLost(Exception):
@@ -635,6 +638,8 @@ class ExecutorPool:
                 self.queue.observe_outcome(result.timings.placed_ms / result.timings.predicted_ms)
         if error is not None:
             self.stats.prediction_error.append(error)
+        if result.path is wire.InvokePath.TEMPLATE:
+            return  # no model run: neither the store nor the step fit changed
         stale = error is not None and error > RECALIBRATE_ERROR  # the executor's fit moved
         if (
             stale
@@ -710,6 +715,8 @@ class ExecutorPool:
             "decision_ms_p99": q(decisions, 0.99, 1e3),
             "admission_ms_p50": q(admissions, 0.5, 1e3),
             "admission_ms_p99": q(admissions, 0.99, 1e3),
+            "refusal_ms_p50": q(self.stats.refusal_s, 0.5, 1e3),
+            "refusal_ms_p99": q(self.stats.refusal_s, 0.99, 1e3),
             "prediction_error_p50": q(errors, 0.5),
             "prediction_error_p90": q(errors, 0.9),
             "admission_margin": round(self.queue.margin, 3),

@@ -486,7 +486,9 @@ class Simulation:
         if slo_s is not None:
             met = int((latency <= slo_s * 1e3).sum())
             out["slo_attainment"] = met / len(measured)
-            out["slo_attainment_accepted"] = met / len(accepted) if accepted else 0.0
+            # one dropped from the queue was accepted and then missed: it counts against
+            admitted = sum(1 for j in measured if j.dropped or not j.rejected)
+            out["slo_attainment_accepted"] = met / admitted if admitted else 0.0
             out["goodput_rps"] = met / window
         out["timeline"] = self._timeline()
         return out

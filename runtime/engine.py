@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -82,6 +84,9 @@ class EngineConfig:
     max_batch: int = 8  # FlashPS: throughput plateaus around 8 (4 on small GPUs)
     disaggregated: bool = True
     bake_starvation_s: float = 30.0
+    # added to the engine thread's niceness (Linux, where a thread has its own): on a CPU
+    # the steps share cores with request handling, which must not wait behind a step
+    nice: int = 0
 
 
 @dataclass(frozen=True)
@@ -388,6 +393,11 @@ class Engine:
 
     # ---- the engine thread --------------------------------------------------------------
     def _loop(self) -> None:
+        if self.config.nice and sys.platform.startswith("linux"):
+            tid = threading.get_native_id()
+            os.setpriority(
+                os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.config.nice
+            )
         try:
             self._iterate()
         except BaseException as exc:  # a bug in the loop itself: fail everything, never hang

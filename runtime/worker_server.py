@@ -45,6 +45,7 @@ class WorkerSpec:
     device: str
     threads: int | None
     log_level: int
+    nice: int = 0  # added to the process's niceness: bulk CPU work yields to request handling
 
     @property
     def name(self) -> str:
@@ -59,6 +60,8 @@ def serve(spec: WorkerSpec, conn: Connection) -> None:
     )
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
+    if spec.nice:
+        os.nice(spec.nice)
     worker = _Server(spec)
     try:
         conn.send_bytes(wire.pack({"op": "ready", "pid": os.getpid()}))

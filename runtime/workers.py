@@ -111,6 +111,7 @@ class PrePostPool:
         pre: int = 1,
         post: int = 1,
         threads: int | None = None,
+        nice: int = 0,
     ) -> None:
         if pre < 1 or post < 1:
             raise ValueError("a pool needs at least one pre and one post worker")
@@ -124,7 +125,7 @@ class PrePostPool:
         device = str(device or default_device())
         level = logging.getLogger().getEffectiveLevel()
         self._workers = [
-            _Worker(self, WorkerSpec(role, index, str(models_dir), device, threads, level))
+            _Worker(self, WorkerSpec(role, index, str(models_dir), device, threads, level, nice))
             for role, count in ((PRE, pre), (POST, post))
             for index in range(count)
         ]

@@ -33,6 +33,7 @@ from retouch.functions.demo.images import mask_of_ratio, template_image
 from retouch.functions.imaging import encode_image, encode_mask
 from retouch.functions.models import builtin_model
 from retouch.functions.spec import parse_spec
+from retouch.platform.bench.load import wait_baked
 from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess
 
@@ -60,6 +61,8 @@ def run_gateway_bench(
             client.deploy_file(examples / "tiny-flux.toml")
             client.deploy(*_big_function())
             clients[name] = client
+        for client in clients.values():
+            _settled(client)
         cases = {
             "empty_mask": np.zeros((128, 128), bool),
             "mask_0.2": mask_of_ratio((128, 128), 0.2, "ellipse", 1),
@@ -91,6 +94,18 @@ def ray_cluster(nodes: int) -> Iterator[str]:
         yield cluster.address
     finally:
         cluster.shutdown()
+
+
+def _settled(client: Client, timeout: float = 600.0) -> None:
+    """Wait until both functions are baked and no executor is loading or profiling a
+    model: a 1024-pixel bake running beside the "quiet" measurement once added ~2 ms."""
+    for function in ("tiny-flux", "big"):
+        wait_baked(client, function, timeout)
+    deadline = time.monotonic() + timeout
+    while any((e.get("state") or {}).get("loading") for e in client.executors()["executors"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"executors still loading after {timeout:.0f} s")
+        time.sleep(0.5)
 
 
 def _measure(

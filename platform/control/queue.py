@@ -168,6 +168,7 @@ class InvocationQueue:
                 f"{len(self._waiting)} invocations are queued; retry in {retry} s",
                 code="overloaded",
                 retry_after_s=retry,
+                detail={"stage": "arrival"},
             )
 
     def admit_slo(
@@ -205,6 +206,7 @@ class InvocationQueue:
             f"{request.slo_s:.2f} s; retry in {retry} s",
             code="slo_unattainable",
             retry_after_s=retry,
+            detail={"stage": "arrival", "predicted_ms": round(predicted * 1e3, 1)},
         )
 
     def observe_outcome(self, ratio: float) -> None:
@@ -417,6 +419,7 @@ class InvocationQueue:
                 f"SLO of {slo:.2f} s",
                 code="slo_unattainable",
                 retry_after_s=max(1, math.ceil(late)),
+                detail={"stage": "queued", "queued_ms": round((now - waiter.enqueued) * 1e3, 1)},
             )
         )
         return True

@@ -73,15 +73,21 @@ def build_core(args: argparse.Namespace) -> ExecutorCore:
         StoreConfig(path=store_path(args.data_dir), host_budget_bytes=options.host_cache_bytes)
     )
     shared = args.shared_dir or args.data_dir
+    # On a CPU the steps and the pre/post workers are niced, the event loop that answers
+    # the gateway is not: a request waits for no denoising step's time slice.
+    nice = options.cpu_nice if device.type == "cpu" else 0
     engine_config = EngineConfig(
-        EngineMode(options.engine), options.max_batch, disaggregated=not options.inline_prepost
+        EngineMode(options.engine),
+        options.max_batch,
+        disaggregated=not options.inline_prepost,
+        nice=nice,
     )
     stages = None
     if not options.inline_prepost:
         pre, post = options.workers(options.threads or None)
         log.info("%d pre and %d post workers", pre, post)
         pool = PrePostPool(
-            shared / "models", device, pre=pre, post=post, threads=options.worker_threads
+            shared / "models", device, pre=pre, post=post, threads=options.worker_threads, nice=nice
         )
         stages = WorkerStages(pool)
     return ExecutorCore(

@@ -52,6 +52,14 @@ class ExecutorOptions:
         0, "torch threads of each executor (0: the machine's cores shared among executors)"
     )
 
+    cpu_nice: int = knob(
+        5,
+        "niceness added to the engine thread and the pre/post workers of an executor that "
+        "computes on the CPU: the gateway and the executor's own request handling share "
+        "those cores, and an answer (a 429, a state read) must not wait for a time slice "
+        "behind a denoising step (0: no change; ignored on a GPU)",
+    )
+
     def check(self) -> None:
         """Refuse values that cannot work, naming the knob."""
         for name in ("host_cache_bytes", "pre_workers", "post_workers", "threads"):
@@ -60,6 +68,8 @@ class ExecutorOptions:
         for name in ("max_batch", "worker_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.cpu_nice <= 19:
+            raise ValueError(f"cpu_nice must be in [0, 19], got {self.cpu_nice}")
         if self.engine not in ENGINE_MODES:
             raise ValueError(f"engine must be one of {ENGINE_MODES}, got {self.engine!r}")
 

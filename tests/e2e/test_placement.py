@@ -77,9 +77,13 @@ def test_slo_admission_refuses_what_cannot_make_it(tmp_path: Path) -> None:
         with pytest.raises(Overloaded) as err:
             client.invoke("strict", "t0", mask(0.3), "a hat")
         assert err.value.code == "slo_unattainable" and err.value.retry_after_s >= 1
+        assert (
+            err.value.detail is not None and err.value.detail["stage"] == "arrival"
+        )  # on the wire
         assert client.invoke("relaxed", "t0", mask(0.3), "a hat").image  # admitted and served
-        queue = client.executors()["queue"]
-        assert queue["slo_rejected"] >= 1
+        doc = client.executors()
+        assert doc["queue"]["slo_rejected"] >= 1
+        assert doc["control"]["refusal_ms_p99"] > 0  # the gateway timed its 429
         metrics = httpx.get(f"{server.url}/metrics").text
         assert 'retouch_slo_total{function="relaxed",outcome="met"} 1.0' in metrics
 

@@ -281,6 +281,7 @@ def test_slo_admission_refuses_with_retry_after_and_drops_the_infeasible() -> No
         with pytest.raises(Overloaded) as err:
             queue.admit_slo(request(0.5, slo_s=alone / 2))
         assert err.value.code == "slo_unattainable" and err.value.retry_after_s >= 1
+        assert err.value.detail is not None and err.value.detail["stage"] == "arrival"
         assert queue.stats.slo_rejected == 1
         # One runs; a second waits for its slot; time passes beyond what its SLO allows.
         first = await queue.acquire(request(0.5, slo_s=10 * alone), 1e9, token=1)
@@ -290,8 +291,9 @@ def test_slo_admission_refuses_with_retry_after_and_drops_the_infeasible() -> No
         await asyncio.sleep(0)
         now[0] = alone  # the first is still running: the second can no longer make it
         queue.release(first, token=1)
-        with pytest.raises(Overloaded):
+        with pytest.raises(Overloaded) as dropped:
             await waiting
+        assert dropped.value.detail == {"stage": "queued", "queued_ms": round(alone * 1e3, 1)}
         assert queue.stats.slo_dropped == 1
         # Admission off: nothing is refused.
         off = InvocationQueue(
