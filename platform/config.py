@@ -64,6 +64,11 @@ class ServeConfig:
     )
     admission: bool = knob(True, "refuse (429) invocations predicted to miss their function's SLO")
     admission_dry_run: bool = knob(False, "log what SLO admission would refuse, refuse nothing")
+    admission_quantile: float = knob(
+        0.8,
+        "admission scales each prediction by this quantile of recent actual/predicted "
+        "completion ratios: higher keeps more of the admitted within the SLO, refuses more",
+    )
     shared_dir: Path | None = knob(
         None, "built demo models and device profiles", shown="the data dir"
     )
@@ -141,6 +146,10 @@ class ServeConfig:
         for name in ("max_queued_per_function", "progress_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.5 <= self.admission_quantile < 1:
+            raise ValueError(
+                f"admission_quantile must be in [0.5, 1), got {self.admission_quantile}"
+            )
         from retouch.functions.spec import PLACEMENTS  # torch-free, as this module
 
         if self.provider not in ("local", "ray"):

@@ -46,6 +46,7 @@ def build_gateway(config: ServeConfig) -> Gateway:
         config.queue_timeout_s,
         admission=config.admission,
         dry_run=config.admission_dry_run,
+        margin_quantile=config.admission_quantile,
     )
     retry = RetryPolicy(config.max_attempts, config.invoke_timeout_s)
     pool = ExecutorPool(

@@ -45,11 +45,11 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 POLL_S = 1.0  # how often a waiter re-checks that some executor serves its function
-# Admission scales predictions by this quantile of recent actual/predicted ratios. The
-# median removes the predictions' bias; 0.95 (aiming at 95 % of admitted within the SLO)
-# refused 88 % of a 2x overload on the 2-core machine, where errors are ~40 %, and cut
-# goodput 4x (docs/benchmarks.md).
-SLO_QUANTILE = 0.5
+# Admission scales predictions by this quantile of recent actual/predicted ratios (the
+# default of ``QueueLimits.margin_quantile``). On the 2-core machine at a 2x overload, with
+# prediction errors of 30-40 %: the median kept 84-86 % of the admitted within the SLO at a
+# goodput of 19/s; 0.8 kept 93.5-95.5 % at 10-15/s; 0.9 93 % at 5/s (docs/benchmarks.md).
+SLO_QUANTILE = 0.8
 OUTCOMES_KEPT = 512  # recent actual/predicted ratios behind the admission margin
 MARGIN_MIN_OUTCOMES = 20  # fewer: admit on the prediction itself
 MARGIN_LIMITS = (1.0, 3.0)
@@ -74,6 +74,7 @@ class QueueLimits:
     admission: bool = True  # refuse invocations predicted to miss their function's SLO
     dry_run: bool = False  # log admission decisions instead of taking them
     prefetch_horizon_s: float = 0.25  # late binding: bind this long before batch room
+    margin_quantile: float = SLO_QUANTILE  # of actual/predicted: admission's safety margin
 
 
 @dataclass(eq=False)
@@ -211,13 +212,13 @@ class InvocationQueue:
 
     def observe_outcome(self, ratio: float) -> None:
         """An invocation's actual / predicted completion. Admission scales its predictions
-        by the ``SLO_QUANTILE`` quantile of recent ratios, so that a systematic bias of the
+        by the ``limits.margin_quantile`` quantile of recent ratios, so that a systematic bias of the
         predictions (measured: 18 % short under a 2x overload) does not admit work that
         will miss its SLO."""
         self._outcomes.append(ratio)
         if len(self._outcomes) >= MARGIN_MIN_OUTCOMES and len(self._outcomes) % 8 == 0:
             ordered = sorted(self._outcomes)
-            q = ordered[min(len(ordered) - 1, int(SLO_QUANTILE * len(ordered)))]
+            q = ordered[min(len(ordered) - 1, int(self.limits.margin_quantile * len(ordered)))]
             self._margin = min(MARGIN_LIMITS[1], max(MARGIN_LIMITS[0], q))
 
     @property

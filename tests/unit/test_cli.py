@@ -123,3 +123,11 @@ def test_every_executor_knob_is_reachable_from_serve(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("RETOUCH_MAX_BATCH", "many")
     with pytest.raises(ValueError, match="RETOUCH_MAX_BATCH"):
         ServeConfig.from_env()
+
+
+def test_admission_and_cpu_niceness_settings_out_of_range_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="admission_quantile"):
+        ServeConfig.from_env(admission_quantile=1.5).check()
+    with pytest.raises(ValueError, match="cpu_nice"):
+        replace(ExecutorOptions(), cpu_nice=-3).check()
+    assert ServeConfig.from_env(admission_quantile=0.95).admission_quantile == 0.95

@@ -419,6 +419,16 @@ def test_admission_margin_follows_how_late_admitted_invocations_ran() -> None:
     assert queue.stats.slo_probes == 1
     with pytest.raises(Overloaded):
         queue.admit_slo(fits)
+    # The margin is a quantile of the ratios: the default 0.8 follows the slow fifth.
+    mixed = InvocationQueue(QueueLimits(), MaskAware(seed=0), lambda fn: [handle], lambda: 0.0)
+    median = InvocationQueue(
+        QueueLimits(margin_quantile=0.5), MaskAware(seed=0), lambda fn: [handle], lambda: 0.0
+    )
+    for k in range(40):
+        ratio = 1.6 if k % 4 == 0 else 1.1  # a quarter ran 60 % late
+        mixed.observe_outcome(ratio)
+        median.observe_outcome(ratio)
+    assert mixed.margin == 1.6 and median.margin == 1.1
 
 
 def test_a_join_that_would_make_a_running_invocation_late_is_not_taken() -> None:
