@@ -174,6 +174,7 @@ class ExecutorPool:
         self.lost = 0  # invocations re-placed after their executor was lost
         self.stats = PlacementStats()
         self._arrived_s: defaultdict[str, float] = defaultdict(float)  # see take_arrived
+        self._arrivals: defaultdict[str, int] = defaultdict(int)  # see take_arrivals
         # Invocations with an id while the pool runs them: the executor holding each (None
         # while queued), and the ids whose cancel was asked for.
         self._active: dict[str, ExecutorHandle | None] = {}
@@ -513,6 +514,7 @@ class ExecutorPool:
             executor_s = e.view.executor_s(request)
             if executor_s > 0:
                 self._arrived_s[request.model] += executor_s
+                self._arrivals[request.model] += 1
                 return
 
     def take_arrived(self) -> dict[str, float]:
@@ -520,6 +522,12 @@ class ExecutorPool:
         (the autoscaler divides them by its tick)."""
         arrived, self._arrived_s = dict(self._arrived_s), defaultdict(float)
         return arrived
+
+    def take_arrivals(self) -> dict[str, int]:
+        """How many invocations :meth:`take_arrived` counted since the last call, per model
+        (the autoscaler's Poisson floor on the demand's noise)."""
+        arrivals, self._arrivals = dict(self._arrivals), defaultdict(int)
+        return arrivals
 
     def queue_positions(self) -> dict[str, int]:
         """Waiting invocations (by id) and how many wait ahead of each."""

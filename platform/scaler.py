@@ -266,6 +266,7 @@ class PoolScaler:
         loads = self.pool.model_loads()
         now = self._clock() - self._born
         arrived = self.pool.take_arrived()
+        arrivals = self.pool.take_arrivals()
         elapsed, self._last_tick = now - self._last_tick, now
         demand = {m: s / elapsed for m, s in arrived.items()} if elapsed > 0 else {}
         for model in set(loads) - set(configs):
@@ -277,7 +278,13 @@ class PoolScaler:
             pool = self.models.setdefault(model, ModelPool(model, configs[model]))
             load = loads.get(model, ModelLoad())
             decisions[model] = self._tick_model(
-                pool, configs[model], load, now, devices, demand.get(model, 0.0)
+                pool,
+                configs[model],
+                load,
+                now,
+                devices,
+                demand.get(model, 0.0),
+                arrivals.get(model, 0),
             )
         return decisions
 
@@ -289,10 +296,11 @@ class PoolScaler:
         now: float,
         devices: list[str],
         demand: float = 0.0,
+        arrivals: int = 0,
     ) -> Decision:
         if config != pool.policy.config:
             pool.policy.reconfigure(config)
-        decision = pool.policy.tick(now, load.work_s, load.queued, load.target, demand)
+        decision = pool.policy.tick(now, load.work_s, load.queued, load.target, demand, arrivals)
         pool.last = decision
         change = decision.desired - load.target
         if change > 0:

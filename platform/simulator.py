@@ -201,6 +201,7 @@ class Simulation:
         self._pending = len(jobs)  # arrivals not yet answered (the ticks stop after them)
         self.samples: list[tuple[float, int, int, int, int]] = []  # the timeline's counts
         self._arrived_s = 0.0  # executor-seconds of the arrivals since the last tick
+        self._arrivals = 0  # ... and their number
         self._last_tick = 0.0
 
     def _add_executor(self) -> SimExecutor:
@@ -238,6 +239,7 @@ class Simulation:
     # ---- the gateway --------------------------------------------------------------------
     def _arrive(self, job: Job) -> None:
         self._arrived_s += self._executor_s(job)  # refused or not: it is demand
+        self._arrivals += 1
         try:
             job.service_s = self.admission.admit_slo(job.request, queued_s=self.queued_s)
         except Overloaded:
@@ -382,8 +384,9 @@ class Simulation:
         work = sum(e.view.work_s() for e in active) + self.queued_s
         target = len(active) + self.starting
         demand = self._arrived_s / max(1e-9, self.now - self._last_tick) if self.now else 0.0
+        arrivals, self._arrivals = self._arrivals, 0
         self._arrived_s, self._last_tick = 0.0, self.now
-        decision = self.scaler.tick(self.now, work, len(self.queue), target, demand)
+        decision = self.scaler.tick(self.now, work, len(self.queue), target, demand, arrivals)
         change = decision.desired - target
         if change > 0:
             self.starting += change

@@ -209,3 +209,55 @@ def test_a_burst_out_of_a_quiet_spell_raises_the_pool_at_most_to_twice_its_basel
     for now in range(300, 304):
         target = scaler.tick(float(now), 5.0, 0, target, demand=40.0).desired
     assert 10 < target <= 2 * 10 + 1
+
+
+def test_counted_arrivals_floor_the_noise_and_a_jump_needs_two_ticks():
+    """A flat demand of 15 arrivals a tick looks noiseless, but its arrivals are Poisson
+    (sigma 3.9): one tick of 23 is noise, not a rise. Then 28 more: two ticks that high
+    are a jump (a 2x step's unlucky start), seen on the second tick. Without the counts
+    the flat baseline's 5 % floor takes the single tick for a rise."""
+    config = AutoscalingConfig(min_executors=4, max_executors=64, downscale_delay_s=120.0)
+
+    def after(ticks: list[float], counted: bool) -> list[int]:
+        scaler = Autoscaler(config)
+        target, desired = 20, []
+        for now in range(200):
+            target = scaler.tick(float(now), 30.0, 0, target, 15.0, 15 if counted else 0).desired
+        assert target == 20
+        for now, d in enumerate(ticks, 200):
+            desired.append(
+                scaler.tick(float(now), 30.0, 0, target, d, int(d) if counted else 0).desired
+            )
+        return desired
+
+    assert after([23.0], counted=False)[0] > 20
+    first, second = after([23.0, 28.0], counted=True)
+    assert first == 20 and second > 20
+
+
+def test_a_poisson_2x_step_is_seen_within_two_ticks_mostly_and_an_hour_does_not_flap():
+    """Arrivals counted, Poisson at 15 a tick: most 2x steps scale up within two ticks
+    (the slow CUSUM alone: 17 of these 30); an hour at 30 a tick does not flap."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    config = AutoscalingConfig(
+        min_executors=4, max_executors=200, target_utilisation=0.9, headroom_sigmas=1.5,
+        downscale_delay_s=120.0,
+    )  # fmt: skip
+    seen = 0
+    for _ in range(30):
+        scaler, target = Autoscaler(config), 24
+        counts = np.concatenate([rng.poisson(15.0, 100), rng.poisson(30.0, 2)])
+        for now, n in enumerate(counts):
+            desired = scaler.tick(float(now), 20.0, 0, target, float(n), int(n)).desired
+            if now < 100:
+                target = desired
+            elif desired > target:
+                seen += 1
+                break
+    assert seen >= 21  # 70 % (the slow CUSUM alone: 17 of these 30)
+    scaler, target = Autoscaler(config), 46
+    for now, n in enumerate(rng.poisson(30.0, 3600)):
+        target = scaler.tick(float(now), 60.0, 0, target, float(n), int(n)).desired
+    assert scaler.reversals <= 2

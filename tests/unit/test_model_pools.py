@@ -94,6 +94,9 @@ class FakePool:
         arrived, self.arrived = self.arrived, {}
         return arrived
 
+    def take_arrivals(self) -> dict[str, int]:
+        return {}  # no counts: the autoscaler's noise is the demand's own spread
+
     def spawn(self, devices: list[str], model: str | None = None) -> bool:
         if len(self.handles) >= self.devices:
             return False
