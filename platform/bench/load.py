@@ -70,6 +70,7 @@ class Outcome:
     rejected_ms: float = 0.0  # how long a refusal (429) took to arrive
     dropped: bool = False  # the 429 came after queueing (SLO out of reach), not on arrival
     executor: str = ""  # where it ran
+    template: str = ""
     mask_ratio: float = 0.0
     sent_s: float = 0.0  # when it was sent, seconds after the replay's start
     pre_ms: float = 0.0  # the executor's own timings: encode (with its wait for a worker)
@@ -228,6 +229,7 @@ async def replay(
             t0 = time.perf_counter()
             outcome = stats.outcomes[i]
             outcome.sent_s = t0 - start
+            outcome.template = req.template or ""
             try:
                 result = await client.invoke(
                     function, req.template, req.mask, prompt, seed=req.seed

@@ -242,6 +242,25 @@ def test_maskaware_follows_the_template_unless_it_piles_up() -> None:
     assert policy.choose([a, b], request(0.2)) is b
 
 
+def test_maskaware_splits_templates_between_equal_executors() -> None:
+    """Near-ties go to the template's rendezvous-hash home: each template keeps to one of two
+    equal executors, and the templates are split between them (each host tier then holds
+    its share instead of every template); an upload has no template to keep."""
+    from retouch.platform.placement import MaskAware
+
+    cluster = ClusterView()
+    a, b = (Handle(view_with(cluster, n)) for n in "ab")
+    policy = MaskAware(seed=0)
+    homes = {}
+    for i in range(12):
+        chosen = {policy.choose([a, b], request(0.2, f"t{i}")).name for _ in range(6)}
+        assert len(chosen) == 1  # the same home every time
+        homes[f"t{i}"] = chosen.pop()
+    assert set(homes.values()) == {"a", "b"}
+    uploads = {policy.choose([a, b], request(0.2, "")).name for _ in range(20)}
+    assert uploads == {"a", "b"}  # at random
+
+
 def test_template_hash_is_consistent_and_moves_little() -> None:
     from retouch.platform.placement import TemplateHash
 
