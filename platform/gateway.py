@@ -376,7 +376,7 @@ class Gateway:
     async def _prepare(
         self, fn: DeployedFunction, req: wire.InvokeRequest, invocation_id: str
     ) -> tuple[wire.ExecutorInvoke, PlacementRequest]:
-        """Check the template, decode the mask (on a thread) and build what the executor
+        """Check the template, decode the mask (a large one on a thread) and build what the executor
         gets; also how a resumed job is rebuilt from its journaled request. An uploaded
         ``image`` is decoded and content-addressed here (``uploads.upload_id``)."""
         image = None

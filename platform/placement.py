@@ -117,8 +117,9 @@ def _hash(key: str) -> int:
 
 @dataclass
 class MaskAware:
-    """Minimum predicted completion plus residency cost, near-ties at random, and an
-    imbalance guard (see the module docstring)."""
+    """Minimum predicted completion plus residency cost, near-ties to the template's
+    rendezvous-hash home (an upload's at random), and an imbalance guard (see the module
+    docstring)."""
 
     name: str = "maskaware"
     late_binding: bool = True

@@ -140,8 +140,9 @@ class PlacementStats:
     admission_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     startup_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))  # autoscaled
     prediction_error: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    # from a request's arrival at the gateway to its 429 on arrival (admission's own answer
-    # time, without the client's side of the connection)
+    # from a request's arrival at the gateway (its headers) to its 429 on arrival: a refusal
+    # after decoding includes reading the body, i.e. the client's upload; the OpenAI-style
+    # edits endpoint's refusals are not timed
     refusal_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 

@@ -789,7 +789,7 @@ def run_simulation(
     for name in spec.placements:
         jobs, rate = plan_jobs(spec, cost_model, arrivals)
         policy, admission = _config(name)
-        if isinstance(policy, MaskAware):  # its near-ties are random: seeded, reproducible
+        if isinstance(policy, MaskAware):  # an upload's near-ties are random: seeded
             policy = dataclasses.replace(policy, seed=spec.seed)
         configs[name] = Simulation(spec, cost_model, policy, jobs, admission).run()
     out = {

@@ -394,10 +394,12 @@ class Engine:
     # ---- the engine thread --------------------------------------------------------------
     def _loop(self) -> None:
         if self.config.nice and sys.platform.startswith("linux"):
-            tid = threading.get_native_id()
-            os.setpriority(
-                os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.config.nice
-            )
+            tid = threading.get_native_id()  # Linux: a thread's niceness is its own
+            try:
+                now = os.getpriority(os.PRIO_PROCESS, tid)
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, now + self.config.nice))
+            except OSError as exc:  # a sandbox may forbid it: run at the process's priority
+                log.warning("engine thread not reniced: %s", exc)
         try:
             self._iterate()
         except BaseException as exc:  # a bug in the loop itself: fail everything, never hang

@@ -45,7 +45,7 @@ class WorkerSpec:
     device: str
     threads: int | None
     log_level: int
-    nice: int = 0  # added to the process's niceness: bulk CPU work yields to request handling
+    nice: int = 0  # added to the worker's niceness (its main thread, and threads it starts)
 
     @property
     def name(self) -> str:
@@ -58,10 +58,10 @@ def serve(spec: WorkerSpec, conn: Connection) -> None:
     logging.basicConfig(
         level=spec.log_level, format="%(asctime)s %(processName)s %(name)s %(message)s"
     )
+    if spec.nice:  # first: threads torch starts from here on inherit it (Linux: per thread)
+        os.nice(spec.nice)
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
-    if spec.nice:
-        os.nice(spec.nice)
     worker = _Server(spec)
     try:
         conn.send_bytes(wire.pack({"op": "ready", "pid": os.getpid()}))

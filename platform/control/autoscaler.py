@@ -189,11 +189,14 @@ def _risen_to(config: AutoscalingConfig, samples: list[LoadSample], now: float) 
     if len(stable) < 2 * len(recent) or not recent:  # the baseline precedes the run
         return 0
     mean = _mean(stable)
-    sigma = max(math.sqrt(_mean([(d - mean) ** 2 for d in stable])), 0.05 * mean)
+    spread = math.sqrt(_mean([(d - mean) ** 2 for d in stable]))
     arrivals = _mean([s.arrivals for s in baseline])
     poisson = mean / math.sqrt(arrivals) if arrivals > 0 else 0.0
-    jumps = 0 < sigma <= config.jump_spread * poisson  # counted, and not bursty
-    sigma = max(sigma, poisson)  # the demand is at least as noisy as a Poisson stream's
+    # counted and not bursty, judged on the spread itself (a floor above Poisson's noise,
+    # 5 % of the mean past ~900 arrivals a tick, would turn the jump rule off)
+    jumps = poisson > 0 and spread <= config.jump_spread * poisson
+    # the demand is at least as noisy as a Poisson stream's, and never below 5 % of its mean
+    sigma = max(spread, 0.05 * mean, poisson)
     if sigma <= 0:
         return 0
     level = _cusum(recent, mean + config.shift_k * sigma, config.shift_h * sigma, 1)
