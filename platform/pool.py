@@ -47,7 +47,7 @@ from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.placement import Placement, PlacementRequest, make_placement
 from retouch.platform.providers import Executor, Provider
 from retouch.platform.registry import StoredFunction
-from retouch.platform.scaler import Member, ModelLoad, PoolScaler, split_load
+from retouch.platform.scaler import Arrived, Member, ModelLoad, PoolScaler, split_load
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +174,7 @@ class ExecutorPool:
         self.queue = InvocationQueue(limits, placement, self.candidates, policy_of=self.policy)
         self.lost = 0  # invocations re-placed after their executor was lost
         self.stats = PlacementStats()
-        self._arrived_s: defaultdict[str, float] = defaultdict(float)  # see take_arrived
-        self._arrivals: defaultdict[str, int] = defaultdict(int)  # see take_arrivals
+        self._arrived: defaultdict[str, Arrived] = defaultdict(Arrived)  # see take_arrived
         # Invocations with an id while the pool runs them: the executor holding each (None
         # while queued), and the ids whose cancel was asked for.
         self._active: dict[str, ExecutorHandle | None] = {}
@@ -514,21 +513,16 @@ class ExecutorPool:
         for e in self.executors:
             executor_s = e.view.executor_s(request)
             if executor_s > 0:
-                self._arrived_s[request.model] += executor_s
-                self._arrivals[request.model] += 1
+                arrived = self._arrived[request.model]
+                arrived.executor_s += executor_s
+                arrived.count += 1
                 return
 
-    def take_arrived(self) -> dict[str, float]:
-        """Executor-seconds of the invocations that arrived since the last call, per model
-        (the autoscaler divides them by its tick)."""
-        arrived, self._arrived_s = dict(self._arrived_s), defaultdict(float)
+    def take_arrived(self) -> dict[str, Arrived]:
+        """The invocations that arrived since the last call, per model: executor-seconds
+        (the autoscaler divides them by its tick) and how many."""
+        arrived, self._arrived = dict(self._arrived), defaultdict(Arrived)
         return arrived
-
-    def take_arrivals(self) -> dict[str, int]:
-        """How many invocations :meth:`take_arrived` counted since the last call, per model
-        (the autoscaler's Poisson floor on the demand's noise)."""
-        arrivals, self._arrivals = dict(self._arrivals), defaultdict(int)
-        return arrivals
 
     def queue_positions(self) -> dict[str, int]:
         """Waiting invocations (by id) and how many wait ahead of each."""

@@ -108,6 +108,15 @@ class ModelLoad:
     target: int = 0  # its ready + starting executors
 
 
+@dataclass
+class Arrived:
+    """The invocations of one model that arrived since the autoscaler's last tick: their
+    executor-seconds (the demand) and their number (the demand's Poisson noise)."""
+
+    executor_s: float = 0.0
+    count: int = 0
+
+
 def split_load(
     members: Iterable[Member],
     queued: Iterable[tuple[str, float]],
@@ -266,9 +275,8 @@ class PoolScaler:
         loads = self.pool.model_loads()
         now = self._clock() - self._born
         arrived = self.pool.take_arrived()
-        arrivals = self.pool.take_arrivals()
         elapsed, self._last_tick = now - self._last_tick, now
-        demand = {m: s / elapsed for m, s in arrived.items()} if elapsed > 0 else {}
+        demand = {m: a.executor_s / elapsed for m, a in arrived.items()} if elapsed > 0 else {}
         for model in set(loads) - set(configs):
             self._orphaned(model, loads[model], now)
         decisions = {}
@@ -284,7 +292,7 @@ class PoolScaler:
                 now,
                 devices,
                 demand.get(model, 0.0),
-                arrivals.get(model, 0),
+                arrived.get(model, Arrived()).count,
             )
         return decisions
 

@@ -482,7 +482,7 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
                 )
                 results[name].outcomes += stats.outcomes
                 results[name].wall_s += stats.wall_s
-                summaries[name] = engine_figures(client)  # of its last round
+                summaries[name] = server_figures(client)  # of its last round
             # each configuration's figures as soon as it ends: a run cut short keeps them
             log.info("%s after round %d: %s", name, r + 1, json.dumps(results[name].summary()))
     for name in spec.configs:
@@ -544,7 +544,7 @@ def probe_capacity(
 ENGINE_FIGURES = ("batch_overhead_ms_p50", "step_ms_p50", "batch_mean", "load_wait_ms_p50")
 
 
-def engine_figures(client: Client) -> dict[str, float]:
+def server_figures(client: Client) -> dict[str, float]:
     """Per-step figures of the executors' engines over their recent steps (the run just
     replayed plus the capacity probe): the medians of the first executor, whose steps
     are all of this configuration; and the gateway's p99 time to a 429 on arrival."""

@@ -45,11 +45,6 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 POLL_S = 1.0  # how often a waiter re-checks that some executor serves its function
-# Admission scales predictions by this quantile of recent actual/predicted ratios (the
-# default of ``QueueLimits.margin_quantile``). On the 2-core machine at a 2x overload, with
-# prediction errors of 30-40 %: the median kept 84-86 % of the admitted within the SLO at a
-# goodput of 19/s; 0.8 kept 93.5-95.5 % at 10-15/s; 0.9 93 % at 5/s (docs/benchmarks.md).
-SLO_QUANTILE = 0.8
 OUTCOMES_KEPT = 512  # recent actual/predicted ratios behind the admission margin
 MARGIN_MIN_OUTCOMES = 20  # fewer: admit on the prediction itself
 MARGIN_LIMITS = (1.0, 3.0)
@@ -74,7 +69,12 @@ class QueueLimits:
     admission: bool = True  # refuse invocations predicted to miss their function's SLO
     dry_run: bool = False  # log admission decisions instead of taking them
     prefetch_horizon_s: float = 0.25  # late binding: bind this long before batch room
-    margin_quantile: float = SLO_QUANTILE  # of actual/predicted: admission's safety margin
+    # Admission scales predictions by this quantile of recent actual/predicted ratios. On
+    # the 2-core machine at a 2x overload, with prediction errors of 30-40 %: the median
+    # kept 84-86 % of the admitted within the SLO at a goodput of 19/s; 0.8 kept
+    # 93.5-95.5 % at 10-15/s; 0.9 93 % at 5/s (docs/benchmarks.md). ``serve`` sets it from
+    # ``admission_quantile``.
+    margin_quantile: float = 0.8
 
 
 @dataclass(eq=False)
@@ -212,8 +212,8 @@ class InvocationQueue:
 
     def observe_outcome(self, ratio: float) -> None:
         """An invocation's actual / predicted completion. Admission scales its predictions
-        by the ``limits.margin_quantile`` quantile of recent ratios, so that a systematic bias of the
-        predictions (measured: 18 % short under a 2x overload) does not admit work that
+        by the ``limits.margin_quantile`` quantile of recent ratios, so that a systematic
+        bias of the predictions (measured: 18 % short under a 2x overload) does not admit work that
         will miss its SLO."""
         self._outcomes.append(ratio)
         if len(self._outcomes) >= MARGIN_MIN_OUTCOMES and len(self._outcomes) % 8 == 0:

@@ -17,6 +17,7 @@ from retouch.platform.pool import ExecutorHandle, ExecutorPool
 from retouch.platform.registry import StoredFunction
 from retouch.platform.scaler import (
     NO_DEVICE,
+    Arrived,
     Member,
     ModelLoad,
     PoolScaler,
@@ -90,12 +91,10 @@ class FakePool:
     def model_loads(self) -> dict[str, ModelLoad]:
         return dict(self.loads)
 
-    def take_arrived(self) -> dict[str, float]:
+    def take_arrived(self) -> dict[str, Arrived]:
+        # no counts: the autoscaler's noise is the demand's own spread
         arrived, self.arrived = self.arrived, {}
-        return arrived
-
-    def take_arrivals(self) -> dict[str, int]:
-        return {}  # no counts: the autoscaler's noise is the demand's own spread
+        return {model: Arrived(executor_s) for model, executor_s in arrived.items()}
 
     def spawn(self, devices: list[str], model: str | None = None) -> bool:
         if len(self.handles) >= self.devices:
