@@ -318,20 +318,25 @@ def _enum(kind: type[StrEnum], value: Any, default: StrEnum) -> Any:
 
 @dataclass(frozen=True)
 class CacheRead:
-    """Where an edit's cached activations came from and how long it waited for them."""
+    """Where an edit's cached activations came from and how long it waited for them.
+
+    ``found`` is where the template was when the invocation reached its executor, before
+    the prefetch that starts then: what placement chose (host = an affinity hit). ``tier``
+    is where the read found it, after the prefetch had (or had not) brought it in."""
 
     tier: CacheTier = CacheTier.NONE
     wait_ms: float = 0.0
+    found: CacheTier = CacheTier.NONE
 
     def to_wire(self) -> dict[str, Any]:
-        return {"tier": self.tier.value, "wait_ms": self.wait_ms}
+        return {"tier": self.tier.value, "wait_ms": self.wait_ms, "found": self.found.value}
 
     @classmethod
     def from_wire(cls, obj: Any) -> CacheRead:
         body = obj if isinstance(obj, dict) else {}
-        return cls(
-            _enum(CacheTier, body.get("tier"), CacheTier.NONE), float(body.get("wait_ms", 0.0))
-        )
+        tier = _enum(CacheTier, body.get("tier"), CacheTier.NONE)
+        found = _enum(CacheTier, body.get("found"), tier)  # an older executor: as read
+        return cls(tier, float(body.get("wait_ms", 0.0)), found)
 
 
 @dataclass(frozen=True)

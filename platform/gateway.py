@@ -614,7 +614,7 @@ class Gateway:
     def _observe(self, function: str, result: wire.InvokeResult, ratio: float) -> None:
         t = result.timings
         self.metrics.invocations.labels(function, result.path.value).inc()
-        self.metrics.cache_reads.labels(result.cache.tier.value).inc()
+        self.metrics.cache_reads.labels(result.cache.found.value).inc()
         if result.path is wire.InvokePath.MASKAWARE:
             self.metrics.prefetch_wait.observe(result.cache.wait_ms / 1e3)
         self.metrics.latency.labels(function).observe(t.total_ms / 1e3)

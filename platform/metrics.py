@@ -56,7 +56,7 @@ class GatewayMetrics:
         )
         self.cache_reads = Counter(
             "retouch_template_reads",
-            "Invocations by where their template's activations were found on the executor that ran them: host, disk, none (the full path); host / all is placement's template hit rate",
+            "Invocations by where their template's activations were when the invocation reached its executor, before the prefetch that starts then: host, disk, none (the full path); host / all is placement's template hit rate (retouch_prefetch_wait_seconds: what the reads then waited)",
             ["tier"],
             registry=r,
         )

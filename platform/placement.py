@@ -7,9 +7,10 @@ pure choices over that picture; they hold no I/O and no clock.
 ``maskaware`` (the default) is FlashPS Algorithm 2 with template affinity: the minimum of
 the predicted completion (the executor's batch ⊕ the newcomer, stepped with its cost model
 and the bubble-free plan) plus the template's residency cost there (0 in host memory, a
-disk load, a bake); near-ties go to the template's rendezvous-hash home, so equal
-executors share the work by splitting the templates between them, and a
-guard stops affinity from piling work onto one executor: when the affine choice would
+disk load, a bake); among near-ties a template stays where its host tier already holds it,
+else goes where loading it evicts the least popular template (or nothing), else to its
+rendezvous-hash home, so equal executors split the templates between them; and a guard
+stops affinity from piling work onto one executor: when the affine choice would
 finish more than ``imbalance`` later than the fastest, the fastest wins. In a large pool
 only a shortlist (the executors with the least predicted work plus residency cost) gets an
 exact prediction, which keeps a decision sub-millisecond at 64 executors. The baselines stay
@@ -27,11 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from retouch.platform.control.cluster import ExecutorView, PlacementRequest
+from retouch.platform.control.cluster import ExecutorView, PlacementRequest, Residency
 
 __all__ = ["POLICIES", "Candidate", "Placement", "PlacementRequest", "make_placement"]
 
 NEAR_TIE = 0.05  # predicted scores within 5 % (or 10 ms) count as equal
+DEMAND_HALF_LIFE = 500  # decisions after which a template's past demand counts half
 SHORTLIST = 8  # executors given an exact prediction per decision in a large pool
 
 
@@ -115,6 +117,28 @@ def _hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
 
 
+class TemplateDemand:
+    """Each template's recent share of the decisions, decayed per decision rather than per
+    second (a policy holds no clock): how much a template is worth keeping in host memory."""
+
+    def __init__(self, half_life: int = DEMAND_HALF_LIFE) -> None:
+        self._growth = 2.0 ** (1.0 / half_life)
+        self._unit = 1.0  # grows instead of every weight decaying: O(1) per decision
+        self._weights: dict[tuple[str, str], float] = {}
+
+    def add(self, key: tuple[str, str]) -> None:
+        self._unit *= self._growth
+        self._weights[key] = self._weights.get(key, 0.0) + self._unit
+        if self._unit > 1e100:  # renormalise, forgetting what has decayed to nothing
+            self._weights = {
+                k: w / self._unit for k, w in self._weights.items() if w > self._unit * 1e-9
+            }
+            self._unit = 1.0
+
+    def value(self, key: tuple[str, str]) -> float:
+        return self._weights.get(key, 0.0) / self._unit
+
+
 @dataclass
 class MaskAware:
     """Minimum predicted completion plus residency cost, near-ties to the template's
@@ -131,11 +155,14 @@ class MaskAware:
     seed: int | None = None
     fallback: LeastRequests = field(default_factory=LeastRequests)
     _rng: random.Random = field(init=False)
+    _demand: TemplateDemand = field(init=False, default_factory=TemplateDemand)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
     def choose(self, candidates: Sequence[Candidate], request: PlacementRequest) -> Candidate:
+        if request.template:
+            self._demand.add((request.function, request.template))
         scored = []
         for c in self._shortlist(candidates, request):
             prediction = c.view.predict(request)
@@ -159,17 +186,29 @@ class MaskAware:
     def _tie_break(
         self, near: list[tuple[float, float, Candidate]], request: PlacementRequest
     ) -> tuple[float, float, Candidate]:
-        """Among near-equal executors a template goes to its rendezvous-hash home: equal
-        executors then split the templates between them instead of each pulling every
-        template into its host tier (measured: at random, the 12 templates of a Zipf mix
-        were spread over both executors and maskaware hit the host tier less often than
-        least-requests). An uploaded image has no template to keep: at random."""
+        """Among near-equal executors a template goes where it costs the host tiers least:
+        where it is already held; else where loading it evicts nothing or the least
+        popular template; among those, to its rendezvous-hash home, so equal executors
+        split the templates instead of each pulling every template in. Measured: at
+        random, a Zipf mix of 12 templates spread over both executors and maskaware hit
+        the host tier less than least-requests; by hash alone, one executor's share could
+        hold more popular templates than its tier. An upload has no template: at random."""
         if len(near) == 1:
             return near[0]
         if not request.template:
             return self._rng.choice(near)
+        template = (request.function, request.template)
+        held = [item for item in near if item[2].view.tier(*template) is Residency.HOST]
+        if not held:
+            costs = [self._eviction_cost(item[2].view) for item in near]
+            held = [item for item, cost in zip(near, costs, strict=True) if cost == min(costs)]
         key = f"{request.function}/{request.template}@"
-        return max(near, key=lambda item: _hash(key + item[2].name))
+        return max(held, key=lambda item: _hash(key + item[2].name))
+
+    def _eviction_cost(self, view: ExecutorView) -> float:
+        """The recent demand for the template a load would evict there (0: room to spare)."""
+        victim = view.host_victim()
+        return 0.0 if victim is None else self._demand.value(victim)
 
 
 def shortlist(

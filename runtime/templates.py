@@ -24,7 +24,7 @@ from retouch.cachestore.errors import CorruptEntry, StoreError
 from retouch.cachestore.policy import EPHEMERAL_PREFIX
 from retouch.cachestore.store import ActivationStore, HostTemplate, Tier
 from retouch.functions.spec import FunctionSpec, UploadsSpec
-from retouch.functions.wire import BakeState, ChangeKind, TemplateStatus
+from retouch.functions.wire import BakeState, CacheTier, ChangeKind, TemplateStatus
 from retouch.runtime.fingerprint import template_key
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,10 @@ class TemplateCache:
                 self.store.prefetch(template.key)
             except StoreError as exc:
                 log.warning("prefetch of %s/%s failed: %s", template.function, template.id, exc)
+
+    def tier(self, template: Template) -> CacheTier:
+        """Where the template's activations are now (host, disk or none)."""
+        return CacheTier(self.store.tier(template.key).value)
 
     def acquire(self, template: Template) -> Acquired:
         """The host-resident activations of a baked template, or no handle if it has none

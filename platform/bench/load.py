@@ -64,7 +64,7 @@ class Outcome:
     interruptions: int = 0
     error: str | None = None
     warmup: bool = False
-    tier: str = ""  # where the template's activations were found
+    tier: str = ""  # where its template was when it reached its executor (before the prefetch)
     predicted_ms: float = 0.0  # the gateway's prediction when it placed it
     placed_ms: float = 0.0  # and what it took from there
     rejected_ms: float = 0.0  # how long a refusal (429) took to arrive
@@ -236,7 +236,7 @@ async def replay(
                 )
                 outcome.queue_ms = result.timings.queue_ms
                 outcome.interruptions = result.engine.interruptions
-                outcome.tier = result.cache.tier.value
+                outcome.tier = result.cache.found.value
                 outcome.predicted_ms = result.timings.predicted_ms
                 outcome.placed_ms = result.timings.placed_ms
                 outcome.executor = result.executor

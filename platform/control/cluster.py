@@ -278,6 +278,14 @@ class ExecutorView:
     def tier(self, function: str, template: str) -> Residency:
         return self.residency.get((function, template), Residency.ABSENT)
 
+    def host_victim(self) -> tuple[str, str] | None:
+        """The template a load into the host tier would evict (its least recently used),
+        or None while the tier has room or its size is unknown."""
+        if self.host_capacity is None:
+            return None
+        hosted = [k for k, tier in self.residency.items() if tier is Residency.HOST]
+        return hosted[0] if len(hosted) >= self.host_capacity else None
+
     def _changed(self) -> None:
         self.version += 1
 

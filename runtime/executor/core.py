@@ -372,7 +372,9 @@ class ExecutorCore:
         if not mask.any():  # nothing to edit: the template, without running the model
             return asyncio.to_thread(self._template_result, template, inv, arrived)
         covered = self.maskaware and template.covers(inv.steps, inv.guidance)
+        found = wire.CacheTier.NONE
         if covered:
+            found = self.templates.tier(template)  # where placement found it
             self.templates.prefetch(template)  # disk -> host while the invocation queues
         spec = entry.spec
         editor = self.editor(spec)  # built at deploy, before the function was registered
@@ -396,7 +398,7 @@ class ExecutorCore:
             editor=editor,
             request=request,
             fmt=inv.format,
-            acquire=lambda: self._acquire(template, covered),
+            acquire=lambda: self._acquire(template, covered, found),
             arrived=arrived,
             on_step=on_step,
             feather_px=spec.feather_px if spec.composite else None,
@@ -477,17 +479,20 @@ class ExecutorCore:
         )
 
     # ---- the engine thread ----------------------------------------------------------------
-    def _acquire(self, template: Template, covered: bool) -> tuple[Any, dict[str, Any]]:
+    def _acquire(
+        self, template: Template, covered: bool, found: wire.CacheTier
+    ) -> tuple[Any, dict[str, Any]]:
         """At join (engine thread): the template's host-resident activations when it is
         baked for these settings; otherwise no reader (every token computed, i.e. the stock
-        result) and the template is queued for baking (insert on miss)."""
+        result) and the template is queued for baking (insert on miss). ``found``: its tier
+        when the invocation arrived, reported beside the tier the read found."""
         if covered and template.state is BakeState.BAKED:
             got = self.templates.acquire(template)
             if got.handle is not None:
-                return got.handle, {"tier": got.tier, "wait_ms": got.wait_ms}
+                return got.handle, {"tier": got.tier, "wait_ms": got.wait_ms, "found": found.value}
         if covered:
             self._queue_bake(template)
-        return None, {"tier": wire.CacheTier.NONE.value, "wait_ms": 0.0}
+        return None, {"tier": wire.CacheTier.NONE.value, "wait_ms": 0.0, "found": found.value}
 
     def _queue_bake(self, template: Template) -> None:
         if not self.templates.claim_bake(template):

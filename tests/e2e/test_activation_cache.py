@@ -53,6 +53,7 @@ def test_baked_template_served_from_disk_after_executor_restart(
         wait_baked(client, "tiny-flux")
         first = client.invoke("tiny-flux", "shirt", MASK, "a green hat", seed=1)
         assert first.path == "maskaware" and first.cache.tier == "host"
+        assert first.cache.found == "host"  # a placement hit: nothing to load
 
         old = executor_state(client)
         assert old["cache"]["bakes"] == 2
@@ -74,6 +75,7 @@ def test_baked_template_served_from_disk_after_executor_restart(
         again = client.invoke("tiny-flux", "shirt", MASK, "a green hat", seed=1)
         assert again.path == "maskaware"
         assert again.cache.tier in ("disk", "host")  # host if the prefetch finished first
+        assert again.cache.found == "disk"  # on arrival it was on disk only: a load
         new = executor_state(client)
         assert new["cache"]["bakes"] == 0  # nothing re-baked: it came from the disk tier
         assert new["cache"]["loads"] >= 1 and new["cache"]["disk_bytes_read"] > 0

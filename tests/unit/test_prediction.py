@@ -261,6 +261,36 @@ def test_maskaware_splits_templates_between_equal_executors() -> None:
     assert uploads == {"a", "b"}  # at random
 
 
+def test_maskaware_keeps_host_tiers_apart_by_what_a_load_would_evict() -> None:
+    """Among equal executors a template stays where the host tier holds it, and one held
+    nowhere goes where loading it evicts nothing, else the least popular template: the
+    hash home alone could crowd one tier with popular templates while the other had room."""
+    from retouch.platform.placement import MaskAware
+
+    cluster = ClusterView()
+    a, b = (Handle(view_with(cluster, n)) for n in "ab")
+    for view in (a.view, b.view):
+        view.host_capacity = 2
+    for hot in ("hot1", "hot2"):
+        a.view.residency[("fn", hot)] = Residency.HOST
+    policy = MaskAware(seed=0)
+    for _ in range(20):  # the held templates stay on a, and make them popular
+        assert policy.choose([a, b], request(0.2, "hot1")) is a
+        assert policy.choose([a, b], request(0.2, "hot2")) is a
+    news = {policy.choose([a, b], request(0.2, f"new{i}")).name for i in range(12)}
+    assert news == {"b"}  # b has room; a would evict a popular template
+    for cold in ("cold1", "cold2"):
+        b.view.residency[("fn", cold)] = Residency.HOST
+        assert policy.choose([a, b], request(0.2, cold)) is b
+    # Both full: a load evicts a's hot1 or b's cold1 (each tier's least recently used).
+    assert {policy.choose([a, b], request(0.2, f"next{i}")).name for i in range(12)} == {"b"}
+    # Unknown tier sizes: the rendezvous-hash split of before.
+    for view in (a.view, b.view):
+        view.host_capacity = None
+    homes = {policy.choose([a, b], request(0.2, f"other{i}")).name for i in range(12)}
+    assert homes == {"a", "b"}
+
+
 def test_template_hash_is_consistent_and_moves_little() -> None:
     from retouch.platform.placement import TemplateHash
 
