@@ -482,6 +482,10 @@ class EngineStats:
     # How steps took against the plan's prediction: step = intercept_ms + slope x planned
     step_intercept_ms: float = 0.0
     step_slope: float = 1.0
+    # Pre/post worker processes: how many encodes (decodes) run at once, the rest queue
+    # (0: pre/post run inline, or an executor that does not say).
+    pre_workers: int = 0
+    post_workers: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

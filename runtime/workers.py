@@ -206,6 +206,10 @@ class PrePostPool:
                 return False
         return True
 
+    def workers(self, role: str) -> int:
+        """How many worker processes take ``role``'s jobs (PRE or POST)."""
+        return sum(1 for worker in self._workers if worker.spec.role == role)
+
     def pids(self) -> dict[str, int | None]:
         """The process id of every worker, by name."""
         return {worker.spec.name: worker.pid for worker in self._workers}

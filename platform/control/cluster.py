@@ -14,7 +14,7 @@ objects on a virtual clock).
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -74,6 +74,7 @@ class Placed:
     predicted: Prediction
     started: bool = False
     deadline: float | None = None  # when its SLO ends (clock time), if it has one
+    pre_ahead: int = 0  # placed here before it and not yet in the batch: encodes ahead
 
 
 @dataclass
@@ -84,7 +85,10 @@ class Overheads:
     They are properties of the model and the machine rather than of one executor, and a
     per-executor average goes stale exactly where it matters: an executor whose first,
     cold invocations were slow looks slow, gets no more work, and never observes anything
-    that would correct it (measured: one of two executors got 4 of 120 invocations)."""
+    that would correct it (measured: one of two executors got 4 of 120 invocations).
+
+    They are service times: the prediction adds the wait for a worker itself (see
+    ``queued_share``), so a result that queued for one teaches only the step part."""
 
     pre_s: float = 0.0
     post_s: float = 0.0
@@ -92,10 +96,13 @@ class Overheads:
     observations: int = 0
     version: int = 0  # bumped on every change (the views' prediction memos follow it)
 
-    def observe(self, pre_s: float, post_s: float) -> None:
+    def observe(self, pre_s: float | None, post_s: float | None) -> None:
+        """One result's encode and decode times; None for one that queued for a worker."""
         first = self.observations == 0
-        self.pre_s = pre_s if first else (1 - EWMA) * self.pre_s + EWMA * pre_s
-        self.post_s = post_s if first else (1 - EWMA) * self.post_s + EWMA * post_s
+        if pre_s is not None:
+            self.pre_s = pre_s if first else (1 - EWMA) * self.pre_s + EWMA * pre_s
+        if post_s is not None:
+            self.post_s = post_s if first else (1 - EWMA) * self.post_s + EWMA * post_s
         self.observations += 1
         self.version += 1
 
@@ -114,9 +121,14 @@ class Calibration:
     scale: float = 1.0
     observations: int = 0
 
-    def step(self, overheads: Overheads) -> StepCalibration:
+    def step(self, overheads: Overheads, workers: tuple[int, int] = (0, 0)) -> StepCalibration:
         return StepCalibration(
-            self.step_intercept_s, self.step_slope, self.scale, overheads.pre_s, overheads.post_s
+            self.step_intercept_s,
+            self.step_slope,
+            self.scale,
+            overheads.pre_s,
+            overheads.post_s,
+            *workers,
         )
 
     def describe(self, overheads: Overheads) -> dict[str, float]:
@@ -148,6 +160,8 @@ class ExecutorView:
         self.placed: dict[int, Placed] = {}  # in placement order
         self.residency: OrderedDict[tuple[str, str], Residency] = OrderedDict()  # LRU last
         self.host_capacity: int | None = None  # templates the host tier holds (None: unknown)
+        self.workers = (0, 0)  # its pre and post worker processes (0: not known)
+        self._results: deque[float] = deque(maxlen=16)  # when its latest results came
         self.version = 0
         self.arrivals = ArrivalRate()  # placements here, to predict who joins later
         self._memo: dict[tuple, Prediction] = {}
@@ -167,6 +181,7 @@ class ExecutorView:
             coster = costers.get(state.device, model, doc)
             if coster is not None:
                 self.costers[model] = coster
+        self.workers = (state.engine.pre_workers, state.engine.post_workers)
         if state.engine.step_slope > 0:
             self.calibration.step_intercept_s = state.engine.step_intercept_ms / 1e3
             self.calibration.step_slope = state.engine.step_slope
@@ -220,7 +235,8 @@ class ExecutorView:
         if member is None:
             return None
         predicted = self.predict(newcomer) or Prediction(0.0, 0.0)
-        placed = Placed(newcomer, member, now, predicted, deadline=deadline)
+        ahead = sum(1 for p in self.placed.values() if not p.started)
+        placed = Placed(newcomer, member, now, predicted, deadline=deadline, pre_ahead=ahead)
         self.placed[token] = placed
         self.arrivals.observe(now, member)
         self._changed()
@@ -244,16 +260,27 @@ class ExecutorView:
         self._touch(placed.newcomer, result)
         actual = now - placed.placed_at
         predicted = placed.predicted.finish_s
-        self._calibrate(result, actual, predicted)
+        self._calibrate(placed, result, now, actual, predicted)
         return abs(predicted - actual) / actual if actual > 0 and predicted > 0 else None
 
-    def _calibrate(self, result: wire.InvokeResult, actual: float, predicted: float) -> None:
+    def _calibrate(
+        self, placed: Placed, result: wire.InvokeResult, now: float, actual: float, predicted: float
+    ) -> None:
         c = self.calibration
         c.observations += 1
+        t = result.timings
+        post_s = t.post_ms / 1e3
+        # Its decode queued if as many results as there are post workers came back while
+        # it was decoding; its encode if every pre worker had one placed before it.
+        during = sum(1 for at in self._results if at > now - post_s)
+        self._results.append(now)
         if c.observations == 1:
             return  # an executor's first result is cold (first loads, first allocations)
-        t = result.timings
-        self.overheads.observe(t.pre_ms / 1e3, t.post_ms / 1e3)
+        pre_workers, post_workers = self.workers
+        self.overheads.observe(
+            None if 0 < pre_workers <= placed.pre_ahead else t.pre_ms / 1e3,
+            None if 0 < post_workers <= during else post_s,
+        )
         if result.cache.tier is wire.CacheTier.DISK:
             self.overheads.observe_disk_load(result.cache.wait_ms / 1e3)
         if predicted > 0 and actual > 0:
@@ -347,12 +374,12 @@ class ExecutorView:
         executor runs). Rebuilt only when one of its values changed: every prediction asks
         for it, and building a frozen dataclass costs more than the rest of a memo hit."""
         c, o = self.calibration, self.overheads
-        key = (c.step_intercept_s, c.step_slope, c.scale, o.pre_s, o.post_s)
+        key = (c.step_intercept_s, c.step_slope, c.scale, o.pre_s, o.post_s, *self.workers)
         if key != self._steps_key:
             self._steps_key, self._steps = key, {}
         step = self._steps.get(idle)
         if step is None:
-            step = self._steps[idle] = c.step(o)
+            step = self._steps[idle] = c.step(o, self.workers)
             if idle:
                 step = self._steps[idle] = replace(step, scale=1.0)
         return step

@@ -41,6 +41,7 @@ from retouch.runtime.plan import make_planner
 from retouch.runtime.prediction import plan_table
 from retouch.runtime.profiling import cached_profile, load_or_profile, profile_in_subprocess
 from retouch.runtime.templates import BakeState, Template, TemplateCache
+from retouch.runtime.worker_server import POST, PRE
 from retouch.runtime.workers import PrePostPool, WorkerDied
 
 log = logging.getLogger(__name__)
@@ -548,6 +549,7 @@ class ExecutorCore:
         summary = self.engine.counters.summary()
         plan = summary.pop("last_plan", None) or {}
         config = self.engine.config
+        pool = None if self.stages is None else self.stages.pool
         return wire.EngineStats(
             mode=config.mode.value,
             max_batch=config.max_batch,
@@ -558,4 +560,6 @@ class ExecutorCore:
             **summary,
             plan_sparse_blocks=plan.get("sparse"),
             plan_blocks=plan.get("blocks"),
+            pre_workers=0 if pool is None else pool.workers(PRE),
+            post_workers=0 if pool is None else pool.workers(POST),
         )
