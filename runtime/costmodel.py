@@ -37,6 +37,21 @@ class LinearFit:
         return cls(float(intercept), float(slope), 1.0 - residual / total if total > 0 else 1.0)
 
     @classmethod
+    def fit_theil_sen(cls, xs: list[float], ys: list[float]) -> LinearFit:
+        """The median of the pairwise slopes and the median residual (``r2`` not computed:
+        1): a line that a few samples slowed by other work on the device do not pull, where
+        least squares did (an engine's step fit on 2 shared cores: an intercept of 473 ms
+        from 9 steps, for steps that take ~190 ms)."""
+        x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+        i, j = np.triu_indices(len(x), k=1)
+        dx = x[j] - x[i]
+        apart = np.abs(dx) > 0.01 * np.abs(x).mean()  # pairs at one x tell no slope
+        if not apart.any():
+            return cls(float(np.median(y)) if len(y) else 0.0, 0.0, 1.0)
+        slope = float(np.median((y[j] - y[i])[apart] / dx[apart]))
+        return cls(float(np.median(y - slope * x)), slope, 1.0)
+
+    @classmethod
     def fit_medians(cls, xs: list[float], ys: list[float]) -> LinearFit:
         """:meth:`fit` on the median ``y`` of each distinct ``x``: repeated measurements of
         one configuration count once, and a sample slowed by another process does not pull

@@ -58,6 +58,8 @@ from retouch.runtime.maskaware.request import EditRequest, RequestState
 log = logging.getLogger(__name__)
 
 STEP_HISTORY = 512  # per-step records kept for /state
+MIN_LINE_STEPS = 12  # fewer steps give the median ratio, not a line
+LINE_STEPS = 96  # the latest steps a line is fitted on (4 560 pairs: ~1 ms per /state)
 STOP_JOIN_S = 30.0
 
 
@@ -210,17 +212,18 @@ def step_overhead(records: list[StepRecord]) -> dict[str, float]:
     step_intercept_ms + step_slope × planned_ms``, fitted on the recent steps. It absorbs
     the time outside the profiled blocks and a profile taken while the device was busier
     or quieter than now; the gateway's predictions apply it to every planned step. With
-    too little spread in the planned times for a line, the slope is the median ratio."""
+    too few steps or too little spread in the planned times for a line, the slope is the
+    median ratio."""
     planned = [r for r in records if r.predicted_ms > 0]
     if not planned:
         return {}
     xs = [r.predicted_ms for r in planned]
     ys = [r.step_ms for r in planned]
     mean = sum(xs) / len(xs)
-    if len(xs) >= 4 and max(xs) - min(xs) > 0.3 * mean:
+    if len(xs) >= MIN_LINE_STEPS and max(xs) - min(xs) > 0.3 * mean:
         # The intercept may be negative: a profile with too large a fixed cost per block
         # (taken while the device was shared) is corrected by a steeper, shifted line.
-        fit = LinearFit.fit(xs, ys)
+        fit = LinearFit.fit_theil_sen(xs[-LINE_STEPS:], ys[-LINE_STEPS:])
         if fit.slope > 0:
             return {"step_intercept_ms": fit.intercept, "step_slope": fit.slope}
     return {

@@ -295,9 +295,16 @@ def test_step_fit_turns_planned_time_into_observed() -> None:
     the median ratio when they do not (a profile taken on a busier machine: slope < 1)."""
     from retouch.runtime.engine import StepRecord, step_overhead
 
-    spread = [StepRecord(1, 0.0, 10 + 0.5 * p, 0.0, 0, 4, p) for p in (100, 200, 300, 400, 500)]
+    planned = [100.0, 200.0, 300.0, 400.0, 500.0] * 4
+    spread = [StepRecord(1, 0.0, 10 + 0.5 * p, 0.0, 0, 4, p) for p in planned]
     fit = step_overhead(spread)
     assert fit["step_intercept_ms"] == pytest.approx(10) and fit["step_slope"] == pytest.approx(0.5)
+    # A quarter of the steps slowed 3x by other work on the device do not move the line.
+    slowed = [StepRecord(1, 0.0, 3 * (10 + 0.5 * p), 0.0, 0, 4, p) for p in planned[:5]]
+    fit = step_overhead(spread[:15] + slowed)
+    assert fit["step_intercept_ms"] == pytest.approx(10, abs=5)
+    assert fit["step_slope"] == pytest.approx(0.5, rel=0.05)
+    assert step_overhead(spread[:5])["step_intercept_ms"] == 0.0  # too few for a line
     flat = [StepRecord(1, 0.0, 0.25 * 400, 0.0, 0, 4, 400.0) for _ in range(5)]
     assert step_overhead(flat) == {"step_intercept_ms": 0.0, "step_slope": pytest.approx(0.25)}
     assert step_overhead([StepRecord(1, 0.0, 5.0, 0.0, 0, 4)]) == {}  # no planner: nothing
