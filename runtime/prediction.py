@@ -52,10 +52,11 @@ class StepCalibration:
 
 def queued_share(ahead: int, workers: int) -> float:
     """Extra service times a job waits with ``ahead`` jobs before it at ``workers`` workers
-    (0 without a queue model). Those ahead are counted half-done on average while in
-    service, so each one beyond the free workers adds 1/``workers``: a burst of encodes
-    placed on one executor finishes one service time apart per worker (measured: 8 arrivals
-    within 0.14 s on one pre worker took 39, 68, ... 276 ms, where 47 ms was predicted)."""
+    (0 without a queue model): each one beyond the free workers adds 1/``workers``, the one
+    in service counted whole (right for a burst placed at once, long by up to one service
+    time for a job placed while another is half-encoded). A burst of encodes placed on one
+    executor finishes one service time apart per worker (measured: 8 arrivals within
+    0.14 s on one pre worker took 39, 68, ... 276 ms, where 47 ms was predicted)."""
     if workers <= 0:
         return 0.0
     return max(0, ahead + 1 - workers) / workers
