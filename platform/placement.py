@@ -141,9 +141,9 @@ class TemplateDemand:
 
 @dataclass
 class MaskAware:
-    """Minimum predicted completion plus residency cost, near-ties to the template's
-    rendezvous-hash home (an upload's at random), and an imbalance guard (see the module
-    docstring)."""
+    """Minimum predicted completion plus residency cost, near-ties by what each host tier
+    holds and would evict, then the template's rendezvous-hash home (an upload's at
+    random), and an imbalance guard (see the module docstring)."""
 
     name: str = "maskaware"
     late_binding: bool = True

@@ -272,7 +272,7 @@ class TemplateCache:
     def acquire(self, template: Template) -> Acquired:
         """The host-resident activations of a baked template, or no handle if it has none
         (never baked, evicted from every tier, or found corrupt: then it is re-baked)."""
-        tier = self.store.tier(template.key).value
+        tier = self.tier(template).value
         started = time.perf_counter()
         try:
             handle = self.store.acquire(template.key)

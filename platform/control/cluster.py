@@ -93,22 +93,30 @@ class Overheads:
     pre_s: float = 0.0
     post_s: float = 0.0
     disk_load_s: float = DISK_LOAD_S
-    observations: int = 0
+    pre_observations: int = 0
+    post_observations: int = 0
     version: int = 0  # bumped on every change (the views' prediction memos follow it)
 
     def observe(self, pre_s: float | None, post_s: float | None) -> None:
-        """One result's encode and decode times; None for one that queued for a worker."""
-        first = self.observations == 0
+        """One result's encode and decode times; None for one that queued for a worker.
+        Each average starts at its own first observation (a first result whose encode
+        queued must not leave the encode average blending up from 0)."""
         if pre_s is not None:
-            self.pre_s = pre_s if first else (1 - EWMA) * self.pre_s + EWMA * pre_s
+            self.pre_s = _running(self.pre_s, pre_s, self.pre_observations)
+            self.pre_observations += 1
         if post_s is not None:
-            self.post_s = post_s if first else (1 - EWMA) * self.post_s + EWMA * post_s
-        self.observations += 1
+            self.post_s = _running(self.post_s, post_s, self.post_observations)
+            self.post_observations += 1
         self.version += 1
 
     def observe_disk_load(self, seconds: float) -> None:
         self.disk_load_s = (1 - EWMA) * self.disk_load_s + EWMA * seconds
         self.version += 1
+
+
+def _running(average: float, value: float, observations: int) -> float:
+    """The EWMA of the calibration's running averages, starting at the first value."""
+    return value if observations == 0 else (1 - EWMA) * average + EWMA * value
 
 
 @dataclass

@@ -127,6 +127,15 @@ def test_results_that_queued_for_a_worker_do_not_teach_the_service_time() -> Non
     assert (view.overheads.pre_s, view.overheads.post_s) == pytest.approx((0.04, 0.06))
 
 
+def test_each_overhead_average_starts_at_its_own_first_observation() -> None:
+    from retouch.platform.control.cluster import Overheads
+
+    overheads = Overheads()
+    overheads.observe(None, 0.06)  # its encode queued: only the decode teaches
+    overheads.observe(0.04, None)  # and here only the encode
+    assert (overheads.pre_s, overheads.post_s) == pytest.approx((0.04, 0.06))
+
+
 def test_drift_scales_the_steps() -> None:
     c = coster()
     base = predict([member(c, 4, 0.3)], [], member(c, 4, 0.3), 4, StepCalibration())
