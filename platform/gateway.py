@@ -391,7 +391,7 @@ class Gateway:
                 field="template",
                 code="template_not_found",
             )
-        mask, footprint = await decode_mask_off_loop(req.mask, size)
+        mask, footprint = await decode_mask_off_loop(req.mask, size, fn.spec.halo or 0)
         inv = wire.ExecutorInvoke(
             function=fn.spec.name,
             template=template,
@@ -683,18 +683,20 @@ class Gateway:
 
 
 async def decode_mask_off_loop(
-    data: bytes, size: tuple[int, int]
+    data: bytes, size: tuple[int, int], halo: int = 0
 ) -> tuple[np.ndarray, MaskFootprint]:
     """A mask larger than ``INLINE_MASK_PIXELS`` is decoded on a worker thread, so the event
     loop serves other invocations meanwhile; a small one inline (cheaper than the hop)."""
     if size[0] * size[1] <= INLINE_MASK_PIXELS:
-        return _decode_mask(data, size)
-    return await asyncio.to_thread(_decode_mask, data, size)
+        return _decode_mask(data, size, halo)
+    return await asyncio.to_thread(_decode_mask, data, size, halo)
 
 
-def _decode_mask(data: bytes, size: tuple[int, int]) -> tuple[np.ndarray, MaskFootprint]:
+def _decode_mask(
+    data: bytes, size: tuple[int, int], halo: int = 0
+) -> tuple[np.ndarray, MaskFootprint]:
     """Decode a mask and summarise it for prediction: CPU work, run on a worker thread so
     a large mask never stalls the event loop for other invocations (a small one inline:
     see ``INLINE_MASK_PIXELS``)."""
     mask = decode_mask(data, size)
-    return mask, MaskFootprint.of(mask)
+    return mask, MaskFootprint.of(mask, halo)

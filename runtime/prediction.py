@@ -324,12 +324,13 @@ def first_departure_s(batch: Sequence[Member], calibration: StepCalibration) -> 
 # -- what a mask costs on each token grid ----------------------------------------------------
 
 TOKEN_PX = (8, 16, 32, 64)  # token sizes in pixels: SD UNet levels; Flux and SD3 pack 16
+LATENT_PX = 8  # every family served has an 8x VAE: one latent pixel per 8x8 image pixels
 
 
 @dataclass(frozen=True)
 class MaskFootprint:
     """An edit mask summarised for prediction: masked tokens on every token size a family
-    uses (a token counts when any pixel under it is masked, as the executor max-pools)."""
+    uses, counted as the executor computes them (see :meth:`of`)."""
 
     ratio: float
     pixels: int  # image pixels (H x W)
@@ -339,14 +340,25 @@ class MaskFootprint:
     )
 
     @classmethod
-    def of(cls, mask: np.ndarray) -> MaskFootprint:
+    def of(cls, mask: np.ndarray, halo: int = 0) -> MaskFootprint:
+        """The tokens the executor will compute for ``mask``: the pipeline's nearest resize
+        onto the latent grid (one image pixel stands for its 8x8 cell), grown by ``halo``
+        latent pixels, then max-pooled onto each token grid (``runtime/maskaware/tokens``).
+        Counting a token whenever *any* of its pixels is masked overestimated irregular
+        masks: a 0.6 blob touches every 16-px token, the executor computes 83 % of them,
+        and such invocations were predicted 1.46x long (measured on small-flux)."""
         h, w = mask.shape
+        lh, lw = max(1, h // LATENT_PX), max(1, w // LATENT_PX)
+        # F.interpolate(mode="nearest") reads source index floor(i * in / out)
+        latent = mask[np.ix_(np.arange(lh) * h // lh, np.arange(lw) * w // lw)]
+        latent = _dilate(latent.astype(bool), halo)
         masked = {}
         for px in TOKEN_PX:
-            gh, gw = -(-h // px), -(-w // px)
-            padded = np.zeros((gh * px, gw * px), dtype=bool)
-            padded[:h, :w] = mask
-            masked[px] = int(padded.reshape(gh, px, gw, px).any(axis=(1, 3)).sum())
+            k = max(1, px // LATENT_PX)
+            gh, gw = -(-lh // k), -(-lw // k)
+            padded = np.zeros((gh * k, gw * k), dtype=bool)
+            padded[:lh, :lw] = latent
+            masked[px] = int(padded.reshape(gh, k, gw, k).any(axis=(1, 3)).sum())
         return cls(float(mask.mean()) if mask.size else 0.0, h * w, masked)
 
     def on(self, grids: Sequence[int]) -> tuple[int, ...]:
@@ -364,3 +376,22 @@ class MaskFootprint:
             nearest = min(TOKEN_PX, key=lambda p: abs(p - px))
             out.append(min(tokens, self.masked[nearest]))
         return tuple(out)
+
+
+def _dilate(grid: np.ndarray, pixels: int) -> np.ndarray:
+    """``grid`` grown by ``pixels`` in every direction (a square window), as
+    ``tokens.dilate`` grows the latent mask by a family's halo."""
+    if pixels <= 0:
+        return grid
+    out = grid.copy()
+    for axis in (0, 1):
+        grown = out.copy()
+        n = out.shape[axis]
+        for d in range(1, min(pixels, n - 1) + 1):
+            ahead = [slice(None)] * 2
+            behind = [slice(None)] * 2
+            ahead[axis], behind[axis] = slice(d, None), slice(None, n - d)
+            grown[tuple(behind)] |= out[tuple(ahead)]
+            grown[tuple(ahead)] |= out[tuple(behind)]
+        out = grown
+    return out

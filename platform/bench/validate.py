@@ -304,11 +304,11 @@ def _load_spec(spec: ValidateSpec) -> LoadSpec:
 
 
 def _record(
-    plan: list, outcomes: list[Outcome], size: tuple[int, int], steps: int
+    plan: list, outcomes: list[Outcome], size: tuple[int, int], steps: int, halo: int
 ) -> list[dict[str, Any]]:
     rows = []
     for req, o in zip(plan, outcomes, strict=True):
-        fp = MaskFootprint.of(decode_mask(req.mask, size))  # as the gateway summarises it
+        fp = MaskFootprint.of(decode_mask(req.mask, size), halo)  # as the gateway summarises it
         rows.append(
             {
                 "at_s": req.at,
@@ -390,7 +390,7 @@ def run_real(spec: ValidateSpec, data_dir: Path) -> tuple[float, list[RealRun]]:
                     name,
                     load,
                     load * capacity,
-                    _record(plan, stats.outcomes, size, spec.steps),
+                    _record(plan, stats.outcomes, size, spec.steps, function.halo or 0),
                     cost_model,
                     executors,
                 )

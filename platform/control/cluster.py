@@ -14,6 +14,7 @@ objects on a virtual clock).
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -33,6 +34,7 @@ from retouch.runtime.prediction import (
 )
 
 EWMA = 0.2  # weight of a new observation in the calibration's running averages
+OVERHEAD_WINDOW = 15  # recent encodes (decodes) whose median the pool predicts with
 SCALE_LIMITS = (0.5, 2.0)  # the drift correction never runs away on a burst
 DISK_LOAD_S = 0.05  # a template's disk load before one was observed
 MEMO_BUCKETS = 64  # mask resolution of the per-executor prediction memo
@@ -93,30 +95,34 @@ class Overheads:
     pre_s: float = 0.0
     post_s: float = 0.0
     disk_load_s: float = DISK_LOAD_S
-    pre_observations: int = 0
-    post_observations: int = 0
     version: int = 0  # bumped on every change (the views' prediction memos follow it)
+    pre_samples: deque[float] = field(default_factory=lambda: deque(maxlen=OVERHEAD_WINDOW))
+    post_samples: deque[float] = field(default_factory=lambda: deque(maxlen=OVERHEAD_WINDOW))
+
+    @property
+    def pre_observations(self) -> int:
+        return len(self.pre_samples)
+
+    @property
+    def post_observations(self) -> int:
+        return len(self.post_samples)
 
     def observe(self, pre_s: float | None, post_s: float | None) -> None:
         """One result's encode and decode times; None for one that queued for a worker.
-        Each average starts at its own first observation (a first result whose encode
-        queued must not leave the encode average blending up from 0)."""
+        Each is the median of its recent observations: a new pool's first results are
+        cold or contended (measured on small-flux: decodes of 1.6-1.8 s, then ~0.8 s), and
+        an average that starts there stays long for a dozen results, a median for two."""
         if pre_s is not None:
-            self.pre_s = _running(self.pre_s, pre_s, self.pre_observations)
-            self.pre_observations += 1
+            self.pre_samples.append(pre_s)
+            self.pre_s = statistics.median(self.pre_samples)
         if post_s is not None:
-            self.post_s = _running(self.post_s, post_s, self.post_observations)
-            self.post_observations += 1
+            self.post_samples.append(post_s)
+            self.post_s = statistics.median(self.post_samples)
         self.version += 1
 
     def observe_disk_load(self, seconds: float) -> None:
         self.disk_load_s = (1 - EWMA) * self.disk_load_s + EWMA * seconds
         self.version += 1
-
-
-def _running(average: float, value: float, observations: int) -> float:
-    """The EWMA of the calibration's running averages, starting at the first value."""
-    return value if observations == 0 else (1 - EWMA) * average + EWMA * value
 
 
 @dataclass

@@ -19,10 +19,10 @@ def test_a_small_mask_is_decoded_while_a_large_one_is_still_decoding(
     release = threading.Event()
     large = (1024, 1024)
 
-    def slow_for_large(data: bytes, size: tuple[int, int]):
+    def slow_for_large(data: bytes, size: tuple[int, int], halo: int = 0):
         if size == large:  # stands for a decode that takes long: held until released
             assert release.wait(10), "the large decode was never released"
-        return real(data, size)
+        return real(data, size, halo)
 
     monkeypatch.setattr(gateway, "_decode_mask", slow_for_large)
 

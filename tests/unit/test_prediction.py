@@ -136,6 +136,18 @@ def test_each_overhead_average_starts_at_its_own_first_observation() -> None:
     assert (overheads.pre_s, overheads.post_s) == pytest.approx((0.04, 0.06))
 
 
+def test_a_pools_cold_first_results_do_not_linger_in_its_overheads() -> None:
+    """A new pool's first decodes are slow (cold workers, contended cores): once most
+    recent ones are warm, the prediction uses a warm time, not a blend that stays long."""
+    from retouch.platform.control.cluster import Overheads
+
+    overheads = Overheads()
+    for post_s in (1.85, 1.6, 0.8, 0.78, 0.82):
+        overheads.observe(0.55, post_s)
+    assert overheads.post_s == pytest.approx(0.82)
+    assert overheads.post_observations == 5
+
+
 def test_drift_scales_the_steps() -> None:
     c = coster()
     base = predict([member(c, 4, 0.3)], [], member(c, 4, 0.3), 4, StepCalibration())
@@ -146,11 +158,34 @@ def test_drift_scales_the_steps() -> None:
 def test_mask_footprint_counts_tokens_a_pixel_touches() -> None:
     mask = np.zeros((64, 64), dtype=bool)
     mask[0:8, 0:8] = True  # one 8-px token, one 16-px token
-    mask[20, 40] = True  # one more of each
+    mask[16:24, 40:48] = True  # one more of each
     fp = MaskFootprint.of(mask)
     assert fp.masked[8] == 2 and fp.masked[16] == 2 and fp.masked[32] == 2
     assert fp.on([16 * 16]) == (2,)  # 4-px tokens on a 64-px mask: the nearest size, 8 px
-    assert fp.ratio == pytest.approx((64 + 1) / 4096)
+    assert fp.ratio == pytest.approx(128 / 4096)
+
+
+@pytest.mark.parametrize("shape", ["rect", "ellipse", "blob"])
+@pytest.mark.parametrize("ratio", [0.05, 0.2, 0.6])
+@pytest.mark.parametrize("halo", [0, 2])
+def test_mask_footprint_is_what_the_executor_computes(shape: str, ratio: float, halo: int) -> None:
+    """The gateway's token counts equal the executor's own: the pipeline's nearest resize
+    onto the latent grid, the halo, max-pooled per level (``runtime/maskaware``). An
+    any-pixel count put a 0.6 blob at every token where the executor computes 83 %."""
+    torch = pytest.importorskip("torch")
+    from retouch.functions.demo.images import mask_of_ratio
+    from retouch.runtime.maskaware.inpaint import latent_mask
+    from retouch.runtime.maskaware.request import token_sets
+    from retouch.runtime.maskaware.tokens import level_sizes
+
+    size = 512
+    mask = np.asarray(mask_of_ratio((size, size), ratio, shape, seed=3)) > 0
+    condition = torch.from_numpy(mask.astype(np.float32))[None, None]
+    latent = latent_mask(condition, (size // 8, size // 8))[0, 0] > 0.5
+    sets = token_sets(latent, level_sizes(size // 8, size // 8, 4), halo=halo)
+    fp = MaskFootprint.of(mask, halo)
+    for (h, _w), tokens in sets.items():
+        assert fp.masked[size // h] == tokens.count, (size // h, shape, ratio)
 
 
 def view_with(cluster: ClusterView, name: str, max_batch: int = 4):
