@@ -482,6 +482,7 @@ class EngineStats:
     # How steps took against the plan's prediction: step = intercept_ms + slope x planned
     step_intercept_ms: float = 0.0
     step_slope: float = 1.0
+    step_fit_prior: int = 0  # steps in that fit left by a previous engine (runtime/steprecords)
     # Pre/post worker processes: how many encodes (decodes) run at once, the rest queue
     # (0: pre/post run inline, or an executor that does not say).
     pre_workers: int = 0

@@ -176,6 +176,7 @@ class StepRecord:
     sparse_blocks: int
     blocks: int
     predicted_ms: float = 0.0  # the plan's latency of the profiled blocks (0: no planner)
+    model: str = ""  # whose group stepped (a step runs one model's group)
 
 
 @dataclass
@@ -185,6 +186,18 @@ class EngineCounters:
     bakes: int = 0
     canceled: int = 0
     history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
+    # (planned, measured) ms pairs a previous engine left per model (``steprecords``): they
+    # fill the step fit's window until this engine's own steps displace them. Replaced
+    # whole (never mutated) by the deploy thread; the state path reads a snapshot.
+    prior: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+
+    def own_pairs(self, model: str) -> list[tuple[float, float]]:
+        """This engine's planned steps of ``model`` as (planned, measured) ms pairs."""
+        return [
+            (r.predicted_ms, r.step_ms)
+            for r in list(self.history)
+            if r.model == model and r.predicted_ms > 0
+        ]
 
     def summary(self) -> dict[str, Any]:
         recent = list(self.history)
@@ -203,32 +216,39 @@ class EngineCounters:
             "last_plan": {"sparse": recent[-1].sparse_blocks, "blocks": recent[-1].blocks}
             if recent
             else None,
-            **step_overhead(recent),
+            **step_overhead(recent, [p for pairs in list(self.prior.values()) for p in pairs]),
         }
 
 
-def step_overhead(records: list[StepRecord]) -> dict[str, float]:
+def step_overhead(
+    records: list[StepRecord], prior: list[tuple[float, float]] | None = None
+) -> dict[str, float]:
     """How steps really took against what the plan predicted for them: ``step_ms =
     step_intercept_ms + step_slope × planned_ms``, fitted on the recent steps. It absorbs
     the time outside the profiled blocks and a profile taken while the device was busier
     or quieter than now; the gateway's predictions apply it to every planned step. With
     too few steps or too little spread in the planned times for a line, the slope is the
-    median ratio."""
-    planned = [r for r in records if r.predicted_ms > 0]
-    if not planned:
+    median ratio. ``prior`` (planned, measured) pairs, a previous engine's, fill the
+    window while this engine has fewer than ``LINE_STEPS`` of its own."""
+    own = [(r.predicted_ms, r.step_ms) for r in records if r.predicted_ms > 0]
+    room = max(0, LINE_STEPS - len(own))
+    pairs = (prior[-room:] if prior and room else []) + own
+    if not pairs:
         return {}
-    xs = [r.predicted_ms for r in planned]
-    ys = [r.step_ms for r in planned]
+    counts = {"step_fit_prior": len(pairs) - len(own)}
+    xs = [p for p, _ in pairs]
+    ys = [m for _, m in pairs]
     mean = sum(xs) / len(xs)
     if len(xs) >= MIN_LINE_STEPS and max(xs) - min(xs) > 0.3 * mean:
         # The intercept may be negative: a profile with too large a fixed cost per block
         # (taken while the device was shared) is corrected by a steeper, shifted line.
         fit = LinearFit.fit_theil_sen(xs[-LINE_STEPS:], ys[-LINE_STEPS:])
         if fit.slope > 0:
-            return {"step_intercept_ms": fit.intercept, "step_slope": fit.slope}
+            return {"step_intercept_ms": fit.intercept, "step_slope": fit.slope, **counts}
     return {
         "step_intercept_ms": 0.0,
         "step_slope": statistics.median(y / x for x, y in zip(xs, ys, strict=True)),
+        **counts,
     }
 
 
@@ -519,6 +539,7 @@ class Engine:
                 sparse,
                 len(modes),
                 _predicted_ms(editor),
+                group[0].model,
             )
         )
         for work in group:

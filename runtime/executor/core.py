@@ -39,7 +39,13 @@ from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.models import ModelCache
 from retouch.runtime.plan import make_planner
 from retouch.runtime.prediction import plan_table
-from retouch.runtime.profiling import cached_profile, load_or_profile, profile_in_subprocess
+from retouch.runtime.profiling import (
+    cached_profile,
+    load_or_profile,
+    profile_in_subprocess,
+    profile_path,
+)
+from retouch.runtime.steprecords import load_step_records, save_step_records
 from retouch.runtime.templates import BakeState, Template, TemplateCache
 from retouch.runtime.worker_server import POST, PRE
 from retouch.runtime.workers import PrePostPool, WorkerDied
@@ -171,6 +177,7 @@ class ExecutorCore:
         self.lock = threading.Lock()  # guards the three tables below; never held across work
         self.functions: dict[str, FunctionEntry] = {}
         self.cost_models: dict[str, CostModel] = {}  # per model, on this device
+        self._profiles: dict[str, Path] = {}  # per model: its profile file (step records)
         self._editors: dict[tuple[str, str], Future[MaskAwareEditor]] = {}
         self._generations: dict[str, int] = {}  # latest control operation per function name
         self._closed = False
@@ -188,9 +195,21 @@ class ExecutorCore:
             return
         self._closed = True
         self.engine.stop()
+        self._keep_step_records()
         if self.stages is not None:
             self.stages.pool.close()
         self.templates.store.close()
+
+    def _keep_step_records(self) -> None:
+        """Leave this engine's latest steps of each model beside its profile, so the next
+        executor of the model starts with a step fit (``runtime/steprecords``)."""
+        with self.lock:
+            profiles = dict(self._profiles)
+        counters = self.engine.counters
+        for model, profile in profiles.items():
+            own = counters.own_pairs(model)
+            if own:
+                save_step_records(profile, [*counters.prior.get(model, ()), *own])
 
     @property
     def healthy(self) -> bool:
@@ -305,6 +324,13 @@ class ExecutorCore:
         attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
         cost_model = load_or_profile(editor, loaded.folder, self.data_dir, spec.width)
         editor.set_planner(make_planner(cost_model))
+        profile = profile_path(self.data_dir, loaded.folder, loaded.device)
+        prior = load_step_records(profile)
+        with self.lock:
+            self._profiles[spec.model] = profile
+        self.engine.counters.prior = {**self.engine.counters.prior, spec.model: tuple(prior)}
+        if prior:
+            log.info("step fit of %s starts from %d kept steps", spec.model, len(prior))
         grids = cost_model.extra.get("grids")
         if grids and "step_table" not in cost_model.extra:
             # The gateway predicts completions from this table (plans at 17 mask ratios

@@ -20,6 +20,7 @@ def test_deploy_invoke_delete_restart(
     invoker: Client,
     examples: Path,
     tokens: dict[str, str],
+    shared_dir: Path,
 ) -> None:
     for name in ("tiny-sd", "tiny-flux"):
         doc = admin.deploy_file(examples / f"{name}.toml")
@@ -50,13 +51,23 @@ def test_deploy_invoke_delete_restart(
     assert admin.delete("tiny-sd") == {"deleted": "tiny-sd"}
     assert [f["name"] for f in admin.list()] == ["tiny-flux"]
 
+    # Closing executors leave their steps beside the profile (runtime/steprecords) ...
+    for kept in (shared_dir / "profiles").glob("*.steps.json"):
+        kept.unlink()  # (left by other tests' servers: this one's must write its own)
     server.stop()
+    assert list((shared_dir / "profiles").glob("*.steps.json"))
     with (
         ServerProcess(data_dir, env=tokens) as restarted,
         Client(restarted.url, tokens["RETOUCH_ADMIN_TOKEN"]) as again,
     ):
         assert again.wait_ready("tiny-flux")["status"] == "ready"
         assert [f["name"] for f in again.list()] == ["tiny-flux"]
+        # ... and the restarted ones start their step fit from them, before any invocation.
+        executors = httpx.get(
+            f"{restarted.url}/v1/executors",
+            headers={"authorization": f"Bearer {tokens['RETOUCH_ADMIN_TOKEN']}"},
+        ).json()["executors"]
+        assert max(e["state"]["engine"]["step_fit_prior"] for e in executors) > 0, executors
         mask = mask_of_ratio((128, 128), 0.2, "ellipse", seed=3)
         result = again.invoke("tiny-flux", "mug", mask, "a blue mug", steps=2, format="webp")
         assert Image.open(io.BytesIO(result.image)).format == "WEBP"

@@ -306,5 +306,27 @@ def test_step_fit_turns_planned_time_into_observed() -> None:
     assert fit["step_slope"] == pytest.approx(0.5, rel=0.05)
     assert step_overhead(spread[:5])["step_intercept_ms"] == 0.0  # too few for a line
     flat = [StepRecord(1, 0.0, 0.25 * 400, 0.0, 0, 4, 400.0) for _ in range(5)]
-    assert step_overhead(flat) == {"step_intercept_ms": 0.0, "step_slope": pytest.approx(0.25)}
+    assert step_overhead(flat) == {
+        "step_intercept_ms": 0.0,
+        "step_slope": pytest.approx(0.25),
+        "step_fit_prior": 0,
+    }
     assert step_overhead([StepRecord(1, 0.0, 5.0, 0.0, 0, 4)]) == {}  # no planner: nothing
+
+
+def test_kept_steps_seed_the_fit_until_the_engines_own_displace_them() -> None:
+    """A new engine fits on the steps a previous one left (``runtime/steprecords``):
+    with none of its own it already has the line; its own steps take the window over."""
+    from retouch.runtime.engine import LINE_STEPS, StepRecord, step_overhead
+
+    planned = [100.0, 200.0, 300.0, 400.0, 500.0] * 20
+    kept = [(p, 10 + 0.5 * p) for p in planned]  # the previous engine's line
+    fit = step_overhead([], kept)
+    assert fit["step_intercept_ms"] == pytest.approx(10) and fit["step_slope"] == pytest.approx(0.5)
+    assert fit["step_fit_prior"] == LINE_STEPS
+    # This device is twice as slow: 40 own steps are outvoted, a full window is not.
+    own = [StepRecord(1, 0.0, 2 * (10 + 0.5 * p), 0.0, 0, 4, p) for p in planned]
+    assert step_overhead(own[:40], kept)["step_fit_prior"] == LINE_STEPS - 40
+    fit = step_overhead(own[:LINE_STEPS], kept)
+    assert fit["step_fit_prior"] == 0
+    assert fit["step_intercept_ms"] == pytest.approx(20) and fit["step_slope"] == pytest.approx(1.0)
