@@ -201,15 +201,16 @@ class ExecutorCore:
         self.templates.store.close()
 
     def _keep_step_records(self) -> None:
-        """Leave this engine's latest steps of each model beside its profile, so the next
-        executor of the model starts with a step fit (``runtime/steprecords``)."""
+        """Add this engine's latest steps of each model to those kept beside its profile,
+        so the next executor of the model starts with a step fit (``runtime/steprecords``).
+        Added, not replaced: executors sharing a data dir each leave theirs (two closing at
+        the same moment may lose one's; the file stays whole)."""
         with self.lock:
             profiles = dict(self._profiles)
-        counters = self.engine.counters
         for model, profile in profiles.items():
-            own = counters.own_pairs(model)
+            own = self.engine.counters.own_pairs(model)
             if own:
-                save_step_records(profile, [*counters.prior.get(model, ()), *own])
+                save_step_records(profile, [*load_step_records(profile), *own])
 
     @property
     def healthy(self) -> bool:
