@@ -19,7 +19,19 @@ Which executors can take an invocation depends on the policy. A late-binding one
 room and, with an SLO, until joining keeps every deadline there
 (``ExecutorView.keeps_deadlines``, as the gateway queue does); the queue's head is dropped
 when it can no longer make its SLO. The baselines bind to any free slot
-(2 × ``max_batch``). Every template is in host memory; tiers and bakes are not simulated.
+(2 × ``max_batch``).
+
+Templates: by default there is one, always in host memory. With ``host_templates`` > 0 each
+executor has a host tier of that many templates (LRU, as the real store evicts), empty
+when it starts, above the pool's disk tier (one node's store, shared by its executors). An
+invocation whose template is on disk only starts its load when it is bound (the real
+prefetch), overlapping its encode. With ``cold_templates`` no template is baked at first:
+an invocation of an unbaked template runs the full path (every token computed) and queues
+the template's bake on its executor, which runs it when its batch is empty or after the
+bake waited ``BAKE_STARVATION_S`` (the real engine's rule); then the template is on disk
+and in that executor's host tier. Templates are drawn with Zipf popularity. The gateway's
+view learns residency as the real one does: from results (``ExecutorView.finish``) and,
+for bakes, from the executor's report.
 
 SLO admission is the gateway's own (``InvocationQueue.admit_slo`` on the virtual clock,
 told the service queued ahead by the simulation, which owns its queue). With ``autoscale``
@@ -40,7 +52,7 @@ import heapq
 import itertools
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +86,7 @@ TEMPLATE = "t"
 STEP_WINDOW_S = 10.0  # the windows of P95 after a step change
 TIMELINE_S = 10.0  # the timeline's windows (arrivals, queue, executors, P95 over time)
 SLOTS_PER_BATCH = 2  # as the pool: the running batch plus a pre-processing buffer
+BAKE_STARVATION_S = 30.0  # a queued bake runs between steps after this (EngineConfig's)
 BIMODAL = (0.05, 0.6)  # the two mask ratios of the bimodal mix, drawn equally often
 
 
@@ -111,6 +124,14 @@ class SimSpec:
     startup_s: float = 60.0  # a new executor's start (process, model load, first template)
     tick_s: float = 1.0  # the autoscaler's period (the real pool's, platform/scaler.py TICK_S)
     seed: int = 0
+    # Templates: how many (Zipf popularity with exponent ``zipf``), how many each executor's
+    # host tier holds (0: every one, always resident: no tiers simulated), a disk -> host
+    # load (FlashPS: a 2.6 GiB template in 6.4 s), and whether they start unbaked.
+    templates: int = 1
+    zipf: float = 1.0
+    host_templates: int = 0
+    disk_load_s: float = 6.4
+    cold_templates: bool = False
 
 
 @dataclass(eq=False)
@@ -128,6 +149,10 @@ class Job:
     dropped: bool = False  # admitted, then dropped from the queue: it could no longer make its SLO
     pre_s: float = 0.0  # its own encode and decode (spec.pre_s/post_s, or drawn from samples)
     post_s: float = 0.0
+    found: Residency = Residency.HOST  # where its template was when it was bound
+    full: bool = False  # its template was not baked: every token computed
+    load_s: float = 0.0  # its template's disk -> host load (overlapping its encode)
+    masked0: int = 0  # masked tokens of the finest grid as its executor computes them
 
 
 @dataclass(eq=False)
@@ -145,6 +170,9 @@ class SimExecutor:
     started_at: float = 0.0
     stopped_at: float | None = None
     draining: bool = False  # chosen for scale-down: no new work, stops once idle
+    host: OrderedDict[str, None] = field(default_factory=OrderedDict)  # host tier, LRU first
+    bakes: deque[tuple[str, float]] = field(default_factory=deque)  # (template, queued at)
+    loads: dict[str, float] = field(default_factory=dict)  # template -> when its load ends
 
 
 class Simulation:
@@ -176,9 +204,20 @@ class Simulation:
         self.executors: list[SimExecutor] = []
         self._names = itertools.count()
         self.now = 0.0
+        self.templates = list(dict.fromkeys(j.request.template for j in jobs))
+        # without either, every template is host-resident on every executor, always
+        self.tiers = spec.host_templates > 0 or spec.cold_templates
+        self.disk: set[str] = set() if spec.cold_templates else set(self.templates)
+        self.baking: set[str] = set()  # queued or running on some executor
+        self.bakes_run = 0
         for _ in range(spec.executors):
             self._add_executor()
         self.coster = self.executors[0].view.costers[MODEL]
+        # a bake: a full-path run of every step at batch 1, as the engine records it
+        full = fitted_step_s(
+            self.coster.step_s0(1, self.coster.grids[0]), spec.step_intercept_s, spec.step_slope
+        )
+        self.bake_s = spec.steps * full
         self.rng = np.random.default_rng(spec.seed + 7)
         self._overhead_rng = np.random.default_rng(spec.seed + 11)  # pre/post samples
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -210,8 +249,15 @@ class Simulation:
         )
         view.observe_state(self._state, self.cluster.costers)
         view.phase = wire.ExecutorPhase.READY
-        view.residency[(FUNCTION, TEMPLATE)] = Residency.HOST
         ex = SimExecutor(view.name, view, view.slots, started_at=self.now)
+        if not self.tiers:
+            for template in self.templates:
+                view.residency[(FUNCTION, template)] = Residency.HOST
+        else:  # a new executor's host tier is empty; it reports what the disk holds
+            view.host_capacity = self.spec.host_templates or None
+            for template in self.templates:
+                if template in self.disk:
+                    view.residency[(FUNCTION, template)] = Residency.DISK
         self.executors.append(ex)
         return ex
 
@@ -312,7 +358,39 @@ class Simulation:
         ex.inflight += 1
         job.pre_s = self._drawn(self.spec.pre_samples, self.spec.pre_s)
         job.post_s = self._drawn(self.spec.post_samples, self.spec.post_s)
-        self.at(self.now + job.pre_s, lambda: self._encoded(ex, job))
+        self._template_for(ex, job)
+        self.at(self.now + max(job.pre_s, job.load_s), lambda: self._encoded(ex, job))
+
+    def _template_for(self, ex: SimExecutor, job: Job) -> None:
+        """Where ``job``'s template is on ``ex`` as it arrives there, and what that costs
+        it: nothing (host), the load from disk started now (the prefetch), or the full path
+        with the template's bake queued here (not baked anywhere yet)."""
+        job.masked0 = job.request.footprint.on(self.coster.grids)[0]
+        if not self.tiers:
+            return
+        template = job.request.template
+        if template in ex.host:
+            ex.host.move_to_end(template)
+            pending = ex.loads.get(template, 0.0) - self.now
+            if pending > 0:  # its prefetch is under way: it waits for the same load
+                job.found, job.load_s = Residency.DISK, pending
+        elif template in self.disk:
+            job.found, job.load_s = Residency.DISK, self.spec.disk_load_s
+            self._host_insert(ex, template)
+            ex.loads[template] = self.now + job.load_s
+        else:
+            job.found, job.full, job.masked0 = Residency.ABSENT, True, self.coster.grids[0]
+            if template not in self.baking:
+                self.baking.add(template)
+                ex.bakes.append((template, self.now))
+
+    def _host_insert(self, ex: SimExecutor, template: str) -> None:
+        """``template`` into ``ex``'s host tier, evicting its least recently used."""
+        ex.host[template] = None
+        ex.host.move_to_end(template)
+        while self.spec.host_templates and len(ex.host) > self.spec.host_templates:
+            gone, _ = ex.host.popitem(last=False)
+            ex.loads.pop(gone, None)
 
     def _drawn(self, samples: tuple[float, ...], constant: float) -> float:
         if not samples:
@@ -326,19 +404,43 @@ class Simulation:
             self._step(ex)
 
     def _step(self, ex: SimExecutor) -> None:
-        """Join what is ready while there is room, then run one step of the batch."""
+        """Join what is ready while there is room, then run one step of the batch (or a
+        queued bake: when nothing else runs, or when it waited too long)."""
+        if ex.bakes and (
+            not (ex.running or ex.ready) or self.now - ex.bakes[0][1] > BAKE_STARVATION_S
+        ):
+            template, _ = ex.bakes.popleft()
+            ex.stepping = True
+            ex.busy_s += self.bake_s
+            self.at(self.now + self.bake_s, lambda: self._baked(ex, template))
+            return
         while ex.ready and len(ex.running) < self.spec.max_batch:
             ex.running.append(ex.ready.popleft())
         if not ex.running:
             ex.stepping = False
             return
         ex.stepping = True
-        masked = sum(j.request.footprint.on(self.coster.grids)[0] for j in ex.running)
+        masked = sum(j.masked0 for j in ex.running)
         planned = self.coster.step_s0(len(ex.running), masked)
         seconds = fitted_step_s(planned, self.spec.step_intercept_s, self.spec.step_slope)
         seconds *= float(self.rng.lognormal(0.0, self.spec.noise)) if self.spec.noise else 1.0
         ex.busy_s += seconds
         self.at(self.now + seconds, lambda: self._stepped(ex))
+
+    def _baked(self, ex: SimExecutor, template: str) -> None:
+        """A bake committed: the template is on the pool's disk and in ``ex``'s host tier,
+        as ``ex`` reports it (its view: host; the others': on disk)."""
+        self.bakes_run += 1
+        self.baking.discard(template)
+        self.disk.add(template)
+        self._host_insert(ex, template)
+        key = (FUNCTION, template)
+        for other in self.executors:
+            if other is not ex and other.view.residency.get(key) in (None, Residency.BAKING):
+                other.view.residency[key] = Residency.DISK
+        ex.view.residency[key] = Residency.HOST
+        ex.view.residency.move_to_end(key)
+        self._step(ex)
 
     def _stepped(self, ex: SimExecutor) -> None:
         still = []
@@ -361,9 +463,9 @@ class Simulation:
             1,
             job.request.mask_ratio,
             ex.name,
-            wire.InvokePath.MASKAWARE,
+            wire.InvokePath.STOCK if job.full else wire.InvokePath.MASKAWARE,
             timings=wire.Timings(pre_ms=job.pre_s * 1e3, post_ms=job.post_s * 1e3),
-            cache=wire.CacheRead(wire.CacheTier.HOST, 0.0),
+            cache=self._cache_read(job),
         )
         error = ex.view.finish(job.token, self.now, result)
         if error is not None and job.index >= self.spec.warmup:
@@ -375,6 +477,17 @@ class Simulation:
         if ex.draining and ex.inflight == 0:
             ex.stopped_at = self.now
         self._dispatch()
+
+    @staticmethod
+    def _cache_read(job: Job) -> wire.CacheRead:
+        """What the executor's result says of the template read (``found``: before the
+        prefetch; the wait: what of the load its encode did not hide)."""
+        if job.full:
+            return wire.CacheRead(wire.CacheTier.NONE, 0.0, wire.CacheTier.NONE)
+        if job.found is Residency.DISK:
+            wait_ms = max(0.0, job.load_s - job.pre_s) * 1e3
+            return wire.CacheRead(wire.CacheTier.DISK, wait_ms, wire.CacheTier.DISK)
+        return wire.CacheRead(wire.CacheTier.HOST, 0.0, wire.CacheTier.HOST)
 
     # ---- the autoscaler -----------------------------------------------------------------
     def _tick(self) -> None:
@@ -493,6 +606,12 @@ class Simulation:
             admitted = sum(1 for j in measured if j.dropped or not j.rejected)
             out["slo_attainment_accepted"] = met / admitted if admitted else 0.0
             out["goodput_rps"] = met / window
+        if self.tiers:
+            found = [j.found for j in accepted]
+            out["host_hit_rate"] = found.count(Residency.HOST) / max(1, len(found))
+            out["template_loads"] = found.count(Residency.DISK)
+            out["full_path"] = sum(1 for j in accepted if j.full)
+            out["bakes"] = self.bakes_run
         out["timeline"] = self._timeline()
         return out
 
@@ -549,6 +668,7 @@ class Trace:
 
     arrival_s: np.ndarray
     mask_ratio: np.ndarray | None = None
+    templates: list[str] | None = None
 
     @property
     def rate(self) -> float:
@@ -559,8 +679,8 @@ class Trace:
 
 def read_trace(path: Path) -> Trace:
     """A CSV whose header has ``arrival_s`` (seconds from the start, sorted) and optionally
-    ``mask_ratio`` (in (0, 1]); other columns are ignored (the simulation runs one
-    function and template). Errors name the line."""
+    ``mask_ratio`` (in (0, 1]) and ``template``; other columns are ignored (the simulation
+    runs one function). Errors name the line."""
     try:
         with path.open(newline="") as f:
             rows = list(csv.DictReader(f))
@@ -570,6 +690,8 @@ def read_trace(path: Path) -> Trace:
         raise ValueError(f"{path}: the header needs an arrival_s column")
     times, ratios = [], []
     has_ratio = "mask_ratio" in rows[0]
+    has_template = "template" in rows[0]
+    templates = [str(row.get("template") or TEMPLATE) for row in rows] if has_template else None
     for line, row in enumerate(rows, start=2):
         try:
             at = float(row["arrival_s"])
@@ -584,7 +706,7 @@ def read_trace(path: Path) -> Trace:
         ratios.append(ratio)
     if len(times) < 2:
         raise ValueError(f"{path}: a trace needs at least two arrivals")
-    return Trace(np.array(times), np.array(ratios) if has_ratio else None)
+    return Trace(np.array(times), np.array(ratios) if has_ratio else None, templates)
 
 
 def mask_ratios(spec: SimSpec, rng: np.random.Generator, count: int | None = None) -> np.ndarray:
@@ -733,12 +855,29 @@ def plan_jobs(
         arrivals = arrival_times(spec, rate, rng)
     else:
         arrivals = (trace.arrival_s - trace.arrival_s[0]) * (trace.rate / rate)
+    templates = trace.templates if trace is not None else None
+    if templates is None:
+        templates = draw_templates(spec, len(arrivals))
     jobs = []
-    for i, (at, ratio) in enumerate(zip(arrivals, ratios, strict=True)):
+    for i, (at, ratio, template) in enumerate(zip(arrivals, ratios, templates, strict=True)):
         fp = footprint(float(ratio), spec.size)
-        request = PlacementRequest(FUNCTION, TEMPLATE, fp.ratio, MODEL, spec.steps, fp, slo_s)
+        request = PlacementRequest(FUNCTION, template, fp.ratio, MODEL, spec.steps, fp, slo_s)
         jobs.append(Job(i, float(at), request))
     return jobs, rate
+
+
+def draw_templates(spec: SimSpec, count: int) -> list[str]:
+    """Each arrival's template: Zipf popularity (rank ``k`` drawn ∝ k^-zipf) over
+    ``spec.templates``, from a stream of its own (the arrivals and masks of a seed stay
+    the same whatever the templates)."""
+    if spec.templates < 1:
+        raise ValueError(f"templates must be at least 1, not {spec.templates}")
+    if spec.templates == 1:
+        return [TEMPLATE] * count
+    weights = np.arange(1, spec.templates + 1, dtype=float) ** -spec.zipf
+    rng = np.random.default_rng(spec.seed + 13)
+    ranks = rng.choice(spec.templates, size=count, p=weights / weights.sum())
+    return [f"t{k}" for k in ranks]
 
 
 def standalone_s(spec: SimSpec, cost_model: CostModel) -> float:
@@ -779,6 +918,10 @@ def run_simulation(
             raise ValueError(f"the trace has {traced} arrivals, not more than the warm-up")
     if not spec.load > 0:
         raise ValueError(f"load must be positive, not {spec.load}")
+    if spec.templates < 1 or spec.host_templates < 0:
+        raise ValueError("need templates >= 1 and host templates >= 0")
+    if not (spec.zipf >= 0 and spec.disk_load_s >= 0):
+        raise ValueError("the Zipf exponent and the disk load time must not be negative")
     for name in spec.placements:
         _config(name)  # a typo fails before any run
     if spec.slo_factor is not None and not spec.slo_factor > 0:

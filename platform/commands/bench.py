@@ -534,6 +534,34 @@ def _sim(bench_sub: argparse._SubParsersAction) -> None:
         default=60.0,
         help="a new executor's start-up time in the simulation (default 60)",
     )
+    p.add_argument(
+        "--templates",
+        type=positive_int,
+        default=1,
+        help="templates, drawn with Zipf popularity (default 1)",
+    )
+    p.add_argument(
+        "--zipf", type=non_negative_float, default=1.0, help="Zipf exponent (default 1.0)"
+    )
+    p.add_argument(
+        "--host-templates",
+        type=non_negative_int,
+        default=0,
+        help="templates each executor's host tier holds, LRU, empty at its start (default 0: "
+        "every template always host-resident, no tiers simulated)",
+    )
+    p.add_argument(
+        "--disk-load-s",
+        type=non_negative_float,
+        default=6.4,
+        help="a template's disk -> host load (default 6.4: FlashPS, a 2.6 GiB template)",
+    )
+    p.add_argument(
+        "--cold-templates",
+        action="store_true",
+        help="no template is baked at the start: the first invocations of each run the full "
+        "path and queue its bake",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of arrivals, masks and noise")
     p.add_argument(
         "--profile",
@@ -596,6 +624,11 @@ def _run_sim(args: argparse.Namespace) -> None:
         max_batch=args.max_batch,
         slo_factor=args.slo_factor,
         seed=args.seed,
+        templates=args.templates,
+        zipf=args.zipf,
+        host_templates=args.host_templates,
+        disk_load_s=args.disk_load_s,
+        cold_templates=args.cold_templates,
     )
     result = run_simulation(spec, cost_model)
     result["profile"] = args.profile

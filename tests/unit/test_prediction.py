@@ -237,6 +237,11 @@ def test_view_follows_place_progress_finish_and_learns_drift() -> None:
     idle = view.predict(request(0.2))
     placed = view.place(1, request(0.2), now=100.0)
     assert placed is not None and placed.predicted == idle
+    # the executor prefetches a template on disk as the invocation arrives
+    assert view.tier("fn", "t") is Residency.HOST
+    view.place(9, request(0.2, template="new"), now=100.0)
+    assert view.tier("fn", "new") is Residency.BAKING  # not baked there: its bake is queued
+    view.finish(9, 100.0, None)
     busier = view.predict(request(0.2))
     assert busier.finish_s > idle.finish_s  # it shares the batch now
     view.progress(1, 9, 10)  # nearly done: the newcomer barely waits for it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from retouch.platform.bench.placement import flux_like_cost_model
@@ -115,6 +117,36 @@ def test_a_replayed_trace_keeps_its_shape_at_the_asked_load(tmp_path):
     with_masks = tmp_path / "masks.csv"
     with_masks.write_text("arrival_s,mask_ratio\n0,0.25\n2,0.5\n")
     assert list(read_trace(with_masks).mask_ratio) == [0.25, 0.5]
+    with_templates = tmp_path / "templates.csv"
+    with_templates.write_text("arrival_s,template\n0,shirt\n2,mug\n3,shirt\n")
+    spec = replace(spec, arrivals=f"trace:{with_templates}", warmup=0)
+    jobs, _ = plan_jobs(spec, flux_like_cost_model())
+    assert [j.request.template for j in jobs] == ["shirt", "mug", "shirt"]
+
+
+def test_host_tiers_hold_what_placement_sends_them_and_maskaware_keeps_templates_apart():
+    """Bounded host tiers (LRU, empty at the start) over a pool-wide disk: loads, hits,
+    and a template-affine policy hitting the host tier more than least-requests."""
+    spec = SimSpec(executors=8, requests=1500, warmup=150, steps=8, noise=0.0, load=0.5,
+                   templates=24, host_templates=6, disk_load_s=2.0,
+                   placements=("maskaware", "least-requests"))  # fmt: skip
+    got = run_simulation(spec, flux_like_cost_model())["configs"]
+    ma, lr = got["maskaware"], got["least-requests"]
+    for fig in (ma, lr):
+        assert 0 < fig["host_hit_rate"] < 1 and fig["template_loads"] > 0
+        assert fig["full_path"] == 0 and fig["bakes"] == 0  # every template baked at first
+    assert ma["host_hit_rate"] > lr["host_hit_rate"] + 0.15
+    assert ma["p95_ms"] < lr["p95_ms"]  # a load (2 s) is longer than an edit here
+
+
+def test_cold_templates_run_the_full_path_until_baked_once_for_the_pool():
+    spec = SimSpec(executors=4, requests=800, warmup=0, steps=8, noise=0.0, load=0.5,
+                   templates=6, host_templates=2, cold_templates=True,
+                   placements=("maskaware", "round-robin"))  # fmt: skip
+    got = run_simulation(spec, flux_like_cost_model())["configs"]
+    for fig in got.values():
+        assert fig["bakes"] == 6  # each template baked once, whoever ran it first
+        assert 0 < fig["full_path"] < 100  # only until its bake committed
 
 
 @pytest.mark.parametrize(
