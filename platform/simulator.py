@@ -128,7 +128,7 @@ class SimSpec:
     # host tier holds (0: every one, always resident: no tiers simulated), a disk -> host
     # load (FlashPS: a 2.6 GiB template in 6.4 s), and whether they start unbaked.
     templates: int = 1
-    zipf: float = 1.0
+    zipf: float = 1.1
     host_templates: int = 0
     disk_load_s: float = 6.4
     cold_templates: bool = False

@@ -541,7 +541,7 @@ def _sim(bench_sub: argparse._SubParsersAction) -> None:
         help="templates, drawn with Zipf popularity (default 1)",
     )
     p.add_argument(
-        "--zipf", type=non_negative_float, default=1.0, help="Zipf exponent (default 1.0)"
+        "--zipf", type=non_negative_float, default=1.1, help="Zipf exponent (default 1.1)"
     )
     p.add_argument(
         "--host-templates",
