@@ -6,8 +6,8 @@ pure choices over that picture; they hold no I/O and no clock.
 
 ``maskaware`` (the default) is FlashPS Algorithm 2 with template affinity: the minimum of
 the predicted completion (the executor's batch ⊕ the newcomer, stepped with its cost model
-and the bubble-free plan) plus the template's residency cost there (0 in host memory, a
-disk load, a bake); among near-ties a template stays where its host tier already holds it,
+and the bubble-free plan; a template on disk delays the newcomer's join by what of its load
+the encode does not hide) plus a bake where the template is not baked; among near-ties a template stays where its host tier already holds it,
 else goes where loading it evicts the least popular template (or nothing), else to its
 rendezvous-hash home, so equal executors split the templates between them; and a guard
 stops affinity from piling work onto one executor: when the affine choice would
@@ -169,7 +169,7 @@ class MaskAware:
             if prediction is None:  # no profile of its model there yet: count requests
                 return self.fallback.choose(candidates, request)
             finish = prediction.finish_s
-            scored.append((finish + c.view.residency_cost_s(request), finish, c))
+            scored.append((finish + c.view.bake_cost_s(request), finish, c))
         best = min(s for s, _, _ in scored)
         near = [item for item in scored if item[0] <= best * (1 + NEAR_TIE) + 0.01]
         _, finish, chosen = self._tie_break(near, request)

@@ -694,6 +694,11 @@ class ExecutorPool:
                 for frame in reader.feed(chunk):
                     if isinstance(frame, wire.StepProgress):
                         handle.view.progress(token, frame.step, frame.total)
+                        if frame.step >= frame.total - 1 and len(self.queue):
+                            # Batch room opens within a step: a late-bound invocation
+                            # is bound now (the prefetch horizon), so its encode
+                            # overlaps the last step instead of following the decode.
+                            self.queue.dispatch()
                         if on_progress is not None:
                             on_progress(frame)
                     elif isinstance(frame, wire.InvokeResult):

@@ -69,7 +69,7 @@ from retouch.platform.control.cluster import (
     PlacementRequest,
     Residency,
 )
-from retouch.platform.control.queue import InvocationQueue, QueueLimits
+from retouch.platform.control.queue import InvocationQueue, QueueLimits, has_room
 from retouch.platform.placement import MaskAware, Placement, make_placement
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.prediction import (
@@ -305,10 +305,10 @@ class Simulation:
     def _room(self, ex: SimExecutor, job: Job) -> bool:
         """A free slot (batch room, with late binding); with an SLO and admission on, late
         binding also keeps the deadlines of what runs there (``keeps_deadlines``)."""
-        if not self.policy.late_binding:
-            return ex.inflight < ex.slots
-        if ex.inflight >= self.spec.max_batch:
+        if not has_room(ex, self.policy.late_binding, self.admission.limits.prefetch_horizon_s):
             return False
+        if not self.policy.late_binding:
+            return True
         if job.request.slo_s is None or not self.admission.limits.admission:
             return True
         return ex.view.keeps_deadlines(job.request, self.now)
@@ -451,7 +451,10 @@ class Simulation:
                 still.append(job)
             else:
                 self.at(self.now + job.post_s, lambda job=job: self._done(ex, job))
+        leaving = len(still) < len(ex.running) or any(j.steps_left <= 1 for j in still)
         ex.running = still
+        if leaving and self.queue:  # the pool's rule: room within a step binds the head
+            self._dispatch()
         self._step(ex)
 
     def _done(self, ex: SimExecutor, job: Job) -> None:

@@ -126,12 +126,15 @@ class StepCoster:
 
 @dataclass
 class Member:
-    """An invocation as the prediction sees it: its model's coster, steps left, and masked
-    tokens per level (equal to the grid when it runs the full path: nothing cached)."""
+    """An invocation as the prediction sees it: its model's coster, steps left, masked
+    tokens per level (equal to the grid when it runs the full path: nothing cached), and
+    how long its join waits after its encode for its template's load from disk (0: the
+    template is in host memory)."""
 
     coster: StepCoster
     steps_left: int
     masked: tuple[int, ...]
+    load_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -181,8 +184,11 @@ def predict(
         queue.append(target)
     expected = arrivals if arrivals is not None and target is not None else None
     coster = _one_coster(active, queue, expected)  # None: groups of several models
-    # the newcomer's encode runs while the batch steps, after those placed before it
+    # the newcomer's encode runs while the batch steps, after those placed before it; a
+    # template on disk is loaded meanwhile (the prefetch), and what is left of it waits
     ready_at = calibration.pre_s * (1.0 + queued_share(len(waiting), calibration.pre_workers))
+    if newcomer is not None:
+        ready_at += newcomer.load_s
     step_s0 = coster.step_s0 if coster is not None else None
     intercept, slope, scale = (
         calibration.step_intercept_s,

@@ -236,11 +236,13 @@ class ExecutorView:
         if coster is None or newcomer.footprint is None:
             return None
         tier = self.tier(newcomer.function, newcomer.template)
-        if newcomer.optimistic or tier in (Residency.HOST, Residency.DISK):
+        if newcomer.optimistic or tier is Residency.HOST:
+            return Member(coster, newcomer.steps, newcomer.footprint.on(coster.grids))
+        if tier is Residency.DISK:  # its join waits for the load its encode did not hide
             masked = newcomer.footprint.on(coster.grids)
-        else:  # not baked here: the full path computes every token
-            masked = coster.full_masks()
-        return Member(coster, newcomer.steps, masked)
+            return Member(coster, newcomer.steps, masked, self.overheads.disk_load_s)
+        # not baked here: the full path computes every token
+        return Member(coster, newcomer.steps, coster.full_masks())
 
     def place(
         self, token: int, newcomer: PlacementRequest, now: float, deadline: float | None = None
@@ -375,6 +377,7 @@ class ExecutorView:
                 id(member.coster),
                 member.steps_left,
                 round(member.masked[0] * MEMO_BUCKETS / member.coster.grids[0]),
+                member.load_s,
             ),
         )
         cached = self._memo.get(key)
@@ -446,11 +449,16 @@ class ExecutorView:
     def residency_cost_s(self, newcomer: PlacementRequest) -> float:
         """What the template's place adds: nothing in host memory, a disk load, or a bake
         (the engine time of a full-path run) when it is not baked here."""
-        tier = self.tier(newcomer.function, newcomer.template)
-        if tier is Residency.HOST:
-            return 0.0
-        if tier is Residency.DISK:
+        if self.tier(newcomer.function, newcomer.template) is Residency.DISK:
             return self.overheads.disk_load_s
+        return self.bake_cost_s(newcomer)
+
+    def bake_cost_s(self, newcomer: PlacementRequest) -> float:
+        """The engine time a bake of the template here would take (0 where it is baked):
+        the part of the residency cost a prediction leaves out (it counts a disk load)."""
+        tier = self.tier(newcomer.function, newcomer.template)
+        if tier in (Residency.HOST, Residency.DISK):
+            return 0.0
         coster = self.costers.get(newcomer.model)
         if coster is None:
             return 0.0

@@ -377,7 +377,7 @@ class InvocationQueue:
             room = [
                 c
                 for c in self._candidates(waiter.request.function)
-                if _has_room(c, policy.late_binding, self.limits.prefetch_horizon_s)
+                if has_room(c, policy.late_binding, self.limits.prefetch_horizon_s)
                 and self._keeps_deadlines(c, waiter, policy.late_binding, now)
             ]
             if not room:
@@ -437,7 +437,7 @@ class InvocationQueue:
             self._waiting.remove(waiter)
 
 
-def _has_room(c: Slotted, late_binding: bool, horizon_s: float) -> bool:
+def has_room(c: Slotted, late_binding: bool, horizon_s: float) -> bool:
     """A free slot; with late binding, batch room, or a predicted start within the
     prefetch horizon (the template's prefetch overlaps the last bit of waiting)."""
     if c.inflight >= c.slots:

@@ -188,7 +188,7 @@ def test_mask_footprint_is_what_the_executor_computes(shape: str, ratio: float, 
         assert fp.masked[size // h] == tokens.count, (size // h, shape, ratio)
 
 
-def view_with(cluster: ClusterView, name: str, max_batch: int = 4):
+def view_with(cluster: ClusterView, name: str, max_batch: int = 4, host: bool = True):
     model = cost_model()
     model.extra["step_table"] = plan_table(model, [GRID], max_batch)
     state = wire.ExecutorState(
@@ -197,7 +197,7 @@ def view_with(cluster: ClusterView, name: str, max_batch: int = 4):
         "cpu",
         engine=wire.EngineStats(max_batch=max_batch),
         cost_models={"m": model.to_dict()},
-        templates={"fn": {"t": wire.TemplateStatus(wire.BakeState.BAKED)}},
+        templates={"fn": {"t": wire.TemplateStatus(wire.BakeState.BAKED, host=host)}},
     )
     view = cluster.add(name, max_batch, 2 * max_batch)
     view.observe_state(state, cluster.costers)
@@ -232,13 +232,20 @@ class Handle:
 
 def test_view_follows_place_progress_finish_and_learns_drift() -> None:
     cluster = ClusterView()
-    view = view_with(cluster, "a")
+    view = view_with(cluster, "a", host=False)
     assert view.tier("fn", "t") is Residency.DISK
     idle = view.predict(request(0.2))
+    hosted = view_with(cluster, "b")
+    # on disk, it joins once its load (beyond what its encode hides) is done
+    assert idle.start_s == pytest.approx(view.overheads.disk_load_s)
+    assert idle.finish_s == pytest.approx(
+        hosted.predict(request(0.2)).finish_s + view.overheads.disk_load_s
+    )
     placed = view.place(1, request(0.2), now=100.0)
     assert placed is not None and placed.predicted == idle
     # the executor prefetches a template on disk as the invocation arrives
     assert view.tier("fn", "t") is Residency.HOST
+    idle = hosted.predict(request(0.2))
     view.place(9, request(0.2, template="new"), now=100.0)
     assert view.tier("fn", "new") is Residency.BAKING  # not baked there: its bake is queued
     view.finish(9, 100.0, None)
@@ -256,7 +263,7 @@ def test_view_follows_place_progress_finish_and_learns_drift() -> None:
         wire.InvokePath.MASKAWARE,
         cache=wire.CacheRead(wire.CacheTier.DISK, 5.0),
     )
-    error = view.finish(1, 100.0 + 2 * idle.finish_s, result)  # it took twice as long
+    error = view.finish(1, 100.0 + 2 * placed.predicted.finish_s, result)  # twice as long
     assert error == pytest.approx(0.5)
     assert view.calibration.scale == 1.0  # an executor's first result is cold: not learnt
     assert view.tier("fn", "t") is Residency.HOST  # read: now host-resident
@@ -367,7 +374,7 @@ def test_maskaware_keeps_host_tiers_apart_by_what_a_load_would_evict() -> None:
     from retouch.platform.placement import MaskAware
 
     cluster = ClusterView()
-    a, b = (Handle(view_with(cluster, n)) for n in "ab")
+    a, b = (Handle(view_with(cluster, n, host=False)) for n in "ab")
     for view in (a.view, b.view):
         view.host_capacity = 2
     for hot in ("hot1", "hot2"):
