@@ -27,7 +27,7 @@ from retouch.platform.server import ServerProcess
 pytestmark = pytest.mark.slow
 
 BURST = 200
-QUEUE_LIMIT = 32
+QUEUE_LIMIT = 16
 MiB = 1 << 20
 
 

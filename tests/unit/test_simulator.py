@@ -127,7 +127,7 @@ def test_a_replayed_trace_keeps_its_shape_at_the_asked_load(tmp_path):
 def test_host_tiers_hold_what_placement_sends_them_and_maskaware_keeps_templates_apart():
     """Bounded host tiers (LRU, empty at the start) over a pool-wide disk: loads, hits,
     and a template-affine policy hitting the host tier more than least-requests."""
-    spec = SimSpec(executors=8, requests=1500, warmup=150, steps=8, noise=0.0, load=0.5,
+    spec = SimSpec(executors=8, requests=800, warmup=80, steps=8, noise=0.0, load=0.5,
                    templates=24, host_templates=6, disk_load_s=2.0,
                    placements=("maskaware", "least-requests"))  # fmt: skip
     got = run_simulation(spec, flux_like_cost_model())["configs"]
@@ -140,7 +140,7 @@ def test_host_tiers_hold_what_placement_sends_them_and_maskaware_keeps_templates
 
 
 def test_cold_templates_run_the_full_path_until_baked_once_for_the_pool():
-    spec = SimSpec(executors=4, requests=800, warmup=0, steps=8, noise=0.0, load=0.5,
+    spec = SimSpec(executors=4, requests=400, warmup=0, steps=8, noise=0.0, load=0.5,
                    templates=6, host_templates=2, cold_templates=True,
                    placements=("maskaware", "round-robin"))  # fmt: skip
     got = run_simulation(spec, flux_like_cost_model())["configs"]
