@@ -600,3 +600,22 @@ def test_a_join_that_would_make_a_running_invocation_late_is_not_taken() -> None
     free = view_with(cluster, "c")
     free.place(1, request(0.5), 0.0)  # no deadline: nothing to keep
     assert free.keeps_deadlines(request(0.5), 0.0)
+
+
+def test_a_member_decoding_frees_one_batch_place_not_the_executor() -> None:
+    """Late binding binds when batch room opens within a step: a member whose steps are
+    done is decoding and holds no place, but it frees one place, not room for a burst."""
+    from retouch.platform.control.queue import has_room
+
+    HORIZON = 0.01  # s: shorter than the 9 steps left (this cost model's steps are short)
+    cluster = ClusterView()
+    handle = Handle(view_with(cluster, "a", max_batch=2), slots=4)
+    view = handle.view
+    for token in (1, 2):
+        view.place(token, request(0.3), now=0.0)
+        view.progress(token, 1, 10)  # both running, 9 steps left
+    assert view.next_start_s() > HORIZON and not has_room(handle, True, HORIZON)
+    view.progress(1, 10, 10)  # its last step is done: decoding, out of the batch
+    assert view.next_start_s() == 0.0 and has_room(handle, True, HORIZON)
+    view.place(3, request(0.3), now=0.0)  # bound into that place
+    assert view.next_start_s() > HORIZON and not has_room(handle, True, HORIZON)
