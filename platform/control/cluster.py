@@ -424,10 +424,11 @@ class ExecutorView:
         steps are done is decoding: it holds no place in the batch. (Counting it, one
         member's last step made the executor look free to every queued invocation until its
         result came back, and late binding piled a burst onto it.)"""
-        staying = [p.member for p in self.placed.values() if not p.started or p.member.steps_left]
+        staying = [p for p in self.placed.values() if not p.started or p.member.steps_left]
         if len(staying) < self.max_batch:
             return 0.0
-        return first_departure_s(staying, self.step_calibration())
+        running = [p.member for p in staying if p.started]
+        return first_departure_s(running, self.step_calibration()) if running else 0.0
 
     def work_s(self) -> float:
         """Predicted seconds until everything placed here is done (0 when idle)."""
