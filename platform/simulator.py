@@ -30,8 +30,8 @@ an invocation of an unbaked template runs the full path (every token computed) a
 the template's bake on its executor, which runs it when its batch is empty or after the
 bake waited ``BAKE_STARVATION_S`` (the real engine's rule); then the template is on disk
 and in that executor's host tier. Templates are drawn with Zipf popularity. The gateway's
-view learns residency as the real one does: from results (``ExecutorView.finish``) and,
-for bakes, from the executor's report.
+view learns residency as the real one does: from placements (the prefetch), results
+(``ExecutorView.finish``) and, for bakes, from the executor's report.
 
 SLO admission is the gateway's own (``InvocationQueue.admit_slo`` on the virtual clock,
 told the service queued ahead by the simulation, which owns its queue). With ``autoscale``
@@ -438,8 +438,7 @@ class Simulation:
         for other in self.executors:
             if other is not ex and other.view.residency.get(key) in (None, Residency.BAKING):
                 other.view.residency[key] = Residency.DISK
-        ex.view.residency[key] = Residency.HOST
-        ex.view.residency.move_to_end(key)
+        ex.view.hosted(key)
         self._step(ex)
 
     def _stepped(self, ex: SimExecutor) -> None:

@@ -99,14 +99,6 @@ class Overheads:
     pre_samples: deque[float] = field(default_factory=lambda: deque(maxlen=OVERHEAD_WINDOW))
     post_samples: deque[float] = field(default_factory=lambda: deque(maxlen=OVERHEAD_WINDOW))
 
-    @property
-    def pre_observations(self) -> int:
-        return len(self.pre_samples)
-
-    @property
-    def post_observations(self) -> int:
-        return len(self.post_samples)
-
     def observe(self, pre_s: float | None, post_s: float | None) -> None:
         """One result's encode and decode times; None for one that queued for a worker.
         Each is the median of its recent observations: a new pool's first results are
@@ -235,14 +227,16 @@ class ExecutorView:
         coster = self.costers.get(newcomer.model)
         if coster is None or newcomer.footprint is None:
             return None
-        tier = self.tier(newcomer.function, newcomer.template)
-        if newcomer.optimistic or tier is Residency.HOST:
-            return Member(coster, newcomer.steps, newcomer.footprint.on(coster.grids))
-        if tier is Residency.DISK:  # its join waits for the load its encode did not hide
-            masked = newcomer.footprint.on(coster.grids)
-            return Member(coster, newcomer.steps, masked, self.overheads.disk_load_s)
-        # not baked here: the full path computes every token
-        return Member(coster, newcomer.steps, coster.full_masks())
+        tier = (
+            Residency.HOST
+            if newcomer.optimistic
+            else self.tier(newcomer.function, newcomer.template)
+        )
+        if tier not in (Residency.HOST, Residency.DISK):  # not baked here: every token
+            return Member(coster, newcomer.steps, coster.full_masks())
+        # on disk, its join waits for the load its encode did not hide
+        load_s = self.overheads.disk_load_s if tier is Residency.DISK else 0.0
+        return Member(coster, newcomer.steps, newcomer.footprint.on(coster.grids), load_s)
 
     def place(
         self, token: int, newcomer: PlacementRequest, now: float, deadline: float | None = None
@@ -268,7 +262,7 @@ class ExecutorView:
         key = (newcomer.function, newcomer.template)
         tier = self.residency.get(key, Residency.ABSENT)
         if tier in (Residency.HOST, Residency.DISK):
-            self._hosted(key)
+            self.hosted(key)
         elif tier is Residency.ABSENT:
             self.residency[key] = Residency.BAKING
 
@@ -324,9 +318,9 @@ class ExecutorView:
         if result.path is wire.InvokePath.STOCK:
             self.residency[key] = Residency.BAKING
             return
-        self._hosted(key)
+        self.hosted(key)
 
-    def _hosted(self, key: tuple[str, str]) -> None:
+    def hosted(self, key: tuple[str, str]) -> None:
         """``key`` is now the host tier's most recent; what the LRU evicts goes to disk."""
         self.residency[key] = Residency.HOST
         self.residency.move_to_end(key)

@@ -145,7 +145,7 @@ def test_a_pools_cold_first_results_do_not_linger_in_its_overheads() -> None:
     for post_s in (1.85, 1.6, 0.8, 0.78, 0.82):
         overheads.observe(0.55, post_s)
     assert overheads.post_s == pytest.approx(0.82)
-    assert overheads.post_observations == 5
+    assert len(overheads.post_samples) == 5
 
 
 def test_drift_scales_the_steps() -> None:
