@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 import numpy as np
@@ -42,15 +43,28 @@ def mask(ratio: float) -> np.ndarray:
     return m
 
 
-def test_maskaware_places_on_both_executors_and_reports_its_predictions(tmp_path: Path) -> None:
+def test_maskaware_places_on_both_executors_and_reports_its_predictions(
+    tmp_path: Path, loadgen: ModuleType
+) -> None:
     with ServerProcess(tmp_path / "data", executors=2) as server, Client(server.url) as client:
         client.deploy(*spec("edit"))
+        # The gateway is ready with one executor; under a loaded suite the second one came
+        # up only after the twelve edits were done (all on exec-0), which tests start-up,
+        # not placement.
+        loadgen.wait_for(
+            "both executors holding the function",
+            lambda: sum("edit" in e["functions"] for e in client.executors()["executors"]) == 2,
+        )
         jobs = [(f"t{i % 3}", mask(0.05 if i % 2 else 0.6), i) for i in range(12)]
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             results = list(
                 pool.map(lambda j: client.invoke("edit", j[0], j[1], "a hat", seed=j[2]), jobs)
             )
-        assert {r.executor for r in results} == {"exec-0", "exec-1"}
+        placed = [
+            (j[0], r.executor, r.timings.predicted_ms, r.timings.placed_ms)
+            for j, r in zip(jobs, results, strict=True)
+        ]
+        assert {r.executor for r in results} == {"exec-0", "exec-1"}, (placed, client.executors())
         for r in results:
             assert r.timings.predicted_ms > 0 and r.timings.placed_ms > 0
         executors = client.executors()
