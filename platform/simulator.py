@@ -69,7 +69,7 @@ from retouch.platform.control.cluster import (
     PlacementRequest,
     Residency,
 )
-from retouch.platform.control.queue import InvocationQueue, QueueLimits, has_room
+from retouch.platform.control.queue import InvocationQueue, QueueLimits, bindable, has_room
 from retouch.platform.placement import MaskAware, Placement, make_placement
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.prediction import (
@@ -86,6 +86,10 @@ TEMPLATE = "t"
 STEP_WINDOW_S = 10.0  # the windows of P95 after a step change
 TIMELINE_S = 10.0  # the timeline's windows (arrivals, queue, executors, P95 over time)
 SLOTS_PER_BATCH = 2  # as the pool: the running batch plus a pre-processing buffer
+# the queue's first invocations a dispatch tries (the gateway's queue tries all): with
+# late binding an invocation's room depends on its template's load there, so one that
+# waits must not hold back one behind it that an executor can take now
+DISPATCH_SCAN = 16
 BAKE_STARVATION_S = 30.0  # a queued bake runs between steps after this (EngineConfig's)
 BIMODAL = (0.05, 0.6)  # the two mask ratios of the bimodal mix, drawn equally often
 
@@ -302,11 +306,9 @@ class Simulation:
             job.service_s = self.admission.service_s(job.request)
             self.queued_s += job.service_s
 
-    def _room(self, ex: SimExecutor, job: Job) -> bool:
-        """A free slot (batch room, with late binding); with an SLO and admission on, late
-        binding also keeps the deadlines of what runs there (``keeps_deadlines``)."""
-        if not has_room(ex, self.policy.late_binding, self.admission.limits.prefetch_horizon_s):
-            return False
+    def _keeps_deadlines(self, ex: SimExecutor, job: Job) -> bool:
+        """With an SLO and admission on, late binding joins only where what runs keeps its
+        deadlines (``keeps_deadlines``), as the gateway's queue does."""
         if not self.policy.late_binding:
             return True
         if job.request.slo_s is None or not self.admission.limits.admission:
@@ -316,18 +318,28 @@ class Simulation:
     def _dispatch(self) -> None:
         """Bind the queue's head while an executor has room for it (FIFO: every invocation
         has the same SLO here, so least slack is arrival order); a head that can no longer
-        make its SLO is dropped first."""
-        while self.queue:
-            job = self.queue[0]
+        make its SLO is dropped first. A head with no room yet does not hold back the
+        invocations behind it that need a longer lead (a template load: ``has_room``); one
+        held by the deadlines of what runs does."""
+        late, horizon = self.policy.late_binding, self.admission.limits.prefetch_horizon_s
+        i = 0
+        while i < min(len(self.queue), DISPATCH_SCAN):
+            job = self.queue[i]
             if not self._infeasible(job):
-                room = [e for e in self.active() if self._room(e, job)]
-                if not room:
-                    return
+                active = self.active()
+                options = bindable(
+                    active, late, horizon, job.request, lambda e, j=job: self._keeps_deadlines(e, j)
+                )
+                if not options:
+                    if any(has_room(e, late, horizon, job.request) for e in active):
+                        return  # held by the deadlines of what runs: FIFO
+                    i += 1
+                    continue
                 started = time.perf_counter()
-                chosen = self.policy.choose(room, job.request)
+                chosen = self.policy.choose(options, job.request)
                 self.decision_s.append(time.perf_counter() - started)
                 self._bind(chosen, job)
-            self.queue.popleft()
+            del self.queue[i]
             self.queued_s -= job.service_s
 
     def _executor_s(self, job: Job) -> float:

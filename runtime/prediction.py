@@ -128,8 +128,8 @@ class StepCoster:
 class Member:
     """An invocation as the prediction sees it: its model's coster, steps left, masked
     tokens per level (equal to the grid when it runs the full path: nothing cached), and
-    how long its join waits after its encode for its template's load from disk (0: the
-    template is in host memory)."""
+    and its template's load from disk, which starts with its encode (0: the template is in
+    host memory)."""
 
     coster: StepCoster
     steps_left: int
@@ -188,7 +188,7 @@ def predict(
     # template on disk is loaded meanwhile (the prefetch), and what is left of it waits
     ready_at = calibration.pre_s * (1.0 + queued_share(len(waiting), calibration.pre_workers))
     if newcomer is not None:
-        ready_at += newcomer.load_s
+        ready_at = max(ready_at, newcomer.load_s)
     step_s0 = coster.step_s0 if coster is not None else None
     intercept, slope, scale = (
         calibration.step_intercept_s,
@@ -319,12 +319,14 @@ def batch_step_s(batch: Sequence[Member], calibration: StepCalibration) -> float
     return _round_s([[m.steps_left, m.masked[0], m.coster] for m in batch], calibration)
 
 
-def first_departure_s(batch: Sequence[Member], calibration: StepCalibration) -> float:
-    """Seconds until the first member of a running batch finishes (its batch room frees)."""
+def departure_s(batch: Sequence[Member], calibration: StepCalibration, k: int = 1) -> float:
+    """Seconds until the ``k``-th member of a running batch finishes (``k`` places in it
+    free), at the batch's present round time; the last member's when ``k`` exceeds it."""
     if not batch:
         return 0.0
     active = [[m.steps_left, m.masked[0], m.coster] for m in batch]
-    return min(m.steps_left for m in batch) * _round_s(active, calibration)
+    steps = sorted(m.steps_left for m in batch)
+    return steps[min(k, len(steps)) - 1] * _round_s(active, calibration)
 
 
 # -- what a mask costs on each token grid ----------------------------------------------------

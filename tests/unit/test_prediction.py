@@ -241,6 +241,12 @@ def test_view_follows_place_progress_finish_and_learns_drift() -> None:
     assert idle.finish_s == pytest.approx(
         hosted.predict(request(0.2)).finish_s + view.overheads.disk_load_s
     )
+    # the load starts with the encode (the executor's prefetch): the longer of the two
+    view.overheads.pre_s, view.overheads.version = 0.5 * view.overheads.disk_load_s, 1
+    assert view.predict(request(0.2)).start_s == pytest.approx(view.overheads.disk_load_s)
+    view.overheads.pre_s, view.overheads.version = 2 * view.overheads.disk_load_s, 2
+    assert view.predict(request(0.2)).start_s == pytest.approx(view.overheads.pre_s)
+    view.overheads.pre_s, view.overheads.version = 0.0, 3
     placed = view.place(1, request(0.2), now=100.0)
     assert placed is not None and placed.predicted == idle
     # the executor prefetches a template on disk as the invocation arrives
@@ -619,3 +625,64 @@ def test_a_member_decoding_frees_one_batch_place_not_the_executor() -> None:
     assert view.next_start_s() == 0.0 and has_room(handle, True, HORIZON)
     view.place(3, request(0.3), now=0.0)  # bound into that place
     assert view.next_start_s() > HORIZON and not has_room(handle, True, HORIZON)
+
+
+def test_late_binding_binds_a_template_load_ahead_of_batch_room() -> None:
+    """With late binding an invocation binds once batch room is predicted within what it
+    needs before joining there: its template's load from disk runs during the wait, as it
+    would have in the executor's own queue. One whose template is in host memory still
+    waits for the room itself."""
+    from retouch.platform.control.queue import has_room
+
+    HORIZON = 0.001  # s: shorter than one step of this cost model
+    cluster = ClusterView()
+    handle = Handle(view_with(cluster, "a", max_batch=2, host=False), slots=4)
+    view = handle.view
+    for token in (1, 2):
+        view.place(token, request(0.3), now=0.0)  # template "t" is prefetched: host
+        view.progress(token, 9, 10)  # both running, 1 step left
+    start = view.next_start_s()
+    assert 0 < start < 1.0
+    view.residency[("fn", "cold")] = Residency.DISK
+    view.overheads.disk_load_s = 2 * start
+    assert not has_room(handle, True, HORIZON, request(0.3))  # host: waits for the room
+    assert has_room(handle, True, HORIZON, request(0.3, template="cold"))  # loads meanwhile
+    view.overheads.disk_load_s = 0.5 * start  # a load shorter than the wait: not yet
+    assert not has_room(handle, True, HORIZON, request(0.3, template="cold"))
+
+
+def test_each_invocation_bound_ahead_waits_for_a_departure_of_its_own() -> None:
+    """Invocations bound to an executor before they joined take the places that free
+    first, so the next one's room is a later departure: a burst does not all see the
+    same room (and pile onto one executor)."""
+    cluster = ClusterView()
+    view = view_with(cluster, "a", max_batch=2)
+    for token, done in ((1, 2), (2, 6)):
+        view.place(token, request(0.3), now=0.0)
+        view.progress(token, done, 10)  # running: 8 and 4 steps left
+    first = view.next_start_s()
+    view.place(3, request(0.3), now=0.0)  # bound ahead, not joined yet
+    second = view.next_start_s()
+    assert 0 < first < second  # it waits for the second departure
+    assert second == pytest.approx(2 * first)  # 8 steps left against 4, same batch
+
+
+def test_late_binding_chooses_among_all_executors_once_one_has_room() -> None:
+    """The moment to bind is when some executor has batch room; the choice is then among
+    every executor with a free slot (the prediction counts each one's wait for room)."""
+    from retouch.platform.control.queue import bindable
+
+    cluster = ClusterView()
+    full = Handle(view_with(cluster, "full", max_batch=1), slots=2)
+    full.view.place(1, request(0.3), now=0.0)
+    full.view.progress(1, 1, 10)
+    idle = Handle(view_with(cluster, "idle", max_batch=1), slots=2)
+
+    def everything(c: Handle) -> bool:
+        return True
+
+    assert bindable([full], True, 0.0, request(0.3), everything) == []  # it waits
+    assert bindable([full, idle], True, 0.0, request(0.3), everything) == [full, idle]
+    assert bindable([full, idle], False, 0.0, request(0.3), everything) == [full, idle]
+    full.view.place(2, request(0.3), now=0.0)  # both its slots taken
+    assert bindable([full, idle], True, 0.0, request(0.3), everything) == [idle]
