@@ -128,8 +128,8 @@ class StepCoster:
 class Member:
     """An invocation as the prediction sees it: its model's coster, steps left, masked
     tokens per level (equal to the grid when it runs the full path: nothing cached), and
-    and its template's load from disk, which starts with its encode (0: the template is in
-    host memory)."""
+    its template's load from disk, which starts with its encode (0: the template is in host
+    memory)."""
 
     coster: StepCoster
     steps_left: int

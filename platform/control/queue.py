@@ -466,9 +466,7 @@ def bindable(
     return [c for c in candidates if c.inflight < c.slots and fits(c)]
 
 
-def has_room(
-    c: Slotted, late_binding: bool, horizon_s: float, request: PlacementRequest | None = None
-) -> bool:
+def has_room(c: Slotted, late_binding: bool, horizon_s: float, request: PlacementRequest) -> bool:
     """A free slot; with late binding, batch room, or a predicted start within the
     prefetch horizon: ``horizon_s``, or what the ``request`` needs there before it can join
     when that is longer (its encode, its template's load: ``ExecutorView.lead_s``), so they
@@ -480,6 +478,4 @@ def has_room(
         return False
     if not late_binding or c.inflight < c.view.max_batch:
         return True
-    if request is not None:
-        horizon_s = max(horizon_s, c.view.lead_s(request))
-    return c.view.next_start_s() <= horizon_s
+    return c.view.next_start_s() <= max(horizon_s, c.view.lead_s(request))

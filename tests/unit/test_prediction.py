@@ -620,11 +620,11 @@ def test_a_member_decoding_frees_one_batch_place_not_the_executor() -> None:
     for token in (1, 2):
         view.place(token, request(0.3), now=0.0)
         view.progress(token, 1, 10)  # both running, 9 steps left
-    assert view.next_start_s() > HORIZON and not has_room(handle, True, HORIZON)
+    assert view.next_start_s() > HORIZON and not has_room(handle, True, HORIZON, request(0.3))
     view.progress(1, 10, 10)  # its last step is done: decoding, out of the batch
-    assert view.next_start_s() == 0.0 and has_room(handle, True, HORIZON)
+    assert view.next_start_s() == 0.0 and has_room(handle, True, HORIZON, request(0.3))
     view.place(3, request(0.3), now=0.0)  # bound into that place
-    assert view.next_start_s() > HORIZON and not has_room(handle, True, HORIZON)
+    assert view.next_start_s() > HORIZON and not has_room(handle, True, HORIZON, request(0.3))
 
 
 def test_late_binding_binds_a_template_load_ahead_of_batch_room() -> None:
