@@ -79,6 +79,16 @@ class Placed:
     pre_ahead: int = 0  # placed here before it and not yet in the batch: encodes ahead
 
 
+def _service_s(samples: deque[float], seconds: float, queued: bool, current: float) -> float:
+    """A worker's service time after one more observation (see ``Overheads.observe``)."""
+    if not queued:
+        samples.append(seconds)
+        return statistics.median(samples)
+    if samples:
+        return current
+    return seconds if current <= 0 else min(current, seconds)
+
+
 @dataclass
 class Overheads:
     """Time around the denoising steps (pre/post-processing, a template's disk load),
@@ -99,17 +109,18 @@ class Overheads:
     pre_samples: deque[float] = field(default_factory=lambda: deque(maxlen=OVERHEAD_WINDOW))
     post_samples: deque[float] = field(default_factory=lambda: deque(maxlen=OVERHEAD_WINDOW))
 
-    def observe(self, pre_s: float | None, post_s: float | None) -> None:
-        """One result's encode and decode times; None for one that queued for a worker.
-        Each is the median of its recent observations: a new pool's first results are
-        cold or contended (measured on small-flux: decodes of 1.6-1.8 s, then ~0.8 s), and
-        an average that starts there stays long for a dozen results, a median for two."""
-        if pre_s is not None:
-            self.pre_samples.append(pre_s)
-            self.pre_s = statistics.median(self.pre_samples)
-        if post_s is not None:
-            self.post_samples.append(post_s)
-            self.post_s = statistics.median(self.post_samples)
+    def observe(
+        self, pre_s: float, post_s: float, *, pre_queued: bool = False, post_queued: bool = False
+    ) -> None:
+        """One result's encode and decode times, and whether each queued for a worker.
+        Each is the median of its recent unqueued observations: a new pool's first results
+        are cold or contended (measured on small-flux: decodes of 1.6-1.8 s, then ~0.8 s),
+        and an average that starts there stays long for a dozen results, a median for two.
+        A time that queued includes its wait; the shortest such is used only until an
+        unqueued one is seen. Left at 0, a burst whose every decode queued had an executor
+        with a backlog of decodes look free: it took all 12 edits, predicted ~10x short."""
+        self.pre_s = _service_s(self.pre_samples, pre_s, pre_queued, self.pre_s)
+        self.post_s = _service_s(self.post_samples, post_s, post_queued, self.post_s)
         self.version += 1
 
     def observe_disk_load(self, seconds: float) -> None:
@@ -311,8 +322,10 @@ class ExecutorView:
             return  # an executor's first result is cold (first loads, first allocations)
         pre_workers, post_workers = self.workers
         self.overheads.observe(
-            None if 0 < pre_workers <= placed.pre_ahead else t.pre_ms / 1e3,
-            None if 0 < post_workers <= during else post_s,
+            t.pre_ms / 1e3,
+            post_s,
+            pre_queued=0 < pre_workers <= placed.pre_ahead,
+            post_queued=0 < post_workers <= during,
         )
         if result.cache.tier is wire.CacheTier.DISK:
             self.overheads.observe_disk_load(result.cache.wait_ms / 1e3)
