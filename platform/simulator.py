@@ -71,6 +71,7 @@ from retouch.platform.control.cluster import (
 )
 from retouch.platform.control.queue import InvocationQueue, QueueLimits, bindable, has_room
 from retouch.platform.placement import MaskAware, Placement, make_placement
+from retouch.platform.sharedcpu import SharedCPU, nice_weight
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.prediction import (
     TOKEN_PX,
@@ -123,6 +124,23 @@ class SimSpec:
     # instead of the constant pre_s/post_s
     pre_samples: tuple[float, ...] = ()
     post_samples: tuple[float, ...] = ()
+    # Pre/post worker processes per executor (0: as many encodes/decodes at once as come);
+    # more at once wait for a worker, as in the real executor
+    pre_workers: int = 0
+    post_workers: int = 0
+    # Cores shared by every executor's steps and workers and by the gateway (0: none
+    # shared, as on GPUs: each engine steps alone and its workers run beside it). With
+    # them every step, encode, decode and ``outside_s`` is work on a :class:`SharedCPU`.
+    cpu_cores: int = 0
+    # The gateway's own work per invocation (HTTP, mask decode, result encoding), before
+    # the invocation is queued
+    outside_s: float = 0.0
+    # Work per invocation on the shared cores that its latency does not wait for (the
+    # client, HTTP and serialisation in other processes): it only takes cores from the rest
+    background_s: float = 0.0
+    # The niceness of the executors' engines and workers on the shared cores, relative to
+    # the gateway's and the background work (a CPU executor runs at ExecutorOptions.cpu_nice)
+    executor_nice: int = 0
     slo_factor: float | None = None  # SLO = this x the standalone latency (admission on)
     autoscale: AutoscalingConfig | None = None  # None: a static pool of ``executors``
     startup_s: float = 60.0  # a new executor's start (process, model load, first template)
@@ -153,6 +171,9 @@ class Job:
     dropped: bool = False  # admitted, then dropped from the queue: it could no longer make its SLO
     pre_s: float = 0.0  # its own encode and decode (spec.pre_s/post_s, or drawn from samples)
     post_s: float = 0.0
+    loaded_at: float = 0.0  # when its template is in host memory there (its disk load ends)
+    pre_elapsed: float = 0.0  # its encode and decode as the executor reports them: with the
+    post_elapsed: float = 0.0  # wait for a worker and for the shared cores
     found: Residency = Residency.HOST  # where its template was when it was bound
     full: bool = False  # its template was not baked: every token computed
     load_s: float = 0.0  # its template's disk -> host load (overlapping its encode)
@@ -177,6 +198,10 @@ class SimExecutor:
     host: OrderedDict[str, None] = field(default_factory=OrderedDict)  # host tier, LRU first
     bakes: deque[tuple[str, float]] = field(default_factory=deque)  # (template, queued at)
     loads: dict[str, float] = field(default_factory=dict)  # template -> when its load ends
+    encoding: int = 0  # pre workers busy, and the encodes waiting for one
+    encodes: deque[Job] = field(default_factory=deque)
+    decoding: int = 0  # post workers busy, and the decodes waiting for one
+    decodes: deque[Job] = field(default_factory=deque)
 
 
 class Simulation:
@@ -246,6 +271,9 @@ class Simulation:
         self._arrived_s = 0.0  # executor-seconds of the arrivals since the last tick
         self._arrivals = 0  # ... and their number
         self._last_tick = 0.0
+        self.cpu = (
+            SharedCPU(spec.cpu_cores, lambda: self.now, self.at) if spec.cpu_cores > 0 else None
+        )
 
     def _add_executor(self) -> SimExecutor:
         view = self.cluster.add(
@@ -275,7 +303,7 @@ class Simulation:
 
     def run(self) -> dict[str, Any]:
         for job in self.jobs:
-            self.at(job.arrival, lambda job=job: self._arrive(job))
+            self.at(job.arrival, lambda job=job: self._received(job))
         if self.scaler is not None:
             self.at(0.0, self._tick)
         self.at(TIMELINE_S, self._sample)
@@ -286,7 +314,25 @@ class Simulation:
         wall_s = time.perf_counter() - started
         return self._summary(wall_s)
 
+    def _compute(self, seconds: float, then: Callable[[], None], executor: bool = True) -> None:
+        """``seconds`` of work, on the shared cores if there are any (else alone); an
+        executor's at its niceness, the gateway's (``executor=False``) at 0."""
+        if self.cpu is not None:
+            weight = nice_weight(self.spec.executor_nice) if executor else 1.0
+            self.cpu.run(seconds, then, weight)
+        else:
+            self.at(self.now + seconds, then)
+
     # ---- the gateway --------------------------------------------------------------------
+    def _received(self, job: Job) -> None:
+        """The gateway's own work on an arrival (``outside_s``), then its admission."""
+        if self.cpu is not None and self.spec.background_s > 0:
+            self.cpu.run(self.spec.background_s, lambda: None)
+        if self.spec.outside_s > 0:
+            self._compute(self.spec.outside_s, lambda: self._arrive(job), executor=False)
+        else:
+            self._arrive(job)
+
     def _arrive(self, job: Job) -> None:
         self._arrived_s += self._executor_s(job)  # refused or not: it is demand
         self._arrivals += 1
@@ -371,7 +417,9 @@ class Simulation:
         job.pre_s = self._drawn(self.spec.pre_samples, self.spec.pre_s)
         job.post_s = self._drawn(self.spec.post_samples, self.spec.post_s)
         self._template_for(ex, job)
-        self.at(self.now + max(job.pre_s, job.load_s), lambda: self._encoded(ex, job))
+        job.loaded_at = self.now + job.load_s
+        job.pre_elapsed = self.now  # until its encode ends
+        self._encode(ex, job)
 
     def _template_for(self, ex: SimExecutor, job: Job) -> None:
         """Where ``job``'s template is on ``ex`` as it arrives there, and what that costs
@@ -410,6 +458,24 @@ class Simulation:
         return samples[int(self._overhead_rng.integers(len(samples)))]
 
     # ---- a simulated engine -------------------------------------------------------------
+    def _encode(self, ex: SimExecutor, job: Job) -> None:
+        """Its encode in a pre worker, or in the line for one."""
+        if self.spec.pre_workers and ex.encoding >= self.spec.pre_workers:
+            ex.encodes.append(job)
+            return
+        ex.encoding += 1
+        self._compute(job.pre_s, lambda: self._encode_done(ex, job))
+
+    def _encode_done(self, ex: SimExecutor, job: Job) -> None:
+        ex.encoding -= 1
+        if ex.encodes:
+            self._encode(ex, ex.encodes.popleft())
+        job.pre_elapsed = self.now - job.pre_elapsed
+        if job.loaded_at > self.now:  # its template's load outlasts the encode
+            self.at(job.loaded_at, lambda: self._encoded(ex, job))
+        else:
+            self._encoded(ex, job)
+
     def _encoded(self, ex: SimExecutor, job: Job) -> None:
         ex.ready.append(job)
         if not ex.stepping:
@@ -424,7 +490,7 @@ class Simulation:
             template, _ = ex.bakes.popleft()
             ex.stepping = True
             ex.busy_s += self.bake_s
-            self.at(self.now + self.bake_s, lambda: self._baked(ex, template))
+            self._compute(self.bake_s, lambda: self._baked(ex, template))
             return
         while ex.ready and len(ex.running) < self.spec.max_batch:
             ex.running.append(ex.ready.popleft())
@@ -437,7 +503,7 @@ class Simulation:
         seconds = fitted_step_s(planned, self.spec.step_intercept_s, self.spec.step_slope)
         seconds *= float(self.rng.lognormal(0.0, self.spec.noise)) if self.spec.noise else 1.0
         ex.busy_s += seconds
-        self.at(self.now + seconds, lambda: self._stepped(ex))
+        self._compute(seconds, lambda: self._stepped(ex))
 
     def _baked(self, ex: SimExecutor, template: str) -> None:
         """A bake committed: the template is on the pool's disk and in ``ex``'s host tier,
@@ -461,15 +527,28 @@ class Simulation:
             if job.steps_left > 0:
                 still.append(job)
             else:
-                self.at(self.now + job.post_s, lambda job=job: self._done(ex, job))
+                job.post_elapsed = self.now  # until its decode ends
+                self._decode(ex, job)
         leaving = len(still) < len(ex.running) or any(j.steps_left <= 1 for j in still)
         ex.running = still
         if leaving and self.queue:  # the pool's rule: room within a step binds the head
             self._dispatch()
         self._step(ex)
 
+    def _decode(self, ex: SimExecutor, job: Job) -> None:
+        """Its decode in a post worker, or in the line for one."""
+        if self.spec.post_workers and ex.decoding >= self.spec.post_workers:
+            ex.decodes.append(job)
+            return
+        ex.decoding += 1
+        self._compute(job.post_s, lambda: self._done(ex, job))
+
     def _done(self, ex: SimExecutor, job: Job) -> None:
+        ex.decoding -= 1
+        if ex.decodes:
+            self._decode(ex, ex.decodes.popleft())
         job.done_at = self.now
+        job.post_elapsed = self.now - job.post_elapsed
         result = wire.InvokeResult(
             b"",
             "png",
@@ -478,7 +557,7 @@ class Simulation:
             job.request.mask_ratio,
             ex.name,
             wire.InvokePath.STOCK if job.full else wire.InvokePath.MASKAWARE,
-            timings=wire.Timings(pre_ms=job.pre_s * 1e3, post_ms=job.post_s * 1e3),
+            timings=wire.Timings(pre_ms=job.pre_elapsed * 1e3, post_ms=job.post_elapsed * 1e3),
             cache=self._cache_read(job),
         )
         error = ex.view.finish(job.token, self.now, result)
@@ -499,7 +578,7 @@ class Simulation:
         if job.full:
             return wire.CacheRead(wire.CacheTier.NONE, 0.0, wire.CacheTier.NONE)
         if job.found is Residency.DISK:
-            wait_ms = max(0.0, job.load_s - job.pre_s) * 1e3
+            wait_ms = max(0.0, job.load_s - job.pre_elapsed) * 1e3
             return wire.CacheRead(wire.CacheTier.DISK, wait_ms, wire.CacheTier.DISK)
         return wire.CacheRead(wire.CacheTier.HOST, 0.0, wire.CacheTier.HOST)
 
@@ -602,6 +681,8 @@ class Simulation:
             "dropped": sum(1 for j in measured if j.dropped),
             "throughput_rps": len(accepted) / window,
         }
+        if self.cpu is not None:
+            out["cpu_busy_s"] = self.cpu.busy_s
         if self.scaler is not None:
             out["scale_events"] = len(self.scale_events)
             out["reversals"] = self.scaler.reversals
@@ -906,6 +987,15 @@ def standalone_s(spec: SimSpec, cost_model: CostModel) -> float:
 def _coster(cost_model: CostModel) -> StepCoster:
     """The prediction's step coster of ``cost_model`` (its plan table when it has one)."""
     return StepCoster(cost_model, cost_model.extra["grids"], cost_model.extra.get("step_table"))
+
+
+def solo_steps_s(
+    cost_model: CostModel, invocations: list[tuple[MaskFootprint, int]]
+) -> list[float]:
+    """Each invocation's steps at batch 1 as ``cost_model`` plans them (seconds): what it
+    costs when it runs alone."""
+    coster = _coster(with_plan_table(cost_model, 1))
+    return [steps * coster.step_s0(1, fp.on(coster.grids)[0]) for fp, steps in invocations]
 
 
 def with_plan_table(cost_model: CostModel, max_batch: int) -> CostModel:

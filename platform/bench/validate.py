@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -36,13 +37,22 @@ from retouch.platform.bench.load import (
     wait_baked,
 )
 from retouch.platform.client import Client
-from retouch.platform.simulator import Arrival, SimSpec, run_simulation
+from retouch.platform.simulator import Arrival, SimSpec, run_simulation, solo_steps_s
 from retouch.runtime.costmodel import CostModel
+from retouch.runtime.executor.options import ExecutorOptions
 from retouch.runtime.prediction import MaskFootprint
 
 log = logging.getLogger(__name__)
 
 TOLERANCE = 0.15  # |simulated - real| / real the issue asks for, mean and P95
+OVERHEADS = ("samples", "mean", "cpu")
+# The percentile of a recorded time that stands for its uncontended value in the shared-CPU
+# model: an encode, decode or step that neither waited for a worker nor shared a core.
+SOLO_PERCENTILE = 10.0
+# The solo probe: invocations sent one at a time to the idle pool before the loads, each
+# far enough after the last that nothing overlaps; their medians are the uncontended times
+SOLO_PROBES = 12
+SOLO_GAP_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -59,8 +69,11 @@ class ValidateSpec:
     noise: float = 0.05  # the simulated steps' lognormal sigma
     rate_rps: float | None = None  # the capacity (invocations/s); None: probed once
     # "samples": each simulated invocation draws its pre/post from the run's measured ones;
-    # "mean": every one takes the run's mean pre/post time
+    # "mean": every one takes the run's mean pre/post time; "cpu": the shared-CPU model
+    # (every step, encode, decode and the gateway's own work share ``cpu_cores``, each at
+    # its uncontended time: ``solo_inputs``)
     overheads: str = "samples"
+    cpu_cores: int = 0  # the shared-CPU model's cores (0: this machine's)
 
 
 @dataclass
@@ -74,6 +87,11 @@ class RealRun:
     arrivals: list[dict[str, Any]]  # sent_s, ratio, template, steps, footprint, latency_ms...
     cost_model: dict[str, Any]
     executors: list[dict[str, Any]]  # per executor: step fit, gateway calibration
+    # the machine's busy core-seconds while the arrivals were replayed (/proc/stat, other
+    # work and a VM's stolen time included: what competed for the cores); None: unknown
+    cpu_busy_s: float | None = None
+    # the solo probe on this run's server: invocations sent one at a time (rows as above)
+    solo_arrivals: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def measured(self) -> list[dict[str, Any]]:
@@ -107,11 +125,64 @@ def replayed(run: RealRun) -> list[Arrival]:
     ]
 
 
-def simulate(run: RealRun, spec: ValidateSpec, seed: int = 0) -> dict[str, Any]:
+def _outside_ms(arrival: dict[str, Any]) -> float:
+    """Its time outside the gateway queue and the executor (HTTP, mask decode, results)."""
+    return arrival["latency_ms"] - arrival.get("gateway_queue_ms", 0.0) - arrival["placed_ms"]
+
+
+def solo_inputs(runs: list[RealRun]) -> dict[str, float]:
+    """What the shared-CPU model is given: each part's uncontended time in seconds (the
+    encode, the decode, the time outside the queue and the executor, and the steps' time
+    over their profiled time at batch 1, ``step_slope``: the profile was taken at deploy
+    under other conditions). Measured by the solo probe (its medians, over every server of
+    the record), or in a record without one, the ``SOLO_PERCENTILE`` of what every run
+    measured (all loads and policies)."""
+    probed = [a for r in runs for a in r.solo_arrivals if _timed(a)]
+    measured = probed or [a for r in runs for a in r.measured if _timed(a)]
+    if not measured:
+        raise ValueError("no completed invocation with its timings in the record")
+    percentile = 50.0 if probed else SOLO_PERCENTILE
+
+    def solo(values: list[float]) -> float:
+        return float(np.percentile(values, percentile))
+
+    model = CostModel.from_dict(runs[0].cost_model)
+    steps = solo_steps_s(model, [(_footprint(a), a["steps"]) for a in measured])
+    return {
+        "pre_s": solo([a["pre_ms"] for a in measured]) / 1e3,
+        "post_s": solo([a["post_ms"] for a in measured]) / 1e3,
+        "outside_s": max(0.0, solo([_outside_ms(a) for a in measured]) / 1e3),
+        "step_intercept_s": 0.0,
+        "step_slope": solo(
+            [
+                (a["placed_ms"] - a["pre_ms"] - a["post_ms"]) / 1e3 / planned
+                for a, planned in zip(measured, steps, strict=True)
+                if planned > 0
+            ]
+        ),
+    }
+
+
+def _timed(arrival: dict[str, Any]) -> bool:
+    return arrival["error"] is None and not arrival["warmup"] and bool(arrival.get("placed_ms"))
+
+
+def _footprint(arrival: dict[str, Any]) -> MaskFootprint:
+    return MaskFootprint(
+        arrival["ratio"], arrival["pixels"], {int(k): v for k, v in arrival["masked"].items()}
+    )
+
+
+def simulate(
+    run: RealRun, spec: ValidateSpec, seed: int = 0, solo: dict[str, float] | None = None
+) -> dict[str, Any]:
     """The simulator on the run's arrivals, cost model, step fit and pre/post times (their
-    mean, or drawn from the measured ones: ``spec.overheads``)."""
-    if spec.overheads not in ("samples", "mean"):
-        raise ValueError(f"overheads are samples or mean, not {spec.overheads!r}")
+    mean, or drawn from the measured ones: ``spec.overheads``); or, with ``cpu``, the
+    shared-CPU model on ``solo`` (``solo_inputs`` of the whole record)."""
+    if spec.overheads not in OVERHEADS:
+        raise ValueError(f"overheads are one of {', '.join(OVERHEADS)}, not {spec.overheads!r}")
+    if spec.overheads == "cpu":
+        return _simulate_cpu(run, spec, seed, solo or solo_inputs([run]))
     inputs = sim_inputs(run)
     done = [a for a in run.arrivals if a["error"] is None]
     samples = spec.overheads == "samples"
@@ -134,6 +205,64 @@ def simulate(run: RealRun, spec: ValidateSpec, seed: int = 0) -> dict[str, Any]:
     model = CostModel.from_dict(run.cost_model)
     result = run_simulation(sim, model, replayed(run))["configs"][run.placement]
     return result
+
+
+def machine_busy_s() -> float | None:
+    """Core-seconds the machine has been busy since boot (``/proc/stat``: all but idle and
+    I/O wait), or None where there is no such file."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _simulate_cpu(
+    run: RealRun, spec: ValidateSpec, seed: int, solo: dict[str, float]
+) -> dict[str, Any]:
+    """The shared-CPU model: the executors' steps and workers and the gateway's own work
+    share the machine's cores, each part at its uncontended time; encodes and decodes wait
+    for the executor's workers (as many as a real executor on this machine starts). What
+    else kept the cores busy during the run (the client, HTTP, serialisation, other work on
+    the machine: ``RealRun.cpu_busy_s`` less what the model computes) is spread over the
+    arrivals as background work, so the model's cores are as busy as the machine's were."""
+    first = _simulate_cpu_once(run, spec, seed, solo, background_s=0.0)
+    if run.cpu_busy_s is None:
+        return first
+    extra = max(0.0, run.cpu_busy_s - first["cpu_busy_s"]) / len(run.arrivals)
+    result = _simulate_cpu_once(run, spec, seed, solo, background_s=extra)
+    result["background_ms"] = extra * 1e3
+    return result
+
+
+def _simulate_cpu_once(
+    run: RealRun, spec: ValidateSpec, seed: int, solo: dict[str, float], background_s: float
+) -> dict[str, Any]:
+    pre_workers, post_workers = ExecutorOptions().workers()
+    sim = SimSpec(
+        executors=spec.executors,
+        placements=(run.placement,),
+        warmup=sum(1 for a in run.arrivals if a["warmup"]),
+        steps=spec.steps,
+        max_batch=spec.max_batch,
+        pre_s=solo["pre_s"],
+        post_s=solo["post_s"],
+        noise=spec.noise,
+        step_intercept_s=solo["step_intercept_s"],
+        step_slope=solo["step_slope"],
+        pre_workers=pre_workers,
+        post_workers=post_workers,
+        cpu_cores=spec.cpu_cores or os.cpu_count() or 1,
+        outside_s=solo["outside_s"],
+        background_s=background_s,
+        executor_nice=ExecutorOptions().cpu_nice,
+        load=run.load,
+        seed=seed,
+    )
+    model = CostModel.from_dict(run.cost_model)
+    return run_simulation(sim, model, replayed(run))["configs"][run.placement]
 
 
 def _median(values: list[float]) -> float | None:
@@ -195,6 +324,7 @@ def validate(
     real run of the same arrivals), its real figures stand in for the simulation's: how
     far two real runs of one workload are apart on this machine."""
     pairs = {(r.placement, r.load): r for r in against or []}
+    solo = solo_inputs(runs) if spec.overheads == "cpu" and against is None else None
     loads = []
     for load in spec.loads:
         mine = [r for r in runs if r.load == load]
@@ -207,16 +337,19 @@ def validate(
             real[run.placement] = latency_figures([a["latency_ms"] for a in run.measured])
             simulated_only: dict[str, Any] = {}
             if against is None:
-                sim = simulate(run, spec, seed=spec.workload.seed)
+                sim = simulate(run, spec, seed=spec.workload.seed, solo=solo)
                 simulated[run.placement] = {"mean_ms": sim["mean_ms"], "p95_ms": sim["p95_ms"]}
                 simulated_only["sim_utilisation"] = sim["utilisation"]
+                if "background_ms" in sim:
+                    simulated_only["background_ms"] = sim["background_ms"]
+                    simulated_only["cpu_busy_s"] = run.cpu_busy_s
             else:
                 other = pairs[(run.placement, load)]
                 simulated[run.placement] = latency_figures(
                     [a["latency_ms"] for a in other.measured]
                 )
             inputs[run.placement] = {
-                **{k: round(v, 5) for k, v in sim_inputs(run).items()},
+                **{k: round(v, 5) for k, v in (solo or sim_inputs(run)).items()},
                 **simulated_only,
                 "real_errors": sum(
                     1 for a in run.arrivals if not a["warmup"] and a["error"] is not None
@@ -358,6 +491,23 @@ def _self_description(client: Client, model: str) -> tuple[dict[str, Any], list[
     return cost_model, executors
 
 
+def _solo_probe(
+    url: str,
+    function: str,
+    spec: ValidateSpec,
+    templates: list[str],
+    size: tuple[int, int],
+    halo: int | None,
+) -> list[dict[str, Any]]:
+    """``SOLO_PROBES`` invocations (and one to warm up), ``SOLO_GAP_S`` apart on the idle
+    pool: each part's time when nothing else computes."""
+    workload = replace(spec.workload, requests=SOLO_PROBES, warmup=1, seed=spec.workload.seed + 99)
+    plan = plan_requests(workload, 1.0, templates, size)
+    plan = [replace(req, at=i * SOLO_GAP_S) for i, req in enumerate(plan)]
+    stats = asyncio.run(replay(url, None, function, plan, 1))
+    return _record(plan, stats.outcomes, size, spec.steps, halo or 0)
+
+
 def run_real(spec: ValidateSpec, data_dir: Path) -> tuple[float, list[RealRun]]:
     """Each policy on its own server (one after another); on each, every load in turn,
     each load replaying the same arrivals for every policy. One capacity probe sets every
@@ -379,12 +529,15 @@ def run_real(spec: ValidateSpec, data_dir: Path) -> tuple[float, list[RealRun]]:
         with config_server(load_spec, name, data_dir) as server, Client(server.url) as client:
             client.deploy(function, images)
             wait_baked(client, function.name)
+            solo = _solo_probe(server.url, function.name, spec, list(images), size, function.halo)
             for k, load in enumerate(spec.loads):
                 workload = replace(spec.workload, seed=spec.workload.seed + k)
                 plan = plan_requests(workload, load * capacity, list(images), size)
+                busy = machine_busy_s()
                 stats = asyncio.run(
                     replay(server.url, None, function.name, plan, spec.workload.warmup)
                 )
+                busy = None if busy is None else (machine_busy_s() or busy) - busy
                 cost_model, executors = _self_description(client, spec.model)
                 run = RealRun(
                     name,
@@ -393,6 +546,8 @@ def run_real(spec: ValidateSpec, data_dir: Path) -> tuple[float, list[RealRun]]:
                     _record(plan, stats.outcomes, size, spec.steps, function.halo or 0),
                     cost_model,
                     executors,
+                    busy,
+                    solo,
                 )
                 runs.append(run)
                 log.info(

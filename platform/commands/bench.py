@@ -681,10 +681,17 @@ def _validate(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--overheads",
-        choices=("samples", "mean"),
+        choices=("samples", "mean", "cpu"),
         default="samples",
         help="the simulated pre/post times: drawn from the run's measured ones (default), "
-        "or their mean",
+        "or their mean; cpu: a shared-CPU model (steps, encodes, decodes and the gateway's "
+        "own work share --cpu-cores, each at its uncontended time)",
+    )
+    p.add_argument(
+        "--cpu-cores",
+        type=non_negative_int,
+        default=0,
+        help="with --overheads cpu: the cores the model shares (default 0: this machine's)",
     )
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of arrivals and masks")
     p.add_argument(
@@ -722,7 +729,7 @@ def _run_validate(args: argparse.Namespace) -> None:
 
     if args.from_file is not None:
         spec, capacity, runs = load_runs(args.from_file)
-        spec = replace(spec, noise=args.noise, overheads=args.overheads)
+        spec = replace(spec, noise=args.noise, overheads=args.overheads, cpu_cores=args.cpu_cores)
     else:
         spec = ValidateSpec(
             model=args.model,
@@ -743,6 +750,7 @@ def _run_validate(args: argparse.Namespace) -> None:
             noise=args.noise,
             rate_rps=args.capacity,
             overheads=args.overheads,
+            cpu_cores=args.cpu_cores,
         )
         with tempfile.TemporaryDirectory(prefix="retouch-bench-validate-") as tmp:
             capacity, runs = run_real(spec, args.data_dir or Path(tmp))

@@ -137,3 +137,88 @@ def test_the_simulator_is_given_the_pools_self_description_not_its_latencies():
     got = simulate(run, replace(spec, overheads="samples"))
     steps_ms = _alone_s(replace(one, pre_s=0.0, post_s=0.0), 0.3) * 1e3
     assert any(abs(got["p50_ms"] - steps_ms - 10.0 - pre) < 1e-6 for pre in (20, 30, 40, 50))
+
+
+def _shared(**changes) -> SimSpec:
+    base = SimSpec(
+        executors=2,
+        placements=("round-robin",),
+        warmup=0,
+        max_batch=BATCH,
+        steps=4,
+        pre_s=0.03,
+        post_s=0.02,
+        noise=0.0,
+        cpu_cores=1,
+        outside_s=0.005,
+    )
+    return replace(base, **changes)
+
+
+def _latencies(spec: SimSpec, times: list[float]) -> list[float]:
+    model = with_plan_table(flux_like_cost_model(), BATCH)
+    arrivals = [Arrival(t, footprint(0.3, spec.size)) for t in times]
+    jobs, _ = plan_jobs(spec, model, arrivals)
+    sim = Simulation(spec, model, make_placement(spec.placements[0]), jobs)
+    sim.run()
+    return [j.done_at - j.arrival for j in sim.jobs]
+
+
+def test_on_shared_cores_invocations_that_run_at_once_slow_each_other():
+    alone = _alone_s(_shared(), 0.3) + 0.005  # its encode, steps and decode, and the gateway's
+    assert _latencies(_shared(), [1.0, 100.0]) == pytest.approx([alone, alone])
+    # Two at once on two executors: one core shared by both, each takes twice as long.
+    assert _latencies(_shared(), [1.0, 1.0]) == pytest.approx([2 * alone, 2 * alone])
+    # Two cores: each computes on its own again.
+    assert _latencies(_shared(cpu_cores=2), [1.0, 1.0]) == pytest.approx([alone, alone])
+
+
+def test_an_encode_waits_for_the_executors_pre_worker():
+    """Two invocations at once on one executor with one pre worker: the second's encode, as
+    the executor reports it, includes its wait for the first's; with two workers it does not."""
+
+    def encodes(workers: int) -> list[float]:
+        spec = _shared(executors=1, cpu_cores=4, pre_workers=workers, max_batch=2)
+        model = with_plan_table(flux_like_cost_model(), 2)
+        jobs, _ = plan_jobs(spec, model, [Arrival(1.0, footprint(0.3, spec.size))] * 2)
+        sim = Simulation(spec, model, make_placement("round-robin"), jobs)
+        sim.run()
+        return [j.pre_elapsed for j in sim.jobs]
+
+    assert encodes(1) == pytest.approx([0.03, 0.06])
+    assert encodes(2) == pytest.approx([0.03, 0.03])
+
+
+def test_the_cpu_model_spreads_the_runs_other_busy_time_over_its_arrivals():
+    """``--overheads cpu``: the machine was busier than the model computes (the client,
+    HTTP, other work): the difference becomes background work per arrival, and the
+    simulated latencies grow with it."""
+    model = flux_like_cost_model()
+    fp = footprint(0.3, 1024)
+    rows = [
+        {
+            "at_s": 0.05 * i,
+            "sent_s": 0.05 * i,
+            "ratio": fp.ratio,
+            "pixels": fp.pixels,
+            "masked": {str(k): v for k, v in fp.masked.items()},
+            "template": "t0",
+            "steps": 4,
+            "warmup": False,
+            "latency_ms": 1e6,
+            "error": None,
+            "pre_ms": 20.0,
+            "post_ms": 10.0,
+            "gateway_queue_ms": 0.0,
+            "placed_ms": 200.0,
+            "executor": "exec-0",
+        }
+        for i in range(20)
+    ]
+    run = RealRun("round-robin", 0.5, 20.0, rows, model.to_dict(), [], cpu_busy_s=None)
+    spec = ValidateSpec(steps=4, noise=0.0, max_batch=BATCH, overheads="cpu", cpu_cores=2)
+    quiet = simulate(run, spec)
+    assert "background_ms" not in quiet
+    busy = simulate(replace(run, cpu_busy_s=quiet["cpu_busy_s"] + 20 * 0.05), spec)
+    assert busy["background_ms"] == pytest.approx(50.0)
+    assert busy["mean_ms"] > quiet["mean_ms"]
