@@ -14,6 +14,11 @@ A simulated engine follows the real one:
   noise;
 * finished invocations post-process for ``post_s``.
 
+Encodes and decodes wait for one of the executor's ``pre_workers``/``post_workers`` when
+those are set. With ``cpu_cores`` the executors do not compute alone: every step, encode,
+decode and the gateway's own work (``outside_s``, ``background_s``) shares those cores
+(:class:`~retouch.platform.sharedcpu.SharedCPU`), as on a machine without accelerators.
+
 Which executors can take an invocation depends on the policy. A late-binding one
 (``maskaware``) has an invocation wait in the gateway queue until an executor has batch
 room and, with an SLO, until joining keeps every deadline there
@@ -180,6 +185,17 @@ class Job:
     masked0: int = 0  # masked tokens of the finest grid as its executor computes them
 
 
+@dataclass
+class WorkerLine:
+    """An executor's pre (or post) worker processes: as many encodes (decodes) at once as
+    there are workers (0: no limit); the others wait in line, each with its work and what
+    follows it."""
+
+    workers: int
+    busy: int = 0
+    waiting: deque[tuple[float, Callable[[], None]]] = field(default_factory=deque)
+
+
 @dataclass(eq=False)
 class SimExecutor:
     """What the policy sees (name, inflight, slots, view) and the simulated engine."""
@@ -198,10 +214,8 @@ class SimExecutor:
     host: OrderedDict[str, None] = field(default_factory=OrderedDict)  # host tier, LRU first
     bakes: deque[tuple[str, float]] = field(default_factory=deque)  # (template, queued at)
     loads: dict[str, float] = field(default_factory=dict)  # template -> when its load ends
-    encoding: int = 0  # pre workers busy, and the encodes waiting for one
-    encodes: deque[Job] = field(default_factory=deque)
-    decoding: int = 0  # post workers busy, and the decodes waiting for one
-    decodes: deque[Job] = field(default_factory=deque)
+    encoders: WorkerLine = field(default_factory=lambda: WorkerLine(0))  # its pre workers
+    decoders: WorkerLine = field(default_factory=lambda: WorkerLine(0))  # its post workers
 
 
 class Simulation:
@@ -281,7 +295,14 @@ class Simulation:
         )
         view.observe_state(self._state, self.cluster.costers)
         view.phase = wire.ExecutorPhase.READY
-        ex = SimExecutor(view.name, view, view.slots, started_at=self.now)
+        ex = SimExecutor(
+            view.name,
+            view,
+            view.slots,
+            started_at=self.now,
+            encoders=WorkerLine(self.spec.pre_workers),
+            decoders=WorkerLine(self.spec.post_workers),
+        )
         if not self.tiers:
             for template in self.templates:
                 view.residency[(FUNCTION, template)] = Residency.HOST
@@ -419,7 +440,7 @@ class Simulation:
         self._template_for(ex, job)
         job.loaded_at = self.now + job.load_s
         job.pre_elapsed = self.now  # until its encode ends
-        self._encode(ex, job)
+        self._in_worker(ex.encoders, job.pre_s, lambda: self._encode_done(ex, job))
 
     def _template_for(self, ex: SimExecutor, job: Job) -> None:
         """Where ``job``'s template is on ``ex`` as it arrives there, and what that costs
@@ -458,18 +479,23 @@ class Simulation:
         return samples[int(self._overhead_rng.integers(len(samples)))]
 
     # ---- a simulated engine -------------------------------------------------------------
-    def _encode(self, ex: SimExecutor, job: Job) -> None:
-        """Its encode in a pre worker, or in the line for one."""
-        if self.spec.pre_workers and ex.encoding >= self.spec.pre_workers:
-            ex.encodes.append(job)
+    def _in_worker(self, line: WorkerLine, seconds: float, then: Callable[[], None]) -> None:
+        """``seconds`` of work in one of ``line``'s workers, or in line for one; then
+        ``then``. The worker it frees takes the next in line."""
+        if line.workers and line.busy >= line.workers:
+            line.waiting.append((seconds, then))
             return
-        ex.encoding += 1
-        self._compute(job.pre_s, lambda: self._encode_done(ex, job))
+        line.busy += 1
+
+        def finished() -> None:
+            line.busy -= 1
+            if line.waiting:
+                self._in_worker(line, *line.waiting.popleft())
+            then()
+
+        self._compute(seconds, finished)
 
     def _encode_done(self, ex: SimExecutor, job: Job) -> None:
-        ex.encoding -= 1
-        if ex.encodes:
-            self._encode(ex, ex.encodes.popleft())
         job.pre_elapsed = self.now - job.pre_elapsed
         if job.loaded_at > self.now:  # its template's load outlasts the encode
             self.at(job.loaded_at, lambda: self._encoded(ex, job))
@@ -528,25 +554,14 @@ class Simulation:
                 still.append(job)
             else:
                 job.post_elapsed = self.now  # until its decode ends
-                self._decode(ex, job)
+                self._in_worker(ex.decoders, job.post_s, lambda job=job: self._done(ex, job))
         leaving = len(still) < len(ex.running) or any(j.steps_left <= 1 for j in still)
         ex.running = still
         if leaving and self.queue:  # the pool's rule: room within a step binds the head
             self._dispatch()
         self._step(ex)
 
-    def _decode(self, ex: SimExecutor, job: Job) -> None:
-        """Its decode in a post worker, or in the line for one."""
-        if self.spec.post_workers and ex.decoding >= self.spec.post_workers:
-            ex.decodes.append(job)
-            return
-        ex.decoding += 1
-        self._compute(job.post_s, lambda: self._done(ex, job))
-
     def _done(self, ex: SimExecutor, job: Job) -> None:
-        ex.decoding -= 1
-        if ex.decodes:
-            self._decode(ex, ex.decodes.popleft())
         job.done_at = self.now
         job.post_elapsed = self.now - job.post_elapsed
         result = wire.InvokeResult(
