@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from retouch.platform.bench.placement import flux_like_cost_model
-from retouch.platform.bench.validate import RealRun, ValidateSpec, compare, sim_inputs, simulate
+from retouch.platform.bench.validate import (
+    RealRun,
+    ValidateSpec,
+    compare,
+    machine_busy_s,
+    sim_inputs,
+    simulate,
+)
 from retouch.platform.placement import make_placement
 from retouch.platform.simulator import (
     Arrival,
@@ -222,3 +230,15 @@ def test_the_cpu_model_spreads_the_runs_other_busy_time_over_its_arrivals():
     busy = simulate(replace(run, cpu_busy_s=quiet["cpu_busy_s"] + 20 * 0.05), spec)
     assert busy["background_ms"] == pytest.approx(50.0)
     assert busy["mean_ms"] > quiet["mean_ms"]
+
+
+def test_the_machines_busy_time_grows_while_it_computes():
+    """``RealRun.cpu_busy_s`` is a difference of two readings of /proc/stat: busy work
+    between them shows (the clock ticks at 100 Hz, so a quarter second is plenty)."""
+    before = machine_busy_s()
+    if before is None:
+        pytest.skip("no /proc/stat here")
+    deadline = time.perf_counter() + 0.25
+    while time.perf_counter() < deadline:
+        pass
+    assert machine_busy_s() - before >= 0.2
