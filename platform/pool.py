@@ -128,7 +128,9 @@ class ExecutorHandle:
             "restarts": self.restarts,
             "functions": sorted(self.functions),
             "predicted_work_s": round(self.view.work_s(), 3),
-            "calibration": self.view.calibration.describe(self.view.overheads),
+            "calibration": self.view.calibration.describe(
+                self.view.overheads, len(self.view.placed)
+            ),
             "templates": {f"{fn}/{t}": tier.value for (fn, t), tier in self.view.residency.items()},
         }
 

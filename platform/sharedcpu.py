@@ -54,15 +54,18 @@ class SharedCPU:
         self._ids = itertools.count()
         self._since = clock()  # when the tasks' work left was last brought up to date
         self._generation = 0
-        self.busy_s = 0.0  # core-seconds computed
+        self._first = -1  # the task whose finish is on the clock
+        self.busy_s = 0.0  # core-seconds of the work given to it
 
     @property
     def running(self) -> int:
         return len(self._tasks)
 
     def run(self, work_s: float, done: Callable[[], None], weight: float = 1.0) -> None:
-        """Compute ``work_s`` seconds of one core, sharing the cores by ``weight``; then
-        call ``done``."""
+        """Compute ``work_s`` seconds of one core, sharing the cores by ``weight`` (> 0);
+        then call ``done``."""
+        if not weight > 0:
+            raise ValueError(f"a task's weight must be positive, not {weight}")
         self._advance()
         self._tasks[next(self._ids)] = _Task(max(0.0, work_s), done, weight)
         self.busy_s += max(0.0, work_s)
@@ -92,7 +95,10 @@ class SharedCPU:
         if not self._tasks:
             return
         # (with positive weights every task gets some share: a rate is never 0)
-        first = min(max(0.0, t.left_s) / max(t.rate, 1e-12) for t in self._tasks.values())
+        self._first, first = min(
+            ((key, max(0.0, t.left_s) / t.rate) for key, t in self._tasks.items()),
+            key=lambda item: item[1],
+        )
         generation = self._generation
         self._schedule(self._clock() + first, lambda: self._finish(generation))
 
@@ -100,7 +106,11 @@ class SharedCPU:
         if generation != self._generation:
             return  # a task came or went since: its finish was planned again
         self._advance()
-        finished = [key for key, task in self._tasks.items() if task.left_s <= _DONE_S]
+        # the one planned finishes even if rounding left it a hair of work (on a clock far
+        # from 0, now + a hair == now, and it would be planned at the same instant for ever)
+        finished = [
+            key for key, task in self._tasks.items() if task.left_s <= _DONE_S or key == self._first
+        ]
         callbacks = [self._tasks.pop(key).done for key in finished]
         self._share()
         self._plan()

@@ -137,8 +137,9 @@ class SimSpec:
     # shared, as on GPUs: each engine steps alone and its workers run beside it). With
     # them every step, encode, decode and ``outside_s`` is work on a :class:`SharedCPU`.
     cpu_cores: int = 0
-    # The gateway's own work per invocation (HTTP, mask decode, result encoding), before
-    # the invocation is queued
+    # The gateway's own work per invocation (HTTP, mask decode, result encoding), all of it
+    # put before the invocation is queued (where in its life it happens matters less than
+    # that it takes the cores)
     outside_s: float = 0.0
     # Work per invocation on the shared cores that its latency does not wait for (the
     # client, HTTP and serialisation in other processes): it only takes cores from the rest
@@ -176,7 +177,6 @@ class Job:
     dropped: bool = False  # admitted, then dropped from the queue: it could no longer make its SLO
     pre_s: float = 0.0  # its own encode and decode (spec.pre_s/post_s, or drawn from samples)
     post_s: float = 0.0
-    loaded_at: float = 0.0  # when its template is in host memory there (its disk load ends)
     pre_elapsed: float = 0.0  # its encode and decode as the executor reports them: with the
     post_elapsed: float = 0.0  # wait for a worker and for the shared cores
     found: Residency = Residency.HOST  # where its template was when it was bound
@@ -240,6 +240,8 @@ class Simulation:
             max_batch=spec.max_batch,
             step_intercept_ms=spec.step_intercept_s * 1e3,
             step_slope=spec.step_slope,
+            pre_workers=spec.pre_workers,  # as an executor reports them: its predictions
+            post_workers=spec.post_workers,  # count the wait for a worker
         )
         self._state = wire.ExecutorState(
             "sim", 0, model.device, engine=engine, cost_models={MODEL: model.to_dict()}
@@ -438,9 +440,12 @@ class Simulation:
         job.pre_s = self._drawn(self.spec.pre_samples, self.spec.pre_s)
         job.post_s = self._drawn(self.spec.post_samples, self.spec.post_s)
         self._template_for(ex, job)
-        job.loaded_at = self.now + job.load_s
-        job.pre_elapsed = self.now  # until its encode ends
-        self._in_worker(ex.encoders, job.pre_s, lambda: self._encode_done(ex, job))
+        if self._alone(self.spec.pre_workers):
+            job.pre_elapsed = job.pre_s
+            self.at(self.now + max(job.pre_s, job.load_s), lambda: self._encoded(ex, job))
+            return
+        bound, loaded = self.now, self.now + job.load_s
+        self._in_worker(ex.encoders, job.pre_s, lambda: self._encode_done(ex, job, bound, loaded))
 
     def _template_for(self, ex: SimExecutor, job: Job) -> None:
         """Where ``job``'s template is on ``ex`` as it arrives there, and what that costs
@@ -479,6 +484,12 @@ class Simulation:
         return samples[int(self._overhead_rng.integers(len(samples)))]
 
     # ---- a simulated engine -------------------------------------------------------------
+    def _alone(self, workers: int) -> bool:
+        """Whether an encode (decode) just takes its time: no shared cores, and no line
+        for a worker (GPU pools, the default). One event then, as before the shared-CPU
+        model: the same events in the same order give the same figures."""
+        return self.cpu is None and not workers
+
     def _in_worker(self, line: WorkerLine, seconds: float, then: Callable[[], None]) -> None:
         """``seconds`` of work in one of ``line``'s workers, or in line for one; then
         ``then``. The worker it frees takes the next in line."""
@@ -495,10 +506,12 @@ class Simulation:
 
         self._compute(seconds, finished)
 
-    def _encode_done(self, ex: SimExecutor, job: Job) -> None:
-        job.pre_elapsed = self.now - job.pre_elapsed
-        if job.loaded_at > self.now:  # its template's load outlasts the encode
-            self.at(job.loaded_at, lambda: self._encoded(ex, job))
+    def _encode_done(self, ex: SimExecutor, job: Job, bound: float, loaded: float) -> None:
+        """Its encode ended (``bound``: when it was bound there; ``loaded``: when its
+        template's load ends)."""
+        job.pre_elapsed = self.now - bound
+        if loaded > self.now:  # its template's load outlasts the encode
+            self.at(loaded, lambda: self._encoded(ex, job))
         else:
             self._encoded(ex, job)
 
@@ -553,17 +566,28 @@ class Simulation:
             if job.steps_left > 0:
                 still.append(job)
             else:
-                job.post_elapsed = self.now  # until its decode ends
-                self._in_worker(ex.decoders, job.post_s, lambda job=job: self._done(ex, job))
+                self._decode(ex, job)
         leaving = len(still) < len(ex.running) or any(j.steps_left <= 1 for j in still)
         ex.running = still
         if leaving and self.queue:  # the pool's rule: room within a step binds the head
             self._dispatch()
         self._step(ex)
 
+    def _decode(self, ex: SimExecutor, job: Job) -> None:
+        if self._alone(self.spec.post_workers):
+            job.post_elapsed = job.post_s
+            self.at(self.now + job.post_s, lambda: self._done(ex, job))
+            return
+        stepped = self.now
+
+        def decoded() -> None:
+            job.post_elapsed = self.now - stepped
+            self._done(ex, job)
+
+        self._in_worker(ex.decoders, job.post_s, decoded)
+
     def _done(self, ex: SimExecutor, job: Job) -> None:
         job.done_at = self.now
-        job.post_elapsed = self.now - job.post_elapsed
         result = wire.InvokeResult(
             b"",
             "png",

@@ -73,7 +73,9 @@ class ValidateSpec:
     # (every step, encode, decode and the gateway's own work share ``cpu_cores``, each at
     # its uncontended time: ``solo_inputs``)
     overheads: str = "samples"
-    cpu_cores: int = 0  # the shared-CPU model's cores (0: this machine's)
+    # the shared-CPU model's cores: the recording machine's (set when the runs are
+    # recorded; 0 in older records: the cores of the machine that replays them)
+    cpu_cores: int = 0
 
 
 @dataclass
@@ -223,14 +225,24 @@ def _simulate_cpu(
     run: RealRun, spec: ValidateSpec, seed: int, solo: dict[str, float]
 ) -> dict[str, Any]:
     """The shared-CPU model: the executors' steps and workers and the gateway's own work
-    share the machine's cores, each part at its uncontended time; encodes and decodes wait
-    for the executor's workers (as many as a real executor on this machine starts). What
+    share the recording machine's cores, each part at its uncontended time; encodes and
+    decodes wait for the executor's workers (as many as a real executor with
+    ``spec.threads`` starts). What
     else kept the cores busy during the run (the client, HTTP, serialisation, other work on
     the machine: ``RealRun.cpu_busy_s`` less what the model computes) is spread over the
     arrivals as background work, so the model's cores are as busy as the machine's were."""
     first = _simulate_cpu_once(run, spec, seed, solo, background_s=0.0)
     if run.cpu_busy_s is None:
         return first
+    if run.cpu_busy_s < first["cpu_busy_s"]:
+        log.warning(
+            "%s at %.2f: the model computes %.2f core-s, more than the machine was busy "
+            "(%.2f): its uncontended times are too long; no background work added",
+            run.placement,
+            run.load,
+            first["cpu_busy_s"],
+            run.cpu_busy_s,
+        )
     extra = max(0.0, run.cpu_busy_s - first["cpu_busy_s"]) / len(run.arrivals)
     result = _simulate_cpu_once(run, spec, seed, solo, background_s=extra)
     result["background_ms"] = extra * 1e3
@@ -240,7 +252,8 @@ def _simulate_cpu(
 def _simulate_cpu_once(
     run: RealRun, spec: ValidateSpec, seed: int, solo: dict[str, float], background_s: float
 ) -> dict[str, Any]:
-    pre_workers, post_workers = ExecutorOptions().workers()
+    # as the real executors start them (runtime/executor/main.py): from their own threads
+    pre_workers, post_workers = ExecutorOptions().workers(spec.threads or None)
     sim = SimSpec(
         executors=spec.executors,
         placements=(run.placement,),
@@ -254,7 +267,7 @@ def _simulate_cpu_once(
         step_slope=solo["step_slope"],
         pre_workers=pre_workers,
         post_workers=post_workers,
-        cpu_cores=spec.cpu_cores or os.cpu_count() or 1,
+        cpu_cores=spec.cpu_cores or os.cpu_count() or 1,  # recorded with the runs
         outside_s=solo["outside_s"],
         background_s=background_s,
         executor_nice=ExecutorOptions().cpu_nice,
@@ -533,11 +546,12 @@ def run_real(spec: ValidateSpec, data_dir: Path) -> tuple[float, list[RealRun]]:
             for k, load in enumerate(spec.loads):
                 workload = replace(spec.workload, seed=spec.workload.seed + k)
                 plan = plan_requests(workload, load * capacity, list(images), size)
-                busy = machine_busy_s()
+                before = machine_busy_s()
                 stats = asyncio.run(
                     replay(server.url, None, function.name, plan, spec.workload.warmup)
                 )
-                busy = None if busy is None else (machine_busy_s() or busy) - busy
+                after = machine_busy_s()
+                busy = None if before is None or after is None else after - before
                 cost_model, executors = _self_description(client, spec.model)
                 run = RealRun(
                     name,

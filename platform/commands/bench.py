@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import tempfile
 from contextlib import ExitStack
 from dataclasses import replace
@@ -691,7 +692,8 @@ def _validate(bench_sub: argparse._SubParsersAction) -> None:
         "--cpu-cores",
         type=non_negative_int,
         default=0,
-        help="with --overheads cpu: the cores the model shares (default 0: this machine's)",
+        help="with --overheads cpu: the cores the model shares (default: those of the machine "
+        "the runs were recorded on)",
     )
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of arrivals and masks")
     p.add_argument(
@@ -729,7 +731,12 @@ def _run_validate(args: argparse.Namespace) -> None:
 
     if args.from_file is not None:
         spec, capacity, runs = load_runs(args.from_file)
-        spec = replace(spec, noise=args.noise, overheads=args.overheads, cpu_cores=args.cpu_cores)
+        spec = replace(
+            spec,
+            noise=args.noise,
+            overheads=args.overheads,
+            cpu_cores=args.cpu_cores or spec.cpu_cores,
+        )
     else:
         spec = ValidateSpec(
             model=args.model,
@@ -750,7 +757,7 @@ def _run_validate(args: argparse.Namespace) -> None:
             noise=args.noise,
             rate_rps=args.capacity,
             overheads=args.overheads,
-            cpu_cores=args.cpu_cores,
+            cpu_cores=args.cpu_cores or os.cpu_count() or 1,  # the machine the runs are on
         )
         with tempfile.TemporaryDirectory(prefix="retouch-bench-validate-") as tmp:
             capacity, runs = run_real(spec, args.data_dir or Path(tmp))

@@ -16,8 +16,9 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from retouch.functions import wire
 from retouch.runtime.costmodel import CostModel
@@ -36,6 +37,8 @@ from retouch.runtime.prediction import (
 EWMA = 0.2  # weight of a new observation in the calibration's running averages
 OVERHEAD_WINDOW = 15  # recent encodes (decodes) whose median the pool predicts with
 SCALE_LIMITS = (0.5, 2.0)  # the drift correction never runs away on a burst
+DRIFT_OCCUPANCIES = 32  # occupancies with a drift of their own (more placed share the last)
+STEP_MEMO = 64  # step calibrations an executor view keeps (one per drift and idle)
 DISK_LOAD_S = 0.05  # a template's disk load before one was observed
 MEMO_BUCKETS = 64  # mask resolution of the per-executor prediction memo
 PROFILE_ONLY = StepCalibration()  # the profile alone, no learnt correction (immutable)
@@ -77,6 +80,7 @@ class Placed:
     started: bool = False
     deadline: float | None = None  # when its SLO ends (clock time), if it has one
     pre_ahead: int = 0  # placed here before it and not yet in the batch: encodes ahead
+    occupancy: int = 0  # invocations placed here when it was predicted (its drift's)
 
 
 def _service_s(samples: deque[float], seconds: float, queued: bool, current: float) -> float:
@@ -131,28 +135,51 @@ class Overheads:
 @dataclass
 class Calibration:
     """One executor's correction of its profile: the step fit its engine reports, and a
-    bounded drift learnt from its own results (reset while it is idle)."""
+    bounded drift (actual / predicted) learnt from its own results, one per occupancy: how
+    many invocations were placed here when the prediction was made (not applied while it
+    is idle: ``ExecutorView.predict``).
+
+    Why per occupancy: a prediction made on a nearly empty executor comes out short when
+    later arrivals join its batch; one made on a full batch does not (nobody can join).
+    One drift for both lengthened every prediction near the SLO in a rising, bursty load,
+    and admission refused work that would have made it: on the simulated bursty day 71
+    refused at 0.648x the static pool's executor-seconds, 65 at 0.633x with a drift per
+    occupancy; at 2x overload goodput rose from 94 to 97 % of capacity (docs/simulator.md,
+    "Where the refusals come from")."""
 
     step_intercept_s: float = 0.0
     step_slope: float = 1.0
-    scale: float = 1.0
+    drift: dict[int, float] = field(default_factory=dict)  # occupancy -> drift
     observations: int = 0
 
-    def step(self, overheads: Overheads, workers: tuple[int, int] = (0, 0)) -> StepCalibration:
+    def scale(self, occupancy: int) -> float:
+        """The drift of predictions made with ``occupancy`` placed here (1: none learnt)."""
+        return self.drift.get(min(occupancy, DRIFT_OCCUPANCIES), 1.0)
+
+    def learn(self, occupancy: int, ratio: float) -> None:
+        """One result's actual / predicted, into the drift of its occupancy (bounded)."""
+        bucket = min(occupancy, DRIFT_OCCUPANCIES)
+        drift = self.drift.get(bucket, 1.0) * ratio**EWMA
+        self.drift[bucket] = min(SCALE_LIMITS[1], max(SCALE_LIMITS[0], drift))
+
+    def step(
+        self, overheads: Overheads, workers: tuple[int, int] = (0, 0), scale: float = 1.0
+    ) -> StepCalibration:
         return StepCalibration(
             self.step_intercept_s,
             self.step_slope,
-            self.scale,
+            scale,
             overheads.pre_s,
             overheads.post_s,
             *workers,
         )
 
-    def describe(self, overheads: Overheads) -> dict[str, float]:
+    def describe(self, overheads: Overheads, occupancy: int = 0) -> dict[str, Any]:
         return {
             "step_intercept_ms": round(self.step_intercept_s * 1e3, 3),
             "step_slope": round(self.step_slope, 4),
-            "scale": round(self.scale, 4),
+            "scale": round(self.scale(occupancy), 4),
+            "drift": {str(k): round(v, 4) for k, v in sorted(self.drift.items())},
             "observations": self.observations,
             "pre_ms": round(overheads.pre_s * 1e3, 2),
             "post_ms": round(overheads.post_s * 1e3, 2),
@@ -184,8 +211,7 @@ class ExecutorView:
         self._memo: dict[tuple, Prediction] = {}
         self._memo_version: tuple = ()
         self._solo_version, self._solo_work_s = -1, 0.0
-        self._steps: dict[bool, StepCalibration] = {}  # the last step calibrations, by idle
-        self._steps_key: tuple[float, ...] = ()  # ... and the values they were built from
+        self._steps: dict[tuple, StepCalibration] = {}  # step calibrations by their values
         self._joined: tuple[tuple, float] = ((), 0.0)  # the last _joined_step_s and its key
 
     # ---- what the executor is -----------------------------------------------------------
@@ -266,7 +292,15 @@ class ExecutorView:
             return None
         predicted = self.predict(newcomer) or Prediction(0.0, 0.0)
         ahead = sum(1 for p in self.placed.values() if not p.started)
-        placed = Placed(newcomer, member, now, predicted, deadline=deadline, pre_ahead=ahead)
+        placed = Placed(
+            newcomer,
+            member,
+            now,
+            predicted,
+            deadline=deadline,
+            pre_ahead=ahead,
+            occupancy=len(self.placed),
+        )
         self.placed[token] = placed
         self.arrivals.observe(now, member)
         self._expect_template(newcomer)
@@ -330,8 +364,7 @@ class ExecutorView:
         if result.cache.tier is wire.CacheTier.DISK:
             self.overheads.observe_disk_load(result.cache.wait_ms / 1e3)
         if predicted > 0 and actual > 0:
-            ratio = actual / predicted
-            c.scale = min(SCALE_LIMITS[1], max(SCALE_LIMITS[0], c.scale * ratio**EWMA))
+            c.learn(placed.occupancy, actual / predicted)
 
     def _touch(self, newcomer: PlacementRequest, result: wire.InvokeResult) -> None:
         """An edit read its template: now host-resident (most recent); an edit that ran the
@@ -420,19 +453,21 @@ class ExecutorView:
         self._memo[key] = result
         return result
 
-    def step_calibration(self, *, idle: bool = False) -> StepCalibration:
-        """The calibration predictions step with (``idle``: without the drift, as an idle
-        executor runs). Rebuilt only when one of its values changed: every prediction asks
-        for it, and building a frozen dataclass costs more than the rest of a memo hit."""
+    def step_calibration(
+        self, *, idle: bool = False, occupancy: int | None = None
+    ) -> StepCalibration:
+        """The calibration predictions step with: the drift of ``occupancy`` placed here
+        (default: as many as are; ``idle``: no drift, as an idle executor runs). Memoised by
+        its values: every prediction asks for it, and building a frozen dataclass costs
+        more than the rest of a memo hit."""
         c, o = self.calibration, self.overheads
-        key = (c.step_intercept_s, c.step_slope, c.scale, o.pre_s, o.post_s, *self.workers)
-        if key != self._steps_key:
-            self._steps_key, self._steps = key, {}
-        step = self._steps.get(idle)
+        scale = 1.0 if idle else c.scale(len(self.placed) if occupancy is None else occupancy)
+        key = (c.step_intercept_s, c.step_slope, scale, o.pre_s, o.post_s, *self.workers)
+        step = self._steps.get(key)
         if step is None:
-            step = self._steps[idle] = c.step(o, self.workers)
-            if idle:
-                step = self._steps[idle] = replace(step, scale=1.0)
+            if len(self._steps) >= STEP_MEMO:
+                self._steps.clear()
+            step = self._steps[key] = c.step(o, self.workers, scale)
         return step
 
     def next_start_s(self) -> float:
@@ -491,7 +526,7 @@ class ExecutorView:
             return 0.0
         c = self.calibration
         step = c.step_intercept_s + c.step_slope * coster.step_s(1, coster.full_masks())
-        return newcomer.steps * step * c.scale
+        return newcomer.steps * step * c.scale(len(self.placed))
 
     def masked_tokens(self) -> int:
         """Masked tokens (finest grid) of the invocations placed here."""
@@ -505,7 +540,8 @@ class ExecutorView:
         if member is None:
             return 0.0
         n = self.max_batch
-        step_s = batch_step_s([member] * n, self.step_calibration())
+        # the drift of a full executor's predictions: this is a share of a full batch
+        step_s = batch_step_s([member] * n, self.step_calibration(occupancy=n))
         return member.steps_left * step_s / n
 
     def _joined_step_s(self, member: Member, calibration: StepCalibration) -> float:

@@ -271,13 +271,13 @@ def test_view_follows_place_progress_finish_and_learns_drift() -> None:
     )
     error = view.finish(1, 100.0 + 2 * placed.predicted.finish_s, result)  # twice as long
     assert error == pytest.approx(0.5)
-    assert view.calibration.scale == 1.0  # an executor's first result is cold: not learnt
+    assert view.calibration.drift == {}  # an executor's first result is cold: not learnt
     assert view.tier("fn", "t") is Residency.HOST  # read: now host-resident
     assert view.inflight == 0
     again = view.place(2, request(0.2), now=200.0)
     assert again is not None
     view.finish(2, 200.0 + 2 * again.predicted.finish_s, result)
-    assert view.calibration.scale > 1.0  # the next predictions are slower
+    assert view.calibration.scale(0) > 1.0  # learnt: its drift with nothing else placed
 
 
 def test_pre_and_post_times_are_learnt_pool_wide() -> None:
@@ -517,10 +517,36 @@ def test_drift_learnt_under_load_does_not_apply_to_an_idle_executor() -> None:
     cluster = ClusterView()
     view = view_with(cluster, "a")
     alone = view.predict(request(0.3)).finish_s
-    view.calibration.scale = 2.0  # learnt in a burst
+    view.calibration.drift = {1: 2.0}  # learnt in a burst, with one placed
     assert view.predict(request(0.3)).finish_s == pytest.approx(alone)
     view.place(1, request(0.3), now=0.0)
     assert view.predict(request(0.3)).finish_s > 2 * alone  # busy: drift applies
+
+
+def test_drift_is_learnt_per_occupancy_and_applied_only_there() -> None:
+    """Results that came out twice as long as predicted, for invocations placed beside one
+    other, lengthen later predictions made beside one other, not those made on a full
+    executor, where nobody unforeseen could join (one drift for both had admission refuse
+    work near the SLO that would have made it)."""
+    cluster = ClusterView()
+    view, fresh = view_with(cluster, "a"), view_with(cluster, "b")
+    result = wire.InvokeResult(b"", "png", 1, 1, 0.3, "a", wire.InvokePath.MASKAWARE)
+    for token in range(0, 12, 2):
+        view.place(token, request(0.3), now=float(token))
+        placed = view.place(token + 1, request(0.3), now=float(token))  # beside one other
+        view.finish(token + 1, token + 2 * placed.predicted.finish_s, result)
+        view.finish(token, token + 2 * placed.predicted.finish_s, None)
+    assert view.calibration.scale(1) > 1.5 and view.calibration.scale(4) == 1.0
+    for token, other in ((100, view), (100, fresh)):
+        other.place(token, request(0.3), now=0.0)
+    beside_one = view.predict(request(0.3)).finish_s
+    assert beside_one > 1.5 * fresh.predict(request(0.3)).finish_s
+    for token in range(101, 104):  # four placed: the batch is full
+        view.place(token, request(0.3), now=0.0)
+        fresh.place(token, request(0.3), now=0.0)
+    assert view.predict(request(0.3)).finish_s == pytest.approx(
+        fresh.predict(request(0.3)).finish_s
+    )
 
 
 def test_admission_probes_a_learnt_refusal_once_per_interval_on_an_idle_executor() -> None:
