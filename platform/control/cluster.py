@@ -144,7 +144,7 @@ class Calibration:
     One drift for both lengthened every prediction near the SLO in a rising, bursty load,
     and admission refused work that would have made it: on the simulated bursty day 71
     refused at 0.648x the static pool's executor-seconds, 65 at 0.633x with a drift per
-    occupancy; at 2x overload goodput rose from 94 to 97 % of capacity (docs/simulator.md,
+    occupancy; at 2x overload goodput rose from 94 to 98 % of capacity (docs/simulator.md,
     "Where the refusals come from")."""
 
     step_intercept_s: float = 0.0
