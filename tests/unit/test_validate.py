@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -13,9 +14,11 @@ from retouch.platform.bench.validate import (
     RealRun,
     ValidateSpec,
     compare,
+    load_runs,
     machine_busy_s,
     sim_inputs,
     simulate,
+    solo_inputs,
 )
 from retouch.platform.placement import make_placement
 from retouch.platform.simulator import (
@@ -242,3 +245,56 @@ def test_the_machines_busy_time_grows_while_it_computes():
     while time.perf_counter() < deadline:
         pass
     assert machine_busy_s() - before >= 0.2
+
+
+def _row(i: int, pre_ms: float, post_ms: float, placed_ms: float, warmup: bool = False) -> dict:
+    fp = footprint(0.3, 1024)
+    return {
+        "at_s": float(i),
+        "sent_s": float(i),
+        "ratio": fp.ratio,
+        "pixels": fp.pixels,
+        "masked": {str(k): v for k, v in fp.masked.items()},
+        "template": "t0",
+        "steps": 4,
+        "warmup": warmup,
+        "latency_ms": placed_ms + 5.0,
+        "error": None,
+        "pre_ms": pre_ms,
+        "post_ms": post_ms,
+        "gateway_queue_ms": 0.0,
+        "placed_ms": placed_ms,
+        "executor": "exec-0",
+    }
+
+
+def test_uncontended_times_come_from_the_solo_probe_else_the_runs_fast_ones():
+    model = flux_like_cost_model().to_dict()
+    loaded = [_row(i, 10.0 + i, 20.0, 100.0 + 10 * i) for i in range(20)]  # contended
+    probe = [_row(i, 12.0, 22.0, 90.0) for i in range(5)] + [_row(9, 99.0, 99.0, 999.0, True)]
+    with_probe = RealRun("round-robin", 0.5, 1.0, loaded, model, [], solo_arrivals=probe)
+    solo = solo_inputs([with_probe])
+    assert solo["pre_s"] == pytest.approx(0.012) and solo["post_s"] == pytest.approx(0.022)
+    assert solo["outside_s"] == pytest.approx(0.005)  # latency - queue - placed
+    # A record without a probe: the 10th percentile of what the runs measured.
+    without = solo_inputs([replace(with_probe, solo_arrivals=[])])
+    assert without["pre_s"] == pytest.approx(np.percentile([10.0 + i for i in range(20)], 10) / 1e3)
+
+
+def test_a_record_from_before_the_shared_cpu_model_still_loads(tmp_path):
+    """Records saved before runs carried their busy time and solo probe (and the spec its
+    cores) replay as they did: those fields take their defaults."""
+    run = RealRun("maskaware", 0.5, 1.0, [_row(0, 10.0, 20.0, 100.0)], {}, [])
+    doc = {
+        "spec": {**asdict(ValidateSpec()), "workload": asdict(ValidateSpec().workload)},
+        "capacity_rps": 9.98,
+        "runs": [asdict(run)],
+    }
+    del doc["spec"]["cpu_cores"]
+    for key in ("cpu_busy_s", "solo_arrivals"):
+        del doc["runs"][0][key]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    spec, capacity, runs = load_runs(path)
+    assert capacity == 9.98 and spec.cpu_cores == 0
+    assert runs[0].cpu_busy_s is None and runs[0].solo_arrivals == []
