@@ -16,6 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from retouch.platform.commands.common import (
+    _checked,
+    _listed,
     add_json,
     add_models_dir,
     builtin,
@@ -51,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         _plan,
         _edits,
         _store,
+        _ops,
     ):
         add(bench_sub)
 
@@ -936,3 +939,43 @@ def _run_store(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory(prefix="retouch-bench-store-") as tmp:
         report(run_store_bench(Path(tmp), size_mb=args.size_mb, repeats=args.repeats), args.json)
+
+
+def _ops(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "ops", help="aten ops dispatched per denoising step, mask-aware vs stock (CPU proxy)"
+    )
+    p.add_argument(
+        "--models",
+        type=_listed(builtin, "built-in retouch: models"),
+        default=["retouch:tiny-flux", "retouch:tiny-sd", "retouch:tiny-sd3"],
+        help="built-in models, comma-separated (default retouch:tiny-flux,retouch:tiny-sd,retouch:tiny-sd3)",
+    )
+    add_mask_ratio(p)
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    p.add_argument(
+        "--steps",
+        type=_checked(int, "an integer >= 2", lambda v: v >= 2),
+        default=2,
+        help="denoising steps of the edits, all but the last counted (default 2, at least 2)",
+    )
+    add_models_dir(p)
+    add_json(p, "the rows")
+    p.set_defaults(run=_run_ops)
+
+
+def _run_ops(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.ops import run_ops_bench
+
+    rows = run_ops_bench(args.models, args.mask_ratio, args.batch, args.steps, models_dir(args))
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(
+        f"{'model':<18} {'mask':>5} {'batch':>5} {'stock ops':>10} {'sparse ops':>11} {'ratio':>6}  top extra ops"
+    )
+    for r in rows:
+        top = ", ".join(f"{op.removeprefix('aten::')} +{n}" for op, n in r["top_extra"][:5])
+        print(
+            f"{r['model']:<18} {r['mask_ratio']:>5.2f} {r['batch']:>5} {r['stock_ops']:>10} {r['sparse_ops']:>11} {r['ratio']:>6.3f}  {top}"
+        )

@@ -1,0 +1,139 @@
+"""``retouch bench ops``: aten ops dispatched per denoising step, mask-aware vs stock.
+
+On a GPU a step's host overhead (Python, dispatcher, kernel launches) grows with the number
+of ops it dispatches, and on small models or small masks that overhead, not the FLOPs,
+bounds the step. Counting the ops is a CPU proxy for it: deterministic, independent of the
+machine's load, and available without a GPU. Issue #29's acceptance is a mask-aware (sparse)
+step dispatching at most 1.25× the ops of a stock step, per model family.
+
+Every op call that reaches a :class:`~torch.utils._python_dispatch.TorchDispatchMode` is
+counted (aten ops after the decompositions that happen above that mode). What one *step*
+is, the same on both sides: one non-final denoising step of a batch, everything the
+pipeline does per step on the calling thread, i.e. the denoiser's forward, the guidance
+combination, the scheduler step and the inpaint blend (the final step is left out on both
+sides: the pipelines skip the blend's re-noising there).
+
+* stock: ``(ops(stock_edits with N steps) - ops(stock_edits with 1 step)) / (N - 1)``:
+  one batched diffusers call each, so the set-up, the encodes and the VAE decode cancel.
+* sparse: the requests are prepared (outside the count), then each of the first ``N - 1``
+  ``editor.step(states)`` calls is counted, and the mean is taken. No row loader is
+  declared, so the blocks gather their cached rows themselves, on the counted thread.
+
+``top_extra`` lists the ops with the largest per-step excess (sparse minus stock).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from retouch.functions.demo.images import template_image
+from retouch.functions.families import family_spec
+from retouch.platform.bench.engine import EDIT_PROMPT, TEMPLATE_PROMPT, aligned_mask, load_demo
+from retouch.platform.config import default_data_dir
+from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.store import MemoryActivations
+
+log = logging.getLogger(__name__)
+
+TOP = 10  # ops listed in ``top_extra``
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts, by aten op name, every op call that reaches the mode while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(run: Callable[[], object]) -> Counter[str]:
+    """The ops ``run()`` dispatches on this thread, by name."""
+    with OpCounter() as counter:
+        run()
+    return counter.counts
+
+
+def run_ops_bench(
+    models: list[str],
+    mask_ratio: float = 0.2,
+    batch: int = 1,
+    steps: int = 2,
+    models_dir: Path | None = None,
+    *,
+    guidance: float = 4.0,
+) -> list[dict[str, Any]]:
+    """Ops per step, stock and sparse, for each built-in model (on the CPU).
+
+    One row per model: ``model, family, mask_ratio, batch, stock_ops, sparse_ops, ratio
+    (sparse / stock), top_extra`` (``[(op, sparse - stock), ...]``, the ``TOP`` largest
+    positive). ``steps`` (≥ 2): the edits' denoising steps, ``steps - 1`` of them counted.
+    """
+    if steps < 2:
+        raise ValueError("steps must be at least 2 (the final step is not counted)")
+    if batch < 1:
+        raise ValueError("batch must be at least 1")
+    folder = models_dir or default_data_dir() / "models"
+    return [_model_row(m, mask_ratio, batch, steps, folder, guidance) for m in models]
+
+
+def _model_row(
+    model: str, mask_ratio: float, batch: int, steps: int, models_dir: Path, guidance: float
+) -> dict[str, Any]:
+    device = torch.device("cpu")
+    family, pipe, size = load_demo(model, models_dir, "ops", device)
+    editor = MaskAwareEditor(pipe, family, device)
+    template = template_image((size, size), seed=1)
+    mask = aligned_mask(size, mask_ratio, editor.model_family.token_cell(pipe))
+    halo = family_spec(family).halo
+
+    def requests(n: int) -> list[EditRequest]:
+        return [
+            EditRequest(
+                template, mask, EDIT_PROMPT, 100 + i, n, guidance, TEMPLATE_PROMPT, 1, 0, halo
+            )
+            for i in range(batch)
+        ]
+
+    stock = count_ops(lambda: editor.stock_edits(requests(steps), output_type="np"))
+    stock.subtract(count_ops(lambda: editor.stock_edits(requests(1), output_type="np")))
+
+    store = MemoryActivations()
+    editor.bake(template, TEMPLATE_PROMPT, 1, steps, guidance, store)
+    states = [editor.prepare(r, store) for r in requests(steps)]
+    sparse: Counter[str] = Counter()
+    for _ in range(steps - 1):
+        sparse.update(count_ops(lambda: editor.step(states)))
+
+    counted = steps - 1
+    stock_ops = sum(stock.values()) / counted
+    sparse_ops = sum(sparse.values()) / counted
+    extra = {op: (sparse[op] - stock[op]) / counted for op in set(sparse) | set(stock)}
+    top = sorted(((op, d) for op, d in extra.items() if d > 0), key=lambda x: (-x[1], x[0]))
+    row = {
+        "model": model,
+        "family": family,
+        "mask_ratio": mask_ratio,
+        "batch": batch,
+        "stock_ops": _number(stock_ops),
+        "sparse_ops": _number(sparse_ops),
+        "ratio": round(sparse_ops / stock_ops, 3),
+        "top_extra": [(op, _number(d)) for op, d in top[:TOP]],
+    }
+    log.info("%s", row)
+    return row
+
+
+def _number(value: float) -> int | float:
+    """An integral count as an int, else rounded to a tenth."""
+    return int(value) if value == int(value) else round(value, 1)
