@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.retouch-installed
 RAY_STAMP := $(VENV)/.retouch-ray
 
-.PHONY: demo test setup browser lint format clean
+.PHONY: demo test setup browser lint format clean gpu-wheels gpu-bench
 
 setup: $(STAMP)
 
@@ -49,3 +49,37 @@ format: setup
 
 clean:
 	rm -rf $(VENV) retouch-demo build *.egg-info
+
+# The GPU data path's benchmark, on a CUDA machine that has python3 with torch but no
+# internet. `make gpu-wheels` (here, with the registries) puts the pure-Python packages such
+# a machine lacks, and lmdb built for its Python, into .whl/; `make gpu-bench` (there)
+# installs them beside its torch, runs the device-tier tests, then `retouch bench
+# production` over the production shapes, and writes gpu-bench.json and gpu-bench.md into
+# $(GPU_OUT) (default $$OUT when set, else gpu-bench-out). Sized to finish in 8 minutes on
+# an H100.
+GPU_PYTHON ?= python3
+GPU_PY_VERSION ?= 3.12
+GPU_OUT ?= $(if $(OUT),$(OUT),gpu-bench-out)
+GPU_SHAPES ?= flux-dev,sd3-medium,sd2-inpaint
+GPU_WHEELS := diffusers==0.42.1 lmdb==3.0.0 starlette==1.10.0 uvicorn==0.54.0 \
+	python-multipart==0.0.34 importlib-metadata==8.7.0
+GPU_SITE := /tmp/retouch-gpu/site
+GPU_SRC := /tmp/retouch-gpu/src
+
+gpu-wheels: setup
+	mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+
+gpu-bench:
+	@nvidia-smi -L
+	@$(GPU_PYTHON) -c "import diffusers, lmdb, starlette" 2>/dev/null || \
+	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl
+	@mkdir -p $(GPU_SRC)/retouch && for d in platform functions runtime cachestore; do \
+	  ln -sfn $(CURDIR)/$$d $(GPU_SRC)/retouch/$$d; done
+	PYTHONPATH=$(GPU_SRC):$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider \
+	  tests/maskaware/test_tiers.py
+	PYTHONPATH=$(GPU_SRC):$(GPU_SITE) PYTHONUNBUFFERED=1 TQDM_DISABLE=1 $(GPU_PYTHON) -m retouch.platform.cli \
+	  bench production --device cuda --shapes $(GPU_SHAPES) --masks 0.1,0.2,0.35 --batch 1,4 \
+	  --steps 8 --repeats 3 --out $(GPU_OUT)

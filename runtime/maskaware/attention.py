@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from retouch.runtime.maskaware.context import ForwardContext, Mode, current
-from retouch.runtime.maskaware.store import fetch_rows
+from retouch.runtime.maskaware.store import device_resident, fetch_rows
 from retouch.runtime.maskaware.tokens import TokenBatch
 
 
@@ -33,6 +33,10 @@ def assemble(
             continue
         if slot.reader is None:
             raise RuntimeError(f"block {block!r} runs sparse but request {r} has no cache")
+        resident = device_resident(slot.reader, slot.step, block, name, fresh.device)
+        if resident is not None:  # device tier: one contiguous copy, masked rows follow
+            full[r * per : (r + 1) * per].copy_(resident)
+            continue
         if ctx.loader is not None:  # staged ahead by the row loader
             cached = ctx.loader.rows(r, block, name).to(fresh.dtype)
         else:

@@ -37,7 +37,7 @@ import torch
 from retouch.cachestore.rows import RowSelection
 from retouch.cachestore.store import HostTemplate
 from retouch.runtime.maskaware.context import BlockHook, ForwardContext, Mode
-from retouch.runtime.maskaware.store import fetch_rows
+from retouch.runtime.maskaware.store import device_resident, fetch_rows
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ class LoadStats:
     load_s: float = 0.0  # loader busy time (host side; with the copy where it was timed)
     bytes: int = 0
     jobs: int = 0
+    host_gathered: int = 0  # bytes of rows the CPU gathered (none where slabs cross by DMA)
     job_times: list[tuple[int, float]] = field(default_factory=list)  # (bytes, s) per job
 
     def as_dict(self) -> dict[str, Any]:
@@ -127,6 +128,7 @@ class _Piece:
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int
+    device_rows: torch.Tensor | None = None  # the unmasked positions on the loader's device
 
     @property
     def nbytes(self) -> int:
@@ -224,7 +226,7 @@ class RowLoader:
     def _record(self, stats: LoadStats) -> None:
         self.last = stats
         self.steps += 1
-        for name in ("wait_s", "load_s", "bytes", "jobs"):
+        for name in ("wait_s", "load_s", "bytes", "jobs", "host_gathered"):
             setattr(self.totals, name, getattr(self.totals, name) + getattr(stats, name))
 
     def close(self) -> None:
@@ -254,6 +256,10 @@ class RowLoader:
         start = time.perf_counter()
         with self._fill_lock:
             pieces, nbytes = loads.layout(job)
+            if self.cuda and pieces and all(_slab(p) is not None for p in pieces):
+                moved = self._fill_from_slabs(job, pieces, nbytes, stream, timed)
+                loads.account(moved, time.perf_counter() - start)
+                return
             host = self._staging.take(nbytes) if self._staging else self._pool.take(nbytes)
             for piece in pieces:
                 _gather(piece, piece.view(host))
@@ -269,7 +275,29 @@ class RowLoader:
                     job.event.synchronize()
         job.flat = flat
         job.tensors = {(p.request, p.name): p.view(flat) for p in pieces}
-        loads.account(nbytes, time.perf_counter() - start)
+        loads.account(nbytes, time.perf_counter() - start, gathered=nbytes)
+
+    def _fill_from_slabs(
+        self, job: _Job, pieces: list[_Piece], nbytes: int, stream: Any, timed: bool
+    ) -> int:
+        """CUDA, whole tensors in pinned host memory: each contiguous slab crosses by DMA on
+        ``stream`` and its unmasked rows are gathered there, on the GPU (the CPU touches no
+        row). Returns the bytes moved host → device."""
+        moved = 0
+        with torch.cuda.stream(stream):
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            for piece in pieces:
+                slab = _slab(piece)
+                on_device = slab.to(self.device, non_blocking=True)
+                moved += slab.numel() * slab.element_size() if slab.device.type == "cpu" else 0
+                torch.index_select(on_device, -2, piece.device_rows, out=piece.view(flat))
+            job.event = torch.cuda.Event()
+            job.event.record(stream)
+        if self.time_copies or timed:
+            job.event.synchronize()
+        job.flat = flat
+        job.tensors = {(p.request, p.name): p.view(flat) for p in pieces}
+        return moved
 
     def release(self, job: _Job) -> None:
         """The job's block is done: its host buffer goes back to the pool (idempotent)."""
@@ -415,9 +443,10 @@ class StepLoads:
         finally:
             job.ready.set()
 
-    def account(self, nbytes: int, seconds: float) -> None:
+    def account(self, nbytes: int, seconds: float, *, gathered: int = 0) -> None:
         with self._cond:
             self.stats.bytes += nbytes
+            self.stats.host_gathered += gathered
             self.stats.load_s += seconds
             self.stats.job_times.append((nbytes, seconds))
 
@@ -428,8 +457,11 @@ class StepLoads:
             if slot.reader is None:
                 continue
             for name in job.need.names:
+                if device_resident(slot.reader, slot.step, source, name, self.loader.device):
+                    continue  # the device tier: the block copies it whole, nothing to load
                 cached = slot.reader.get(slot.step, source, name)
-                tokens = self._grids[cached.shape[-2]].sets[request]
+                grid = self._grids[cached.shape[-2]]
+                tokens = grid.sets[request]
                 count = tokens.unmasked.numel()
                 if count == 0:
                     continue
@@ -438,6 +470,8 @@ class StepLoads:
                 piece = _Piece(
                     request, source, name, slot.reader, slot.step, rows, shape, cached.dtype, offset
                 )
+                if self.loader.cuda:
+                    piece.device_rows = grid.unmasked_index(request)
                 pieces.append(piece)
                 offset += -(-piece.nbytes // ALIGN) * ALIGN
         return pieces, offset
@@ -452,6 +486,17 @@ class StepLoads:
         if key not in self._selections:
             self._selections[key] = RowSelection(unmasked)
         return self._selections[key]
+
+
+def _slab(piece: _Piece) -> torch.Tensor | None:
+    """The piece's whole cached tensor when its reader holds it in pinned host memory or
+    on a GPU (it can then cross by DMA and be gathered on the device), else ``None``."""
+    if isinstance(piece.rows, RowSelection) or piece.device_rows is None:
+        return None
+    tensor = piece.reader.get(piece.step, piece.block, piece.name)
+    if tensor.device.type == "cuda" or tensor.is_pinned():
+        return tensor
+    return None
 
 
 def _gather(piece: _Piece, out: torch.Tensor) -> None:

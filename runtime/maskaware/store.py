@@ -40,6 +40,25 @@ class RowReader(Protocol):
     ) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class ResidentReader(Protocol):
+    """A reader that may hold whole tensors on a compute device (the device tier)."""
+
+    def resident(
+        self, step: int, block: str, name: str, device: torch.device
+    ) -> torch.Tensor | None: ...
+
+
+def device_resident(
+    reader: ActivationReader, step: int, block: str, name: str, device: torch.device
+) -> torch.Tensor | None:
+    """The whole cached tensor when ``reader`` holds it on ``device`` (else ``None``):
+    a block then copies it whole and overwrites the masked rows, with no gather at all."""
+    if device.type == "cpu" or not isinstance(reader, ResidentReader):
+        return None
+    return reader.resident(step, block, name, device)
+
+
 def fetch_rows(
     reader: ActivationReader,
     step: int,
@@ -88,9 +107,29 @@ class MemoryActivations:
         self, step: int, block: str, name: str, rows: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
         src = self.get(step, block, name)
+        rows = rows.to(src.device, non_blocking=True)
         if out.device == src.device and out.is_contiguous() and out.dtype == src.dtype:
             return torch.index_select(src, -2, rows, out=out)
         return out.copy_(src.index_select(-2, rows), non_blocking=True)
+
+    def resident(
+        self, step: int, block: str, name: str, device: torch.device
+    ) -> torch.Tensor | None:
+        src = self.tensors.get((step, block, name))
+        return src if src is not None and _same_device(src.device, device) else None
+
+    def placed(self, device: torch.device | str, *, pin: bool = False) -> MemoryActivations:
+        """A copy with every step's tensors on ``device`` (a device tier), or in pinned host
+        memory (``pin``: the host tier a CUDA loader streams from by DMA). Per-template
+        tensors stay on the host: the host side of an edit (``prepare``) reads them."""
+        out = MemoryActivations()
+        for key, tensor in self.tensors.items():
+            if key[0] == TEMPLATE_STEP:
+                out.tensors[key] = tensor
+                continue
+            moved = tensor.to(device)
+            out.tensors[key] = moved.pin_memory() if pin and moved.device.type == "cpu" else moved
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -98,3 +137,15 @@ class MemoryActivations:
 
     def __len__(self) -> int:
         return len(self.tensors)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are one device when 0 is the current one."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (
+        b.index if b.index is not None else current
+    )

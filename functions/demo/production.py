@@ -1,0 +1,292 @@
+"""Production-shaped pipelines for benchmarks: the real denoiser configs, random weights.
+
+Benchmarks of the GPU data path need the shapes users serve (FLUX.1-dev's 19 + 38 blocks at
+3072 wide, SD3-medium's 24 MMDiT blocks, the SD2-inpainting UNet), not the small demo
+models, whose steps are launch-bound. No weights can be downloaded, and an fp32 CPU init of
+12 B parameters followed by a save and a load would take minutes, so these pipelines are
+built in memory, directly on the target device in the compute dtype (random init there
+takes seconds) and never written to disk.
+
+Text encoders are one layer deep: only their output shapes matter to the denoiser (CLIP's
+77 tokens and pooled width, T5's 512 tokens for Flux and 256 for SD3 at 4096 wide). The VAE
+has the real configuration, so an edit's encode and decode cost what they cost in
+production. ``scale`` (0 < scale ≤ 1) keeps every class and block type but shrinks widths
+and depths, for CPU tests of the same code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    FluxInpaintPipeline,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3InpaintPipeline,
+    StableDiffusionInpaintPipeline,
+    UNet2DConditionModel,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+)
+
+from retouch.functions.demo.tokenizer import save_tokenizer, vocabulary
+
+CLIP_TOKENS = 77
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One production shape: what it stands for and how to build it at a ``scale``."""
+
+    name: str
+    family: str
+    resolution: int  # the square image size it is served at
+    dtype: torch.dtype  # the compute dtype it runs in
+    stands_for: str  # the real model whose denoiser config this is
+    build: Callable[[float, Path], DiffusionPipeline]
+
+
+def _width(full: int, scale: float, multiple: int) -> int:
+    """``full * scale`` rounded to a positive multiple of ``multiple``."""
+    return max(multiple, round(full * scale / multiple) * multiple)
+
+
+def _depth(full: int, scale: float) -> int:
+    return max(1, round(full * scale))
+
+
+def _clip(hidden: int, projection: bool = False) -> CLIPTextModel:
+    config = CLIPTextConfig(
+        vocab_size=len(vocabulary()),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=1,
+        num_attention_heads=max(1, hidden // 64),
+        max_position_embeddings=CLIP_TOKENS,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        projection_dim=hidden,
+    )
+    return CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
+
+
+def _t5(hidden: int) -> T5EncoderModel:
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=len(vocabulary()),
+            d_model=hidden,
+            d_kv=64,
+            d_ff=256,
+            num_layers=1,
+            num_heads=2,
+            decoder_start_token_id=0,
+            pad_token_id=1,
+            eos_token_id=1,
+        )
+    )
+
+
+def _vae(latent_channels: int, scale: float, **extra: float) -> AutoencoderKL:
+    """The SD/SDXL/Flux VAE layout (4 levels, factor 8); full widths at scale 1."""
+    channels = tuple(_width(c, scale, 32) for c in (128, 256, 512, 512))
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=channels,
+        layers_per_block=2 if scale >= 1 else 1,
+        latent_channels=latent_channels,
+        norm_num_groups=32,
+        **extra,
+    )
+
+
+def _tokenizer(folder: Path, name: str, length: int) -> CLIPTokenizer:
+    return save_tokenizer(folder / name, length)
+
+
+def build_flux_dev(scale: float, scratch: Path) -> FluxInpaintPipeline:
+    """FLUX.1-dev's transformer (19 dual + 38 single blocks, 24 heads of 128, guidance
+    embedding, 4096-wide T5 context, 768-wide pooled CLIP) in ``FluxInpaintPipeline``."""
+    text, pooled = _width(4096, scale, 64), _width(768, scale, 64)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=_depth(19, scale),
+        num_single_layers=_depth(38, scale),
+        attention_head_dim=128,
+        num_attention_heads=_depth(24, scale),
+        joint_attention_dim=text,
+        pooled_projection_dim=pooled,
+        guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    )
+    return FluxInpaintPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        ),
+        vae=_vae(16, scale, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=_clip(pooled),
+        tokenizer=_tokenizer(scratch, "clip", CLIP_TOKENS),
+        text_encoder_2=_t5(text),
+        tokenizer_2=_tokenizer(scratch, "t5", 512),
+        transformer=transformer,
+    )
+
+
+def build_sd3_medium(scale: float, scratch: Path) -> StableDiffusion3InpaintPipeline:
+    """SD3-medium's MMDiT (24 blocks, 24 heads of 64, patch 2) with CLIP-L, CLIP-G and T5
+    context shapes (2048-wide pooled, 77 + 256 text tokens at 4096 wide)."""
+    heads = _depth(24, scale)
+    clip_l, clip_g = _width(768, scale, 64), _width(1280, scale, 64)
+    t5 = _width(4096, scale, 64)
+    transformer = SD3Transformer2DModel(
+        sample_size=128,
+        patch_size=2,
+        in_channels=16,
+        num_layers=_depth(24, scale),
+        attention_head_dim=64,
+        num_attention_heads=heads,
+        joint_attention_dim=t5,
+        caption_projection_dim=heads * 64,
+        pooled_projection_dim=clip_l + clip_g,
+        out_channels=16,
+        pos_embed_max_size=192,
+    )
+    return StableDiffusion3InpaintPipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(16, scale, scaling_factor=1.5305, shift_factor=0.0609),
+        text_encoder=_clip(clip_l, projection=True),
+        tokenizer=_tokenizer(scratch, "clip", CLIP_TOKENS),
+        text_encoder_2=_clip(clip_g, projection=True),
+        tokenizer_2=_tokenizer(scratch, "clip", CLIP_TOKENS),
+        text_encoder_3=_t5(t5),
+        tokenizer_3=_tokenizer(scratch, "t5", 256),
+    )
+
+
+def build_sd2_inpaint(scale: float, scratch: Path) -> StableDiffusionInpaintPipeline:
+    """The SD2-inpainting UNet (865 M: 320/640/1280/1280, two layers per level, linear
+    projections, 1024-wide OpenCLIP context) at 512²."""
+    channels = tuple(_width(c, scale, 32) for c in (320, 640, 1280, 1280))
+    text = _width(1024, scale, 64)
+    unet = UNet2DConditionModel(
+        sample_size=64,
+        in_channels=9,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+        block_out_channels=channels,
+        layers_per_block=2 if scale >= 1 else 1,
+        attention_head_dim=tuple(max(1, c // 64) for c in channels),
+        cross_attention_dim=text,
+        use_linear_projection=True,
+        norm_num_groups=32,
+    )
+    return StableDiffusionInpaintPipeline(
+        vae=_vae(4, scale, scaling_factor=0.18215),
+        text_encoder=_clip(text),
+        tokenizer=_tokenizer(scratch, "clip", CLIP_TOKENS),
+        unet=unet,
+        scheduler=DDIMScheduler(
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            clip_sample=False,
+            set_alpha_to_one=False,
+            steps_offset=1,
+        ),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+SHAPES: dict[str, Shape] = {
+    s.name: s
+    for s in (
+        Shape(
+            "flux-dev", "flux-inpaint", 1024, torch.bfloat16, "FLUX.1-dev (12 B)", build_flux_dev
+        ),
+        Shape(
+            "sd3-medium",
+            "sd3-inpaint",
+            1024,
+            torch.bfloat16,
+            "Stable Diffusion 3 medium (2 B)",
+            build_sd3_medium,
+        ),
+        Shape(
+            "sd2-inpaint",
+            "sd-inpaint",
+            512,
+            torch.bfloat16,
+            "stable-diffusion-2-inpainting (865 M UNet)",
+            build_sd2_inpaint,
+        ),
+    )
+}
+
+
+@contextlib.contextmanager
+def _building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created inside are allocated on ``device`` in ``dtype`` (no CPU copy)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_shape(
+    name: str,
+    device: torch.device | str,
+    *,
+    scale: float = 1.0,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> tuple[Shape, DiffusionPipeline]:
+    """Build production shape ``name`` on ``device`` in its dtype (or ``dtype``), in eval
+    mode; ``KeyError`` for an unknown name, ``ValueError`` for a scale outside (0, 1]."""
+    shape = SHAPES[name]
+    if not 0 < scale <= 1 or not math.isfinite(scale):
+        raise ValueError(f"scale must be in (0, 1], not {scale}")
+    dtype = dtype or shape.dtype
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    with (
+        tempfile.TemporaryDirectory(prefix="retouch-shape-") as scratch,
+        _building_on(device, dtype),
+        torch.no_grad(),
+    ):
+        pipe = shape.build(scale, Path(scratch))
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval().requires_grad_(False)
+    return shape, pipe

@@ -1,0 +1,490 @@
+"""``retouch bench production``: stock vs mask-aware edits on production-shaped models.
+
+The question this answers is the one retouch exists for: on a GPU, at the shapes users
+serve (FLUX.1-dev, SD3-medium, SD2-inpainting; ``functions/demo/production.py``), is a
+mask-aware edit cheaper than the stock diffusers pipeline, and by how much, with the
+template's activations
+
+* ``device``: resident in GPU memory (the device tier: a block copies the cached K/V whole
+  and overwrites the masked rows; nothing crosses PCIe), or
+* ``host``: in pinned host memory, streamed every step by the row loader (each block's
+  contiguous slab crosses by DMA on a side stream and is gathered on the GPU, overlapped
+  with the blocks before it; on a CPU the loader gathers rows itself).
+
+For every shape, batch and mask ratio it reports whole edits (text encoding, steps, VAE) and
+the denoising steps alone, each the median of ``repeats`` runs timed with CUDA events,
+stock and mask-aware interleaved. Stock work does not depend on the mask, so stock is timed
+once per batch. A profiled step of each (torch.profiler) gives the host CPU time and the
+kernels launched per step. Steps are fewer than in production (8 by default) so that a
+Flux template's activations fit the GPU beside the model; per-step figures do not depend on
+that.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from retouch.functions.demo.images import template_image
+from retouch.functions.demo.production import SHAPES, build_shape
+from retouch.functions.families import family_spec
+from retouch.platform.bench.engine import aligned_mask
+from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.flops import pipeline_step_flops
+from retouch.runtime.maskaware.loader import LoadMode, RowLoader
+from retouch.runtime.maskaware.store import MemoryActivations
+from retouch.runtime.models import pick_device, synchronize
+
+log = logging.getLogger(__name__)
+
+TEMPLATE_PROMPT = "a quiet street"
+EDIT_PROMPT = "a red bicycle"
+TIERS = ("device", "host")
+GUIDANCE = {"flux-inpaint": 3.5, "sd3-inpaint": 7.0, "sd-inpaint": 7.5}
+
+
+@dataclass
+class Case:
+    """One measured configuration of one shape."""
+
+    shape: str
+    tier: str  # "stock", "device" or "host"
+    batch: int
+    mask_ratio: float
+    edit_s: float  # whole edit, median
+    step_ms: float  # one denoising step of the whole batch, median over steps and repeats
+    flop_ratio: float = 1.0
+    edit_ratio: float = 1.0  # against stock at the same batch
+    step_ratio: float = 1.0
+    loaded_gb_per_step: float = 0.0  # host → device bytes per step (host tier)
+    host_gathered_bytes: int = 0  # rows the CPU gathered (0 on the GPU data path)
+
+
+@dataclass
+class StepProfile:
+    """One profiled step: host time to issue it, kernels it launched, GPU time."""
+
+    shape: str
+    path: str  # "stock" or "mask-aware (device tier)"
+    host_ms: float
+    cpu_ms: float
+    kernels: int
+    gpu_ms: float
+
+
+@dataclass
+class ShapeReport:
+    shape: str
+    stands_for: str
+    family: str
+    resolution: int
+    dtype: str
+    parameters_m: float
+    build_s: float
+    bake_s: float
+    template_gb: float
+    cases: list[Case] = field(default_factory=list)
+    profiles: list[StepProfile] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+class StepTimer:
+    """CUDA events (or the wall clock on a CPU) around each call of a module or function."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.pairs: list[tuple[Any, Any]] = []
+        self._open: Any = None
+
+    def start(self) -> None:
+        self._open = self._mark()
+
+    def stop(self) -> None:
+        self.pairs.append((self._open, self._mark()))
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def take_ms(self) -> list[float]:
+        """The recorded durations (ms), and forget them."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            out = [a.elapsed_time(b) for a, b in self.pairs]
+        else:
+            out = [(b - a) * 1e3 for a, b in self.pairs]
+        self.pairs = []
+        return out
+
+    def hook(self, module: torch.nn.Module) -> list[Any]:
+        return [
+            module.register_forward_pre_hook(lambda *_: self.start()),
+            module.register_forward_hook(lambda *_: self.stop()),
+        ]
+
+
+def run_production_bench(
+    shapes: list[str],
+    masks: list[float],
+    batches: list[int],
+    *,
+    steps: int = 8,
+    repeats: int = 3,
+    tiers: tuple[str, ...] = TIERS,
+    device: str = "auto",
+    scale: float = 1.0,
+    resolution: int | None = None,
+    profile: bool = True,
+    on_shape: Callable[[ShapeReport], None] | None = None,
+) -> list[ShapeReport]:
+    """Measure every shape (see the module docstring); ``on_shape`` gets each report as soon
+    as it is done (a long run keeps what it measured if a later shape fails)."""
+    for name in shapes:
+        if name not in SHAPES:
+            raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    for tier in tiers:
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
+    if repeats < 1 or steps < 1:
+        raise ValueError("steps and repeats must be at least 1")
+    where = pick_device(device)
+    reports = []
+    for name in shapes:
+        report = _bench_shape(
+            name, where, masks, batches, steps, repeats, tiers, scale, resolution, profile
+        )
+        reports.append(report)
+        if on_shape is not None:
+            on_shape(report)
+        gc.collect()
+        if where.type == "cuda":
+            torch.cuda.empty_cache()
+    return reports
+
+
+def _bench_shape(
+    name: str,
+    where: torch.device,
+    masks: list[float],
+    batches: list[int],
+    steps: int,
+    repeats: int,
+    tiers: tuple[str, ...],
+    scale: float,
+    resolution: int | None,
+    profile: bool,
+) -> ShapeReport:
+    dtype = None if where.type == "cuda" else torch.float32
+    start = time.perf_counter()
+    shape, pipe = build_shape(name, where, scale=scale, dtype=dtype)
+    synchronize(where)
+    built = time.perf_counter() - start
+    size = resolution or shape.resolution
+    editor = MaskAwareEditor(pipe, shape.family, where)
+    denoiser = getattr(pipe, editor.impl.denoiser)
+    template = template_image((size, size), seed=1)
+    guidance = GUIDANCE[shape.family]
+    baked = MemoryActivations()
+    start = time.perf_counter()
+    editor.bake(template, TEMPLATE_PROMPT, 1, steps, guidance, baked)
+    bake_s = time.perf_counter() - start
+    report = ShapeReport(
+        shape=name,
+        stands_for=shape.stands_for,
+        family=shape.family,
+        resolution=size,
+        dtype=str(editor.impl.dtype).removeprefix("torch."),
+        parameters_m=round(sum(p.numel() for p in denoiser.parameters()) / 1e6, 1),
+        build_s=round(built, 2),
+        bake_s=round(bake_s, 2),
+        template_gb=round(baked.nbytes / 1e9, 3),
+    )
+    log.info(
+        "%s: built in %.1f s, baked %.2f GB in %.1f s", name, built, baked.nbytes / 1e9, bake_s
+    )
+    stores = _tiers(baked, tiers, where, report)
+    del baked
+    timer = StepTimer(where)
+    handles = timer.hook(denoiser)
+    cell = editor.model_family.token_cell(pipe)
+    halo = family_spec(shape.family).halo
+    total = len(batches) * (1 + len(masks) * len(stores)) * repeats
+    try:
+        with tqdm(total=total, desc=f"bench production {name}", unit="run") as bar:
+            for batch in batches:
+                _bench_batch(
+                    editor, report, stores, timer, template, size, cell, halo, batch, masks,
+                    steps, guidance, repeats, bar,
+                )  # fmt: skip
+    finally:
+        for handle in handles:
+            handle.remove()
+    tier = "device" if "device" in stores else "host"
+    if profile and tier in stores:
+        request = _requests(template, aligned_mask(size, 0.2, cell), 1, steps, guidance, halo)
+        report.profiles = _profile_steps(editor, request, stores[tier], tier, where, name)
+    return report
+
+
+def _tiers(
+    baked: MemoryActivations, tiers: tuple[str, ...], where: torch.device, report: ShapeReport
+) -> dict[str, MemoryActivations]:
+    """The template in each tier asked for that this machine can hold."""
+    stores: dict[str, MemoryActivations] = {}
+    if where.type != "cuda":
+        stores["host"] = baked  # a CPU has one memory: the loader gathers on the CPU
+        if "device" in tiers:
+            report.skipped.append("device tier: no GPU")
+        return stores
+    if "host" in tiers:
+        stores["host"] = baked.placed("cpu", pin=True)
+    if "device" in tiers:
+        free, _ = torch.cuda.mem_get_info(where)
+        if baked.nbytes * 1.15 + 6e9 < free:
+            stores["device"] = baked.placed(where)
+        else:
+            report.skipped.append(
+                f"device tier: {baked.nbytes / 1e9:.1f} GB of activations, {free / 1e9:.1f} GB free"
+            )
+    return stores
+
+
+def _requests(
+    template: Any, mask: Any, batch: int, steps: int, guidance: float, halo: int
+) -> list[EditRequest]:
+    return [
+        EditRequest(
+            template, mask, EDIT_PROMPT, 100 + i, steps, guidance, TEMPLATE_PROMPT, 1, 0, halo
+        )
+        for i in range(batch)
+    ]
+
+
+def _bench_batch(
+    editor: MaskAwareEditor,
+    report: ShapeReport,
+    stores: dict[str, MemoryActivations],
+    timer: StepTimer,
+    template: Any,
+    size: int,
+    cell: int,
+    halo: int,
+    batch: int,
+    masks: list[float],
+    steps: int,
+    guidance: float,
+    repeats: int,
+    bar: tqdm,
+) -> None:
+    where = editor.device
+    loaders = {
+        tier: RowLoader.for_editor(editor, LoadMode.OVERLAPPED if tier == "host" else "sync")
+        for tier in stores
+    }
+    reference = _requests(template, aligned_mask(size, 0.2, cell), batch, steps, guidance, halo)
+    stock = _timed(lambda: editor.stock_edits(reference), timer, where, repeats, bar, warm=True)
+    steps_timer = StepTimer(where)
+    report.cases.append(Case(report.shape, "stock", batch, 0.0, *stock))
+    for ratio in masks:
+        mask = aligned_mask(size, ratio, cell)
+        requests = _requests(template, mask, batch, steps, guidance, halo)
+        flops = pipeline_step_flops(
+            editor.impl.pipe, editor.family, size, size, float(mask.mean()), batch
+        )
+        for tier, store in stores.items():
+            loader = loaders[tier]
+            editor.set_row_loader(loader)
+            before = (loader.totals.bytes, loader.steps, loader.totals.host_gathered)
+            try:
+                edit_s, step_ms = _timed(
+                    lambda reqs=requests, s=store: _maskaware(editor, reqs, s, steps_timer),
+                    steps_timer,
+                    where,
+                    repeats,
+                    bar,
+                    warm=ratio == masks[0],
+                    others=(timer,),
+                )
+            finally:
+                editor.set_row_loader(None)
+            moved = loader.totals.bytes - before[0]
+            taken = max(loader.steps - before[1], 1)
+            report.cases.append(
+                Case(
+                    report.shape,
+                    tier,
+                    batch,
+                    round(float(mask.mean()), 4),
+                    edit_s,
+                    step_ms,
+                    flop_ratio=round(flops.ratio, 4),
+                    edit_ratio=round(edit_s / stock[0], 4),
+                    step_ratio=round(step_ms / stock[1], 4),
+                    loaded_gb_per_step=round(moved / taken / 1e9, 4),
+                    host_gathered_bytes=loader.totals.host_gathered - before[2],
+                )
+            )
+    for loader in loaders.values():
+        loader.close()
+
+
+def _maskaware(
+    editor: MaskAwareEditor,
+    requests: list[EditRequest],
+    store: MemoryActivations,
+    timer: StepTimer,
+) -> None:
+    """A whole batch through the step-level API, as the engine runs it, steps timed."""
+    states = [editor.prepare(r, store) for r in requests]
+    while not states[0].done:
+        timer.start()
+        editor.step(states)
+        timer.stop()
+    for state in states:
+        editor.finish(state)
+
+
+def _timed(
+    run: Callable[[], object],
+    timer: StepTimer,
+    where: torch.device,
+    repeats: int,
+    bar: tqdm,
+    *,
+    warm: bool,
+    others: tuple[StepTimer, ...] = (),
+) -> tuple[float, float]:
+    """Median whole-run seconds and median step milliseconds (``timer``'s) over ``repeats``
+    runs; what ``others`` recorded meanwhile is dropped."""
+    if warm:  # first calls: allocator growth, kernel selection, lazy inits
+        run()
+    for t in (timer, *others):
+        t.take_ms()
+    edits = []
+    for _ in range(repeats):
+        synchronize(where)
+        start = time.perf_counter()
+        run()
+        synchronize(where)
+        edits.append(time.perf_counter() - start)
+        bar.update()
+    steps = timer.take_ms()
+    for t in others:
+        t.take_ms()
+    return round(statistics.median(edits), 4), round(statistics.median(steps), 3)
+
+
+def _profile_steps(
+    editor: MaskAwareEditor,
+    requests: list[EditRequest],
+    store: MemoryActivations,
+    tier: str,
+    where: torch.device,
+    name: str,
+) -> list[StepProfile]:
+    """Under torch.profiler: the stock pipeline's denoiser call (its inputs captured from a
+    stock edit and replayed), a step over every token through retouch's step path, and a
+    mask-aware step (mask 0.2, batch 1, rows from ``tier``)."""
+    denoiser = getattr(editor.impl.pipe, editor.impl.denoiser)
+    captured: list[tuple[tuple, dict]] = []
+    handle = denoiser.register_forward_pre_hook(
+        lambda _m, args, kwargs: captured.append((args, kwargs)) if not captured else None,
+        with_kwargs=True,
+    )
+    try:
+        editor.stock_edits(requests[:1])
+    finally:
+        handle.remove()
+    args, kwargs = captured[0]
+    state = editor.prepare(requests[0], store)
+    editor.step([state])  # warm
+    full = editor.prepare(requests[0], None)
+    editor.step([full])
+    runs = (
+        ("stock denoiser call", lambda: denoiser(*args, **kwargs)),
+        ("retouch step, every token", lambda: editor.step([full])),
+        (f"mask-aware step ({tier} tier)", lambda: editor.step([state])),
+    )
+    with torch.inference_mode():
+        return [_profile_one(run, where, name, path) for path, run in runs]
+
+
+def _profile_one(
+    run: Callable[[], object], where: torch.device, name: str, path: str
+) -> StepProfile:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if where.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    synchronize(where)
+    wall, cpu = time.perf_counter(), time.process_time()
+    run()
+    host_ms, cpu_ms = (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
+    synchronize(where)
+    with profile(activities=activities) as prof:
+        run()
+        synchronize(where)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.device_time for e in kernels) / 1e3
+    return StepProfile(
+        name, path, round(host_ms, 2), round(cpu_ms, 2), len(kernels), round(gpu_ms, 2)
+    )
+
+
+def markdown(reports: list[ShapeReport], device: str, command: str) -> str:
+    """The tables docs/benchmarks.md takes."""
+    lines = [f"Device: {device}. Command: `{command}`.", ""]
+    lines += [
+        "| shape | params | batch | mask | tier | edit s | step ms | step ratio | edit ratio | FLOP ratio | GB/step loaded |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        for c in r.cases:
+            lines.append(
+                f"| {r.shape} | {r.parameters_m:.0f} M | {c.batch} | "
+                f"{c.mask_ratio if c.tier != 'stock' else '-'} | {c.tier} | {c.edit_s:.3f} | "
+                f"{c.step_ms:.1f} | {c.step_ratio:.3f} | {c.edit_ratio:.3f} | {c.flop_ratio:.3f} | "
+                f"{c.loaded_gb_per_step:.3f} |"
+            )
+    lines += [
+        "",
+        "| shape | step | host ms to issue | CPU ms | kernels | GPU ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        for p in r.profiles:
+            lines.append(
+                f"| {r.shape} | {p.path} | {p.host_ms} | {p.cpu_ms} | {p.kernels} | {p.gpu_ms} |"
+            )
+    lines.append("")
+    for r in reports:
+        lines.append(
+            f"* {r.shape} ({r.stands_for}, {r.dtype}, {r.resolution}²): built in {r.build_s} s, "
+            f"template {r.template_gb} GB baked in {r.bake_s} s"
+            + (f"; skipped: {'; '.join(r.skipped)}" if r.skipped else "")
+        )
+    return "\n".join(lines) + "\n"
+
+
+def as_json(reports: list[ShapeReport]) -> str:
+    return json.dumps([asdict(r) for r in reports], indent=1)
+
+
+def write_outputs(reports: list[ShapeReport], out: Path, device: str, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu-bench.json").write_text(as_json(reports))
+    (out / "gpu-bench.md").write_text(markdown(reports, device, command))

@@ -1,0 +1,96 @@
+"""Where a template's rows rest must not change an edit: host rows gathered synchronously,
+host rows streamed by the row loader, pinned slabs gathered on the GPU and rows resident in
+GPU memory all give the same pixels. Run on the production shapes' classes (reduced scale),
+so the bench's models go through the same code as users' models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from retouch.functions.demo.images import template_image
+from retouch.functions.demo.production import SHAPES, build_shape
+from retouch.functions.families import family_spec
+from retouch.platform.bench.engine import aligned_mask
+from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.loader import LoadMode, RowLoader
+from retouch.runtime.maskaware.store import MemoryActivations
+
+SIZE, STEPS = 128, 2
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _setup(name: str, device: str) -> tuple[MaskAwareEditor, EditRequest, MemoryActivations]:
+    shape, pipe = build_shape(
+        name, device, scale=0.05, dtype=torch.float32 if device == "cpu" else None
+    )
+    editor = MaskAwareEditor(pipe, shape.family, device)
+    template = template_image((SIZE, SIZE), seed=1)
+    store = MemoryActivations()
+    editor.bake(template, "a quiet street", 1, STEPS, 4.0, store)
+    mask = aligned_mask(SIZE, 0.25, editor.model_family.token_cell(pipe))
+    halo = family_spec(shape.family).halo
+    request = EditRequest(
+        template, mask, "a red bicycle", 7, STEPS, 4.0, "a quiet street", 1, 0, halo
+    )
+    return editor, request, store
+
+
+def _edit(editor: MaskAwareEditor, request: EditRequest, store, mode: str | None) -> np.ndarray:
+    loader = None if mode is None else RowLoader.for_editor(editor, mode)
+    editor.set_row_loader(loader)
+    try:
+        return editor.edit(request, store, output_type="np")
+    finally:
+        editor.set_row_loader(None)
+        if loader is not None:
+            loader.close()
+
+
+def test_production_shapes_keep_their_real_block_structure() -> None:
+    """At any scale the builders keep the classes and block kinds of the real models."""
+    _, flux = build_shape("flux-dev", "meta")
+    assert len(flux.transformer.transformer_blocks) == 19
+    assert len(flux.transformer.single_transformer_blocks) == 38
+    assert flux.transformer.config.joint_attention_dim == 4096
+    assert flux.transformer.dtype == torch.bfloat16
+    _, sd3 = build_shape("sd3-medium", "meta")
+    assert len(sd3.transformer.transformer_blocks) == 24
+    _, sd2 = build_shape("sd2-inpaint", "meta")
+    assert sd2.unet.config.block_out_channels == (320, 640, 1280, 1280)
+    params = sum(p.numel() for p in sd2.unet.parameters())
+    assert 860e6 < params < 870e6  # the SD2-inpainting UNet's 865 M
+    with pytest.raises(ValueError, match="scale"):
+        build_shape("flux-dev", "meta", scale=1.5)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_loader_and_sync_reads_give_identical_edits_on_cpu(name: str) -> None:
+    editor, request, store = _setup(name, "cpu")
+    synchronous = _edit(editor, request, store, None)
+    streamed = _edit(editor, request, store, LoadMode.OVERLAPPED)
+    assert np.isfinite(synchronous).all()
+    np.testing.assert_array_equal(synchronous, streamed)
+
+
+@cuda
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_device_tier_and_pinned_slabs_match_host_rows(name: str) -> None:
+    editor, request, store = _setup(name, "cuda")
+    host = _edit(editor, request, store, None)  # rows gathered on the host, copied
+    loader = RowLoader.for_editor(editor, LoadMode.OVERLAPPED)
+    editor.set_row_loader(loader)
+    try:
+        pinned = store.placed("cpu", pin=True)
+        slabs = editor.edit(request, pinned, output_type="np")
+        assert loader.totals.bytes > 0 and loader.totals.host_gathered == 0
+        device = store.placed("cuda")
+        before = loader.totals.bytes
+        resident = editor.edit(request, device, output_type="np")
+        assert loader.totals.bytes == before  # nothing crossed: the rows live on the GPU
+    finally:
+        editor.set_row_loader(None)
+        loader.close()
+    np.testing.assert_array_equal(host, slabs)
+    np.testing.assert_array_equal(host, resident)
