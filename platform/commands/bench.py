@@ -54,6 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         _edits,
         _store,
         _ops,
+        _production,
     ):
         add(bench_sub)
 
@@ -979,3 +980,87 @@ def _run_ops(args: argparse.Namespace) -> None:
         print(
             f"{r['model']:<18} {r['mask_ratio']:>5.2f} {r['batch']:>5} {r['stock_ops']:>10} {r['sparse_ops']:>11} {r['ratio']:>6.3f}  {top}"
         )
+
+
+def _production(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "production",
+        help="stock vs mask-aware on production-shaped models (Flux-dev, SD3-medium, SD2), "
+        "template in the device tier and streamed from the host",
+    )
+    p.add_argument(
+        "--shapes",
+        type=_listed(str, "shape names"),
+        default=["flux-dev", "sd3-medium", "sd2-inpaint"],
+        help="production shapes, comma-separated (default flux-dev,sd3-medium,sd2-inpaint)",
+    )
+    p.add_argument(
+        "--masks", type=floats, default=[0.1, 0.2, 0.35], help="mask ratios (default 0.1,0.2,0.35)"
+    )
+    p.add_argument("--batch", type=ints, default=[1, 4], help="batch sizes (default 1,4)")
+    add_steps(p, 8)
+    add_repeats(p)
+    p.add_argument(
+        "--tiers",
+        type=_listed(str, "tiers"),
+        default=["device", "host"],
+        help="where the template rests: device (GPU memory), host (pinned, streamed)",
+    )
+    p.add_argument(
+        "--scale",
+        type=ratio,
+        default=1.0,
+        help="width/depth scale of the shapes (default 1: the real configs)",
+    )
+    p.add_argument(
+        "--resolution", type=positive_int, default=None, help="image size (default: the shape's)"
+    )
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled steps")
+    p.add_argument(
+        "--out", type=Path, default=None, help="folder for gpu-bench.json and gpu-bench.md"
+    )
+    add_device(p)
+    add_json(p, "the reports")
+    p.set_defaults(run=_run_production)
+
+
+def _run_production(args: argparse.Namespace) -> None:
+    import sys
+
+    from retouch.platform.bench.production import (
+        as_json,
+        markdown,
+        run_production_bench,
+        write_outputs,
+    )
+
+    done: list = []
+    command = "retouch " + " ".join(sys.argv[1:])
+
+    def keep(shape_report: object) -> None:  # a later shape's failure keeps this one
+        done.append(shape_report)
+        if args.out is not None:
+            write_outputs(done, args.out, _device_label(args.device), command)
+
+    reports = run_production_bench(
+        args.shapes,
+        args.masks,
+        args.batch,
+        steps=args.steps,
+        repeats=args.repeats,
+        tiers=tuple(args.tiers),
+        device=args.device,
+        scale=args.scale,
+        resolution=args.resolution,
+        profile=not args.no_profile,
+        on_shape=keep,
+    )
+    print(as_json(reports) if args.json else markdown(reports, _device_label(args.device), command))
+
+
+def _device_label(device: str) -> str:
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"
