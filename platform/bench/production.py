@@ -7,9 +7,12 @@ template's activations
 
 * ``device``: resident in GPU memory (the device tier: a block copies the cached K/V whole
   and overwrites the masked rows; nothing crosses PCIe), or
+* ``graphs``: resident in GPU memory, and the step's denoiser call replayed from a CUDA
+  graph captured once per batch layout (``runtime/maskaware/graphs.py``), or
 * ``host``: in pinned host memory, streamed every step by the row loader (each block's
   contiguous slab crosses by DMA on a side stream and is gathered on the GPU, overlapped
-  with the blocks before it; on a CPU the loader gathers rows itself).
+  with the blocks before it; on a CPU the loader gathers rows itself); measured at the
+  ``host_masks`` only, to keep a run short.
 
 For every shape, batch and mask ratio it reports whole edits (text encoding, steps, VAE) and
 the denoising steps alone, each the median of ``repeats`` runs timed with CUDA events,
@@ -49,7 +52,7 @@ log = logging.getLogger(__name__)
 
 TEMPLATE_PROMPT = "a quiet street"
 EDIT_PROMPT = "a red bicycle"
-TIERS = ("device", "host")
+TIERS = ("device", "graphs", "host")
 GUIDANCE = {"flux-inpaint": 3.5, "sd3-inpaint": 7.0, "sd-inpaint": 7.5}
 
 
@@ -113,6 +116,8 @@ class StepTimer:
         self.pairs.append((self._open, self._mark()))
 
     def _mark(self) -> Any:
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            return None  # a capture records no timing events
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -123,7 +128,7 @@ class StepTimer:
         """The recorded durations (ms), and forget them."""
         if self.cuda:
             torch.cuda.synchronize()
-            out = [a.elapsed_time(b) for a, b in self.pairs]
+            out = [a.elapsed_time(b) for a, b in self.pairs if a is not None and b is not None]
         else:
             out = [(b - a) * 1e3 for a, b in self.pairs]
         self.pairs = []
@@ -148,6 +153,7 @@ def run_production_bench(
     scale: float = 1.0,
     resolution: int | None = None,
     profile: bool = True,
+    host_masks: tuple[float, ...] | None = None,
     on_shape: Callable[[ShapeReport], None] | None = None,
 ) -> list[ShapeReport]:
     """Measure every shape (see the module docstring); ``on_shape`` gets each report as soon
@@ -164,8 +170,9 @@ def run_production_bench(
     reports = []
     for name in shapes:
         report = _bench_shape(
-            name, where, masks, batches, steps, repeats, tiers, scale, resolution, profile
-        )
+            name, where, masks, batches, steps, repeats, tiers, scale, resolution, profile,
+            tuple(masks) if host_masks is None else host_masks,
+        )  # fmt: skip
         reports.append(report)
         if on_shape is not None:
             on_shape(report)
@@ -186,6 +193,7 @@ def _bench_shape(
     scale: float,
     resolution: int | None,
     profile: bool,
+    host_masks: tuple[float, ...],
 ) -> ShapeReport:
     dtype = None if where.type == "cuda" else torch.float32
     start = time.perf_counter()
@@ -221,13 +229,13 @@ def _bench_shape(
     handles = timer.hook(denoiser)
     cell = editor.model_family.token_cell(pipe)
     halo = family_spec(shape.family).halo
-    total = len(batches) * (1 + len(masks) * len(stores)) * repeats
+    total = len(batches) * (1 + len(masks) * len(stores)) * repeats  # an upper bound
     try:
         with tqdm(total=total, desc=f"bench production {name}", unit="run") as bar:
             for batch in batches:
                 _bench_batch(
                     editor, report, stores, timer, template, size, cell, halo, batch, masks,
-                    steps, guidance, repeats, bar,
+                    steps, guidance, repeats, bar, host_masks,
                 )  # fmt: skip
     finally:
         for handle in handles:
@@ -251,10 +259,11 @@ def _tiers(
         return stores
     if "host" in tiers:
         stores["host"] = baked.placed("cpu", pin=True)
-    if "device" in tiers:
+    if "device" in tiers or "graphs" in tiers:
         free, _ = torch.cuda.mem_get_info(where)
         if baked.nbytes * 1.15 + 6e9 < free:
-            stores["device"] = baked.placed(where)
+            device = baked.placed(where)
+            stores.update({t: device for t in ("device", "graphs") if t in tiers})
         else:
             report.skipped.append(
                 f"device tier: {baked.nbytes / 1e9:.1f} GB of activations, {free / 1e9:.1f} GB free"
@@ -288,6 +297,7 @@ def _bench_batch(
     guidance: float,
     repeats: int,
     bar: tqdm,
+    host_masks: tuple[float, ...],
 ) -> None:
     where = editor.device
     loaders = {
@@ -305,8 +315,14 @@ def _bench_batch(
             editor.impl.pipe, editor.family, size, size, float(mask.mean()), batch
         )
         for tier, store in stores.items():
+            if tier == "host" and ratio not in host_masks:
+                continue
+            if tier == "graphs" and not _room_for_graphs(store, batch, where):
+                report.skipped.append(f"graphs at batch {batch}, mask {ratio}: GPU memory")
+                continue
             loader = loaders[tier]
             editor.set_row_loader(loader)
+            editor.set_graphs(tier == "graphs")
             before = (loader.totals.bytes, loader.steps, loader.totals.host_gathered)
             try:
                 edit_s, step_ms = _timed(
@@ -315,11 +331,12 @@ def _bench_batch(
                     where,
                     repeats,
                     bar,
-                    warm=ratio == masks[0],
+                    warm=ratio == masks[0] or tier == "graphs",  # graphs: capture untimed
                     others=(timer,),
                 )
             finally:
                 editor.set_row_loader(None)
+                editor.set_graphs(False)
             moved = loader.totals.bytes - before[0]
             taken = max(loader.steps - before[1], 1)
             report.cases.append(
@@ -339,6 +356,15 @@ def _bench_batch(
             )
     for loader in loaders.values():
         loader.close()
+
+
+def _room_for_graphs(store: MemoryActivations, batch: int, where: torch.device) -> bool:
+    """A captured layout holds one step's rows per request in static buffers."""
+    if where.type != "cuda":
+        return True
+    step = sum(t.nbytes for (s, _, _), t in store.tensors.items() if s == 0)
+    free, _ = torch.cuda.mem_get_info(where)
+    return step * batch * 1.3 + 4e9 < free
 
 
 def _maskaware(
@@ -413,13 +439,24 @@ def _profile_steps(
     editor.step([state])  # warm
     full = editor.prepare(requests[0], None)
     editor.step([full])
-    runs = (
+    runs = [
         ("stock denoiser call", lambda: denoiser(*args, **kwargs)),
         ("retouch step, every token", lambda: editor.step([full])),
         (f"mask-aware step ({tier} tier)", lambda: editor.step([state])),
-    )
+    ]
     with torch.inference_mode():
-        return [_profile_one(run, where, name, path) for path, run in runs]
+        out = [_profile_one(run, where, name, path) for path, run in runs]
+        if where.type == "cuda" and tier == "device":
+            editor.set_graphs(True)
+            try:
+                graphed = editor.prepare(requests[0], store)
+                editor.step([graphed])  # eager: the layout's static rows
+                editor.step([graphed])  # captured, then replayed
+                path = "mask-aware step (device tier, CUDA graph)"
+                out.append(_profile_one(lambda: editor.step([graphed]), where, name, path))
+            finally:
+                editor.set_graphs(False)
+    return out
 
 
 def _profile_one(

@@ -1003,8 +1003,15 @@ def _production(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tiers",
         type=_listed(str, "tiers"),
-        default=["device", "host"],
-        help="where the template rests: device (GPU memory), host (pinned, streamed)",
+        default=["device", "graphs", "host"],
+        help="where the template rests: device (GPU memory), graphs (GPU memory, steps "
+        "replayed from CUDA graphs), host (pinned, streamed)",
+    )
+    p.add_argument(
+        "--host-masks",
+        type=floats,
+        default=None,
+        help="mask ratios measured with the host tier (default: all of --masks)",
     )
     p.add_argument(
         "--scale",
@@ -1053,6 +1060,7 @@ def _run_production(args: argparse.Namespace) -> None:
         scale=args.scale,
         resolution=args.resolution,
         profile=not args.no_profile,
+        host_masks=None if args.host_masks is None else tuple(args.host_masks),
         on_shape=keep,
     )
     print(as_json(reports) if args.json else markdown(reports, _device_label(args.device), command))

@@ -144,25 +144,36 @@ class FluxInpaint(FamilyModel):
         ctx.grid = next(iter(ctx.grids.values()), None)  # one token grid; none in a bake
         ctx.text_len = states[0].inputs.prompt_embeds.shape[1]
         inputs = _batched(states)
-        if ctx.grid is not None and ctx.grid.packed:
-            out = flux_packed.forward(self.pipe.transformer, ctx, self.blocks, ctx.grid, inputs)
+        transformer, grid = self.pipe.transformer, ctx.grid
+        if grid is not None and grid.packed:
+            out = ctx.call(
+                lambda **t: flux_packed.forward(
+                    transformer, ctx, self.blocks, grid, PackedInputs(**t)
+                ),
+                **vars(inputs),
+            )
             return list(out.split(1))
-        first = ctx.grid is not None and ctx.mode(self.blocks[0]) is Mode.SPARSE
-        ctx.scratch[flux_blocks.SPARSE_CARRY] = first
-        out = self.pipe.transformer(
-            hidden_states=ctx.grid.gather(inputs.latents) if first else inputs.latents,
-            timestep=inputs.timestep,
-            guidance=inputs.guidance,
-            pooled_projections=inputs.pooled,
-            encoder_hidden_states=inputs.prompt_embeds,
-            txt_ids=inputs.text_ids,
-            img_ids=inputs.image_ids,
-            joint_attention_kwargs={},
-            return_dict=False,
-        )[0]
-        if ctx.scratch[flux_blocks.SPARSE_CARRY]:
-            out = ctx.grid.scatter(out, torch.zeros_like(inputs.latents))
-        return list(out.split(1))
+        first = grid is not None and ctx.mode(self.blocks[0]) is Mode.SPARSE
+
+        def padded(**t: torch.Tensor) -> torch.Tensor:
+            ctx.scratch[flux_blocks.SPARSE_CARRY] = first
+            latents = t["latents"]
+            out = transformer(
+                hidden_states=grid.gather(latents) if first else latents,
+                timestep=t["timestep"],
+                guidance=t["guidance"],
+                pooled_projections=t["pooled"],
+                encoder_hidden_states=t["prompt_embeds"],
+                txt_ids=t["text_ids"],
+                img_ids=t["image_ids"],
+                joint_attention_kwargs={},
+                return_dict=False,
+            )[0]
+            if ctx.scratch[flux_blocks.SPARSE_CARRY]:
+                out = grid.scatter(out, torch.zeros_like(latents))
+            return out
+
+        return list(ctx.call(padded, **vars(inputs)).split(1))
 
     def advance(self, state: RequestState, prediction: torch.Tensor) -> None:
         """The request's scheduler step, then the pipeline's inpaint blend."""

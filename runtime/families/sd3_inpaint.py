@@ -140,13 +140,14 @@ class SD3Inpaint(FamilyModel):
         ctx.grid = next(iter(ctx.grids.values()), None)  # one token grid; none in a bake
         ctx.scratch[SPARSE_CARRY] = False
         ctx.text_len = states[0].inputs.prompt_embeds.shape[1]
-        out = self.pipe.transformer(
+        transformer = self.pipe.transformer
+        out = ctx.call(
+            lambda **inputs: transformer(**inputs, return_dict=False)[0],
             hidden_states=torch.cat([torch.cat([s.latents] * 2) for s in states]),
             timestep=torch.cat([s.timestep.reshape(1).expand(2) for s in states]),
             encoder_hidden_states=torch.cat([s.inputs.prompt_embeds for s in states]),
             pooled_projections=torch.cat([s.inputs.pooled for s in states]),
-            return_dict=False,
-        )[0]
+        )
         return list(out.split(2))
 
     def advance(self, state: RequestState, prediction: torch.Tensor) -> None:

@@ -118,12 +118,15 @@ class SDInpaint(FamilyModel):
             rows.append(torch.cat([latent_in, *(torch.cat([x] * 2) for x in extra)], dim=1))
             times.append(t.reshape(1).expand(2))
             texts.append(state.inputs.prompt_embeds)
-        out = self.pipe.unet(
-            torch.cat(rows),
-            torch.cat(times).to(self.device),
-            encoder_hidden_states=torch.cat(texts),
-            return_dict=False,
-        )[0]
+        unet = self.pipe.unet
+        out = ctx.call(
+            lambda sample, timestep, text: unet(
+                sample, timestep, encoder_hidden_states=text, return_dict=False
+            )[0],
+            sample=torch.cat(rows),
+            timestep=torch.cat(times).to(self.device),
+            text=torch.cat(texts),
+        )
         return list(out.split(2))
 
     def advance(self, state: RequestState, prediction: torch.Tensor) -> None:

@@ -25,25 +25,33 @@ def assemble(
     ctx: ForwardContext, tokens: TokenBatch, block: str, name: str, fresh: torch.Tensor
 ) -> torch.Tensor:
     """``[rows, N, C]``: each request's cached rows of ``name`` plus the ``fresh`` ``[T, C]`` rows."""
-    channels = fresh.shape[-1]
-    full = fresh.new_empty(tokens.rows, tokens.n_tokens, channels)
+    full = fresh.new_empty(tokens.rows, tokens.n_tokens, fresh.shape[-1])
+    fill_cached(ctx, tokens, block, name, full)
+    return tokens.scatter_rows(fresh, full)
+
+
+def fill_cached(
+    ctx: ForwardContext, tokens: TokenBatch, block: str, name: str, full: torch.Tensor
+) -> None:
+    """Write each request's cached rows of ``name`` into ``full`` ``[rows, N, C]`` (a view is
+    fine); the masked rows are left for the caller to write."""
     per = tokens.rows_per_request
     for r, (slot, token_set) in enumerate(zip(ctx.slots, tokens.sets, strict=True)):
         if token_set.unmasked.numel() == 0:
             continue
         if slot.reader is None:
             raise RuntimeError(f"block {block!r} runs sparse but request {r} has no cache")
-        resident = device_resident(slot.reader, slot.step, block, name, fresh.device)
+        rows = full[r * per : (r + 1) * per]
+        resident = device_resident(slot.reader, slot.step, block, name, full.device)
         if resident is not None:  # device tier: one contiguous copy, masked rows follow
-            full[r * per : (r + 1) * per].copy_(resident)
+            rows.copy_(resident)
             continue
         if ctx.loader is not None:  # staged ahead by the row loader
-            cached = ctx.loader.rows(r, block, name).to(fresh.dtype)
+            cached = ctx.loader.rows(r, block, name).to(full.dtype)
         else:
-            cached = fresh.new_empty(per, token_set.unmasked.numel(), channels)
+            cached = full.new_empty(per, token_set.unmasked.numel(), full.shape[-1])
             fetch_rows(slot.reader, slot.step, block, name, token_set.unmasked, cached)
-        full[r * per : (r + 1) * per].index_copy_(1, tokens.unmasked_index(r), cached)
-    return tokens.scatter_rows(fresh, full)
+        rows.index_copy_(1, tokens.unmasked_index(r), cached)
 
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,12 @@ class RowSource(Protocol):
         ...
 
 
+class CallRunner(Protocol):
+    """Runs a step's denoiser call ``fn(**tensors)`` another way (``maskaware.graphs``)."""
+
+    def run(self, ctx: ForwardContext, fn: Any, tensors: dict[str, Any]) -> Any: ...
+
+
 class BlockHook(Protocol):
     """Told when each block of a mask-aware forward starts and ends (loader, profiler)."""
 
@@ -58,10 +64,18 @@ class ForwardContext:
     scratch: dict[object, Any] = field(default_factory=dict)  # per-forward memo (layout, RoPE rows)
     loader: RowSource | None = None  # staged rows; None: blocks fetch synchronously
     hooks: list[BlockHook] = field(default_factory=list)
+    runner: CallRunner | None = None  # CUDA graphs of the denoiser call; None: eager
 
     @property
     def recording(self) -> bool:
         return any(slot.writer is not None for slot in self.slots)
+
+    def call(self, fn: Any, **tensors: Any) -> Any:
+        """The step's denoiser call ``fn(**tensors)``: every tensor it reads is an argument
+        (or fixed for the step's layout), so a runner may capture and replay it."""
+        if self.runner is None:
+            return fn(**tensors)
+        return self.runner.run(self, fn, tensors)
 
     def mode(self, block: str) -> Mode:
         return self.modes.get(block, Mode.FULL)

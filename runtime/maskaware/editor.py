@@ -28,6 +28,7 @@ inert outside mask-aware calls; no weight is touched, nothing is written back) a
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ from PIL import Image
 from retouch.runtime import families
 from retouch.runtime.families import Family, FamilyModel
 from retouch.runtime.maskaware.context import ForwardContext, Mode, Slot, activate
+from retouch.runtime.maskaware.graphs import StepGraphs
 from retouch.runtime.maskaware.noise import SeedNoise, compose
 from retouch.runtime.maskaware.request import (
     EditRequest,
@@ -48,7 +50,7 @@ from retouch.runtime.maskaware.request import (
     RequestState,
 )
 from retouch.runtime.maskaware.store import TEMPLATE_STEP, ActivationReader, ActivationWriter
-from retouch.runtime.maskaware.tokens import TokenBatch
+from retouch.runtime.maskaware.tokens import TokenBatch, TokenSet
 
 if TYPE_CHECKING:
     from retouch.runtime.maskaware.loader import RowLoader
@@ -64,6 +66,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+LAYOUTS = 16  # token batches kept for re-use (one per recent set of masks)
 TEMPLATE_BLOCK = "template"  # block name of the per-template tensors (step -1)
 
 Plan = Callable[[list[RequestState], list[str]], dict[str, Mode]]
@@ -98,6 +101,8 @@ class MaskAwareEditor:
         self.packed = packed
         self._plan = plan
         self._row_loader: RowLoader | None = None
+        self._graphs: StepGraphs | None = None
+        self._layouts: OrderedDict[tuple, TokenBatch] = OrderedDict()
 
     @property
     def plan(self) -> Plan:
@@ -116,6 +121,15 @@ class MaskAwareEditor:
         """Declare the loader that stages cached rows for mask-aware steps (``None``: the
         blocks gather their rows synchronously). Bakes and stock calls never use it."""
         self._row_loader = loader
+
+    @property
+    def graphs(self) -> StepGraphs | None:
+        return self._graphs
+
+    def set_graphs(self, enabled: bool) -> None:
+        """Run mask-aware steps whose cached rows are all on the GPU from CUDA graphs
+        (``maskaware.graphs``): one capture per batch layout, replayed. Off by default."""
+        self._graphs = StepGraphs(self.device) if enabled else None
 
     @property
     def blocks(self) -> list[str]:
@@ -256,13 +270,29 @@ class MaskAwareEditor:
         per = self.impl.rows_per_request
         packed = self.packed and self.impl.packs
         grids = {
-            size: TokenBatch(tuple(s.step_tokens[size] for s in states), per, packed, self.device)
+            size: self._layout(tuple(s.step_tokens[size] for s in states), per, packed)
             for size in sizes
         }
         slots = [Slot(s.index, reader=s.step_reader) for s in states]
         if modes is None:
             modes = self.plan(states, self.blocks)
-        self._run(ForwardContext(slots, per, modes, grids), states)
+        ctx = ForwardContext(slots, per, modes, grids)
+        if self._graphs is not None and StepGraphs.usable(ctx, self.device):
+            ctx.runner = self._graphs
+        self._run(ctx, states)
+
+    def _layout(self, sets: tuple[TokenSet, ...], per: int, packed: bool) -> TokenBatch:
+        """The token batch of these sets, re-used while the batch's masks stay the same (its
+        device index tensors are made once, and a captured step can refer to them)."""
+        key = (tuple(s.digest for s in sets), per, packed)
+        batch = self._layouts.get(key)
+        if batch is None:
+            batch = TokenBatch(sets, per, packed, self.device)
+            self._layouts[key] = batch
+            while len(self._layouts) > LAYOUTS:
+                self._layouts.popitem(last=False)
+        self._layouts.move_to_end(key)
+        return batch
 
     def final_latents(self, state: RequestState) -> torch.Tensor:
         """The finished request's latents as a host tensor (what a post worker decodes)."""

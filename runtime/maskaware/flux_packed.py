@@ -13,7 +13,7 @@ A block planned full runs the same code on every token of every request (no cach
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
@@ -24,7 +24,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
-from retouch.runtime.maskaware.attention import assemble, sdpa
+from retouch.runtime.maskaware.attention import assemble, fill_cached, sdpa
 from retouch.runtime.maskaware.context import ForwardContext, Mode
 from retouch.runtime.maskaware.tokens import TokenBatch
 
@@ -37,6 +37,21 @@ class Stream:
     rows: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor]  # per image row
     text_rope: tuple[torch.Tensor, torch.Tensor]  # per text position (shared by requests)
+    _joint: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def joint_rope(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of the joint rows ``[B*L text ; T image]`` (one rotation per Q or K)."""
+        if batch not in self._joint:
+            self._joint[batch] = tuple(
+                torch.cat([text.repeat(batch, 1), image])
+                for text, image in zip(self.text_rope, self.rope, strict=True)
+            )
+        return self._joint[batch]
+
+    @property
+    def single_request(self) -> bool:
+        """One model row: per-row tensors broadcast over every token, no gather needed."""
+        return self.tokens.rows == 1
 
 
 @dataclass(frozen=True)
@@ -126,8 +141,12 @@ def _relayout(
 def _modulation(
     linear: torch.nn.Linear, activated: torch.Tensor, tokens: TokenBatch, chunks: int
 ) -> tuple[torch.Tensor, ...]:
-    """adaLN parameters of every packed token: each row's ``linear(silu(temb))``, expanded."""
-    return linear(activated)[tokens.row_of_token].chunk(chunks, dim=1)
+    """adaLN parameters of every packed token: each row's ``linear(silu(temb))``, expanded
+    (one row: broadcast as is)."""
+    emb = linear(activated)
+    if tokens.rows == 1:
+        return emb.chunk(chunks, dim=1)
+    return emb[tokens.row_of_token].chunk(chunks, dim=1)
 
 
 def _dual(
@@ -149,7 +168,8 @@ def _dual(
         text, emb=temb
     )
     attn = block.attn
-    image_out, text_out = _attention(ctx, name, attn, stream, normed, normed_text, joint=True)
+    q, k, v = _dual_qkv(attn, normed, normed_text)
+    image_out, text_out = _attention(ctx, name, stream, q, k, v, text.shape)
     image_out = attn.to_out[1](attn.to_out[0](image_out))
     text_out = attn.to_add_out(text_out)
 
@@ -173,29 +193,23 @@ def _single(
     text: torch.Tensor,
     temb: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``FluxSingleTransformerBlock.forward``: text rows ``[B*L]`` then packed image rows."""
+    """``FluxSingleTransformerBlock.forward``: text rows ``[B*L]`` then packed image rows,
+    one stream (one projection, norm and rotation for both)."""
     batch, text_len, dim = text.shape
     x = torch.cat([text.reshape(-1, dim), stream.rows])
     emb = block.norm.linear(block.norm.silu(temb))
-    row = torch.cat(
-        [
-            torch.arange(batch, device=x.device).repeat_interleave(text_len),
-            stream.tokens.row_of_token,
-        ]
-    )
-    shift, scale, gate = emb[row].chunk(3, dim=1)
+    if not stream.single_request:
+        emb = emb[_joint_rows(stream, batch, text_len)]
+    shift, scale, gate = emb.chunk(3, dim=1)
     normed = block.norm.norm(x) * (1 + scale) + shift
     mlp = block.act_mlp(block.proj_mlp(normed))
+    attn = block.attn
+    head = (-1, attn.head_dim)
+    q = attn.norm_q(attn.to_q(normed).unflatten(-1, head))
+    k = attn.norm_k(attn.to_k(normed).unflatten(-1, head))
+    v = attn.to_v(normed).unflatten(-1, head)
+    image_attn, text_attn = _attention(ctx, name, stream, q, k, v, text.shape)
     split = batch * text_len
-    image_attn, text_attn = _attention(
-        ctx,
-        name,
-        block.attn,
-        stream,
-        normed[split:],
-        normed[:split].view(batch, text_len, dim),
-        joint=False,
-    )
     attn_out = torch.cat([text_attn.reshape(split, -1), image_attn])
     x = x + gate * block.proj_out(torch.cat([attn_out, mlp], dim=1))
     if x.dtype == torch.float16:
@@ -203,49 +217,90 @@ def _single(
     return x[:split].view(batch, text_len, dim), x[split:]
 
 
+def _joint_rows(stream: Stream, batch: int, text_len: int) -> torch.Tensor:
+    """The model row of every joint row ``[B*L text ; T image]`` (memoised per stream)."""
+    key = -batch  # shares the stream's memo with the RoPE tables (positive keys)
+    if key not in stream._joint:
+        text = torch.arange(batch, device=stream.rows.device).repeat_interleave(text_len)
+        stream._joint[key] = (torch.cat([text, stream.tokens.row_of_token]),)
+    return stream._joint[key][0]
+
+
+def _dual_qkv(
+    attn: FluxAttention, image: torch.Tensor, text: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V of the joint rows ``[B*L text ; T image]``, ``[S, H, D]`` after qk-norm: text
+    through the ``add_*`` projections, image through the others."""
+    head = (-1, attn.head_dim)
+    text = text.flatten(0, 1)
+    q = torch.cat(
+        [
+            attn.norm_added_q(attn.add_q_proj(text).unflatten(-1, head)),
+            attn.norm_q(attn.to_q(image).unflatten(-1, head)),
+        ]
+    )
+    k = torch.cat(
+        [
+            attn.norm_added_k(attn.add_k_proj(text).unflatten(-1, head)),
+            attn.norm_k(attn.to_k(image).unflatten(-1, head)),
+        ]
+    )
+    v = torch.cat([attn.add_v_proj(text), attn.to_v(image)]).unflatten(-1, head)
+    return q, k, v
+
+
 def _attention(
     ctx: ForwardContext,
     name: str,
-    attn: FluxAttention,
     stream: Stream,
-    image: torch.Tensor,
-    text: torch.Tensor,
-    *,
-    joint: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    text_shape: torch.Size,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Image rows ``[T, H*D]`` and text ``[B, L, H*D]`` attention outputs (before out-projections).
+    """Attention of the joint rows ``[B*L text ; T image]`` (``[S, H, D]``): image rows
+    ``[T, H*D]`` and text ``[B, L, H*D]`` outputs (before out-projections).
 
-    ``joint`` blocks project text with the ``add_*`` projections, single blocks with the
-    image ones (their text rows are part of the one stream).
+    Each request's [text ; masked tokens] queries attend to its [text ; all image] keys,
+    the unmasked image keys and values from the cache.
     """
-    head = (-1, attn.head_dim)
-    q = attn.norm_q(attn.to_q(image).unflatten(-1, head))
-    k = attn.norm_k(attn.to_k(image).unflatten(-1, head))
-    v = attn.to_v(image).unflatten(-1, head)
-    if joint:
-        tq = attn.norm_added_q(attn.add_q_proj(text).unflatten(-1, head))
-        tk = attn.norm_added_k(attn.add_k_proj(text).unflatten(-1, head))
-        tv = attn.add_v_proj(text).unflatten(-1, head)
-    else:
-        tq = attn.norm_q(attn.to_q(text).unflatten(-1, head))
-        tk = attn.norm_k(attn.to_k(text).unflatten(-1, head))
-        tv = attn.to_v(text).unflatten(-1, head)
-    q = apply_rotary_emb(q[None], stream.rope, sequence_dim=1)[0]
-    k = apply_rotary_emb(k[None], stream.rope, sequence_dim=1)[0]
-    text_len = text.shape[1]
-    tq = apply_rotary_emb(tq, stream.text_rope, sequence_dim=1)
-    tk = apply_rotary_emb(tk, stream.text_rope, sequence_dim=1)
+    batch, text_len = text_shape[0], text_shape[1]
+    split = batch * text_len
+    rope = stream.joint_rope(batch)
+    q = apply_rotary_emb(q[None], rope, sequence_dim=1)[0]
+    k = apply_rotary_emb(k[None], rope, sequence_dim=1)[0]
+    keys = _keys(ctx, stream.tokens, name, "k", k, split, text_len)
+    values = _keys(ctx, stream.tokens, name, "v", v, split, text_len)
+    if stream.single_request:  # [text ; image] already in the request's order
+        out = sdpa(q[None], keys, values)[0]
+        return out[split:], out[:split].view(batch, text_len, -1)
     tokens = stream.tokens
-    keys = torch.cat(
-        [tk, assemble(ctx, tokens, name, "k", k.flatten(1)).unflatten(-1, k.shape[1:])], 1
-    )
-    values = torch.cat(
-        [tv, assemble(ctx, tokens, name, "v", v.flatten(1)).unflatten(-1, v.shape[1:])], 1
-    )
-    image_out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    text_out = q.new_empty(text.shape[0], text_len, image_out.shape[1])
+    image_out = q.new_empty(tokens.total, q.shape[1] * q.shape[2])
+    text_out = q.new_empty(batch, text_len, image_out.shape[1])
     for row, (start, count) in enumerate(tokens.segments()):
-        query = torch.cat([tq[row], q[start : start + count]])[None]
+        text_rows = q[row * text_len : (row + 1) * text_len]
+        query = torch.cat([text_rows, q[split + start : split + start + count]])[None]
         out = sdpa(query, keys[row : row + 1], values[row : row + 1])[0]
         text_out[row], image_out[start : start + count] = out[:text_len], out[text_len:]
     return image_out, text_out
+
+
+def _keys(
+    ctx: ForwardContext,
+    tokens: TokenBatch,
+    block: str,
+    name: str,
+    joint: torch.Tensor,
+    split: int,
+    text_len: int,
+) -> torch.Tensor:
+    """``[rows, L + N, H, D]`` keys or values: each row's text rows, then its N image rows
+    (cached unmasked rows, fresh masked ones), written in place: no concatenation."""
+    heads = joint.shape[1:]
+    flat = joint.flatten(1)
+    channels = flat.shape[1]
+    out = flat.new_empty(tokens.rows, text_len + tokens.n_tokens, channels)
+    out[:, :text_len] = flat[:split].view(tokens.rows, text_len, channels)
+    fill_cached(ctx, tokens, block, name, out[:, text_len:])
+    out.view(-1, channels).index_copy_(0, tokens.joint_index(text_len), flat[split:])
+    return out.unflatten(-1, heads)

@@ -49,12 +49,23 @@ class ResidentReader(Protocol):
     ) -> torch.Tensor | None: ...
 
 
+def all_resident(reader: ActivationReader, device: torch.device) -> bool:
+    """Whether ``reader`` holds every step's rows on ``device`` (so a step can read them
+    without any copy from the host)."""
+    holds_on = getattr(reader, "holds_on", None)
+    return holds_on is not None and holds_on(device)
+
+
 def device_resident(
     reader: ActivationReader, step: int, block: str, name: str, device: torch.device
 ) -> torch.Tensor | None:
     """The whole cached tensor when ``reader`` holds it on ``device`` (else ``None``):
-    a block then copies it whole and overwrites the masked rows, with no gather at all."""
-    if device.type == "cpu" or not isinstance(reader, ResidentReader):
+    a block then copies it whole and overwrites the masked rows, with no gather at all.
+    On a CPU only a reader explicitly placed there counts (a bake's host store is gathered
+    from, as the host tier is)."""
+    if not isinstance(reader, ResidentReader):
+        return None
+    if device.type == "cpu" and not all_resident(reader, device):
         return None
     return reader.resident(step, block, name, device)
 
@@ -87,6 +98,7 @@ class MemoryActivations:
 
     def __init__(self) -> None:
         self.tensors: dict[tuple[int, str, str], torch.Tensor] = {}
+        self.placement: torch.device | None = None  # where ``placed`` put every step's rows
 
     def writer(self) -> MemoryActivations:
         return self
@@ -129,7 +141,12 @@ class MemoryActivations:
                 continue
             moved = tensor.to(device)
             out.tensors[key] = moved.pin_memory() if pin and moved.device.type == "cpu" else moved
+        out.placement = torch.device(device)
         return out
+
+    def holds_on(self, device: torch.device) -> bool:
+        """Whether every step's rows are resident on ``device`` (a device tier)."""
+        return self.placement is not None and _same_device(self.placement, device)
 
     @property
     def nbytes(self) -> int:

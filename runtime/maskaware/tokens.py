@@ -11,6 +11,7 @@ blocks are written once.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -37,6 +38,13 @@ class TokenSet:
     @property
     def count(self) -> int:
         return int(self.masked.numel())
+
+    @cached_property
+    def digest(self) -> tuple[int, bytes]:
+        """What identifies the set's content (equal sets give equal layouts, and so may
+        share a batch layout and a captured step)."""
+        masked = self.masked.numpy().tobytes()
+        return (self.n_tokens, hashlib.blake2b(masked, digest_size=16).digest())
 
     @property
     def ratio(self) -> float:
@@ -148,10 +156,13 @@ class TokenBatch:
         return (self.positions + offsets).reshape(-1)
 
     @cached_property
-    def _valid(self) -> torch.Tensor:
-        """Padded layout only: which of the ``rows * n_max`` rows are real tokens."""
-        counts = torch.tensor(self.counts, device=self.device)
-        return (torch.arange(self.n_max, device=self.device)[None] < counts[:, None]).reshape(-1)
+    def _valid(self) -> torch.Tensor | None:
+        """Padded layout only: the real token rows among the ``rows * n_max`` (positions
+        worked out on the host, so no step waits on the device); ``None``: all are real."""
+        if all(count == self.n_max for count in self.counts):
+            return None
+        parts = [torch.arange(c) + r * self.n_max for r, c in enumerate(self.counts)]
+        return _cat_long(parts).to(self.device)
 
     def _padded(self, masked: torch.Tensor) -> torch.Tensor:
         pad = masked[-1:] if masked.numel() else torch.zeros(1, dtype=torch.long)
@@ -168,7 +179,9 @@ class TokenBatch:
     def real_rows(self, sparse: torch.Tensor) -> torch.Tensor:
         """The sparse layout's real token rows, ``[T, C]`` in ``flat_index`` order."""
         flat = sparse.reshape(-1, sparse.shape[-1])
-        return flat if self.packed else flat[self._valid]
+        if self.packed or self._valid is None:
+            return flat
+        return flat.index_select(0, self._valid)
 
     def scatter(self, sparse: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """Write the real rows of ``sparse`` into a contiguous ``[rows, N, C]`` ``full``."""
@@ -185,6 +198,15 @@ class TokenBatch:
         if request not in memo:
             memo[request] = self.sets[request].unmasked.to(self.device)
         return memo[request]
+
+    def joint_index(self, text_len: int) -> torch.Tensor:
+        """:attr:`flat_index` in a ``[rows, text_len + N, C]`` buffer whose rows start with
+        ``text_len`` text tokens (joint attention's keys): where the masked rows go."""
+        memo = self.__dict__.setdefault("_joint_index", {})
+        if text_len not in memo:
+            flat = self.flat_index
+            memo[text_len] = flat + (flat // self.n_tokens + 1) * text_len
+        return memo[text_len]
 
     def segments(self) -> list[tuple[int, int]]:
         """Packed layout: ``(start, count)`` of every row in the packed sequence."""
