@@ -96,6 +96,7 @@ class ShapeReport:
     build_s: float
     bake_s: float
     template_gb: float
+    link_gbps: float = 0.0  # pinned host → device copies on this machine
     cases: list[Case] = field(default_factory=list)
     profiles: list[StepProfile] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -167,12 +168,14 @@ def run_production_bench(
     if repeats < 1 or steps < 1:
         raise ValueError("steps and repeats must be at least 1")
     where = pick_device(device)
+    link = host_to_device_gbps(where) if where.type == "cuda" else 0.0
     reports = []
     for name in shapes:
         report = _bench_shape(
             name, where, masks, batches, steps, repeats, tiers, scale, resolution, profile,
             tuple(masks) if host_masks is None else host_masks,
         )  # fmt: skip
+        report.link_gbps = round(link, 1)
         reports.append(report)
         if on_shape is not None:
             on_shape(report)
@@ -180,6 +183,20 @@ def run_production_bench(
         if where.type == "cuda":
             torch.cuda.empty_cache()
     return reports
+
+
+def host_to_device_gbps(where: torch.device, nbytes: int = 1 << 30) -> float:
+    """The link's speed as the host tier sees it: the best of 3 pinned 1 GiB copies."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device=where)
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize(where)
+        start = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(where)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
 
 
 def _bench_shape(
@@ -308,6 +325,7 @@ def _bench_batch(
     stock = _timed(lambda: editor.stock_edits(reference), timer, where, repeats, bar, warm=True)
     steps_timer = StepTimer(where)
     report.cases.append(Case(report.shape, "stock", batch, 0.0, *stock))
+    warmed: set[str] = set()
     for ratio in masks:
         mask = aligned_mask(size, ratio, cell)
         requests = _requests(template, mask, batch, steps, guidance, halo)
@@ -331,12 +349,20 @@ def _bench_batch(
                     where,
                     repeats,
                     bar,
-                    warm=ratio == masks[0] or tier == "graphs",  # graphs: capture untimed
+                    warm=tier not in warmed or tier == "graphs",  # graphs: capture untimed
                     others=(timer,),
                 )
+            except Exception as exc:  # one failed case must not lose the run's other figures
+                log.exception(
+                    "%s: %s at batch %d, mask %s failed", report.shape, tier, batch, ratio
+                )
+                report.skipped.append(f"{tier} at batch {batch}, mask {ratio}: {exc!r}"[:300])
+                synchronize(where)
+                continue
             finally:
                 editor.set_row_loader(None)
                 editor.set_graphs(False)
+            warmed.add(tier)
             moved = loader.totals.bytes - before[0]
             taken = max(loader.steps - before[1], 1)
             report.cases.append(
@@ -454,6 +480,8 @@ def _profile_steps(
                 editor.step([graphed])  # captured, then replayed
                 path = "mask-aware step (device tier, CUDA graph)"
                 out.append(_profile_one(lambda: editor.step([graphed]), where, name, path))
+            except Exception:
+                log.exception("%s: profiling the graphed step failed", name)
             finally:
                 editor.set_graphs(False)
     return out
@@ -511,7 +539,8 @@ def markdown(reports: list[ShapeReport], device: str, command: str) -> str:
     for r in reports:
         lines.append(
             f"* {r.shape} ({r.stands_for}, {r.dtype}, {r.resolution}²): built in {r.build_s} s, "
-            f"template {r.template_gb} GB baked in {r.bake_s} s"
+            f"template {r.template_gb} GB baked in {r.bake_s} s, "
+            f"pinned host→device {r.link_gbps} GB/s"
             + (f"; skipped: {'; '.join(r.skipped)}" if r.skipped else "")
         )
     return "\n".join(lines) + "\n"
