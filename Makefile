@@ -53,7 +53,8 @@ clean:
 # The GPU data path's benchmark, on a CUDA machine that has python3 with torch but no
 # internet. `make gpu-wheels` (here, with the registries) puts the pure-Python packages such
 # a machine lacks, and lmdb built for its Python, into .whl/; `make gpu-bench` (there)
-# installs them beside its torch, runs the device-tier tests, then `retouch bench
+# installs them beside its torch, runs the GPU tests (a failure is reported, the bench still
+# runs), then `retouch bench
 # production` over the production shapes, and writes gpu-bench.json and gpu-bench.md into
 # $(GPU_OUT) (default $$OUT when set, else gpu-bench-out). Sized to finish in 8 minutes on
 # an H100.
@@ -78,8 +79,8 @@ gpu-bench:
 	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl
 	@mkdir -p $(GPU_SRC)/retouch && for d in platform functions runtime cachestore; do \
 	  ln -sfn $(CURDIR)/$$d $(GPU_SRC)/retouch/$$d; done
-	PYTHONPATH=$(GPU_SRC):$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider \
-	  tests/maskaware/test_graphs.py tests/maskaware/test_tiers.py -k "graph or device_tier"
+	-PYTHONPATH=$(GPU_SRC):$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider \
+	  tests/maskaware/test_graphs.py tests/maskaware/test_tiers.py -k "graph or device_tier or gpu"
 	PYTHONPATH=$(GPU_SRC):$(GPU_SITE) PYTHONUNBUFFERED=1 TQDM_DISABLE=1 $(GPU_PYTHON) -m retouch.platform.cli \
 	  bench production --device cuda --shapes $(GPU_SHAPES) --masks 0.1,0.2,0.35 --batch 1,4 \
 	  --host-masks 0.2 --steps 8 --repeats 3 --out $(GPU_OUT)

@@ -139,23 +139,28 @@ def run_edit_grid(
     halos: list[int] | None = None,
     feather_px: int = 3,
     seed: int = 0,
+    storages: tuple[str, ...] = ("native",),
 ) -> list[dict[str, Any]]:
-    """One row per (mask ratio, ``full_steps``, halo), each over ``edits`` held-out scenes
-    (``halos``: default the family's)."""
+    """One row per (mask ratio, ``full_steps``, halo, storage), each over ``edits``
+    held-out scenes (``halos``: default the family's). ``storages``: how the template's
+    rows rest (``runtime/maskaware/rowformat.py``); rows of a storage other than the first
+    also give ``ssim_vs_first``, their edits against the first storage's (bf16-equivalent
+    bytes of each in ``template_bytes``)."""
     if any(not 0 <= k <= steps for k in full_steps):
         raise ValueError(f"every full_steps value must be in [0, steps={steps}]")
     size = editor.impl.pipe.unet.config.sample_size * editor.impl.pipe.vae_scale_factor
     halos = halos if halos is not None else [family_spec(editor.family).halo]
-    cells = [(r, k, h) for r in ratios for k in full_steps for h in halos]
-    samples: dict[tuple[float, int, int], list[dict[str, Any]]] = {cell: [] for cell in cells}
+    cells = [(r, k, h, f) for r in ratios for k in full_steps for h in halos for f in storages]
+    samples: dict[tuple, list[dict[str, Any]]] = {cell: [] for cell in cells}
     rng = np.random.default_rng([seed, 11])
     for i in range(edits):
         scene = make_scene(GRID_SEED + seed * 10_000 + i, size)
         index, colour = recolour_target(scene, rng)
         image = Image.fromarray(scene.image)
-        store = MemoryActivations()
+        baked = MemoryActivations()
         caption = scene.caption()
-        editor.bake(image, caption, TEMPLATE_SEED, steps, guidance, store)
+        editor.bake(image, caption, TEMPLATE_SEED, steps, guidance, baked)
+        stores = {f: baked.placed("cpu", fmt=f) for f in storages}
         for ratio in ratios:
             mask = object_blob(scene.silhouettes[index], ratio, rng)
             prompt = object_phrase(colour, scene.objects[index][1])
@@ -168,12 +173,14 @@ def run_edit_grid(
             )
             target = (colour, scene.unpainted(index))
             reference = _compare(stock, other, scene.image, mask, target, feather_px)
-            for ratio_, k, h in cells:
+            first: dict[tuple[int, int], np.ndarray] = {}
+            for ratio_, k, h, f in cells:
                 if ratio_ != ratio:
                     continue
                 edit = dataclasses.replace(request, full_steps=k, halo=h)
-                edited, edit_s = _timed(editor.edit, edit, store, "np")
-                samples[(ratio, k, h)].append(
+                edited, edit_s = _timed(editor.edit, edit, stores[f], "np")
+                versus = first.setdefault((k, h), edited)
+                samples[(ratio, k, h, f)].append(
                     _compare(stock, edited, scene.image, mask, target, feather_px)
                     | {
                         "stock_s": stock_s,
@@ -181,6 +188,8 @@ def run_edit_grid(
                         "stock_vs_stock_psnr": reference["psnr"],
                         "stock_vs_stock_ssim": reference["ssim"],
                         "stock_vs_stock_ssim_composite": reference["ssim_composite"],
+                        "ssim_vs_first": ssim(edited, versus),
+                        "template_bytes": _bf16_bytes(stores[f]),
                     }
                 )
     rows = [_grid_row(cell, samples[cell], steps, feather_px) for cell in cells]
@@ -188,6 +197,15 @@ def run_edit_grid(
         row["device"] = device_name(editor.device)
         log.info("%s", row)
     return rows
+
+
+def _bf16_bytes(store: MemoryActivations) -> int:
+    """A template's step rows as they would rest beside a bf16 model (CPU bakes are fp32):
+    2 bytes per value natively, the codes plus the scales (2 bytes each) in fp8."""
+    codes = sum(
+        t.numel() * min(t.element_size(), 2) for (s, _, _), t in store.tensors.items() if s >= 0
+    )
+    return codes + sum(t.numel() * 2 for t in store.scales.values())
 
 
 def _timed(fn: Any, *args: Any) -> tuple[np.ndarray, float]:
@@ -232,7 +250,7 @@ def _compare(
 def _grid_row(
     cell: tuple[float, int, int], samples: list[dict[str, Any]], steps: int, feather_px: int
 ) -> dict[str, Any]:
-    ratio, k, halo = cell
+    ratio, k, halo, storage = cell
 
     def mean(key: str) -> float:
         values = [s[key] for s in samples]
@@ -246,6 +264,10 @@ def _grid_row(
         "mask_ratio_measured": round(mean("mask_ratio"), 3),
         "full_steps": k,
         "halo": halo,
+        "storage": storage,
+        "template_bytes": int(mean("template_bytes")),
+        "ssim_vs_first": round(mean("ssim_vs_first"), 4),
+        "ssim_vs_first_min": round(min(s["ssim_vs_first"] for s in samples), 4),
         "steps": steps,
         "edits": len(samples),
         "psnr": round(mean("psnr"), 2),

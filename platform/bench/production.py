@@ -11,8 +11,10 @@ template's activations
   graph captured once per batch layout (``runtime/maskaware/graphs.py``), or
 * ``host``: in pinned host memory, streamed every step by the row loader (each block's
   contiguous slab crosses by DMA on a side stream and is gathered on the GPU, overlapped
-  with the blocks before it; on a CPU the loader gathers rows itself); measured at the
-  ``host_masks`` only, to keep a run short.
+  with the blocks before it; on a CPU the loader gathers rows itself), or
+* ``host-fp8``: the same with the rows resting in fp8 with per-channel scales (half the
+  bytes over the link; decoded on the GPU before the gather);
+  both host tiers are measured at the ``host_masks`` only, to keep a run short.
 
 For every shape, batch and mask ratio it reports whole edits (text encoding, steps, VAE) and
 the denoising steps alone, each the median of ``repeats`` runs timed with CUDA events,
@@ -52,7 +54,7 @@ log = logging.getLogger(__name__)
 
 TEMPLATE_PROMPT = "a quiet street"
 EDIT_PROMPT = "a red bicycle"
-TIERS = ("device", "graphs", "host")
+TIERS = ("device", "graphs", "host", "host-fp8")
 GUIDANCE = {"flux-inpaint": 3.5, "sd3-inpaint": 7.0, "sd-inpaint": 7.5}
 
 
@@ -271,13 +273,17 @@ def _tiers(
     stores: dict[str, MemoryActivations] = {}
     if where.type != "cuda":
         stores["host"] = baked  # a CPU has one memory: the loader gathers on the CPU
-        if "device" in tiers:
-            report.skipped.append("device tier: no GPU")
+        if "host-fp8" in tiers:
+            stores["host-fp8"] = baked.placed("cpu", fmt="fp8")
+        if "device" in tiers or "graphs" in tiers:
+            report.skipped.append("device tiers: no GPU")
         return stores
     if "host" in tiers:
         stores["host"] = baked.placed("cpu", pin=True)
+    if "host-fp8" in tiers:
+        stores["host-fp8"] = baked.placed("cpu", pin=True, fmt="fp8", encode_on=where)
     if "device" in tiers or "graphs" in tiers:
-        free, _ = torch.cuda.mem_get_info(where)
+        free = _free_bytes(where)
         if baked.nbytes * 1.15 + 6e9 < free:
             device = baked.placed(where)
             stores.update({t: device for t in ("device", "graphs") if t in tiers})
@@ -318,7 +324,9 @@ def _bench_batch(
 ) -> None:
     where = editor.device
     loaders = {
-        tier: RowLoader.for_editor(editor, LoadMode.OVERLAPPED if tier == "host" else "sync")
+        tier: RowLoader.for_editor(
+            editor, LoadMode.OVERLAPPED if tier.startswith("host") else LoadMode.SYNC
+        )
         for tier in stores
     }
     reference = _requests(template, aligned_mask(size, 0.2, cell), batch, steps, guidance, halo)
@@ -333,7 +341,7 @@ def _bench_batch(
             editor.impl.pipe, editor.family, size, size, float(mask.mean()), batch
         )
         for tier, store in stores.items():
-            if tier == "host" and ratio not in host_masks:
+            if tier.startswith("host") and ratio not in host_masks:
                 continue
             if tier == "graphs" and not _room_for_graphs(store, batch, where):
                 report.skipped.append(f"graphs at batch {batch}, mask {ratio}: GPU memory")
@@ -389,8 +397,13 @@ def _room_for_graphs(store: MemoryActivations, batch: int, where: torch.device) 
     if where.type != "cuda":
         return True
     step = sum(t.nbytes for (s, _, _), t in store.tensors.items() if s == 0)
+    return step * batch * 1.3 + 4e9 < _free_bytes(where)
+
+
+def _free_bytes(where: torch.device) -> int:
+    """Free GPU memory, counting what torch's allocator holds unused."""
     free, _ = torch.cuda.mem_get_info(where)
-    return step * batch * 1.3 + 4e9 < free
+    return free + torch.cuda.memory_reserved(where) - torch.cuda.memory_allocated(where)
 
 
 def _maskaware(

@@ -206,6 +206,12 @@ def _fidelity(bench_sub: argparse._SubParsersAction) -> None:
         help="latent pixels around the mask computed fresh, e.g. 0,2 (default: the family's)",
     )
     p.add_argument(
+        "--storage",
+        type=_listed(str, "row formats"),
+        default=["native"],
+        help="how cached rows rest, compared on trained models: native,fp8 (default native)",
+    )
+    p.add_argument(
         "--edits",
         type=positive_int,
         default=12,
@@ -257,6 +263,7 @@ def _run_fidelity(args: argparse.Namespace) -> None:
         guidance=args.guidance,
         halos=args.halos,
         feather_px=args.feather_px,
+        storages=tuple(args.storage),
     )
     report(rows, args.json)
 
@@ -1003,9 +1010,9 @@ def _production(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tiers",
         type=_listed(str, "tiers"),
-        default=["device", "graphs", "host"],
+        default=["device", "graphs", "host", "host-fp8"],
         help="where the template rests: device (GPU memory), graphs (GPU memory, steps "
-        "replayed from CUDA graphs), host (pinned, streamed)",
+        "replayed from CUDA graphs), host (pinned, streamed), host-fp8 (the same in fp8)",
     )
     p.add_argument(
         "--host-masks",

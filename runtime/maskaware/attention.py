@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from retouch.runtime.maskaware.context import ForwardContext, Mode, current
-from retouch.runtime.maskaware.store import device_resident, fetch_rows
+from retouch.runtime.maskaware.store import copy_resident, fetch_rows
 from retouch.runtime.maskaware.tokens import TokenBatch
 
 
@@ -42,10 +42,8 @@ def fill_cached(
         if slot.reader is None:
             raise RuntimeError(f"block {block!r} runs sparse but request {r} has no cache")
         rows = full[r * per : (r + 1) * per]
-        resident = device_resident(slot.reader, slot.step, block, name, full.device)
-        if resident is not None:  # device tier: one contiguous copy, masked rows follow
-            rows.copy_(resident)
-            continue
+        if copy_resident(slot.reader, slot.step, block, name, rows):
+            continue  # device tier: one contiguous copy, the masked rows follow
         if ctx.loader is not None:  # staged ahead by the row loader
             cached = ctx.loader.rows(r, block, name).to(full.dtype)
         else:

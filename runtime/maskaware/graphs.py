@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from retouch.runtime.maskaware.context import ForwardContext
-from retouch.runtime.maskaware.store import ActivationReader, all_resident, device_resident
+from retouch.runtime.maskaware.store import ActivationReader, all_resident, copy_resident
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,11 @@ class StaticRows:
         """Point at ``reader``'s step ``step``: refill every buffer a capture reads."""
         self.source, self.step = reader, step
         for (block, name), buffer in self.buffers.items():
-            buffer.copy_(self._real(block, name))
+            self._fill(block, name, buffer)
 
-    def _real(self, block: str, name: str) -> torch.Tensor:
-        tensor = device_resident(self.source, self.step, block, name, self.device)
-        if tensor is None:
+    def _fill(self, block: str, name: str, buffer: torch.Tensor) -> None:
+        if not copy_resident(self.source, self.step, block, name, buffer):
             raise RuntimeError(f"cached rows of {block!r}/{name!r} are not on {self.device}")
-        return tensor
 
     def resident(
         self, step: int, block: str, name: str, device: torch.device
@@ -72,7 +70,10 @@ class StaticRows:
         if key not in self.buffers:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"{block!r}/{name!r} first read during a capture")
-            self.buffers[key] = self._real(block, name).clone()
+            shape, dtype = self.source.describe(self.step, block, name)
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            self._fill(block, name, buffer)
+            self.buffers[key] = buffer
         return self.buffers[key]
 
     def get(self, step: int, block: str, name: str) -> torch.Tensor:

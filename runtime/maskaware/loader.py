@@ -37,6 +37,7 @@ import torch
 from retouch.cachestore.rows import RowSelection
 from retouch.cachestore.store import HostTemplate
 from retouch.runtime.maskaware.context import BlockHook, ForwardContext, Mode
+from retouch.runtime.maskaware.rowformat import decode
 from retouch.runtime.maskaware.store import device_resident, fetch_rows
 
 log = logging.getLogger(__name__)
@@ -256,7 +257,7 @@ class RowLoader:
         start = time.perf_counter()
         with self._fill_lock:
             pieces, nbytes = loads.layout(job)
-            if self.cuda and pieces and all(_slab(p) is not None for p in pieces):
+            if self.cuda and pieces and all(_slab(p)[0] is not None for p in pieces):
                 moved = self._fill_from_slabs(job, pieces, nbytes, stream, timed)
                 loads.account(moved, time.perf_counter() - start)
                 return
@@ -287,9 +288,12 @@ class RowLoader:
         with torch.cuda.stream(stream):
             flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             for piece in pieces:
-                slab = _slab(piece)
+                slab, scale = _slab(piece)
                 on_device = slab.to(self.device, non_blocking=True)
                 moved += slab.numel() * slab.element_size() if slab.device.type == "cpu" else 0
+                if scale is not None:  # fp8 rows: decoded here, on the GPU
+                    scale = piece.reader.scale(piece.step, piece.block, piece.name, self.device)
+                    on_device = decode(on_device, scale)
                 torch.index_select(on_device, -2, piece.device_rows, out=piece.view(flat))
             job.event = torch.cuda.Event()
             job.event.record(stream)
@@ -459,16 +463,16 @@ class StepLoads:
             for name in job.need.names:
                 if device_resident(slot.reader, slot.step, source, name, self.loader.device):
                     continue  # the device tier: the block copies it whole, nothing to load
-                cached = slot.reader.get(slot.step, source, name)
-                grid = self._grids[cached.shape[-2]]
+                shape, dtype = _describe(slot.reader, slot.step, source, name)
+                grid = self._grids[shape[-2]]
                 tokens = grid.sets[request]
                 count = tokens.unmasked.numel()
                 if count == 0:
                     continue
-                shape = (*cached.shape[:-2], count, cached.shape[-1])
+                shape = (*shape[:-2], count, shape[-1])
                 rows = self._rows(slot.reader, request, tokens.n_tokens, tokens.unmasked)
                 piece = _Piece(
-                    request, source, name, slot.reader, slot.step, rows, shape, cached.dtype, offset
+                    request, source, name, slot.reader, slot.step, rows, shape, dtype, offset
                 )
                 if self.loader.cuda:
                     piece.device_rows = grid.unmasked_index(request)
@@ -488,15 +492,26 @@ class StepLoads:
         return self._selections[key]
 
 
-def _slab(piece: _Piece) -> torch.Tensor | None:
-    """The piece's whole cached tensor when its reader holds it in pinned host memory or
-    on a GPU (it can then cross by DMA and be gathered on the device), else ``None``."""
-    if isinstance(piece.rows, RowSelection) or piece.device_rows is None:
-        return None
-    tensor = piece.reader.get(piece.step, piece.block, piece.name)
+def _slab(piece: _Piece) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[None, None]:
+    """The piece's whole cached tensor as stored (and its fp8 scales) when its reader holds
+    it in pinned host memory or on a GPU: it then crosses by DMA and is gathered (and
+    decoded) on the device. ``(None, None)`` otherwise."""
+    encoded = getattr(piece.reader, "encoded", None)
+    if isinstance(piece.rows, RowSelection) or piece.device_rows is None or encoded is None:
+        return None, None
+    tensor, scale = encoded(piece.step, piece.block, piece.name)
     if tensor.device.type == "cuda" or tensor.is_pinned():
-        return tensor
-    return None
+        return tensor, scale
+    return None, None
+
+
+def _describe(reader: Any, step: int, block: str, name: str) -> tuple[torch.Size, torch.dtype]:
+    """Shape and compute dtype of a cached tensor (without decoding it where it can)."""
+    describe = getattr(reader, "describe", None)
+    if describe is not None:
+        return describe(step, block, name)
+    cached = reader.get(step, block, name)
+    return cached.shape, cached.dtype
 
 
 def _gather(piece: _Piece, out: torch.Tensor) -> None:

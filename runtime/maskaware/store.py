@@ -16,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from retouch.runtime.maskaware.rowformat import RowFormat, decode, decode_into, encode_fp8
+
 TEMPLATE_STEP = -1  # the step index of per-template tensors
 
 
@@ -54,6 +56,20 @@ def all_resident(reader: ActivationReader, device: torch.device) -> bool:
     without any copy from the host)."""
     holds_on = getattr(reader, "holds_on", None)
     return holds_on is not None and holds_on(device)
+
+
+def copy_resident(
+    reader: ActivationReader, step: int, block: str, name: str, out: torch.Tensor
+) -> bool:
+    """Copy the whole cached tensor into ``out`` when ``reader`` holds it on ``out``'s device
+    (decoding fp8 rows there); False when it does not."""
+    stored = device_resident(reader, step, block, name, out.device)
+    if stored is None:
+        return False
+    scale_of = getattr(reader, "scale", None)
+    scale = None if scale_of is None else scale_of(step, block, name, out.device)
+    decode_into(out, stored, scale)
+    return True
 
 
 def device_resident(
@@ -98,7 +114,9 @@ class MemoryActivations:
 
     def __init__(self) -> None:
         self.tensors: dict[tuple[int, str, str], torch.Tensor] = {}
+        self.scales: dict[tuple[int, str, str], torch.Tensor] = {}  # fp8 rows' scales
         self.placement: torch.device | None = None  # where ``placed`` put every step's rows
+        self.format = RowFormat.NATIVE
 
     def writer(self) -> MemoryActivations:
         return self
@@ -110,10 +128,22 @@ class MemoryActivations:
         self.tensors[(step, block, name)] = tensor
 
     def get(self, step: int, block: str, name: str) -> torch.Tensor:
+        """The cached tensor as the blocks compute with it (fp8 rows decoded)."""
+        codes, scale = self.encoded(step, block, name)
+        return decode(codes, scale)
+
+    def encoded(self, step: int, block: str, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tensor as stored, and its scales when the rows rest in fp8."""
+        key = (step, block, name)
         try:
-            return self.tensors[(step, block, name)]
+            return self.tensors[key], self.scales.get(key)
         except KeyError:
             raise KeyError(f"no cached tensor for step {step}, block {block!r}, {name!r}") from None
+
+    def describe(self, step: int, block: str, name: str) -> tuple[torch.Size, torch.dtype]:
+        """Shape and compute dtype of a cached tensor, without decoding it."""
+        codes, scale = self.encoded(step, block, name)
+        return codes.shape, codes.dtype if scale is None else scale.dtype
 
     def read_rows(
         self, step: int, block: str, name: str, rows: torch.Tensor, out: torch.Tensor
@@ -127,18 +157,49 @@ class MemoryActivations:
     def resident(
         self, step: int, block: str, name: str, device: torch.device
     ) -> torch.Tensor | None:
+        """The stored tensor when it lives on ``device`` (fp8 codes for fp8 rows: see
+        :meth:`scale` and :func:`copy_resident`)."""
         src = self.tensors.get((step, block, name))
         return src if src is not None and _same_device(src.device, device) else None
 
-    def placed(self, device: torch.device | str, *, pin: bool = False) -> MemoryActivations:
+    def scale(self, step: int, block: str, name: str, device: torch.device) -> torch.Tensor | None:
+        """The fp8 rows' scales on ``device`` (``None`` for rows in the compute dtype)."""
+        scale = self.scales.get((step, block, name))
+        if scale is None or _same_device(scale.device, device):
+            return scale
+        key = (step, block, name, str(device))
+        moved = self._moved_scales.get(key)
+        if moved is None:
+            moved = self._moved_scales[key] = scale.to(device)
+        return moved
+
+    @property
+    def _moved_scales(self) -> dict[tuple, torch.Tensor]:
+        return self.__dict__.setdefault("_scales_on", {})
+
+    def placed(
+        self,
+        device: torch.device | str,
+        *,
+        pin: bool = False,
+        fmt: RowFormat | str = RowFormat.NATIVE,
+        encode_on: torch.device | str | None = None,
+    ) -> MemoryActivations:
         """A copy with every step's tensors on ``device`` (a device tier), or in pinned host
-        memory (``pin``: the host tier a CUDA loader streams from by DMA). Per-template
-        tensors stay on the host: the host side of an edit (``prepare``) reads them."""
+        memory (``pin``: the host tier a CUDA loader streams from by DMA), in format
+        ``fmt`` (fp8 codes computed on ``encode_on``, default ``device``: a GPU encodes a
+        host tier's rows much faster than its CPU). Per-template tensors stay on the host as
+        they are: the host side of an edit (``prepare``) reads them."""
         out = MemoryActivations()
+        out.format = RowFormat(fmt)
         for key, tensor in self.tensors.items():
             if key[0] == TEMPLATE_STEP:
                 out.tensors[key] = tensor
                 continue
+            tensor = self.get(*key)
+            if out.format is RowFormat.FP8:
+                tensor, scale = encode_fp8(tensor.to(encode_on or device))
+                out.scales[key] = scale.to(device)
             moved = tensor.to(device)
             out.tensors[key] = moved.pin_memory() if pin and moved.device.type == "cpu" else moved
         out.placement = torch.device(device)
@@ -150,7 +211,8 @@ class MemoryActivations:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        stored = [*self.tensors.values(), *self.scales.values()]
+        return sum(t.numel() * t.element_size() for t in stored)
 
     def __len__(self) -> int:
         return len(self.tensors)

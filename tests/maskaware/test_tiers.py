@@ -94,3 +94,41 @@ def test_device_tier_and_pinned_slabs_match_host_rows(name: str) -> None:
         loader.close()
     np.testing.assert_array_equal(host, slabs)
     np.testing.assert_array_equal(host, resident)
+
+
+def test_fp8_rows_halve_the_bytes_and_stay_close() -> None:
+    """fp8 codes with per-channel scales: half of bf16's bytes (plus one scale per
+    channel), every value within e4m3's relative step of its channel's scale."""
+    from retouch.runtime.maskaware.rowformat import FP8_MAX, decode
+
+    torch.manual_seed(0)
+    rows = torch.randn(1, 4096, 256, dtype=torch.bfloat16) * torch.logspace(-2, 2, 256)
+    store = MemoryActivations()
+    store.put(0, "b", "k", rows)
+    fp8 = store.placed("cpu", fmt="fp8")
+    assert fp8.nbytes <= store.nbytes / 2 + 256 * 2
+    codes, scale = fp8.encoded(0, "b", "k")
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (1, 1, 256)
+    error = (decode(codes, scale).float() - rows.float()).abs()
+    assert (error <= scale.float() * FP8_MAX * 2**-4 + 1e-6).all()
+    assert torch.equal(fp8.get(0, "b", "k"), decode(codes, scale))
+
+
+@pytest.mark.parametrize("name", ["flux-dev"])
+def test_fp8_rows_stream_like_synchronous_reads(name: str) -> None:
+    editor, request, store = _setup(name, "cpu")
+    fp8 = store.placed("cpu", fmt="fp8")
+    synchronous = _edit(editor, request, fp8, None)
+    streamed = _edit(editor, request, fp8, LoadMode.OVERLAPPED)
+    np.testing.assert_array_equal(synchronous, streamed)
+    assert np.abs(synchronous - _edit(editor, request, store, None)).mean() < 0.05
+
+
+@cuda
+def test_fp8_rows_decode_alike_on_host_and_gpu() -> None:
+    editor, request, store = _setup("flux-dev", "cuda")
+    host = _edit(editor, request, store.placed("cpu", fmt="fp8"), None)  # decoded on the host
+    pinned = _edit(editor, request, store.placed("cpu", pin=True, fmt="fp8"), LoadMode.OVERLAPPED)
+    resident = _edit(editor, request, store.placed("cuda", fmt="fp8"), None)
+    np.testing.assert_allclose(host, pinned, atol=1e-2)
+    np.testing.assert_allclose(host, resident, atol=1e-2)
