@@ -62,6 +62,7 @@ GPU_PYTHON ?= python3
 GPU_PY_VERSION ?= 3.12
 GPU_OUT ?= $(if $(OUT),$(OUT),gpu-bench-out)
 GPU_SHAPES ?= flux-dev,sd3-medium,sd2-inpaint
+GPU_REPEATS ?= 3
 GPU_WHEELS := diffusers==0.42.1 lmdb==3.0.0 starlette==1.10.0 uvicorn==0.54.0 \
 	python-multipart==0.0.34 importlib-metadata==8.7.0
 GPU_SITE := /tmp/retouch-gpu/site
@@ -79,8 +80,8 @@ gpu-bench:
 	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl
 	@mkdir -p $(GPU_SRC)/retouch && for d in platform functions runtime cachestore; do \
 	  ln -sfn $(CURDIR)/$$d $(GPU_SRC)/retouch/$$d; done
-	-PYTHONPATH=$(GPU_SRC):$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider \
+	-PYTHONPATH=$(GPU_SRC):$(GPU_SITE) PYTHONUNBUFFERED=1 timeout 120 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider \
 	  tests/maskaware/test_graphs.py tests/maskaware/test_tiers.py -k "graph or device_tier or gpu"
 	PYTHONPATH=$(GPU_SRC):$(GPU_SITE) PYTHONUNBUFFERED=1 TQDM_DISABLE=1 $(GPU_PYTHON) -m retouch.platform.cli \
 	  bench production --device cuda --shapes $(GPU_SHAPES) --masks 0.1,0.2,0.35 --batch 1,4 \
-	  --host-masks 0.2 --steps 8 --repeats 3 --out $(GPU_OUT)
+	  --host-masks 0.2 --steps 8 --repeats $(GPU_REPEATS) --out $(GPU_OUT)
