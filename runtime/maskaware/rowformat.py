@@ -1,7 +1,7 @@
 """How cached rows rest: in the compute dtype, or as fp8 with a scale per channel.
 
-K, V and Y are most of a template's bytes, and streamed from the host they are most of a
-step's PCIe traffic. fp8 (e4m3) halves both against bf16. Each channel of a tensor gets its
+K, V and Y are most of a template's bytes, and streamed from the host K and V are all of a
+DiT step's PCIe traffic. fp8 (e4m3) halves them against bf16. Each channel of a tensor gets its
 own scale (its largest magnitude over the tokens maps to e4m3's largest finite value), so
 one outlier channel does not crush the others' precision. Rows are decoded on the device
 that computes with them (``decode_into``: a converting copy, then the scale), so the
@@ -20,7 +20,15 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 
 class RowFormat(StrEnum):
     NATIVE = "native"  # the dtype the bake recorded (the model's compute dtype)
-    FP8 = "fp8"  # float8 e4m3, per-channel scales in the compute dtype
+    FP8 = "fp8"  # K and V in float8 e4m3 with per-channel scales; Y as recorded
+
+
+def encodes(fmt: RowFormat, name: str) -> bool:
+    """Whether ``fmt`` stores tensor ``name`` in fp8. Only attention keys and values are:
+    a sparse block reads them through a softmax, which averages their rounding away, while
+    a cached block output Y *is* the unmasked rows' result, and e4m3's 3 mantissa bits there
+    cost the shapes-sd edits 0.18 SSIM against compute-dtype storage (docs/benchmarks.md)."""
+    return fmt is RowFormat.FP8 and name != "y"
 
 
 def encode_fp8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,13 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from retouch.runtime.maskaware.rowformat import RowFormat, decode, decode_into, encode_fp8
+from retouch.runtime.maskaware.rowformat import (
+    RowFormat,
+    decode,
+    decode_into,
+    encode_fp8,
+    encodes,
+)
 
 TEMPLATE_STEP = -1  # the step index of per-template tensors
 
@@ -197,7 +203,7 @@ class MemoryActivations:
                 out.tensors[key] = tensor
                 continue
             tensor = self.get(*key)
-            if out.format is RowFormat.FP8:
+            if encodes(out.format, key[2]):
                 tensor, scale = encode_fp8(tensor.to(encode_on or device))
                 out.scales[key] = scale.to(device)
             moved = tensor.to(device)

@@ -129,6 +129,7 @@ def test_fp8_rows_decode_alike_on_host_and_gpu() -> None:
     editor, request, store = _setup("flux-dev", "cuda")
     host = _edit(editor, request, store.placed("cpu", fmt="fp8"), None)  # decoded on the host
     pinned = _edit(editor, request, store.placed("cpu", pin=True, fmt="fp8"), LoadMode.OVERLAPPED)
-    resident = _edit(editor, request, store.placed("cuda", fmt="fp8"), None)
+    # encoded on the host like the others: float→e4m3 rounding may differ between devices
+    resident = _edit(editor, request, store.placed("cuda", fmt="fp8", encode_on="cpu"), None)
     np.testing.assert_allclose(host, pinned, atol=1e-2)
     np.testing.assert_allclose(host, resident, atol=1e-2)
