@@ -19,13 +19,14 @@ Transaction discipline (py-lmdb / LMDB rules):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -251,11 +252,21 @@ class DiskTier:
             raw = txn.get(template_key(key))
             return raw is not None and is_valid(raw) and key not in self._local_invalid
 
-    def manifest(self, key: str) -> Manifest | None:
-        """The committed manifest of ``key`` (valid or not); CorruptEntry if undecodable."""
-        with self._env.begin(db=self._manifests, buffers=True) as txn:
-            raw = txn.get(template_key(key))
+    def manifest(self, key: str, txn: lmdb.Transaction | None = None) -> Manifest | None:
+        """The committed manifest of ``key`` (valid or not; seen by ``txn`` when given);
+        CorruptEntry if undecodable."""
+        if txn is not None:
+            raw = txn.get(template_key(key), db=self._manifests)
             return None if raw is None else self._decode(key, raw)
+        with self._env.begin(db=self._manifests, buffers=True) as own:
+            raw = own.get(template_key(key))
+            return None if raw is None else self._decode(key, raw)
+
+    def snapshot(self) -> lmdb.Transaction:
+        """A read transaction held by the caller (abort it when done): every read through
+        it sees one committed state, whatever writers commit meanwhile. It can be used from
+        any thread, one at a time."""
+        return self._env.begin(buffers=True)
 
     def scan(self) -> _Scan:
         with self._env.begin(db=self._manifests, buffers=True) as txn:
@@ -278,21 +289,32 @@ class DiskTier:
         key: str,
         alloc: Callable[[int], HostBuffer],
         free: Callable[[HostBuffer], None],
+        only: Callable[[Slot], bool] | None = None,
+        txn: lmdb.Transaction | None = None,
     ) -> LoadedTemplate:
         """Copy a template out of the map into a host buffer, verifying every checksum.
 
         The values are copied (not mapped) so the host tier never depends on the map: the
         read transaction ends with the load and LMDB can reuse the pages afterwards.
-        Raises KeyError when absent or invalid, CorruptEntry on a checksum failure.
+        ``only``: copy just the slots it accepts (one step of a template streamed by step;
+        the returned manifest then lists those entries); ``txn``: read inside this
+        :meth:`snapshot`. Raises KeyError when absent or invalid, CorruptEntry on a
+        checksum failure.
         """
         start = time.perf_counter()
-        with self._env.begin(buffers=True) as txn:
+        with (
+            contextlib.nullcontext(txn) if txn is not None else self._env.begin(buffers=True) as txn
+        ):
             raw = txn.get(template_key(key), db=self._manifests)
             if raw is None or key in self._local_invalid:
                 raise KeyError(key)
             manifest = self._decode(key, raw)
             if not manifest.valid:
                 raise KeyError(key)
+            if only is not None:
+                manifest = replace(
+                    manifest, entries=tuple(e for e in manifest.entries if only(e.slot))
+                )
             offsets, total = manifest.host_layout()
             buf = alloc(total)
             try:

@@ -35,6 +35,8 @@ class StoreCounters:
     prefetch_taken_over: int = 0  # acquire() ran a queued prefetch's load itself
     prefetch_waits: int = 0  # acquire() waited on a load started by someone else
     prefetch_wait_seconds: float = 0.0
+    streamed: int = 0  # acquire() of a template bigger than the host tier: streamed by step
+    streamed_steps: int = 0  # steps such templates loaded from disk
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:

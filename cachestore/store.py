@@ -12,7 +12,9 @@
 Two tiers: the disk tier (LMDB, ``disktier.py``) is durable and shared by every process of
 the host; the host tier (``hosttier.py``) is this process's RAM. The engine only reads
 host-resident tensors; ``prefetch`` moves a template disk -> host in the background and
-merges with any load of the same template already in flight.
+merges with any load of the same template already in flight. A template bigger than the
+host tier's budget is never loaded whole: ``acquire`` returns a handle that reads it from
+disk step by step, the next step loading while the current one is read (``streaming.py``).
 
 One ``ActivationStore`` per path and process (LMDB forbids opening one environment twice
 in a process), opened after any ``fork``.
@@ -43,6 +45,7 @@ from retouch.cachestore.manifest import Manifest, check_meta
 from retouch.cachestore.policy import PolicySpec, make_policy
 from retouch.cachestore.rows import Rows, gather_rows
 from retouch.cachestore.stats import StoreCounters
+from retouch.cachestore.streaming import StreamedTemplate
 
 log = logging.getLogger(__name__)
 
@@ -257,9 +260,10 @@ class ActivationStore:
         or CorruptEntry like :meth:`acquire`. Concurrent calls for one key share one future.
         """
         self._check_open()
+        too_big = self._too_big(key) is not None  # streamed by step when acquired
         with self._lock:
-            if self._host.contains(key):
-                self._counters.add(prefetch_resident=1)
+            if too_big or self._host.contains(key):
+                self._counters.add(prefetch_resident=0 if too_big else 1)
                 done: Future[int] = Future()
                 done.set_result(0)
                 return done
@@ -272,7 +276,7 @@ class ActivationStore:
         self._prefetcher.submit(self._prefetch_job, key, fut)
         return fut
 
-    def acquire(self, key: str) -> HostTemplate:
+    def acquire(self, key: str) -> HostTemplate | StreamedTemplate:
         """A held, host-resident template; loads it (or waits for its prefetch) if needed.
 
         Raises KeyError when the template is absent (or invalid) and CorruptEntry when its
@@ -280,6 +284,9 @@ class ActivationStore:
         """
         self._check_open()
         waited = False
+        streamed = self._streamed(key)
+        if streamed is not None:
+            return streamed
         while True:
             res = self._host.pin_resident(key)
             if res is not None:
@@ -306,6 +313,33 @@ class ActivationStore:
             finally:
                 self._counters.add(prefetch_wait_seconds=time.perf_counter() - start)
             waited = True
+
+    def _streamed(self, key: str) -> StreamedTemplate | None:
+        """A step-by-step handle when ``key`` is on disk, not host-resident, and bigger
+        than the host tier's whole budget (loading it whole would only thrash the tier)."""
+        if self._too_big(key) is None:
+            return None
+        self._counters.add(streamed=1)
+        return StreamedTemplate(
+            key, self._disk, self._host, self._counters, self._prefetcher, self._corrupt
+        )
+
+    def _corrupt(self, exc: CorruptEntry) -> None:
+        """A load found a bad checksum: count it and mark the template invalid (re-baked)."""
+        self._counters.add(corrupt=1)
+        self._disk.mark_invalid(exc.key, str(exc))
+
+    def _too_big(self, key: str) -> Manifest | None:
+        """``key``'s manifest when it must be streamed by step (see ``_streamed``)."""
+        if self._host.contains(key):
+            return None
+        try:
+            manifest = self._disk.manifest(key)
+        except CorruptEntry:  # the whole-load path reports it and marks it invalid
+            return None
+        if manifest is None or not manifest.valid or manifest.nbytes <= self._host.budget:
+            return None
+        return manifest
 
     def read_rows(
         self, key: str, step: int, block: str, name: str, rows: Rows, out: torch.Tensor
@@ -383,8 +417,7 @@ class ActivationStore:
                 self._counters.add(misses=1)
             raise
         except CorruptEntry as exc:
-            self._counters.add(corrupt=1)
-            self._disk.mark_invalid(key, str(exc))
+            self._corrupt(exc)
             raise
         res = ResidentTemplate(
             key=key,

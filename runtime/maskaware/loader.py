@@ -36,6 +36,7 @@ import torch
 
 from retouch.cachestore.rows import RowSelection
 from retouch.cachestore.store import HostTemplate
+from retouch.cachestore.streaming import StreamedTemplate
 from retouch.runtime.maskaware.context import BlockHook, ForwardContext, Mode
 from retouch.runtime.maskaware.rowformat import decode
 from retouch.runtime.maskaware.store import device_resident, fetch_rows
@@ -484,7 +485,7 @@ class StepLoads:
         self, reader: Any, request: int, n_tokens: int, unmasked: torch.Tensor
     ) -> torch.Tensor | RowSelection:
         """The rows argument for ``read_rows``: a cached ``RowSelection`` for the cachestore."""
-        if not isinstance(reader, HostTemplate):
+        if not isinstance(reader, HostTemplate | StreamedTemplate):
             return unmasked
         key = (request, n_tokens)
         if key not in self._selections:
