@@ -103,6 +103,11 @@ class StreamedTemplate:
         except KeyError:
             raise KeyError(f"template {self.key!r} has no tensor {(step, block, name)}") from None
 
+    def encoded(self, step: int, block: str, name: str) -> tuple[torch.Tensor, None]:
+        """The tensor as stored (rows in the compute dtype, no scales): in pinned memory
+        where CUDA exists, so a CUDA row loader moves it by DMA and gathers on the GPU."""
+        return self.get(step, block, name), None
+
     def read_rows(
         self, step: int, block: str, name: str, rows: Rows, out: torch.Tensor
     ) -> torch.Tensor:

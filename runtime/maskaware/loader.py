@@ -498,7 +498,7 @@ def _slab(piece: _Piece) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[Non
     it in pinned host memory or on a GPU: it then crosses by DMA and is gathered (and
     decoded) on the device. ``(None, None)`` otherwise."""
     encoded = getattr(piece.reader, "encoded", None)
-    if isinstance(piece.rows, RowSelection) or piece.device_rows is None or encoded is None:
+    if piece.device_rows is None or encoded is None:
         return None, None
     tensor, scale = encoded(piece.step, piece.block, piece.name)
     if tensor.device.type == "cuda" or tensor.is_pinned():
