@@ -72,8 +72,13 @@ def run_ops_bench(
     models_dir: Path | None = None,
     *,
     guidance: float = 4.0,
+    tier: str = "device",
 ) -> list[dict[str, Any]]:
     """Ops per step, stock and sparse, for each built-in model (on the CPU).
+
+    ``tier``: where the template's rows rest for the sparse steps: ``device`` (resident
+    with the model: blocks copy them whole, the path a GPU serves hot templates from) or
+    ``host`` (gathered per request and block, the host tier's path).
 
     One row per model: ``model, family, mask_ratio, batch, stock_ops, sparse_ops, ratio
     (sparse / stock), top_extra`` (``[(op, sparse - stock), ...]``, the ``TOP`` largest
@@ -83,12 +88,20 @@ def run_ops_bench(
         raise ValueError("steps must be at least 2 (the final step is not counted)")
     if batch < 1:
         raise ValueError("batch must be at least 1")
+    if tier not in ("device", "host"):
+        raise ValueError(f"tier must be device or host, not {tier!r}")
     folder = models_dir or default_data_dir() / "models"
-    return [_model_row(m, mask_ratio, batch, steps, folder, guidance) for m in models]
+    return [_model_row(m, mask_ratio, batch, steps, folder, guidance, tier) for m in models]
 
 
 def _model_row(
-    model: str, mask_ratio: float, batch: int, steps: int, models_dir: Path, guidance: float
+    model: str,
+    mask_ratio: float,
+    batch: int,
+    steps: int,
+    models_dir: Path,
+    guidance: float,
+    tier: str,
 ) -> dict[str, Any]:
     device = torch.device("cpu")
     family, pipe, size = load_demo(model, models_dir, "ops", device)
@@ -110,6 +123,8 @@ def _model_row(
 
     store = MemoryActivations()
     editor.bake(template, TEMPLATE_PROMPT, 1, steps, guidance, store)
+    if tier == "device":
+        store = store.placed(device)
     states = [editor.prepare(r, store) for r in requests(steps)]
     sparse: Counter[str] = Counter()
     for _ in range(steps - 1):
@@ -125,6 +140,7 @@ def _model_row(
         "family": family,
         "mask_ratio": mask_ratio,
         "batch": batch,
+        "tier": tier,
         "stock_ops": _number(stock_ops),
         "sparse_ops": _number(sparse_ops),
         "ratio": round(sparse_ops / stock_ops, 3),

@@ -793,6 +793,13 @@ def _plan(bench_sub: argparse._SubParsersAction) -> None:
     add_builtin_model(p, "retouch:small-flux")
     add_mask_ratio(p)
     p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    p.add_argument(
+        "--tier",
+        choices=("device", "host"),
+        default="device",
+        help="where the template's rows rest: device (resident, copied whole: a GPU's hot "
+        "path; default) or host (gathered per request)",
+    )
     add_steps(p, 4)
     add_repeats(p)
     p.add_argument(
@@ -962,6 +969,13 @@ def _ops(bench_sub: argparse._SubParsersAction) -> None:
     add_mask_ratio(p)
     p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     p.add_argument(
+        "--tier",
+        choices=("device", "host"),
+        default="device",
+        help="where the template's rows rest: device (resident, copied whole: a GPU's hot "
+        "path; default) or host (gathered per request)",
+    )
+    p.add_argument(
         "--steps",
         type=_checked(int, "an integer >= 2", lambda v: v >= 2),
         default=2,
@@ -975,7 +989,9 @@ def _ops(bench_sub: argparse._SubParsersAction) -> None:
 def _run_ops(args: argparse.Namespace) -> None:
     from retouch.platform.bench.ops import run_ops_bench
 
-    rows = run_ops_bench(args.models, args.mask_ratio, args.batch, args.steps, models_dir(args))
+    rows = run_ops_bench(
+        args.models, args.mask_ratio, args.batch, args.steps, models_dir(args), tier=args.tier
+    )
     if args.json:
         print(json.dumps(rows))
         return

@@ -69,6 +69,10 @@ def sdpa_segments(
     """Packed attention: query rows ``[1, S, H, D]`` split in ``(start, length)`` segments,
     segment ``r`` attending to row ``r`` of ``key``/``value`` ``[rows, Sk, H, D]``."""
     heads = query.shape[2] * query.shape[3]
+    lengths = {length for _, length in segments}
+    if len(lengths) == 1 and len(segments) == key.shape[0]:  # equal rows: one batched call
+        rows = query.view(len(segments), lengths.pop(), *query.shape[2:])
+        return sdpa(rows, key, value).view(1, query.shape[1], heads)
     out = query.new_empty(1, query.shape[1], heads)
     for row, (start, length) in enumerate(segments):
         if length:

@@ -275,6 +275,17 @@ def _attention(
         out = sdpa(q[None], keys, values)[0]
         return out[split:], out[:split].view(batch, text_len, -1)
     tokens = stream.tokens
+    if len(set(tokens.counts)) == 1:  # equal masks: one batched call
+        count = tokens.counts[0]
+        query = torch.cat(
+            [
+                q[:split].view(batch, text_len, *q.shape[1:]),
+                q[split:].view(batch, count, *q.shape[1:]),
+            ],
+            dim=1,
+        )
+        out = sdpa(query, keys, values)
+        return out[:, text_len:].reshape(tokens.total, -1), out[:, :text_len]
     image_out = q.new_empty(tokens.total, q.shape[1] * q.shape[2])
     text_out = q.new_empty(batch, text_len, image_out.shape[1])
     for row, (start, count) in enumerate(tokens.segments()):
