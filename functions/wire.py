@@ -528,6 +528,26 @@ class CacheInfo:
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """The executor's GPU memory in bytes (all 0 on a CPU executor): what the device holds
+    in all (``total``), free to any process (``free``), and this process's torch allocator
+    (``allocated`` by live tensors, ``reserved`` in its cache)."""
+
+    total: int = 0
+    free: int = 0
+    allocated: int = 0
+    reserved: int = 0
+
+    def to_wire(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> DeviceMemory:
+        body = obj if isinstance(obj, dict) else {}
+        return cls(**{f.name: int(body.get(f.name, 0)) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
 class ExecutorState:
     """What an executor reports on ``GET /state``: the gateway's typed view of it."""
 
@@ -547,6 +567,7 @@ class ExecutorState:
     cost_models: dict[str, dict[str, Any]] = field(default_factory=dict)  # CostModel.to_dict
     cache: CacheInfo = field(default_factory=CacheInfo)
     workers: dict[str, int] = field(default_factory=dict)  # pre/post worker processes (pid)
+    gpu_memory: DeviceMemory = field(default_factory=DeviceMemory)
 
     def template(self, function: str, template: str) -> TemplateStatus | None:
         return self.templates.get(function, {}).get(template)
@@ -572,6 +593,7 @@ class ExecutorState:
             "cost_models": self.cost_models,
             "cache": self.cache.to_wire(),
             "workers": self.workers,
+            "gpu_memory": self.gpu_memory.to_wire(),
         }
 
     @classmethod
@@ -597,6 +619,7 @@ class ExecutorState:
             cost_models=dict(body.get("cost_models") or {}),
             cache=CacheInfo.from_wire(body.get("cache")),
             workers={str(k): int(v) for k, v in (body.get("workers") or {}).items()},
+            gpu_memory=DeviceMemory.from_wire(body.get("gpu_memory")),
         )
 
 

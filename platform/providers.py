@@ -104,6 +104,20 @@ class ExecutorProcess:
         return "local"
 
 
+def one_gpu(device: str, env: dict[str, str]) -> tuple[dict[str, str], str]:
+    """The environment and ``--device`` of an executor on ``device`` (``cuda:<i>`` as the
+    gateway numbers its visible GPUs): the process sees only that GPU, as ``cuda:0``, so
+    every thread, pinned registration and synchronisation of it and of its pre/post
+    workers lands on its own GPU, never on GPU 0. A CPU device is passed as it is."""
+    if not device.startswith("cuda"):
+        return env, device
+    index = int(device.partition(":")[2] or 0)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    names = [v.strip() for v in visible.split(",")] if visible else None
+    physical = names[index] if names is not None else str(index)
+    return {**env, "CUDA_VISIBLE_DEVICES": physical}, "cuda:0"
+
+
 @dataclass
 class LocalProvider:
     data_dir: Path
@@ -125,12 +139,12 @@ class LocalProvider:
         port_file = run_dir / f"{name}.port"
         port_file.unlink(missing_ok=True)
         log_file = (run_dir / f"{name}.log").open("ab")
+        env, own_device = one_gpu(device, {**os.environ, TOKEN_ENV: self.token})
         cmd = [
             sys.executable, "-m", "retouch.runtime.executor",
-            "--name", name, "--device", device, "--data-dir", str(self.data_dir),
+            "--name", name, "--device", own_device, "--data-dir", str(self.data_dir),
             "--port-file", str(port_file), "--threads", str(threads), *self.executor_args,
         ]  # fmt: skip
-        env = {**os.environ, TOKEN_ENV: self.token}
         proc = subprocess.Popen(
             cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )

@@ -570,6 +570,7 @@ class ExecutorCore:
             workers={}
             if self.stages is None
             else {n: p for n, p in self.stages.pool.pids().items() if p is not None},
+            gpu_memory=device_memory(self.models.device),
         )
 
     def _engine_stats(self) -> wire.EngineStats:
@@ -590,3 +591,16 @@ class ExecutorCore:
             pre_workers=0 if pool is None else pool.workers(PRE),
             post_workers=0 if pool is None else pool.workers(POST),
         )
+
+
+def device_memory(device: torch.device) -> wire.DeviceMemory:
+    """GPU memory as ``/v1/executors`` reports it (zeros on a CPU)."""
+    if device.type != "cuda":
+        return wire.DeviceMemory()
+    free, total = torch.cuda.mem_get_info(device)
+    return wire.DeviceMemory(
+        total=total,
+        free=free,
+        allocated=torch.cuda.memory_allocated(device),
+        reserved=torch.cuda.memory_reserved(device),
+    )
