@@ -295,6 +295,7 @@ class InvokePath(StrEnum):
 class CacheTier(StrEnum):
     """Where a template's activations were found when an edit joined the batch."""
 
+    DEVICE = "device"  # resident on the executor's GPU: no load at all
     HOST = "host"
     DISK = "disk"
     NONE = "none"

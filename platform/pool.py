@@ -649,7 +649,7 @@ class ExecutorPool:
         if (
             stale
             or result.path is wire.InvokePath.STOCK
-            or result.cache.tier is not wire.CacheTier.HOST
+            or result.cache.tier not in (wire.CacheTier.HOST, wire.CacheTier.DEVICE)
         ):
             self._refresh_soon(handle)
 

@@ -87,13 +87,17 @@ class CostModel:
     load: LinearFit  # seconds against bytes copied into the compute device's buffers
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def block_costs(self, tokens: list[tuple[int, int]]) -> list[BlockCost]:
+    def block_costs(self, tokens: list[tuple[int, ...]]) -> list[BlockCost]:
         """Costs of every block for one step of a batch: ``tokens[i]`` is block *i*'s
-        (masked, total) token count summed over the batch (UNet levels differ per block)."""
-        return [self._cost(b, m, t) for b, (m, t) in zip(self.blocks, tokens, strict=True)]
+        (masked, total) token count summed over the batch (UNet levels differ per block),
+        optionally with the unmasked tokens whose rows are loaded (default: all of them;
+        fewer when some templates are resident on the device)."""
+        return [self._cost(b, *t) for b, t in zip(self.blocks, tokens, strict=True)]
 
-    def _cost(self, block: BlockProfile, masked: int, total: int) -> BlockCost:
-        unmasked = total - masked
+    def _cost(
+        self, block: BlockProfile, masked: int, total: int, streamed: int | None = None
+    ) -> BlockCost:
+        unmasked = total - masked if streamed is None else streamed
         return BlockCost(
             sparse=block.compute(masked),
             full=block.compute(total),

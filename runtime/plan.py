@@ -183,15 +183,25 @@ def make_planner(cost_model: CostModel) -> Planner:
     return Planner(cost_model)
 
 
-def batch_tokens(cost_model: CostModel, states: list[RequestState]) -> list[tuple[int, int]]:
-    """Per profiled block, the batch's (masked, total) tokens on the block's token grid."""
+def batch_tokens(cost_model: CostModel, states: list[RequestState]) -> list[tuple[int, int, int]]:
+    """Per profiled block, the batch's (masked, total, streamed) tokens on the block's token
+    grid; *streamed* counts the unmasked tokens whose rows must be loaded: none of a
+    request whose template is resident on the cost model's device."""
+    import torch  # the executor's planner runs this; the gateway never does (torch-free)
+
+    from retouch.runtime.maskaware.store import all_resident
+
     grids = [sorted(s.step_tokens.items(), key=lambda kv: -kv[1].n_tokens) for s in states]
+    device = torch.device(cost_model.device)
+    resident = [s.step_reader is not None and all_resident(s.step_reader, device) for s in states]
     out = []
     for profile in cost_model.blocks:
-        masked = total = 0
-        for state, levels in zip(states, grids, strict=True):
+        masked = total = streamed = 0
+        for state, levels, here in zip(states, grids, resident, strict=True):
             tokens = levels[min(profile.level, len(levels) - 1)][1]
             total += tokens.n_tokens
-            masked += tokens.count if state.step_reader is not None else tokens.n_tokens
-        out.append((masked, total))
+            count = tokens.count if state.step_reader is not None else tokens.n_tokens
+            masked += count
+            streamed += 0 if here else tokens.n_tokens - count
+        out.append((masked, total, streamed))
     return out

@@ -20,9 +20,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from retouch.cachestore.devicetier import DeviceTemplate, DeviceTier
 from retouch.cachestore.errors import CorruptEntry, StoreError
 from retouch.cachestore.policy import EPHEMERAL_PREFIX
 from retouch.cachestore.store import ActivationStore, HostTemplate, Tier
+from retouch.cachestore.streaming import StreamedTemplate
 from retouch.functions.spec import FunctionSpec, UploadsSpec
 from retouch.functions.wire import BakeState, CacheTier, ChangeKind, TemplateStatus
 from retouch.runtime.fingerprint import template_key
@@ -62,10 +64,10 @@ class Template:
 
 @dataclass
 class Acquired:
-    """The outcome of making a template host-resident for one edit."""
+    """The outcome of making a template's activations readable for one edit."""
 
-    handle: HostTemplate | None
-    tier: str  # where it was found: host, disk or none
+    handle: HostTemplate | StreamedTemplate | DeviceTemplate | None
+    tier: str  # where it was found: device, host, disk or none
     wait_ms: float
 
 
@@ -92,6 +94,8 @@ class TemplateCache:
     # Told (on the thread where it happens) when placement-relevant state changed: a bake
     # finished or failed, a template entered host memory or was found missing.
     on_change: Callable[[ChangeKind, str, str], None] | None = None
+    # Hot templates resident on the compute device (None: off, e.g. a CPU executor).
+    device_tier: DeviceTier | None = None
     _dropped: list[Template] = field(default_factory=list)
 
     def register(
@@ -178,6 +182,7 @@ class TemplateCache:
         for template in gone:
             if template.key not in in_use:
                 self.store.delete(template.key)
+                self._forget_on_device(template.key)
 
     def get(self, function: str, template: str) -> Template | None:
         with self.lock:
@@ -241,6 +246,7 @@ class TemplateCache:
                 victim.function,
                 victim.id,
             )
+            self._forget_on_device(victim.key)
             try:
                 self.store.delete(victim.key)
             except StoreError as exc:
@@ -270,8 +276,14 @@ class TemplateCache:
         return CacheTier(self.store.tier(template.key).value)
 
     def acquire(self, template: Template) -> Acquired:
-        """The host-resident activations of a baked template, or no handle if it has none
-        (never baked, evicted from every tier, or found corrupt: then it is re-baked)."""
+        """The activations of a baked template: device-resident when the device tier holds
+        them, else host-resident (and then promoted to the device tier in the background);
+        no handle if it has none (never baked, evicted from every tier, or found corrupt:
+        then it is re-baked)."""
+        if self.device_tier is not None:
+            resident = self.device_tier.acquire(template.key)
+            if resident is not None:
+                return Acquired(resident, CacheTier.DEVICE.value, 0.0)
         tier = self.tier(template).value
         started = time.perf_counter()
         try:
@@ -295,7 +307,25 @@ class TemplateCache:
             self._changed(ChangeKind.LOST, template)
         elif tier != Tier.HOST.value:
             self._changed(ChangeKind.HOST_TIER, template)
+        if handle is not None and self.device_tier is not None:
+            self.device_tier.promote(template.key, lambda: self._whole(template.key))
         return Acquired(handle, tier, wait_ms)
+
+    def _forget_on_device(self, key: str) -> None:
+        if self.device_tier is not None:
+            self.device_tier.drop(key)
+
+    def _whole(self, key: str) -> HostTemplate | None:
+        """A host-tier handle of the whole template (what a promotion copies), or None
+        when it is gone or too big for the host tier (then it is too big for the device)."""
+        try:
+            handle = self.store.acquire(key)
+        except (KeyError, StoreError):
+            return None
+        if isinstance(handle, HostTemplate):
+            return handle
+        handle.release()
+        return None
 
     def _changed(self, kind: ChangeKind, template: Template) -> None:
         if self.on_change is not None:
@@ -309,6 +339,7 @@ class TemplateCache:
         if template.upload:
             meta["upload"] = True
         try:
+            self._forget_on_device(template.key)  # a re-bake replaces its activations
             with self.store.bake(template.key, meta) as writer:
                 record(writer)
         except Exception as exc:

@@ -162,8 +162,10 @@ class ExecutorCore:
         maskaware: bool = True,
         data_dir: Path = Path("."),
         profile_in_background: bool = True,
+        cuda_graphs: bool = False,
     ) -> None:
         self.name = name
+        self.cuda_graphs = cuda_graphs  # steps of device-resident batches from CUDA graphs
         self.models = models
         self.templates = templates
         self.changes = ChangeFeed()  # what the gateway's cluster view follows
@@ -323,6 +325,7 @@ class ExecutorCore:
             )  # on failure, load_or_profile below profiles in-process
         editor = MaskAwareEditor(loaded.pipeline_for(spec.scheduler), spec.family, loaded.device)
         attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
+        editor.set_graphs(self.cuda_graphs)
         cost_model = load_or_profile(editor, loaded.folder, self.data_dir, spec.width)
         editor.set_planner(make_planner(cost_model))
         profile = profile_path(self.data_dir, loaded.folder, loaded.device)
@@ -551,6 +554,8 @@ class ExecutorCore:
                 for model, cm in self.cost_models.items()
             }
         cache = self.templates.store.live_stats()
+        if self.templates.device_tier is not None:
+            cache = {**cache, **self.templates.device_tier.usage()}
         return wire.ExecutorState(
             name=self.name,
             pid=os.getpid(),

@@ -20,6 +20,7 @@ from types import FrameType
 import torch
 import uvicorn
 
+from retouch.cachestore.devicetier import DeviceTier
 from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.functions.knobs import add_flags, from_flags
 from retouch.runtime.engine import Engine, EngineConfig, EngineMode
@@ -93,12 +94,26 @@ def build_core(args: argparse.Namespace) -> ExecutorCore:
     return ExecutorCore(
         args.name,
         ModelCache(shared / "models", device),
-        TemplateCache(store),
+        TemplateCache(store, device_tier=device_tier(options, device)),
         Engine(engine_config, stages),
         stages,
         maskaware=options.maskaware,
         data_dir=shared,
+        cuda_graphs=options.cuda_graphs and device.type == "cuda",
     )
+
+
+def device_tier(options: ExecutorOptions, device: torch.device) -> DeviceTier | None:
+    """The executor's device tier: ``device_cache_bytes``, or by default (-1) a quarter of
+    the GPU's memory on CUDA and none on a CPU."""
+    budget = options.device_cache_bytes
+    if budget < 0:
+        budget = (
+            torch.cuda.get_device_properties(device).total_memory // 4
+            if device.type == "cuda"
+            else 0
+        )
+    return DeviceTier(device, budget) if budget > 0 else None
 
 
 def main(argv: list[str] | None = None) -> None:

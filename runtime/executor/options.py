@@ -25,6 +25,17 @@ class ExecutorOptions:
         "host-RAM budget of each executor's activation store, in bytes",
         shown="4 GiB",
     )
+    device_cache_bytes: int = knob(
+        -1,
+        "GPU memory for templates resident on the executor's device, in bytes (-1: a "
+        "quarter of the GPU's memory, off on a CPU; 0: off)",
+        shown="auto",
+    )
+    cuda_graphs: bool = knob(
+        False,
+        "replay mask-aware steps whose templates are all device-resident from CUDA graphs "
+        "(one capture per batch layout)",
+    )
     maskaware: bool = knob(
         True, "mask-aware edits; --no-maskaware computes every token (for comparisons)"
     )
@@ -68,6 +79,10 @@ class ExecutorOptions:
         for name in ("max_batch", "worker_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.device_cache_bytes < -1:
+            raise ValueError(
+                f"device_cache_bytes must be >= -1 (auto), got {self.device_cache_bytes}"
+            )
         if not 0 <= self.cpu_nice <= 19:
             raise ValueError(f"cpu_nice must be in [0, 19], got {self.cpu_nice}")
         if self.engine not in ENGINE_MODES:

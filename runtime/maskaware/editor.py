@@ -320,7 +320,7 @@ class MaskAwareEditor:
     def _run(self, ctx: ForwardContext, states: list[RequestState]) -> None:
         loader = self._row_loader
         with activate(ctx):
-            if loader is None or not ctx.grids or ctx.recording:
+            if loader is None or not ctx.grids or ctx.recording or ctx.runner is not None:
                 predictions = self.impl.forward(states, ctx)
             else:
                 with loader.session(ctx):

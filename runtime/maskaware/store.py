@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from retouch.cachestore.devicetier import same_device
 from retouch.runtime.maskaware.rowformat import (
     RowFormat,
     decode,
@@ -166,12 +167,12 @@ class MemoryActivations:
         """The stored tensor when it lives on ``device`` (fp8 codes for fp8 rows: see
         :meth:`scale` and :func:`copy_resident`)."""
         src = self.tensors.get((step, block, name))
-        return src if src is not None and _same_device(src.device, device) else None
+        return src if src is not None and same_device(src.device, device) else None
 
     def scale(self, step: int, block: str, name: str, device: torch.device) -> torch.Tensor | None:
         """The fp8 rows' scales on ``device`` (``None`` for rows in the compute dtype)."""
         scale = self.scales.get((step, block, name))
-        if scale is None or _same_device(scale.device, device):
+        if scale is None or same_device(scale.device, device):
             return scale
         key = (step, block, name, str(device))
         moved = self._moved_scales.get(key)
@@ -213,7 +214,7 @@ class MemoryActivations:
 
     def holds_on(self, device: torch.device) -> bool:
         """Whether every step's rows are resident on ``device`` (a device tier)."""
-        return self.placement is not None and _same_device(self.placement, device)
+        return self.placement is not None and same_device(self.placement, device)
 
     @property
     def nbytes(self) -> int:
@@ -222,15 +223,3 @@ class MemoryActivations:
 
     def __len__(self) -> int:
         return len(self.tensors)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """``cuda`` and ``cuda:0`` are one device when 0 is the current one."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    current = torch.cuda.current_device()
-    return (a.index if a.index is not None else current) == (
-        b.index if b.index is not None else current
-    )

@@ -149,3 +149,25 @@ def test_host_budget_below_two_templates_spills_and_reloads(tmp_path: Path, exam
         assert cache["loads"] - before["loads"] >= 4  # ... and are reloaded from the disk tier
         assert cache["disk_bytes_read"] > before["disk_bytes_read"]
         assert cache["host_bytes"] <= budget
+
+
+def test_hot_template_served_from_the_device_tier(tmp_path: Path, examples: Path) -> None:
+    """An executor with a device tier (here CPU memory standing for the GPU's) promotes a
+    template after its first host-tier read; later edits read it device-resident, with
+    the same pixels, and the executor reports the tier's occupancy."""
+    server = ServerProcess(tmp_path / "data", extra_args=["--device-cache-bytes", "200000000"])
+    with server, Client(server.url) as client:
+        client.deploy_file(examples / "tiny-flux.toml")
+        wait_baked(client, "tiny-flux")
+        first = client.invoke("tiny-flux", "shirt", MASK, "a green hat", seed=1)
+        assert first.path == "maskaware" and first.cache.tier == "host"
+        deadline = time.monotonic() + 60
+        while executor_state(client)["cache"].get("device_templates", 0) < 1:
+            assert time.monotonic() < deadline, executor_state(client)["cache"]
+            time.sleep(0.1)
+        again = client.invoke("tiny-flux", "shirt", MASK, "a green hat", seed=1)
+        assert again.path == "maskaware" and again.cache.tier == "device"
+        assert again.image == first.image  # same rows, copied whole instead of gathered
+        cache = executor_state(client)["cache"]
+        assert cache["device_hits"] >= 1 and cache["device_budget_bytes"] == 200_000_000
+        assert 0 < cache["device_bytes"] <= 200_000_000

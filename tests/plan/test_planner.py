@@ -70,13 +70,33 @@ def test_requests_without_cache_compute_everything() -> None:
     planner = make_planner(_model(load_slope=0.0))
     assert planner([_state(0.25, reader=None)], BLOCKS) == dict.fromkeys(BLOCKS, Mode.FULL)
     counts = batch_tokens(_model(0.0), [_state(0.25), _state(0.25, reader=None)])
-    assert counts[0] == (64 + 256, 512)  # the reader-less request counts every token
+    assert counts[0] == (64 + 256, 512, 192)  # the reader-less request counts every token
 
 
 def test_tokens_are_counted_on_each_blocks_grid() -> None:
     model = _model(0.0, levels=(0, 1, 1, 0))
     counts = batch_tokens(model, [_state(0.5), _state(0.25)])
-    assert counts == [(128 + 64, 512), (32 + 16, 128), (32 + 16, 128), (128 + 64, 512)]
+    assert counts == [
+        (128 + 64, 512, 320),
+        (32 + 16, 128, 80),
+        (32 + 16, 128, 80),
+        (128 + 64, 512, 320),
+    ]
+
+
+class Resident:
+    """A reader whose rows are resident on the cost model's device (a device tier)."""
+
+    def holds_on(self, device: torch.device) -> bool:
+        return True
+
+
+def test_rows_resident_on_the_device_cost_no_load() -> None:
+    """Prohibitive loads make every block full, unless the template is on the device."""
+    planner = make_planner(_model(load_slope=1.0))
+    assert planner([_state(0.25, Resident())], BLOCKS) == dict.fromkeys(BLOCKS, Mode.SPARSE)
+    counts = batch_tokens(_model(1.0), [_state(0.25, Resident()), _state(0.25)])
+    assert counts[0] == (128, 512, 192)  # only the host-tier request's rows are loaded
 
 
 def test_blocks_outside_the_cost_model_stay_full() -> None:
@@ -98,7 +118,7 @@ def test_a_request_in_its_warmup_counts_every_token() -> None:
 
     warming, plain = state(full_steps=1), state(full_steps=0)
     assert warming.warming and warming.step_reader is None and not plain.warming
-    assert batch_tokens(_model(0.0), [warming, plain])[0] == (256 + 64, 512)
+    assert batch_tokens(_model(0.0), [warming, plain])[0] == (256 + 64, 512, 192)
     warming.index = 1  # warm-up over
     assert not warming.warming and warming.step_reader == "cache"
-    assert batch_tokens(_model(0.0), [warming, plain])[0] == (64 + 64, 512)
+    assert batch_tokens(_model(0.0), [warming, plain])[0] == (64 + 64, 512, 384)

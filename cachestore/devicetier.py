@@ -1,0 +1,257 @@
+"""Device tier: the hottest templates resident in GPU memory, so they never cross PCIe again.
+
+Production editing traffic re-uses few templates thousands of times (FlashPS's trace: 970
+templates, ~35,000 uses each). The host tier still moves a template's K/V over PCIe on every
+step of every edit; this tier keeps whole templates in the compute device's memory under a
+byte budget. A block then copies each cached tensor whole into its key buffer with no
+gather and no host work (``runtime/maskaware/attention.fill_cached``), and a step whose
+templates are all resident can be replayed from a CUDA graph.
+
+* **Promotion**: an edit served from the host tier asks for its template to be promoted.
+  A copier thread acquires the template from the store (pinned host memory), copies every
+  step's tensors to the device on its own stream and inserts the template once the copy
+  has finished; the edit that asked keeps reading the host copy. Per-template tensors
+  (step -1: noise, latents) stay on the host, where the host side of an edit reads them.
+* **Budget and eviction**: resident bytes ≤ ``budget``; to make room the least recently
+  used templates that no edit holds are evicted (their memory goes back to torch's
+  allocator). A template that does not fit even then is not promoted (``device_skips``).
+* **Handles**: ``acquire`` returns a held :class:`DeviceTemplate` (never evicted while
+  held); ``release`` it when the edit ends. It is a reader the blocks recognise as
+  resident (``holds_on``, ``resident``).
+
+On a CPU the tier works the same with CPU "device" memory (tests use it: edits must be
+bit-identical to the host tier's); serving on a CPU leaves it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from retouch.cachestore.layout import Slot
+
+log = logging.getLogger(__name__)
+
+TEMPLATE_STEP = -1
+
+
+class TemplateSource(Protocol):
+    """A held host-tier handle (``HostTemplate``): what a promotion copies from."""
+
+    def slots(self) -> list[Slot]: ...
+
+    def get(self, step: int, block: str, name: str) -> torch.Tensor: ...
+
+    def release(self) -> None: ...
+
+
+@dataclass(eq=False)
+class DeviceTemplate:
+    """A template resident on ``device``: the reader an edit's blocks copy rows from."""
+
+    key: str
+    device: torch.device
+    tensors: dict[Slot, torch.Tensor]  # every step's tensors on the device, step -1 on host
+    nbytes: int  # device bytes
+    tier: DeviceTier | None = None
+    refs: int = 0
+
+    def get(self, step: int, block: str, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[(step, block, name)]
+        except KeyError:
+            raise KeyError(f"template {self.key!r} has no tensor {(step, block, name)}") from None
+
+    def encoded(self, step: int, block: str, name: str) -> tuple[torch.Tensor, None]:
+        return self.get(step, block, name), None
+
+    def describe(self, step: int, block: str, name: str) -> tuple[torch.Size, torch.dtype]:
+        tensor = self.get(step, block, name)
+        return tensor.shape, tensor.dtype
+
+    def resident(
+        self, step: int, block: str, name: str, device: torch.device
+    ) -> torch.Tensor | None:
+        tensor = self.tensors.get((step, block, name))
+        return tensor if tensor is not None and self.holds_on(device) else None
+
+    def holds_on(self, device: torch.device) -> bool:
+        return same_device(self.device, device)
+
+    def release(self) -> None:
+        if self.tier is not None:
+            self.tier.release(self)
+
+
+@dataclass
+class DeviceTierStats:
+    hits: int = 0  # acquire() found the template resident
+    promotions: int = 0  # templates copied in
+    promoted_bytes: int = 0
+    evictions: int = 0
+    skips: int = 0  # promotions refused: the template does not fit the budget
+
+
+@dataclass(eq=False)
+class DeviceTier:
+    """Templates resident on ``device`` under ``budget`` bytes (thread-safe)."""
+
+    device: torch.device
+    budget: int
+    stats: DeviceTierStats = field(default_factory=DeviceTierStats)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _resident: OrderedDict[str, DeviceTemplate] = field(default_factory=OrderedDict)
+    _pending: dict[str, Future[None]] = field(default_factory=dict)
+    _copier: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="device-tier")
+    )
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return sum(t.nbytes for t in self._resident.values())
+
+    def acquire(self, key: str) -> DeviceTemplate | None:
+        """The held resident template, most recently used now; None if not resident."""
+        with self._lock:
+            template = self._resident.get(key)
+            if template is None:
+                return None
+            template.refs += 1
+            self._resident.move_to_end(key)
+            self.stats.hits += 1
+            return template
+
+    def release(self, template: DeviceTemplate) -> None:
+        with self._lock:
+            template.refs = max(0, template.refs - 1)
+
+    def promote(self, key: str, open_source: Callable[[], TemplateSource | None]) -> None:
+        """Copy ``key`` in, in the background (once; nothing if resident or on its way).
+        ``open_source`` acquires the host-tier handle on the copier thread."""
+        with self._lock:
+            if key in self._resident or key in self._pending:
+                return
+            self._pending[key] = self._copier.submit(self._promote, key, open_source)
+
+    def wait(self) -> None:
+        """Wait for promotions in flight (tests, benchmarks)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for future in pending:
+            future.result()
+
+    def usage(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "device_bytes": sum(t.nbytes for t in self._resident.values()),
+                "device_budget_bytes": self.budget,
+                "device_templates": len(self._resident),
+                "device_hits": self.stats.hits,
+                "device_promotions": self.stats.promotions,
+                "device_evictions": self.stats.evictions,
+                "device_skips": self.stats.skips,
+            }
+
+    def drop(self, key: str) -> None:
+        """Forget ``key`` (its bake was replaced or deleted); a held copy lives on until
+        its handle is released."""
+        with self._lock:
+            self._resident.pop(key, None)
+
+    def close(self) -> None:
+        self._copier.shutdown(wait=True)
+        with self._lock:
+            self._resident.clear()
+
+    # -- the copier thread ----------------------------------------------------------------
+
+    def _promote(self, key: str, open_source: Callable[[], TemplateSource | None]) -> None:
+        try:
+            source = open_source()
+            if source is None:
+                return
+            try:
+                self._copy_in(key, source)
+            finally:
+                source.release()
+        except Exception:
+            log.exception("promoting template %s to the device tier failed", key)
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+
+    def _copy_in(self, key: str, source: TemplateSource) -> None:
+        slots = source.slots()
+        nbytes = sum(source.get(*s).nbytes for s in slots if s[0] != TEMPLATE_STEP)
+        if not self._make_room(nbytes):
+            with self._lock:
+                self.stats.skips += 1
+            log.info("template %s (%.1f GB) does not fit the device tier", key, nbytes / 1e9)
+            return
+        tensors = _copied(source, slots, self.device)
+        template = DeviceTemplate(key, self.device, tensors, nbytes, tier=self)
+        with self._lock:
+            self._resident[key] = template
+            self.stats.promotions += 1
+            self.stats.promoted_bytes += nbytes
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict unheld templates, least recently used first, until ``nbytes`` fit."""
+        if nbytes > self.budget:
+            return False
+        evicted = False
+        with self._lock:
+            used = sum(t.nbytes for t in self._resident.values())
+            for key in list(self._resident):
+                if used + nbytes <= self.budget:
+                    break
+                victim = self._resident[key]
+                if victim.refs == 0:
+                    del self._resident[key]
+                    used -= victim.nbytes
+                    self.stats.evictions += 1
+                    evicted = True
+            fits = used + nbytes <= self.budget
+        if evicted and self.device.type == "cuda":
+            # an edit that released a victim may still have kernels reading it queued:
+            # its memory is re-used by the copy below only once they are done
+            torch.cuda.synchronize(self.device)
+        return fits
+
+
+def _copied(source: TemplateSource, slots: list[Slot], device: torch.device) -> dict[Slot, Any]:
+    """Every step's tensors on ``device`` (one side stream, waited for), step -1's cloned
+    on the host."""
+    out: dict[Slot, torch.Tensor] = {}
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for slot in slots:
+            tensor = source.get(*slot)
+            if slot[0] == TEMPLATE_STEP:
+                out[slot] = tensor.clone()
+            else:
+                out[slot] = tensor.to(device, non_blocking=True, copy=True)
+    if stream is not None:
+        stream.synchronize()
+    return out
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are one device when 0 is the current one."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (
+        b.index if b.index is not None else current
+    )
