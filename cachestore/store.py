@@ -39,11 +39,12 @@ from retouch.cachestore.bake import BakeWriter
 from retouch.cachestore.defaults import HOST_BUDGET_BYTES
 from retouch.cachestore.disktier import DATA_FILE, DiskConfig, DiskTier
 from retouch.cachestore.errors import CorruptEntry, ReadOnlyStore, StoreClosed, StoreError
+from retouch.cachestore.handle import TemplateHandle
 from retouch.cachestore.hosttier import HostTier, ResidentTemplate
 from retouch.cachestore.layout import Slot, template_key
 from retouch.cachestore.manifest import Manifest, check_meta
 from retouch.cachestore.policy import PolicySpec, make_policy
-from retouch.cachestore.rows import Rows, gather_rows
+from retouch.cachestore.rows import Rows
 from retouch.cachestore.stats import StoreCounters
 from retouch.cachestore.streaming import StreamedTemplate
 
@@ -90,7 +91,7 @@ def _default_disk_budget(path: Path, map_size: int) -> int:
     return int(0.9 * min(map_size, available))
 
 
-class HostTemplate:
+class HostTemplate(TemplateHandle):
     """A held reference to a host-resident template; release it (or use ``with``).
 
     Tensors returned by :meth:`get` are views into the store's memory: valid while the
@@ -126,22 +127,6 @@ class HostTemplate:
         except KeyError:
             raise KeyError(f"template {self.key!r} has no tensor {(step, block, name)}") from None
 
-    def encoded(self, step: int, block: str, name: str) -> tuple[torch.Tensor, None]:
-        """The tensor as stored (rows in the compute dtype, no scales): in pinned memory
-        where CUDA exists, so a CUDA row loader moves it by DMA and gathers on the GPU."""
-        return self.get(step, block, name), None
-
-    def read_rows(
-        self, step: int, block: str, name: str, rows: Rows, out: torch.Tensor
-    ) -> torch.Tensor:
-        """Gather rows (tokens, dim -2) of one tensor into ``out`` (CPU or CUDA).
-
-        ``rows``: a 1-D integer tensor, or a ``RowSelection`` built once per mask and
-        reused for every block (saves re-deriving the flat indices on each call)."""
-        gather_rows(self.get(step, block, name), rows, out)
-        self._counters.add(host_reads=1, host_bytes_read=out.nbytes)
-        return out
-
     def release(self) -> None:
         if self._held:
             self._held = False
@@ -151,17 +136,6 @@ class HostTemplate:
         if not self._held:
             raise RuntimeError(f"handle of {self.key!r} used after release()")
         return self._res
-
-    def __enter__(self) -> HostTemplate:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
 
 
 class ActivationStore:

@@ -16,16 +16,15 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from types import TracebackType
 from typing import Any
 
 import torch
 
 from retouch.cachestore.disktier import DiskTier, LoadedTemplate
 from retouch.cachestore.errors import CorruptEntry
+from retouch.cachestore.handle import TemplateHandle
 from retouch.cachestore.hosttier import HostTier
 from retouch.cachestore.layout import Slot
-from retouch.cachestore.rows import Rows, gather_rows
 from retouch.cachestore.stats import StoreCounters
 
 log = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ TEMPLATE_STEP = -1  # per-template tensors (noise, latents): loaded once, kept
 WINDOW = 3  # steps held at once: the one before (copies may still read it), now, next
 
 
-class StreamedTemplate:
+class StreamedTemplate(TemplateHandle):
     """A held template read step by step (the interface of ``HostTemplate``)."""
 
     def __init__(
@@ -103,18 +102,6 @@ class StreamedTemplate:
         except KeyError:
             raise KeyError(f"template {self.key!r} has no tensor {(step, block, name)}") from None
 
-    def encoded(self, step: int, block: str, name: str) -> tuple[torch.Tensor, None]:
-        """The tensor as stored (rows in the compute dtype, no scales): in pinned memory
-        where CUDA exists, so a CUDA row loader moves it by DMA and gathers on the GPU."""
-        return self.get(step, block, name), None
-
-    def read_rows(
-        self, step: int, block: str, name: str, rows: Rows, out: torch.Tensor
-    ) -> torch.Tensor:
-        gather_rows(self.get(step, block, name), rows, out)
-        self._counters.add(host_reads=1, host_bytes_read=out.nbytes)
-        return out
-
     def release(self) -> None:
         """Give every buffer back to the host tier (after loads in flight finish)."""
         with self._lock:
@@ -180,17 +167,6 @@ class StreamedTemplate:
         except Exception:  # a failed load reserved nothing (it unreserved on failure)
             return
         self._host.unreserve(loaded.buffer)
-
-    def __enter__(self) -> StreamedTemplate:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
 
 
 def _settle_device() -> None:

@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 
+from retouch.cachestore.handle import TemplateHandle
 from retouch.cachestore.rows import RowSelection
-from retouch.cachestore.store import HostTemplate
-from retouch.cachestore.streaming import StreamedTemplate
 from retouch.runtime.maskaware.context import BlockHook, ForwardContext, Mode
 from retouch.runtime.maskaware.rowformat import decode
 from retouch.runtime.maskaware.store import device_resident, fetch_rows
@@ -485,7 +484,7 @@ class StepLoads:
         self, reader: Any, request: int, n_tokens: int, unmasked: torch.Tensor
     ) -> torch.Tensor | RowSelection:
         """The rows argument for ``read_rows``: a cached ``RowSelection`` for the cachestore."""
-        if not isinstance(reader, HostTemplate | StreamedTemplate):
+        if not isinstance(reader, TemplateHandle):
             return unmasked
         key = (request, n_tokens)
         if key not in self._selections:
