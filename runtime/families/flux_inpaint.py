@@ -145,7 +145,8 @@ class FluxInpaint(FamilyModel):
         ctx.text_len = states[0].inputs.prompt_embeds.shape[1]
         inputs = _batched(states)
         transformer, grid = self.pipe.transformer, ctx.grid
-        if grid is not None and grid.packed:
+        sparse = grid is not None and any(ctx.mode(b) is Mode.SPARSE for b in self.blocks)
+        if sparse and grid.packed:
             out = ctx.call(
                 lambda **t: flux_packed.forward(
                     transformer, ctx, self.blocks, grid, PackedInputs(**t)
@@ -153,7 +154,9 @@ class FluxInpaint(FamilyModel):
                 **vars(inputs),
             )
             return list(out.split(1))
-        first = grid is not None and ctx.mode(self.blocks[0]) is Mode.SPARSE
+        # A plan with no sparse block (nothing cached, or sparse does not pay) runs the
+        # model's own forward: the stock step, at the stock step's host cost.
+        first = sparse and ctx.mode(self.blocks[0]) is Mode.SPARSE
 
         def padded(**t: torch.Tensor) -> torch.Tensor:
             ctx.scratch[flux_blocks.SPARSE_CARRY] = first
