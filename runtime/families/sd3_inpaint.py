@@ -207,8 +207,8 @@ class JointAttention(Processor):
         text_q, text_k, text_v = _projected(attn, call.encoder_hidden_states, head, text=True)
         if self.sparse(ctx):
             tokens = ctx.grid
-            key = assemble(ctx, tokens, self.block, "k", tokens.real_rows(key.flatten(2)))
-            value = assemble(ctx, tokens, self.block, "v", tokens.real_rows(value.flatten(2)))
+            key = assemble(ctx, tokens, self.block, "k", tokens.real_rows(key, 2))
+            value = assemble(ctx, tokens, self.block, "v", tokens.real_rows(value, 2))
             key, value = key.unflatten(-1, head), value.unflatten(-1, head)
         else:
             ctx.record(self.block, "k", key.flatten(2))

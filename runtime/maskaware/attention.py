@@ -41,7 +41,7 @@ def fill_cached(
             continue
         if slot.reader is None:
             raise RuntimeError(f"block {block!r} runs sparse but request {r} has no cache")
-        rows = full[r * per : (r + 1) * per]
+        rows = full if tokens.rows == per else full[r * per : (r + 1) * per]
         if copy_resident(slot.reader, slot.step, block, name, rows):
             continue  # device tier: one contiguous copy, the masked rows follow
         if ctx.loader is not None:  # staged ahead by the row loader

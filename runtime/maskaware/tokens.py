@@ -176,9 +176,11 @@ class TokenBatch:
             return picked.unsqueeze(0)
         return picked.view(self.rows, self.n_max, channels)
 
-    def real_rows(self, sparse: torch.Tensor) -> torch.Tensor:
-        """The sparse layout's real token rows, ``[T, C]`` in ``flat_index`` order."""
-        flat = sparse.reshape(-1, sparse.shape[-1])
+    def real_rows(self, sparse: torch.Tensor, channel_dims: int = 1) -> torch.Tensor:
+        """The sparse layout's real token rows, ``[T, C]`` in ``flat_index`` order; the
+        last ``channel_dims`` dimensions make a row's channels (2: ``[..., heads, dim]``)."""
+        channels = math.prod(sparse.shape[-channel_dims:])
+        flat = sparse.reshape(-1, channels)
         if self.packed or self._valid is None:
             return flat
         return flat.index_select(0, self._valid)

@@ -1,7 +1,7 @@
 """Ops dispatched per denoising step (``retouch bench ops``), the CPU proxy for host overhead.
 
 Issue #29's target, a mask-aware step dispatching at most 1.25× the ops of a stock step, is
-not met yet: those tests are ``xfail(strict=True)`` and turn red the day a family meets it.
+not met yet by every family: those are ``xfail(strict=True)`` and turn red the day they meet it.
 """
 
 from __future__ import annotations
@@ -39,12 +39,21 @@ def test_a_stock_step_dispatches_as_many_ops_at_batch_4_as_at_batch_1(
     assert one["stock_ops"] <= four["stock_ops"] <= 1.01 * one["stock_ops"]
 
 
-@pytest.mark.xfail(
+NOT_YET = pytest.mark.xfail(
     strict=True,
     reason="issue #29: a mask-aware step dispatches more than 1.25x the ops of a stock step "
-    "(gathers, scatters, per-request scheduler steps and row copies); docs/benchmarks.md",
+    "(views of heads and rows, per-request row copies); docs/benchmarks.md",
 )
-@pytest.mark.parametrize("family", sorted(MODELS))
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param("flux-inpaint", marks=NOT_YET),
+        pytest.param("sd-inpaint", marks=NOT_YET),
+        "sd3-inpaint",
+    ],
+)
 def test_sparse_step_dispatches_at_most_1_25x_stock(
     family: str, flux_rows: list[dict[str, Any]], models_dir: Path
 ) -> None:
