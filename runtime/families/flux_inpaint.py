@@ -145,8 +145,14 @@ class FluxInpaint(FamilyModel):
         ctx.text_len = states[0].inputs.prompt_embeds.shape[1]
         inputs = _batched(states)
         transformer, grid = self.pipe.transformer, ctx.grid
-        sparse = grid is not None and any(ctx.mode(b) is Mode.SPARSE for b in self.blocks)
-        if sparse and grid.packed:
+        sparse = (
+            grid is not None
+            and any(s.step_reader is not None for s in states)
+            and any(ctx.mode(b) is Mode.SPARSE for b in self.blocks)
+        )
+        if not sparse:
+            ctx.grid = grid = None  # the blocks' wrappers stay inert: the stock forward
+        elif grid.packed:
             out = ctx.call(
                 lambda **t: flux_packed.forward(
                     transformer, ctx, self.blocks, grid, PackedInputs(**t)
@@ -154,8 +160,8 @@ class FluxInpaint(FamilyModel):
                 **vars(inputs),
             )
             return list(out.split(1))
-        # A plan with no sparse block (nothing cached, or sparse does not pay) runs the
-        # model's own forward: the stock step, at the stock step's host cost.
+        # A step with nothing cached, or a plan with no sparse block (sparse does not pay),
+        # runs the model's own forward: the stock step, at the stock step's host cost.
         first = sparse and ctx.mode(self.blocks[0]) is Mode.SPARSE
 
         def padded(**t: torch.Tensor) -> torch.Tensor:
