@@ -31,6 +31,15 @@ class TemplateHandle:
     def release(self) -> None:
         raise NotImplementedError
 
+    def describe(self, step: int, block: str, name: str) -> tuple[torch.Size, torch.dtype]:
+        tensor = self.get(step, block, name)
+        return tensor.shape, tensor.dtype
+
+    def streams_to(self, device: torch.device) -> bool:
+        """Whether its tensors sit whole in pinned host memory, so ``device`` (a GPU) can
+        copy them by DMA (a step ahead, for a graphed step)."""
+        return False
+
     def encoded(self, step: int, block: str, name: str) -> tuple[torch.Tensor, None]:
         """The tensor as stored (rows in the compute dtype, no scales): in pinned memory
         where CUDA exists, so a CUDA row loader moves it by DMA and gathers on the GPU."""

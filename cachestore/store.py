@@ -127,6 +127,10 @@ class HostTemplate(TemplateHandle):
         except KeyError:
             raise KeyError(f"template {self.key!r} has no tensor {(step, block, name)}") from None
 
+    def streams_to(self, device: torch.device) -> bool:
+        buffer = self._res.buffer
+        return device.type == "cuda" and buffer is not None and buffer.pinned
+
     def release(self) -> None:
         if self._held:
             self._held = False

@@ -1026,9 +1026,10 @@ def _production(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tiers",
         type=_listed(str, "tiers"),
-        default=["device", "graphs", "host", "host-fp8"],
+        default=["device", "graphs", "host", "host-fp8", "host-graphs", "host-fp8-graphs"],
         help="where the template rests: device (GPU memory), graphs (GPU memory, steps "
-        "replayed from CUDA graphs), host (pinned, streamed), host-fp8 (the same in fp8)",
+        "replayed from CUDA graphs), host (pinned, streamed), host-fp8 (the same in fp8), "
+        "host-graphs and host-fp8-graphs (pinned rows copied a step ahead for graphs)",
     )
     p.add_argument(
         "--host-masks",

@@ -26,6 +26,7 @@ buffers, so the substitution logic is checked without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -34,7 +35,9 @@ from typing import Any
 
 import torch
 
+from retouch.cachestore.devicetier import same_device
 from retouch.runtime.maskaware.context import ForwardContext
+from retouch.runtime.maskaware.rowformat import decode_into
 from retouch.runtime.maskaware.store import ActivationReader, all_resident, copy_resident
 
 log = logging.getLogger(__name__)
@@ -43,8 +46,9 @@ MAX_GRAPHS = 4  # captured layouts kept (each holds its own memory pool)
 
 
 class StaticRows:
-    """A request's cached rows as the captured blocks see them: fixed buffers, refilled
-    from the request's real (device-resident) reader before every run."""
+    """One request's cached rows as the captured blocks see them: fixed buffers on the
+    device, filled for a given step from the request's reader (resident rows by a device
+    copy, pinned host rows by DMA, fp8 rows decoded on the way)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -52,15 +56,23 @@ class StaticRows:
         self.source: ActivationReader | None = None
         self.step = 0
 
-    def load(self, reader: ActivationReader, step: int) -> None:
-        """Point at ``reader``'s step ``step``: refill every buffer a capture reads."""
+    def point(self, reader: ActivationReader, step: int) -> None:
         self.source, self.step = reader, step
+
+    def fill_all(self) -> None:
+        """Refill every buffer a capture reads from the step pointed at."""
         for (block, name), buffer in self.buffers.items():
             self._fill(block, name, buffer)
 
     def _fill(self, block: str, name: str, buffer: torch.Tensor) -> None:
-        if not copy_resident(self.source, self.step, block, name, buffer):
-            raise RuntimeError(f"cached rows of {block!r}/{name!r} are not on {self.device}")
+        if copy_resident(self.source, self.step, block, name, buffer):
+            return
+        codes, scale = self.source.encoded(self.step, block, name)  # pinned host rows
+        if scale is None:
+            buffer.copy_(codes, non_blocking=True)
+            return
+        scale = self.source.scale(self.step, block, name, self.device)
+        decode_into(buffer, codes.to(self.device, non_blocking=True), scale)
 
     def resident(
         self, step: int, block: str, name: str, device: torch.device
@@ -80,19 +92,33 @@ class StaticRows:
         return self.resident(step, block, name, self.device)
 
     def holds_on(self, device: torch.device) -> bool:
-        return self.source is not None and all_resident(self.source, device)
+        return same_device(self.device, device)
+
+    def has_step(self, step: int) -> bool:
+        """Whether the source holds ``step`` (a step past the last has nothing to load)."""
+        block, name = next(iter(self.buffers), ("", ""))
+        try:
+            self.source.describe(step, block, name)
+        except KeyError:
+            return False
+        return True
 
 
 @dataclass(eq=False)
 class _Layout:
-    """One batch layout: its static rows, inputs, output and (once captured) graph."""
+    """One batch layout. Its runs alternate between two sets of static rows (parity), so
+    the rows of the next step are copied in (on a copy stream) while this step runs; each
+    parity has its own graph and output."""
 
-    rows: list[StaticRows]
+    rows: tuple[list[StaticRows], list[StaticRows]]
     runs: int = 0
-    graph: Any = None  # torch.cuda.CUDAGraph, or True for the CPU stand-in
+    graphs: list[Any] = field(default_factory=lambda: [None, None])  # CUDAGraph or True (CPU)
+    outputs: list[Any] = field(default_factory=lambda: [None, None])
+    fns: list[Any] = field(default_factory=lambda: [None, None])
     inputs: dict[str, Any] = field(default_factory=dict)
-    output: Any = None
-    fn: Callable[..., Any] | None = None
+    filled_for: list[Hashable] = field(default_factory=lambda: [None, None])  # (reader, step)s
+    ready: list[Any] = field(default_factory=lambda: [None, None])  # rows copied in (event)
+    read_done: list[Any] = field(default_factory=lambda: [None, None])  # last reader finished
 
 
 class StepGraphs:
@@ -105,49 +131,118 @@ class StepGraphs:
         self.layouts: OrderedDict[Hashable, _Layout] = OrderedDict()
         self.captures = 0
         self.replays = 0
+        self.prefetched = 0  # runs whose rows had been copied in during the run before
+        self._copies = torch.cuda.Stream(device) if self.cuda else None
 
     @staticmethod
     def usable(ctx: ForwardContext, device: torch.device) -> bool:
         """Whether a step can run from a graph: nothing recorded, no loader or block hooks
-        (they run Python per block), every cached row resident on ``device``."""
+        (they run Python per block), and every request's rows resident on ``device`` or
+        in pinned host memory (copied in a step ahead)."""
         if ctx.recording or ctx.loader is not None or ctx.hooks or not ctx.grids:
             return False
-        return all(slot.reader is None or all_resident(slot.reader, device) for slot in ctx.slots)
+        return all(
+            slot.reader is None
+            or all_resident(slot.reader, device)
+            or streams_to(slot.reader, device)
+            for slot in ctx.slots
+        )
 
     def run(self, ctx: ForwardContext, fn: Callable[..., Any], tensors: dict[str, Any]) -> Any:
-        """``fn(**tensors)`` for this step, eagerly, by a capture or by a replay."""
+        """``fn(**tensors)`` for this step, eagerly, by a capture or by a replay; then the
+        next step's rows start copying into the other parity's buffers."""
         key = _layout_key(ctx, tensors)
         layout = self.layouts.get(key)
         if layout is None:
-            layout = _Layout([StaticRows(self.device) for _ in ctx.slots])
+            requests = len(ctx.slots)
+            layout = _Layout(
+                tuple([StaticRows(self.device) for _ in range(requests)] for _ in "pq")
+            )
             self.layouts[key] = layout
             while len(self.layouts) > self.limit:
                 self.layouts.popitem(last=False)
         self.layouts.move_to_end(key)
-        for rows, slot in zip(layout.rows, ctx.slots, strict=True):
-            if slot.reader is not None:
-                rows.load(slot.reader, slot.step)
+        parity = layout.runs % 2
+        layout.runs += 1
+        slots = list(ctx.slots)
+        self._rows_for(layout, parity, slots)
         ctx.slots = [
             slot if slot.reader is None else replace(slot, reader=rows)
-            for slot, rows in zip(ctx.slots, layout.rows, strict=True)
+            for slot, rows in zip(slots, layout.rows[parity], strict=True)
         ]
-        layout.runs += 1
-        if layout.runs == 1:  # eager: static rows made, lazy device state settled
-            return fn(**tensors)
-        if layout.graph is None:
-            self._capture(layout, fn, tensors)
+        if layout.fns[parity] is None:  # eager: this parity's static rows made
+            layout.fns[parity] = fn
+            out = fn(**tensors)
+        else:
+            if layout.graphs[parity] is None:
+                self._capture(layout, parity, fn, tensors)
+            else:
+                _copy_inputs(layout.inputs, tensors)
+            self._replay(layout, parity)
+            out = layout.outputs[parity]
+        layout.read_done[parity] = self._event()
+        self._prefetch(layout, 1 - parity, slots)
+        return out
+
+    def _rows_for(self, layout: _Layout, parity: int, slots: list) -> None:
+        """Make this parity's rows hold the slots' steps: wait for their prefetch, or copy
+        them now."""
+        want = _wanted(slots, 0)
+        if layout.filled_for[parity] == want and layout.ready[parity] is not None:
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(layout.ready[parity])
+            self.prefetched += 1
+            return
+        for rows, slot in zip(layout.rows[parity], slots, strict=True):
+            if slot.reader is not None:
+                rows.point(slot.reader, slot.step)
+                rows.fill_all()
+        layout.filled_for[parity], layout.ready[parity] = want, None
+
+    def _prefetch(self, layout: _Layout, parity: int, slots: list) -> None:
+        """Copy every request's next step into ``parity``'s rows (once its last reader has
+        finished), on the copy stream: it overlaps the run just launched."""
+        rows = layout.rows[parity]
+        active = [(r, s) for r, s in zip(rows, slots, strict=True) if s.reader is not None]
+        if not active or any(not r.buffers for r, _ in active):
+            return  # this parity has not run yet: its buffers are made by its eager run
+        for r, s in active:
+            r.point(s.reader, s.step + 1)
+        if not all(r.has_step(s.step + 1) for r, s in active):
+            layout.filled_for[parity] = None
+            return
+        with self._on_copy_stream(layout.read_done[parity]):
+            for r, _ in active:
+                r.fill_all()
+            layout.ready[parity] = self._event()
+        layout.filled_for[parity] = _wanted(slots, 1)
+
+    def _on_copy_stream(self, after: Any) -> Any:
+        if not self.cuda:
+            return contextlib.nullcontext()
+        if after is not None:
+            self._copies.wait_event(after)
+        return torch.cuda.stream(self._copies)
+
+    def _event(self) -> Any:
+        if not self.cuda:
+            return True
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _capture(
+        self, layout: _Layout, parity: int, fn: Callable[..., Any], tensors: dict[str, Any]
+    ) -> None:
+        if not layout.inputs:
+            layout.inputs = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()
+            }
         else:
             _copy_inputs(layout.inputs, tensors)
-        self._replay(layout)
-        return layout.output
-
-    def _capture(self, layout: _Layout, fn: Callable[..., Any], tensors: dict[str, Any]) -> None:
-        layout.inputs = {
-            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()
-        }
-        layout.fn = fn
+        layout.fns[parity] = fn
         if not self.cuda:
-            layout.graph = True
+            layout.graphs[parity] = True
             return
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(self.device)
@@ -156,17 +251,28 @@ class StepGraphs:
             fn(**layout.inputs)  # warm-up on the capture stream, as torch advises
         torch.cuda.current_stream(self.device).wait_stream(stream)
         with torch.cuda.graph(graph, stream=stream):
-            layout.output = fn(**layout.inputs)
-        layout.graph = graph
+            layout.outputs[parity] = fn(**layout.inputs)
+        layout.graphs[parity] = graph
         self.captures += 1
         log.debug("captured a mask-aware step (%d layouts)", len(self.layouts))
 
-    def _replay(self, layout: _Layout) -> None:
+    def _replay(self, layout: _Layout, parity: int) -> None:
         self.replays += 1
         if self.cuda:
-            layout.graph.replay()
+            layout.graphs[parity].replay()
         else:
-            layout.output = layout.fn(**layout.inputs)
+            layout.outputs[parity] = layout.fns[parity](**layout.inputs)
+
+
+def streams_to(reader: ActivationReader, device: torch.device) -> bool:
+    """Whether ``reader`` holds its rows whole in pinned host memory (a graph's rows can
+    then be copied in by DMA a step ahead)."""
+    check = getattr(reader, "streams_to", None)
+    return check is not None and check(device)
+
+
+def _wanted(slots: list, ahead: int) -> Hashable:
+    return tuple((id(s.reader), s.step + ahead) for s in slots if s.reader is not None)
 
 
 def _layout_key(ctx: ForwardContext, tensors: dict[str, Any]) -> Hashable:

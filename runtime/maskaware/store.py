@@ -123,6 +123,7 @@ class MemoryActivations:
         self.tensors: dict[tuple[int, str, str], torch.Tensor] = {}
         self.scales: dict[tuple[int, str, str], torch.Tensor] = {}  # fp8 rows' scales
         self.placement: torch.device | None = None  # where ``placed`` put every step's rows
+        self.pinned = False  # ``placed`` in pinned host memory
         self.format = RowFormat.NATIVE
 
     def writer(self) -> MemoryActivations:
@@ -210,7 +211,13 @@ class MemoryActivations:
             moved = tensor.to(device)
             out.tensors[key] = moved.pin_memory() if pin and moved.device.type == "cpu" else moved
         out.placement = torch.device(device)
+        out.pinned = pin and out.placement.type == "cpu"
         return out
+
+    def streams_to(self, device: torch.device) -> bool:
+        """Whether its rows sit whole in pinned host memory that ``device`` (a GPU) can
+        copy by DMA."""
+        return device.type == "cuda" and self.pinned
 
     def holds_on(self, device: torch.device) -> bool:
         """Whether every step's rows are resident on ``device`` (a device tier)."""

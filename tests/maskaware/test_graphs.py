@@ -89,8 +89,9 @@ def test_graph_steps_match_eager_steps(setup) -> None:
         first = _edits(editor, requests, store)
         again = _edits(editor, requests, store)  # the captured layout, replayed from step 1
         graphs = editor.graphs
-        assert graphs.captures == (1 if DEVICE == "cuda" else 0)
-        assert graphs.replays == 2 * STEPS - 1  # one eager step, then replays
+        assert graphs.captures == (2 if DEVICE == "cuda" else 0)  # one per parity
+        assert graphs.replays == 2 * STEPS - 2  # one eager step per parity, then replays
+        assert graphs.prefetched == 2 * STEPS - 3  # each step's rows copied in a step ahead
         assert len(graphs.layouts) == 1
         other = _edits(editor, requests[:1], store)  # another layout: eager, then captured
         assert len(graphs.layouts) == 2
@@ -111,3 +112,22 @@ def test_graphs_stay_off_for_rows_on_the_host(setup) -> None:
         assert editor.graphs.replays == 0 and not editor.graphs.layouts
     finally:
         editor.set_graphs(False)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="pinned host memory needs CUDA")
+def test_graph_steps_from_pinned_host_rows_match_eager(setup) -> None:
+    """Rows in pinned host memory are copied into the graph's buffers a step ahead."""
+    editor, template, store, halo = setup
+    pinned = MemoryActivations()
+    pinned.tensors = {k: v.cpu() for k, v in store.tensors.items()}
+    pinned = pinned.placed("cpu", pin=True)
+    requests = _requests(editor, template, halo, [0.25, 0.1])
+    eager = _edits(editor, requests, store)
+    editor.set_graphs(True)
+    try:
+        _edits(editor, requests, pinned)
+        again = _edits(editor, requests, pinned)
+        assert editor.graphs.captures == 2 and editor.graphs.prefetched == 2 * STEPS - 3
+    finally:
+        editor.set_graphs(False)
+    _compare(eager, again)
