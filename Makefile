@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.retouch-installed
 RAY_STAMP := $(VENV)/.retouch-ray
 
-.PHONY: demo test setup browser lint format clean gpu-wheels gpu-bench
+.PHONY: demo test setup browser lint format clean gpu-wheels gpu-bench gpu-served
 
 setup: $(STAMP)
 
@@ -85,3 +85,19 @@ gpu-bench:
 	PYTHONPATH=$(GPU_SRC):$(GPU_SITE) PYTHONUNBUFFERED=1 TQDM_DISABLE=1 $(GPU_PYTHON) -m retouch.platform.cli \
 	  bench production --device cuda --shapes $(GPU_SHAPES) --masks 0.1,0.2,0.35 --batch 1,4 \
 	  --host-masks 0.2 --steps 8 --repeats $(GPU_REPEATS) --out $(GPU_OUT)
+
+# Served edits of the small models on that machine: a real `retouch serve` per
+# configuration, the stock pipeline (--no-maskaware) against full retouch with and without
+# CUDA graphs, at a third of the stock configuration's capacity (the criterion: mask-aware
+# never more than 5 % slower than stock). JSON per model into $(GPU_OUT).
+GPU_SERVED_MODELS ?= retouch:small-flux retouch:small-sd
+gpu-served:
+	@$(GPU_PYTHON) -c "import diffusers, lmdb, starlette" 2>/dev/null || \
+	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl
+	@mkdir -p $(GPU_SRC)/retouch $(GPU_OUT) && for d in platform functions runtime cachestore; do \
+	  ln -sfn $(CURDIR)/$$d $(GPU_SRC)/retouch/$$d; done
+	for m in $(GPU_SERVED_MODELS); do \
+	  PYTHONPATH=$(GPU_SRC):$(GPU_SITE) PYTHONUNBUFFERED=1 TQDM_DISABLE=1 $(GPU_PYTHON) -m retouch.platform.cli \
+	    bench load --model $$m --compare continuous+stock,continuous,continuous+graphs \
+	    --rate auto:0.3 --requests 12 --warmup 3 --steps 8 --templates 1 --json \
+	    > $(GPU_OUT)/served-$${m#retouch:}.json || exit 1; done

@@ -362,6 +362,8 @@ CONFIG_TOKENS = {
     "disaggregated": (),
     "naive": ("--inline-prepost",),
     "no-admission": ("--no-admission",),
+    "graphs": ("--cuda-graphs",),  # device-resident steps replayed from CUDA graphs
+    "no-device-tier": ("--device-cache-bytes", "0"),
     # placement policies (``--placement A,B``); "maskaware" above is the default policy
     "least-requests": ("--placement", "least-requests"),
     "round-robin": ("--placement", "round-robin"),
