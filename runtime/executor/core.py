@@ -325,9 +325,9 @@ class ExecutorCore:
             )  # on failure, load_or_profile below profiles in-process
         editor = MaskAwareEditor(loaded.pipeline_for(spec.scheduler), spec.family, loaded.device)
         attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
-        editor.set_graphs(self.cuda_graphs)
         cost_model = load_or_profile(editor, loaded.folder, self.data_dir, spec.width)
         editor.set_planner(make_planner(cost_model))
+        editor.set_graphs(self.cuda_graphs)  # after profiling: it times eager blocks
         profile = profile_path(self.data_dir, loaded.folder, loaded.device)
         prior = load_step_records(profile)
         with self.lock:

@@ -41,6 +41,7 @@ from retouch.runtime import families
 from retouch.runtime.families import Family, FamilyModel
 from retouch.runtime.maskaware.context import ForwardContext, Mode, Slot, activate
 from retouch.runtime.maskaware.graphs import StepGraphs
+from retouch.runtime.maskaware.loader import LoadMode
 from retouch.runtime.maskaware.noise import SeedNoise, compose
 from retouch.runtime.maskaware.request import (
     EditRequest,
@@ -277,9 +278,16 @@ class MaskAwareEditor:
         if modes is None:
             modes = self.plan(states, self.blocks)
         ctx = ForwardContext(slots, per, modes, grids)
-        if self._graphs is not None and StepGraphs.usable(ctx, self.device):
+        if self._graphs is not None and self._graphable() and StepGraphs.usable(ctx, self.device):
             ctx.runner = self._graphs
         self._run(ctx, states)
+
+    def _graphable(self) -> bool:
+        """Graphs replay no Python: not with a loader that times or preloads blocks."""
+        loader = self._row_loader
+        return loader is None or (
+            not loader.hooks and loader.mode in (LoadMode.SYNC, LoadMode.OVERLAPPED)
+        )
 
     def _layout(self, sets: tuple[TokenSet, ...], per: int, packed: bool) -> TokenBatch:
         """The token batch of these sets, re-used while the batch's masks stay the same (its
