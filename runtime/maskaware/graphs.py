@@ -160,6 +160,8 @@ class StepGraphs:
             )
             self.layouts[key] = layout
             while len(self.layouts) > self.limit:
+                if self._copies is not None:  # its buffers may still be being copied into
+                    self._copies.synchronize()
                 self.layouts.popitem(last=False)
         self.layouts.move_to_end(key)
         parity = layout.runs % 2
