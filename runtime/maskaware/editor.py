@@ -130,6 +130,8 @@ class MaskAwareEditor:
     def set_graphs(self, enabled: bool) -> None:
         """Run mask-aware steps whose cached rows are all on the GPU from CUDA graphs
         (``maskaware.graphs``): one capture per batch layout, replayed. Off by default."""
+        if self._graphs is not None:
+            self._graphs.close()
         self._graphs = StepGraphs(self.device) if enabled else None
 
     @property

@@ -134,6 +134,12 @@ class StepGraphs:
         self.prefetched = 0  # runs whose rows had been copied in during the run before
         self._copies = torch.cuda.Stream(device) if self.cuda else None
 
+    def close(self) -> None:
+        """Drop every layout, once the copies into their buffers have finished."""
+        if self._copies is not None:
+            self._copies.synchronize()
+        self.layouts.clear()
+
     @staticmethod
     def usable(ctx: ForwardContext, device: torch.device) -> bool:
         """Whether a step can run from a graph: nothing recorded, no loader or block hooks
