@@ -14,7 +14,9 @@ templates are all resident can be replayed from a CUDA graph.
   (step -1: noise, latents) stay on the host, where the host side of an edit reads them.
 * **Budget and eviction**: resident bytes ≤ ``budget``; to make room the least recently
   used templates that no edit holds are evicted (their memory goes back to torch's
-  allocator). A template that does not fit even then is not promoted (``device_skips``).
+  allocator, re-used only after the engine's queued kernels). A template that would not
+  fit even then is not promoted and evicts nothing (``device_skips``). ``drop`` (a
+  re-bake, a delete) also refuses a copy of the old activations still in flight.
 * **Handles**: ``acquire`` returns a held :class:`DeviceTemplate` (never evicted while
   held); ``release`` it when the edit ends. It is a reader the blocks recognise as
   resident (``holds_on``, ``resident``).
@@ -110,6 +112,7 @@ class DeviceTier:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _resident: OrderedDict[str, DeviceTemplate] = field(default_factory=OrderedDict)
     _pending: dict[str, Future[None]] = field(default_factory=dict)
+    _generation: dict[str, int] = field(default_factory=dict)  # bumped by ``drop``
     _copier: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="device-tier")
     )
@@ -140,7 +143,8 @@ class DeviceTier:
         with self._lock:
             if key in self._resident or key in self._pending:
                 return
-            self._pending[key] = self._copier.submit(self._promote, key, open_source)
+            generation = self._generation.get(key, 0)
+            self._pending[key] = self._copier.submit(self._promote, key, generation, open_source)
 
     def wait(self) -> None:
         """Wait for promotions in flight (tests, benchmarks)."""
@@ -166,6 +170,8 @@ class DeviceTier:
         its handle is released."""
         with self._lock:
             self._resident.pop(key, None)
+            self._pending.pop(key, None)  # a copy of the old activations will not be kept
+            self._generation[key] = self._generation.get(key, 0) + 1
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)
@@ -174,22 +180,25 @@ class DeviceTier:
 
     # -- the copier thread ----------------------------------------------------------------
 
-    def _promote(self, key: str, open_source: Callable[[], TemplateSource | None]) -> None:
+    def _promote(
+        self, key: str, generation: int, open_source: Callable[[], TemplateSource | None]
+    ) -> None:
         try:
             source = open_source()
             if source is None:
                 return
             try:
-                self._copy_in(key, source)
+                self._copy_in(key, generation, source)
             finally:
                 source.release()
         except Exception:
             log.exception("promoting template %s to the device tier failed", key)
         finally:
             with self._lock:
-                self._pending.pop(key, None)
+                if self._generation.get(key, 0) == generation:
+                    self._pending.pop(key, None)
 
-    def _copy_in(self, key: str, source: TemplateSource) -> None:
+    def _copy_in(self, key: str, generation: int, source: TemplateSource) -> None:
         slots = source.slots()
         nbytes = sum(source.get(*s).nbytes for s in slots if s[0] != TEMPLATE_STEP)
         if not self._make_room(nbytes):
@@ -200,17 +209,22 @@ class DeviceTier:
         tensors = _copied(source, slots, self.device)
         template = DeviceTemplate(key, self.device, tensors, nbytes, tier=self)
         with self._lock:
+            if self._generation.get(key, 0) != generation:
+                return  # dropped (re-baked or deleted) while it was being copied
             self._resident[key] = template
             self.stats.promotions += 1
             self.stats.promoted_bytes += nbytes
 
     def _make_room(self, nbytes: int) -> bool:
-        """Evict unheld templates, least recently used first, until ``nbytes`` fit."""
+        """Evict unheld templates, least recently used first, until ``nbytes`` fit; evict
+        nothing when even that would not make room."""
         if nbytes > self.budget:
             return False
-        evicted = False
         with self._lock:
             used = sum(t.nbytes for t in self._resident.values())
+            unheld = sum(t.nbytes for t in self._resident.values() if t.refs == 0)
+            if used - unheld + nbytes > self.budget:
+                return False
             for key in list(self._resident):
                 if used + nbytes <= self.budget:
                     break
@@ -219,29 +233,32 @@ class DeviceTier:
                     del self._resident[key]
                     used -= victim.nbytes
                     self.stats.evictions += 1
-                    evicted = True
-            fits = used + nbytes <= self.budget
-        if evicted and self.device.type == "cuda":
-            # an edit that released a victim may still have kernels reading it queued:
-            # its memory is re-used by the copy below only once they are done
-            torch.cuda.synchronize(self.device)
-        return fits
+        return True
 
 
 def _copied(source: TemplateSource, slots: list[Slot], device: torch.device) -> dict[Slot, Any]:
     """Every step's tensors on ``device`` (one side stream, waited for), step -1's cloned
-    on the host."""
+    on the host. Each device tensor is marked as used by the device's default stream (the
+    engine's): when it is freed (evicted, dropped), torch's allocator re-uses its memory
+    only after the kernels queued there by then have run."""
     out: dict[Slot, torch.Tensor] = {}
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        for slot in slots:
-            tensor = source.get(*slot)
-            if slot[0] == TEMPLATE_STEP:
-                out[slot] = tensor.clone()
-            else:
-                out[slot] = tensor.to(device, non_blocking=True, copy=True)
+    try:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for slot in slots:
+                tensor = source.get(*slot)
+                if slot[0] == TEMPLATE_STEP:
+                    out[slot] = tensor.clone()
+                else:
+                    out[slot] = tensor.to(device, non_blocking=True, copy=True)
+    finally:
+        if stream is not None:
+            stream.synchronize()  # the host buffers are read until the copies are done
     if stream is not None:
-        stream.synchronize()
+        engine = torch.cuda.default_stream(device)
+        for slot, tensor in out.items():
+            if slot[0] != TEMPLATE_STEP:
+                tensor.record_stream(engine)
     return out
 
 

@@ -30,11 +30,13 @@ from retouch.cachestore.stats import StoreCounters
 log = logging.getLogger(__name__)
 
 TEMPLATE_STEP = -1  # per-template tensors (noise, latents): loaded once, kept
-WINDOW = 3  # steps held at once: the one before (copies may still read it), now, next
 
 
 class StreamedTemplate(TemplateHandle):
-    """A held template read step by step (the interface of ``HostTemplate``)."""
+    """A held template read step by step (the interface of ``HostTemplate``). It holds at
+    most three steps: the one before (copies may still read it), now and next. One edit
+    reads it, in step order; a tensor from ``get`` is valid until the edit has moved two
+    steps past it."""
 
     def __init__(
         self,
@@ -125,10 +127,11 @@ class StreamedTemplate(TemplateHandle):
             future = self._window.get(step)
             if future is None:
                 future = self._window[step] = self._loader.submit(self._load, step)
-            following = self._following(step)
+            following = self._neighbour(step, later=True)
             if following is not None and following not in self._window:
                 self._window[following] = self._loader.submit(self._load, following)
-            stale = [s for s in self._window if s < step - 1 or s > step + 1]
+            keep = {step, following, self._neighbour(step, later=False)}
+            stale = [s for s in self._window if s not in keep]
             dropped = [self._window.pop(s) for s in stale]
         if dropped:
             _settle_device()
@@ -136,9 +139,13 @@ class StreamedTemplate(TemplateHandle):
                 self._free_future(old)
         return future.result()
 
-    def _following(self, step: int) -> int | None:
-        later = [s for s in self._steps if s > step]
-        return later[0] if later else None
+    def _neighbour(self, step: int, *, later: bool) -> int | None:
+        """The template's next (or previous) step after ``step`` (steps need not be
+        consecutive)."""
+        found = [s for s in self._steps if (s > step if later else s < step)]
+        if not found:
+            return None
+        return found[0] if later else found[-1]
 
     def _load(self, step: int) -> LoadedTemplate:
         """One step's tensors from disk, checksums verified (a corrupt value marks the

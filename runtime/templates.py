@@ -307,8 +307,13 @@ class TemplateCache:
             self._changed(ChangeKind.LOST, template)
         elif tier != Tier.HOST.value:
             self._changed(ChangeKind.HOST_TIER, template)
-        if handle is not None and self.device_tier is not None:
-            self.device_tier.promote(template.key, lambda: self._whole(template.key))
+        device = self.device_tier
+        if (
+            isinstance(handle, HostTemplate)
+            and device is not None
+            and handle.nbytes <= device.budget
+        ):
+            device.promote(template.key, lambda: self._whole(template.key))
         return Acquired(handle, tier, wait_ms)
 
     def _forget_on_device(self, key: str) -> None:

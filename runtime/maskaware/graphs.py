@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,7 @@ from retouch.runtime.maskaware.store import ActivationReader, all_resident, copy
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 4  # captured layouts kept (each holds its own memory pool)
+EAGER = "eager"  # a parity whose capture failed: it runs eagerly from then on
 
 
 class StaticRows:
@@ -116,7 +118,7 @@ class _Layout:
     outputs: list[Any] = field(default_factory=lambda: [None, None])
     fns: list[Any] = field(default_factory=lambda: [None, None])
     inputs: dict[str, Any] = field(default_factory=dict)
-    filled_for: list[Hashable] = field(default_factory=lambda: [None, None])  # (reader, step)s
+    filled_for: list[Any] = field(default_factory=lambda: [None, None])  # (reader ref, step)s
     ready: list[Any] = field(default_factory=lambda: [None, None])  # rows copied in (event)
     read_done: list[Any] = field(default_factory=lambda: [None, None])  # last reader finished
 
@@ -178,7 +180,8 @@ class StepGraphs:
             slot if slot.reader is None else replace(slot, reader=rows)
             for slot, rows in zip(slots, layout.rows[parity], strict=True)
         ]
-        if layout.fns[parity] is None:  # eager: this parity's static rows made
+        if layout.fns[parity] is None or layout.graphs[parity] is EAGER:
+            # first run of this parity (its static rows are made), or a capture failed
             layout.fns[parity] = fn
             out = fn(**tensors)
         else:
@@ -186,26 +189,31 @@ class StepGraphs:
                 self._capture(layout, parity, fn, tensors)
             else:
                 _copy_inputs(layout.inputs, tensors)
-            self._replay(layout, parity)
-            out = layout.outputs[parity]
+            if layout.graphs[parity] is EAGER:
+                out = fn(**tensors)
+            else:
+                self._replay(layout, parity)
+                out = layout.outputs[parity]
         layout.read_done[parity] = self._event()
         self._prefetch(layout, 1 - parity, slots)
+        for rows in (*layout.rows[0], *layout.rows[1]):
+            rows.source = None  # the buffers are filled: keep no edit's handle alive
         return out
 
     def _rows_for(self, layout: _Layout, parity: int, slots: list) -> None:
         """Make this parity's rows hold the slots' steps: wait for their prefetch, or copy
         them now."""
-        want = _wanted(slots, 0)
-        if layout.filled_for[parity] == want and layout.ready[parity] is not None:
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(layout.ready[parity])
+        ready = layout.ready[parity]
+        if self.cuda and ready is not None:  # a prefetch into these buffers may be running
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        if ready is not None and _holds(layout.filled_for[parity], slots, 0):
             self.prefetched += 1
             return
         for rows, slot in zip(layout.rows[parity], slots, strict=True):
             if slot.reader is not None:
                 rows.point(slot.reader, slot.step)
                 rows.fill_all()
-        layout.filled_for[parity], layout.ready[parity] = want, None
+        layout.filled_for[parity], layout.ready[parity] = _wanted(slots, 0), None
 
     def _prefetch(self, layout: _Layout, parity: int, slots: list) -> None:
         """Copy every request's next step into ``parity``'s rows (once its last reader has
@@ -255,11 +263,19 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            fn(**layout.inputs)  # warm-up on the capture stream, as torch advises
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        with torch.cuda.graph(graph, stream=stream):
-            layout.outputs[parity] = fn(**layout.inputs)
+        try:
+            with torch.cuda.stream(stream):
+                fn(**layout.inputs)  # warm-up on the capture stream, as torch advises
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            # thread-local: CUDA calls of other threads (a device-tier copy, a pinned
+            # registration) neither break this capture nor are broken by it
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                layout.outputs[parity] = fn(**layout.inputs)
+        except RuntimeError:
+            log.exception("capturing a mask-aware step failed: this layout runs eagerly")
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            layout.graphs[parity] = EAGER
+            return
         layout.graphs[parity] = graph
         self.captures += 1
         log.debug("captured a mask-aware step (%d layouts)", len(self.layouts))
@@ -279,8 +295,23 @@ def streams_to(reader: ActivationReader, device: torch.device) -> bool:
     return check is not None and check(device)
 
 
-def _wanted(slots: list, ahead: int) -> Hashable:
-    return tuple((id(s.reader), s.step + ahead) for s in slots if s.reader is not None)
+def _wanted(slots: list, ahead: int) -> tuple:
+    """What a parity's buffers hold: each request's reader (weakly: a finished edit's
+    handle is not kept alive) and step."""
+    return tuple((weakref.ref(s.reader), s.step + ahead) for s in slots if s.reader is not None)
+
+
+def _holds(filled: tuple | None, slots: list, ahead: int) -> bool:
+    """Whether ``filled`` is exactly the slots' readers (the same objects) at their steps."""
+    wanted = [(s.reader, s.step + ahead) for s in slots if s.reader is not None]
+    return (
+        filled is not None
+        and len(filled) == len(wanted)
+        and all(
+            ref() is reader and step == want_step
+            for (ref, step), (reader, want_step) in zip(filled, wanted, strict=True)
+        )
+    )
 
 
 def _layout_key(ctx: ForwardContext, tensors: dict[str, Any]) -> Hashable:

@@ -461,7 +461,8 @@ class StepLoads:
             if slot.reader is None:
                 continue
             for name in job.need.names:
-                if device_resident(slot.reader, slot.step, source, name, self.loader.device):
+                resident = device_resident(slot.reader, slot.step, source, name, self.loader.device)
+                if resident is not None:
                     continue  # the device tier: the block copies it whole, nothing to load
                 shape, dtype = _describe(slot.reader, slot.step, source, name)
                 grid = self._grids[shape[-2]]

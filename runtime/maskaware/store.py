@@ -207,7 +207,10 @@ class MemoryActivations:
             tensor = self.get(*key)
             if encodes(out.format, key[2]):
                 tensor, scale = encode_fp8(tensor.to(encode_on or device))
-                out.scales[key] = scale.to(device)
+                scale = scale.to(device)
+                out.scales[key] = (
+                    scale.pin_memory() if pin and scale.device.type == "cpu" else scale
+                )
             moved = tensor.to(device)
             out.tensors[key] = moved.pin_memory() if pin and moved.device.type == "cpu" else moved
         out.placement = torch.device(device)

@@ -11,6 +11,7 @@ blocks are written once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -110,9 +111,10 @@ class TokenBatch:
     def everything(
         cls, n_tokens: int, requests: int, rows_per_request: int, device: torch.device
     ) -> TokenBatch:
-        """Every token of every request (the packed rows a full block computes)."""
-        whole = TokenSet(torch.arange(n_tokens), torch.zeros(0, dtype=torch.long), n_tokens)
-        return cls((whole,) * requests, rows_per_request, packed=True, device=device)
+        """Every token of every request (the packed rows a full block computes); one object
+        per shape, so its device index tensors are made once (a captured step refers to
+        them and may not copy from the host)."""
+        return _everything(n_tokens, requests, rows_per_request, str(device))
 
     @property
     def rows(self) -> int:
@@ -224,3 +226,9 @@ class TokenBatch:
 
 def _cat_long(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=32)
+def _everything(n_tokens: int, requests: int, rows_per_request: int, device: str) -> TokenBatch:
+    whole = TokenSet(torch.arange(n_tokens), torch.zeros(0, dtype=torch.long), n_tokens)
+    return TokenBatch((whole,) * requests, rows_per_request, True, torch.device(device))

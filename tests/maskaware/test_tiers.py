@@ -133,3 +133,30 @@ def test_fp8_rows_decode_alike_on_host_and_gpu() -> None:
     resident = _edit(editor, request, store.placed("cuda", fmt="fp8", encode_on="cpu"), None)
     np.testing.assert_allclose(host, pinned, atol=1e-2)
     np.testing.assert_allclose(host, resident, atol=1e-2)
+
+
+def test_a_batch_mixing_resident_and_host_rows_loads_only_the_host_ones() -> None:
+    """One request's rows resident (copied whole), the other's gathered by the loader."""
+    editor, request, store = _setup("flux-dev", "cpu")
+    resident = store.placed("cpu")
+    other = EditRequest(
+        request.image, request.mask, "a blue kite", 9, STEPS, 4.0, "a quiet street", 1
+    )
+
+    def edits(mode: LoadMode | None) -> list[np.ndarray]:
+        loader = None if mode is None else RowLoader.for_editor(editor, mode)
+        editor.set_row_loader(loader)
+        try:
+            states = [editor.prepare(request, resident), editor.prepare(other, store)]
+            while not states[0].done:
+                editor.step(states)
+            return [editor.finish(s, "np") for s in states]
+        finally:
+            editor.set_row_loader(None)
+            if loader is not None:
+                loader.close()
+
+    synchronous = edits(None)
+    streamed = edits(LoadMode.OVERLAPPED)
+    for a, b in zip(synchronous, streamed, strict=True):
+        np.testing.assert_array_equal(a, b)
