@@ -293,7 +293,7 @@ class RowLoader:
                 moved += slab.numel() * slab.element_size() if slab.device.type == "cpu" else 0
                 if scale is not None:  # fp8 rows: decoded here, on the GPU
                     scale = piece.reader.scale(piece.step, piece.block, piece.name, self.device)
-                    on_device = decode(on_device, scale)
+                    on_device = decode(on_device, scale, piece.dtype)
                 torch.index_select(on_device, -2, piece.device_rows, out=piece.view(flat))
             job.event = torch.cuda.Event()
             job.event.record(stream)

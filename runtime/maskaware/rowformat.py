@@ -32,11 +32,13 @@ def encodes(fmt: RowFormat, name: str) -> bool:
 
 
 def encode_fp8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[..., N, C]`` → (fp8 codes, scales ``[..., 1, C]`` in ``tensor``'s dtype)."""
+    """``[..., N, C]`` → (fp8 codes, float32 scales ``[..., 1, C]``). The scales stay in
+    float32: in fp16 the scale of a channel whose values are all small would be
+    subnormal, and imprecise."""
     amax = tensor.abs().amax(dim=-2, keepdim=True).float()
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     codes = (tensor.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return codes, scale.to(tensor.dtype)
+    return codes, scale
 
 
 def decode_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None) -> None:
@@ -46,9 +48,10 @@ def decode_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | No
         out.mul_(scale.to(out.device, non_blocking=True))
 
 
-def decode(codes: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def decode(codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The rows ``codes`` stand for, in ``dtype`` (the codes themselves without a scale)."""
     if scale is None:
         return codes
-    out = torch.empty(codes.shape, dtype=scale.dtype, device=codes.device)
+    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     decode_into(out, codes, scale)
     return out

@@ -122,6 +122,7 @@ class MemoryActivations:
     def __init__(self) -> None:
         self.tensors: dict[tuple[int, str, str], torch.Tensor] = {}
         self.scales: dict[tuple[int, str, str], torch.Tensor] = {}  # fp8 rows' scales
+        self.dtypes: dict[tuple[int, str, str], torch.dtype] = {}  # fp8 rows' compute dtype
         self.placement: torch.device | None = None  # where ``placed`` put every step's rows
         self.pinned = False  # ``placed`` in pinned host memory
         self.format = RowFormat.NATIVE
@@ -138,7 +139,7 @@ class MemoryActivations:
     def get(self, step: int, block: str, name: str) -> torch.Tensor:
         """The cached tensor as the blocks compute with it (fp8 rows decoded)."""
         codes, scale = self.encoded(step, block, name)
-        return decode(codes, scale)
+        return decode(codes, scale, self.dtypes.get((step, block, name), codes.dtype))
 
     def encoded(self, step: int, block: str, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tensor as stored, and its scales when the rows rest in fp8."""
@@ -150,8 +151,8 @@ class MemoryActivations:
 
     def describe(self, step: int, block: str, name: str) -> tuple[torch.Size, torch.dtype]:
         """Shape and compute dtype of a cached tensor, without decoding it."""
-        codes, scale = self.encoded(step, block, name)
-        return codes.shape, codes.dtype if scale is None else scale.dtype
+        codes, _ = self.encoded(step, block, name)
+        return codes.shape, self.dtypes.get((step, block, name), codes.dtype)
 
     def read_rows(
         self, step: int, block: str, name: str, rows: torch.Tensor, out: torch.Tensor
@@ -206,6 +207,7 @@ class MemoryActivations:
                 continue
             tensor = self.get(*key)
             if encodes(out.format, key[2]):
+                out.dtypes[key] = tensor.dtype
                 tensor, scale = encode_fp8(tensor.to(encode_on or device))
                 scale = scale.to(device)
                 out.scales[key] = (
