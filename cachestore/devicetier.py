@@ -117,11 +117,6 @@ class DeviceTier:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="device-tier")
     )
 
-    @property
-    def used(self) -> int:
-        with self._lock:
-            return sum(t.nbytes for t in self._resident.values())
-
     def acquire(self, key: str) -> DeviceTemplate | None:
         """The held resident template, most recently used now; None if not resident."""
         with self._lock:
@@ -161,6 +156,7 @@ class DeviceTier:
                 "device_templates": len(self._resident),
                 "device_hits": self.stats.hits,
                 "device_promotions": self.stats.promotions,
+                "device_promoted_bytes": self.stats.promoted_bytes,
                 "device_evictions": self.stats.evictions,
                 "device_skips": self.stats.skips,
             }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from types import TracebackType
 
 import torch
@@ -11,7 +12,7 @@ from retouch.cachestore.rows import Rows, gather_rows
 from retouch.cachestore.stats import StoreCounters
 
 
-class TemplateHandle:
+class TemplateHandle(abc.ABC):
     """A held template (``release`` it, or use ``with``): ``get`` one tensor, gather rows
     of it (``read_rows``), or hand it whole to a loader that moves it by DMA
     (``encoded``). Subclasses say where the tensors come from."""
@@ -19,17 +20,17 @@ class TemplateHandle:
     _counters: StoreCounters
 
     @property
-    def key(self) -> str:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def key(self) -> str: ...
 
-    def slots(self) -> list[Slot]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def slots(self) -> list[Slot]: ...
 
-    def get(self, step: int, block: str, name: str) -> torch.Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def get(self, step: int, block: str, name: str) -> torch.Tensor: ...
 
-    def release(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def release(self) -> None: ...
 
     def describe(self, step: int, block: str, name: str) -> tuple[torch.Size, torch.dtype]:
         tensor = self.get(step, block, name)

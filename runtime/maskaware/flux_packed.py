@@ -38,6 +38,7 @@ class Stream:
     rope: tuple[torch.Tensor, torch.Tensor]  # per image row
     text_rope: tuple[torch.Tensor, torch.Tensor]  # per text position (shared by requests)
     _joint: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _joint_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def joint_rope(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of the joint rows ``[B*L text ; T image]`` (one rotation per Q or K)."""
@@ -219,11 +220,10 @@ def _single(
 
 def _joint_rows(stream: Stream, batch: int, text_len: int) -> torch.Tensor:
     """The model row of every joint row ``[B*L text ; T image]`` (memoised per stream)."""
-    key = -batch  # shares the stream's memo with the RoPE tables (positive keys)
-    if key not in stream._joint:
+    if batch not in stream._joint_rows:
         text = torch.arange(batch, device=stream.rows.device).repeat_interleave(text_len)
-        stream._joint[key] = (torch.cat([text, stream.tokens.row_of_token]),)
-    return stream._joint[key][0]
+        stream._joint_rows[batch] = torch.cat([text, stream.tokens.row_of_token])
+    return stream._joint_rows[batch]
 
 
 def _dual_qkv(
