@@ -977,9 +977,10 @@ def _ops(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--steps",
-        type=_checked(int, "an integer >= 2", lambda v: v >= 2),
-        default=2,
-        help="denoising steps of the edits, all but the last counted (default 2, at least 2)",
+        type=_checked(int, "an integer >= 3", lambda v: v >= 3),
+        default=3,
+        help="denoising steps of the edits; the first (it builds the layouts) and the last "
+        "are not in the steady-state count (default 3, at least 3)",
     )
     add_models_dir(p)
     add_json(p, "the rows")
@@ -996,12 +997,12 @@ def _run_ops(args: argparse.Namespace) -> None:
         print(json.dumps(rows))
         return
     print(
-        f"{'model':<18} {'mask':>5} {'batch':>5} {'stock ops':>10} {'sparse ops':>11} {'ratio':>6}  top extra ops"
+        f"{'model':<18} {'mask':>5} {'batch':>5} {'stock ops':>10} {'sparse ops':>11} {'ratio':>6} {'1st step':>9}  top extra ops"
     )
     for r in rows:
         top = ", ".join(f"{op.removeprefix('aten::')} +{n}" for op, n in r["top_extra"][:5])
         print(
-            f"{r['model']:<18} {r['mask_ratio']:>5.2f} {r['batch']:>5} {r['stock_ops']:>10} {r['sparse_ops']:>11} {r['ratio']:>6.3f}  {top}"
+            f"{r['model']:<18} {r['mask_ratio']:>5.2f} {r['batch']:>5} {r['stock_ops']:>10} {r['sparse_ops']:>11} {r['ratio']:>6.3f} {r['first_step_ops']:>9}  {top}"
         )
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from retouch.runtime.maskaware.context import ForwardContext, Mode, current
-from retouch.runtime.maskaware.store import copy_resident, fetch_rows
+from retouch.runtime.maskaware.store import copy_resident, device_resident, fetch_rows
 from retouch.runtime.maskaware.tokens import TokenBatch
 
 
@@ -25,9 +25,31 @@ def assemble(
     ctx: ForwardContext, tokens: TokenBatch, block: str, name: str, fresh: torch.Tensor
 ) -> torch.Tensor:
     """``[rows, N, C]``: each request's cached rows of ``name`` plus the ``fresh`` ``[T, C]`` rows."""
+    whole = resident_with_fresh(ctx, tokens, block, name, fresh)
+    if whole is not None:
+        return whole
     full = fresh.new_empty(tokens.rows, tokens.n_tokens, fresh.shape[-1])
     fill_cached(ctx, tokens, block, name, full)
     return tokens.scatter_rows(fresh, full)
+
+
+def resident_with_fresh(
+    ctx: ForwardContext, tokens: TokenBatch, block: str, name: str, fresh: torch.Tensor
+) -> torch.Tensor | None:
+    """A single request whose cached tensor rests whole on the compute device, in the
+    compute dtype: that tensor with the ``fresh`` ``[T, C]`` masked rows written in, by one
+    out-of-place ``index_copy`` (no buffer to allocate, fill and patch: the fewest ops and
+    launches a step can spend on it). ``None`` where that does not apply."""
+    if len(tokens.sets) != 1 or ctx.slots[0].reader is None:
+        return None
+    slot = ctx.slots[0]
+    stored = device_resident(slot.reader, slot.step, block, name, fresh.device)
+    if stored is None or stored.dtype != fresh.dtype:  # fp8 codes are decoded by a copy
+        return None
+    per = tokens.rows_per_request
+    if tuple(stored.shape) != (per, tokens.n_tokens, fresh.shape[-1]):
+        return None
+    return stored.index_copy(1, tokens.masked_index(0), fresh.view(per, -1, fresh.shape[-1]))
 
 
 def fill_cached(

@@ -24,7 +24,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
-from retouch.runtime.maskaware.attention import assemble, fill_cached, sdpa
+from retouch.runtime.maskaware.attention import assemble, fill_cached, resident_with_fresh, sdpa
 from retouch.runtime.maskaware.context import ForwardContext, Mode
 from retouch.runtime.maskaware.tokens import TokenBatch
 
@@ -310,6 +310,10 @@ def _keys(
     heads = joint.shape[1:]
     flat = joint.flatten(1)
     channels = flat.shape[1]
+    image = resident_with_fresh(ctx, tokens, block, name, flat[split:])
+    if image is not None:
+        text = flat[:split].view(tokens.rows, text_len, channels)
+        return torch.cat([text, image], dim=1).unflatten(-1, heads)
     out = flat.new_empty(tokens.rows, text_len + tokens.n_tokens, channels)
     out[:, :text_len] = flat[:split].view(tokens.rows, text_len, channels)
     fill_cached(ctx, tokens, block, name, out[:, text_len:])

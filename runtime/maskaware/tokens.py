@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -178,6 +179,16 @@ class TokenBatch:
             return picked.unsqueeze(0)
         return picked.view(self.rows, self.n_max, channels)
 
+    def gather_map(self, feature_map: torch.Tensor) -> torch.Tensor:
+        """``[rows, C, H, W]`` → the sparse layout, like :meth:`gather` of its tokens. When
+        every row shares one token set (one request) the masked columns are picked straight
+        from the channels-first map: only the picked rows are ever copied."""
+        channels_first = feature_map.flatten(2)
+        if len(self.sets) != 1:
+            return self.gather(channels_first.transpose(1, 2))
+        picked = channels_first.index_select(2, self.masked_index(0)).transpose(1, 2)
+        return picked.reshape(1, -1, picked.shape[-1]) if self.packed else picked
+
     def real_rows(self, sparse: torch.Tensor, channel_dims: int = 1) -> torch.Tensor:
         """The sparse layout's real token rows, ``[T, C]`` in ``flat_index`` order; the
         last ``channel_dims`` dimensions make a row's channels (2: ``[..., heads, dim]``)."""
@@ -196,6 +207,13 @@ class TokenBatch:
         full.view(-1, full.shape[-1]).index_copy_(0, self.flat_index, rows)
         return full
 
+    def masked_index(self, request: int) -> torch.Tensor:
+        """A request's masked positions on the model's device (where its fresh rows go)."""
+        memo = self.__dict__.setdefault("_masked_on_device", {})
+        if request not in memo:
+            memo[request] = self.sets[request].masked.to(self.device)
+        return memo[request]
+
     def unmasked_index(self, request: int) -> torch.Tensor:
         """A request's unmasked positions on the model's device (scatter target of cached rows)."""
         memo = self.__dict__.setdefault("_unmasked_on_device", {})
@@ -212,10 +230,14 @@ class TokenBatch:
             memo[text_len] = flat + (flat // self.n_tokens + 1) * text_len
         return memo[text_len]
 
-    def segments(self) -> list[tuple[int, int]]:
+    def segments(self) -> tuple[tuple[int, int], ...]:
         """Packed layout: ``(start, count)`` of every row in the packed sequence."""
-        starts = [0, *torch.tensor(self.counts).cumsum(0).tolist()]
-        return [(starts[r], self.counts[r]) for r in range(self.rows)]
+        return self._segments
+
+    @cached_property
+    def _segments(self) -> tuple[tuple[int, int], ...]:
+        starts = itertools.accumulate(self.counts, initial=0)
+        return tuple(zip(starts, self.counts, strict=False))
 
     @cached_property
     def row_of_token(self) -> torch.Tensor:

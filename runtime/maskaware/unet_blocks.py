@@ -17,6 +17,7 @@ hands straight to diffusers' code, so the stock pipeline runs unchanged on the s
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -162,8 +163,8 @@ def _sparse_forward(
     """Masked rows through norm/proj/blocks; unmasked rows from the cached block output."""
     batch, channels, height, width = hidden_states.shape
     tokens = ctx.grids[(height, width)]
-    residual = tokens.gather(_as_tokens(hidden_states))
-    x = tokens.gather(_as_tokens(module.norm(hidden_states)))
+    residual = tokens.gather_map(hidden_states)
+    x = tokens.gather_map(module.norm(hidden_states))
     x = _project(module.proj_in, x)
     ctx.grid = tokens
     try:
@@ -180,16 +181,26 @@ def _sparse_forward(
     return full.view(batch, height, width, channels).permute(0, 3, 1, 2).contiguous()
 
 
-def _as_tokens(feature_map: torch.Tensor) -> torch.Tensor:
-    """``[B, C, H, W]`` → ``[B, H*W, C]`` (row-major tokens, as Transformer2DModel orders them)."""
-    return feature_map.flatten(2).transpose(1, 2)
-
-
 def _project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``proj_in``/``proj_out`` on token rows: a 1×1 convolution is a linear map per token."""
     if isinstance(layer, nn.Conv2d):
-        return F.linear(x, layer.weight.flatten(1), layer.bias)
+        return F.linear(x, _matrix(layer), layer.bias)
     return layer(x)
+
+
+_MATRICES: weakref.WeakKeyDictionary[nn.Conv2d, tuple[torch.Tensor, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _matrix(conv: nn.Conv2d) -> torch.Tensor:
+    """A 1×1 convolution's weight as a ``[out, in]`` matrix: a view made once per weight
+    (it shares the weight's memory, so an in-place weight update shows through)."""
+    weight = conv.weight
+    made = _MATRICES.get(conv)
+    if made is None or made[0] is not weight:
+        made = _MATRICES[conv] = (weight, weight.detach().flatten(1))
+    return made[1]
 
 
 def _heads(attn: Attention, x: torch.Tensor) -> torch.Tensor:

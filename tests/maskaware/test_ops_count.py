@@ -1,7 +1,7 @@
 """Ops dispatched per denoising step (``retouch bench ops``), the CPU proxy for host overhead.
 
-Issue #29's target, a mask-aware step dispatching at most 1.25× the ops of a stock step, is
-not met yet by every family: those are ``xfail(strict=True)`` and turn red the day they meet it.
+Issue #29's target: a mask-aware step (steady state, the template resident) dispatches at
+most 1.25× the ops of a stock step, per family, at batch 1.
 """
 
 from __future__ import annotations
@@ -26,7 +26,15 @@ def flux_rows(models_dir: Path) -> list[dict[str, Any]]:
 def test_counts_are_positive_and_deterministic(flux_rows: list[dict[str, Any]]) -> None:
     first, again, _ = flux_rows
     assert first["stock_ops"] > 0 and first["sparse_ops"] > 0
-    assert first == again
+    # The first step's count depends on what earlier edits in the process memoised already.
+    steady = {k: v for k, v in first.items() if k != "first_step_ops"}
+    assert steady == {k: v for k, v in again.items() if k != "first_step_ops"}
+
+
+def test_the_first_sparse_step_also_builds_the_layouts(flux_rows: list[dict[str, Any]]) -> None:
+    """The first step pays once for what later steps re-use; it is reported, not hidden."""
+    row = flux_rows[0]
+    assert row["first_step_ops"] > row["sparse_ops"]
 
 
 def test_a_stock_step_dispatches_as_many_ops_at_batch_4_as_at_batch_1(
@@ -39,20 +47,9 @@ def test_a_stock_step_dispatches_as_many_ops_at_batch_4_as_at_batch_1(
     assert one["stock_ops"] <= four["stock_ops"] <= 1.01 * one["stock_ops"]
 
 
-NOT_YET = pytest.mark.xfail(
-    strict=True,
-    reason="issue #29: a mask-aware step dispatches more than 1.25x the ops of a stock step "
-    "(views of heads and rows, per-request row copies); docs/benchmarks.md",
-)
-
-
 @pytest.mark.parametrize(
     "family",
-    [
-        pytest.param("flux-inpaint", marks=NOT_YET),
-        pytest.param("sd-inpaint", marks=NOT_YET),
-        "sd3-inpaint",
-    ],
+    ["flux-inpaint", "sd-inpaint", "sd3-inpaint"],
 )
 def test_sparse_step_dispatches_at_most_1_25x_stock(
     family: str, flux_rows: list[dict[str, Any]], models_dir: Path

@@ -64,8 +64,23 @@ def test_packed_and_padded_agree_on_real_rows() -> None:
     full = torch.randn(6, 16, 3)
     packed, padded = _ragged_batch(True), _ragged_batch(False)
     assert packed.real_rows(packed.gather(full)).equal(padded.real_rows(padded.gather(full)))
-    assert packed.segments() == [(0, 3), (3, 3), (6, 4), (10, 4), (14, 1), (15, 1)]
+    assert packed.segments() == ((0, 3), (3, 3), (6, 4), (10, 4), (14, 1), (15, 1))
     assert packed.row_of_token.tolist() == [0] * 3 + [1] * 3 + [2] * 4 + [3] * 4 + [4, 5]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("requests", [1, 3])
+def test_gather_from_a_channels_first_map_equals_gather_of_its_tokens(
+    packed: bool, requests: int
+) -> None:
+    """UNet blocks pick masked tokens straight from ``[rows, C, H, W]`` maps."""
+    grid = torch.zeros(4, 4, dtype=torch.bool)
+    grid[1:3, 2:] = True
+    sets = [TokenSet.from_grid(grid.roll(r, dims=1)) for r in range(requests)]
+    batch = TokenBatch(tuple(sets), 2, packed, CPU)
+    fmap = torch.randn(batch.rows, 3, 4, 4)
+    tokens = fmap.flatten(2).transpose(1, 2)
+    assert batch.gather_map(fmap).equal(batch.gather(tokens))
 
 
 def test_everything_batch_covers_all_tokens() -> None:

@@ -22,14 +22,15 @@ def test_bench_plan_reports_plan_and_naive_loading(shared_dir: Path) -> None:
     result = _bench_plan(
         shared_dir,
         *("--model", "retouch:tiny-flux", "--steps", "2", "--repeats", "1"),
-        *("--link-gbps", "0.02"),
+        *("--link-gbps", "0.002"),
     )
     for name in ("plan", "sequential", "overlapped", "sync"):
         assert result[f"{name}_s"] > 0
     assert result["ratio_sequential_over_plan"] > 0
     assert len(result["plan_modes"]) == result["blocks"]
-    # 20 MB/s makes every load cost more than recomputing the block: the plan must not
-    # load rows for every block (all-sparse would be "S" everywhere).
+    # 2 MB/s makes every load cost far more than recomputing the block, by a margin no load
+    # on a shared machine closes: the plan must not load rows for every block (all-sparse
+    # would be "S" everywhere).
     assert "F" in result["plan_modes"], result["plan_modes"]
     assert result["predicted_s"]["plan"] <= result["predicted_s"]["sequential"]
     assert result["memory"]["reader"] == "memory"
