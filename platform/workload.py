@@ -49,7 +49,6 @@ BIMODAL = (0.05, 0.6)  # the two mask ratios of the bimodal mix, drawn equally o
 # few masks are near-empty (a concentration of 4 puts a fifth of them under 0.02).
 BETA_CONCENTRATION = 10.0
 MIN_RATIO = 0.01  # an empty mask never reaches the model: it is not load
-TRACE_MEANS = {"production": 0.11, "public": 0.19, "viton": 0.35}  # FlashPS's traces
 DEFAULT_TEMPLATE = "t"  # a trace row's template when it names none
 TEMPLATE_STREAM = 13  # the templates' stream: seed + this (see Draws)
 ARRIVALS_HELP = "poisson, gamma:CV (CV > 0), step:F@T, diurnal:P:A or trace:FILE"

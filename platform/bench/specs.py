@@ -1,6 +1,8 @@
 """The settings of the pool benchmarks (``bench sim``, ``bench load``, ``bench validate``),
 declared once: each field a knob (:mod:`retouch.functions.knobs`), whose flag, default and
-help text the command line registers from it and whose value the benchmark runs on.
+help text the command line registers from it and whose value the benchmark runs on. A
+benchmark's knobs are set by their flags only (``env=False``): no environment variable
+changes a measurement behind the command that is recorded with it.
 
 Plain data and the control plane's light modules only: the CLI builds its parser from
 these without importing the benchmarks (most of which need torch).
