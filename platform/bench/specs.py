@@ -19,6 +19,7 @@ from retouch.functions.knobs import (
     mask_ratio,
     non_negative_float,
     non_negative_int,
+    number,
     positive_float,
     positive_int,
 )
@@ -218,7 +219,7 @@ class LoadSpec:
         None,
         "the function's latency SLO in ms (admission)",
         flag="--slo",
-        parse=positive_float,
+        parse=number,  # run_load_bench refuses one <= 0, naming --slo
         env=False,
     )
     rounds: int = knob(
