@@ -30,12 +30,14 @@ def knob(
     parse: Callable[[str], Any] | None = None,
     choices: tuple[str, ...] | None = None,
     shown: str | None = None,
+    metavar: str | None = None,
 ) -> Any:
     """A dataclass field that is a knob.
 
     ``flag``: the command-line flag (default ``--<name-with-dashes>``; ``""``: none);
     ``env``: whether ``RETOUCH_<NAME>`` sets it; ``parse``: text to value (default: from
-    the default's type); ``shown``: the default as help texts print it.
+    the default's type); ``shown``: the default as help texts print it; ``metavar``: the
+    value's name in help texts (default the field's name in capitals).
     """
     meta = {
         "help": help,
@@ -44,6 +46,7 @@ def knob(
         "parse": parse,
         "choices": choices,
         "shown": shown,
+        "metavar": metavar,
     }
     if isinstance(default, list | dict | set):
         raise TypeError("knob defaults are immutable values")
@@ -67,6 +70,51 @@ def number(text: str) -> float:
         return float(text)
     except ValueError:
         raise ValueError(f"expected a number, got {text!r}") from None
+
+
+def checked(kind: Callable[[str], Any], what: str, ok: Callable[[Any], bool]) -> Callable:
+    """A parser: ``kind(text)`` that must satisfy ``ok``, else "expected <what>"."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise ValueError(f"expected {what}, got {text!r}")
+        return value
+
+    convert.__name__ = what  # argparse names the type in some messages
+    return convert
+
+
+positive_int = checked(int, "an integer >= 1", lambda v: v >= 1)
+non_negative_int = checked(int, "an integer >= 0", lambda v: v >= 0)
+positive_float = checked(float, "a number > 0", lambda v: v > 0)
+non_negative_float = checked(float, "a number >= 0", lambda v: v >= 0)
+mask_ratio = checked(float, "a mask ratio in (0, 1]", lambda v: 0 < v <= 1)
+
+
+def listed(item: Callable[[str], Any], what: str) -> Callable[[str], tuple]:
+    """A parser of comma-separated ``item`` values (at least one)."""
+
+    def convert(text: str) -> tuple:
+        values = [v for v in text.split(",") if v.strip()]
+        try:
+            if values:
+                return tuple(item(v) for v in values)
+        except ValueError:
+            pass
+        raise ValueError(f"expected comma-separated {what}, got {text!r}")
+
+    return convert
+
+
+def existing_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise ValueError(f"no such file: {text}")
+    return path
 
 
 def boolean(text: str) -> bool:
@@ -110,15 +158,14 @@ def _parser(field: dataclasses.Field) -> Callable[[str], Any]:
     return str
 
 
-def _shown(field: dataclasses.Field) -> str:
+def _shown(field: dataclasses.Field, default: Any) -> str:
     meta = field.metadata["knob"]
-    if meta["shown"] is not None:
+    if meta["shown"] is not None and default == field.default:
         return meta["shown"]
-    default = field.default
     if isinstance(default, bool):
         return "on" if default else "off"
     if isinstance(default, tuple):
-        return ",".join(default)
+        return ",".join(str(v) for v in default)
     return "none" if default is None else str(default)
 
 
@@ -128,18 +175,22 @@ def add_flags(
     *,
     unset: bool = False,
     skip: Iterable[str] = (),
+    defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """One flag per knob of ``cls``. ``unset``: flags not given parse as None (so that
-    the environment and the declared default can fill them in, in that order)."""
+    the environment and the declared default can fill them in, in that order);
+    ``defaults``: other defaults than the declared ones (a command whose value of ``cls``
+    has its own, e.g. a benchmark's workload)."""
     for field in knobs(cls):
         flag = flag_of(field)
         if not flag or field.name in skip:
             continue
         meta = field.metadata["knob"]
-        default = None if unset else field.default
+        declared = (defaults or {}).get(field.name, field.default)
+        default = None if unset else declared
         env = env_of(field)
         where = f"; ${env}" if env and unset else ""
-        text = f"{meta['help']} (default {_shown(field)}{where})"
+        text = f"{meta['help']} (default {_shown(field, declared)}{where})"
         if isinstance(field.default, bool):
             parser.add_argument(
                 flag,
@@ -153,15 +204,15 @@ def add_flags(
         parser.add_argument(
             flag,
             dest=field.name,
-            type=_flag_type(parse),
+            type=argument_type(parse),
             choices=meta["choices"],
             default=default,
             help=text,
-            metavar=None if meta["choices"] else field.name.upper(),
+            metavar=None if meta["choices"] else meta["metavar"] or field.name.upper(),
         )
 
 
-def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+def argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """``parse`` with its ``ValueError`` message kept (argparse prefixes the flag)."""
 
     def convert(text: str) -> Any:

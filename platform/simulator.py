@@ -51,7 +51,6 @@ in docs/simulator.md.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import heapq
 import itertools
@@ -60,14 +59,14 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from retouch.functions import wire
 from retouch.functions.errors import Overloaded
-from retouch.platform.control.autoscaler import Autoscaler, AutoscalingConfig
+from retouch.platform.bench.specs import SimSpec
+from retouch.platform.control.autoscaler import Autoscaler
 from retouch.platform.control.cluster import (
     ClusterView,
     ExecutorView,
@@ -77,6 +76,14 @@ from retouch.platform.control.cluster import (
 from retouch.platform.control.queue import InvocationQueue, QueueLimits, bindable, has_room
 from retouch.platform.placement import MaskAware, Placement, make_placement
 from retouch.platform.sharedcpu import SharedCPU, nice_weight
+from retouch.platform.workload import (
+    DEFAULT_TEMPLATE,
+    Draws,
+    MaskMix,
+    read_trace,
+    step_change,
+    trace_path,
+)
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.prediction import (
     TOKEN_PX,
@@ -88,7 +95,7 @@ from retouch.runtime.prediction import (
 
 MODEL = "sim-model"
 FUNCTION = "sim"
-TEMPLATE = "t"
+TEMPLATE = DEFAULT_TEMPLATE
 STEP_WINDOW_S = 10.0  # the windows of P95 after a step change
 TIMELINE_S = 10.0  # the timeline's windows (arrivals, queue, executors, P95 over time)
 SLOTS_PER_BATCH = 2  # as the pool: the running batch plus a pre-processing buffer
@@ -97,69 +104,6 @@ SLOTS_PER_BATCH = 2  # as the pool: the running batch plus a pre-processing buff
 # waits must not hold back one behind it that an executor can take now
 DISPATCH_SCAN = 16
 BAKE_STARVATION_S = 30.0  # a queued bake runs between steps after this (EngineConfig's)
-BIMODAL = (0.05, 0.6)  # the two mask ratios of the bimodal mix, drawn equally often
-
-
-@dataclass(frozen=True)
-class SimSpec:
-    """One simulated workload on one pool (every placement gets the same arrivals)."""
-
-    executors: int = 64
-    placements: tuple[str, ...] = ("maskaware", "least-requests", "round-robin")
-    # "poisson", "gamma:CV", "step:F@T" (Poisson whose rate is F x from T s on),
-    # "diurnal:P:A[:CV]" (Poisson, or Gamma renewal with that CV, at rate x
-    # (1 + A sin(2 pi t / P))) or "trace:PATH" (a CSV)
-    arrivals: str = "poisson"
-    masks: str = "beta"  # or "bimodal" (half 0.05, half 0.6)
-    mask_mean: float = 0.19
-    load: float = 0.85  # offered rate as a fraction of the pool's capacity
-    requests: int = 20000
-    warmup: int = 1000  # the first arrivals are left out of the figures
-    steps: int = 28
-    max_batch: int = 8
-    size: int = 1024  # image side in pixels
-    pre_s: float = 0.05  # text/VAE encode, in workers
-    post_s: float = 0.05  # VAE decode and image encoding, in workers
-    noise: float = 0.05  # sigma of the lognormal factor on every step's profiled time
-    # The engine's step fit (``EngineStats.step_intercept_ms / step_slope``): a step takes
-    # intercept + slope x its profiled plan, as a real executor reports it (bench validate)
-    step_intercept_s: float = 0.0
-    step_slope: float = 1.0
-    # Measured pre/post times (seconds): each invocation draws its own from them (seeded)
-    # instead of the constant pre_s/post_s
-    pre_samples: tuple[float, ...] = ()
-    post_samples: tuple[float, ...] = ()
-    # Pre/post worker processes per executor (0: as many encodes/decodes at once as come);
-    # more at once wait for a worker, as in the real executor
-    pre_workers: int = 0
-    post_workers: int = 0
-    # Cores shared by every executor's steps and workers and by the gateway (0: none
-    # shared, as on GPUs: each engine steps alone and its workers run beside it). With
-    # them every step, encode, decode and ``outside_s`` is work on a :class:`SharedCPU`.
-    cpu_cores: int = 0
-    # The gateway's own work per invocation (HTTP, mask decode, result encoding), all of it
-    # put before the invocation is queued (where in its life it happens matters less than
-    # that it takes the cores)
-    outside_s: float = 0.0
-    # Work per invocation on the shared cores that its latency does not wait for (the
-    # client, HTTP and serialisation in other processes): it only takes cores from the rest
-    background_s: float = 0.0
-    # The niceness of the executors' engines and workers on the shared cores, relative to
-    # the gateway's and the background work (a CPU executor runs at ExecutorOptions.cpu_nice)
-    executor_nice: int = 0
-    slo_factor: float | None = None  # SLO = this x the standalone latency (admission on)
-    autoscale: AutoscalingConfig | None = None  # None: a static pool of ``executors``
-    startup_s: float = 60.0  # a new executor's start (process, model load, first template)
-    tick_s: float = 1.0  # the autoscaler's period (the real pool's, platform/scaler.py TICK_S)
-    seed: int = 0
-    # Templates: how many (Zipf popularity with exponent ``zipf``), how many each executor's
-    # host tier holds (0: every one, always resident: no tiers simulated), a disk -> host
-    # load (FlashPS: a 2.6 GiB template in 6.4 s), and whether they start unbaked.
-    templates: int = 1
-    zipf: float = 1.1
-    host_templates: int = 0
-    disk_load_s: float = 6.4
-    cold_templates: bool = False
 
 
 @dataclass(eq=False)
@@ -796,160 +740,6 @@ class Arrival:
     footprint: MaskFootprint
 
 
-@dataclass(frozen=True)
-class Trace:
-    """A replayed arrival trace: sorted arrival times, and mask ratios where it has them."""
-
-    arrival_s: np.ndarray
-    mask_ratio: np.ndarray | None = None
-    templates: list[str] | None = None
-
-    @property
-    def rate(self) -> float:
-        """Mean arrivals per second over the trace's span."""
-        span = float(self.arrival_s[-1] - self.arrival_s[0])
-        return (len(self.arrival_s) - 1) / span if span > 0 else math.inf
-
-
-def read_trace(path: Path) -> Trace:
-    """A CSV whose header has ``arrival_s`` (seconds from the start, sorted) and optionally
-    ``mask_ratio`` (in (0, 1]) and ``template``; other columns are ignored (the simulation
-    runs one function). Errors name the line."""
-    try:
-        with path.open(newline="") as f:
-            rows = list(csv.DictReader(f))
-    except OSError as exc:
-        raise ValueError(f"cannot read the trace {path}: {exc.strerror}") from exc
-    if not rows or "arrival_s" not in rows[0]:
-        raise ValueError(f"{path}: the header needs an arrival_s column")
-    times, ratios = [], []
-    has_ratio = "mask_ratio" in rows[0]
-    has_template = "template" in rows[0]
-    templates = [str(row.get("template") or TEMPLATE) for row in rows] if has_template else None
-    for line, row in enumerate(rows, start=2):
-        try:
-            at = float(row["arrival_s"])
-            ratio = float(row["mask_ratio"]) if has_ratio else 1.0
-        except (TypeError, ValueError):
-            raise ValueError(f"{path}:{line}: not a number") from None
-        if times and at < times[-1]:
-            raise ValueError(f"{path}:{line}: arrival_s must be sorted")
-        if not (math.isfinite(at) and 0 < ratio <= 1):
-            raise ValueError(f"{path}:{line}: arrival_s finite, mask_ratio in (0, 1]")
-        times.append(at)
-        ratios.append(ratio)
-    if len(times) < 2:
-        raise ValueError(f"{path}: a trace needs at least two arrivals")
-    return Trace(np.array(times), np.array(ratios) if has_ratio else None, templates)
-
-
-def mask_ratios(spec: SimSpec, rng: np.random.Generator, count: int | None = None) -> np.ndarray:
-    count = spec.requests if count is None else count
-    if spec.masks == "bimodal":
-        return np.where(rng.random(count) < 0.5, *BIMODAL)
-    if spec.masks != "beta":
-        raise ValueError(f"masks must be beta or bimodal, not {spec.masks!r}")
-    if not 0 < spec.mask_mean < 1:
-        raise ValueError(f"the mask mean must be in (0, 1), not {spec.mask_mean}")
-    concentration = 10.0
-    a, b = spec.mask_mean * concentration, (1 - spec.mask_mean) * concentration
-    return np.clip(rng.beta(a, b, count), 0.01, 1.0)
-
-
-def step_change(arrivals: str) -> tuple[float, float] | None:
-    """``(factor, at_s)`` of ``step:F@T`` arrivals, else None."""
-    kind, _, args = arrivals.partition(":")
-    if kind != "step":
-        return None
-    factor, _, at = args.partition("@")
-    try:
-        f, t = float(factor), float(at)
-    except ValueError:
-        f, t = 0.0, -1.0
-    if not (f > 0 and t >= 0):
-        raise ValueError(f"step arrivals are step:FACTOR@SECONDS, not {arrivals!r}")
-    return f, t
-
-
-def arrival_times(spec: SimSpec, rate: float, rng: np.random.Generator) -> np.ndarray:
-    """``spec.requests`` arrival times at mean rate ``rate`` (the base rate of a step or a
-    diurnal cycle): a Poisson process whose rate changes over time is drawn by thinning."""
-    kind, _, args = spec.arrivals.partition(":")
-    if kind == "step":
-        factor, at = step_change(spec.arrivals) or (1.0, 0.0)
-        return _thinned(rng, spec.requests, rate * max(1.0, factor),
-                        lambda t: rate * (factor if t >= at else 1.0))  # fmt: skip
-    if kind == "diurnal":
-        try:
-            period, amplitude, *rest = (float(v) for v in args.split(":"))
-            cv = rest[0] if rest else 1.0
-            if len(rest) > 1:
-                raise ValueError
-        except ValueError:
-            period, amplitude, cv = 0.0, -1.0, 1.0
-        if not (period > 0 and 0 <= amplitude < 1 and cv > 0):
-            raise ValueError(
-                f"diurnal arrivals are diurnal:PERIOD_S:AMPLITUDE (< 1)[:CV], not {args!r}"
-            )
-        if rest:
-            return _modulated_gamma(rng, spec.requests, rate, period, amplitude, cv)
-        return _thinned(
-            rng,
-            spec.requests,
-            rate * (1 + amplitude),
-            lambda t: rate * (1 + amplitude * math.sin(2 * math.pi * t / period)),
-        )
-    return np.cumsum(gaps(spec, rate, rng))
-
-
-def _modulated_gamma(
-    rng: np.random.Generator, count: int, rate: float, period: float, amplitude: float, cv: float
-) -> np.ndarray:
-    """A bursty diurnal stream: a Gamma renewal process (inter-arrival CV ``cv``) whose rate
-    follows ``rate (1 + amplitude sin(2 pi t / period))``, by time rescaling: unit-rate
-    arrivals in operational time ``u`` are mapped through the inverse of the cumulative
-    rate ``Lambda(t)``."""
-    shape = 1.0 / (cv * cv)
-    u = np.cumsum(rng.gamma(shape, 1.0 / shape, count))
-    horizon = u[-1] / (rate * (1 - amplitude)) + period  # Lambda(horizon) > u[-1]
-    t = np.linspace(0.0, horizon, max(2, int(horizon / 0.01)))
-    w = 2 * math.pi / period
-    cumulative = rate * (t + amplitude / w * (1 - np.cos(w * t)))
-    return np.interp(u, cumulative, t)
-
-
-def _thinned(
-    rng: np.random.Generator, count: int, peak: float, rate_at: Callable[[float], float]
-) -> np.ndarray:
-    """Lewis-Shedler thinning: candidates at the ``peak`` rate, each kept with probability
-    rate(t) / peak."""
-    times: list[float] = []
-    t = 0.0
-    while len(times) < count:
-        t += float(rng.exponential(1.0 / peak))
-        if rng.random() * peak <= rate_at(t):
-            times.append(t)
-    return np.array(times)
-
-
-def gaps(spec: SimSpec, rate: float, rng: np.random.Generator) -> np.ndarray:
-    """Inter-arrival gaps with mean ``1/rate``: exponential, or gamma with a CV."""
-    if spec.arrivals == "poisson":
-        return rng.exponential(1.0 / rate, spec.requests)
-    kind, _, cv_text = spec.arrivals.partition(":")
-    try:
-        cv = float(cv_text)
-    except ValueError:
-        cv = 0.0
-    if kind != "gamma" or cv <= 0:
-        raise ValueError(
-            "arrivals must be poisson, gamma:CV (CV > 0), step:F@T, diurnal:P:A or "
-            f"trace:FILE, not {spec.arrivals!r}"
-        )
-    shape = 1.0 / (cv * cv)
-    return rng.gamma(shape, 1.0 / (rate * shape), spec.requests)
-
-
 def capacity_rps(spec: SimSpec, cost_model: CostModel, ratios: np.ndarray) -> float:
     """Invocations per second the pool (at its maximum size, when autoscaled) sustains
     with full batches of the mean mask."""
@@ -976,22 +766,23 @@ def plan_jobs(
             jobs.append(Job(i, a.at_s, request))
         span = arrivals[-1].at_s - arrivals[0].at_s
         return jobs, (len(arrivals) - 1) / span if span > 0 else math.inf
-    rng = np.random.default_rng(spec.seed)
-    trace = read_trace(Path(spec.arrivals[6:])) if spec.arrivals.startswith("trace:") else None
+    draws = Draws(spec.seed)
+    path = trace_path(spec.arrivals)
+    trace = None if path is None else read_trace(path)
     if trace is None:
-        ratios = mask_ratios(spec, rng)
+        ratios = draws.masks(mask_mix(spec), spec.requests)
     else:
         ratios = trace.mask_ratio
         if ratios is None:
-            ratios = mask_ratios(spec, rng, len(trace.arrival_s))
+            ratios = draws.masks(mask_mix(spec), len(trace.arrival_s))
     rate = spec.load * capacity_rps(spec, cost_model, ratios)
     if trace is None:
-        arrivals = arrival_times(spec, rate, rng)
+        arrivals = draws.arrivals(spec.arrivals, spec.requests, rate)
     else:
         arrivals = (trace.arrival_s - trace.arrival_s[0]) * (trace.rate / rate)
     templates = trace.templates if trace is not None else None
     if templates is None:
-        templates = draw_templates(spec, len(arrivals))
+        templates = draw_templates(spec, draws, len(arrivals))
     jobs = []
     for i, (at, ratio, template) in enumerate(zip(arrivals, ratios, templates, strict=True)):
         fp = footprint(float(ratio), spec.size)
@@ -1000,25 +791,21 @@ def plan_jobs(
     return jobs, rate
 
 
-def draw_templates(spec: SimSpec, count: int) -> list[str]:
-    """Each arrival's template: Zipf popularity (rank ``k`` drawn ∝ k^-zipf) over
-    ``spec.templates``, from a stream of its own (the arrivals and masks of a seed stay
-    the same whatever the templates)."""
-    if spec.templates < 1:
-        raise ValueError(f"templates must be at least 1, not {spec.templates}")
+def draw_templates(spec: SimSpec, draws: Draws, count: int) -> list[str]:
+    """Each arrival's template: Zipf popularity over ``spec.templates``."""
     if spec.templates == 1:
         return [TEMPLATE] * count
-    weights = np.arange(1, spec.templates + 1, dtype=float) ** -spec.zipf
-    rng = np.random.default_rng(spec.seed + 13)
-    ranks = rng.choice(spec.templates, size=count, p=weights / weights.sum())
-    return [f"t{k}" for k in ranks]
+    return [f"t{k}" for k in draws.templates(count, spec.templates, spec.zipf)]
+
+
+def mask_mix(spec: SimSpec) -> MaskMix:
+    return MaskMix(spec.masks, spec.mask_mean)
 
 
 def standalone_s(spec: SimSpec, cost_model: CostModel) -> float:
     """One invocation of the mean mask alone on an executor: the SLO's unit."""
     coster = _coster(cost_model)
-    mean = spec.mask_mean if spec.masks == "beta" else sum(BIMODAL) / len(BIMODAL)
-    masked = footprint(mean, spec.size)
+    masked = footprint(mask_mix(spec).expected, spec.size)
     step = coster.step_s0(1, masked.on(coster.grids)[0])
     return spec.pre_s + spec.steps * step + spec.post_s
 
@@ -1055,8 +842,9 @@ def run_simulation(
         raise ValueError("need executors >= 1, max batch >= 1 and requests > warmup")
     if arrivals is not None and any(b.at_s < a.at_s for a, b in itertools.pairwise(arrivals)):
         raise ValueError("replayed arrivals must be sorted by time")
-    if arrivals is None and spec.arrivals.startswith("trace:"):
-        traced = len(read_trace(Path(spec.arrivals[6:])).arrival_s)
+    path = trace_path(spec.arrivals)
+    if arrivals is None and path is not None:
+        traced = len(read_trace(path).arrival_s)
         if traced <= spec.warmup:
             raise ValueError(f"the trace has {traced} arrivals, not more than the warm-up")
     if not spec.load > 0:
@@ -1084,7 +872,7 @@ def run_simulation(
         "capacity_rps": rate / spec.load,
         "load": spec.load,
         "arrivals": spec.arrivals if arrivals is None else "replayed",
-        "masks": spec.masks if spec.masks == "bimodal" else f"beta:{spec.mask_mean}",
+        "masks": mask_mix(spec).label,
         "requests": len(jobs) - spec.warmup,
         "configs": configs,
     }

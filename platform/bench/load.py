@@ -1,10 +1,11 @@
 """``retouch bench load``: an open-loop load generator that compares configurations.
 
-Arrivals are Poisson or Gamma (burstiness set by the coefficient of variation, as in
-LegoDiffusion); mask ratios follow a beta distribution with the mean of a FlashPS trace
-(0.11 production, 0.19 public, 0.35 VITON-HD) or come from a file; masks have irregular
-shapes; templates are drawn with Zipf popularity. Every configuration sees the *same*
-request sequence, one after another in the same run, so their ratios are comparable.
+The workload is :mod:`retouch.platform.workload`'s, drawn as the simulator draws it:
+arrivals Poisson or Gamma (burstiness set by the coefficient of variation, as in
+LegoDiffusion); mask ratios from a Beta with the mean of a FlashPS trace (0.11 production,
+0.19 public, 0.35 VITON-HD), the bimodal mix, or a file; templates with Zipf popularity.
+Masks have irregular shapes. Every configuration sees the *same* request sequence, one
+after another in the same run, so their ratios are comparable.
 """
 
 from __future__ import annotations
@@ -26,26 +27,12 @@ from retouch.functions.demo.models import demo_model
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import encode_image, encode_mask
 from retouch.functions.spec import FunctionSpec, parse_spec
+from retouch.platform.bench.specs import LoadSpec
 from retouch.platform.client import AsyncClient, Client
 from retouch.platform.server import ServerProcess
+from retouch.platform.workload import Draws, Workload
 
 log = logging.getLogger(__name__)
-
-TRACE_MEANS = {"production": 0.11, "public": 0.19, "viton": 0.35}
-BETA_CONCENTRATION = 4.0  # a wide spread, as in the traces' "ratios vary widely"
-
-
-@dataclass(frozen=True)
-class Workload:
-    requests: int = 100
-    warmup: int = 5
-    arrivals: str = "poisson"  # or "gamma"
-    cv: float = 1.0  # coefficient of variation of inter-arrival times (gamma)
-    mask_mean: float = 0.19
-    mask_file: Path | None = None  # one ratio per line, sampled with replacement
-    zipf: float = 1.1
-    seed: int = 0
-    masks: str = "beta"  # or "bimodal": small (0.05) and large (0.6) masks, half each
 
 
 @dataclass(frozen=True)
@@ -153,55 +140,22 @@ def _median(values: list[float]) -> float:
     return float(np.median(values)) if values else float("nan")
 
 
-def inter_arrivals(
-    n: int, rate: float, kind: str, cv: float, rng: np.random.Generator
-) -> np.ndarray:
-    """Gaps between arrivals with mean ``1/rate``: exponential, or gamma with the given CV."""
-    if kind == "poisson":
-        return rng.exponential(1.0 / rate, n)
-    if kind == "gamma":
-        shape = 1.0 / (cv * cv)
-        return rng.gamma(shape, 1.0 / (rate * shape), n)
-    raise ValueError(f"arrivals must be poisson or gamma, not {kind!r}")
-
-
-BIMODAL = (0.05, 0.6)
-
-
-def mask_ratios(n: int, workload: Workload, rng: np.random.Generator) -> np.ndarray:
-    if workload.masks == "bimodal":
-        return rng.choice(np.array(BIMODAL), n)
-    if workload.masks != "beta":
-        raise ValueError(f"--masks must be beta or bimodal, not {workload.masks!r}")
-    if workload.mask_file is not None:
-        values = np.array([float(v) for v in workload.mask_file.read_text().split()])
-        if not len(values) or values.min() < 0 or values.max() > 1:
-            raise ValueError(f"{workload.mask_file}: expected ratios in [0, 1], one per line")
-        return rng.choice(values, n)
-    m = workload.mask_mean
-    ratios = rng.beta(m * BETA_CONCENTRATION, (1 - m) * BETA_CONCENTRATION, n)
-    return np.clip(ratios, 0.01, 1.0)  # an empty mask never reaches the model: not load
-
-
-def zipf_choice(n: int, items: list[str], s: float, rng: np.random.Generator) -> list[str]:
-    weights = 1.0 / np.arange(1, len(items) + 1) ** s
-    return list(rng.choice(items, n, p=weights / weights.sum()))
-
-
 def plan_requests(
     workload: Workload, rate: float, templates: list[str], size: tuple[int, int]
 ) -> list[PlannedRequest]:
-    """The request sequence every configuration replays."""
-    rng = np.random.default_rng(workload.seed)
+    """The request sequence every configuration replays: the workload's draws
+    (:class:`~retouch.platform.workload.Draws`, as the simulator draws them), the first
+    arrival at 0, and each mask's shape."""
+    draws = Draws(workload.seed)
     n = workload.requests + workload.warmup
-    at = np.cumsum(inter_arrivals(n, rate, workload.arrivals, workload.cv, rng))
-    ratios = mask_ratios(n, workload, rng)
-    chosen = zipf_choice(n, templates, workload.zipf, rng)
-    shapes = rng.choice(SHAPES, n)
+    ratios = draws.masks(workload.mix, n)
+    at = draws.arrivals(workload.process, n, rate)
+    chosen = draws.templates(n, len(templates), workload.zipf)
+    shapes = draws.rng.choice(SHAPES, n)
     return [
         PlannedRequest(
             float(at[i] - at[0]),
-            chosen[i],
+            templates[chosen[i]],
             encode_mask(mask_of_ratio(size, float(ratios[i]), str(shapes[i]), seed=i)),
             float(ratios[i]),
             i,
@@ -384,24 +338,6 @@ def config_args(name: str) -> list[str]:
             )
         args += CONFIG_TOKENS[token]
     return args
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    model: str
-    configs: list[str]
-    rate: str  # invocations/s, or "auto:F"
-    workload: Workload
-    steps: int = 8
-    templates: int = 4
-    max_batch: int = 8
-    executors: int = 1
-    plot: Path | None = None
-    slo_ms: float | None = None
-    rounds: int = 1  # replays per configuration, alternating the order
-    host_cache_bytes: int | None = None  # each executor's host tier (None: the default)
-    threads: int = 0  # torch threads per executor (0: the machine's cores shared out)
-    ray_address: str | None = None  # executors as Ray actors on this cluster (one per slot)
 
 
 def bench_function(

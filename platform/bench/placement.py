@@ -1,7 +1,8 @@
 """``retouch bench placement``: how long one placement decision takes against N executors.
 
 Synthetic executors with realistic running batches (up to ``max_batch`` invocations each,
-random steps left, the bimodal 0.05 / 0.6 mask mix, a Flux-like cost model of 57 blocks at
+random steps left, the workload's bimodal 0.05 / 0.6 mask mix and Zipf template
+popularity (:mod:`retouch.platform.workload`), a Flux-like cost model of 57 blocks at
 4096 tokens, a dozen templates spread over host tier, disk and absent), driven as the
 gateway drives them: between two decisions the chosen executor takes the newcomer, a few
 executors report a step and now and then one finishes an invocation — so each decision sees
@@ -26,13 +27,14 @@ from retouch.platform.control.cluster import (
     Residency,
 )
 from retouch.platform.placement import make_placement
+from retouch.platform.workload import MaskMix, zipf_ranks
 from retouch.runtime.costmodel import BlockProfile, CostModel, LinearFit
 from retouch.runtime.prediction import MaskFootprint, plan_table
 
 SIZE = 1024  # pixels: 64 x 64 = 4096 tokens of 16 px
 TEMPLATES = 12
 STEPS = 28
-BIMODAL = (0.05, 0.6)
+ZIPF = 1.2  # template popularity
 TIERS = (Residency.HOST, Residency.HOST, Residency.DISK, Residency.ABSENT)
 
 
@@ -66,8 +68,7 @@ def flux_like_cost_model() -> CostModel:
 def footprints(rng: np.random.Generator, count: int) -> list[MaskFootprint]:
     """Masks of the bimodal mix (rectangles at 0.05 or 0.6 of the image)."""
     out = []
-    for _ in range(count):
-        ratio = BIMODAL[int(rng.integers(2))]
+    for ratio in MaskMix("bimodal").draw(count, rng):
         side = int(SIZE * ratio**0.5)
         mask = np.zeros((SIZE, SIZE), dtype=bool)
         y, x = (int(v) for v in rng.integers(0, SIZE - side, 2))
@@ -105,7 +106,7 @@ def build_pool(n: int, seed: int, max_batch: int = 8) -> tuple[list[SyntheticExe
 
 def _request(rng: np.random.Generator, masks: list[MaskFootprint]) -> PlacementRequest:
     fp = masks[int(rng.integers(len(masks)))]
-    template = f"t{min(TEMPLATES - 1, int(rng.zipf(1.2)) - 1)}"
+    template = f"t{zipf_ranks(1, TEMPLATES, ZIPF, rng)[0]}"
     return PlacementRequest("fn", template, fp.ratio, "flux", STEPS, fp)
 
 

@@ -26,9 +26,7 @@ import numpy as np
 
 from retouch.functions.imaging import decode_mask
 from retouch.platform.bench.load import (
-    LoadSpec,
     Outcome,
-    Workload,
     bench_function,
     config_server,
     plan_requests,
@@ -36,8 +34,10 @@ from retouch.platform.bench.load import (
     replay,
     wait_baked,
 )
+from retouch.platform.bench.specs import OVERHEADS, LoadSpec, SimSpec, ValidateSpec
 from retouch.platform.client import Client
-from retouch.platform.simulator import Arrival, SimSpec, run_simulation, solo_steps_s
+from retouch.platform.simulator import Arrival, run_simulation, solo_steps_s
+from retouch.platform.workload import Workload
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.executor.options import ExecutorOptions
 from retouch.runtime.prediction import MaskFootprint
@@ -45,7 +45,6 @@ from retouch.runtime.prediction import MaskFootprint
 log = logging.getLogger(__name__)
 
 TOLERANCE = 0.15  # |simulated - real| / real the issue asks for, mean and P95
-OVERHEADS = ("samples", "mean", "cpu")
 # The percentile of a recorded time that stands for its uncontended value in the shared-CPU
 # model: an encode, decode or step that neither waited for a worker nor shared a core.
 SOLO_PERCENTILE = 10.0
@@ -53,29 +52,6 @@ SOLO_PERCENTILE = 10.0
 # far enough after the last that nothing overlaps; their medians are the uncontended times
 SOLO_PROBES = 12
 SOLO_GAP_S = 0.5
-
-
-@dataclass(frozen=True)
-class ValidateSpec:
-    model: str = "retouch:tiny-flux"
-    loads: tuple[float, ...] = (0.5, 0.7, 0.85)
-    placements: tuple[str, ...] = ("maskaware", "least-requests", "round-robin")
-    workload: Workload = field(default_factory=lambda: Workload(requests=100, warmup=5))
-    steps: int = 8
-    templates: int = 4
-    max_batch: int = 8
-    executors: int = 2
-    threads: int = 1
-    noise: float = 0.05  # the simulated steps' lognormal sigma
-    rate_rps: float | None = None  # the capacity (invocations/s); None: probed once
-    # "samples": each simulated invocation draws its pre/post from the run's measured ones;
-    # "mean": every one takes the run's mean pre/post time; "cpu": the shared-CPU model
-    # (every step, encode, decode and the gateway's own work share ``cpu_cores``, each at
-    # its uncontended time: ``solo_inputs``)
-    overheads: str = "samples"
-    # the shared-CPU model's cores: the recording machine's (set when the runs are
-    # recorded; 0 in older records: the cores of the machine that replays them)
-    cpu_cores: int = 0
 
 
 @dataclass
@@ -438,7 +414,7 @@ def table(result: dict[str, Any]) -> str:
 def _load_spec(spec: ValidateSpec) -> LoadSpec:
     return LoadSpec(
         spec.model,
-        list(spec.placements),
+        spec.placements,
         "auto:1",
         spec.workload,
         spec.steps,

@@ -9,7 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from retouch.functions import knobs
 from retouch.functions.errors import RetouchError
+from retouch.functions.knobs import argument_type
 from retouch.functions.models import is_builtin, known_builtin, model_family
 from retouch.platform.client import Client
 from retouch.platform.config import default_data_dir, default_url
@@ -43,18 +45,7 @@ def local_input(what: Callable[[], Any]) -> Any:
 
 def _checked(kind: Callable[[str], Any], what: str, ok: Callable[[Any], bool]) -> Callable:
     """An argument type: ``kind(text)`` that must satisfy ``ok``, else "expected <what>"."""
-
-    def convert(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-
-    convert.__name__ = what  # argparse names the type in some messages
-    return convert
+    return argument_type(knobs.checked(kind, what, ok))
 
 
 def _listed(item: Callable[[str], Any], what: str) -> Callable[[str], list]:
@@ -74,21 +65,15 @@ def _listed(item: Callable[[str], Any], what: str) -> Callable[[str], list]:
     return convert
 
 
-positive_int = _checked(int, "an integer >= 1", lambda v: v >= 1)
-non_negative_int = _checked(int, "an integer >= 0", lambda v: v >= 0)
-positive_float = _checked(float, "a number > 0", lambda v: v > 0)
-non_negative_float = _checked(float, "a number >= 0", lambda v: v >= 0)
-ratio = _checked(float, "a mask ratio in (0, 1]", lambda v: 0 < v <= 1)
+positive_int = argument_type(knobs.positive_int)
+non_negative_int = argument_type(knobs.non_negative_int)
+positive_float = argument_type(knobs.positive_float)
+non_negative_float = argument_type(knobs.non_negative_float)
+ratio = argument_type(knobs.mask_ratio)
 floats = _listed(ratio, "mask ratios in (0, 1]")
 ints = _listed(positive_int, "integers >= 1")
 non_negative_ints = _listed(non_negative_int, "integers >= 0")
-
-
-def existing_file(text: str) -> Path:
-    path = Path(text)
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"no such file: {text}")
-    return path
+existing_file = argument_type(knobs.existing_file)
 
 
 def existing_dir(text: str) -> Path:

@@ -1,5 +1,6 @@
-"""``retouch bench load``: its workload statistics, and one small comparison run end to end
-(real ``retouch serve`` processes, one per configuration)."""
+"""``retouch bench load``: its request plan, and one small comparison run end to end (real
+``retouch serve`` processes, one per configuration). The workload's statistics are
+tests/unit/test_workload.py's."""
 
 from __future__ import annotations
 
@@ -10,53 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from retouch.platform.bench.load import (
-    Workload,
-    config_args,
-    inter_arrivals,
-    mask_ratios,
-    parse_rate,
-    plan_requests,
-    zipf_choice,
-)
-
-
-def test_arrivals_have_the_rate_and_burstiness_asked_for() -> None:
-    rng = np.random.default_rng(0)
-    poisson = inter_arrivals(20000, 2.0, "poisson", 1.0, rng)
-    bursty = inter_arrivals(20000, 2.0, "gamma", 3.0, rng)
-    assert poisson.mean() == pytest.approx(0.5, rel=0.05)
-    assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)
-    assert bursty.mean() == pytest.approx(0.5, rel=0.1)
-    assert bursty.std() / bursty.mean() == pytest.approx(3.0, rel=0.15)
-    with pytest.raises(ValueError, match="poisson or gamma"):
-        inter_arrivals(3, 1.0, "uniform", 1.0, rng)
-
-
-@pytest.mark.parametrize("mean", [0.11, 0.19, 0.35])
-def test_mask_ratios_follow_the_trace_mean(mean: float) -> None:
-    ratios = mask_ratios(20000, Workload(mask_mean=mean), np.random.default_rng(1))
-    assert ratios.mean() == pytest.approx(mean, abs=0.01)
-    assert ratios.min() >= 0.01 and ratios.max() <= 1.0
-
-
-def test_mask_ratios_from_a_file(tmp_path: Path) -> None:
-    path = tmp_path / "ratios.txt"
-    path.write_text("0.1\n0.4\n")
-    ratios = mask_ratios(100, Workload(mask_file=path), np.random.default_rng(2))
-    assert set(ratios) <= {0.1, 0.4}
-    path.write_text("0.1 1.5")
-    with pytest.raises(ValueError, match="ratios in"):
-        mask_ratios(3, Workload(mask_file=path), np.random.default_rng(2))
-
-
-def test_zipf_makes_the_first_template_the_most_popular() -> None:
-    chosen = zipf_choice(5000, ["a", "b", "c", "d"], 1.1, np.random.default_rng(3))
-    counts = [chosen.count(t) for t in "abcd"]
-    assert counts == sorted(counts, reverse=True) and counts[0] > 2 * counts[3]
+from retouch.platform.bench.load import config_args, parse_rate, plan_requests
+from retouch.platform.workload import Workload
 
 
 def test_every_configuration_replays_the_same_requests() -> None:

@@ -75,3 +75,35 @@ def test_knobs_from_flags_environment_and_back() -> None:
     add_flags(parser, Example)
     assert Example(**from_flags(Example, parser.parse_args(to_flags(value)))) == value
     assert "--secret" not in parser.format_help()
+
+
+def test_a_command_may_give_a_knob_its_own_default() -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Example, defaults={"size": 9})
+    assert parser.parse_args([]).size == 9
+    assert "a size (default 9)" in " ".join(parser.format_help().split())
+    assert from_flags(Example, parser.parse_args(["--size", "2"]))["size"] == 2
+
+
+def test_bench_sim_flags_build_the_simulators_spec() -> None:
+    """``bench sim`` registers SimSpec's knobs and reads them back: its defaults are the
+    spec's, and each flag lands in its field."""
+    from retouch.platform.bench.specs import SimScaling, SimSpec
+    from retouch.platform.cli import build_parser
+    from retouch.platform.control.autoscaler import AutoscalingConfig
+
+    def spec(*flags: str) -> SimSpec:
+        args = build_parser().parse_args(["bench", "sim", *flags])
+        scaling = SimScaling(**from_flags(SimScaling, args)).config()
+        return SimSpec(**from_flags(SimSpec, args), autoscale=scaling)
+
+    assert spec() == SimSpec()
+    got = spec("--executors", "3", "--placement", "maskaware,round-robin", "--cold-templates",
+               "--autoscale", "1,4", "--target-s", "5", "--masks", "bimodal")  # fmt: skip
+    assert got == SimSpec(
+        executors=3,
+        placements=("maskaware", "round-robin"),
+        cold_templates=True,
+        masks="bimodal",
+        autoscale=AutoscalingConfig(1, 4, target_s=5.0),
+    )

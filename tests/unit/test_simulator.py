@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from retouch.platform.bench.placement import flux_like_cost_model
-from retouch.platform.simulator import SimSpec, footprint, run_simulation
+from retouch.platform.bench.specs import SimSpec
+from retouch.platform.simulator import footprint, run_simulation
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.prediction import StepCoster
 
@@ -98,7 +99,8 @@ def test_an_autoscaled_pool_grows_from_one_executor_under_load_and_loses_nothing
 
 
 def test_a_replayed_trace_keeps_its_shape_at_the_asked_load(tmp_path):
-    from retouch.platform.simulator import plan_jobs, read_trace
+    from retouch.platform.simulator import plan_jobs
+    from retouch.platform.workload import read_trace
 
     trace = tmp_path / "trace.csv"
     times = [0.0, 1.0, 1.5, 4.0, 10.0] + [10.0 + 0.1 * i for i in range(1, 400)]
@@ -160,7 +162,7 @@ def test_cold_templates_run_the_full_path_until_baked_once_for_the_pool():
     ],
 )
 def test_a_bad_trace_is_refused_naming_the_line(tmp_path, text, message):
-    from retouch.platform.simulator import read_trace
+    from retouch.platform.workload import read_trace
 
     path = tmp_path / "t.csv"
     path.write_text(text)
@@ -171,20 +173,20 @@ def test_a_bad_trace_is_refused_naming_the_line(tmp_path, text, message):
 def test_step_and_diurnal_arrivals_change_the_rate_where_they_say():
     import numpy as np
 
-    from retouch.platform.simulator import arrival_times
+    from retouch.platform.workload import arrival_times
 
     rng = np.random.default_rng(0)
-    step = arrival_times(SimSpec(requests=6000, arrivals="step:2@100"), 10.0, rng)
+    step = arrival_times("step:2@100", 6000, 10.0, rng)
     before = np.sum(step < 100) / 100
     after = np.sum((step >= 100) & (step < 300)) / 200
     assert abs(before - 10) < 1.5 and abs(after - 20) < 2.0
-    cycle = arrival_times(SimSpec(requests=20000, arrivals="diurnal:400:0.5"), 10.0, rng)
+    cycle = arrival_times("diurnal:400:0.5", 20000, 10.0, rng)
     peak = np.sum((cycle % 400 >= 50) & (cycle % 400 < 150))  # around the sine's maximum
     trough = np.sum((cycle % 400 >= 250) & (cycle % 400 < 350))
     assert peak > 2 * trough
     for bad in ("step:0@10", "step:2", "diurnal:100:1.5", "wave"):
         with pytest.raises(ValueError):
-            arrival_times(SimSpec(requests=10, arrivals=bad), 10.0, rng)
+            arrival_times(bad, 10, 10.0, rng)
 
 
 def test_after_a_step_the_autoscaled_pool_reports_its_reaction():

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from retouch.platform.bench.placement import flux_like_cost_model
+from retouch.platform.bench.specs import SimSpec, ValidateSpec
 from retouch.platform.bench.validate import (
     RealRun,
-    ValidateSpec,
     compare,
     load_runs,
     machine_busy_s,
@@ -23,7 +23,6 @@ from retouch.platform.bench.validate import (
 from retouch.platform.placement import make_placement
 from retouch.platform.simulator import (
     Arrival,
-    SimSpec,
     Simulation,
     footprint,
     plan_jobs,

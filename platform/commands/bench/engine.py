@@ -1,0 +1,130 @@
+"""``retouch bench engine|plan``: the mask-aware engine against stock edits, and the
+bubble-free plan against naive loading, in this process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from retouch.platform.commands.bench.options import (
+    add_builtin_model,
+    add_device,
+    add_mask_ratio,
+    add_repeats,
+    add_steps,
+)
+from retouch.platform.commands.common import (
+    add_json,
+    add_models_dir,
+    floats,
+    ints,
+    models_dir,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    report,
+)
+
+
+def add_engine(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "engine", help="mask-aware vs stock diffusers edits, same model, same run"
+    )
+    add_builtin_model(p, "retouch:small-flux")
+    p.add_argument(
+        "--mask-ratios",
+        type=floats,
+        default=[0.05, 0.1, 0.2, 0.35, 0.5, 1.0],
+        help="mask ratios, comma-separated (default 0.05,0.1,0.2,0.35,0.5,1.0)",
+    )
+    p.add_argument(
+        "--batch", type=ints, default=[1, 4], help="batch sizes, comma-separated (default 1,4)"
+    )
+    add_steps(p, 8)
+    add_repeats(p)
+    p.add_argument(
+        "--full-steps",
+        type=non_negative_int,
+        default=0,
+        help="warm-up steps of the mask-aware edits computed over every token",
+    )
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or process CPU time (steadier on a shared machine)",
+    )
+    add_device(p)
+    add_models_dir(p)
+    add_json(p, "the rows")
+    p.set_defaults(run=_run_engine)
+
+
+def _run_engine(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.engine import run_engine_bench
+
+    rows = run_engine_bench(
+        args.model,
+        args.mask_ratios,
+        args.batch,
+        args.steps,
+        args.repeats,
+        models_dir(args),
+        clock=args.clock,
+        full_steps=args.full_steps,
+        device=args.device,
+    )
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(
+        f"{'model':<20} {'mask':>6} {'batch':>6} {'stock s':>9} {'maskaware s':>12} {'ratio':>7} {'flop ratio':>11}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<20} {r['mask_ratio']:>6.2f} {r['batch']:>6} {r['stock_s']:>9.3f} {r['maskaware_s']:>12.3f} {r['ratio']:>7.3f} {r['flop_ratio']:>11.3f}"
+        )
+
+
+def add_plan(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "plan", help="bubble-free plan vs naive sequential loading, whole edits, same run"
+    )
+    add_builtin_model(p, "retouch:small-flux")
+    add_mask_ratio(p)
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    p.add_argument(
+        "--tier",
+        choices=("device", "host"),
+        default="device",
+        help="where the template's rows rest: device (resident, copied whole: a GPU's hot "
+        "path; default) or host (gathered per request)",
+    )
+    add_steps(p, 4)
+    add_repeats(p)
+    p.add_argument(
+        "--link-gbps",
+        type=positive_float,
+        default=None,
+        help="emulate a host->device link of this bandwidth (GB/s) behind every row read",
+    )
+    add_device(p)
+    add_models_dir(p)
+    add_json(p)
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.plan import run_plan_bench
+
+    result = run_plan_bench(
+        args.model,
+        args.mask_ratio,
+        args.batch,
+        args.steps,
+        args.repeats,
+        models_dir(args),
+        link_gbps=args.link_gbps,
+        device=args.device,
+    )
+    report(result, args.json)

@@ -1,0 +1,84 @@
+"""``retouch bench gateway|deploy|store``: the platform's own costs around the model (the
+gateway's time per invocation, a deploy beside a served function, the activation store)."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from retouch.platform.commands.bench.options import (
+    add_repeats,
+)
+from retouch.platform.commands.common import (
+    add_json,
+    existing_dir,
+    positive_int,
+    report,
+)
+
+
+def add_gateway(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser("gateway", help="the gateway's own time per invocation")
+    p.add_argument(
+        "--requests", type=positive_int, default=50, help="invocations of each kind (default 50)"
+    )
+    p.add_argument("--examples", type=existing_dir, default=None, help="folder of example specs")
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="also a gateway with --provider ray on a one-node Ray cluster (the ray extra)",
+    )
+    add_json(p)
+    p.set_defaults(run=_run_gateway)
+
+
+def _run_gateway(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.gateway import run_gateway_bench
+    from retouch.platform.demo import find_examples
+
+    report(run_gateway_bench(find_examples(args.examples), args.requests, ray=args.ray), args.json)
+
+
+def add_deploy(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "deploy",
+        help="a served function's latency while a second model deploys and profiles (same run)",
+    )
+    p.add_argument(
+        "--requests",
+        type=positive_int,
+        default=12,
+        help="undisturbed invocations before and after",
+    )
+    p.add_argument("--steps", type=positive_int, default=10, help="denoising steps per invocation")
+    p.add_argument("--examples", type=existing_dir, default=None, help="folder of example specs")
+    add_json(p)
+    p.set_defaults(run=_run_deploy)
+
+
+def _run_deploy(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.deploy import run_deploy_bench
+    from retouch.platform.demo import find_examples
+
+    report(run_deploy_bench(find_examples(args.examples), args.requests, args.steps), args.json)
+
+
+def add_store(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser("store", help="activation store vs memcpy and raw disk reads")
+    p.add_argument(
+        "--size-mb",
+        type=positive_int,
+        default=256,
+        help="bytes of activations, in MB (default 256)",
+    )
+    add_repeats(p, 5)
+    add_json(p)
+    p.set_defaults(run=_run_store)
+
+
+def _run_store(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.store import run_store_bench
+
+    with tempfile.TemporaryDirectory(prefix="retouch-bench-store-") as tmp:
+        report(run_store_bench(Path(tmp), size_mb=args.size_mb, repeats=args.repeats), args.json)
