@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from retouch.functions import wire
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
 
@@ -156,6 +158,30 @@ class GatewayMetrics:
             ["event", "outcome"],
             registry=r,
         )
+
+    def observe(
+        self, function: str, result: wire.InvokeResult, mask_ratio: float, slo_ms: float | None
+    ) -> None:
+        """One answered invocation: its path, timings, batch and (with an SLO) the outcome;
+        ``mask_ratio`` as the gateway measured it (what admission saw)."""
+        t = result.timings
+        self.invocations.labels(function, result.path.value).inc()
+        self.cache_reads.labels(result.cache.found.value).inc()
+        if result.path is wire.InvokePath.MASKAWARE:
+            self.prefetch_wait.observe(result.cache.wait_ms / 1e3)
+        self.latency.labels(function).observe(t.total_ms / 1e3)
+        self.run.labels(function).observe(t.run_ms / 1e3)
+        self.queue.labels(function).observe(t.queue_ms / 1e3)
+        self.overhead.observe(max(0.0, t.total_ms - t.run_ms - t.queue_ms) / 1e3)
+        self.mask_ratio.observe(mask_ratio)
+        if slo_ms is not None:
+            self.slo.labels(function, "met" if t.total_ms <= slo_ms else "missed").inc()
+        self.pre.labels(function).observe(t.pre_ms / 1e3)
+        self.post.labels(function).observe(t.post_ms / 1e3)
+        self.steps.labels(function).inc(result.engine.steps)
+        self.interruptions.labels(function).inc(result.engine.interruptions)
+        for size in result.engine.batch_sizes:
+            self.batch_size.observe(size)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -143,8 +143,7 @@ class PlacementStats:
     startup_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))  # autoscaled
     prediction_error: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     # from a request's arrival at the gateway (its headers) to its 429 on arrival: a refusal
-    # after decoding includes reading the body, i.e. the client's upload; the OpenAI-style
-    # edits endpoint's refusals are not timed
+    # after decoding includes reading the body, i.e. the client's upload
     refusal_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 

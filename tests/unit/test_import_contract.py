@@ -11,6 +11,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CONTROL_PLANE = (
     "retouch.platform.gateway",
+    "retouch.platform.frontdoor",
+    "retouch.platform.httpapi",
+    "retouch.platform.deployed",
     "retouch.platform.pool",
     "retouch.platform.providers",
     "retouch.platform.server",
