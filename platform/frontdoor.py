@@ -11,10 +11,10 @@ uploaded image all take the same path, in this order:
    :class:`~retouch.platform.jobs.PreparedInvocation` (template checked, mask decoded, a
    large one off the event loop, an uploaded image content-addressed), admitted again (the
    queue may have filled meanwhile; this invocation's own SLO), and submitted as a job;
-4. the job store runs it through the pool (:meth:`FrontDoor._execute`), and a synchronous
+4. the job store runs it through the dispatcher (:meth:`FrontDoor._execute`), and a synchronous
    caller waits for it with :meth:`FrontDoor.answers`.
 
-A job resumed from the journal after a restart is prepared again on its way to the pool.
+A job resumed from the journal after a restart is prepared again on its way to the dispatcher.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from retouch.functions.wire import DeployStatus
 from retouch.platform import uploads
 from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.deployed import DeployedFunction
+from retouch.platform.dispatch import Dispatcher
 from retouch.platform.jobs import Job, JobStore, OnProgress, OnStart, PreparedInvocation, new_job_id
 from retouch.platform.journal import JobJournal
 from retouch.platform.metrics import GatewayMetrics
@@ -41,7 +42,6 @@ from retouch.runtime.prediction import MaskFootprint
 
 if TYPE_CHECKING:
     from retouch.platform.jobs import Notify
-    from retouch.platform.pool import ExecutorPool
 
 # Masks up to this many pixels are decoded on the event loop: 256 x 256 decodes and is
 # summarised in ~0.4 ms on a 2-core machine, less than the hop to a worker thread and back
@@ -55,7 +55,7 @@ class FrontDoor:
     def __init__(
         self,
         functions: Mapping[str, DeployedFunction],
-        pool: ExecutorPool,
+        dispatcher: Dispatcher,
         metrics: GatewayMetrics,
         journal: JobJournal | None,
         *,
@@ -64,12 +64,12 @@ class FrontDoor:
         notify: Notify | None = None,
     ) -> None:
         self.functions = functions  # the gateway's, kept current by its deploys and deletes
-        self.pool = pool
+        self.dispatcher = dispatcher
         self.metrics = metrics
         self.jobs = JobStore(
             self._execute,
-            pool.queue_positions,
-            pool.cancel,
+            dispatcher.queue_positions,
+            dispatcher.cancel,
             journal,
             retention_s=retention_s,
             progress_interval_s=progress_interval_s,
@@ -101,11 +101,11 @@ class FrontDoor:
         ``received``: ``time.perf_counter()`` when the request's headers arrived; a 429
         raised inside is timed from then (admission should answer in milliseconds)."""
         try:
-            self.pool.admit(fn.spec.name)
-            self.pool.admit_slo(fn.cheapest, early=True)
+            self.dispatcher.admit(fn.spec.name)
+            self.dispatcher.admit_slo(fn.cheapest, early=True)
             yield
         except Overloaded:
-            self.pool.stats.refusal_s.append(time.perf_counter() - received)
+            self.dispatcher.stats.refusal_s.append(time.perf_counter() - received)
             raise
 
     async def accept(self, fn: DeployedFunction, request: wire.JobRequest, *, durable: bool) -> Job:
@@ -113,8 +113,8 @@ class FrontDoor:
         counts towards autoscaling either way) and submit it as a job."""
         job_id = new_job_id()
         prepared = await self._prepare(fn, request.invoke, job_id)
-        self.pool.admit(fn.spec.name)  # others may have filled the queue meanwhile
-        self.pool.admit_slo(prepared.placement)
+        self.dispatcher.admit(fn.spec.name)  # others may have filled the queue meanwhile
+        self.dispatcher.admit_slo(prepared.placement)
         return await self.jobs.submit(
             fn.spec.name, request, prepared, durable=durable, job_id=job_id
         )
@@ -188,7 +188,7 @@ class FrontDoor:
     async def _execute(
         self, job: Job, on_start: OnStart, on_progress: OnProgress
     ) -> wire.InvokeResult:
-        """Run a job's invocation through the pool (the job store calls this)."""
+        """Run a job's invocation through the dispatcher (the job store calls this)."""
         if job.prepared is None:  # resumed from the journal after a restart
             job.prepared = await self._prepare(
                 self.servable(job.function), job.request.invoke, job.id
@@ -196,7 +196,7 @@ class FrontDoor:
         prepared = job.prepared
         if job.cancel_requested:  # canceled while its mask was decoded
             raise Canceled(f"job {job.id} was canceled", field="id")
-        result = await self.pool.invoke(
+        result = await self.dispatcher.invoke(
             prepared.invocation, prepared.placement, on_start, on_progress
         )
         result.timings.total_ms = (time.time() - job.created_at) * 1e3

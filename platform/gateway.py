@@ -40,7 +40,7 @@ from retouch.functions.errors import BadRequest, InvalidSpec, NotFound, RetouchE
 from retouch.functions.imaging import decode_image, encode_image
 from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
-from retouch.functions.wire import DeployStatus, ExecutorState
+from retouch.functions.wire import DeployStatus
 from retouch.platform.auth import TokenAuth
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
@@ -93,7 +93,7 @@ class Gateway:
         self.webhooks = WebhookSender(self.webhook_secret, self.webhook_allow)
         self.door = FrontDoor(
             self.functions,
-            self.pool,
+            self.pool.dispatcher,
             self.metrics,
             JobJournal(self.data_dir / "jobs") if self.data_dir is not None else None,
             retention_s=self.job_retention_s,
@@ -164,7 +164,7 @@ class Gateway:
         return {"status": "ok"}
 
     async def readyz(self, request: Request) -> Any:
-        healthy = sum(e.healthy for e in self.pool.executors)
+        healthy = sum(e.healthy for e in self.pool.fleet.executors)
         self.metrics.executors.set(healthy)
         pending = sorted(n for n, f in self.functions.items() if f.status is DeployStatus.DEPLOYING)
         if not self.pool.ready:  # an autoscaled pool is ready at zero: it starts one
@@ -172,21 +172,19 @@ class Gateway:
         return {"status": "ready", "executors": healthy, "deploying": pending}
 
     async def metrics_text(self, request: Request) -> Response:
-        self.metrics.executors.set(sum(e.healthy for e in self.pool.executors))
-        for state in await self.pool.states():
-            self._export_engine(state)
-        self._export_queue()
-        self._export_pool()
-        self._export_jobs()
+        for state in await self.pool.report.states():
+            self.metrics.export_engine(state)
+        self.metrics.export_pool(self.pool.report)
+        self.metrics.export_jobs(self.jobs.jobs.values(), self.webhooks.stats)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def list_functions(self, request: Request) -> dict[str, Any]:
-        states = await self.pool.states()
+        states = await self.pool.report.states()
         return {"functions": [f.describe(states) for _, f in sorted(self.functions.items())]}
 
     async def get_function(self, request: Request) -> dict[str, Any]:
         fn = self.function(request.path_params["name"])
-        return fn.describe(await self.pool.states())
+        return fn.describe(await self.pool.report.states())
 
     async def put_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
@@ -257,14 +255,15 @@ class Gateway:
         return {"deleted": name}
 
     async def executors(self, request: Request) -> dict[str, Any]:
-        states = {s.name: s.to_wire() for s in await self.pool.states()}
-        executors = [{**e, "state": states.get(e["name"])} for e in self.pool.describe()]
+        states = {s.name: s.to_wire() for s in await self.pool.report.states()}
+        report, queue = self.pool.report, self.pool.dispatcher.queue
+        executors = [{**e, "state": states.get(e["name"])} for e in report.describe()]
         return {
             "executors": executors,
-            "placement": self.pool.placement.name,
-            "queue": {"waiting": len(self.pool.queue), **asdict(self.pool.queue.stats)},
-            "control": self.pool.placement_summary(),
-            "autoscaler": self.pool.describe_autoscaler(),
+            "placement": queue.placement.name,
+            "queue": {"waiting": len(queue), **asdict(queue.stats)},
+            "control": report.placement_summary(),
+            "autoscaler": report.describe_autoscaler(),
         }
 
     async def invoke(self, request: Request) -> dict[str, Any]:
@@ -297,7 +296,7 @@ class Gateway:
             await self.jobs.wait(job, wait_s)
             headers = {"preference-applied": f"wait={wait_s:g}"}
         if job.status is wire.JobStatus.QUEUED:
-            job.position = self.pool.queue_positions().get(job.id, job.position)
+            job.position = self.pool.dispatcher.queue_positions().get(job.id, job.position)
         return respond(request, await self.jobs.document(job), status, headers)
 
     async def get_job(self, request: Request) -> Response:
@@ -326,7 +325,7 @@ class Gateway:
                 code="invalid_field",
             )
         jobs = self.jobs.list(status, query.get("function") or None, int(raw_limit))
-        positions = self.pool.queue_positions()
+        positions = self.pool.dispatcher.queue_positions()
         for job in jobs:
             if job.status is wire.JobStatus.QUEUED:
                 job.position = positions.get(job.id, job.position)
@@ -339,60 +338,6 @@ class Gateway:
     async def job_events(self, request: Request) -> StreamingResponse:
         job = self.jobs.get(request.path_params["id"])
         return event_stream(self.jobs.events(job, last_event_id(request)))
-
-    def _export_engine(self, state: ExecutorState) -> None:
-        """Per-step figures live in the executors; they are read at scrape time."""
-        engine = state.engine
-        values = {
-            "batch_overhead_ms_p50": engine.batch_overhead_ms_p50,
-            "step_ms_p50": engine.step_ms_p50,
-            "batch_mean": engine.batch_mean,
-            "load_wait_ms_p50": engine.load_wait_ms_p50,
-            "plan_sparse_blocks": engine.plan_sparse_blocks,
-            "plan_blocks": engine.plan_blocks,
-            "running": engine.running,
-            "ready": engine.ready,
-            "preprocessing": engine.preprocessing,
-            "alive": float(engine.alive),
-        }
-        for quantity, value in values.items():
-            if value is not None:
-                self.metrics.engine.labels(state.name, quantity).set(float(value))
-
-    def _export_jobs(self) -> None:
-        counts = dict.fromkeys(wire.JobStatus, 0)
-        for job in self.jobs.jobs.values():
-            if job.durable:
-                counts[job.status] += 1
-        for status, n in counts.items():
-            self.metrics.jobs.labels(status.value).set(n)
-        stats = self.webhooks.stats
-        for event, n in stats.delivered.items():
-            self.metrics.webhooks.labels(event, "delivered").set(n)
-        for event, n in stats.failed.items():
-            self.metrics.webhooks.labels(event, "failed").set(n)
-        self.metrics.webhooks.labels("", "retried").set(stats.retried)
-        self.metrics.webhooks.labels("", "dropped").set(stats.dropped)
-
-    def _export_pool(self) -> None:
-        for quantity, value in self.pool.pool_summary().items():
-            self.metrics.pool.labels(quantity).set(value)
-        for model, summary in self.pool.model_pool_summaries().items():
-            for quantity, value in summary.items():
-                self.metrics.model_pool.labels(model, quantity).set(value)
-
-    def _export_queue(self) -> None:
-        queue = self.pool.queue
-        self.metrics.queue_length.set(len(queue))
-        self.metrics.queue_events.labels("rejected").set(queue.stats.rejected)
-        self.metrics.queue_events.labels("timed_out").set(queue.stats.timed_out)
-        self.metrics.queue_events.labels("replaced").set(queue.stats.replaced)
-        self.metrics.queue_events.labels("admitted").set(queue.stats.admitted)
-        for event in ("slo_rejected", "slo_dropped", "would_reject", "slo_probes"):
-            self.metrics.queue_events.labels(event).set(getattr(queue.stats, event))
-        placement = self.pool.placement_summary()
-        for quantity, value in placement.items():
-            self.metrics.placement.labels(quantity).set(value)
 
     # ---- app -----------------------------------------------------------------------------
     def app(self) -> Starlette:
