@@ -465,4 +465,3 @@ class JobStore:
             if job.durable and self.journal is not None:
                 await asyncio.to_thread(self.journal.delete, job.id)
         return len(expired)
-
