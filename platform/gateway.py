@@ -24,13 +24,11 @@ import io
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from PIL import Image
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -38,35 +36,24 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from retouch.functions import wire
-from retouch.functions.errors import (
-    BadRequest,
-    Canceled,
-    InvalidSpec,
-    NotFound,
-    Overloaded,
-    RetouchError,
-    Unavailable,
-)
-from retouch.functions.imaging import decode_image, decode_mask, encode_image
+from retouch.functions.errors import BadRequest, InvalidSpec, NotFound, RetouchError, Unavailable
+from retouch.functions.imaging import decode_image, encode_image
 from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
-from retouch.functions.wire import BAKE_PROGRESS, BakeState, DeployStatus, ExecutorState
-from retouch.platform import sse, uploads
+from retouch.functions.wire import DeployStatus
 from retouch.platform.auth import TokenAuth
-from retouch.platform.jobs import (
-    DEFAULT_PROGRESS_INTERVAL_S,
-    DEFAULT_RETENTION_S,
-    Job,
-    JobStore,
-    OnProgress,
-    OnStart,
-    new_job_id,
+from retouch.platform.deployed import DeployedFunction
+from retouch.platform.frontdoor import FrontDoor
+from retouch.platform.httpapi import (
+    event_stream,
+    last_event_id,
     parse_prefer_wait,
+    read_control_body,
 )
+from retouch.platform.jobs import DEFAULT_PROGRESS_INTERVAL_S, DEFAULT_RETENTION_S, Job
 from retouch.platform.journal import JobJournal
 from retouch.platform.metrics import GatewayMetrics
 from retouch.platform.openai_images import OpenAIImages
-from retouch.platform.placement import PlacementRequest
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
 from retouch.platform.web import WebUI
@@ -75,97 +62,15 @@ from retouch.runtime.asgi import (
     bearer,
     decode_bytes,
     endpoint,
-    read_body,
+    read_msgpack,
     respond,
     structured_http_errors,
 )
-from retouch.runtime.prediction import MaskFootprint
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 32 << 20
-KEEPALIVE_S = 15.0  # a comment line on an idle event stream
 MAX_JOB_LIST = 1000
-# Masks up to this many pixels are decoded on the event loop: 256 x 256 decodes and is
-# summarised in ~0.4 ms on a 2-core machine, less than the hop to a worker thread and back
-# costs when the cores are busy (a 429 took 6 ms at p99 at a 2x overload with the hop).
-INLINE_MASK_PIXELS = 256 * 256
-
-
-@dataclass
-class DeployedFunction:
-    """A function as the gateway tracks it: stored copy, sizes and deploy progress."""
-
-    stored: StoredFunction
-    generation: int
-    status: DeployStatus = DeployStatus.DEPLOYING
-    error: str | None = None
-    sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
-    task: asyncio.Task | None = None
-
-    @property
-    def spec(self) -> FunctionSpec:
-        return self.stored.spec
-
-    @cached_property
-    def cheapest(self) -> PlacementRequest:
-        """The cheapest invocation of this function (an empty mask, its template in host
-        memory): when even it is predicted to miss the SLO, a 429 needs no body read."""
-        spec = self.spec
-        footprint = MaskFootprint.of(np.zeros((spec.height, spec.width), dtype=bool))
-        slo = None if spec.slo_ms is None else spec.slo_ms / 1e3
-        return PlacementRequest(
-            spec.name, "", 0.0, spec.model, spec.steps, footprint, slo, optimistic=True
-        )
-
-    def describe(self, executor_states: list[ExecutorState] | None = None) -> dict[str, Any]:
-        """The status document; template states come from the executors when given."""
-        spec = self.spec
-        return {
-            **spec.to_dict(),
-            "status": self.status.value,
-            "error": self.error,
-            "generation": self.generation,
-            "templates": {
-                tid: {
-                    "state": self._template_state(tid, executor_states or []).value,
-                    "width": w,
-                    "height": h,
-                    "prompt": spec.templates[tid].prompt,
-                    "seed": spec.templates[tid].seed,
-                }
-                for tid, (w, h) in self.sizes.items()
-            },
-            "uploads": self._uploads(executor_states or []),
-        }
-
-    def _uploads(self, executor_states: list[ExecutorState]) -> dict[str, dict[str, Any]]:
-        """The ad-hoc templates (uploaded images) the executors hold, most advanced state."""
-        out: dict[str, dict[str, Any]] = {}
-        for state in executor_states:
-            for tid, status in state.templates.get(self.spec.name, {}).items():
-                if not status.upload:
-                    continue
-                seen = out.setdefault(tid, {"state": status.state.value, "bytes": 0})
-                rank = BAKE_PROGRESS.index
-                if rank(status.state) < rank(BakeState(seen["state"])):
-                    seen["state"] = status.state.value
-                seen["bytes"] = max(seen["bytes"], status.bytes)
-        return out
-
-    def _template_state(self, tid: str, executor_states: list[ExecutorState]) -> BakeState:
-        """pending while deploying; then the most advanced bake state any executor reports
-        (they share the host's store): baked > baking > queued > unbaked > failed."""
-        if self.status is DeployStatus.DEPLOYING:
-            return BakeState.PENDING
-        if self.status is DeployStatus.FAILED:
-            return BakeState.FAILED
-        seen = {
-            status.state
-            for state in executor_states
-            if (status := state.template(self.spec.name, tid)) is not None
-        }
-        return next((s for s in BAKE_PROGRESS if s in seen), BakeState.UNBAKED)
 
 
 @dataclass
@@ -186,15 +91,16 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.webhooks = WebhookSender(self.webhook_secret, self.webhook_allow)
-        self.jobs = JobStore(
-            self._execute,
-            self.pool.queue_positions,
-            self.pool.cancel,
+        self.door = FrontDoor(
+            self.functions,
+            self.pool.dispatcher,
+            self.metrics,
             JobJournal(self.data_dir / "jobs") if self.data_dir is not None else None,
             retention_s=self.job_retention_s,
             progress_interval_s=self.progress_interval_s,
             notify=self.webhooks.notify,
         )
+        self.jobs = self.door.jobs
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -248,10 +154,7 @@ class Gateway:
         return authorize
 
     def function(self, name: str) -> DeployedFunction:
-        fn = self.functions.get(name)
-        if fn is None:
-            raise NotFound(f"no function named {name!r}", field="name", code="function_not_found")
-        return fn
+        return self.door.function(name)
 
     def count_error(self, exc: RetouchError) -> None:
         self.metrics.errors.labels(exc.code, str(exc.status)).inc()
@@ -261,7 +164,7 @@ class Gateway:
         return {"status": "ok"}
 
     async def readyz(self, request: Request) -> Any:
-        healthy = sum(e.healthy for e in self.pool.executors)
+        healthy = sum(e.healthy for e in self.pool.fleet.executors)
         self.metrics.executors.set(healthy)
         pending = sorted(n for n, f in self.functions.items() if f.status is DeployStatus.DEPLOYING)
         if not self.pool.ready:  # an autoscaled pool is ready at zero: it starts one
@@ -269,25 +172,23 @@ class Gateway:
         return {"status": "ready", "executors": healthy, "deploying": pending}
 
     async def metrics_text(self, request: Request) -> Response:
-        self.metrics.executors.set(sum(e.healthy for e in self.pool.executors))
-        for state in await self.pool.states():
-            self._export_engine(state)
-        self._export_queue()
-        self._export_pool()
-        self._export_jobs()
+        for state in await self.pool.report.states():
+            self.metrics.export_engine(state)
+        self.metrics.export_pool(self.pool.report)
+        self.metrics.export_jobs(self.jobs.jobs.values(), self.webhooks.stats)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def list_functions(self, request: Request) -> dict[str, Any]:
-        states = await self.pool.states()
+        states = await self.pool.report.states()
         return {"functions": [f.describe(states) for _, f in sorted(self.functions.items())]}
 
     async def get_function(self, request: Request) -> dict[str, Any]:
         fn = self.function(request.path_params["name"])
-        return fn.describe(await self.pool.states())
+        return fn.describe(await self.pool.report.states())
 
     async def put_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
-        body = wire.as_map(await read_body(request, self.max_body))
+        body = wire.as_map(await read_control_body(request, self.max_body))
         raw_spec = body.get("spec")
         if isinstance(raw_spec, dict):
             raw_spec = {"name": name, **raw_spec}
@@ -354,137 +255,37 @@ class Gateway:
         return {"deleted": name}
 
     async def executors(self, request: Request) -> dict[str, Any]:
-        states = {s.name: s.to_wire() for s in await self.pool.states()}
-        executors = [{**e, "state": states.get(e["name"])} for e in self.pool.describe()]
+        states = {s.name: s.to_wire() for s in await self.pool.report.states()}
+        report, queue = self.pool.report, self.pool.dispatcher.queue
+        executors = [{**e, "state": states.get(e["name"])} for e in report.describe()]
         return {
             "executors": executors,
-            "placement": self.pool.placement.name,
-            "queue": {"waiting": len(self.pool.queue), **asdict(self.pool.queue.stats)},
-            "control": self.pool.placement_summary(),
-            "autoscaler": self.pool.describe_autoscaler(),
+            "placement": queue.placement.name,
+            "queue": {"waiting": len(queue), **asdict(queue.stats)},
+            "control": report.placement_summary(),
+            "autoscaler": report.describe_autoscaler(),
         }
-
-    def _servable(self, name: str) -> DeployedFunction:
-        fn = self.function(name)
-        if fn.status is DeployStatus.FAILED:
-            raise Unavailable(
-                f"function {fn.spec.name!r} failed to deploy: {fn.error}",
-                code="function_not_ready",
-            )
-        return fn
-
-    async def _prepare(
-        self, fn: DeployedFunction, req: wire.InvokeRequest, invocation_id: str
-    ) -> tuple[wire.ExecutorInvoke, PlacementRequest]:
-        """Check the template, decode the mask (a large one on a thread) and build what the executor
-        gets; also how a resumed job is rebuilt from its journaled request. An uploaded
-        ``image`` is decoded and content-addressed here (``uploads.upload_id``)."""
-        image = None
-        if req.image is not None:
-            template, image = await asyncio.to_thread(uploads.decode_upload, fn.spec, req.image)
-            size = (fn.spec.width, fn.spec.height)
-        else:
-            template, size = req.template or "", fn.sizes.get(req.template or "")
-        if size is None:
-            raise NotFound(
-                f"function {fn.spec.name!r} has no template {req.template!r}",
-                field="template",
-                code="template_not_found",
-            )
-        mask, footprint = await decode_mask_off_loop(req.mask, size, fn.spec.halo or 0)
-        inv = wire.ExecutorInvoke(
-            function=fn.spec.name,
-            template=template,
-            image=image,
-            mask=wire.RawArray.of(mask.astype("uint8")),
-            prompt=req.prompt,
-            seed=req.seed,
-            steps=req.steps or fn.spec.steps,
-            guidance=fn.spec.guidance if req.guidance is None else float(req.guidance),
-            format=req.format,
-            id=invocation_id,
-        )
-        request = PlacementRequest(
-            fn.spec.name,
-            template,
-            footprint.ratio,
-            fn.spec.model,
-            inv.steps,
-            footprint,
-            None if fn.spec.slo_ms is None else fn.spec.slo_ms / 1e3,
-        )
-        return inv, request
-
-    @contextlib.contextmanager
-    def _timed_refusal(self, received: float) -> Iterator[None]:
-        """Time a 429 decided on arrival (a full queue or an SLO out of reach): admission
-        should answer in a few milliseconds, and ``/executors`` reports how it did."""
-        try:
-            yield
-        except Overloaded:
-            self.pool.stats.refusal_s.append(time.perf_counter() - received)
-            raise
-
-    async def _execute(
-        self, job: Job, on_start: OnStart, on_progress: OnProgress
-    ) -> wire.InvokeResult:
-        """Run a job's invocation through the pool (the job store calls this)."""
-        if job.prepared is None:  # resumed from the journal after a restart
-            job.prepared = await self._prepare(
-                self._servable(job.function), job.request.invoke, job.id
-            )
-        inv, request = job.prepared
-        if job.cancel_requested:  # canceled while its mask was decoded
-            raise Canceled(f"job {job.id} was canceled", field="id")
-        result = await self.pool.invoke(inv, request, on_start, on_progress)
-        result.timings.total_ms = (time.time() - job.created_at) * 1e3
-        self._observe(job.function, result, request.mask_ratio)
-        return result
 
     async def invoke(self, request: Request) -> dict[str, Any]:
         received = time.perf_counter()
-        fn = self._servable(request.path_params["name"])
-        with self._timed_refusal(received):
-            self.pool.admit(fn.spec.name)  # a full queue answers 429 before the body is read
-            self.pool.admit_slo(fn.cheapest, early=True)  # ... so does an SLO nothing could meet
-            req = wire.InvokeRequest.from_wire(
-                await read_body(request, self.max_body, allow_json=False)
-            )
-            job_id = new_job_id()
-            prepared = await self._prepare(fn, req, job_id)
-            self.pool.admit(fn.spec.name)  # others may have filled the queue meanwhile
-            self.pool.admit_slo(prepared[1])
-        job = await self.jobs.submit(
-            fn.spec.name, wire.JobRequest(req), prepared, durable=False, job_id=job_id
-        )
-        try:
-            await asyncio.shield(job.task)
-        finally:
-            self.jobs.forget(job)
-        if job.error is not None:
-            raise job.error
-        if job.result is None:
-            raise Canceled(f"invocation {job.id} was canceled")
-        job.result.timings.total_ms = (time.perf_counter() - received) * 1e3
-        return job.result.to_wire()
+        fn = self.door.servable(request.path_params["name"])
+        with self.door.arrival(fn, received):  # a 429 comes before the body is read
+            req = wire.InvokeRequest.from_wire(await read_msgpack(request, self.max_body))
+            job = await self.door.accept(fn, wire.JobRequest(req), durable=False)
+        (result,) = await self.door.answers([job])
+        result.timings.total_ms = (time.perf_counter() - received) * 1e3
+        return result.to_wire()
 
     # ---- jobs ----------------------------------------------------------------------------
     async def submit_job(self, request: Request) -> Response:
         received = time.perf_counter()
-        fn = self._servable(request.path_params["name"])
+        fn = self.door.servable(request.path_params["name"])
         wait_s = parse_prefer_wait(request.headers.get("prefer"))
-        with self._timed_refusal(received):
-            self.pool.admit(fn.spec.name)
-            self.pool.admit_slo(fn.cheapest, early=True)
-            body = await read_body(request, self.max_body, allow_json=False)
-            req = wire.JobRequest.from_wire(body)
+        with self.door.arrival(fn, received):
+            req = wire.JobRequest.from_wire(await read_msgpack(request, self.max_body))
             if req.webhook is not None:
                 await self.webhook_allow.check(req.webhook)
-            job_id = new_job_id()
-            prepared = await self._prepare(fn, req.invoke, job_id)
-            self.pool.admit(fn.spec.name)
-            self.pool.admit_slo(prepared[1])
-        job = await self.jobs.submit(fn.spec.name, req, prepared, job_id=job_id)
+            job = await self.door.accept(fn, req, durable=True)
         return await self._job_response(request, job, wait_s, 202)
 
     async def _job_response(
@@ -495,7 +296,7 @@ class Gateway:
             await self.jobs.wait(job, wait_s)
             headers = {"preference-applied": f"wait={wait_s:g}"}
         if job.status is wire.JobStatus.QUEUED:
-            job.position = self.pool.queue_positions().get(job.id, job.position)
+            job.position = self.pool.dispatcher.queue_positions().get(job.id, job.position)
         return respond(request, await self.jobs.document(job), status, headers)
 
     async def get_job(self, request: Request) -> Response:
@@ -524,7 +325,7 @@ class Gateway:
                 code="invalid_field",
             )
         jobs = self.jobs.list(status, query.get("function") or None, int(raw_limit))
-        positions = self.pool.queue_positions()
+        positions = self.pool.dispatcher.queue_positions()
         for job in jobs:
             if job.status is wire.JobStatus.QUEUED:
                 job.position = positions.get(job.id, job.position)
@@ -536,102 +337,7 @@ class Gateway:
 
     async def job_events(self, request: Request) -> StreamingResponse:
         job = self.jobs.get(request.path_params["id"])
-        raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
-        if not raw.isdigit():
-            raise BadRequest(
-                "Last-Event-ID (or after) must be a non-negative integer",
-                field="Last-Event-ID",
-                code="invalid_field",
-            )
-
-        async def stream() -> AsyncIterator[bytes]:
-            idle_since = time.monotonic()
-            async for event in self.jobs.events(job, int(raw)):
-                if event is not None:
-                    idle_since = time.monotonic()
-                    yield sse.frame(event)
-                elif time.monotonic() - idle_since >= KEEPALIVE_S:
-                    idle_since = time.monotonic()
-                    yield sse.KEEPALIVE
-
-        headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-        return StreamingResponse(stream(), media_type=sse.MEDIA_TYPE, headers=headers)
-
-    def _export_engine(self, state: ExecutorState) -> None:
-        """Per-step figures live in the executors; they are read at scrape time."""
-        engine = state.engine
-        values = {
-            "batch_overhead_ms_p50": engine.batch_overhead_ms_p50,
-            "step_ms_p50": engine.step_ms_p50,
-            "batch_mean": engine.batch_mean,
-            "load_wait_ms_p50": engine.load_wait_ms_p50,
-            "plan_sparse_blocks": engine.plan_sparse_blocks,
-            "plan_blocks": engine.plan_blocks,
-            "running": engine.running,
-            "ready": engine.ready,
-            "preprocessing": engine.preprocessing,
-            "alive": float(engine.alive),
-        }
-        for quantity, value in values.items():
-            if value is not None:
-                self.metrics.engine.labels(state.name, quantity).set(float(value))
-
-    def _export_jobs(self) -> None:
-        counts = dict.fromkeys(wire.JobStatus, 0)
-        for job in self.jobs.jobs.values():
-            if job.durable:
-                counts[job.status] += 1
-        for status, n in counts.items():
-            self.metrics.jobs.labels(status.value).set(n)
-        stats = self.webhooks.stats
-        for event, n in stats.delivered.items():
-            self.metrics.webhooks.labels(event, "delivered").set(n)
-        for event, n in stats.failed.items():
-            self.metrics.webhooks.labels(event, "failed").set(n)
-        self.metrics.webhooks.labels("", "retried").set(stats.retried)
-        self.metrics.webhooks.labels("", "dropped").set(stats.dropped)
-
-    def _export_pool(self) -> None:
-        for quantity, value in self.pool.pool_summary().items():
-            self.metrics.pool.labels(quantity).set(value)
-        for model, summary in self.pool.model_pool_summaries().items():
-            for quantity, value in summary.items():
-                self.metrics.model_pool.labels(model, quantity).set(value)
-
-    def _export_queue(self) -> None:
-        queue = self.pool.queue
-        self.metrics.queue_length.set(len(queue))
-        self.metrics.queue_events.labels("rejected").set(queue.stats.rejected)
-        self.metrics.queue_events.labels("timed_out").set(queue.stats.timed_out)
-        self.metrics.queue_events.labels("replaced").set(queue.stats.replaced)
-        self.metrics.queue_events.labels("admitted").set(queue.stats.admitted)
-        for event in ("slo_rejected", "slo_dropped", "would_reject", "slo_probes"):
-            self.metrics.queue_events.labels(event).set(getattr(queue.stats, event))
-        placement = self.pool.placement_summary()
-        for quantity, value in placement.items():
-            self.metrics.placement.labels(quantity).set(value)
-
-    def _observe(self, function: str, result: wire.InvokeResult, ratio: float) -> None:
-        t = result.timings
-        self.metrics.invocations.labels(function, result.path.value).inc()
-        self.metrics.cache_reads.labels(result.cache.found.value).inc()
-        if result.path is wire.InvokePath.MASKAWARE:
-            self.metrics.prefetch_wait.observe(result.cache.wait_ms / 1e3)
-        self.metrics.latency.labels(function).observe(t.total_ms / 1e3)
-        self.metrics.run.labels(function).observe(t.run_ms / 1e3)
-        self.metrics.queue.labels(function).observe(t.queue_ms / 1e3)
-        self.metrics.overhead.observe(max(0.0, t.total_ms - t.run_ms - t.queue_ms) / 1e3)
-        self.metrics.mask_ratio.observe(ratio)
-        fn = self.functions.get(function)
-        if fn is not None and fn.spec.slo_ms is not None:
-            met = t.total_ms <= fn.spec.slo_ms
-            self.metrics.slo.labels(function, "met" if met else "missed").inc()
-        self.metrics.pre.labels(function).observe(t.pre_ms / 1e3)
-        self.metrics.post.labels(function).observe(t.post_ms / 1e3)
-        self.metrics.steps.labels(function).inc(result.engine.steps)
-        self.metrics.interruptions.labels(function).inc(result.engine.interruptions)
-        for size in result.engine.batch_sizes:
-            self.metrics.batch_size.observe(size)
+        return event_stream(self.jobs.events(job, last_event_id(request)))
 
     # ---- app -----------------------------------------------------------------------------
     def app(self) -> Starlette:
@@ -643,7 +349,13 @@ class Gateway:
                 path, endpoint(handler, authorize, self.count_error, status), methods=[method]
             )
 
-        images, web = OpenAIImages(self), WebUI()
+        images = OpenAIImages(
+            self.door,
+            max_body=self.max_body,
+            secret=self.webhook_secret,
+            on_error=self.count_error,
+        )
+        web = WebUI()
 
         @contextlib.asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -680,23 +392,3 @@ class Gateway:
             exception_handlers=structured_http_errors(self.count_error),
             lifespan=lifespan,
         )
-
-
-async def decode_mask_off_loop(
-    data: bytes, size: tuple[int, int], halo: int = 0
-) -> tuple[np.ndarray, MaskFootprint]:
-    """A mask larger than ``INLINE_MASK_PIXELS`` is decoded on a worker thread, so the event
-    loop serves other invocations meanwhile; a small one inline (cheaper than the hop)."""
-    if size[0] * size[1] <= INLINE_MASK_PIXELS:
-        return _decode_mask(data, size, halo)
-    return await asyncio.to_thread(_decode_mask, data, size, halo)
-
-
-def _decode_mask(
-    data: bytes, size: tuple[int, int], halo: int = 0
-) -> tuple[np.ndarray, MaskFootprint]:
-    """Decode a mask and summarise it for prediction: CPU work, run on a worker thread so
-    a large mask never stalls the event loop for other invocations (a small one inline:
-    see ``INLINE_MASK_PIXELS``)."""
-    mask = decode_mask(data, size)
-    return mask, MaskFootprint.of(mask, halo)

@@ -27,8 +27,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from retouch.functions import wire
-from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound, RetouchError
+from retouch.functions.errors import Canceled, Conflict, NotFound, RetouchError
 from retouch.functions.wire import JobEventKind, JobStatus
+from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.journal import JobJournal
 
 log = logging.getLogger(__name__)
@@ -37,13 +38,21 @@ DEFAULT_RETENTION_S = 24 * 3600.0
 DEFAULT_PROGRESS_INTERVAL_S = 0.25
 POSITION_POLL_S = 0.25  # how often queue positions are re-read for ``queued`` events
 MAX_EVENTS = 512  # kept per job for late readers (progress is throttled, so rarely reached)
-MAX_WAIT_S = 60.0  # the longest ``Prefer: wait=N`` honoured
 RECORD_VERSION = 1
 
 OnStart = Callable[[str, int], None]
 OnProgress = Callable[[wire.StepProgress], None]
 Execute = Callable[["Job", OnStart, OnProgress], Awaitable[wire.InvokeResult]]
 Notify = Callable[["Job", wire.JobEvent], None]
+
+
+@dataclass(frozen=True)
+class PreparedInvocation:
+    """A request decoded for the pool (``platform/frontdoor.py`` builds it): what the
+    executor gets, and what placement and admission read of it. Kept in memory only."""
+
+    invocation: wire.ExecutorInvoke
+    placement: PlacementRequest
 
 
 END_EVENT = {
@@ -83,7 +92,7 @@ class Job:
     result: wire.InvokeResult | None = None
     error: RetouchError | None = None
     # In memory only: the decoded invocation (rebuilt from the request after a restart).
-    prepared: tuple[wire.ExecutorInvoke, Any] | None = None  # (invocation, placement request)
+    prepared: PreparedInvocation | None = None
     cancel_requested: bool = False
     events: list[wire.JobEvent] = field(default_factory=list)
     task: asyncio.Task | None = None
@@ -258,7 +267,7 @@ class JobStore:
         self,
         function: str,
         request: wire.JobRequest,
-        prepared: tuple[wire.ExecutorInvoke, Any],
+        prepared: PreparedInvocation,
         durable: bool = True,
         job_id: str | None = None,
     ) -> Job:
@@ -456,25 +465,3 @@ class JobStore:
             if job.durable and self.journal is not None:
                 await asyncio.to_thread(self.journal.delete, job.id)
         return len(expired)
-
-
-def parse_prefer_wait(header: str | None) -> float | None:
-    """``Prefer: wait=N`` (RFC 7240, as Replicate uses it): seconds to block, at most 60."""
-    if not header:
-        return None
-    for part in header.split(","):
-        name, _, value = part.strip().partition("=")
-        if name.strip().lower() != "wait":
-            continue
-        try:
-            seconds = float(value.strip().strip('"'))
-        except ValueError:
-            seconds = -1.0
-        if not 0 <= seconds <= MAX_WAIT_S:
-            raise BadRequest(
-                f"Prefer: wait=N takes 0 to {MAX_WAIT_S:.0f} seconds, got {value!r}",
-                field="Prefer",
-                code="invalid_field",
-            )
-        return seconds
-    return None

@@ -1,12 +1,37 @@
-"""Prometheus metrics of the gateway, on a registry of its own (one per gateway instance)."""
+"""What the gateway reports: its Prometheus metrics (a registry of its own, one per gateway
+instance) and the pool's summaries behind ``/metrics`` and ``/v1/executors``.
+
+Counters and histograms are fed as invocations end (:meth:`GatewayMetrics.observe`);
+everything else is read at scrape time (``export_*``) from the parts that own it: the
+executors' engines, the fleet, the dispatcher's queue and admission, jobs and webhooks."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from retouch.functions import wire
+from retouch.platform.dispatch import Dispatcher
+from retouch.platform.fleet import Fleet
+from retouch.platform.jobs import Job
+from retouch.platform.scaler import PoolScaler
+from retouch.platform.webhooks import WebhookStats
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+QUEUE_EVENTS = (
+    "rejected",
+    "timed_out",
+    "replaced",
+    "admitted",
+    "slo_rejected",
+    "slo_dropped",
+    "would_reject",
+    "slo_probes",
+)
 
 
 @dataclass
@@ -157,5 +182,182 @@ class GatewayMetrics:
             registry=r,
         )
 
+    def observe(
+        self, function: str, result: wire.InvokeResult, mask_ratio: float, slo_ms: float | None
+    ) -> None:
+        """One answered invocation: its path, timings, batch and (with an SLO) the outcome;
+        ``mask_ratio`` as the gateway measured it (what admission saw)."""
+        t = result.timings
+        self.invocations.labels(function, result.path.value).inc()
+        self.cache_reads.labels(result.cache.found.value).inc()
+        if result.path is wire.InvokePath.MASKAWARE:
+            self.prefetch_wait.observe(result.cache.wait_ms / 1e3)
+        self.latency.labels(function).observe(t.total_ms / 1e3)
+        self.run.labels(function).observe(t.run_ms / 1e3)
+        self.queue.labels(function).observe(t.queue_ms / 1e3)
+        self.overhead.observe(max(0.0, t.total_ms - t.run_ms - t.queue_ms) / 1e3)
+        self.mask_ratio.observe(mask_ratio)
+        if slo_ms is not None:
+            self.slo.labels(function, "met" if t.total_ms <= slo_ms else "missed").inc()
+        self.pre.labels(function).observe(t.pre_ms / 1e3)
+        self.post.labels(function).observe(t.post_ms / 1e3)
+        self.steps.labels(function).inc(result.engine.steps)
+        self.interruptions.labels(function).inc(result.engine.interruptions)
+        for size in result.engine.batch_sizes:
+            self.batch_size.observe(size)
+
+    def export_engine(self, state: wire.ExecutorState) -> None:
+        """Per-step figures live in the executors; they are read at scrape time."""
+        engine = state.engine
+        values = {
+            "batch_overhead_ms_p50": engine.batch_overhead_ms_p50,
+            "step_ms_p50": engine.step_ms_p50,
+            "batch_mean": engine.batch_mean,
+            "load_wait_ms_p50": engine.load_wait_ms_p50,
+            "plan_sparse_blocks": engine.plan_sparse_blocks,
+            "plan_blocks": engine.plan_blocks,
+            "running": engine.running,
+            "ready": engine.ready,
+            "preprocessing": engine.preprocessing,
+            "alive": float(engine.alive),
+        }
+        for quantity, value in values.items():
+            if value is not None:
+                self.engine.labels(state.name, quantity).set(float(value))
+
+    def export_jobs(self, jobs: Iterable[Job], webhooks: WebhookStats) -> None:
+        counts = dict.fromkeys(wire.JobStatus, 0)
+        for job in jobs:
+            if job.durable:
+                counts[job.status] += 1
+        for status, n in counts.items():
+            self.jobs.labels(status.value).set(n)
+        for event, n in webhooks.delivered.items():
+            self.webhooks.labels(event, "delivered").set(n)
+        for event, n in webhooks.failed.items():
+            self.webhooks.labels(event, "failed").set(n)
+        self.webhooks.labels("", "retried").set(webhooks.retried)
+        self.webhooks.labels("", "dropped").set(webhooks.dropped)
+
+    def export_pool(self, report: PoolReport) -> None:
+        """The pool, its model pools, the gateway queue and the placement figures."""
+        self.executors.set(sum(e.healthy for e in report.fleet.executors))
+        for quantity, value in report.pool_summary().items():
+            self.pool.labels(quantity).set(value)
+        for model, summary in report.model_pool_summaries().items():
+            for quantity, value in summary.items():
+                self.model_pool.labels(model, quantity).set(value)
+        queue = report.dispatcher.queue
+        self.queue_length.set(len(queue))
+        for event in QUEUE_EVENTS:
+            self.queue_events.labels(event).set(getattr(queue.stats, event))
+        for quantity, value in report.placement_summary().items():
+            self.placement.labels(quantity).set(value)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PoolReport:
+    """The pool's documents and summaries, read from its parts when asked for."""
+
+    def __init__(self, fleet: Fleet, dispatcher: Dispatcher, scaler: PoolScaler | None) -> None:
+        self.fleet = fleet
+        self.dispatcher = dispatcher
+        self.scaler = scaler
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each executor as ``/v1/executors`` lists it."""
+        return [e.describe() for e in self.fleet.executors]
+
+    async def states(self) -> list[wire.ExecutorState]:
+        """Each ready executor's own state (models, templates, engine, cache counters)."""
+        ready = [e for e in self.fleet.executors if e.healthy]
+        results = await asyncio.gather(
+            *(self.fleet.link.call(e, "GET", "/state", probe=True) for e in ready),
+            return_exceptions=True,
+        )
+        out = []
+        for handle, result in zip(ready, results, strict=True):
+            if isinstance(result, dict):
+                handle.state = wire.ExecutorState.from_wire(result)
+                out.append(handle.state)
+        return out
+
+    def placement_summary(self) -> dict[str, float]:
+        """Decision and admission times and the prediction error (recent invocations)."""
+        queue, stats = self.dispatcher.queue, self.dispatcher.stats
+        return {
+            "decision_ms_p50": _quantile(queue.decision_s, 0.5, 1e3),
+            "decision_ms_p99": _quantile(queue.decision_s, 0.99, 1e3),
+            "admission_ms_p50": _quantile(stats.admission_s, 0.5, 1e3),
+            "admission_ms_p99": _quantile(stats.admission_s, 0.99, 1e3),
+            "refusal_ms_p50": _quantile(stats.refusal_s, 0.5, 1e3),
+            "refusal_ms_p99": _quantile(stats.refusal_s, 0.99, 1e3),
+            "prediction_error_p50": _quantile(stats.prediction_error, 0.5),
+            "prediction_error_p90": _quantile(stats.prediction_error, 0.9),
+            "admission_margin": round(queue.margin, 3),
+        }
+
+    def pool_summary(self) -> dict[str, float]:
+        """Executors by phase, the autoscaler's last decision and its scale events (summed
+        over the model pools), and the start-up times it saw (``/metrics``)."""
+        startups = sorted(self.fleet.startup_s)
+        scaler = self.scaler
+        desired = scaler.desired() if scaler is not None else None
+        return {
+            **self._counts(),
+            "desired": float(len(self.fleet.executors) if desired is None else desired),
+            "scale_ups": float(scaler.ups if scaler else 0),
+            "scale_downs": float(scaler.downs if scaler else 0),
+            "startup_s_p50": startups[len(startups) // 2] if startups else 0.0,
+            "startup_s_max": startups[-1] if startups else 0.0,
+        }
+
+    def model_pool_summaries(self) -> dict[str, dict[str, float]]:
+        """Per model pool (autoscaled only): executors by phase, the last desired count,
+        scale events and the ticks whose scale-up found no free device (``/metrics``)."""
+        if self.scaler is None:
+            return {}
+        out = {}
+        for model, pool in sorted(self.scaler.models.items()):
+            out[model] = {
+                **self._counts(model),
+                "desired": float(pool.last.desired if pool.last else 0),
+                "scale_ups": float(pool.ups),
+                "scale_downs": float(pool.downs),
+                "no_device": float(pool.no_device),
+            }
+        return out
+
+    def describe_autoscaler(self) -> dict[str, Any] | None:
+        """The autoscaler's document (``/v1/executors``), each model pool with its
+        executors by phase and by name."""
+        if self.scaler is None:
+            return None
+        doc = self.scaler.describe()
+        for model, pool in doc["models"].items():
+            pool.update({k: int(v) for k, v in self._counts(model).items()})
+            pool["executors"] = sorted(
+                [e.name for e in self.fleet.executors if e.model == model]
+                + [n for n, m in self.fleet.unstarted().items() if m == model]
+            )
+        return doc
+
+    def _counts(self, model: str | None = None) -> dict[str, float]:
+        """Executors ready, starting and draining, of ``model``'s pool (None: all). One
+        being started counts as starting once, before and after its process is up."""
+        phases = [e.phase for e in self.fleet.executors if model is None or e.model == model]
+        spawning = [n for n, m in self.fleet.unstarted().items() if model is None or m == model]
+        return {
+            "ready": float(phases.count(wire.ExecutorPhase.READY)),
+            "starting": float(phases.count(wire.ExecutorPhase.STARTING) + len(spawning)),
+            "draining": float(phases.count(wire.ExecutorPhase.DRAINING)),
+        }
+
+
+def _quantile(values: Iterable[float], fraction: float, scale: float = 1.0) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[int(fraction * (len(ordered) - 1))] * scale

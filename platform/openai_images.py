@@ -8,7 +8,9 @@ only send files), one of the function's template ids,
 edit), ``prompt``, ``n``, ``size``, ``response_format`` (``b64_json``, or ``url``: a signed
 link the gateway serves), ``output_format``, and the common extensions ``seed``,
 ``num_inference_steps``, ``guidance_scale`` and ``mask_mode``. Each of the ``n`` images is
-one job (seeds ``seed``, ``seed + 1``, ...), run through the same queue as every invocation.
+one job (seeds ``seed``, ``seed + 1``, ...), taken in through the gateway's front door
+(``platform/frontdoor.py``): the same checks, admission (SLO included) and queue as every
+invocation.
 
 Errors keep this API's body (``code``, ``message``, ``field``) and add OpenAI's ``type``
 and ``param`` so its clients show them as they would OpenAI's own.
@@ -24,8 +26,9 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
@@ -35,18 +38,16 @@ from starlette.responses import Response
 from retouch.functions import wire
 from retouch.functions.errors import (
     BadRequest,
-    Canceled,
     NotFound,
     RetouchError,
     UnsupportedMediaType,
 )
 from retouch.functions.imaging import MASK_MODES, decode_openai_mask, encode_mask
-from retouch.platform.jobs import Job, new_job_id
+from retouch.platform.deployed import DeployedFunction
+from retouch.platform.frontdoor import FrontDoor
+from retouch.platform.jobs import Job
 from retouch.platform.uploads import decode_upload
 from retouch.runtime.asgi import read_raw_body
-
-if TYPE_CHECKING:
-    from retouch.platform.gateway import DeployedFunction, Gateway
 
 MAX_N = 10
 URL_TTL_S = 3600.0  # how long a ``url`` answer stays valid (OpenAI: 60 minutes)
@@ -306,26 +307,37 @@ def openai_error(request: Request, exc: RetouchError) -> Response:
 
 
 class OpenAIImages:
-    """The handlers of ``/v1/images/*`` over a :class:`~retouch.platform.gateway.Gateway`."""
+    """The handlers of ``/v1/images/*``: edits go in through the gateway's front door like
+    every other request, their images are read back from its job store."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(
+        self,
+        door: FrontDoor,
+        *,
+        max_body: int,
+        secret: bytes,
+        on_error: Callable[[RetouchError], None],
+    ) -> None:
+        self.door = door
+        self.max_body = max_body
         # Image links are signed with the server's secret (``retouch serve`` always has one:
         # the webhook secret); a gateway built without one signs with a per-process key.
-        self.secret = gateway.webhook_secret or secrets.token_bytes(32)
+        self.secret = secret or secrets.token_bytes(32)
+        self.on_error = on_error
 
     async def edits(self, request: Request) -> Response:
         try:
             return await self._edits(request)
         except RetouchError as exc:
-            self.gateway.count_error(exc)
+            self.on_error(exc)
             return openai_error(request, exc)
 
     async def _edits(self, request: Request) -> Response:
-        gw = self.gateway
-        form = await read_form(request, gw.max_body)
+        received = time.perf_counter()
+        door = self.door
+        form = await read_form(request, self.max_body)
         try:
-            fn = gw._servable(form.model)
+            fn = door.servable(form.model)
         except NotFound as exc:
             exc.field = "model"
             raise
@@ -336,47 +348,35 @@ class OpenAIImages:
                 field="size",
                 code="invalid_field",
             )
-        gw.pool.admit(spec.name)
-        mask = await asyncio.to_thread(_edit_mask, fn, form)
         first_seed = secrets.randbits(62) if form.seed is None else form.seed
         durable = form.response_format == "url"  # its image is served from the journal
         jobs: list[Job] = []
         try:
-            for i in range(form.n):
-                req = wire.InvokeRequest(
-                    template=form.template,
-                    image=form.image,
-                    mask=mask,
-                    prompt=form.prompt,
-                    seed=(first_seed + i) % 2**63,
-                    steps=form.steps,
-                    guidance=form.guidance,
-                    format=form.output_format,
-                )
-                job_id = new_job_id()
-                prepared = await gw._prepare(fn, req, job_id)
-                gw.pool.admit(spec.name)
-                jobs.append(
-                    await gw.jobs.submit(
-                        spec.name, wire.JobRequest(req), prepared, durable=durable, job_id=job_id
+            with door.arrival(fn, received):
+                mask = await asyncio.to_thread(_edit_mask, fn, form)
+                for i in range(form.n):
+                    req = wire.InvokeRequest(
+                        template=form.template,
+                        image=form.image,
+                        mask=mask,
+                        prompt=form.prompt,
+                        seed=(first_seed + i) % 2**63,
+                        steps=form.steps,
+                        guidance=form.guidance,
+                        format=form.output_format,
                     )
-                )
-            await asyncio.gather(*(asyncio.shield(j.task) for j in jobs if j.task is not None))
-        finally:
-            if not durable:
-                for job in jobs:
-                    gw.jobs.forget(job)
+                    jobs.append(await door.accept(fn, wire.JobRequest(req), durable=durable))
+        except BaseException:
+            door.forget(jobs)  # those already accepted run on; nobody waits for them
+            raise
+        results = await door.answers(jobs)
         data = []
-        for i, job in enumerate(jobs):
-            if job.error is not None:
-                raise job.error
-            if job.result is None:
-                raise Canceled(f"edit {job.id} was canceled")
-            item: dict[str, Any] = {"seed": (first_seed + i) % 2**63, "path": job.result.path.value}
+        for i, (job, result) in enumerate(zip(jobs, results, strict=True)):
+            item: dict[str, Any] = {"seed": (first_seed + i) % 2**63, "path": result.path.value}
             if durable:
                 item["url"] = self._url(request, job)
             else:
-                item["b64_json"] = base64.b64encode(job.result.image).decode()
+                item["b64_json"] = base64.b64encode(result.image).decode()
             data.append(item)
         body = {
             "created": int(time.time()),
@@ -387,8 +387,7 @@ class OpenAIImages:
         return Response(json.dumps(body), 200, media_type="application/json")
 
     def _url(self, request: Request, job: Job) -> str:
-        gw = self.gateway
-        expires = int(time.time() + min(URL_TTL_S, gw.job_retention_s))
+        expires = int(time.time() + min(URL_TTL_S, self.door.jobs.retention_s))
         sig = _sign(self.secret, job.id, expires)
         ext = job.request.invoke.format
         base = str(request.base_url).rstrip("/")
@@ -396,7 +395,7 @@ class OpenAIImages:
 
     async def image(self, request: Request) -> Response:
         """``GET /v1/images/{id}.{ext}?expires=&sig=``: a signed link needs no token."""
-        gw = self.gateway
+        jobs = self.door.jobs
         m = IMAGE_NAME.fullmatch(request.path_params["name"])
         if m is None:
             raise NotFound("no such image", field="name", code="image_not_found")
@@ -410,10 +409,10 @@ class OpenAIImages:
         if int(expires) < time.time():
             raise NotFound("this image link has expired", field="expires", code="link_expired")
         try:
-            job = gw.jobs.get(job_id)
+            job = jobs.get(job_id)
         except NotFound as exc:
             raise NotFound("the image is gone", field="name", code="image_not_found") from exc
-        doc = await gw.jobs.document(job)
+        doc = await jobs.document(job)
         result = doc.get("result")
         if result is None:
             raise NotFound("the image is gone", field="name", code="image_not_found")

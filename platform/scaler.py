@@ -16,7 +16,7 @@ fast to shrink). Every ``tick_s`` the scaler splits the pool's load by model
 predicted service of its functions' queued invocations, and its target count is its own
 ready + starting executors; its *demand* is the executor-seconds of its functions'
 invocations that arrived since the last tick (each at its share of a full batch, counted
-when decoded, refused or not: :meth:`ExecutorPool.take_arrived`) per second, which shows a
+when decoded, refused or not: :meth:`ScaledFleet.take_arrived`) per second, which shows a
 step in the arrival rate before the work piles up. Then it acts per model pool:
 
 * scale-up starts executors *assigned to the model* through the pool: such an executor is
@@ -47,13 +47,10 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from retouch.functions.spec import FunctionSpec, ScalingSpec
 from retouch.platform.control.autoscaler import Autoscaler, AutoscalingConfig, Decision
-
-if TYPE_CHECKING:
-    from retouch.platform.pool import ExecutorPool
 
 log = logging.getLogger(__name__)
 
@@ -209,22 +206,50 @@ def describe_config(config: AutoscalingConfig) -> dict[str, Any]:
     }
 
 
+class ScaledFleet(Protocol):
+    """All the autoscaler sees of the executors (``platform/fleet.py`` is one)."""
+
+    def devices(self) -> list[str]:
+        """The provider's devices, one per executor it can run (may be a network call)."""
+        ...
+
+    def specs(self) -> list[FunctionSpec]:
+        """The deployed functions (their models and scaling tables)."""
+        ...
+
+    def model_loads(self) -> dict[str, ModelLoad]: ...
+
+    def take_arrived(self) -> dict[str, Arrived]:
+        """The invocations that arrived since the last call, per model."""
+        ...
+
+    def spawn(self, devices: list[str], model: str | None = None) -> bool:
+        """Start one executor for ``model`` on a free device; False when none is free."""
+        ...
+
+    def scale_down_victims(self, count: int, model: str | None = None) -> list[Any]: ...
+
+    def retire(self, handle: Any) -> None:
+        """Drain one of the victims, then stop it."""
+        ...
+
+
 class PoolScaler:
-    """Ticks one autoscaling policy per model pool and applies the decisions to ``pool``.
+    """Ticks one autoscaling policy per model pool and applies the decisions to ``fleet``.
 
     Owned by the pool (started in its ``start``, closed in its ``close``); one task, no
     lock: everything runs on the event loop, and the slow parts (an executor's start, a
-    drain) run in the pool's own tasks, never inside a tick."""
+    drain) run in the fleet's own tasks, never inside a tick."""
 
     def __init__(
         self,
-        pool: ExecutorPool,
+        fleet: ScaledFleet,
         *,
         tick_s: float = TICK_S,
         dry_run: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.pool = pool
+        self.fleet = fleet
         self.tick_s = tick_s
         self.dry_run = dry_run
         self._clock = clock
@@ -248,7 +273,7 @@ class PoolScaler:
             try:
                 # The provider's device list may be a network call (Ray's cluster state):
                 # read off the event loop, once per tick, and handed to what needs it.
-                devices = await asyncio.to_thread(self.pool.provider.devices)
+                devices = await asyncio.to_thread(self.fleet.devices)
                 self.tick(devices)
             except Exception:  # a failed tick must not end autoscaling
                 log.exception("autoscaler tick failed")
@@ -271,10 +296,10 @@ class PoolScaler:
         """One period: read the pool, decide per model pool, act (or log, in a dry run).
         ``devices``: the provider's, one per executor it can run."""
         self.capacity = len(devices)
-        configs = model_configs((f.spec for f in self.pool.functions.values()), len(devices))
-        loads = self.pool.model_loads()
+        configs = model_configs(self.fleet.specs(), len(devices))
+        loads = self.fleet.model_loads()
         now = self._clock() - self._born
-        arrived = self.pool.take_arrived()
+        arrived = self.fleet.take_arrived()
         elapsed, self._last_tick = now - self._last_tick, now
         demand = {m: a.executor_s / elapsed for m, a in arrived.items()} if elapsed > 0 else {}
         for model in set(loads) - set(configs):
@@ -344,14 +369,14 @@ class PoolScaler:
             self._record(pool, now, change, decision, load.target)
             pool.downs += 1
             if not self.dry_run:
-                for victim in self.pool.scale_down_victims(-change, pool.model):
-                    self.pool.retire(victim)
+                for victim in self.fleet.scale_down_victims(-change, pool.model):
+                    self.fleet.retire(victim)
         return decision
 
     def _spawn(self, model: str, count: int, devices: list[str]) -> int:
         """Start up to ``count`` executors for ``model``; how many found a free device."""
         started = 0
-        while started < count and self.pool.spawn(devices, model):
+        while started < count and self.fleet.spawn(devices, model):
             started += 1
         return started
 
@@ -373,7 +398,7 @@ class PoolScaler:
     def _orphaned(self, model: str, load: ModelLoad, now: float) -> None:
         """A model pool none of whose functions is deployed any more: its executors serve
         nothing, so they are drained now rather than after the idle delays."""
-        victims = self.pool.scale_down_victims(load.target, model)
+        victims = self.fleet.scale_down_victims(load.target, model)
         if not victims:
             return
         pool = self.models.get(model)
@@ -385,7 +410,7 @@ class PoolScaler:
             pool.downs += 1
         if not self.dry_run:
             for victim in victims:
-                self.pool.retire(victim)
+                self.fleet.retire(victim)
 
     def describe(self) -> dict[str, Any]:
         """The model pools (``models``) and, for one glance, their sums: ``desired``,
@@ -394,7 +419,7 @@ class PoolScaler:
         ``models``."""
         pools = {m: p.describe() for m, p in sorted(self.models.items())}
         events = sorted((e for p in self.models.values() for e in p.events), key=lambda e: e.at)
-        specs = [f.spec.scaling for f in self.pool.functions.values()]
+        specs = [spec.scaling for spec in self.fleet.specs()]
         return {
             "dry_run": self.dry_run,
             "desired": self.desired(),

@@ -19,9 +19,10 @@ import uvicorn
 from retouch.platform.auth import load_auth
 from retouch.platform.config import ServeConfig
 from retouch.platform.control.queue import QueueLimits
+from retouch.platform.dispatch import RetryPolicy
 from retouch.platform.gateway import Gateway
 from retouch.platform.placement import make_placement
-from retouch.platform.pool import ExecutorPool, RetryPolicy
+from retouch.platform.pool import ExecutorPool
 from retouch.platform.providers import LocalProvider, Provider
 from retouch.platform.registry import Registry
 from retouch.platform.webhooks import AllowList, load_secret

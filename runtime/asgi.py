@@ -1,8 +1,10 @@
 """The small HTTP layer shared by the executor's internal API and the public gateway.
 
-Bodies are msgpack (``application/msgpack``) or JSON; the response uses the request's
-content type so a JSON caller gets JSON errors. Every :class:`RetouchError` becomes a
-structured error response; nothing else leaks a traceback to a caller.
+Bodies are msgpack (``application/msgpack``); the response uses the request's content type
+(or, without a body, its ``Accept``) so a JSON caller gets JSON errors. Every
+:class:`RetouchError` becomes a structured error response; nothing else leaks a traceback
+to a caller. What only the public API speaks (JSON bodies, its headers, event streams) is
+the gateway's: ``platform/httpapi.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from retouch.functions.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
-from retouch.functions.strictmaps import StrictMaps
 
 log = logging.getLogger(__name__)
 
@@ -78,36 +79,13 @@ async def read_raw_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_body(request: Request, limit: int, allow_json: bool = True) -> Any:
-    """Read at most ``limit`` bytes and decode msgpack (or JSON where allowed)."""
+async def read_msgpack(request: Request, limit: int) -> Any:
+    """Read at most ``limit`` bytes of a msgpack body; any other content type is a 415."""
     data = await read_raw_body(request, limit)
     ctype = request.headers.get("content-type", MSGPACK)
-    if _is_msgpack(ctype):
-        return wire.unpack(data)
-    if allow_json and ctype.startswith(JSON):
-        return parse_json(data)
-    raise UnsupportedMediaType(f"content type {ctype!r} is not supported; use {MSGPACK}")
-
-
-def parse_json(data: bytes) -> Any:
-    """Strict JSON: a duplicate key is refused (the last one would silently win), and so are
-    the non-standard NaN/Infinity constants; nesting too deep for the parser or an integer
-    too long to convert is ``malformed_body`` (a 400, not a 500)."""
-    maps = StrictMaps()
-    try:
-        doc = json.loads(data, object_pairs_hook=maps.hook, parse_constant=_refuse_constant)
-    except RecursionError as exc:
-        raise BadRequest(
-            "body is not valid JSON: nested too deeply", code="malformed_body"
-        ) from exc
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, huge integers
-        raise BadRequest(f"body is not valid JSON: {exc}", code="malformed_body") from exc
-    maps.check(doc)
-    return doc
-
-
-def _refuse_constant(name: str) -> Any:
-    raise BadRequest(f"body is not valid JSON: {name} is not a JSON number", code="malformed_body")
+    if not _is_msgpack(ctype):
+        raise UnsupportedMediaType(f"content type {ctype!r} is not supported; use {MSGPACK}")
+    return wire.unpack(data)
 
 
 def structured_http_errors(

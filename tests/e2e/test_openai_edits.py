@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from retouch.functions import wire
+from retouch.functions.errors import Overloaded
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
 
@@ -221,3 +222,37 @@ def test_oversized_and_malformed_bodies(server: ServerProcess) -> None:
     )
     assert unauthorized.status_code == 401
     assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def test_slo_admission_refuses_edits_exactly_where_invoke_does(
+    server: ServerProcess, examples: Path
+) -> None:
+    """An SLO no edit can meet is a 429 ``slo_unattainable`` on the OpenAI route as on
+    invoke and for an uploaded image as for a template; an SLO within reach admits them
+    all. (The OpenAI route once skipped SLO admission and ran what invoke refused.)"""
+    base, images = read_spec_file(examples / "tiny-sd.toml")
+    with Client(server.url, ADMIN) as admin:
+        for name, slo_ms in (("oai-strict", 1.0), ("oai-relaxed", 600_000.0)):
+            spec = dataclasses.replace(base, name=name, steps=STEPS, slo_ms=slo_ms)
+            assert admin.deploy(spec, images)["status"] == "ready"
+    mask = white_mask()
+    with Client(server.url, INVOKE) as c:
+        for name, admitted in (("oai-strict", False), ("oai-relaxed", True)):
+            for template, image in (("street", None), (None, png(photo()))):
+                upload = {"image": image} if image is not None else {}
+                files = {
+                    "image": ("p.png", image) if image is not None else (None, template),
+                    "mask": ("m.png", mask),
+                }
+                edit = post(server, files, {"model": name, "prompt": "a red door"})
+                if admitted:
+                    assert edit.status_code == 200, edit.text
+                    assert c.invoke(name, template, mask, "a red door", **upload).image
+                    continue
+                assert edit.status_code == 429, edit.text
+                assert edit.json()["error"]["code"] == "slo_unattainable"
+                assert int(edit.headers["retry-after"]) >= 1
+                with pytest.raises(Overloaded) as refused:
+                    c.invoke(name, template, mask, "a red door", **upload)
+                assert refused.value.code == "slo_unattainable"
+        assert c.executors()["control"]["refusal_ms_p99"] > 0  # both routes' 429s are timed

@@ -11,7 +11,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CONTROL_PLANE = (
     "retouch.platform.gateway",
+    "retouch.platform.frontdoor",
+    "retouch.platform.httpapi",
+    "retouch.platform.deployed",
     "retouch.platform.pool",
+    "retouch.platform.fleet",
+    "retouch.platform.deployments",
+    "retouch.platform.dispatch",
+    "retouch.platform.executorlink",
+    "retouch.platform.metrics",
     "retouch.platform.providers",
     "retouch.platform.server",
     "retouch.platform.control.queue",

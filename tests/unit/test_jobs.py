@@ -17,7 +17,8 @@ from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound, R
 from retouch.functions.wire import JobEventKind, JobStatus
 from retouch.platform import sse, webhooks
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
-from retouch.platform.jobs import Job, JobStore, parse_prefer_wait
+from retouch.platform.httpapi import parse_prefer_wait
+from retouch.platform.jobs import Job, JobStore, PreparedInvocation
 from retouch.platform.journal import JobJournal
 from retouch.platform.placement import LeastRequests, PlacementRequest
 
@@ -36,9 +37,10 @@ def request(seed: int = 1, **extra) -> wire.JobRequest:
     )
 
 
-def prepared(job_id: str = "") -> tuple[wire.ExecutorInvoke, float]:
+def prepared(job_id: str = "") -> PreparedInvocation:
     mask = wire.RawArray.of(np.ones((2, 2), np.uint8))
-    return wire.ExecutorInvoke("f", "t", mask, "p", 1, 3, 7.5, "raw", job_id), 1.0
+    inv = wire.ExecutorInvoke("f", "t", mask, "p", 1, 3, 7.5, "raw", job_id)
+    return PreparedInvocation(inv, PlacementRequest("f", "t", 1.0))
 
 
 def result() -> wire.InvokeResult:

@@ -12,8 +12,9 @@ from typing import Any
 
 from retouch.functions import wire
 from retouch.functions.spec import FunctionSpec, ScalingSpec, load_spec_file
+from retouch.platform.executorlink import ExecutorHandle
 from retouch.platform.placement import LeastRequests
-from retouch.platform.pool import ExecutorHandle, ExecutorPool
+from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import StoredFunction
 from retouch.platform.scaler import (
     NO_DEVICE,
@@ -78,15 +79,21 @@ class FakeHandle:
 
 
 class FakePool:
-    """What :class:`PoolScaler` reads and calls on the pool."""
+    """A :class:`ScaledFleet`: what :class:`PoolScaler` reads and calls on the fleet."""
 
     def __init__(self, functions: list[FunctionSpec], devices: int) -> None:
-        self.functions = {s.name: StoredFunction(s, {}) for s in functions}
-        self.devices = devices
+        self.functions = {s.name: s for s in functions}
+        self.device_count = devices
         self.handles: list[FakeHandle] = []
         self.loads: dict[str, ModelLoad] = {}
         self.retired: list[str] = []
         self.arrived: dict[str, float] = {}  # executor-seconds that arrived, per model
+
+    def devices(self) -> list[str]:
+        return ["cpu"] * self.device_count
+
+    def specs(self) -> list[FunctionSpec]:
+        return list(self.functions.values())
 
     def model_loads(self) -> dict[str, ModelLoad]:
         return dict(self.loads)
@@ -97,7 +104,7 @@ class FakePool:
         return {model: Arrived(executor_s) for model, executor_s in arrived.items()}
 
     def spawn(self, devices: list[str], model: str | None = None) -> bool:
-        if len(self.handles) >= self.devices:
+        if len(self.handles) >= self.device_count:
             return False
         self.handles.append(FakeHandle(f"exec-{len(self.handles)}", model or ""))
         return True
@@ -113,7 +120,7 @@ class FakePool:
 def test_model_pools_scale_on_their_own_load_and_share_the_devices() -> None:
     pool = FakePool([spec("tiny-sd", "sd"), spec("tiny-flux", "flux")], devices=1)
     clock = [0.0]
-    scaler = PoolScaler(pool, clock=lambda: clock[0])  # type: ignore[arg-type]
+    scaler = PoolScaler(pool, clock=lambda: clock[0])
     devices = ["cpu"]
 
     pool.loads = {SD: ModelLoad(0.0, 1, 0)}  # an sd invocation waits; flux is idle
@@ -153,7 +160,7 @@ def test_model_pools_scale_on_their_own_load_and_share_the_devices() -> None:
 
 def test_a_model_pool_without_functions_drains_at_once() -> None:
     pool = FakePool([spec("tiny-sd", "sd")], devices=2)
-    scaler = PoolScaler(pool)  # type: ignore[arg-type]
+    scaler = PoolScaler(pool)
     pool.loads = {SD: ModelLoad(0.0, 1, 0)}
     scaler.tick(["cpu", "cpu"])
     assert [h.model for h in pool.handles] == [SD]
@@ -181,22 +188,22 @@ class NoProvider:
 def test_placement_sees_an_executor_only_for_its_models_functions() -> None:
     async def run() -> None:
         pool = ExecutorPool(NoProvider(), LeastRequests(), autoscale=True)  # type: ignore[arg-type]
+        fleet = pool.fleet
         for s in (spec("tiny-sd", "sd"), spec("tiny-flux", "flux")):
-            pool.functions[s.name] = StoredFunction(s, {})
+            fleet.deploys.functions[s.name] = StoredFunction(s, {})
         sd = ExecutorHandle(FakeProcess("exec-0"), model=SD)
         static = ExecutorHandle(FakeProcess("exec-1"))  # model None: a static pool's
         for handle in (sd, static):
             handle.phase = wire.ExecutorPhase.READY
             handle.functions = {"sd", "flux"}  # as if both had been pushed
-        pool.executors = [sd, static]
-        assert pool.candidates("sd") == [sd, static]
-        assert pool.candidates("flux") == [static]  # exec-0 holds it but serves tiny-sd only
+        fleet.executors.extend([sd, static])
+        assert fleet.candidates("sd") == [sd, static]
+        assert fleet.candidates("flux") == [static]  # exec-0 holds it but serves tiny-sd only
         assert sd.serves(SD) and not sd.serves(FLUX) and static.serves(FLUX)
-        assert pool.describe()[0]["model"] == SD
-        loads = pool.model_loads()
+        assert pool.report.describe()[0]["model"] == SD
+        loads = fleet.model_loads()
         assert loads == {SD: ModelLoad(0.0, 0, 1)}  # the static executor is in no model pool
-        await pool._http.aclose()
-        await pool._probe.aclose()
+        await pool.link.close()
 
     asyncio.run(run())
 
@@ -208,7 +215,7 @@ def test_a_model_pools_demand_scales_it_before_its_work_piles_up() -> None:
     wide = dataclasses.replace(FAST, max_executors=4)
     pool = FakePool([spec("tiny-sd", "sd", wide), spec("tiny-flux", "flux", wide)], devices=4)
     clock = [0.0]
-    scaler = PoolScaler(pool, clock=lambda: clock[0])  # type: ignore[arg-type]
+    scaler = PoolScaler(pool, clock=lambda: clock[0])
     pool.loads = {SD: ModelLoad(0.0, 1, 0)}
     scaler.tick(["cpu"] * 4)  # one sd executor for the first invocation
     pool.loads = {SD: ModelLoad(0.5, 0, 1)}

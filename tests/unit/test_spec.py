@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, InvalidSpec
 from retouch.functions.spec import FunctionSpec, load_spec_file, parse_spec
-from retouch.runtime.asgi import parse_json
+from retouch.platform.httpapi import parse_json
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 

@@ -1,0 +1,224 @@
+"""The one way in: every accepted request becomes a job through here.
+
+The synchronous invoke, an asynchronous job, an OpenAI-style edit and an edit of an
+uploaded image all take the same path, in this order:
+
+1. :meth:`FrontDoor.servable`: the function exists and did not fail to deploy;
+2. :meth:`FrontDoor.arrival`: before the body is read (or decoded), 429 when the queue is
+   full or when even the function's cheapest invocation would miss its SLO; every 429
+   decided from here on is timed (``/v1/executors``'s ``refusal_ms``);
+3. :meth:`FrontDoor.accept`: the request is decoded into one
+   :class:`~retouch.platform.jobs.PreparedInvocation` (template checked, mask decoded, a
+   large one off the event loop, an uploaded image content-addressed), admitted again (the
+   queue may have filled meanwhile; this invocation's own SLO), and submitted as a job;
+4. the job store runs it through the dispatcher (:meth:`FrontDoor._execute`), and a synchronous
+   caller waits for it with :meth:`FrontDoor.answers`.
+
+A job resumed from the journal after a restart is prepared again on its way to the dispatcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from retouch.functions import wire
+from retouch.functions.errors import Canceled, NotFound, Overloaded, Unavailable
+from retouch.functions.imaging import decode_mask
+from retouch.functions.wire import DeployStatus
+from retouch.platform import uploads
+from retouch.platform.control.cluster import PlacementRequest
+from retouch.platform.deployed import DeployedFunction
+from retouch.platform.dispatch import Dispatcher
+from retouch.platform.jobs import Job, JobStore, OnProgress, OnStart, PreparedInvocation, new_job_id
+from retouch.platform.journal import JobJournal
+from retouch.platform.metrics import GatewayMetrics
+from retouch.runtime.prediction import MaskFootprint
+
+if TYPE_CHECKING:
+    from retouch.platform.jobs import Notify
+
+# Masks up to this many pixels are decoded on the event loop: 256 x 256 decodes and is
+# summarised in ~0.4 ms on a 2-core machine, less than the hop to a worker thread and back
+# costs when the cores are busy (a 429 took 6 ms at p99 at a 2x overload with the hop).
+INLINE_MASK_PIXELS = 256 * 256
+
+
+class FrontDoor:
+    """Admission and preparation of every request, and the job store that runs them."""
+
+    def __init__(
+        self,
+        functions: Mapping[str, DeployedFunction],
+        dispatcher: Dispatcher,
+        metrics: GatewayMetrics,
+        journal: JobJournal | None,
+        *,
+        retention_s: float,
+        progress_interval_s: float,
+        notify: Notify | None = None,
+    ) -> None:
+        self.functions = functions  # the gateway's, kept current by its deploys and deletes
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.jobs = JobStore(
+            self._execute,
+            dispatcher.queue_positions,
+            dispatcher.cancel,
+            journal,
+            retention_s=retention_s,
+            progress_interval_s=progress_interval_s,
+            notify=notify,
+        )
+
+    # ---- lookup --------------------------------------------------------------------------
+    def function(self, name: str) -> DeployedFunction:
+        fn = self.functions.get(name)
+        if fn is None:
+            raise NotFound(f"no function named {name!r}", field="name", code="function_not_found")
+        return fn
+
+    def servable(self, name: str) -> DeployedFunction:
+        """A function that may take invocations: deployed, or still deploying (they wait)."""
+        fn = self.function(name)
+        if fn.status is DeployStatus.FAILED:
+            raise Unavailable(
+                f"function {fn.spec.name!r} failed to deploy: {fn.error}",
+                code="function_not_ready",
+            )
+        return fn
+
+    # ---- admission -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def arrival(self, fn: DeployedFunction, received: float) -> Iterator[None]:
+        """Admission on arrival, before any body is read: a full queue, or an SLO that not
+        even an empty mask on a host-resident template could meet, is a 429 at once.
+        ``received``: ``time.perf_counter()`` when the request's headers arrived; a 429
+        raised inside is timed from then (admission should answer in milliseconds)."""
+        try:
+            self.dispatcher.admit(fn.spec.name)
+            self.dispatcher.admit_slo(fn.cheapest, early=True)
+            yield
+        except Overloaded:
+            self.dispatcher.stats.refusal_s.append(time.perf_counter() - received)
+            raise
+
+    async def accept(self, fn: DeployedFunction, request: wire.JobRequest, *, durable: bool) -> Job:
+        """Prepare ``request``, admit it (queue room again, and its own SLO: its demand
+        counts towards autoscaling either way) and submit it as a job."""
+        job_id = new_job_id()
+        prepared = await self._prepare(fn, request.invoke, job_id)
+        self.dispatcher.admit(fn.spec.name)  # others may have filled the queue meanwhile
+        self.dispatcher.admit_slo(prepared.placement)
+        return await self.jobs.submit(
+            fn.spec.name, request, prepared, durable=durable, job_id=job_id
+        )
+
+    # ---- answers -------------------------------------------------------------------------
+    async def answers(self, jobs: list[Job]) -> list[wire.InvokeResult]:
+        """Wait for jobs run on a caller's behalf and give their results in order (the first
+        error is raised); jobs that are not kept (not durable) are forgotten."""
+        try:
+            await asyncio.gather(*(asyncio.shield(j.task) for j in jobs if j.task is not None))
+        finally:
+            self.forget(jobs)
+        results = []
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
+            if job.result is None:
+                raise Canceled(f"invocation {job.id} was canceled")
+            results.append(job.result)
+        return results
+
+    def forget(self, jobs: list[Job]) -> None:
+        """Drop the jobs that are not kept (their caller has its answer, or gave up)."""
+        for job in jobs:
+            if not job.durable:
+                self.jobs.forget(job)
+
+    # ---- preparation and execution -------------------------------------------------------
+    async def _prepare(
+        self, fn: DeployedFunction, req: wire.InvokeRequest, invocation_id: str
+    ) -> PreparedInvocation:
+        """Check the template, decode the mask (a large one on a thread) and build what the
+        executor gets; an uploaded ``image`` is decoded and content-addressed here
+        (``uploads.upload_id``)."""
+        image = None
+        if req.image is not None:
+            template, image = await asyncio.to_thread(uploads.decode_upload, fn.spec, req.image)
+            size = (fn.spec.width, fn.spec.height)
+        else:
+            template, size = req.template or "", fn.sizes.get(req.template or "")
+        if size is None:
+            raise NotFound(
+                f"function {fn.spec.name!r} has no template {req.template!r}",
+                field="template",
+                code="template_not_found",
+            )
+        mask, footprint = await decode_mask_off_loop(req.mask, size, fn.spec.halo or 0)
+        inv = wire.ExecutorInvoke(
+            function=fn.spec.name,
+            template=template,
+            image=image,
+            mask=wire.RawArray.of(mask.astype("uint8")),
+            prompt=req.prompt,
+            seed=req.seed,
+            steps=req.steps or fn.spec.steps,
+            guidance=fn.spec.guidance if req.guidance is None else float(req.guidance),
+            format=req.format,
+            id=invocation_id,
+        )
+        placement = PlacementRequest(
+            fn.spec.name,
+            template,
+            footprint.ratio,
+            fn.spec.model,
+            inv.steps,
+            footprint,
+            None if fn.spec.slo_ms is None else fn.spec.slo_ms / 1e3,
+        )
+        return PreparedInvocation(inv, placement)
+
+    async def _execute(
+        self, job: Job, on_start: OnStart, on_progress: OnProgress
+    ) -> wire.InvokeResult:
+        """Run a job's invocation through the dispatcher (the job store calls this)."""
+        if job.prepared is None:  # resumed from the journal after a restart
+            job.prepared = await self._prepare(
+                self.servable(job.function), job.request.invoke, job.id
+            )
+        prepared = job.prepared
+        if job.cancel_requested:  # canceled while its mask was decoded
+            raise Canceled(f"job {job.id} was canceled", field="id")
+        result = await self.dispatcher.invoke(
+            prepared.invocation, prepared.placement, on_start, on_progress
+        )
+        result.timings.total_ms = (time.time() - job.created_at) * 1e3
+        fn = self.functions.get(job.function)
+        slo_ms = fn.spec.slo_ms if fn is not None else None
+        self.metrics.observe(job.function, result, prepared.placement.mask_ratio, slo_ms)
+        return result
+
+
+async def decode_mask_off_loop(
+    data: bytes, size: tuple[int, int], halo: int = 0
+) -> tuple[np.ndarray, MaskFootprint]:
+    """A mask larger than ``INLINE_MASK_PIXELS`` is decoded on a worker thread, so the event
+    loop serves other invocations meanwhile; a small one inline (cheaper than the hop)."""
+    if size[0] * size[1] <= INLINE_MASK_PIXELS:
+        return _decode_mask(data, size, halo)
+    return await asyncio.to_thread(_decode_mask, data, size, halo)
+
+
+def _decode_mask(
+    data: bytes, size: tuple[int, int], halo: int = 0
+) -> tuple[np.ndarray, MaskFootprint]:
+    """Decode a mask and summarise it for prediction."""
+    mask = decode_mask(data, size)
+    return mask, MaskFootprint.of(mask, halo)

@@ -1,0 +1,106 @@
+"""The gateway's own HTTP conventions, on top of the layer it shares with the executors
+(``runtime/asgi.py``: msgpack bodies, structured errors, auth).
+
+Only the public API has them: strict JSON bodies on control endpoints, the ``Prefer:
+wait=N`` and ``Last-Event-ID`` headers, and job events as a server-sent event stream.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from retouch.functions import wire
+from retouch.functions.errors import BadRequest
+from retouch.functions.strictmaps import StrictMaps
+from retouch.platform import sse
+from retouch.runtime.asgi import JSON, read_msgpack, read_raw_body
+
+MAX_WAIT_S = 60.0  # the longest ``Prefer: wait=N`` honoured
+KEEPALIVE_S = 15.0  # a comment line on an idle event stream
+
+
+async def read_control_body(request: Request, limit: int) -> Any:
+    """A control endpoint's body: msgpack, or strict JSON (for ``curl`` and scripts)."""
+    if request.headers.get("content-type", "").startswith(JSON):
+        return parse_json(await read_raw_body(request, limit))
+    return await read_msgpack(request, limit)
+
+
+def parse_json(data: bytes) -> Any:
+    """Strict JSON: a duplicate key is refused (the last one would silently win), and so are
+    the non-standard NaN/Infinity constants; nesting too deep for the parser or an integer
+    too long to convert is ``malformed_body`` (a 400, not a 500)."""
+    maps = StrictMaps()
+    try:
+        doc = json.loads(data, object_pairs_hook=maps.hook, parse_constant=_refuse_constant)
+    except RecursionError as exc:
+        raise BadRequest(
+            "body is not valid JSON: nested too deeply", code="malformed_body"
+        ) from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, huge integers
+        raise BadRequest(f"body is not valid JSON: {exc}", code="malformed_body") from exc
+    maps.check(doc)
+    return doc
+
+
+def _refuse_constant(name: str) -> Any:
+    raise BadRequest(f"body is not valid JSON: {name} is not a JSON number", code="malformed_body")
+
+
+def parse_prefer_wait(header: str | None) -> float | None:
+    """``Prefer: wait=N`` (RFC 7240, as Replicate uses it): seconds to block, at most 60."""
+    if not header:
+        return None
+    for part in header.split(","):
+        name, _, value = part.strip().partition("=")
+        if name.strip().lower() != "wait":
+            continue
+        try:
+            seconds = float(value.strip().strip('"'))
+        except ValueError:
+            seconds = -1.0
+        if not 0 <= seconds <= MAX_WAIT_S:
+            raise BadRequest(
+                f"Prefer: wait=N takes 0 to {MAX_WAIT_S:.0f} seconds, got {value!r}",
+                field="Prefer",
+                code="invalid_field",
+            )
+        return seconds
+    return None
+
+
+def last_event_id(request: Request) -> int:
+    """Where a reader resumes an event stream: ``Last-Event-ID`` (an ``EventSource``
+    reconnecting) or ``?after=`` (a first connection); 0 replays every event."""
+    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    if not raw.isdigit():
+        raise BadRequest(
+            "Last-Event-ID (or after) must be a non-negative integer",
+            field="Last-Event-ID",
+            code="invalid_field",
+        )
+    return int(raw)
+
+
+def event_stream(events: AsyncIterator[wire.JobEvent | None]) -> StreamingResponse:
+    """A job's events as ``text/event-stream``; ``None`` items mark idle periods, and an
+    idle stream gets a keep-alive comment every ``KEEPALIVE_S`` so proxies keep it open."""
+
+    async def stream() -> AsyncIterator[bytes]:
+        idle_since = time.monotonic()
+        async for event in events:
+            if event is not None:
+                idle_since = time.monotonic()
+                yield sse.frame(event)
+            elif time.monotonic() - idle_since >= KEEPALIVE_S:
+                idle_since = time.monotonic()
+                yield sse.KEEPALIVE
+
+    headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+    return StreamingResponse(stream(), media_type=sse.MEDIA_TYPE, headers=headers)
