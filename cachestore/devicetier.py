@@ -148,6 +148,11 @@ class DeviceTier:
         for future in pending:
             future.result()
 
+    def keys(self) -> frozenset[str]:
+        """The templates resident now (what the executor reports to the gateway)."""
+        with self._lock:
+            return frozenset(self._resident)
+
     def usage(self) -> dict[str, int]:
         with self._lock:
             return {

@@ -430,7 +430,8 @@ class TemplateStatus:
     error: str | None = None
     upload: bool = False  # an ad-hoc template (an uploaded image), not a deployed one
     bytes: int = 0  # its baked activations (0 until baked)
-    host: bool = False  # host-resident now (the fastest tier)
+    host: bool = False  # host-resident now
+    device: bool = False  # resident in the executor's device tier (GPU memory): no load at all
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -441,6 +442,7 @@ class TemplateStatus:
             "upload": self.upload,
             "bytes": self.bytes,
             "host": self.host,
+            "device": self.device,
         }
 
     @classmethod
@@ -454,6 +456,7 @@ class TemplateStatus:
             bool(body.get("upload", False)),
             int(body.get("bytes", 0)),
             bool(body.get("host", False)),
+            bool(body.get("device", False)),
         )
 
 

@@ -65,22 +65,29 @@ def queued_share(ahead: int, workers: int) -> float:
 TABLE_POINTS = 17  # masked fractions 0, 1/16, ..., 1 at which a step's plan is tabulated
 
 
-def plan_table(cost_model: CostModel, grids: Sequence[int], max_batch: int) -> list[list[float]]:
+def plan_table(
+    cost_model: CostModel, grids: Sequence[int], max_batch: int, *, resident: bool = False
+) -> list[list[float]]:
     """The bubble-free plan's latency for batches of 1..``max_batch`` requests at masked
     fractions 0, 1/16, ..., 1 (the same fraction on every token grid). The executor builds
     it once per profile (a plan of a 57-block model takes milliseconds, too long for the
-    gateway's event loop) and ships it with its cost model; predictions interpolate."""
-    return [_plan_row(cost_model, grids, n) for n in range(1, max_batch + 1)]
+    gateway's event loop) and ships it with its cost model; predictions interpolate.
+    ``resident``: every template in the device tier, so no row is loaded (the plan is the
+    sparse compute alone)."""
+    return [_plan_row(cost_model, grids, n, resident) for n in range(1, max_batch + 1)]
 
 
-def _plan_row(cost_model: CostModel, grids: Sequence[int], n: int) -> list[float]:
+def _plan_row(
+    cost_model: CostModel, grids: Sequence[int], n: int, resident: bool = False
+) -> list[float]:
     row = []
     for i in range(TABLE_POINTS):
         fraction = i / (TABLE_POINTS - 1)
-        tokens = []
+        tokens: list[tuple[int, ...]] = []
         for block in cost_model.blocks:
             total = n * grids[min(block.level, len(grids) - 1)]
-            tokens.append((round(fraction * total), total))
+            masked = round(fraction * total)
+            tokens.append((masked, total, 0) if resident else (masked, total))
         row.append(bubble_free_plan(cost_model.block_costs(tokens)).latency)
     return row
 
@@ -91,17 +98,27 @@ class StepCoster:
     ``grids`` are a request's token counts per grid level (finest first), as the cost
     model's blocks index them. A batch is summarised by its size and the masked fraction of
     its finest grid; the plan latency is interpolated in the executor's :func:`plan_table`
-    (rows for batch sizes it lacks are planned here, once).
+    (rows for batch sizes it lacks are planned here, once). Members whose template is in
+    the device tier load nothing: a batch with ``resident`` of its ``n`` members so is
+    costed between the plan that loads every unmasked row and the one that loads none
+    (``resident_table``, shipped by an executor that has a device tier), in proportion.
     """
 
     def __init__(
-        self, cost_model: CostModel, grids: Sequence[int], table: list[list[float]] | None = None
+        self,
+        cost_model: CostModel,
+        grids: Sequence[int],
+        table: list[list[float]] | None = None,
+        resident_table: list[list[float]] | None = None,
     ) -> None:
         if not grids:
             raise ValueError("a step coster needs the token grid of a request")
         self.cost_model = cost_model
         self.grids = tuple(int(g) for g in grids)
         self._rows: dict[int, list[float]] = {n + 1: row for n, row in enumerate(table or [])}
+        self._held: dict[int, list[float]] = {
+            n + 1: row for n, row in enumerate(resident_table or [])
+        }
 
     def full_masks(self) -> tuple[int, ...]:
         """The per-level token counts of an invocation that computes every token."""
@@ -112,8 +129,9 @@ class StepCoster:
         tokens per level, summed over the batch (the bubble-free plan's finish)."""
         return self.step_s0(n, masked[0])
 
-    def step_s0(self, n: int, masked0: int) -> float:
-        """:meth:`step_s` from the masked tokens of the finest grid alone."""
+    def step_s0(self, n: int, masked0: int, resident: int = 0) -> float:
+        """:meth:`step_s` from the masked tokens of the finest grid alone; ``resident``
+        of the ``n`` members have their template in the device tier."""
         if n <= 0:
             return 0.0
         row = self._rows.get(n)
@@ -121,7 +139,14 @@ class StepCoster:
             row = self._rows[n] = _plan_row(self.cost_model, self.grids, n)
         x = min(1.0, max(0.0, masked0 / (n * self.grids[0]))) * (TABLE_POINTS - 1)
         i = min(int(x), TABLE_POINTS - 2)
-        return row[i] + (row[i + 1] - row[i]) * (x - i)
+        streamed = row[i] + (row[i + 1] - row[i]) * (x - i)
+        if resident <= 0:
+            return streamed
+        held = self._held.get(n)
+        if held is None:
+            held = self._held[n] = _plan_row(self.cost_model, self.grids, n, resident=True)
+        loads_none = held[i] + (held[i + 1] - held[i]) * (x - i)
+        return streamed + (loads_none - streamed) * min(1.0, resident / n)
 
 
 @dataclass
@@ -129,12 +154,19 @@ class Member:
     """An invocation as the prediction sees it: its model's coster, steps left, masked
     tokens per level (equal to the grid when it runs the full path: nothing cached), and
     its template's load from disk, which starts with its encode (0: the template is in host
-    memory)."""
+    memory), and whether the template rests in the device tier (its steps load no rows)."""
 
     coster: StepCoster
     steps_left: int
     masked: tuple[int, ...]
     load_s: float = 0.0
+    resident: bool = False
+
+    def stepped(self, steps_left: int | None = None) -> list:
+        """As :func:`predict` steps it: ``[end, masked tokens of the finest grid, coster,
+        1 if device-resident else 0]``."""
+        end = self.steps_left if steps_left is None else steps_left
+        return [end, self.masked[0], self.coster, int(self.resident)]
 
 
 @dataclass(frozen=True)
@@ -171,16 +203,16 @@ def predict(
     (``start_s == finish_s``; expected arrivals are not counted then).
 
     A decision runs this for every shortlisted executor, so it stays allocation-light.
-    Members are stepped as ``[end, masked tokens of the finest grid, coster]`` lists,
+    Members are stepped as ``[end, masked tokens of the finest grid, coster, resident]`` lists,
     where ``end`` is the round after which the member is done: the batch's rounds are
     counted once (``done``) instead of decrementing every member, and the batch's masked
     tokens are kept as a running sum (integers: the same as summing each round). A queued
     member's ``end`` holds its steps left until it joins."""
-    active = [[max(1, m.steps_left), m.masked[0], m.coster] for m in batch]
-    queue = deque([max(1, m.steps_left), m.masked[0], m.coster] for m in waiting)
+    active = [m.stepped(max(1, m.steps_left)) for m in batch]
+    queue = deque(m.stepped(max(1, m.steps_left)) for m in waiting)
     target = None
     if newcomer is not None:
-        target = [max(1, newcomer.steps_left), newcomer.masked[0], newcomer.coster]
+        target = newcomer.stepped(max(1, newcomer.steps_left))
         queue.append(target)
     expected = arrivals if arrivals is not None and target is not None else None
     coster = _one_coster(active, queue, expected)  # None: groups of several models
@@ -202,6 +234,7 @@ def predict(
     arrived = 0
     done = 0  # rounds stepped so far
     masked = sum(m[1] for m in active)  # the running batch's masked tokens
+    held = sum(m[3] for m in active)  # and its members with device-resident templates
     next_end = min((m[0] for m in active), default=0)  # the first departure's round
     # The post workers' backlog, as a fluid: each departure adds one decode, served by
     # ``post_workers`` at once (post_unit each); the newcomer's decode waits behind it.
@@ -219,13 +252,14 @@ def predict(
             next_end = joining[0] if not active else min(next_end, joining[0])
             active.append(joining)
             masked += joining[1]
+            held += joining[3]
         if not active:
             if target is None or not queue:
                 break
             now = max(now, ready_at)  # only the newcomer's own encode left to wait for
             continue
         if coster is not None:  # _calibrated(step_s0(...)), inlined: the hot path
-            planned = step_s0(len(active), masked)
+            planned = step_s0(len(active), masked, held)
             step = intercept + slope * planned
             floor = tenth * planned
             round_s = max(1e-9, (step if step >= floor else floor) * scale)
@@ -247,10 +281,11 @@ def predict(
                         post_free = max(post_free, now) + post_unit
             active = [m for m in active if m[0] > done]
             masked = sum(m[1] for m in active)
+            held = sum(m[3] for m in active)
             next_end = min((m[0] for m in active), default=0)
         while expected is not None and next_arrival <= now and arrived < expected.limit:
             typical = expected.typical
-            queue.append([max(1, typical.steps_left), typical.masked[0], typical.coster])
+            queue.append(typical.stepped(max(1, typical.steps_left)))
             arrived += 1
             next_arrival += expected.interval_s
         if expected is not None and arrived >= expected.limit:
@@ -290,13 +325,18 @@ def _round_s(active: list[list], calibration: StepCalibration) -> float:
     calibrated."""
     coster = active[0][2]
     if all(m[2] is coster for m in active):  # the common case: one model
-        return _calibrated(coster.step_s0(len(active), sum(m[1] for m in active)), calibration)
+        planned = coster.step_s0(len(active), sum(m[1] for m in active), sum(m[3] for m in active))
+        return _calibrated(planned, calibration)
     groups: dict[int, list] = {}
     for m in active:
-        group = groups.setdefault(id(m[2]), [m[2], 0, 0])
+        group = groups.setdefault(id(m[2]), [m[2], 0, 0, 0])
         group[1] += 1
         group[2] += m[1]
-    return sum(_calibrated(c.step_s0(n, masked), calibration) for c, n, masked in groups.values())
+        group[3] += m[3]
+    return sum(
+        _calibrated(c.step_s0(n, masked, held), calibration)
+        for c, n, masked, held in groups.values()
+    )
 
 
 def _calibrated(planned_s: float, calibration: StepCalibration) -> float:
@@ -316,7 +356,7 @@ def batch_step_s(batch: Sequence[Member], calibration: StepCalibration) -> float
     """Predicted seconds of one step of ``batch`` (every model's group once), calibrated."""
     if not batch:
         return 0.0
-    return _round_s([[m.steps_left, m.masked[0], m.coster] for m in batch], calibration)
+    return _round_s([m.stepped() for m in batch], calibration)
 
 
 def departure_s(batch: Sequence[Member], calibration: StepCalibration, k: int = 1) -> float:
@@ -324,7 +364,7 @@ def departure_s(batch: Sequence[Member], calibration: StepCalibration, k: int = 
     free), at the batch's present round time; the last member's when ``k`` exceeds it."""
     if not batch:
         return 0.0
-    active = [[m.steps_left, m.masked[0], m.coster] for m in batch]
+    active = [m.stepped() for m in batch]
     steps = sorted(m.steps_left for m in batch)
     return steps[min(k, len(steps)) - 1] * _round_s(active, calibration)
 

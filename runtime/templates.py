@@ -377,6 +377,7 @@ class TemplateCache:
         with self.lock:
             tracked = [*self.templates.values()]
             tracked += [t for ups in self.uploads.values() for t in ups.values()]
+        on_device = self.device_tier.keys() if self.device_tier is not None else frozenset()
         out: dict[str, dict[str, TemplateStatus]] = {}
         for t in tracked:
             out.setdefault(t.function, {})[t.id] = TemplateStatus(
@@ -387,5 +388,6 @@ class TemplateCache:
                 upload=t.upload,
                 bytes=t.nbytes,
                 host=self.store.resident(t.key),
+                device=t.key in on_device,
             )
         return out

@@ -47,10 +47,22 @@ PROFILE_ONLY = StepCalibration()  # the profile alone, no learnt correction (imm
 class Residency(StrEnum):
     """Where a template's activations are on one executor, as the gateway knows it."""
 
+    DEVICE = "device"  # in the device tier (GPU memory): its steps load no rows
     HOST = "host"
     DISK = "disk"
     BAKING = "baking"
     ABSENT = "absent"
+
+
+HELD = (Residency.DEVICE, Residency.HOST)  # in memory: no disk load
+BAKED = (Residency.DEVICE, Residency.HOST, Residency.DISK)  # baked here: the sparse path
+
+
+def _baked_tier(status: wire.TemplateStatus) -> Residency:
+    """The fastest tier a baked template's executor reports it in."""
+    if status.device:
+        return Residency.DEVICE
+    return Residency.HOST if status.host else Residency.DISK
 
 
 @dataclass(frozen=True)
@@ -237,17 +249,17 @@ class ExecutorView:
             for template, status in templates.items():
                 key = (function, template)
                 if status.state is wire.BakeState.BAKED:
-                    tier = Residency.HOST if status.host else Residency.DISK
+                    tier = _baked_tier(status)
                     if status.bytes:
                         sizes.append(status.bytes)
                 elif status.state in (wire.BakeState.BAKING, wire.BakeState.QUEUED):
                     tier = Residency.BAKING
                 else:
                     tier = Residency.ABSENT
-                if tier is Residency.HOST:
+                if tier in HELD:
                     self.residency[key] = tier
                     self.residency.move_to_end(key)
-                elif self.residency.get(key) is not Residency.HOST or tier is Residency.ABSENT:
+                elif self.residency.get(key) not in HELD or tier is Residency.ABSENT:
                     self.residency[key] = tier
         cache = state.cache
         if cache.host_budget_bytes and (sizes or cache.host_templates):
@@ -269,11 +281,12 @@ class ExecutorView:
             if newcomer.optimistic
             else self.tier(newcomer.function, newcomer.template)
         )
-        if tier not in (Residency.HOST, Residency.DISK):  # not baked here: every token
+        if tier not in BAKED:  # not baked here: every token
             return Member(coster, newcomer.steps, coster.full_masks())
         # on disk, its join waits for the load its encode did not hide
         load_s = self.overheads.disk_load_s if tier is Residency.DISK else 0.0
-        return Member(coster, newcomer.steps, newcomer.footprint.on(coster.grids), load_s)
+        masked = newcomer.footprint.on(coster.grids)
+        return Member(coster, newcomer.steps, masked, load_s, tier is Residency.DEVICE)
 
     def load_s(self, newcomer: PlacementRequest) -> float:
         """The disk-to-host load the newcomer's template needs here (0: in host memory,
@@ -315,7 +328,9 @@ class ExecutorView:
         templates each: host hit rate 0.13)."""
         key = (newcomer.function, newcomer.template)
         tier = self.residency.get(key, Residency.ABSENT)
-        if tier in (Residency.HOST, Residency.DISK):
+        if tier is Residency.DEVICE:
+            self.residency.move_to_end(key)
+        elif tier in (Residency.HOST, Residency.DISK):
             self.hosted(key)
         elif tier is Residency.ABSENT:
             self.residency[key] = Residency.BAKING
@@ -372,6 +387,10 @@ class ExecutorView:
         key = (newcomer.function, newcomer.template)
         if result.path is wire.InvokePath.STOCK:
             self.residency[key] = Residency.BAKING
+            return
+        if result.cache.tier is wire.CacheTier.DEVICE:
+            self.residency[key] = Residency.DEVICE
+            self.residency.move_to_end(key)
             return
         self.hosted(key)
 
@@ -519,7 +538,7 @@ class ExecutorView:
         """The engine time a bake of the template here would take (0 where it is baked):
         the part of the residency cost a prediction leaves out (it counts a disk load)."""
         tier = self.tier(newcomer.function, newcomer.template)
-        if tier in (Residency.HOST, Residency.DISK):
+        if tier in BAKED:
             return 0.0
         coster = self.costers.get(newcomer.model)
         if coster is None:
@@ -636,7 +655,13 @@ class CosterCache:
         key = (device, model, repr(sorted(doc.get("extra", {}).items())))
         coster = self._costers.get(key)
         if coster is None:
-            coster = StepCoster(CostModel.from_dict(doc), grids, doc["extra"].get("step_table"))
+            extra = doc["extra"]
+            coster = StepCoster(
+                CostModel.from_dict(doc),
+                grids,
+                extra.get("step_table"),
+                extra.get("resident_step_table"),
+            )
             self._costers[key] = coster
         return coster
 

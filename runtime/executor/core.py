@@ -342,6 +342,10 @@ class ExecutorCore:
             cost_model.extra["step_table"] = plan_table(
                 cost_model, grids, self.engine.config.max_batch
             )
+            if self.templates.device_tier is not None:  # and of batches that load nothing
+                cost_model.extra["resident_step_table"] = plan_table(
+                    cost_model, grids, self.engine.config.max_batch, resident=True
+                )
         return editor, cost_model
 
     def entry(self, name: str) -> FunctionEntry:

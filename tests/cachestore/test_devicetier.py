@@ -49,6 +49,7 @@ def test_promote_evict_and_keep_held_templates() -> None:
     tier.wait()
     assert tier.acquire("b") is None and tier.acquire("c") is not None
     assert tier.usage()["device_evictions"] == 1
+    assert tier.keys() == {"a", "c"}  # what the executor reports as device-resident
     held.release()
 
 

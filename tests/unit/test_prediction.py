@@ -729,3 +729,70 @@ def test_a_decode_that_queued_stands_in_until_an_unqueued_one_is_seen() -> None:
     o.observe(0.02, 0.5, post_queued=True)
     assert o.post_s == 0.03  # once one is known, queued times teach nothing
     assert o.pre_s == 0.02
+
+
+def slow_link_model() -> CostModel:
+    """The test cost model behind a link so slow that loading the unmasked rows bounds
+    every sparse step (100 ms per MB)."""
+    return replace(cost_model(), load=LinearFit(0.0, 1e-7, 1.0))
+
+
+def test_a_batch_of_device_resident_members_is_costed_without_loads() -> None:
+    model = slow_link_model()
+    c = StepCoster(
+        model,
+        [GRID],
+        plan_table(model, [GRID], 2),
+        plan_table(model, [GRID], 2, resident=True),
+    )
+    masked = round(0.2 * 2 * GRID)
+    per_block = [(masked, 2 * GRID, 0)] * 4
+    compute_only = bubble_free_plan(model.block_costs(per_block)).latency
+    assert c.step_s0(2, masked, resident=2) == pytest.approx(compute_only, rel=0.02)
+    streamed, half = c.step_s0(2, masked), c.step_s0(2, masked, resident=1)
+    assert compute_only < half < streamed
+    assert half == pytest.approx((streamed + c.step_s0(2, masked, resident=2)) / 2)
+    # without a shipped table the gateway plans the resident rows itself, once
+    lazy = StepCoster(model, [GRID], plan_table(model, [GRID], 2))
+    assert lazy.step_s0(2, masked, resident=2) == pytest.approx(c.step_s0(2, masked, 2))
+
+
+def test_a_device_resident_template_is_predicted_faster_and_placed_first() -> None:
+    """An executor that reports the template in its device tier: the gateway knows it
+    (``Residency.DEVICE``), predicts no loads for its steps, and ties go there."""
+    cluster = ClusterView()
+    model = slow_link_model()
+    model.extra["step_table"] = plan_table(model, [GRID], 4)
+    model.extra["resident_step_table"] = plan_table(model, [GRID], 4, resident=True)
+    views = {}
+    for name, device in (("host", False), ("gpu", True)):
+        status = wire.TemplateStatus(wire.BakeState.BAKED, host=True, device=device)
+        state = wire.ExecutorState(
+            name,
+            0,
+            "cpu",
+            engine=wire.EngineStats(max_batch=4),
+            cost_models={"m": model.to_dict()},
+            templates={"fn": {"t": status}},
+        )
+        views[name] = cluster.add(name, 4, 8)
+        views[name].observe_state(state, cluster.costers)
+    assert views["gpu"].tier("fn", "t") is Residency.DEVICE
+    assert views["host"].tier("fn", "t") is Residency.HOST
+    on_gpu, on_host = (views[n].predict(request(0.2)) for n in ("gpu", "host"))
+    assert on_gpu.finish_s < 0.5 * on_host.finish_s
+    assert views["gpu"].load_s(request(0.2)) == 0.0
+    from retouch.platform.placement import MaskAware
+
+    policy = MaskAware(seed=0)
+    handles = [Handle(views["host"]), Handle(views["gpu"])]
+    assert {policy.choose(handles, request(0.2)).name for _ in range(8)} == {"gpu"}
+    # placing an edit there keeps the template in the device tier (not demoted to host)
+    views["gpu"].place(1, request(0.2), now=0.0)
+    assert views["gpu"].tier("fn", "t") is Residency.DEVICE
+
+
+def test_template_status_carries_device_residency_on_the_wire() -> None:
+    status = wire.TemplateStatus(wire.BakeState.BAKED, host=True, device=True)
+    assert wire.TemplateStatus.from_wire(status.to_wire()) == status
+    assert wire.TemplateStatus.from_wire({"state": "baked"}).device is False
