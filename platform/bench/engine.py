@@ -26,8 +26,8 @@ from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import demo_model, ensure_demo_model, is_demo
 from retouch.functions.families import family_spec
 from retouch.platform.config import default_data_dir
+from retouch.runtime.families.stepflops import pipeline_step_flops
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
-from retouch.runtime.maskaware.flops import pipeline_step_flops
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import load_pipeline, pick_device, synchronize
 

@@ -46,8 +46,8 @@ from retouch.functions.demo.images import template_image
 from retouch.functions.demo.production import SHAPES, build_shape
 from retouch.functions.families import family_spec
 from retouch.platform.bench.engine import aligned_mask
+from retouch.runtime.families.stepflops import pipeline_step_flops
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
-from retouch.runtime.maskaware.flops import pipeline_step_flops
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import pick_device, synchronize

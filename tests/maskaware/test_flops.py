@@ -12,9 +12,9 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
+from retouch.runtime.families.stepflops import pipeline_step_flops, step_flops
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
-from retouch.runtime.maskaware.flops import pipeline_step_flops, step_flops
 from retouch.runtime.maskaware.store import MemoryActivations
 
 SIZE = 128

@@ -82,6 +82,92 @@ def forbidden_imports(root: Path = REPO) -> list[str]:
     return problems
 
 
+def module_imports(root: Path = REPO) -> dict[str, set[str]]:
+    """Every module of ours and the modules of ours it imports when it is imported: the
+    module-level imports (a function's import runs later, a ``TYPE_CHECKING`` one never)."""
+    paths = {}
+    for folder in ALLOWED:
+        for path in (root / folder).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            paths["retouch." + ".".join(parts)] = path
+    graph = {}
+    for module, path in paths.items():
+        imported = set()
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            for inner in _run_at_import(node):
+                if isinstance(inner, ast.Import):
+                    imported.update(a.name for a in inner.names)
+                elif isinstance(inner, ast.ImportFrom) and inner.module and inner.level == 0:
+                    imported.add(inner.module)
+                    imported.update(f"{inner.module}.{a.name}" for a in inner.names)
+        graph[module] = {m for m in imported if m in paths and m != module}
+    return graph
+
+
+def _run_at_import(node: ast.AST) -> list[ast.AST]:
+    """``node`` and what it holds, except the bodies of functions (run when called)."""
+    found = [node]
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            found += _run_at_import(child)
+    return found
+
+
+def import_cycles(root: Path = REPO) -> list[list[str]]:
+    """The groups of modules that import each other, directly or round a loop (strongly
+    connected components of :func:`module_imports` with more than one module)."""
+    graph = module_imports(root)
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in order:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], order[other])
+        if low[module] == order[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    assert import_cycles() == []
+
+
+def test_cycle_check_sees_a_cycle(tmp_path: Path) -> None:
+    """The check can fail: a loop through a package's ``__init__`` (the shape of the one
+    ``runtime/families`` and ``maskaware/flops`` once had) is reported."""
+    for folder in ALLOWED:
+        (tmp_path / folder).mkdir()
+    package = tmp_path / "runtime" / "families"
+    package.mkdir()
+    (package / "__init__.py").write_text("from retouch.runtime.families.base import Family\n")
+    (package / "base.py").write_text("from retouch.runtime.flops import Flops\n")
+    (tmp_path / "runtime" / "flops.py").write_text("from retouch.runtime import families\n")
+    (tmp_path / "runtime" / "fine.py").write_text("from retouch.runtime.flops import Flops\n")
+    assert import_cycles(tmp_path) == [
+        ["retouch.runtime.families", "retouch.runtime.families.base", "retouch.runtime.flops"]
+    ]
+
+
 def test_control_plane_imports_no_heavy_package() -> None:
     assert heavy_modules_after_import(CONTROL_PLANE) == []
 
