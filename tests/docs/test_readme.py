@@ -45,6 +45,7 @@ def _checkout(where: Path) -> Path:
     venv = Path(sys.prefix)
     if not (venv / "bin" / "retouch").exists():
         pytest.skip(f"the README runs .venv/bin/retouch; {venv} has no bin/retouch")
+    where.mkdir()
     (where / ".venv").symlink_to(venv)
     for name in ("deploy", "docs"):
         (where / name).symlink_to(REPO / name)
