@@ -45,6 +45,11 @@ MASKS = (
     ("rect", 0.0),
 )
 PROMPTS = ("a red balloon", "a wooden door", "a bright yellow sun", "green leaves")
+# One torch thread for the served model and for the stock pipeline in this process: the
+# 5.8 M-parameter UNet at 16x16 latents is bound by per-op overhead, so a second thread buys
+# nothing, and on a busy machine every op of a multi-threaded step waits for its slowest
+# thread (a step's hundreds of small ops then stall on descheduled threads).
+DEMO_THREADS = 1
 
 
 @dataclass
@@ -91,7 +96,14 @@ def run_demo(out: Path, examples: Path | None, executors: int, tour: bool = Fals
     started = time.perf_counter()
     print(f"starting retouch serve ({executors} executor(s)); data and logs in {out / 'data'}")
     rows: list[DemoRow] = []
-    with ServerProcess(out / "data", executors=executors) as server, Client(server.url) as client:
+    import torch
+
+    torch.set_num_threads(DEMO_THREADS)
+    threads = ["--threads", str(DEMO_THREADS)]
+    with (
+        ServerProcess(out / "data", executors=executors, extra_args=threads) as server,
+        Client(server.url) as client,
+    ):
         edits = run_shape_edits(client, folder / SHAPES_EXAMPLE, out / "data" / "models")
         print_shape_edits(edits)
         sheet = write_shape_sheet(edits, out / "shapes-sheet.png")

@@ -58,7 +58,9 @@ def test_the_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("RETOUCH_") or k.endswith("_DIR")
     }
-    with ServerProcess(tmp_path / "data") as server:
+    # one torch thread, as `retouch demo` runs the same model: a 128 px model is bound by
+    # per-op overhead, and on a shared machine a multi-threaded step stalls on every op
+    with ServerProcess(tmp_path / "data", extra_args=["--threads", "1"]) as server:
         env["RETOUCH_URL"] = server.url
         for number, (language, code) in enumerate(blocks, 1):
             if language == "sh":
