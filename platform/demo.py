@@ -1,12 +1,14 @@
-"""``retouch demo``: the whole product in one command, on any machine.
+"""``retouch demo``: the product in one command, on any machine.
 
-Starts ``retouch serve`` as a child process on a free loopback port, deploys the two example
-functions on random-weight models (``deploy/examples``), sends a mix of invocations with
-masks of different shapes and sizes, prints a table and writes input/mask/output images.
-Then it deploys ``shapes-sd.toml`` on the trained model, asks for real edits ("a yellow
-star"), runs the same edits through the stock diffusers pipeline in this process, and
-writes a side-by-side sheet (template, mask, stock, retouch, difference) with the fidelity,
-edit-success and speed figures of those edits. Everything is shut down at the end.
+Starts ``retouch serve`` as a child process on a free loopback port, deploys
+``shapes-sd.toml`` on the trained model ``retouch:shapes-sd``, asks for real edits ("a
+yellow star"), runs the same edits through the stock diffusers pipeline in this process,
+and writes a labelled sheet (prompt; template, mask, stock, retouch, difference) with the
+fidelity, edit-success and speed figures of those edits. With ``tour`` it then deploys the
+two example functions on random-weight models (``deploy/examples``), sends a mix of
+invocations with masks of different shapes and sizes, prints a table and writes
+input/mask/output images (their outputs are noise: the weights are random). Everything is
+shut down at the end.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 from retouch.functions.demo.images import mask_of_ratio
 from retouch.functions.demo.shapes import edit_succeeded, make_scene, object_phrase
@@ -43,6 +45,11 @@ MASKS = (
     ("rect", 0.0),
 )
 PROMPTS = ("a red balloon", "a wooden door", "a bright yellow sun", "green leaves")
+# One torch thread for the served model and for the stock pipeline in this process: the
+# 5.8 M-parameter UNet at 16x16 latents is bound by per-op overhead, so a second thread buys
+# nothing, and on a busy machine every op of a multi-threaded step waits for its slowest
+# thread (a step's hundreds of small ops then stall on descheduled threads).
+DEMO_THREADS = 1
 
 
 @dataclass
@@ -75,31 +82,49 @@ def find_examples(explicit: Path | None) -> Path:
     )
 
 
-def run_demo(out: Path, examples: Path | None, executors: int) -> list[DemoRow]:
+@dataclass
+class DemoResult:
+    edits: list[ShapeEdit]
+    sheet: Path
+    tour: list[DemoRow]  # empty unless the tour was asked for
+
+
+def run_demo(out: Path, examples: Path | None, executors: int, tour: bool = False) -> DemoResult:
+    """The trained model's edits and their sheet first; the random-weight tour on request."""
     folder = find_examples(examples)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     print(f"starting retouch serve ({executors} executor(s)); data and logs in {out / 'data'}")
-    with ServerProcess(out / "data", executors=executors) as server, Client(server.url) as client:
-        rows = []
-        for name in EXAMPLES:
-            spec, images = read_spec_file(folder / name)
-            print(f"deploying {spec.name} ({spec.model}, {len(spec.templates)} templates) ...")
-            doc = client.deploy(spec, images)
-            if doc["status"] != "ready":
-                raise RetouchError(
-                    f"{spec.name} failed to deploy: {doc.get('error')}", code="deploy_failed"
-                )
-            rows += _invoke_all(client, spec.name, spec.width, spec.height, images, out)
-        _print_table(rows)
+    rows: list[DemoRow] = []
+    import torch
+
+    torch.set_num_threads(DEMO_THREADS)
+    threads = ["--threads", str(DEMO_THREADS)]
+    with (
+        ServerProcess(out / "data", executors=executors, extra_args=threads) as server,
+        Client(server.url) as client,
+    ):
         edits = run_shape_edits(client, folder / SHAPES_EXAMPLE, out / "data" / "models")
-    print_shape_edits(edits)
-    sheet = write_shape_sheet(edits, out / "shapes-sheet.png")
-    print(
-        f"\nwrote {len(rows) * 3} images and the sheet {sheet.resolve()} "
-        f"in {time.perf_counter() - started:.1f} s; platform stopped"
-    )
-    return rows
+        print_shape_edits(edits)
+        sheet = write_shape_sheet(edits, out / "shapes-sheet.png")
+        print(f"\nwrote the sheet {sheet.resolve()} in {time.perf_counter() - started:.1f} s")
+        if tour:
+            print("\nthe tour: random-weight models (their outputs are noise)")
+            for name in EXAMPLES:
+                spec, images = read_spec_file(folder / name)
+                print(f"deploying {spec.name} ({spec.model}, {len(spec.templates)} templates) ...")
+                doc = client.deploy(spec, images)
+                if doc["status"] != "ready":
+                    raise RetouchError(
+                        f"{spec.name} failed to deploy: {doc.get('error')}", code="deploy_failed"
+                    )
+                rows += _invoke_all(client, spec.name, spec.width, spec.height, images, out)
+            _print_table(rows)
+            print(f"wrote {len(rows) * 3} images of the tour in {out.resolve()}")
+        else:
+            print("retouch demo --tour also deploys the random-weight example models")
+    print(f"done in {time.perf_counter() - started:.1f} s; platform stopped")
+    return DemoResult(edits, sheet, rows)
 
 
 def _invoke_all(
@@ -280,9 +305,28 @@ def print_shape_edits(edits: list[ShapeEdit]) -> None:
     sys.stdout.flush()
 
 
+def row_label(edit: ShapeEdit) -> list[str]:
+    """The lines written left of an edit's row on the sheet: the prompt first."""
+    ok = {True: "yes", False: "no"}
+    return [
+        f'"{edit.prompt}"',
+        edit.template,
+        f"painted: stock {ok[edit.success(edit.stock)]}, retouch {ok[edit.success(edit.retouch)]}",
+        "retouch = stock, pixel for pixel"
+        if edit.psnr == float("inf")
+        else f"retouch vs stock {edit.psnr:.1f} dB, SSIM {edit.ssim:.3f}",
+        f"served {edit.served_ms:.0f} ms ({edit.path})",
+    ]
+
+
+SHEET_COLUMNS = ("prompt", "template", "mask", "stock", "retouch", f"difference x{DIFF_GAIN}")
+LABEL_H = 28  # the column headers' band
+LABEL_W = 300  # the prompt column
+
+
 def write_shape_sheet(edits: list[ShapeEdit], path: Path, scale: int = 2) -> Path:
-    """One row per edit: template, mask, stock, retouch, |retouch - stock| x DIFF_GAIN."""
-    header = ("template", "mask", "stock", "retouch", f"difference x{DIFF_GAIN}")
+    """One row per edit: its prompt and figures (:func:`row_label`), then template, mask,
+    stock, retouch and |retouch - stock| x DIFF_GAIN; the columns named along the top."""
     rows = []
     for e in edits:
         mask = np.repeat(e.mask[..., None].astype(np.uint8) * 255, 3, axis=-1)
@@ -291,12 +335,22 @@ def write_shape_sheet(edits: list[ShapeEdit], path: Path, scale: int = 2) -> Pat
         rows.append(np.concatenate(tiles, axis=1))
     grid = Image.fromarray(np.concatenate(rows, axis=0))
     grid = grid.resize((grid.width * scale, grid.height * scale), Image.NEAREST)
-    tile_w, label_h = grid.width // len(header), 16
-    sheet = Image.new("RGB", (grid.width, grid.height + label_h), "white")
-    sheet.paste(grid, (0, label_h))
+    tile = grid.width // (len(SHEET_COLUMNS) - 1)
+    row_h = grid.height // len(edits)
+    sheet = Image.new("RGB", (LABEL_W + grid.width, LABEL_H + grid.height), "white")
+    sheet.paste(grid, (LABEL_W, LABEL_H))
     draw = ImageDraw.Draw(sheet)
-    for i, label in enumerate(header):
-        draw.text((i * tile_w + 4, 2), label, fill="black")
+    header, body = ImageFont.load_default(size=18), ImageFont.load_default(size=14)
+    for i, name in enumerate(SHEET_COLUMNS):
+        draw.text((LABEL_W + (i - 1) * tile + 6 if i else 6, 4), name, fill="black", font=header)
+    for r, e in enumerate(edits):
+        top = LABEL_H + r * row_h
+        draw.line((0, top, LABEL_W, top), fill="lightgray")
+        y = top + 8
+        for n, line in enumerate(row_label(e)):
+            font = header if n == 0 else body
+            draw.text((6, y), line, fill="black", font=font)
+            y += 26 if n == 0 else 20
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
     return path

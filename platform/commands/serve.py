@@ -30,7 +30,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_serve)
 
     p = sub.add_parser(
-        "demo", help="start a platform, deploy the demo functions, invoke, write images"
+        "demo",
+        help="start a platform, edit with the trained demo model, write a labelled sheet",
+        description="Deploys the trained model retouch:shapes-sd, serves four edits, runs the "
+        "same edits through the stock diffusers pipeline and writes OUT/shapes-sheet.png "
+        "(prompt, template, mask, stock, retouch, difference); --tour adds the random-weight "
+        "example models.",
     )
     p.add_argument(
         "--out",
@@ -42,9 +47,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--examples",
         type=existing_dir,
         default=None,
-        help="folder with tiny-sd.toml and tiny-flux.toml (default: the shipped examples)",
+        help="folder with shapes-sd.toml, tiny-sd.toml and tiny-flux.toml "
+        "(default: the shipped examples)",
     )
     p.add_argument("--executors", type=positive_int, default=1, help="CPU executors (default 1)")
+    p.add_argument(
+        "--tour",
+        action="store_true",
+        help="after the trained model's edits, also deploy tiny-sd and tiny-flux (random "
+        "weights: their outputs are noise) and invoke each with six masks per template",
+    )
     p.set_defaults(run=_demo)
 
 
@@ -71,4 +83,4 @@ def _serve(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from retouch.platform.demo import run_demo
 
-    run_demo(args.out, args.examples, args.executors)
+    run_demo(args.out, args.examples, args.executors, tour=args.tour)

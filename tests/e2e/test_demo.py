@@ -1,4 +1,5 @@
-"""The trained-model part of ``retouch demo``: real edits served and by the stock pipeline."""
+"""``retouch demo``: the trained model's edits, served and by the stock pipeline, on a
+labelled sheet; the random-weight tour only when asked for."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from retouch.functions.demo.shapes import make_scene
-from retouch.platform.client import Client, read_spec_file
-from retouch.platform.demo import SHAPES_EXAMPLE, run_shape_edits, write_shape_sheet
+from retouch.platform.cli import build_parser
+from retouch.platform.client import read_spec_file
+from retouch.platform.demo import (
+    LABEL_H,
+    LABEL_W,
+    SHAPE_EDITS,
+    SHAPES_EXAMPLE,
+    row_label,
+    run_demo,
+)
 
 
 def test_shapes_templates_are_the_scenes_their_ids_name(examples: Path) -> None:
@@ -22,12 +31,18 @@ def test_shapes_templates_are_the_scenes_their_ids_name(examples: Path) -> None:
         assert spec.templates[template].prompt == scene.caption()
 
 
-def test_demo_edits_on_the_trained_model(
-    admin: Client, examples: Path, models_dir: Path, tmp_path: Path
-) -> None:
-    edits = run_shape_edits(admin, examples / SHAPES_EXAMPLE, models_dir)
-    assert len(edits) == 4
-    for e in edits:
+def test_the_tour_is_behind_a_flag() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["demo"]).tour is False
+    assert parser.parse_args(["demo", "--tour"]).tour is True
+
+
+def test_demo_edits_on_the_trained_model_onto_a_labelled_sheet(tmp_path: Path) -> None:
+    result = run_demo(tmp_path, None, executors=1)
+    assert result.tour == []  # no random-weight model unless asked for
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "shapes-sheet.png"]
+    assert [e.template for e in result.edits] == [t for t, _, _ in SHAPE_EDITS]
+    for e in result.edits:
         assert e.path == "maskaware"  # the demo waits for the bakes
         grown = Image.fromarray(e.mask.astype(np.uint8) * 255).filter(ImageFilter.MaxFilter(9))
         far = np.asarray(grown) == 0
@@ -35,6 +50,14 @@ def test_demo_edits_on_the_trained_model(
         assert np.array_equal(e.retouch[far], e.image[far])
         assert np.array_equal(e.stock[far], e.image[far])
         assert not np.array_equal(e.retouch[e.mask], e.image[e.mask])  # something was painted
-        assert np.isfinite(e.psnr) and 0 < e.ssim <= 1
-    sheet = Image.open(write_shape_sheet(edits, tmp_path / "sheet.png"))
-    assert sheet.size == (5 * 128 * 2, 4 * 128 * 2 + 16)
+        assert np.isfinite(e.ssim) and 0 < e.ssim <= 1
+        assert row_label(e)[0] == f'"{e.prompt}"'
+
+    assert result.sheet == tmp_path / "shapes-sheet.png"
+    sheet = np.asarray(Image.open(result.sheet).convert("L"))
+    tile = 128 * 2
+    assert sheet.shape == (LABEL_H + 4 * tile, LABEL_W + 5 * tile)
+    assert (sheet[:LABEL_H] < 128).any()  # the column headers
+    for r in range(4):  # each row's prompt and figures, left of its images
+        label = sheet[LABEL_H + r * tile + 2 : LABEL_H + (r + 1) * tile, :LABEL_W]
+        assert (label < 128).sum() > 200
