@@ -124,8 +124,9 @@ class ModelCache:
     """Loads each model once per process (the executor, and each pre/post worker).
 
     ``without`` leaves component kinds out of every model: ``"denoiser"`` (the family's
-    denoiser: a pre/post worker's pipeline) and ``"text"`` (its text encoders and
-    tokenizers: a post worker's). The lock only guards the table of per-model futures: a
+    denoiser: a pre/post worker's pipeline), ``"text"`` (its text encoders and
+    tokenizers: a post worker's) and ``"text_encoders"`` (the encoders alone: an executor
+    whose pre workers encode its prompts, so each encoder is on the device once). The lock only guards the table of per-model futures: a
     load runs outside it, so ``loaded()`` (read by ``/state``) and other models never wait
     on a ``from_pretrained``; concurrent requests for the model being loaded wait on its
     future."""
@@ -133,7 +134,7 @@ class ModelCache:
     def __init__(
         self, models_dir: Path, device: torch.device, *, without: tuple[str, ...] = ()
     ) -> None:
-        unknown = set(without) - {"denoiser", "text"}
+        unknown = set(without) - {"denoiser", "text", "text_encoders"}
         if unknown:
             raise ValueError(f"unknown component kinds {sorted(unknown)}")
         self.models_dir = models_dir
@@ -170,7 +171,11 @@ class ModelCache:
         folder = model_folder(model, self.models_dir)
         kinds = family_of(family)
         left_out = (kinds.denoisers if "denoiser" in self.without else ()) + (
-            kinds.text_components if "text" in self.without else ()
+            kinds.text_components
+            if "text" in self.without
+            else kinds.text_encoders
+            if "text_encoders" in self.without
+            else ()
         )
         started = time.perf_counter()
         pipe = load_pipeline(folder, family, self.device, without=left_out)

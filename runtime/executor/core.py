@@ -11,6 +11,7 @@ build is a per-(model, scheduler) future that others wait on outside the lock.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -34,7 +35,7 @@ from retouch.runtime.costmodel import CostModel
 from retouch.runtime.engine import Engine, OnStep, Output, Work
 from retouch.runtime.executor.changes import ChangeFeed
 from retouch.runtime.fingerprint import model_fingerprint
-from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.editor import EditRequest, Encoded, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.models import ModelCache
 from retouch.runtime.plan import make_planner
@@ -94,8 +95,19 @@ class WorkerStages:
     attempts: int = STAGE_ATTEMPTS
 
     def encode(self, work: Work) -> Future:
+        return self.encode_request(work.model, work.family, work.scheduler, work.request)
+
+    def encode_request(
+        self,
+        model: str,
+        family: str,
+        scheduler: str,
+        request: EditRequest,
+        template_latents: torch.Tensor | None = None,
+    ) -> Future:
+        """``editor.encode`` of any request (an invocation's, a bake's, a profile's)."""
         return _retrying(
-            lambda: self.pool.encode(work.model, work.family, work.scheduler, work.request),
+            lambda: self.pool.encode(model, family, scheduler, request, template_latents),
             self.attempts,
             "encode",
         )
@@ -324,6 +336,8 @@ class ExecutorCore:
                 torch.get_num_threads(),
             )  # on failure, load_or_profile below profiles in-process
         editor = MaskAwareEditor(loaded.pipeline_for(spec.scheduler), spec.family, loaded.device)
+        if self._encodes_elsewhere():
+            editor.set_encoder(functools.partial(self._encode_in_worker, spec))
         attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
         cost_model = load_or_profile(editor, loaded.folder, self.data_dir, spec.width)
         editor.set_planner(make_planner(cost_model))
@@ -347,6 +361,28 @@ class ExecutorCore:
                     cost_model, grids, self.engine.config.max_batch, resident=True
                 )
         return editor, cost_model
+
+    def _encodes_elsewhere(self) -> bool:
+        """Whether this executor's pipelines lack their text encoders: its pre workers
+        hold them, and encode for bakes and profiling too."""
+        return self.stages is not None and "text_encoders" in self.models.without
+
+    def _encode_in_worker(
+        self, spec: FunctionSpec, request: EditRequest, template_latents: torch.Tensor | None
+    ) -> Encoded:
+        """``editor.encode`` in a pre worker, waited for (a deploy's profiling)."""
+        return self._encode_future(spec, request, template_latents).result()
+
+    def _encode_future(
+        self,
+        spec: FunctionSpec,
+        request: EditRequest,
+        template_latents: torch.Tensor | None = None,
+    ) -> Future[Encoded]:
+        assert self.stages is not None
+        return self.stages.encode_request(
+            spec.model, spec.family, spec.scheduler, request, template_latents
+        )
 
     def entry(self, name: str) -> FunctionEntry:
         with self.lock:
@@ -535,18 +571,26 @@ class ExecutorCore:
         with self.lock:
             spec = self.functions[template.function].spec
         editor = self.editor(spec)
+        bake = (template.image, template.prompt, template.seed, template.steps, template.guidance)
 
-        def record(writer) -> None:
-            editor.bake(
-                template.image,
-                template.prompt,
-                template.seed,
-                template.steps,
-                template.guidance,
-                writer,
+        def record(writer, encoded: Encoded | None = None) -> None:
+            editor.bake(*bake, writer, encoded=encoded)
+
+        if not self._encodes_elsewhere():
+            self.engine.submit_background(lambda: self.templates.bake(template, record))
+            return
+        # encoded by a pre worker first: the engine thread, which runs the bake, never
+        # waits for it (a failed encode fails the bake, as a failed bake does)
+        encoding = self._encode_future(spec, MaskAwareEditor.bake_request(*bake))
+
+        def encoded_record(writer) -> None:
+            record(writer, encoding.result())
+
+        encoding.add_done_callback(
+            lambda _: self.engine.submit_background(
+                lambda: self.templates.bake(template, encoded_record)
             )
-
-        self.engine.submit_background(lambda: self.templates.bake(template, record))
+        )
 
     # ---- state (cheap: counters and tables, no disk scan, no waiting on a load) ---------
     def state(self) -> wire.ExecutorState:

@@ -93,7 +93,8 @@ def build_core(args: argparse.Namespace) -> ExecutorCore:
         stages = WorkerStages(pool)
     return ExecutorCore(
         args.name,
-        ModelCache(shared / "models", device),
+        # with pre workers, the text encoders are theirs alone (one copy on the device)
+        ModelCache(shared / "models", device, without=() if stages is None else ("text_encoders",)),
         TemplateCache(store, device_tier=device_tier(options, device)),
         Engine(engine_config, stages),
         stages,

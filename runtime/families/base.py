@@ -236,6 +236,9 @@ class Family:
     def __init__(self) -> None:
         self.spec = family_spec(self.name)
         self.denoisers = (self.model.denoiser,)  # what a pre/post worker loads without
+        # what an executor whose pre workers encode loads without (tokenizers stay: the
+        # engine reads text lengths from them)
+        self.text_encoders = tuple(c for c in self.text_components if c.startswith("text_"))
         self.rows_per_request = self.model.rows_per_request
 
     def bind(self, pipe: DiffusionPipeline, device: torch.device) -> FamilyModel:

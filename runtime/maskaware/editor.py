@@ -71,6 +71,8 @@ LAYOUTS = 16  # token batches kept for re-use (one per recent set of masks)
 TEMPLATE_BLOCK = "template"  # block name of the per-template tensors (step -1)
 
 Plan = Callable[[list[RequestState], list[str]], dict[str, Mode]]
+# ``encoder(request, template_latents)``: pre-processing done elsewhere (a pre worker)
+Encoder = Callable[[EditRequest, torch.Tensor | None], Encoded]
 
 
 def all_sparse(states: list[RequestState], blocks: list[str]) -> dict[str, Mode]:
@@ -102,6 +104,7 @@ class MaskAwareEditor:
         self.packed = packed
         self._plan = plan
         self._row_loader: RowLoader | None = None
+        self._encoder: Encoder | None = None
         self._graphs: StepGraphs | None = None
         self._layouts: OrderedDict[tuple, TokenBatch] = OrderedDict()
 
@@ -113,6 +116,12 @@ class MaskAwareEditor:
     def set_planner(self, plan: Plan) -> None:
         """Declare the planner of every later step (e.g. ``runtime.plan.make_planner``)."""
         self._plan = plan
+
+    def set_encoder(self, encoder: Encoder | None) -> None:
+        """Declare where :meth:`encode` (and a bake's encode) runs when this pipeline was
+        loaded without its text encoders: an executor hands them to its pre workers, so
+        each text encoder sits on the device once. ``None``: in this process."""
+        self._encoder = encoder
 
     @property
     def row_loader(self) -> RowLoader | None:
@@ -156,22 +165,24 @@ class MaskAwareEditor:
         guidance: float,
         writer: ActivationWriter,
         mask: np.ndarray | None = None,
+        encoded: Encoded | None = None,
     ) -> None:
         """Record a template's generation: its own prompt and seed, nothing masked.
 
         ``mask`` exists for exactness checks (a bake with an edit's own mask, prompt and seed
-        makes the mask-aware edit reproduce the stock pipeline).
+        makes the mask-aware edit reproduce the stock pipeline). ``encoded``: the bake
+        request's pre-processing done beforehand (:meth:`bake_request`, e.g. by a pre
+        worker, so the engine thread never waits for it); else it is done here.
         """
         self._require_denoiser()
-        if mask is None:
-            mask = np.zeros((image.height, image.width), dtype=bool)
-        request = EditRequest(image, mask, prompt, seed, steps, guidance, prompt, seed)
+        request = self.bake_request(image, prompt, seed, steps, guidance, mask)
         noise = SeedNoise.draw(
             seed, self.impl.noise_shape(image.height, image.width), torch.float32
         )
         writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "noise", noise.latents)
         writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "vae_noise", noise.vae)
-        encoded = self._encode(request, noise, noise)
+        if encoded is None:  # its own seed is the template's: both noises are ``noise``
+            encoded = self.encode(request)
         for name in self.impl.template_tensors:
             writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, name, encoded.tensors[name].float())
         state = self.assemble(request, encoded, None)
@@ -180,6 +191,20 @@ class MaskAwareEditor:
             ctx = ForwardContext([Slot(state.index, writer=writer)], self.impl.rows_per_request, {})
             self._run(ctx, [state])
         log.info("baked %s template in %d steps", self.family, steps)
+
+    @staticmethod
+    def bake_request(
+        image: Image.Image,
+        prompt: str,
+        seed: int,
+        steps: int,
+        guidance: float,
+        mask: np.ndarray | None = None,
+    ) -> EditRequest:
+        """The request a bake runs: the template's own prompt and seed, nothing masked."""
+        if mask is None:
+            mask = np.zeros((image.height, image.width), dtype=bool)
+        return EditRequest(image, mask, prompt, seed, steps, guidance, prompt, seed)
 
     # -- edits ----------------------------------------------------------------------------
 
@@ -220,6 +245,8 @@ class MaskAwareEditor:
         encodes the template image with the template's VAE noise, which is what a request
         needs when its template has no cache yet.
         """
+        if self._encoder is not None:
+            return self._encoder(request, template_latents)
         template, own = self._noises(request)
         return self._encode(request, template, own, template_latents)
 

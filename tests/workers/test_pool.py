@@ -143,6 +143,38 @@ def test_flux_template_latents_given_to_the_worker_are_used(
     assert torch.allclose(computed.tensors["image_latents"].float(), cached, atol=1e-5)
 
 
+def test_an_editor_without_text_encoders_bakes_and_edits_through_a_pre_worker(
+    pool: PrePostPool, editor: MaskAwareEditor, family: str, models_dir: Path
+) -> None:
+    """An executor with pre workers loads its model without the text encoders (each on the
+    device once): its bakes and edits encode in a pre worker and record the same
+    activations and latents as an editor that has them."""
+    from retouch.runtime.models import ModelCache
+
+    model, _, scheduler = MODELS[family]
+    loaded = ModelCache(models_dir, torch.device("cpu"), without=("text_encoders",)).get(
+        model, family
+    )
+    lean = MaskAwareEditor(loaded.pipeline_for(scheduler), family, "cpu")
+    assert loaded.pipe.text_encoder is None and loaded.pipe.tokenizer is not None
+    image = template_image((SIZE, SIZE), 23)
+    blank = np.zeros((SIZE, SIZE), dtype=bool)
+    with pytest.raises(AttributeError, match="NoneType"):  # no text encoder in this process
+        lean.encode(EditRequest(image, blank, "a wall", 5, STEPS, 4.0, "a wall", 5))
+
+    lean.set_encoder(lambda r, t: pool.encode(model, family, scheduler, r, t).result(WAIT))
+    baked, reference = MemoryActivations(), MemoryActivations()
+    lean.bake(image, "a wall", 5, STEPS, 4.0, baked)
+    editor.bake(image, "a wall", 5, STEPS, 4.0, reference)
+    assert baked.tensors.keys() == reference.tensors.keys()
+    for key, tensor in reference.tensors.items():
+        assert torch.allclose(baked.tensors[key], tensor, atol=LATENTS), key
+    mask = mask_of_ratio((SIZE, SIZE), 0.2, "ellipse", seed=3)
+    request = EditRequest(image, mask, "a window", 6, STEPS, 4.0, "a wall", 5)
+    latents = _steps(lean, lean.prepare(request, baked))
+    assert torch.allclose(latents, _steps(editor, editor.prepare(request, reference)), atol=LATENTS)
+
+
 def test_echo_round_trip_and_transport_stats(pool: PrePostPool) -> None:
     items = {
         "half": torch.randn(2, 77, 64).half(),
