@@ -95,19 +95,15 @@ class WorkerStages:
     attempts: int = STAGE_ATTEMPTS
 
     def encode(self, work: Work) -> Future:
-        return self.encode_request(work.model, work.family, work.scheduler, work.request)
+        return self.encode_request((work.model, work.family, work.scheduler), work.request)
 
     def encode_request(
-        self,
-        model: str,
-        family: str,
-        scheduler: str,
-        request: EditRequest,
-        template_latents: torch.Tensor | None = None,
+        self, pipeline: tuple[str, str, str], request: EditRequest, latents: Any = None
     ) -> Future:
-        """``editor.encode`` of any request (an invocation's, a bake's, a profile's)."""
+        """``editor.encode`` of any request (an invocation's, a bake's, a profile's) on the
+        ``(model, family, scheduler)`` pipeline; ``latents``: the template's, if cached."""
         return _retrying(
-            lambda: self.pool.encode(model, family, scheduler, request, template_latents),
+            lambda: self.pool.encode(*pipeline, request, latents),
             self.attempts,
             "encode",
         )
@@ -381,7 +377,7 @@ class ExecutorCore:
     ) -> Future[Encoded]:
         assert self.stages is not None
         return self.stages.encode_request(
-            spec.model, spec.family, spec.scheduler, request, template_latents
+            (spec.model, spec.family, spec.scheduler), request, template_latents
         )
 
     def entry(self, name: str) -> FunctionEntry:
