@@ -36,20 +36,24 @@ def assemble(
 def resident_with_fresh(
     ctx: ForwardContext, tokens: TokenBatch, block: str, name: str, fresh: torch.Tensor
 ) -> torch.Tensor | None:
-    """A single request whose cached tensor rests whole on the compute device, in the
-    compute dtype: that tensor with the ``fresh`` ``[T, C]`` masked rows written in, by one
-    out-of-place ``index_copy`` (no buffer to allocate, fill and patch: the fewest ops and
+    """``[rows, N, C]`` when every request's cached tensor rests whole on the compute
+    device in the compute dtype: those tensors with the ``fresh`` ``[T, C]`` masked rows
+    written in. One request: one out-of-place ``index_copy``; several: one ``cat`` and
+    one scatter (no buffer to allocate, fill per request and patch: the fewest ops and
     launches a step can spend on it). ``None`` where that does not apply."""
-    if len(tokens.sets) != 1 or ctx.slots[0].reader is None:
-        return None
-    slot = ctx.slots[0]
-    stored = device_resident(slot.reader, slot.step, block, name, fresh.device)
-    if stored is None or stored.dtype != fresh.dtype:  # fp8 codes are decoded by a copy
-        return None
+    stored = []
+    shape = (tokens.rows_per_request, tokens.n_tokens, fresh.shape[-1])
+    for slot in ctx.slots:
+        if slot.reader is None:
+            return None
+        whole = device_resident(slot.reader, slot.step, block, name, fresh.device)
+        if whole is None or whole.dtype != fresh.dtype or tuple(whole.shape) != shape:
+            return None  # not resident, or fp8 codes (decoded by a copy)
+        stored.append(whole)
+    if len(stored) != 1:
+        return tokens.scatter_rows(fresh, torch.cat(stored))
     per = tokens.rows_per_request
-    if tuple(stored.shape) != (per, tokens.n_tokens, fresh.shape[-1]):
-        return None
-    return stored.index_copy(1, tokens.masked_index(0), fresh.view(per, -1, fresh.shape[-1]))
+    return stored[0].index_copy(1, tokens.masked_index(0), fresh.view(per, -1, fresh.shape[-1]))
 
 
 def fill_cached(

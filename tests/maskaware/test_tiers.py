@@ -162,3 +162,27 @@ def test_a_batch_mixing_resident_and_host_rows_loads_only_the_host_ones() -> Non
     streamed = edits(LoadMode.OVERLAPPED)
     for a, b in zip(synchronous, streamed, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_a_batch_of_resident_templates_edits_as_host_rows_do(name: str) -> None:
+    """Every request's rows resident (one concatenation and one scatter per block) gives
+    the pixels that host rows gathered per request give, mask by mask."""
+    editor, request, store = _setup(name, "cpu")
+    second_image, second = template_image((SIZE, SIZE), seed=2), MemoryActivations()
+    editor.bake(second_image, "a beach", 3, STEPS, 4.0, second)
+    cell = editor.model_family.token_cell(editor.impl.pipe)
+    mask = aligned_mask(SIZE, 0.4, cell)
+    other = EditRequest(
+        second_image, mask, "a blue kite", 9, STEPS, 4.0, "a beach", 3, 0, request.halo
+    )
+
+    def edits(first: MemoryActivations, then: MemoryActivations) -> list[np.ndarray]:
+        states = [editor.prepare(request, first), editor.prepare(other, then)]
+        while not states[0].done:
+            editor.step(states)
+        return [editor.finish(s, "np") for s in states]
+
+    host = edits(store, second)
+    for a, b in zip(host, edits(store.placed("cpu"), second.placed("cpu")), strict=True):
+        np.testing.assert_array_equal(a, b)
