@@ -25,6 +25,7 @@ from retouch.runtime.maskaware.storedrows import DecodedTemplate, decoded
 from retouch.runtime.templates import Template, TemplateCache
 
 SIZE, STEPS = 128, 4
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _spec(storage: str):
@@ -56,7 +57,7 @@ def _bake(cache: TemplateCache, template: Template, memory: MemoryActivations) -
 
     def record(writer) -> None:
         for (step, block, name), tensor in memory.tensors.items():
-            writer.put(step, block, name, tensor)
+            writer.put(step, block, name, tensor.cpu())  # encoded on the host, as ``placed``
 
     cache.bake(template, record)
     assert template.error is None
@@ -196,3 +197,30 @@ def test_fp8_edits_from_the_device_tier_match_memory(tmp_path: Path, baked) -> N
         tier.close()
     for edit in edits:
         np.testing.assert_array_equal(edit, expected)
+
+
+@cuda
+def test_fp8_pinned_host_tier_decodes_on_the_gpu_like_memory(tmp_path: Path) -> None:
+    """Pinned host codes cross by DMA and are decoded on the GPU (the loader's slabs), as
+    from ``MemoryActivations.placed(pin=True, fmt="fp8")``."""
+    shape, pipe = build_shape("flux-dev", "cuda", scale=0.05)
+    editor = MaskAwareEditor(pipe, shape.family, "cuda")
+    image = template_image((SIZE, SIZE), seed=1)
+    memory = MemoryActivations()
+    editor.bake(image, "a quiet street", 1, STEPS, 4.0, memory)
+    mask = aligned_mask(SIZE, 0.25, editor.model_family.token_cell(pipe))
+    request = EditRequest(image, mask, "a red bicycle", 7, STEPS, 4.0, "a quiet street", 1)
+    expected = _edits(editor, request, memory.placed("cpu", pin=True, fmt="fp8", encode_on="cpu"))
+    config = StoreConfig(path=tmp_path / "c", map_size=1 << 28, pin_memory=True)
+    with ActivationStore(config) as store:
+        cache = TemplateCache(store)
+        template = _register(cache, "fp8")
+        _bake(cache, template, memory)
+        got = cache.acquire(template)
+        try:
+            assert got.handle.streams_to(torch.device("cuda"))
+            edits = _edits(editor, request, got.handle)
+        finally:
+            got.handle.release()
+    for edit, want in zip(edits, expected, strict=True):
+        np.testing.assert_array_equal(edit, want)
