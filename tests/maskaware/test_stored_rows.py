@@ -63,16 +63,21 @@ def _bake(cache: TemplateCache, template: Template, memory: MemoryActivations) -
     assert template.error is None
 
 
-@pytest.fixture(scope="module")
-def baked() -> tuple[MaskAwareEditor, EditRequest, MemoryActivations]:
-    shape, pipe = build_shape("flux-dev", "cpu", scale=0.05, dtype=torch.float32)
-    editor = MaskAwareEditor(pipe, shape.family, "cpu")
+def _memory_bake(device: str) -> tuple[MaskAwareEditor, EditRequest, MemoryActivations]:
+    dtype = torch.float32 if device == "cpu" else None
+    shape, pipe = build_shape("flux-dev", device, scale=0.05, dtype=dtype)
+    editor = MaskAwareEditor(pipe, shape.family, device)
     image = template_image((SIZE, SIZE), seed=1)
     memory = MemoryActivations()
     editor.bake(image, "a quiet street", 1, STEPS, 4.0, memory)
     mask = aligned_mask(SIZE, 0.25, editor.model_family.token_cell(pipe))
     request = EditRequest(image, mask, "a red bicycle", 7, STEPS, 4.0, "a quiet street", 1)
     return editor, request, memory
+
+
+@pytest.fixture(scope="module")
+def baked() -> tuple[MaskAwareEditor, EditRequest, MemoryActivations]:
+    return _memory_bake("cpu")
 
 
 def _edits(editor: MaskAwareEditor, request: EditRequest, reader) -> list[np.ndarray]:
@@ -203,13 +208,7 @@ def test_fp8_edits_from_the_device_tier_match_memory(tmp_path: Path, baked) -> N
 def test_fp8_pinned_host_tier_decodes_on_the_gpu_like_memory(tmp_path: Path) -> None:
     """Pinned host codes cross by DMA and are decoded on the GPU (the loader's slabs), as
     from ``MemoryActivations.placed(pin=True, fmt="fp8")``."""
-    shape, pipe = build_shape("flux-dev", "cuda", scale=0.05)
-    editor = MaskAwareEditor(pipe, shape.family, "cuda")
-    image = template_image((SIZE, SIZE), seed=1)
-    memory = MemoryActivations()
-    editor.bake(image, "a quiet street", 1, STEPS, 4.0, memory)
-    mask = aligned_mask(SIZE, 0.25, editor.model_family.token_cell(pipe))
-    request = EditRequest(image, mask, "a red bicycle", 7, STEPS, 4.0, "a quiet street", 1)
+    editor, request, memory = _memory_bake("cuda")
     expected = _edits(editor, request, memory.placed("cpu", pin=True, fmt="fp8", encode_on="cpu"))
     config = StoreConfig(path=tmp_path / "c", map_size=1 << 28, pin_memory=True)
     with ActivationStore(config) as store:
