@@ -22,7 +22,7 @@ import torch
 from retouch.cachestore.codec import dtype_code
 from retouch.cachestore.disktier import DiskTier
 from retouch.cachestore.layout import Slot, check_slot
-from retouch.cachestore.manifest import EntrySpec, Manifest
+from retouch.cachestore.manifest import EntrySpec, Manifest, check_meta
 from retouch.cachestore.stats import StoreCounters
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,13 @@ class BakeWriter:
             self._pending_bytes += copy.nbytes
             if self._pending_bytes >= self.batch_bytes:
                 self._flush()
+
+    def annotate(self, items: dict[str, Any]) -> None:
+        """Add ``items`` to the template's meta, committed with it: what a writer learns
+        only while it records (e.g. the compute dtype of rows it stores encoded)."""
+        if self._state != "open":
+            raise RuntimeError(f"bake of {self.key!r} is not open (state {self._state})")
+        self.meta = check_meta({**self.meta, **items})
 
     @property
     def nbytes(self) -> int:

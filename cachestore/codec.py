@@ -36,6 +36,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.int8: 8,
     torch.uint8: 9,
     torch.bool: 10,
+    torch.float8_e4m3fn: 11,  # rows stored in fp8 (their float32 scales are separate values)
 }
 CODE_DTYPES: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
 

@@ -17,6 +17,10 @@ templates are all resident can be replayed from a CUDA graph.
   allocator, re-used only after the engine's queued kernels). A template that would not
   fit even then is not promoted and evicts nothing (``device_skips``). ``drop`` (a
   re-bake, a delete) also refuses a copy of the old activations still in flight.
+* **Encoded rows**: a template whose rows rest as fp8 codes (``storage = "fp8"``) is
+  promoted as stored, codes and scales (each an ordinary tensor of the template), and
+  decoded on the device as a block copies it: the tier then holds twice the templates of
+  bf16 in the same budget, and the decode rides on the copy a block makes anyway.
 * **Handles**: ``acquire`` returns a held :class:`DeviceTemplate` (never evicted while
   held); ``release`` it when the edit ends. It is a reader the blocks recognise as
   resident (``holds_on``, ``resident``).
@@ -48,6 +52,9 @@ TEMPLATE_STEP = -1
 class TemplateSource(Protocol):
     """A held host-tier handle (``HostTemplate``): what a promotion copies from."""
 
+    @property
+    def meta(self) -> dict[str, Any]: ...
+
     def slots(self) -> list[Slot]: ...
 
     def get(self, step: int, block: str, name: str) -> torch.Tensor: ...
@@ -65,6 +72,7 @@ class DeviceTemplate:
     nbytes: int  # device bytes
     tier: DeviceTier | None = None
     refs: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)  # the bake's (its row format, say)
 
     def get(self, step: int, block: str, name: str) -> torch.Tensor:
         try:
@@ -208,7 +216,9 @@ class DeviceTier:
             log.info("template %s (%.1f GB) does not fit the device tier", key, nbytes / 1e9)
             return
         tensors = _copied(source, slots, self.device)
-        template = DeviceTemplate(key, self.device, tensors, nbytes, tier=self)
+        template = DeviceTemplate(
+            key, self.device, tensors, nbytes, tier=self, meta=dict(source.meta)
+        )
         with self._lock:
             if self._generation.get(key, 0) != generation:
                 return  # dropped (re-baked or deleted) while it was being copied

@@ -47,6 +47,7 @@ FIELDS = (
     "slo",
     "placement",
     "uploads",
+    "storage",
 )
 TEMPLATE_FIELDS = ("image", "prompt", "seed")  # image: a path, in TOML files only
 SCALING_FIELDS = (
@@ -63,6 +64,9 @@ SCALING_FIELDS = (
 SLO_FIELDS = ("latency_ms",)
 # The placement policies a function may ask for (the gateway's ``platform/placement.py``
 # implements each; a test keeps the two lists equal).
+# How a bake's rows rest in the activation store (``runtime/maskaware/rowformat.RowFormat``):
+# the model's compute dtype, or attention keys and values in fp8 (half the bytes).
+STORAGES = ("native", "fp8")
 PLACEMENTS = ("maskaware", "least-requests", "round-robin", "least-masked-tokens", "template-hash")
 UPLOADS_FIELDS = ("max_images", "max_bytes", "prompt", "seed")
 SIZE_MULTIPLE = 16  # Flux packs 2x2 latents on top of the VAE factor (8); SD needs 8
@@ -134,6 +138,7 @@ class FunctionSpec:
     composite: bool = False
     feather_px: int = 3
     halo: int | None = None  # latent pixels around the mask computed fresh (None: the family's)
+    storage: str = "native"  # how its bakes' rows rest in the store (one of STORAGES)
 
     def __post_init__(self) -> None:
         if self.halo is None:
@@ -154,6 +159,7 @@ class FunctionSpec:
             "halo": self.halo,
             "composite": self.composite,
             "feather_px": self.feather_px,
+            "storage": self.storage,
             "templates": {
                 tid: {"prompt": t.prompt, "seed": t.seed} for tid, t in self.templates.items()
             },
@@ -224,7 +230,15 @@ def parse_spec(raw: Any) -> FunctionSpec:
         composite=_bool(raw, "composite", False),
         halo=_int(raw, "halo", FAMILY_SPECS[family].halo, 0, 16),
         feather_px=_int(raw, "feather_px", 3, 0, 64),
+        storage=_storage(raw),
     )
+
+
+def _storage(raw: dict[str, Any]) -> str:
+    value = _str(raw, "storage", "native")
+    if value not in STORAGES:
+        raise InvalidSpec(f"storage must be one of {STORAGES}", field="storage")
+    return value
 
 
 def _placement(raw: dict[str, Any]) -> str | None:

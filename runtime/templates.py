@@ -28,6 +28,8 @@ from retouch.cachestore.streaming import StreamedTemplate
 from retouch.functions.spec import FunctionSpec, UploadsSpec
 from retouch.functions.wire import BakeState, CacheTier, ChangeKind, TemplateStatus
 from retouch.runtime.fingerprint import template_key
+from retouch.runtime.maskaware.rowformat import RowFormat
+from retouch.runtime.maskaware.storedrows import DecodedTemplate, EncodingWriter, decoded
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class Template:
     nbytes: int = 0  # bytes of its bake, once baked here
     dropped: bool = False  # no longer tracked (evicted upload, removed function): never baked
     too_large: bool = False  # an upload whose bake alone exceeds uploads.max_bytes: never baked
+    storage: RowFormat = RowFormat.NATIVE  # how its bake's rows rest in the store
 
     def covers(self, steps: int, guidance: float) -> bool:
         """Whether the bake's activations are valid for an edit with these settings."""
@@ -66,7 +69,8 @@ class Template:
 class Acquired:
     """The outcome of making a template's activations readable for one edit."""
 
-    handle: HostTemplate | StreamedTemplate | DeviceTemplate | None
+    # the tier's handle; wrapped in a DecodedTemplate when the rows rest encoded
+    handle: HostTemplate | StreamedTemplate | DeviceTemplate | DecodedTemplate | None
     tier: str  # where it was found: device, host, disk or none
     wait_ms: float
 
@@ -80,6 +84,7 @@ def _settings(spec: FunctionSpec) -> dict[str, Any]:
         "steps": spec.steps,
         "guidance": spec.guidance,
         "scheduler": spec.scheduler,
+        "storage": spec.storage,  # an fp8 bake holds other bytes than a native one
     }
 
 
@@ -150,6 +155,7 @@ class TemplateCache:
             BakeState.BAKED if baked else BakeState.UNBAKED,
             upload=upload,
             nbytes=self.store.nbytes(key) if baked else 0,
+            storage=RowFormat(spec.storage),
         )
 
     def detach(self, function: str) -> list[Template]:
@@ -283,7 +289,7 @@ class TemplateCache:
         if self.device_tier is not None:
             resident = self.device_tier.acquire(template.key)
             if resident is not None:
-                return Acquired(resident, CacheTier.DEVICE.value, 0.0)
+                return Acquired(decoded(resident), CacheTier.DEVICE.value, 0.0)
         tier = self.tier(template).value
         started = time.perf_counter()
         try:
@@ -314,7 +320,7 @@ class TemplateCache:
             and handle.nbytes <= device.budget
         ):
             device.promote(template.key, lambda: self._whole(template.key))
-        return Acquired(handle, tier, wait_ms)
+        return Acquired(None if handle is None else decoded(handle), tier, wait_ms)
 
     def _forget_on_device(self, key: str) -> None:
         if self.device_tier is not None:
@@ -337,7 +343,8 @@ class TemplateCache:
             self.on_change(kind, template.function, template.id)
 
     def bake(self, template: Template, record) -> None:
-        """Run ``record(writer)`` (one recorded generation) into the store, atomically."""
+        """Run ``record(writer)`` (one recorded generation) into the store, atomically, its
+        rows in the template's storage format."""
         with self.lock:
             template.state = BakeState.BAKING
         meta = {"function": template.function, "template": template.id, "steps": template.steps}
@@ -346,7 +353,7 @@ class TemplateCache:
         try:
             self._forget_on_device(template.key)  # a re-bake replaces its activations
             with self.store.bake(template.key, meta) as writer:
-                record(writer)
+                record(EncodingWriter(writer, template.storage))
         except Exception as exc:
             with self.lock:
                 template.state, template.error = BakeState.FAILED, str(exc)

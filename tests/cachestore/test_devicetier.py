@@ -20,6 +20,7 @@ class Source:
         }
         self.gate = gate
         self.released = False
+        self.meta = {"function": "f"}
 
     def slots(self):
         if self.gate is not None:

@@ -171,3 +171,26 @@ def test_hot_template_served_from_the_device_tier(tmp_path: Path, examples: Path
         cache = executor_state(client)["cache"]
         assert cache["device_hits"] >= 1 and cache["device_budget_bytes"] == 200_000_000
         assert 0 < cache["device_bytes"] <= 200_000_000
+
+
+def test_an_fp8_function_edits_from_a_smaller_bake(tmp_path: Path, examples: Path) -> None:
+    """``storage = "fp8"``: deployed through a real server, baked under its own key, edited
+    mask-aware from its encoded rows, its templates' bakes smaller than a native function's."""
+    spec = (examples / "tiny-flux.toml").read_text().replace('"tiny-flux"', '"tiny-flux-fp8"')
+    spec = spec.replace("templates/", f"{examples / 'templates'}/")
+    spec_path = tmp_path / "fp8.toml"
+    spec_path.write_text(spec.replace("[scaling]", 'storage = "fp8"\n\n[scaling]', 1))
+    with ServerProcess(tmp_path / "data") as server, Client(server.url) as client:
+        client.deploy_file(examples / "tiny-flux.toml")
+        client.deploy_file(spec_path)
+        wait_baked(client, "tiny-flux")
+        wait_baked(client, "tiny-flux-fp8")
+        held = executor_state(client)["templates"]
+        native, fp8 = held["tiny-flux"], held["tiny-flux-fp8"]
+        for tid in ("shirt", "mug"):
+            assert fp8[tid]["key"] != native[tid]["key"]  # same template, its own entry
+            assert 0 < fp8[tid]["bytes"] < 0.75 * native[tid]["bytes"]
+        edit = client.invoke("tiny-flux-fp8", "shirt", MASK, "a green hat", seed=1)
+        assert edit.path == "maskaware" and edit.cache.tier == "host"
+        stock = client.invoke("tiny-flux", "shirt", MASK, "a green hat", seed=1)
+        assert edit.image != stock.image  # its own rows were read, not the native bake's

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, InvalidSpec
-from retouch.functions.spec import FunctionSpec, load_spec_file, parse_spec
+from retouch.functions.spec import STORAGES, FunctionSpec, load_spec_file, parse_spec
 from retouch.platform.httpapi import parse_json
+from retouch.runtime.maskaware.rowformat import RowFormat
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 
@@ -79,6 +80,20 @@ def test_round_trip(
     assert parse_spec(spec.to_dict()) == spec
 
 
+def test_storage_defaults_to_native_and_round_trips() -> None:
+    doc = {"name": "ok", "model": "m", "family": "sd-inpaint", "resolution": 128}
+    doc["templates"] = {"t": {}}
+    assert parse_spec(doc).storage == "native"
+    fp8 = parse_spec({**doc, "storage": "fp8"})
+    assert fp8.storage == "fp8"
+    assert parse_spec(fp8.to_dict()) == fp8
+
+
+def test_storages_are_the_row_formats() -> None:
+    """The spec's choices are exactly the formats the runtime stores rows in."""
+    assert set(STORAGES) == {f.value for f in RowFormat}
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
@@ -100,6 +115,8 @@ def test_round_trip(
         ({"halo": 17}, "halo"),
         ({"feather_px": 65}, "feather_px"),
         ({"scheduler": "flow-euler"}, "scheduler"),
+        ({"storage": "fp16"}, "storage"),
+        ({"storage": 8}, "storage"),
         ({"templates": []}, "templates"),
         ({"templates": {"bad id!": {}}}, "templates.bad id!"),
         ({"templates": {"t": {"seed": -1}}}, "templates.t.seed"),
