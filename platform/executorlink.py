@@ -18,7 +18,8 @@ import httpx
 
 from retouch.functions import wire
 from retouch.functions.errors import RetouchError
-from retouch.platform.control.cluster import ExecutorView, Overheads
+from retouch.platform.control.calibration import Overheads
+from retouch.platform.control.cluster import ExecutorView
 from retouch.platform.providers import Executor
 
 PROBE_TIMEOUT_S = 2.0

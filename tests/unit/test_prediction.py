@@ -128,7 +128,7 @@ def test_results_that_queued_for_a_worker_do_not_teach_the_service_time() -> Non
 
 
 def test_each_overhead_average_starts_at_its_own_first_observation() -> None:
-    from retouch.platform.control.cluster import Overheads
+    from retouch.platform.control.calibration import Overheads
 
     overheads = Overheads()
     overheads.observe(0.5, 0.06, pre_queued=True)  # its encode queued: the decode teaches
@@ -139,7 +139,7 @@ def test_each_overhead_average_starts_at_its_own_first_observation() -> None:
 def test_a_pools_cold_first_results_do_not_linger_in_its_overheads() -> None:
     """A new pool's first decodes are slow (cold workers, contended cores): once most
     recent ones are warm, the prediction uses a warm time, not a blend that stays long."""
-    from retouch.platform.control.cluster import Overheads
+    from retouch.platform.control.calibration import Overheads
 
     overheads = Overheads()
     for post_s in (1.85, 1.6, 0.8, 0.78, 0.82):
@@ -718,7 +718,7 @@ def test_a_decode_that_queued_stands_in_until_an_unqueued_one_is_seen() -> None:
     """Left at 0 while every decode of a burst queued for the one post worker, the
     prediction saw no decode backlog anywhere, and one executor took all 12 edits of a
     burst, predicted ~10x short (tests/e2e/test_placement.py)."""
-    from retouch.platform.control.cluster import Overheads
+    from retouch.platform.control.calibration import Overheads
 
     o = Overheads()
     o.observe(0.02, 0.09, post_queued=True)
