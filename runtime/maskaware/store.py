@@ -21,7 +21,7 @@ from retouch.runtime.maskaware.rowformat import (
     RowFormat,
     decode,
     decode_into,
-    encode_fp8,
+    encode,
     encodes,
 )
 
@@ -208,7 +208,7 @@ class MemoryActivations:
             tensor = self.get(*key)
             if encodes(out.format, key[2]):
                 out.dtypes[key] = tensor.dtype
-                tensor, scale = encode_fp8(tensor.to(encode_on or device))
+                tensor, scale = encode(key[2], tensor.to(encode_on or device))
                 scale = scale.to(device)
                 out.scales[key] = (
                     scale.pin_memory() if pin and scale.device.type == "cpu" else scale

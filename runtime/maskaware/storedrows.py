@@ -30,7 +30,7 @@ from retouch.runtime.maskaware.rowformat import (
     RowFormat,
     decode,
     decode_into,
-    encode_fp8,
+    encode,
     encodes,
 )
 from retouch.runtime.maskaware.store import TEMPLATE_STEP, fetch_rows
@@ -60,7 +60,7 @@ class AnnotatedWriter(Protocol):
 
 
 class EncodingWriter:
-    """Records a bake in ``fmt``: the tensors ``encodes`` names as fp8 codes plus scales."""
+    """Records a bake in ``fmt``: the tensors ``encodes`` names as 8-bit codes plus scales."""
 
     def __init__(self, inner: AnnotatedWriter, fmt: RowFormat) -> None:
         self.inner, self.format = inner, fmt
@@ -72,7 +72,7 @@ class EncodingWriter:
             self.inner.put(step, block, name, tensor)
             return
         self._note_dtype(name, tensor.dtype)
-        codes, scale = encode_fp8(tensor)
+        codes, scale = encode(name, tensor)
         self.inner.put(step, block, name, codes)
         self.inner.put(step, block, scale_name(name), scale)
 

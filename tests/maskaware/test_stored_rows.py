@@ -103,9 +103,10 @@ def test_storage_is_part_of_the_cache_key(tmp_path: Path) -> None:
         assert _register(cache, "fp8").key == fp8.key
 
 
-def test_an_fp8_bake_stores_keys_and_values_as_codes(tmp_path: Path) -> None:
-    """bf16 keys and values: the fp8 bake's K/V bytes are half the native bake's, plus one
-    float32 scale per channel; block outputs and per-template tensors are kept as recorded."""
+def test_an_fp8_bake_stores_every_row_in_8_bits(tmp_path: Path) -> None:
+    """bf16 keys, values and block outputs: the fp8 bake's bytes for them are half the
+    native bake's, plus one float32 scale per channel (and one offset for Y); keys and
+    values are e4m3 codes, Y int8; per-template tensors are kept as recorded."""
     memory = MemoryActivations()
     torch.manual_seed(0)
     for step in range(2):
@@ -122,13 +123,18 @@ def test_an_fp8_bake_stores_keys_and_values_as_codes(tmp_path: Path) -> None:
         assert store.nbytes(fp8.key) < store.nbytes(native.key) == native.nbytes
         assert fp8.nbytes == store.nbytes(fp8.key)  # what the executor reports
         with store.acquire(native.key) as n, store.acquire(fp8.key) as f:
-            kv = [s for s in n.slots() if s[0] != TEMPLATE_STEP and s[2] in ("k", "v")]
-            native_kv = sum(n.get(*s).nbytes for s in kv)
-            fp8_kv = sum(f.get(*s).nbytes + f.get(s[0], s[1], s[2] + ".scale").nbytes for s in kv)
-            assert fp8_kv == native_kv // 2 + len(kv) * 2 * 64 * 4  # scales: [2, 1, 64]
+            rows = [s for s in n.slots() if s[0] != TEMPLATE_STEP]
+            native_rows = sum(n.get(*s).nbytes for s in rows)
+            fp8_rows = sum(
+                f.get(*s).nbytes + f.get(s[0], s[1], s[2] + ".scale").nbytes for s in rows
+            )
+            kv, y = [s for s in rows if s[2] != "y"], [s for s in rows if s[2] == "y"]
+            scales = (len(kv) + 2 * len(y)) * 2 * 64 * 4  # [2, 1, 64] each; Y: and offsets
+            assert fp8_rows == native_rows // 2 + scales
             assert all(f.get(*s).dtype == torch.float8_e4m3fn for s in kv)
+            assert all(f.get(*s).dtype == torch.int8 for s in y)
             for s in n.slots():
-                if s not in kv:
+                if s not in rows:
                     assert torch.equal(f.get(*s), n.get(*s))
         assert entries[fp8.key]["meta"]["rows"] == "fp8"
 

@@ -116,6 +116,21 @@ def test_fp8_rows_halve_the_bytes_and_stay_close() -> None:
     assert torch.equal(fp8.get(0, "b", "k"), decoded)
 
 
+def test_block_outputs_rest_in_int8_with_a_per_channel_offset() -> None:
+    """Y in 8 uniform bits over each channel's own range: every value within half a step
+    of its channel's scale, channels far off zero included (residual streams)."""
+    torch.manual_seed(0)
+    rows = (torch.randn(2, 1024, 64) + torch.linspace(-30, 30, 64)) * torch.logspace(-1, 1, 64)
+    store = MemoryActivations()
+    store.put(0, "b", "y", rows)
+    packed = store.placed("cpu", fmt="fp8")
+    codes, scale = packed.encoded(0, "b", "y")
+    assert codes.dtype == torch.int8 and scale.shape == (2, 2, 1, 64)
+    error = (packed.get(0, "b", "y") - rows).abs()
+    assert (error <= scale[0] * 0.5 + 1e-5 * rows.abs()).all()
+    assert packed.nbytes == rows.numel() + scale.numel() * 4  # a byte a value, the scales
+
+
 @pytest.mark.parametrize("name", ["flux-dev"])
 def test_fp8_rows_stream_like_synchronous_reads(name: str) -> None:
     editor, request, store = _setup(name, "cpu")
