@@ -13,7 +13,7 @@ from retouch.platform.cli import main
 from retouch.runtime.costmodel import CostModel, LinearFit
 from retouch.runtime.prediction import StepCoster, plan_table
 
-SHIPPED = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / gpuprofile.SHIPPED
+SHIPPED = Path(__file__).resolve().parents[3] / "deploy" / "profiles" / gpuprofile.SHIPPED
 STEPS = 28
 GRID = 4096
 
