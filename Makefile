@@ -81,7 +81,7 @@ gpu-bench:
 	@mkdir -p $(GPU_SRC)/retouch && for d in platform functions runtime cachestore; do \
 	  ln -sfn $(CURDIR)/$$d $(GPU_SRC)/retouch/$$d; done
 	-PYTHONPATH=$(GPU_SRC):$(GPU_SITE) PYTHONUNBUFFERED=1 timeout 120 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider \
-	  tests/maskaware/test_graphs.py tests/maskaware/test_tiers.py -k "graph or device_tier or gpu"
+	  tests/runtime/maskaware/test_graphs.py tests/runtime/maskaware/test_tiers.py -k "graph or device_tier or gpu"
 	PYTHONPATH=$(GPU_SRC):$(GPU_SITE) PYTHONUNBUFFERED=1 TQDM_DISABLE=1 $(GPU_PYTHON) -m retouch.platform.cli \
 	  bench production --device cuda --shapes $(GPU_SHAPES) --masks 0.1,0.2,0.35 --batch 1,4 \
 	  --host-masks 0.2 --steps 8 --repeats $(GPU_REPEATS) --out $(GPU_OUT)

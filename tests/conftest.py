@@ -8,9 +8,6 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "deploy" / "examples"
-
 
 @pytest.fixture(autouse=True, scope="session")
 def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -2,5 +2,5 @@
 
 Each module has ``register(sub)``, which adds its subcommands (arguments, help texts and
 the function run for them) to the top-level subparsers. Modules import nothing heavy at
-import time: the CLI loads without torch (``tests/unit/test_import_contract.py``).
+import time: the CLI loads without torch (``tests/test_import_contract.py``).
 """

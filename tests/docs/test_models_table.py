@@ -3,11 +3,10 @@ code's: every entry of ``BUILTIN_MODELS`` with its family, resolution and kind o
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from retouch.functions.models import BUILTIN_MODELS, PREFIX
+from tests.support import REPO
 
-API = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+API = REPO / "docs" / "api.md"
 
 
 def documented_models() -> dict[str, tuple[str, int, bool]]:

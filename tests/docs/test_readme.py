@@ -17,8 +17,8 @@ from PIL import Image, ImageFilter
 
 from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 MARK = "<!-- quickstart -->"
 BLOCK = re.compile(r"```(\w+)\n(.*?)```", re.DOTALL)
 BLOCK_TIMEOUT_S = 600  # a cold deploy profiles the model and bakes its templates

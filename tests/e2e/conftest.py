@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess
+from tests.support import EXAMPLES
 
 ADMIN = "admin-secret-token"
 INVOKE = "invoke-secret-token"
@@ -35,7 +34,7 @@ def tokens() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def examples() -> Path:
-    return Path(__file__).resolve().parents[2] / "deploy" / "examples"
+    return EXAMPLES
 
 
 @pytest.fixture
@@ -48,14 +47,3 @@ def invoker(server: ServerProcess) -> Iterator[Client]:
 def admin(server: ServerProcess) -> Iterator[Client]:
     with Client(server.url, ADMIN) as client:
         yield client
-
-
-@pytest.fixture(scope="session")
-def loadgen() -> ModuleType:
-    """``loadgen.py`` beside this file (threads of invocations, a polling wait): the
-    importlib import mode puts no test folder on ``sys.path``, so it is loaded by path."""
-    spec = importlib.util.spec_from_file_location("loadgen", Path(__file__).with_name("loadgen.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -1,14 +1,12 @@
-"""A load of invoking threads and a polling wait: what the scaling tests share."""
+"""A load of invoking threads: what the scaling tests share."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 from retouch.platform.client import Client
-
-WAIT_S = 240.0  # a cold start on a loaded 2-core machine: process, imports, model, profile
+from tests.support import WAIT_S
 
 
 class Load:
@@ -51,12 +49,3 @@ class Load:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=WAIT_S)
-
-
-def wait_for(what: str, ok: Callable[[], bool], timeout: float = WAIT_S) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        if ok():
-            return time.monotonic() - started
-        time.sleep(0.25)
-    raise AssertionError(f"not seen within {timeout:.0f} s: {what}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,21 +16,13 @@ import pytest
 from retouch.cachestore.layout import MANIFEST_DB, VALUES_DB, value_key
 from retouch.cachestore.manifest import Manifest
 from retouch.functions.demo.images import mask_of_ratio
+from retouch.platform.bench.load import wait_baked
 from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess
 from retouch.runtime.templates import store_path
+from tests.support import wait_for
 
 MASK = mask_of_ratio((128, 128), 0.2, "ellipse", seed=4)
-
-
-def wait_baked(client: Client, function: str, timeout: float = 300.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        doc = client.get(function)
-        if all(t["state"] == "baked" for t in doc["templates"].values()):
-            return doc
-        time.sleep(0.3)
-    raise AssertionError(f"{function} not baked: {doc['templates']}")
 
 
 def executor_state(client: Client) -> dict:
@@ -58,19 +49,12 @@ def test_baked_template_served_from_disk_after_executor_restart(
         old = executor_state(client)
         assert old["cache"]["bakes"] == 2
         os.kill(old["pid"], signal.SIGKILL)  # the pool restarts it and re-pushes functions
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            state = client.executors()["executors"][0]
-            if (
-                state["healthy"]
-                and state["state"]
-                and state["state"]["pid"] != old["pid"]
-                and "tiny-flux" in state["functions"]
-            ):
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError("executor was not restarted")
+        wait_for("the executor restarted with its functions", lambda: (
+            (state := client.executors()["executors"][0])["healthy"]
+            and state["state"]
+            and state["state"]["pid"] != old["pid"]
+            and "tiny-flux" in state["functions"]
+        ), 120)  # fmt: skip
 
         again = client.invoke("tiny-flux", "shirt", MASK, "a green hat", seed=1)
         assert again.path == "maskaware"
@@ -101,10 +85,8 @@ def test_corrupt_value_is_detected_and_rebaked(tmp_path: Path, examples: Path) -
     data = tmp_path / "data"
     with ServerProcess(data) as server, Client(server.url) as client:
         client.deploy_file(examples / "tiny-flux.toml")
-        key = (
-            wait_baked(client, "tiny-flux")
-            and executor_state(client)["templates"]["tiny-flux"]["mug"]["key"]
-        )
+        wait_baked(client, "tiny-flux")
+        key = executor_state(client)["templates"]["tiny-flux"]["mug"]["key"]
         reference = client.invoke("tiny-flux", "mug", MASK, "a red mug", seed=3, format="raw")
         assert reference.path == "maskaware"
 
@@ -161,10 +143,12 @@ def test_hot_template_served_from_the_device_tier(tmp_path: Path, examples: Path
         wait_baked(client, "tiny-flux")
         first = client.invoke("tiny-flux", "shirt", MASK, "a green hat", seed=1)
         assert first.path == "maskaware" and first.cache.tier == "host"
-        deadline = time.monotonic() + 60
-        while executor_state(client)["cache"].get("device_templates", 0) < 1:
-            assert time.monotonic() < deadline, executor_state(client)["cache"]
-            time.sleep(0.1)
+        wait_for(
+            "a template in the device tier",
+            lambda: executor_state(client)["cache"].get("device_templates", 0) >= 1,
+            60,
+            detail=lambda: executor_state(client)["cache"],
+        )
         again = client.invoke("tiny-flux", "shirt", MASK, "a green hat", seed=1)
         assert again.path == "maskaware" and again.cache.tier == "device"
         assert again.image == first.image  # same rows, copied whole instead of gathered

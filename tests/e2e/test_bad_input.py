@@ -24,7 +24,6 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from dataclasses import field as default
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -36,8 +35,8 @@ from PIL import Image
 from retouch.functions import wire
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
+from tests.support import EXAMPLES, wait_for
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 FUNCTION = "tiny-sd"
 SIZE = (128, 128)
 MSGPACK = {"content-type": "application/msgpack"}
@@ -631,21 +630,21 @@ def executor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]
     with (data / "executor.log").open("ab") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        client: httpx.Client | None = None
-        while client is None:
+
+        def healthy() -> httpx.Client | None:
             assert proc.poll() is None, (data / "executor.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "executor did not start"
-            if port_file.exists():
-                candidate = httpx.Client(base_url=f"http://127.0.0.1:{port_file.read_text()}")
-                try:
-                    if candidate.get("/healthz", headers=EXEC).status_code == 200:
-                        client = candidate
-                        continue
-                except httpx.TransportError:
-                    pass
-                candidate.close()
-            time.sleep(0.1)
+            if not port_file.exists():
+                return None
+            candidate = httpx.Client(base_url=f"http://127.0.0.1:{port_file.read_text()}")
+            try:
+                if candidate.get("/healthz", headers=EXEC).status_code == 200:
+                    return candidate
+            except httpx.TransportError:
+                pass
+            candidate.close()
+            return None
+
+        client = wait_for("the executor healthy", healthy, 180)
         try:
             yield client
         finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from retouch.functions.wire import InvokeResult
 from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess
+from tests.support import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -47,13 +47,6 @@ def pixels(result: InvokeResult) -> np.ndarray:
 
 def executor_state(client: Client, index: int = 0) -> dict:
     return client.executors()["executors"][index]
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def busy(client: Client, index: int = 0) -> bool:
@@ -86,7 +79,7 @@ def run_with_fault(
     more, and check that all ten are answered with the undisturbed images."""
     with Client(url) as client, ThreadPoolExecutor(IN_FLIGHT + LATE) as pool:
         first = {seed: pool.submit(invoke, url, seed) for seed in range(IN_FLIGHT)}
-        wait_for(lambda: busy(client, index), 120, "the engine to run the invocations")
+        wait_for("the engine to run the invocations", lambda: busy(client, index), 120, 0.05)
         fault(client)
         late = {seed: pool.submit(invoke, url, seed) for seed in range(100, 100 + LATE)}
         results = {seed: f.result(timeout=300) for seed, f in {**first, **late}.items()}
@@ -107,7 +100,7 @@ def test_executor_sigkill_loses_nothing(server: ServerProcess, reference) -> Non
     results = run_with_fault(server.url, reference, lambda c: killed.append(kill_executor(c)))
     assert max(r.attempts for r in results) >= 2  # some were re-placed after the kill
     with Client(server.url) as client:
-        wait_for(lambda: executor_state(client)["healthy"], 120, "the restarted executor")
+        wait_for("the restarted executor", lambda: executor_state(client)["healthy"], 120, 0.05)
         assert executor_state(client)["state"]["pid"] != killed[0]
 
 
@@ -134,7 +127,7 @@ def test_dead_engine_thread_is_seen_and_loses_nothing(server: ServerProcess, ref
     results = run_with_fault(server.url, reference, crash_engine)
     assert max(r.attempts for r in results) >= 2
     with Client(server.url) as client:  # /healthz said engine_dead: the pool restarted it
-        wait_for(lambda: executor_state(client)["healthy"], 120, "the restarted executor")
+        wait_for("the restarted executor", lambda: executor_state(client)["healthy"], 120, 0.05)
         assert executor_state(client)["state"]["pid"] != killed[0]
 
 

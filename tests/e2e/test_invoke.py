@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 from PIL import Image
 
+from retouch.platform.bench.load import wait_baked
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
 
@@ -69,22 +69,13 @@ def test_warmup_steps_reach_the_executor(admin: Client, examples: Path) -> None:
     for fn in (cached, warm):
         admin.deploy(fn, images)
     assert admin.get("sd-warm")["full_steps"] == 3 and admin.get("sd-cached")["full_steps"] == 0
-    _wait_baked(admin, ["sd-cached", "sd-warm"])
+    for name in ("sd-cached", "sd-warm"):
+        wait_baked(admin, name, timeout=300)
     mask = np.zeros((128, 128), bool)
     mask[30:80, 20:70] = True
     a, b = (admin.invoke(n, "street", mask, "a cat", seed=3) for n in ("sd-cached", "sd-warm"))
     assert a.path == b.path == "maskaware"
     assert a.image != b.image
-
-
-def _wait_baked(client: Client, names: list[str], timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = {t["state"] for n in names for t in client.get(n)["templates"].values()}
-        if states == {"baked"}:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{names} not baked in {timeout} s")
 
 
 def test_composite_keeps_the_template_outside_the_mask(admin: Client, examples: Path) -> None:
@@ -96,7 +87,8 @@ def test_composite_keeps_the_template_outside_the_mask(admin: Client, examples: 
     for fn in (plain, pasted):
         admin.deploy(fn, images)
     assert admin.get("sd-pasted")["composite"] is True
-    _wait_baked(admin, ["sd-plain", "sd-pasted"])  # both mask-aware: the same edit
+    for name in ("sd-plain", "sd-pasted"):  # both mask-aware: the same edit
+        wait_baked(admin, name, timeout=300)
     template = np.asarray(Image.open(io.BytesIO(images["poster"])).convert("RGB"))
     mask = np.zeros((128, 128), bool)
     mask[40:90, 20:60] = True

@@ -28,8 +28,10 @@ import pytest
 from retouch.functions.errors import Canceled, RetouchError
 from retouch.functions.wire import InvokeResult, JobEvent, JobEventKind
 from retouch.platform import webhooks
+from retouch.platform.bench.load import wait_baked
 from retouch.platform.client import AsyncClient, Call, Client, read_spec_file
 from retouch.platform.server import ServerProcess
+from tests.support import wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
 
@@ -52,15 +54,8 @@ def server(data_dir: Path, examples: Path) -> Iterator[ServerProcess]:
         )
         with Client(proc.url, ADMIN) as admin:
             assert admin.deploy(spec, {TEMPLATE: images[TEMPLATE]})["status"] == "ready"
-            _wait_baked(admin)
+            wait_baked(admin, FUNCTION, timeout=300)
         yield proc
-
-
-def _wait_baked(client: Client, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while client.get(FUNCTION)["templates"][TEMPLATE]["state"] != "baked":
-        assert time.monotonic() < deadline, "template not baked"
-        time.sleep(0.2)
 
 
 def pixels(result: InvokeResult) -> np.ndarray:
@@ -89,13 +84,6 @@ def collect(url: str, job_id: str) -> list[JobEvent]:
         return list(client.job_events(job_id))
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_queue_positions_progress_results_and_cancel(server: ServerProcess) -> None:
     """4 blockers fill the executor's slots; 6 jobs then wait in the gateway queue. Each
     reports falling positions, steps 1..n in order and the sync invoke's image; a canceled
@@ -111,9 +99,10 @@ def test_queue_positions_progress_results_and_cancel(server: ServerProcess) -> N
 
         running = blockers[0]
         wait_for(
+            "the first blocker to take a step",
             lambda: (running.status().get("progress") or {}).get("step", 0) >= 1,
             120,
-            "the first blocker to take a step",
+            0.05,
         )
         assert running.cancel()["status"] == "canceled"
 
@@ -234,8 +223,8 @@ def test_webhooks_signed_retried_and_allow_listed(server: ServerProcess) -> None
             flaky = submit(client, 9, webhook=f"{receiver.url}/flaky")
             job.wait(timeout=120)
             flaky.wait(timeout=120)
-            wait_for(lambda: len(receiver.delivered("/ok")) >= 2, 30, "two deliveries")
-            wait_for(lambda: receiver.delivered("/flaky"), 30, "the flaky delivery")
+            wait_for("two deliveries", lambda: len(receiver.delivered("/ok")) >= 2, 30, 0.05)
+            wait_for("the flaky delivery", lambda: receiver.delivered("/flaky"), 30, 0.05)
             ok = receiver.delivered("/ok")
             assert [d["type"] for d in ok] == ["started", "completed"]
             assert ok[1]["job"]["status"] == "succeeded" and ok[1]["job"]["id"] == job.id

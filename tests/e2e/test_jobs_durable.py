@@ -13,6 +13,7 @@ import pytest
 
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
+from tests.support import wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
 
@@ -39,10 +40,12 @@ def test_jobs_survive_a_gateway_sigkill(tmp_path: Path, examples: Path) -> None:
                 client.submit(FUNCTION, TEMPLATE, MASK, "a red door", seed=s, format="raw").id
                 for s in range(JOBS)
             ]
-            deadline = time.monotonic() + 120
-            while client.job(ids[0]).doc["status"] == "queued":  # one is running at the kill
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_for(  # one is running at the kill
+                "the first job running",
+                lambda: client.job(ids[0]).doc["status"] != "queued",
+                120,
+                0.05,
+            )
         assert len(list((data / "jobs").glob("*.job"))) == JOBS  # journaled before the 202
     finally:
         assert first.process is not None

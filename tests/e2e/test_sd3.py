@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+from retouch.platform.bench.load import wait_baked
 from retouch.platform.client import Client, read_spec_file
 
 
@@ -26,10 +26,7 @@ def test_deploy_and_invoke_an_sd3_function(admin: Client, examples: Path) -> Non
     assert first.path in ("stock", "maskaware") and first.mask_ratio > 0
     assert not np.array_equal(np.frombuffer(first.image, np.uint8).reshape(128, 128, 3), template)
 
-    deadline = time.monotonic() + 300  # templates are baked in the background
-    while {t["state"] for t in admin.get("tiny-sd3")["templates"].values()} != {"baked"}:
-        assert time.monotonic() < deadline, "tiny-sd3 templates not baked in 300 s"
-        time.sleep(0.2)
+    wait_baked(admin, "tiny-sd3", timeout=300)  # templates are baked in the background
     edit = admin.invoke("tiny-sd3", "mug", mask, "a red mug", seed=4, format="raw")
     assert edit.path == "maskaware"
     assert (edit.width, edit.height) == (128, 128)

@@ -14,7 +14,6 @@ import io
 import struct
 import subprocess
 import sys
-import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from retouch.functions.spec import UploadsSpec
 from retouch.platform.cachecli import run_cache_command
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
+from tests.support import wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
 
@@ -82,12 +82,21 @@ def uploads(client: Client, name: str) -> dict[str, dict]:
     return client.get(name)["uploads"]
 
 
-def wait_baked(client: Client, name: str, upload: str, timeout: float = 180.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while (doc := uploads(client, name).get(upload, {})).get("state") != "baked":
-        assert time.monotonic() < deadline, f"{upload} not baked: {doc}"
-        time.sleep(0.1)
-    return doc
+def upload_in(client: Client, name: str, upload: str, state: str) -> dict:
+    """The upload's document once it is in ``state``."""
+
+    def doc() -> dict:
+        return uploads(client, name).get(upload, {})
+
+    def reached() -> dict | None:
+        seen = doc()
+        return seen if seen.get("state") == state else None
+
+    return wait_for(f"{upload} {state}", reached, 180, detail=doc)
+
+
+def wait_baked(client: Client, name: str, upload: str) -> dict:
+    return upload_in(client, name, upload, "baked")
 
 
 def test_first_edit_is_stock_later_ones_mask_aware(server: ServerProcess) -> None:
@@ -170,10 +179,7 @@ def test_an_image_whose_bake_exceeds_the_budget_is_served_stock_without_churn(
     deploy(server.url, examples, "up-tiny-budget", UploadsSpec(max_bytes=1))
     with Client(server.url, INVOKE) as client:
         first = edit(client, photo(41), name="up-tiny-budget")
-        deadline = time.monotonic() + 180
-        while uploads(client, "up-tiny-budget").get(first.template, {}).get("state") != "failed":
-            assert time.monotonic() < deadline, uploads(client, "up-tiny-budget")
-            time.sleep(0.1)
+        upload_in(client, "up-tiny-budget", first.template, "failed")
         again = edit(client, photo(41), seed=2, name="up-tiny-budget")
         assert again.path is wire.InvokePath.STOCK
         state = client.executors()["executors"][0]["state"]["templates"]["up-tiny-budget"]

@@ -13,7 +13,6 @@ import base64
 import dataclasses
 import os
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
+from tests.support import wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
 
@@ -72,15 +72,12 @@ def browser() -> Iterator[object]:
 
 
 def wait(driver, predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate(driver)
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            logs = driver.get_log("browser") if hasattr(driver, "get_log") else []
-            raise AssertionError(f"timed out waiting for {what}; browser log: {logs}")
-        time.sleep(0.05)
+    """``wait_for`` on the page; a timeout shows the browser's log."""
+
+    def browser_log() -> object:
+        return driver.get_log("browser") if hasattr(driver, "get_log") else []
+
+    return wait_for(what, lambda: predicate(driver), timeout, 0.05, detail=browser_log)
 
 
 def test_page_and_static_files_are_served(server: ServerProcess) -> None:

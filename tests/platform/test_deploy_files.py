@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 
 from retouch.platform.config import ServeConfig
+from tests.support import REPO
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with the ray extra")
 
-REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 
 

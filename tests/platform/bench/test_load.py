@@ -1,6 +1,6 @@
 """``retouch bench load``: its request plan, and one small comparison run end to end (real
 ``retouch serve`` processes, one per configuration). The workload's statistics are
-tests/unit/test_workload.py's."""
+tests/platform/test_workload.py's."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ from retouch.functions.errors import BadRequest, InvalidSpec
 from retouch.functions.spec import STORAGES, FunctionSpec, load_spec_file, parse_spec
 from retouch.platform.httpapi import parse_json
 from retouch.runtime.maskaware.rowformat import RowFormat
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
+from tests.support import EXAMPLES
 
 
 def test_examples_parse() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 from retouch.functions import wire
@@ -26,8 +25,8 @@ from retouch.platform.scaler import (
     pool_config,
     split_load,
 )
+from tests.support import EXAMPLES
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 SD, FLUX = "retouch:tiny-sd", "retouch:tiny-flux"
 FAST = ScalingSpec(0, 1, target_s=1.0, upscale_delay_s=1.0, stable_window_s=2.0,
                    downscale_delay_s=2.0, downscale_to_zero_delay_s=2.0)  # fmt: skip

@@ -12,8 +12,9 @@ from retouch.platform.bench import gpuprofile
 from retouch.platform.cli import main
 from retouch.runtime.costmodel import CostModel, LinearFit
 from retouch.runtime.prediction import StepCoster, plan_table
+from tests.support import REPO
 
-SHIPPED = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / gpuprofile.SHIPPED
+SHIPPED = REPO / "deploy" / "profiles" / gpuprofile.SHIPPED
 STEPS = 28
 GRID = 4096
 

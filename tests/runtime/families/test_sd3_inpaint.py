@@ -1,10 +1,10 @@
 """The ``sd3-inpaint`` family against the stock StableDiffusion3InpaintPipeline.
 
-Same checks as the other families (``test_exactness.py``, ``test_flops.py``): an exact
-cache reproduces the stock pipeline, a full mask equals it whatever was baked, plans mixing
-full and sparse blocks and the row loader change nothing, a request inside a batch gives
-its solo result, a worker's pipeline without the transformer encodes and decodes the same,
-and the analytic FLOPs equal what torch counts.
+Same checks as the other families (``tests/runtime/maskaware/test_exactness.py`` and
+``test_flops.py`` beside it): an exact cache reproduces the stock pipeline, a full mask
+equals it whatever was baked, plans mixing full and sparse blocks and the row loader change
+nothing, a request inside a batch gives its solo result, a worker's pipeline without the
+transformer encodes and decodes the same, and the analytic FLOPs equal what torch counts.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+
 CONTROL_PLANE = (
     "retouch.platform.gateway",
     "retouch.platform.frontdoor",

@@ -1,0 +1,39 @@
+"""What many tests share: the repository's paths and one polling wait.
+
+Tests that start real processes wait for states they are not told about (an executor
+restarted, a pool back to zero, a job running); they all poll the same way, so a slow
+machine shows up as one message with one budget, not a different loop per file. Waiting
+for bakes is ``retouch.platform.bench.load.wait_baked``, the bench's own wait."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "deploy" / "examples"
+WAIT_S = 240.0  # a cold start on a loaded 2-core machine: process, imports, model, profile
+
+T = TypeVar("T")
+
+
+def wait_for(
+    what: str,
+    ok: Callable[[], T],
+    timeout: float = WAIT_S,
+    interval: float = 0.1,
+    detail: Callable[[], object] | None = None,
+) -> T:
+    """Poll ``ok`` until it returns something truthy and return that value. On timeout
+    the assertion names ``what`` and, when given, ``detail()``: the state that was seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = ok()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            seen = f"; seen: {detail()}" if detail is not None else ""
+            raise AssertionError(f"not seen within {timeout:.0f} s: {what}{seen}")
+        time.sleep(interval)
