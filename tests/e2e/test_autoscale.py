@@ -17,7 +17,7 @@ from retouch.functions.spec import ScalingSpec
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
 from tests.e2e.loadgen import Load
-from tests.support import wait_for
+from tests.support import WAIT_S, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,14 @@ def test_scale_from_zero_up_down_and_back_to_zero(tmp_path: Path, examples: Path
         assert first.path in ("stock", "maskaware") and first.executor == "exec-0"
 
         with Load(server.url, invoke, clients=12) as step:
-            wait_for("a second executor", lambda: _phases(client).count("ready") == 2)
+            # two cold starts' worth: a second process, imports, model and workers on a
+            # machine the 12 clients keep busy
+            wait_for(
+                "a second executor",
+                lambda: _phases(client).count("ready") == 2,
+                timeout=2 * WAIT_S,
+                detail=lambda: _phases(client),
+            )
             # Placement sends it work once that pays (it bakes the template first).
             wait_for("the second executor serving", lambda: any(
                 r.executor == "exec-1" for r in list(step.results)
