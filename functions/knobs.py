@@ -99,13 +99,13 @@ def listed(item: Callable[[str], Any], what: str) -> Callable[[str], tuple]:
     """A parser of comma-separated ``item`` values (at least one)."""
 
     def convert(text: str) -> tuple:
-        values = [v for v in text.split(",") if v.strip()]
         try:
-            if values:
-                return tuple(item(v) for v in values)
+            values = tuple(item(v) for v in text.split(",") if v.strip())
         except ValueError:
-            pass
-        raise ValueError(f"expected comma-separated {what}, got {text!r}")
+            values = ()
+        if not values:  # nothing given, or an item that does not parse
+            raise ValueError(f"expected comma-separated {what}, got {text!r}")
+        return values
 
     return convert
 

@@ -288,7 +288,7 @@ def _attention(
         return out[:, text_len:].reshape(tokens.total, -1), out[:, :text_len]
     image_out = q.new_empty(tokens.total, q.shape[1] * q.shape[2])
     text_out = q.new_empty(batch, text_len, image_out.shape[1])
-    for row, (start, count) in enumerate(tokens.segments()):
+    for row, (start, count) in enumerate(tokens.segments):
         text_rows = q[row * text_len : (row + 1) * text_len]
         query = torch.cat([text_rows, q[split + start : split + start + count]])[None]
         out = sdpa(query, keys[row : row + 1], values[row : row + 1])[0]
@@ -306,16 +306,18 @@ def _keys(
     text_len: int,
 ) -> torch.Tensor:
     """``[rows, L + N, H, D]`` keys or values: each row's text rows, then its N image rows
-    (cached unmasked rows, fresh masked ones), written in place: no concatenation."""
+    (cached unmasked rows, fresh masked ones). Resident templates: one concatenation of
+    text and image rows; else written in place into one buffer."""
     heads = joint.shape[1:]
     flat = joint.flatten(1)
     channels = flat.shape[1]
-    image = resident_with_fresh(ctx, tokens, block, name, flat[split:])
+    text = flat[:split].view(tokens.rows, text_len, channels)
+    fresh = flat[split:]
+    image = resident_with_fresh(ctx, tokens, block, name, fresh)
     if image is not None:
-        text = flat[:split].view(tokens.rows, text_len, channels)
         return torch.cat([text, image], dim=1).unflatten(-1, heads)
     out = flat.new_empty(tokens.rows, text_len + tokens.n_tokens, channels)
-    out[:, :text_len] = flat[:split].view(tokens.rows, text_len, channels)
+    out[:, :text_len] = text
     fill_cached(ctx, tokens, block, name, out[:, text_len:])
-    out.view(-1, channels).index_copy_(0, tokens.joint_index(text_len), flat[split:])
+    out.view(-1, channels).index_copy_(0, tokens.joint_index(text_len), fresh)
     return out.unflatten(-1, heads)

@@ -230,12 +230,9 @@ class TokenBatch:
             memo[text_len] = flat + (flat // self.n_tokens + 1) * text_len
         return memo[text_len]
 
+    @cached_property
     def segments(self) -> tuple[tuple[int, int], ...]:
         """Packed layout: ``(start, count)`` of every row in the packed sequence."""
-        return self._segments
-
-    @cached_property
-    def _segments(self) -> tuple[tuple[int, int], ...]:
         starts = itertools.accumulate(self.counts, initial=0)
         return tuple(zip(starts, self.counts, strict=False))
 

@@ -246,7 +246,7 @@ class SelfAttention(Processor):
             attn, assemble(ctx, tokens, self.block, self.v_name, tokens.real_rows(value))
         )
         if tokens.packed:
-            return sdpa_segments(_heads(attn, query), keys, values, tokens.segments())
+            return sdpa_segments(_heads(attn, query), keys, values, tokens.segments)
         return sdpa(_heads(attn, query), keys, values)
 
 
@@ -265,5 +265,5 @@ class CrossAttention(Processor):
             context = attn.norm_encoder_hidden_states(context)
         query = _heads(attn, attn.to_q(hidden_states))
         key, value = _heads(attn, attn.to_k(context)), _heads(attn, attn.to_v(context))
-        out = sdpa_segments(query, key, value, ctx.grid.segments())
+        out = sdpa_segments(query, key, value, ctx.grid.segments)
         return attn.to_out[1](attn.to_out[0](out))

@@ -57,3 +57,14 @@ def add_mask_ratio(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mask-ratio", type=ratio, default=0.2, help="masked fraction of the image (default 0.2)"
     )
+
+
+def add_tier(p: argparse.ArgumentParser) -> None:
+    """Where a mask-aware benchmark's template rows rest."""
+    p.add_argument(
+        "--tier",
+        choices=("device", "host"),
+        default="device",
+        help="where the template's rows rest: device (resident, copied whole: a GPU's hot "
+        "path; default) or host (gathered per request)",
+    )

@@ -12,6 +12,7 @@ from retouch.platform.commands.bench.options import (
     add_mask_ratio,
     add_repeats,
     add_steps,
+    add_tier,
 )
 from retouch.platform.commands.common import (
     _checked,
@@ -39,13 +40,7 @@ def add_ops(bench_sub: argparse._SubParsersAction) -> None:
     )
     add_mask_ratio(p)
     p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
-    p.add_argument(
-        "--tier",
-        choices=("device", "host"),
-        default="device",
-        help="where the template's rows rest: device (resident, copied whole: a GPU's hot "
-        "path; default) or host (gathered per request)",
-    )
+    add_tier(p)
     p.add_argument(
         "--steps",
         type=_checked(int, "an integer >= 3", lambda v: v >= 3),

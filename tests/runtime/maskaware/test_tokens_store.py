@@ -64,7 +64,7 @@ def test_packed_and_padded_agree_on_real_rows() -> None:
     full = torch.randn(6, 16, 3)
     packed, padded = _ragged_batch(True), _ragged_batch(False)
     assert packed.real_rows(packed.gather(full)).equal(padded.real_rows(padded.gather(full)))
-    assert packed.segments() == ((0, 3), (3, 3), (6, 4), (10, 4), (14, 1), (15, 1))
+    assert packed.segments == ((0, 3), (3, 3), (6, 4), (10, 4), (14, 1), (15, 1))
     assert packed.row_of_token.tolist() == [0] * 3 + [1] * 3 + [2] * 4 + [3] * 4 + [4, 5]
 
 
