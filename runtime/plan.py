@@ -160,11 +160,13 @@ class Planner:
     """
 
     cost_model: CostModel
+    device: str = "cpu"  # where the rows must rest to be read without a load
     last: Plan | None = None
 
     def __call__(self, states: list[RequestState], blocks: list[str]) -> dict[str, Mode]:
         modes = dict.fromkeys(blocks, Mode.FULL)
-        costs = self.cost_model.block_costs(batch_tokens(self.cost_model, states))
+        tokens = batch_tokens(self.cost_model, states, self.device)
+        costs = self.cost_model.block_costs(tokens)
         if not any(s.step_reader is not None for s in states):
             # Nothing cached: sparse would compute every token anyway. The all-full plan
             # is still kept: its latency is what the step is predicted to take.
@@ -178,21 +180,25 @@ class Planner:
         return modes
 
 
-def make_planner(cost_model: CostModel) -> Planner:
-    """``editor.set_planner(make_planner(cost_model))``; the engine passes its result to ``step``."""
-    return Planner(cost_model)
+def make_planner(cost_model: CostModel, device: object = "cpu") -> Planner:
+    """``editor.set_planner(make_planner(cost_model, editor.device))``; the engine passes its
+    result to ``step``. *device* is the torch device the editor runs on: the cost model's
+    own ``device`` is a label of the hardware profiled (``cuda-NVIDIA-H100…``), not one."""
+    return Planner(cost_model, str(device))
 
 
-def batch_tokens(cost_model: CostModel, states: list[RequestState]) -> list[tuple[int, int, int]]:
+def batch_tokens(
+    cost_model: CostModel, states: list[RequestState], device: object = "cpu"
+) -> list[tuple[int, int, int]]:
     """Per profiled block, the batch's (masked, total, streamed) tokens on the block's token
     grid; *streamed* counts the unmasked tokens whose rows must be loaded: none of a
-    request whose template is resident on the cost model's device."""
+    request whose template is resident on *device* (the editor's torch device)."""
     import torch  # the executor's planner runs this; the gateway never does (torch-free)
 
     from retouch.runtime.maskaware.store import all_resident
 
     grids = [sorted(s.step_tokens.items(), key=lambda kv: -kv[1].n_tokens) for s in states]
-    device = torch.device(cost_model.device)
+    device = torch.device(device)
     resident = [s.step_reader is not None and all_resident(s.step_reader, device) for s in states]
     out = []
     for profile in cost_model.blocks:

@@ -194,7 +194,7 @@ def _bench_reader(
     repeats: int,
     label: str,
 ) -> dict[str, Any]:
-    planner = make_planner(cost_model)
+    planner = make_planner(cost_model, editor.device)
     variants = {
         "plan": _Variant(planner, RowLoader.for_editor(editor, LoadMode.OVERLAPPED)),
         "sequential": _Variant(_all_sparse, RowLoader.for_editor(editor, LoadMode.SEQUENTIAL)),
@@ -274,7 +274,7 @@ def _summary(
     steps = {name: statistics.median(v.steps) for name, v in variants.items()}
     states = [editor.prepare(r, reader) for r in requests]
     modes = planner(states, editor.blocks)
-    costs = cost_model.block_costs(batch_tokens(cost_model, states))
+    costs = cost_model.block_costs(batch_tokens(cost_model, states, editor.device))
     sequential = variants["sequential"].loader
     paired = [
         s / p

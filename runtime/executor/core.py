@@ -336,7 +336,7 @@ class ExecutorCore:
             editor.set_encoder(functools.partial(self._encode_in_worker, spec))
         attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
         cost_model = load_or_profile(editor, loaded.folder, self.data_dir, spec.width)
-        editor.set_planner(make_planner(cost_model))
+        editor.set_planner(make_planner(cost_model, editor.device))
         editor.set_graphs(self.cuda_graphs)  # after profiling: it times eager blocks
         profile = profile_path(self.data_dir, loaded.folder, loaded.device)
         prior = load_step_records(profile)

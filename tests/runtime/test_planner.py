@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,14 @@ def test_rows_resident_on_the_device_cost_no_load() -> None:
     assert planner([_state(0.25, Resident())], BLOCKS) == dict.fromkeys(BLOCKS, Mode.SPARSE)
     counts = batch_tokens(_model(1.0), [_state(0.25, Resident()), _state(0.25)])
     assert counts[0] == (128, 512, 192)  # only the host-tier request's rows are loaded
+
+
+def test_a_profile_made_on_a_gpu_plans_on_the_editors_device() -> None:
+    """A GPU profile's ``device`` names the hardware (``cuda-<GPU name>``), which is no torch
+    device: the planner asks residency of the device it was made for."""
+    on_gpu = dataclasses.replace(_model(load_slope=1.0), device="cuda-NVIDIA-H100-80GB-HBM3")
+    planner = make_planner(on_gpu, torch.device("cpu"))
+    assert planner([_state(0.25, Resident())], BLOCKS) == dict.fromkeys(BLOCKS, Mode.SPARSE)
 
 
 def test_blocks_outside_the_cost_model_stay_full() -> None:
