@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "deploy" / "examples"
 WAIT_S = 240.0  # a cold start on a loaded 2-core machine: process, imports, model, profile
@@ -37,3 +39,13 @@ def wait_for(
             seen = f"; seen: {detail()}" if detail is not None else ""
             raise AssertionError(f"not seen within {timeout:.0f} s: {what}{seen}")
         time.sleep(interval)
+
+
+def cli_refusal(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``retouch ARGS`` run in this process (no interpreter and torch import per case): its
+    exit code and stderr. A traceback would escape as an exception other than SystemExit."""
+    from retouch.platform.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    return int(exc.value.code or 0), capsys.readouterr().err

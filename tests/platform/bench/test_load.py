@@ -15,6 +15,7 @@ import pytest
 
 from retouch.platform.bench.load import config_args, parse_rate, plan_requests
 from retouch.platform.workload import Workload
+from tests.support import cli_refusal
 
 
 def test_every_configuration_replays_the_same_requests() -> None:
@@ -76,14 +77,14 @@ def test_rates() -> None:
     assert parse_rate("auto:0.7") == (None, 0.7)
 
 
-def test_bench_load_rejects_bad_input_without_traceback() -> None:
-    cli = [sys.executable, "-m", "retouch.platform.cli", "bench", "load"]
+def test_bench_load_rejects_bad_input_without_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     for args, message in (
         (["--compare", "fast"], "unknown configuration token 'fast'"),
         (["--placement", "maskaware,closest"], "unknown configuration token 'closest'"),
         (["--slo", "-5"], "--slo must be a positive number"),
         (["--rate", "auto:x"], "--rate must be a positive number"),
     ):
-        out = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
-        assert out.returncode == 2 and message in out.stderr
-        assert "Traceback" not in out.stderr
+        code, err = cli_refusal(capsys, "bench", "load", *args)
+        assert code == 2 and message in err

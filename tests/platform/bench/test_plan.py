@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.support import cli_refusal
+
 
 def _bench_plan(shared_dir: Path, *args: str) -> dict:
     cmd = [sys.executable, "-m", "retouch.platform.cli", "bench", "plan", "--json", *args]
@@ -36,9 +40,8 @@ def test_bench_plan_reports_plan_and_naive_loading(shared_dir: Path) -> None:
     assert result["memory"]["reader"] == "memory"
 
 
-def test_bench_plan_rejects_unknown_model_without_traceback(shared_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "retouch.platform.cli", "bench", "plan", "--model", "nope"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0
-    assert "Traceback" not in out.stderr
-    assert "retouch:" in out.stderr
+def test_bench_plan_rejects_unknown_model_without_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, err = cli_refusal(capsys, "bench", "plan", "--model", "nope")
+    assert code != 0 and "retouch:" in err
