@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from retouch.functions.knobs import from_env, knob, knobs, to_flags
+from retouch.platform.links import check_public_url
 from retouch.runtime.executor.options import ExecutorOptions
 
 DEFAULT_PORT = 8000
@@ -102,6 +103,16 @@ class ServeConfig:
     webhook_secret: str | None = knob(
         None, "webhook signing secret (none: generated once into <data dir>)", flag=""
     )
+    public_url: str | None = knob(
+        None,
+        "the gateway's URL as clients reach it: the base of signed result links",
+        shown="http://<host>:<port>",
+    )
+    link_key_file: Path | None = knob(
+        None,
+        "file of result-link signing keys, hex, one a line (the last signs, all verify)",
+        shown="<data dir>/link-keys, created 0600",
+    )
     executor: ExecutorOptions = field(default_factory=ExecutorOptions)
 
     def executor_args(self) -> tuple[str, ...]:
@@ -150,6 +161,8 @@ class ServeConfig:
             raise ValueError(
                 f"admission_quantile must be in [0.5, 1), got {self.admission_quantile}"
             )
+        if self.public_url is not None:
+            check_public_url(self.public_url)
         from retouch.functions.spec import PLACEMENTS  # torch-free, as this module
 
         if self.provider not in ("local", "ray"):

@@ -42,6 +42,7 @@ from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import DeployStatus
 from retouch.platform.auth import TokenAuth
+from retouch.platform.config import DEFAULT_URL
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
 from retouch.platform.httpapi import (
@@ -52,6 +53,7 @@ from retouch.platform.httpapi import (
 )
 from retouch.platform.jobs import DEFAULT_PROGRESS_INTERVAL_S, DEFAULT_RETENTION_S, Job
 from retouch.platform.journal import JobJournal
+from retouch.platform.links import LinkSigner
 from retouch.platform.metrics import GatewayMetrics
 from retouch.platform.openai_images import OpenAIImages
 from retouch.platform.pool import ExecutorPool
@@ -86,6 +88,7 @@ class Gateway:
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
     webhook_secret: bytes = b""
     webhook_allow: AllowList = field(default_factory=AllowList)
+    links: LinkSigner = field(default_factory=lambda: LinkSigner.ephemeral(DEFAULT_URL))
     _name_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _generations: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -352,7 +355,7 @@ class Gateway:
         images = OpenAIImages(
             self.door,
             max_body=self.max_body,
-            secret=self.webhook_secret,
+            links=self.links,
             on_error=self.count_error,
         )
         web = WebUI()

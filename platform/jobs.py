@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -261,6 +262,12 @@ class JobStore:
         ]
         jobs.sort(key=lambda j: j.created_at, reverse=True)
         return jobs[:limit]
+
+    def retained_until(self, job: Job) -> float:
+        """When a finished job's record and result are removed (``inf`` while it runs)."""
+        if job.completed_at is None:
+            return math.inf
+        return job.completed_at + self.retention_s
 
     # ---- submission and execution -------------------------------------------------------
     async def submit(

@@ -21,6 +21,7 @@ from retouch.platform.config import ServeConfig
 from retouch.platform.control.queue import QueueLimits
 from retouch.platform.dispatch import RetryPolicy
 from retouch.platform.gateway import Gateway
+from retouch.platform.links import KEY_FILE, LinkSigner, bind_url, check_public_url, load_keys
 from retouch.platform.placement import make_placement
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.providers import LocalProvider, Provider
@@ -69,6 +70,10 @@ def build_gateway(config: ServeConfig) -> Gateway:
         progress_interval_s=config.progress_interval_s,
         webhook_secret=load_secret(config.data_dir, config.webhook_secret),
         webhook_allow=AllowList.parse(config.webhook_allow),
+        links=LinkSigner(
+            load_keys(config.link_key_file or config.data_dir / KEY_FILE),
+            check_public_url(config.public_url or bind_url(config.host, config.port)),
+        ),
     )
 
 
