@@ -18,7 +18,6 @@ and ``param`` so its clients show them as they would OpenAI's own.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import re
@@ -43,9 +42,10 @@ from retouch.functions.errors import (
 from retouch.functions.imaging import MASK_MODES, decode_openai_mask, encode_mask
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
+from retouch.platform.imagegate import ImageGate
 from retouch.platform.jobs import Job
 from retouch.platform.links import LinkSigner
-from retouch.platform.uploads import decode_upload
+from retouch.platform.uploads import check_upload, decode_upload
 from retouch.runtime.asgi import read_raw_body
 
 MAX_N = 10
@@ -255,12 +255,15 @@ async def _validate(form: Any) -> EditForm:
     )
 
 
-def _edit_mask(fn: DeployedFunction, form: EditForm) -> bytes:
-    """The form's mask as this API's white-on-black PNG, checked against the image."""
+async def _edit_mask(images: ImageGate, fn: DeployedFunction, form: EditForm) -> bytes:
+    """The form's mask as this API's white-on-black PNG, checked against the image; every
+    image's header is checked before it is decoded, each decode within the budget."""
     spec = fn.spec
     if form.image is not None:
-        decode_upload(spec, form.image)  # image errors first, naming ``image``
-        size = (spec.width, spec.height)
+        image = images.declare(form.image, "image")
+        check_upload(spec, image.size)
+        await images.decode(image, decode_upload, spec, form.image)  # image errors first
+        size = image.size
     else:
         found = fn.sizes.get(form.template or "")
         if found is None:
@@ -272,21 +275,26 @@ def _edit_mask(fn: DeployedFunction, form: EditForm) -> bytes:
             )
         size = found
     if form.mask is not None:
-        mask = decode_openai_mask(form.mask, size, form.mask_mode)
-    elif form.image is not None:  # OpenAI: without a mask, the image's transparency is it
-        try:
-            mask = decode_openai_mask(form.image, size, "alpha", field="image")
-        except BadRequest as exc:
-            raise BadRequest(
-                "mask is required when the image has no transparent pixels",
-                field="mask",
-                code="missing_field",
-            ) from exc
-    else:
+        mask = images.declare(form.mask, "mask")
+        return await images.decode(
+            mask, _mask_png, form.mask, size, form.mask_mode, "mask", size=size
+        )
+    if form.image is None:
         raise BadRequest(
             "mask is required when image names a template", field="mask", code="missing_field"
         )
-    return encode_mask(mask)
+    try:  # OpenAI: without a mask, the image's transparency is it
+        return await images.decode(image, _mask_png, form.image, size, "alpha", "image")
+    except BadRequest as exc:
+        raise BadRequest(
+            "mask is required when the image has no transparent pixels",
+            field="mask",
+            code="missing_field",
+        ) from exc
+
+
+def _mask_png(data: bytes, size: tuple[int, int], mode: str, field: str) -> bytes:
+    return encode_mask(decode_openai_mask(data, size, mode, field=field))
 
 
 def openai_error(request: Request, exc: RetouchError) -> Response:
@@ -345,7 +353,7 @@ class OpenAIImages:
         jobs: list[Job] = []
         try:
             with door.arrival(fn, received):
-                mask = await asyncio.to_thread(_edit_mask, fn, form)
+                mask = await _edit_mask(door.images, fn, form)
                 for i in range(form.n):
                     req = wire.InvokeRequest(
                         template=form.template,

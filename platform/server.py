@@ -26,6 +26,7 @@ from retouch.platform.placement import make_placement
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.providers import LocalProvider, Provider
 from retouch.platform.registry import Registry
+from retouch.platform.retention import RetentionLimits
 from retouch.platform.webhooks import AllowList, load_secret
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,14 @@ def build_gateway(config: ServeConfig) -> Gateway:
         pool,
         auth,
         max_body=config.max_body_bytes,
+        max_image_pixels=config.max_image_pixels,
+        decode_memory_bytes=config.decode_memory_bytes,
+        retention_limits=RetentionLimits(
+            config.max_live_jobs,
+            config.max_live_jobs_per_tenant,
+            config.max_retained_bytes,
+            config.max_retained_bytes_per_tenant,
+        ),
         data_dir=config.data_dir,
         job_retention_s=config.job_retention_s,
         progress_interval_s=config.progress_interval_s,
