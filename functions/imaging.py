@@ -33,11 +33,19 @@ _NUMERIC_MODES = ("I", "F", "I;16", "I;16L", "I;16B", "I;16N")
 T = TypeVar("T")
 
 
-def _open(data: bytes, field: str) -> Image.Image:
+def declared_size(data: bytes, field: str, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    """The (width, height) an encoded image's header declares, read without decoding a
+    pixel; a 400 naming ``field`` when it is not an image or declares more than
+    ``max_pixels`` (``image_too_large``)."""
+    return _open(data, field, max_pixels).size
+
+
+def _open(data: bytes, field: str, max_pixels: int = MAX_PIXELS) -> Image.Image:
     """Parse the header only (no pixels decoded) and refuse bombs by their declared size."""
     try:
         img = Image.open(io.BytesIO(data), formats=FORMATS)
-    except Image.DecompressionBombError as exc:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        # PIL's own bomb check (its warning too, when warnings are errors) runs before ours
         raise BadRequest(f"image too large: {exc}", field=field, code="image_too_large") from exc
     except Image.UnidentifiedImageError as exc:
         raise BadRequest(
@@ -49,9 +57,9 @@ def _open(data: bytes, field: str) -> Image.Image:
         raise BadRequest(
             f"cannot decode image: {exc}", field=field, code="undecodable_image"
         ) from exc
-    if img.width * img.height > MAX_PIXELS or img.width <= 0 or img.height <= 0:
+    if img.width * img.height > max_pixels or img.width <= 0 or img.height <= 0:
         raise BadRequest(
-            f"image of {img.width}x{img.height} is above {MAX_PIXELS} pixels",
+            f"image of {img.width}x{img.height} is above {max_pixels} pixels",
             field=field,
             code="image_too_large",
         )

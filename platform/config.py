@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from retouch.functions.knobs import from_env, knob, knobs, to_flags
+from retouch.platform.links import check_public_url
 from retouch.runtime.executor.options import ExecutorOptions
 
 DEFAULT_PORT = 8000
@@ -57,6 +58,18 @@ class ServeConfig:
     )
     token_file: Path | None = knob(None, "a file of '<admin|invoke> <token>' lines")
     max_body_bytes: int = knob(32 << 20, "payload limit in bytes", shown="32 MiB")
+    max_image_pixels: int = knob(
+        0,
+        "largest image (width x height, read from its header) a request may carry: uploads, "
+        "masks, templates (0: the decoders' own ceiling)",
+        shown="4096 x 4096",
+    )
+    decode_memory_bytes: int = knob(
+        0,
+        "memory for image decodes in flight (each reserves 24 bytes per declared pixel; "
+        "others wait)",
+        shown="an eighth of the machine's memory",
+    )
     placement: str = knob(
         "maskaware",
         "placement policy: maskaware (predicted completion + template residency), or a "
@@ -90,6 +103,16 @@ class ServeConfig:
     job_retention_s: float = knob(
         24 * 3600.0, "seconds finished jobs and their results are kept", flag="--job-retention"
     )
+    max_live_jobs: int = knob(512, "queued or running jobs the gateway keeps (all tenants)")
+    max_live_jobs_per_tenant: int = knob(64, "queued or running jobs one tenant may have")
+    max_retained_bytes: int = knob(
+        2 << 30,
+        "bytes of jobs the gateway retains (live payloads, finished results; all tenants)",
+        shown="2 GiB",
+    )
+    max_retained_bytes_per_tenant: int = knob(
+        512 << 20, "bytes of jobs one tenant may have retained", shown="512 MiB"
+    )
     progress_interval_s: float = knob(
         0.25,
         "least seconds between a job's progress events (0: every step)",
@@ -101,6 +124,16 @@ class ServeConfig:
     )
     webhook_secret: str | None = knob(
         None, "webhook signing secret (none: generated once into <data dir>)", flag=""
+    )
+    public_url: str | None = knob(
+        None,
+        "the gateway's URL as clients reach it: the base of signed result links",
+        shown="http://<host>:<port>",
+    )
+    link_key_file: Path | None = knob(
+        None,
+        "file of result-link signing keys, hex, one a line (the last signs, all verify)",
+        shown="<data dir>/link-keys, created 0600",
     )
     executor: ExecutorOptions = field(default_factory=ExecutorOptions)
 
@@ -139,17 +172,29 @@ class ServeConfig:
             "invoke_timeout_s": self.invoke_timeout_s,
             "job_retention_s": self.job_retention_s,
             "drain_timeout_s": self.drain_timeout_s,
+            "max_live_jobs": self.max_live_jobs,
+            "max_live_jobs_per_tenant": self.max_live_jobs_per_tenant,
+            "max_retained_bytes": self.max_retained_bytes,
+            "max_retained_bytes_per_tenant": self.max_retained_bytes_per_tenant,
         }
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        for name in ("max_queued_per_function", "progress_interval_s"):
+        nonnegative = (
+            "max_queued_per_function",
+            "progress_interval_s",
+            "max_image_pixels",
+            "decode_memory_bytes",
+        )
+        for name in nonnegative:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.5 <= self.admission_quantile < 1:
             raise ValueError(
                 f"admission_quantile must be in [0.5, 1), got {self.admission_quantile}"
             )
+        if self.public_url is not None:
+            check_public_url(self.public_url)
         from retouch.functions.spec import PLACEMENTS  # torch-free, as this module
 
         if self.provider not in ("local", "ray"):

@@ -35,18 +35,15 @@ from retouch.platform import uploads
 from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.dispatch import Dispatcher
+from retouch.platform.imagegate import ImageGate
 from retouch.platform.jobs import Job, JobStore, OnProgress, OnStart, PreparedInvocation, new_job_id
 from retouch.platform.journal import JobJournal
 from retouch.platform.metrics import GatewayMetrics
+from retouch.platform.retention import RetentionLimits
 from retouch.runtime.prediction import MaskFootprint
 
 if TYPE_CHECKING:
     from retouch.platform.jobs import Notify
-
-# Masks up to this many pixels are decoded on the event loop: 256 x 256 decodes and is
-# summarised in ~0.4 ms on a 2-core machine, less than the hop to a worker thread and back
-# costs when the cores are busy (a 429 took 6 ms at p99 at a 2x overload with the hop).
-INLINE_MASK_PIXELS = 256 * 256
 
 
 class FrontDoor:
@@ -58,14 +55,17 @@ class FrontDoor:
         dispatcher: Dispatcher,
         metrics: GatewayMetrics,
         journal: JobJournal | None,
+        images: ImageGate,
         *,
         retention_s: float,
         progress_interval_s: float,
         notify: Notify | None = None,
+        limits: RetentionLimits | None = None,
     ) -> None:
         self.functions = functions  # the gateway's, kept current by its deploys and deletes
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.images = images  # header checks and the decode budget of every image
         self.jobs = JobStore(
             self._execute,
             dispatcher.queue_positions,
@@ -74,6 +74,7 @@ class FrontDoor:
             retention_s=retention_s,
             progress_interval_s=progress_interval_s,
             notify=notify,
+            limits=limits,
         )
 
     # ---- lookup --------------------------------------------------------------------------
@@ -108,15 +109,25 @@ class FrontDoor:
             self.dispatcher.stats.refusal_s.append(time.perf_counter() - received)
             raise
 
-    async def accept(self, fn: DeployedFunction, request: wire.JobRequest, *, durable: bool) -> Job:
+    async def accept(
+        self,
+        fn: DeployedFunction,
+        request: wire.JobRequest,
+        *,
+        durable: bool,
+        tenant: str = "anonymous",
+    ) -> Job:
         """Prepare ``request``, admit it (queue room again, and its own SLO: its demand
-        counts towards autoscaling either way) and submit it as a job."""
+        counts towards autoscaling either way) and submit it as a job. A durable job over
+        the retention caps is refused before anything is decoded."""
+        if durable:
+            self.jobs.admit(request, tenant)
         job_id = new_job_id()
         prepared = await self._prepare(fn, request.invoke, job_id)
         self.dispatcher.admit(fn.spec.name)  # others may have filled the queue meanwhile
         self.dispatcher.admit_slo(prepared.placement)
         return await self.jobs.submit(
-            fn.spec.name, request, prepared, durable=durable, job_id=job_id
+            fn.spec.name, request, prepared, durable=durable, job_id=job_id, tenant=tenant
         )
 
     # ---- answers -------------------------------------------------------------------------
@@ -143,6 +154,15 @@ class FrontDoor:
                 self.jobs.forget(job)
 
     # ---- preparation and execution -------------------------------------------------------
+    async def decode_mask(
+        self, data: bytes, size: tuple[int, int], halo: int = 0
+    ) -> tuple[np.ndarray, MaskFootprint]:
+        """A mask of ``size`` (checked from its header, as the pixel limit), decoded within
+        the decode budget: a small one inline, a large one on a worker thread, so the event
+        loop serves other invocations meanwhile."""
+        declared = self.images.declare(data, "mask")
+        return await self.images.decode(declared, _decode_mask, data, size, halo, size=size)
+
     async def _prepare(
         self, fn: DeployedFunction, req: wire.InvokeRequest, invocation_id: str
     ) -> PreparedInvocation:
@@ -151,8 +171,12 @@ class FrontDoor:
         (``uploads.upload_id``)."""
         image = None
         if req.image is not None:
-            template, image = await asyncio.to_thread(uploads.decode_upload, fn.spec, req.image)
-            size = (fn.spec.width, fn.spec.height)
+            declared = self.images.declare(req.image, "image")
+            uploads.check_upload(fn.spec, declared.size)  # before a pixel is decoded
+            template, image = await self.images.decode(
+                declared, uploads.decode_upload, fn.spec, req.image
+            )
+            size = declared.size
         else:
             template, size = req.template or "", fn.sizes.get(req.template or "")
         if size is None:
@@ -161,7 +185,7 @@ class FrontDoor:
                 field="template",
                 code="template_not_found",
             )
-        mask, footprint = await decode_mask_off_loop(req.mask, size, fn.spec.halo or 0)
+        mask, footprint = await self.decode_mask(req.mask, size, fn.spec.halo or 0)
         inv = wire.ExecutorInvoke(
             function=fn.spec.name,
             template=template,
@@ -204,16 +228,6 @@ class FrontDoor:
         slo_ms = fn.spec.slo_ms if fn is not None else None
         self.metrics.observe(job.function, result, prepared.placement.mask_ratio, slo_ms)
         return result
-
-
-async def decode_mask_off_loop(
-    data: bytes, size: tuple[int, int], halo: int = 0
-) -> tuple[np.ndarray, MaskFootprint]:
-    """A mask larger than ``INLINE_MASK_PIXELS`` is decoded on a worker thread, so the event
-    loop serves other invocations meanwhile; a small one inline (cheaper than the hop)."""
-    if size[0] * size[1] <= INLINE_MASK_PIXELS:
-        return _decode_mask(data, size, halo)
-    return await asyncio.to_thread(_decode_mask, data, size, halo)
 
 
 def _decode_mask(

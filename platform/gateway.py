@@ -37,11 +37,12 @@ from starlette.routing import Route
 
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, InvalidSpec, NotFound, RetouchError, Unavailable
-from retouch.functions.imaging import decode_image, encode_image
+from retouch.functions.imaging import MAX_PIXELS, declared_size, decode_image, encode_image
 from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import DeployStatus
 from retouch.platform.auth import TokenAuth
+from retouch.platform.config import DEFAULT_URL
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
 from retouch.platform.httpapi import (
@@ -50,12 +51,15 @@ from retouch.platform.httpapi import (
     parse_prefer_wait,
     read_control_body,
 )
+from retouch.platform.imagegate import DecodeBudget, ImageGate, default_budget
 from retouch.platform.jobs import DEFAULT_PROGRESS_INTERVAL_S, DEFAULT_RETENTION_S, Job
 from retouch.platform.journal import JobJournal
+from retouch.platform.links import LinkSigner
 from retouch.platform.metrics import GatewayMetrics
 from retouch.platform.openai_images import OpenAIImages
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
+from retouch.platform.retention import RetentionLimits
 from retouch.platform.web import WebUI
 from retouch.platform.webhooks import AllowList, WebhookSender
 from retouch.runtime.asgi import (
@@ -86,6 +90,10 @@ class Gateway:
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
     webhook_secret: bytes = b""
     webhook_allow: AllowList = field(default_factory=AllowList)
+    links: LinkSigner = field(default_factory=lambda: LinkSigner.ephemeral(DEFAULT_URL))
+    max_image_pixels: int = 0  # 0: the decoders' ceiling (imaging.MAX_PIXELS)
+    decode_memory_bytes: int = 0  # 0: an eighth of the machine's memory
+    retention_limits: RetentionLimits = field(default_factory=RetentionLimits)
     _name_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _generations: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -96,9 +104,14 @@ class Gateway:
             self.pool.dispatcher,
             self.metrics,
             JobJournal(self.data_dir / "jobs") if self.data_dir is not None else None,
+            ImageGate(
+                self.max_image_pixels or MAX_PIXELS,
+                DecodeBudget(self.decode_memory_bytes or default_budget()),
+            ),
             retention_s=self.job_retention_s,
             progress_interval_s=self.progress_interval_s,
             notify=self.webhooks.notify,
+            limits=self.retention_limits,
         )
         self.jobs = self.door.jobs
 
@@ -176,6 +189,7 @@ class Gateway:
             self.metrics.export_engine(state)
         self.metrics.export_pool(self.pool.report)
         self.metrics.export_jobs(self.jobs.jobs.values(), self.webhooks.stats)
+        self.metrics.export_decodes(self.door.images)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def list_functions(self, request: Request) -> dict[str, Any]:
@@ -213,14 +227,16 @@ class Gateway:
             if tid not in raw:
                 raise InvalidSpec(f"no image uploaded for template {tid!r}", field=where)
             try:
-                img = decode_image(decode_bytes(raw[tid], where), where)
+                data = decode_bytes(raw[tid], where)
+                width, height = declared_size(data, where, self.door.images.max_pixels)
+                if (width, height) != (spec.width, spec.height):  # refused before decoding
+                    raise InvalidSpec(
+                        f"image is {width}x{height}, the spec's resolution is {spec.width}x{spec.height}",
+                        field=where,
+                    )
+                img = decode_image(data, where)
             except BadRequest as exc:
                 raise InvalidSpec(exc.message, field=where, code=exc.code) from exc
-            if img.size != (spec.width, spec.height):
-                raise InvalidSpec(
-                    f"image is {img.width}x{img.height}, the spec's resolution is {spec.width}x{spec.height}",
-                    field=where,
-                )
             out[tid] = encode_image(img, "png")
         extra = sorted(set(raw) - set(spec.templates))
         if extra:
@@ -352,7 +368,7 @@ class Gateway:
         images = OpenAIImages(
             self.door,
             max_body=self.max_body,
-            secret=self.webhook_secret,
+            links=self.links,
             on_error=self.count_error,
         )
         web = WebUI()

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,7 @@ from retouch.functions.errors import Canceled, Conflict, NotFound, RetouchError
 from retouch.functions.wire import JobEventKind, JobStatus
 from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.journal import JobJournal
+from retouch.platform.retention import Retention, RetentionLimits, payload_bytes, slim_request
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,8 @@ class Job:
     task: asyncio.Task | None = None
     position: int | None = None
     image_on_disk: bool = False  # the result's image is read from the journal when asked for
+    tenant: str = "anonymous"  # who submitted it (per-tenant caps)
+    retained_bytes: int = 0  # its payload while live, its result once finished
     _seq: int = 0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _first_step: float | None = None  # monotonic time of the first progress frame
@@ -147,6 +151,7 @@ class Job:
             "v": RECORD_VERSION,
             "id": self.id,
             "function": self.function,
+            "tenant": self.tenant,
             "request": self.request.to_wire(),
             "created_at": self.created_at,
             "status": self.status.value,
@@ -175,6 +180,7 @@ class Job:
             error=None
             if error is None
             else RetouchError.from_wire(int(error.get("status", 500)), {"error": error}),
+            tenant=str(record.get("tenant", "anonymous")),
         )
         if not job.status.terminal:  # it had not ended: run it again from the start
             job.status, job.started_at = JobStatus.QUEUED, None
@@ -195,6 +201,7 @@ class JobStore:
         progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
         notify: Notify | None = None,
         clock: Callable[[], float] = time.time,
+        limits: RetentionLimits | None = None,
     ) -> None:
         self._execute = execute
         self._positions = positions  # the gateway queue's positions by invocation id
@@ -206,6 +213,7 @@ class JobStore:
         self._clock = clock
         self.jobs: dict[str, Job] = {}
         self._tasks: list[asyncio.Task] = []
+        self.retention = Retention(limits or RetentionLimits())
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -218,6 +226,10 @@ class JobStore:
                     log.error("job record %s cannot be resumed: %s", record.get("id"), exc)
                     continue
                 self.jobs[job.id] = job
+                if job.status.terminal:
+                    await self._compact(job)
+                else:
+                    job.retained_bytes = payload_bytes(job.request)
                 self._drop_image(job)
                 if job.status.terminal:  # its end, again, for readers; webhooks had it
                     self._record(job, END_EVENT[job.status], job.describe(False), notify=False)
@@ -227,6 +239,7 @@ class JobStore:
             resumed = sum(not j.status.terminal for j in self.jobs.values())
             if self.jobs:
                 log.info("journal: %d jobs, %d resumed", len(self.jobs), resumed)
+            await self.purge()  # expired while the gateway was down
         self._tasks = [
             asyncio.create_task(self._watch_positions()),
             asyncio.create_task(self._purge_expired()),
@@ -262,7 +275,24 @@ class JobStore:
         jobs.sort(key=lambda j: j.created_at, reverse=True)
         return jobs[:limit]
 
+    def retained_until(self, job: Job) -> float:
+        """When a finished job's record and result are removed (``inf`` while it runs)."""
+        if job.completed_at is None:
+            return math.inf
+        return job.completed_at + self.retention_s
+
     # ---- submission and execution -------------------------------------------------------
+    def admit(self, request: wire.JobRequest, tenant: str) -> None:
+        """429 when a durable job of ``request`` would pass a live-job or retained-bytes
+        cap (``platform/retention.py``)."""
+        self.retention.admit(
+            list(self.jobs.values()),
+            tenant,
+            payload_bytes(request),
+            self._clock(),
+            self.retention_s,
+        )
+
     async def submit(
         self,
         function: str,
@@ -270,10 +300,14 @@ class JobStore:
         prepared: PreparedInvocation,
         durable: bool = True,
         job_id: str | None = None,
+        tenant: str = "anonymous",
     ) -> Job:
-        """Accept a job (journaled first when durable) and start running it."""
+        """Accept a job (journaled first when durable, within the caps) and start it."""
+        if durable:
+            self.admit(request, tenant)
         job = Job(job_id or new_job_id(), function, request, self._clock(), durable=durable)
-        job.prepared = prepared
+        job.prepared, job.tenant = prepared, tenant
+        job.retained_bytes = payload_bytes(request)
         if durable and self.journal is not None:
             await asyncio.to_thread(self.journal.write, job.to_record())
         self.jobs[job.id] = job
@@ -342,6 +376,7 @@ class JobStore:
         job.status, job.result, job.error = status, result, error
         job.completed_at = self._clock()
         job.position = None
+        self._drop_payload(job)
         if job.durable and self.journal is not None:
             try:
                 await asyncio.to_thread(self.journal.write, job.to_record())
@@ -349,6 +384,27 @@ class JobStore:
             except OSError:
                 log.exception("could not record the end of job %s", job.id)
         self._record(job, END_EVENT[status], job.describe(with_image=False))
+
+    def _drop_payload(self, job: Job) -> None:
+        """A finished job keeps its result and a small record, not its request's payload
+        (mask, uploaded image) nor the arrays decoded from it."""
+        template = job.request.invoke.template or ""
+        if job.prepared is not None:  # an upload's content id
+            template = job.prepared.invocation.template
+        job.request, job.prepared = slim_request(job.request, template), None
+        image = job.result.image if job.result is not None else b""
+        job.retained_bytes = len(image) + payload_bytes(job.request)
+
+    async def _compact(self, job: Job) -> None:
+        """A finished job's record, small: one written before payloads were dropped at
+        the end is rewritten without its payload."""
+        had = payload_bytes(job.request)
+        self._drop_payload(job)
+        if had > payload_bytes(job.request) and self.journal is not None:
+            try:
+                await asyncio.to_thread(self.journal.write, job.to_record())
+            except OSError:
+                log.exception("could not compact the record of job %s", job.id)
 
     def _drop_image(self, job: Job) -> None:
         """Finished results are kept for a day: their images stay on disk, not in memory."""

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from retouch.functions import wire
 from retouch.platform.dispatch import Dispatcher
 from retouch.platform.fleet import Fleet
+from retouch.platform.imagegate import ImageGate
 from retouch.platform.jobs import Job
 from retouch.platform.scaler import PoolScaler
 from retouch.platform.webhooks import WebhookStats
@@ -181,6 +182,14 @@ class GatewayMetrics:
             ["event", "outcome"],
             registry=r,
         )
+        self.decodes = Gauge(
+            "retouch_image_decodes",
+            "Image decodes (uploads, masks) at scrape time: decoded (since start), budget_bytes, "
+            "reserved_bytes (decodes in flight), peak_reserved_bytes, waited (decodes that "
+            "queued for the budget, since start)",
+            ["quantity"],
+            registry=r,
+        )
 
     def observe(
         self, function: str, result: wire.InvokeResult, mask_ratio: float, slo_ms: float | None
@@ -238,6 +247,14 @@ class GatewayMetrics:
             self.webhooks.labels(event, "failed").set(n)
         self.webhooks.labels("", "retried").set(webhooks.retried)
         self.webhooks.labels("", "dropped").set(webhooks.dropped)
+
+    def export_decodes(self, gate: ImageGate) -> None:
+        budget = gate.budget
+        self.decodes.labels("decoded").set(gate.decoded)
+        self.decodes.labels("budget_bytes").set(budget.capacity)
+        self.decodes.labels("reserved_bytes").set(budget.in_use)
+        self.decodes.labels("peak_reserved_bytes").set(budget.peak)
+        self.decodes.labels("waited").set(budget.waited)
 
     def export_pool(self, report: PoolReport) -> None:
         """The pool, its model pools, the gateway queue and the placement figures."""

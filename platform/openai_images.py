@@ -18,10 +18,7 @@ and ``param`` so its clients show them as they would OpenAI's own.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import hashlib
-import hmac
 import json
 import re
 import secrets
@@ -45,8 +42,10 @@ from retouch.functions.errors import (
 from retouch.functions.imaging import MASK_MODES, decode_openai_mask, encode_mask
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
+from retouch.platform.imagegate import ImageGate
 from retouch.platform.jobs import Job
-from retouch.platform.uploads import decode_upload
+from retouch.platform.links import LinkSigner
+from retouch.platform.uploads import check_upload, decode_upload
 from retouch.runtime.asgi import read_raw_body
 
 MAX_N = 10
@@ -256,12 +255,15 @@ async def _validate(form: Any) -> EditForm:
     )
 
 
-def _edit_mask(fn: DeployedFunction, form: EditForm) -> bytes:
-    """The form's mask as this API's white-on-black PNG, checked against the image."""
+async def _edit_mask(images: ImageGate, fn: DeployedFunction, form: EditForm) -> bytes:
+    """The form's mask as this API's white-on-black PNG, checked against the image; every
+    image's header is checked before it is decoded, each decode within the budget."""
     spec = fn.spec
     if form.image is not None:
-        decode_upload(spec, form.image)  # image errors first, naming ``image``
-        size = (spec.width, spec.height)
+        image = images.declare(form.image, "image")
+        check_upload(spec, image.size)
+        await images.decode(image, decode_upload, spec, form.image)  # image errors first
+        size = image.size
     else:
         found = fn.sizes.get(form.template or "")
         if found is None:
@@ -273,26 +275,26 @@ def _edit_mask(fn: DeployedFunction, form: EditForm) -> bytes:
             )
         size = found
     if form.mask is not None:
-        mask = decode_openai_mask(form.mask, size, form.mask_mode)
-    elif form.image is not None:  # OpenAI: without a mask, the image's transparency is it
-        try:
-            mask = decode_openai_mask(form.image, size, "alpha", field="image")
-        except BadRequest as exc:
-            raise BadRequest(
-                "mask is required when the image has no transparent pixels",
-                field="mask",
-                code="missing_field",
-            ) from exc
-    else:
+        mask = images.declare(form.mask, "mask")
+        return await images.decode(
+            mask, _mask_png, form.mask, size, form.mask_mode, "mask", size=size
+        )
+    if form.image is None:
         raise BadRequest(
             "mask is required when image names a template", field="mask", code="missing_field"
         )
-    return encode_mask(mask)
+    try:  # OpenAI: without a mask, the image's transparency is it
+        return await images.decode(image, _mask_png, form.image, size, "alpha", "image")
+    except BadRequest as exc:
+        raise BadRequest(
+            "mask is required when the image has no transparent pixels",
+            field="mask",
+            code="missing_field",
+        ) from exc
 
 
-def _sign(secret: bytes, job_id: str, expires: int) -> str:
-    msg = f"image-url.{job_id}.{expires}".encode()
-    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+def _mask_png(data: bytes, size: tuple[int, int], mode: str, field: str) -> bytes:
+    return encode_mask(decode_openai_mask(data, size, mode, field=field))
 
 
 def openai_error(request: Request, exc: RetouchError) -> Response:
@@ -315,14 +317,12 @@ class OpenAIImages:
         door: FrontDoor,
         *,
         max_body: int,
-        secret: bytes,
+        links: LinkSigner,
         on_error: Callable[[RetouchError], None],
     ) -> None:
         self.door = door
         self.max_body = max_body
-        # Image links are signed with the server's secret (``retouch serve`` always has one:
-        # the webhook secret); a gateway built without one signs with a per-process key.
-        self.secret = secret or secrets.token_bytes(32)
+        self.links = links  # its own key (``platform/links.py``), not the webhook secret
         self.on_error = on_error
 
     async def edits(self, request: Request) -> Response:
@@ -353,7 +353,7 @@ class OpenAIImages:
         jobs: list[Job] = []
         try:
             with door.arrival(fn, received):
-                mask = await asyncio.to_thread(_edit_mask, fn, form)
+                mask = await _edit_mask(door.images, fn, form)
                 for i in range(form.n):
                     req = wire.InvokeRequest(
                         template=form.template,
@@ -374,7 +374,7 @@ class OpenAIImages:
         for i, (job, result) in enumerate(zip(jobs, results, strict=True)):
             item: dict[str, Any] = {"seed": (first_seed + i) % 2**63, "path": result.path.value}
             if durable:
-                item["url"] = self._url(request, job)
+                item["url"] = self._url(job)
             else:
                 item["b64_json"] = base64.b64encode(result.image).decode()
             data.append(item)
@@ -386,12 +386,11 @@ class OpenAIImages:
         }
         return Response(json.dumps(body), 200, media_type="application/json")
 
-    def _url(self, request: Request, job: Job) -> str:
-        expires = int(time.time() + min(URL_TTL_S, self.door.jobs.retention_s))
-        sig = _sign(self.secret, job.id, expires)
-        ext = job.request.invoke.format
-        base = str(request.base_url).rstrip("/")
-        return f"{base}/v1/images/{job.id}.{ext}?expires={expires}&sig={sig}"
+    def _url(self, job: Job) -> str:
+        """A signed link to the job's image: an hour, and never past its retention end."""
+        not_after = self.door.jobs.retained_until(job)
+        expires = int(min(time.time() + URL_TTL_S, not_after))
+        return self.links.url(job.id, job.request.invoke.format, expires, not_after)
 
     async def image(self, request: Request) -> Response:
         """``GET /v1/images/{id}.{ext}?expires=&sig=``: a signed link needs no token."""
@@ -402,16 +401,16 @@ class OpenAIImages:
         job_id = m.group(1)
         expires = request.query_params.get("expires", "")
         sig = request.query_params.get("sig", "")
-        if not expires.isdigit() or not hmac.compare_digest(
-            sig.encode(), _sign(self.secret, job_id, int(expires)).encode()
-        ):
+        if not expires.isdigit():
             raise BadRequest("invalid image link signature", field="sig", code="invalid_signature")
+        self.links.verify(job_id, int(expires), sig)
         if int(expires) < time.time():
             raise NotFound("this image link has expired", field="expires", code="link_expired")
         try:
             job = jobs.get(job_id)
         except NotFound as exc:
             raise NotFound("the image is gone", field="name", code="image_not_found") from exc
+        self.links.check_lifetime(int(expires), jobs.retained_until(job))
         doc = await jobs.document(job)
         result = doc.get("result")
         if result is None:

@@ -21,10 +21,12 @@ from retouch.platform.config import ServeConfig
 from retouch.platform.control.queue import QueueLimits
 from retouch.platform.dispatch import RetryPolicy
 from retouch.platform.gateway import Gateway
+from retouch.platform.links import KEY_FILE, LinkSigner, bind_url, check_public_url, load_keys
 from retouch.platform.placement import make_placement
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.providers import LocalProvider, Provider
 from retouch.platform.registry import Registry
+from retouch.platform.retention import RetentionLimits
 from retouch.platform.webhooks import AllowList, load_secret
 
 log = logging.getLogger(__name__)
@@ -64,11 +66,23 @@ def build_gateway(config: ServeConfig) -> Gateway:
         pool,
         auth,
         max_body=config.max_body_bytes,
+        max_image_pixels=config.max_image_pixels,
+        decode_memory_bytes=config.decode_memory_bytes,
+        retention_limits=RetentionLimits(
+            config.max_live_jobs,
+            config.max_live_jobs_per_tenant,
+            config.max_retained_bytes,
+            config.max_retained_bytes_per_tenant,
+        ),
         data_dir=config.data_dir,
         job_retention_s=config.job_retention_s,
         progress_interval_s=config.progress_interval_s,
         webhook_secret=load_secret(config.data_dir, config.webhook_secret),
         webhook_allow=AllowList.parse(config.webhook_allow),
+        links=LinkSigner(
+            load_keys(config.link_key_file or config.data_dir / KEY_FILE),
+            check_public_url(config.public_url or bind_url(config.host, config.port)),
+        ),
     )
 
 

@@ -26,6 +26,7 @@ from PIL import Image
 from retouch.functions import wire
 from retouch.functions.errors import RetouchError
 from retouch.functions.spec import UploadsSpec
+from retouch.platform.bench.memory import zero_png
 from retouch.platform.cachecli import run_cache_command
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
@@ -264,3 +265,52 @@ def test_cli_edits_an_image_file(server: ServerProcess, tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert both.returncode != 0 and "not allowed with" in both.stderr
+
+
+def decodes_run(url: str) -> float:
+    """The gateway's count of image decodes run since start (``/metrics``)."""
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith('retouch_image_decodes{quantity="decoded"}'):
+            return float(line.split()[-1])
+    raise AssertionError("no retouch_image_decodes decoded in /metrics")
+
+
+def test_uploads_are_refused_from_their_header_before_any_pixel_is_decoded(
+    server: ServerProcess,
+) -> None:
+    """130 KB PNGs that declare 4096 x 4096 RGBA16 (another size than the function's) and
+    8192 x 8192 (above the pixel limit), through invoke, jobs and the OpenAI route: 4xx
+    naming ``image``, and not one decode run for them."""
+    mask = io.BytesIO()
+    Image.fromarray(MASK.astype(np.uint8) * 255).save(mask, format="PNG")
+    cases = [
+        (zero_png(4096, 4096), "image_size_mismatch"),
+        (zero_png(8192, 8192), "image_too_large"),
+    ]
+    before = decodes_run(server.url)
+    auth = {"authorization": f"Bearer {INVOKE}"}
+    for image, code in cases:
+        request = {"image": image, "mask": mask.getvalue(), "prompt": "p", "seed": 1}
+        for route in ("invoke", "jobs"):
+            resp = httpx.post(
+                f"{server.url}/v1/functions/{FUNCTION}/{route}",
+                content=wire.pack(request),
+                headers={**auth, "content-type": "application/msgpack"},
+                timeout=60,
+            )
+            assert resp.status_code == 400, resp.content
+            error = wire.unpack(resp.content)["error"]
+            assert (error["code"], error["field"]) == (code, "image"), error
+        resp = httpx.post(
+            f"{server.url}/v1/images/edits",
+            headers=auth,
+            data={"model": FUNCTION, "prompt": "p"},
+            files={"image": ("big.png", image, "image/png"), "mask": ("m.png", mask.getvalue())},
+            timeout=60,
+        )
+        assert resp.status_code == 400, resp.text
+        assert (resp.json()["error"]["code"], resp.json()["error"]["param"]) == (code, "image")
+    assert decodes_run(server.url) == before
+    with Client(server.url, INVOKE) as client:
+        edit(client, photo(41))  # a good upload is decoded
+    assert decodes_run(server.url) > before

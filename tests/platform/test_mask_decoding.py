@@ -1,4 +1,6 @@
-"""The gateway decodes a large mask off its event loop: other invocations go on meanwhile."""
+"""The gateway's image gate: a large mask is decoded off the event loop (other invocations
+go on meanwhile), and decodes in flight stay within the decode budget, granted in arrival
+order, a canceled request's reservation held until its thread is done."""
 
 from __future__ import annotations
 
@@ -8,8 +10,17 @@ import threading
 import numpy as np
 import pytest
 
+from retouch.functions.errors import BadRequest
 from retouch.functions.imaging import encode_mask
 from retouch.platform import frontdoor
+from retouch.platform.imagegate import BYTES_PER_PIXEL, Declared, DecodeBudget, ImageGate
+
+
+def door(gate: ImageGate) -> frontdoor.FrontDoor:
+    """The front door's mask decoding alone (it needs none of the rest)."""
+    fd = frontdoor.FrontDoor.__new__(frontdoor.FrontDoor)
+    fd.images = gate
+    return fd
 
 
 def test_a_small_mask_is_decoded_while_a_large_one_is_still_decoding(
@@ -25,21 +36,90 @@ def test_a_small_mask_is_decoded_while_a_large_one_is_still_decoding(
         return real(data, size, halo)
 
     monkeypatch.setattr(frontdoor, "_decode_mask", slow_for_large)
+    front = door(ImageGate(4096 * 4096, DecodeBudget(1 << 30)))
 
     async def scenario() -> None:
-        big = asyncio.create_task(
-            frontdoor.decode_mask_off_loop(encode_mask(np.ones(large, bool)), large)
-        )
-        await asyncio.sleep(0)  # the large decode has started (on its thread)
+        big = asyncio.create_task(front.decode_mask(encode_mask(np.ones(large, bool)), large))
+        await asyncio.sleep(0.05)  # the large decode has started (on its thread)
         small = np.zeros((64, 64), bool)
         small[:32] = True
         # Were the large decode on the loop, this would never run before it is released.
-        mask, footprint = await asyncio.wait_for(
-            frontdoor.decode_mask_off_loop(encode_mask(small), (64, 64)), 5
-        )
+        mask, footprint = await asyncio.wait_for(front.decode_mask(encode_mask(small), (64, 64)), 5)
         assert not big.done() and footprint.ratio == pytest.approx(0.5)
         release.set()
         mask, footprint = await asyncio.wait_for(big, 10)
         assert mask.shape == (1024, 1024) and footprint.ratio == pytest.approx(1.0)
 
     asyncio.run(scenario())
+
+
+def test_decodes_in_flight_stay_within_the_budget_in_arrival_order() -> None:
+    side = 512
+    cost = side * side * BYTES_PER_PIXEL
+    gate = ImageGate(4096 * 4096, DecodeBudget(2 * cost))  # room for two at once
+    running: list[int] = []
+    most = 0
+    order: list[int] = []
+    lock = threading.Lock()
+
+    def decode(i: int) -> int:
+        nonlocal most
+        with lock:
+            running.append(i)
+            most = max(most, len(running))
+            order.append(i)
+        threading.Event().wait(0.05)
+        with lock:
+            running.remove(i)
+        return i
+
+    async def scenario() -> list[int]:
+        return await asyncio.gather(
+            *(gate.decode(Declared(side, side), decode, i) for i in range(8))
+        )
+
+    assert asyncio.run(scenario()) == list(range(8))
+    assert most == 2 and gate.budget.peak == 2 * cost and gate.budget.in_use == 0
+    assert order[:2] == [0, 1] and sorted(order) == list(range(8)) and gate.budget.waited == 6
+    assert gate.decoded == 8
+
+
+def test_a_canceled_request_keeps_its_reservation_until_its_decode_ends() -> None:
+    side = 512
+    gate = ImageGate(4096 * 4096, DecodeBudget(side * side * BYTES_PER_PIXEL))
+    release = threading.Event()
+
+    async def scenario() -> None:
+        first = asyncio.create_task(gate.decode(Declared(side, side), release.wait, 10))
+        await asyncio.sleep(0.05)
+        first.cancel()  # the client left; its decode runs on
+        second = asyncio.create_task(gate.decode(Declared(side, side), lambda: "second"))
+        await asyncio.sleep(0.05)
+        assert not second.done() and gate.budget.in_use == gate.budget.capacity
+        release.set()
+        assert await asyncio.wait_for(second, 5) == "second"
+        assert gate.budget.in_use == 0
+
+    asyncio.run(scenario())
+
+
+def test_one_decode_above_the_whole_budget_runs_alone() -> None:
+    budget = DecodeBudget(1000)
+
+    async def scenario() -> None:
+        await budget.acquire(10**9)
+        assert budget.in_use == 1000
+        budget.release(10**9)
+        assert budget.in_use == 0
+
+    asyncio.run(scenario())
+
+
+def test_headers_above_the_pixel_limit_are_refused_before_decoding() -> None:
+    gate = ImageGate(256 * 256, DecodeBudget(1 << 20))
+    with pytest.raises(BadRequest) as refused:
+        gate.declare(encode_mask(np.ones((300, 300), bool)), "mask")
+    assert refused.value.code == "image_too_large" and refused.value.field == "mask"
+    assert gate.declare(encode_mask(np.ones((256, 256), bool)), "mask") == Declared(256, 256)
+    with pytest.raises(ValueError, match="max_image_pixels"):
+        ImageGate(4096 * 4096 + 1, DecodeBudget(1))

@@ -24,6 +24,7 @@ SUBCOMMANDS = (
     engine.add_plan,
     quality.add_edits,
     serving.add_store,
+    serving.add_memory,
     production.add_ops,
     production.add_production,
 )

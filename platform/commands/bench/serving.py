@@ -82,3 +82,29 @@ def _run_store(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory(prefix="retouch-bench-store-") as tmp:
         report(run_store_bench(Path(tmp), size_mb=args.size_mb, repeats=args.repeats), args.json)
+
+
+def add_memory(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "memory",
+        help="the gateway's RSS under hostile uploads, uploads at the pixel limit and 1,000 "
+        "finished jobs, and the retention caps' 429s",
+    )
+    p.add_argument("--hostile", type=positive_int, default=200, help="oversized uploads per kind")
+    p.add_argument(
+        "--at-limit", type=positive_int, default=20, help="concurrent uploads at the limit"
+    )
+    p.add_argument("--jobs", type=positive_int, default=1000, help="jobs with 4 MiB payloads")
+    p.add_argument("--side", type=positive_int, default=512, help="the pixel limit's side")
+    add_json(p)
+    p.set_defaults(run=_run_memory)
+
+
+def _run_memory(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.memory import run_memory_bench
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report(
+            run_memory_bench(Path(tmp), args.hostile, args.at_limit, args.jobs, args.side),
+            args.json,
+        )
