@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,3 +50,11 @@ def cli_refusal(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, st
     with pytest.raises(SystemExit) as exc:
         main(list(args))
     return int(exc.value.code or 0), capsys.readouterr().err
+
+
+def decodes_run(url: str) -> float:
+    """The gateway's count of image decodes run since start (``/metrics``)."""
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith('retouch_image_decodes{quantity="decoded"}'):
+            return float(line.split()[-1])
+    raise AssertionError("no retouch_image_decodes decoded in /metrics")

@@ -30,7 +30,7 @@ from retouch.platform.bench.memory import zero_png
 from retouch.platform.cachecli import run_cache_command
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
-from tests.support import wait_for
+from tests.support import decodes_run, wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
 
@@ -265,14 +265,6 @@ def test_cli_edits_an_image_file(server: ServerProcess, tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert both.returncode != 0 and "not allowed with" in both.stderr
-
-
-def decodes_run(url: str) -> float:
-    """The gateway's count of image decodes run since start (``/metrics``)."""
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith('retouch_image_decodes{quantity="decoded"}'):
-            return float(line.split()[-1])
-    raise AssertionError("no retouch_image_decodes decoded in /metrics")
 
 
 def test_uploads_are_refused_from_their_header_before_any_pixel_is_decoded(
