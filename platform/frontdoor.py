@@ -108,15 +108,17 @@ class FrontDoor:
             self.dispatcher.stats.refusal_s.append(time.perf_counter() - received)
             raise
 
-    async def accept(self, fn: DeployedFunction, request: wire.JobRequest, *, durable: bool) -> Job:
+    async def accept(
+        self, fn: DeployedFunction, request: wire.JobRequest, *, durable: bool, owner: str
+    ) -> Job:
         """Prepare ``request``, admit it (queue room again, and its own SLO: its demand
-        counts towards autoscaling either way) and submit it as a job."""
+        counts towards autoscaling either way) and submit it as a job ``owner`` owns."""
         job_id = new_job_id()
-        prepared = await self._prepare(fn, request.invoke, job_id)
+        prepared = await self._prepare(fn, request.invoke, job_id, owner)
         self.dispatcher.admit(fn.spec.name)  # others may have filled the queue meanwhile
         self.dispatcher.admit_slo(prepared.placement)
         return await self.jobs.submit(
-            fn.spec.name, request, prepared, durable=durable, job_id=job_id
+            fn.spec.name, request, prepared, durable=durable, job_id=job_id, owner=owner
         )
 
     # ---- answers -------------------------------------------------------------------------
@@ -144,14 +146,16 @@ class FrontDoor:
 
     # ---- preparation and execution -------------------------------------------------------
     async def _prepare(
-        self, fn: DeployedFunction, req: wire.InvokeRequest, invocation_id: str
+        self, fn: DeployedFunction, req: wire.InvokeRequest, invocation_id: str, owner: str
     ) -> PreparedInvocation:
         """Check the template, decode the mask (a large one on a thread) and build what the
-        executor gets; an uploaded ``image`` is decoded and content-addressed here
-        (``uploads.upload_id``)."""
+        executor gets; an uploaded ``image`` is decoded and content-addressed here, within
+        its owner's uploads (``uploads.upload_id``)."""
         image = None
         if req.image is not None:
-            template, image = await asyncio.to_thread(uploads.decode_upload, fn.spec, req.image)
+            template, image = await asyncio.to_thread(
+                uploads.decode_upload, fn.spec, req.image, owner
+            )
             size = (fn.spec.width, fn.spec.height)
         else:
             template, size = req.template or "", fn.sizes.get(req.template or "")
@@ -191,7 +195,7 @@ class FrontDoor:
         """Run a job's invocation through the dispatcher (the job store calls this)."""
         if job.prepared is None:  # resumed from the journal after a restart
             job.prepared = await self._prepare(
-                self.servable(job.function), job.request.invoke, job.id
+                self.servable(job.function), job.request.invoke, job.id, job.owner
             )
         prepared = job.prepared
         if job.cancel_requested:  # canceled while its mask was decoded

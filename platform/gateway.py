@@ -36,12 +36,20 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from retouch.functions import wire
-from retouch.functions.errors import BadRequest, InvalidSpec, NotFound, RetouchError, Unavailable
+from retouch.functions.errors import (
+    BadRequest,
+    Forbidden,
+    InvalidSpec,
+    NotFound,
+    RetouchError,
+    Unavailable,
+)
 from retouch.functions.imaging import decode_image, encode_image
 from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import DeployStatus
-from retouch.platform.auth import TokenAuth
+from retouch.platform import uploads
+from retouch.platform.auth import Principal, TokenAuth
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
 from retouch.platform.httpapi import (
@@ -149,7 +157,7 @@ class Gateway:
     # ---- auth & lookup -----------------------------------------------------------------
     def scope(self, scope: str):
         def authorize(request: Request) -> None:
-            self.auth.authorize(bearer(request), scope)
+            request.state.principal = self.auth.authorize(bearer(request), scope)
 
         return authorize
 
@@ -179,12 +187,16 @@ class Gateway:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def list_functions(self, request: Request) -> dict[str, Any]:
-        states = await self.pool.report.states()
-        return {"functions": [f.describe(states) for _, f in sorted(self.functions.items())]}
+        states, viewer = await self.pool.report.states(), principal(request)
+        return {
+            "functions": [
+                own_uploads(f.describe(states), viewer) for _, f in sorted(self.functions.items())
+            ]
+        }
 
     async def get_function(self, request: Request) -> dict[str, Any]:
         fn = self.function(request.path_params["name"])
-        return fn.describe(await self.pool.report.states())
+        return own_uploads(fn.describe(await self.pool.report.states()), principal(request))
 
     async def put_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
@@ -271,7 +283,9 @@ class Gateway:
         fn = self.door.servable(request.path_params["name"])
         with self.door.arrival(fn, received):  # a 429 comes before the body is read
             req = wire.InvokeRequest.from_wire(await read_msgpack(request, self.max_body))
-            job = await self.door.accept(fn, wire.JobRequest(req), durable=False)
+            job = await self.door.accept(
+                fn, wire.JobRequest(req), durable=False, owner=principal(request).tenant
+            )
         (result,) = await self.door.answers([job])
         result.timings.total_ms = (time.perf_counter() - received) * 1e3
         return result.to_wire()
@@ -285,7 +299,7 @@ class Gateway:
             req = wire.JobRequest.from_wire(await read_msgpack(request, self.max_body))
             if req.webhook is not None:
                 await self.webhook_allow.check(req.webhook)
-            job = await self.door.accept(fn, req, durable=True)
+            job = await self.door.accept(fn, req, durable=True, owner=principal(request).tenant)
         return await self._job_response(request, job, wait_s, 202)
 
     async def _job_response(
@@ -297,10 +311,11 @@ class Gateway:
             headers = {"preference-applied": f"wait={wait_s:g}"}
         if job.status is wire.JobStatus.QUEUED:
             job.position = self.pool.dispatcher.queue_positions().get(job.id, job.position)
-        return respond(request, await self.jobs.document(job), status, headers)
+        owner = job.owner == principal(request).tenant  # an admin reading another's job
+        return respond(request, await self.jobs.document(job, owner), status, headers)
 
     async def get_job(self, request: Request) -> Response:
-        job = self.jobs.get(request.path_params["id"])
+        job = self.jobs.get(request.path_params["id"], principal(request))
         return await self._job_response(
             request, job, parse_prefer_wait(request.headers.get("prefer"))
         )
@@ -324,19 +339,23 @@ class Gateway:
                 field="limit",
                 code="invalid_field",
             )
-        jobs = self.jobs.list(status, query.get("function") or None, int(raw_limit))
+        viewer = principal(request)
+        jobs = self.jobs.list(
+            viewer, status, query.get("function") or None, int(raw_limit), tenant_filter(request)
+        )
         positions = self.pool.dispatcher.queue_positions()
         for job in jobs:
             if job.status is wire.JobStatus.QUEUED:
                 job.position = positions.get(job.id, job.position)
-        return {"jobs": [j.describe(with_image=False) for j in jobs]}
+        return {"jobs": [j.describe(False, with_webhook=j.owner == viewer.tenant) for j in jobs]}
 
     async def cancel_job(self, request: Request) -> dict[str, Any]:
-        job = await self.jobs.cancel(self.jobs.get(request.path_params["id"]))
-        return await self.jobs.document(job)
+        viewer = principal(request)
+        job = await self.jobs.cancel(self.jobs.get(request.path_params["id"], viewer))
+        return await self.jobs.document(job, job.owner == viewer.tenant)
 
     async def job_events(self, request: Request) -> StreamingResponse:
-        job = self.jobs.get(request.path_params["id"])
+        job = self.jobs.get(request.path_params["id"], principal(request))
         return event_stream(self.jobs.events(job, last_event_id(request)))
 
     # ---- app -----------------------------------------------------------------------------
@@ -392,3 +411,33 @@ class Gateway:
             exception_handlers=structured_http_errors(self.count_error),
             lifespan=lifespan,
         )
+
+
+def principal(request: Request) -> Principal:
+    """Who the request acts for (set by the route's scope check)."""
+    return request.state.principal
+
+
+def own_uploads(doc: dict[str, Any], viewer: Principal) -> dict[str, Any]:
+    """A function document with the uploads ``viewer`` may see: its own (admin: all)."""
+    if not viewer.admin:
+        doc["uploads"] = {
+            tid: state
+            for tid, state in doc["uploads"].items()
+            if uploads.owned_by(tid, viewer.tenant)
+        }
+    return doc
+
+
+def tenant_filter(request: Request) -> str | None:
+    """``GET /v1/jobs?tenant=``: an admin's filter; other tokens list their own anyway, so
+    for them only their own tenant (or none) is allowed."""
+    tenant = request.query_params.get("tenant") or None
+    viewer = principal(request)
+    if tenant is not None and not viewer.admin and tenant != viewer.tenant:
+        raise Forbidden(
+            "only an admin token lists other tenants' jobs",
+            field="tenant",
+            code="insufficient_scope",
+        )
+    return tenant

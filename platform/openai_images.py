@@ -43,6 +43,7 @@ from retouch.functions.errors import (
     UnsupportedMediaType,
 )
 from retouch.functions.imaging import MASK_MODES, decode_openai_mask, encode_mask
+from retouch.platform.auth import OPEN
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
 from retouch.platform.jobs import Job
@@ -256,11 +257,11 @@ async def _validate(form: Any) -> EditForm:
     )
 
 
-def _edit_mask(fn: DeployedFunction, form: EditForm) -> bytes:
+def _edit_mask(fn: DeployedFunction, form: EditForm, owner: str) -> bytes:
     """The form's mask as this API's white-on-black PNG, checked against the image."""
     spec = fn.spec
     if form.image is not None:
-        decode_upload(spec, form.image)  # image errors first, naming ``image``
+        decode_upload(spec, form.image, owner)  # image errors first, naming ``image``
         size = (spec.width, spec.height)
     else:
         found = fn.sizes.get(form.template or "")
@@ -350,10 +351,11 @@ class OpenAIImages:
             )
         first_seed = secrets.randbits(62) if form.seed is None else form.seed
         durable = form.response_format == "url"  # its image is served from the journal
+        owner = request.state.principal.tenant
         jobs: list[Job] = []
         try:
             with door.arrival(fn, received):
-                mask = await asyncio.to_thread(_edit_mask, fn, form)
+                mask = await asyncio.to_thread(_edit_mask, fn, form, owner)
                 for i in range(form.n):
                     req = wire.InvokeRequest(
                         template=form.template,
@@ -365,7 +367,9 @@ class OpenAIImages:
                         guidance=form.guidance,
                         format=form.output_format,
                     )
-                    jobs.append(await door.accept(fn, wire.JobRequest(req), durable=durable))
+                    jobs.append(
+                        await door.accept(fn, wire.JobRequest(req), durable=durable, owner=owner)
+                    )
         except BaseException:
             door.forget(jobs)  # those already accepted run on; nobody waits for them
             raise
@@ -409,7 +413,7 @@ class OpenAIImages:
         if int(expires) < time.time():
             raise NotFound("this image link has expired", field="expires", code="link_expired")
         try:
-            job = jobs.get(job_id)
+            job = jobs.get(job_id, OPEN)  # the link's signature is the authorization
         except NotFound as exc:
             raise NotFound("the image is gone", field="name", code="image_not_found") from exc
         doc = await jobs.document(job)
