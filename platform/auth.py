@@ -25,6 +25,7 @@ ENV = {"admin": "RETOUCH_ADMIN_TOKEN", "invoke": "RETOUCH_INVOKE_TOKEN"}
 IMPLIES = {"admin": {"admin", "invoke"}, "invoke": {"invoke"}}
 ANONYMOUS = "anonymous"  # the one tenant of an open API (no tokens configured)
 TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # what a token file may name
+TENANT_RULE = "1-64 ASCII letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def parse_token_file(path: Path) -> dict[str, Grant]:
         tenant = parts[2] if len(parts) == 3 else token_tenant(parts[1])
         if not TENANT.fullmatch(tenant):
             raise InvalidSpec(
-                f"{path}:{n}: a tenant is 1-64 letters, digits, '.', '_' or '-'",
+                f"{path}:{n}: a tenant is {TENANT_RULE}",
                 field="token_file",
             )
         tokens[parts[1]] = Grant(parts[0], tenant)

@@ -49,7 +49,7 @@ from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import DeployStatus
 from retouch.platform import uploads
-from retouch.platform.auth import Principal, TokenAuth
+from retouch.platform.auth import TENANT, TENANT_RULE, Principal, TokenAuth
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
 from retouch.platform.httpapi import (
@@ -66,6 +66,7 @@ from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
 from retouch.platform.web import WebUI
 from retouch.platform.webhooks import AllowList, WebhookSender
+from retouch.runtime import requestparams
 from retouch.runtime.asgi import (
     bearer,
     decode_bytes,
@@ -332,16 +333,10 @@ class Gateway:
                     field="status",
                     code="invalid_field",
                 ) from None
-        raw_limit = query.get("limit", "100")
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_JOB_LIST:
-            raise BadRequest(
-                f"limit must be an integer in [1, {MAX_JOB_LIST}]",
-                field="limit",
-                code="invalid_field",
-            )
+        limit = requestparams.integer(query.get("limit"), "limit", 1, MAX_JOB_LIST, default=100)
         viewer = principal(request)
         jobs = self.jobs.list(
-            viewer, status, query.get("function") or None, int(raw_limit), tenant_filter(request)
+            viewer, status, query.get("function") or None, limit, tenant_filter(request)
         )
         positions = self.pool.dispatcher.queue_positions()
         for job in jobs:
@@ -432,9 +427,12 @@ def own_uploads(doc: dict[str, Any], viewer: Principal) -> dict[str, Any]:
 def tenant_filter(request: Request) -> str | None:
     """``GET /v1/jobs?tenant=``: an admin's filter; other tokens list their own anyway, so
     for them only their own tenant (or none) is allowed."""
-    tenant = request.query_params.get("tenant") or None
+    raw = request.query_params.get("tenant")
+    if raw is None:
+        return None
+    tenant = requestparams.identifier(raw, "tenant", TENANT, TENANT_RULE)
     viewer = principal(request)
-    if tenant is not None and not viewer.admin and tenant != viewer.tenant:
+    if not viewer.admin and tenant != viewer.tenant:
         raise Forbidden(
             "only an admin token lists other tenants' jobs",
             field="tenant",

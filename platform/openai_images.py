@@ -48,6 +48,7 @@ from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
 from retouch.platform.jobs import Job
 from retouch.platform.uploads import decode_upload
+from retouch.runtime import requestparams
 from retouch.runtime.asgi import read_raw_body
 
 MAX_N = 10
@@ -84,6 +85,8 @@ FIELDS = (
     *IGNORED,
 )
 IMAGE_NAME = re.compile(r"([0-9a-f]{32})\.(png|webp)")
+SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
+MAX_EXPIRES = 2**40  # a Unix time (year 36812): bounds the digits a link's expires may have
 
 
 @dataclass(frozen=True)
@@ -105,34 +108,15 @@ class EditForm:
     guidance: float | None = None
 
 
-def _int(raw: str, field: str, lo: int, hi: int) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = lo - 1
-    if not lo <= value <= hi:
-        raise BadRequest(
-            f"{field} must be an integer in [{lo}, {hi}]", field=field, code="invalid_field"
-        )
-    return value
-
-
-def _float(raw: str, field: str, lo: float, hi: float) -> float:
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        value = float("nan")
-    if not lo <= value <= hi:  # NaN fails too
-        raise BadRequest(
-            f"{field} must be a number in [{lo}, {hi}]", field=field, code="invalid_field"
-        )
-    return value
+def _int(raw: str | None, field: str, lo: int, hi: int) -> int | None:
+    """An optional integer form field (surrounding whitespace allowed, as form clients pad)."""
+    return None if raw is None else requestparams.integer(raw.strip(), field, lo, hi)
 
 
 def _size(raw: str) -> tuple[int, int] | None:
     if raw.strip() == "auto":
         return None
-    m = re.fullmatch(r"\s*(\d{1,5})x(\d{1,5})\s*", raw)
+    m = SIZE.fullmatch(raw.strip())
     if m is None:
         raise BadRequest(
             "size must be WIDTHxHEIGHT (e.g. 512x512) or auto", field="size", code="invalid_field"
@@ -243,17 +227,17 @@ async def _validate(form: Any) -> EditForm:
         template=image.strip() if isinstance(image, str) else None,
         mask=mask,
         mask_mode=mask_mode,
-        n=1 if raw["n"] is None else _int(raw["n"], "n", 1, MAX_N),
+        n=_int(raw["n"], "n", 1, MAX_N) or 1,
         size=None if raw["size"] is None else _size(raw["size"]),
         response_format=response_format,
         output_format=OUTPUT_FORMATS[output_format],
-        seed=None if raw["seed"] is None else _int(raw["seed"], "seed", 0, 2**63 - 1),
-        steps=None
-        if raw["num_inference_steps"] is None
-        else _int(raw["num_inference_steps"], "num_inference_steps", 1, wire.MAX_STEPS),
+        seed=_int(raw["seed"], "seed", 0, 2**63 - 1),
+        steps=_int(raw["num_inference_steps"], "num_inference_steps", 1, wire.MAX_STEPS),
         guidance=None
         if raw["guidance_scale"] is None
-        else _float(raw["guidance_scale"], "guidance_scale", 0.0, wire.MAX_GUIDANCE),
+        else requestparams.decimal(
+            raw["guidance_scale"].strip(), "guidance_scale", 0.0, wire.MAX_GUIDANCE
+        ),
     )
 
 
@@ -404,13 +388,13 @@ class OpenAIImages:
         if m is None:
             raise NotFound("no such image", field="name", code="image_not_found")
         job_id = m.group(1)
-        expires = request.query_params.get("expires", "")
+        expires = requestparams.integer(
+            request.query_params.get("expires"), "expires", 0, MAX_EXPIRES
+        )
         sig = request.query_params.get("sig", "")
-        if not expires.isdigit() or not hmac.compare_digest(
-            sig.encode(), _sign(self.secret, job_id, int(expires)).encode()
-        ):
+        if not hmac.compare_digest(sig.encode(), _sign(self.secret, job_id, expires).encode()):
             raise BadRequest("invalid image link signature", field="sig", code="invalid_signature")
-        if int(expires) < time.time():
+        if expires < time.time():
             raise NotFound("this image link has expired", field="expires", code="link_expired")
         try:
             job = jobs.get(job_id, OPEN)  # the link's signature is the authorization

@@ -31,9 +31,11 @@ from retouch.functions.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
+from retouch.runtime import requestparams
 
 log = logging.getLogger(__name__)
 
+MAX_CONTENT_LENGTH = 2**63 - 1
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 
@@ -68,8 +70,10 @@ def error_response(
 async def read_raw_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 beyond ``limit`` bytes (declared, or while streaming)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
+    if declared is not None:  # the HTTP server checked its form; bounded here all the same
+        size = requestparams.integer(declared, "content-length", 0, MAX_CONTENT_LENGTH)
+        if size > limit:
+            raise PayloadTooLarge(f"body of {size} bytes exceeds the limit of {limit}")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
