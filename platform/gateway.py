@@ -61,7 +61,7 @@ from retouch.platform.httpapi import (
 from retouch.platform.jobs import DEFAULT_PROGRESS_INTERVAL_S, DEFAULT_RETENTION_S, Job
 from retouch.platform.journal import JobJournal
 from retouch.platform.metrics import GatewayMetrics
-from retouch.platform.openai_images import OpenAIImages
+from retouch.platform.openai_images import OpenAIImages, answers_openai, openai_error
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
 from retouch.platform.web import WebUI
@@ -71,6 +71,7 @@ from retouch.runtime.asgi import (
     bearer,
     decode_bytes,
     endpoint,
+    error_response,
     read_msgpack,
     respond,
     structured_http_errors,
@@ -312,8 +313,8 @@ class Gateway:
             headers = {"preference-applied": f"wait={wait_s:g}"}
         if job.status is wire.JobStatus.QUEUED:
             job.position = self.pool.dispatcher.queue_positions().get(job.id, job.position)
-        owner = job.owner == principal(request).tenant  # an admin reading another's job
-        return respond(request, await self.jobs.document(job, owner), status, headers)
+        is_owner = job.owner == principal(request).tenant  # not: an admin reading another's
+        return respond(request, await self.jobs.document(job, is_owner), status, headers)
 
     async def get_job(self, request: Request) -> Response:
         job = self.jobs.get(request.path_params["id"], principal(request))
@@ -360,15 +361,12 @@ class Gateway:
         ) -> Route:
             authorize = self.scope(scope) if scope else (lambda request: None)
             return Route(
-                path, endpoint(handler, authorize, self.count_error, status), methods=[method]
+                path,
+                endpoint(handler, authorize, self.count_error, status, render_error),
+                methods=[method],
             )
 
-        images = OpenAIImages(
-            self.door,
-            max_body=self.max_body,
-            secret=self.webhook_secret,
-            on_error=self.count_error,
-        )
+        images = OpenAIImages(self.door, max_body=self.max_body, secret=self.webhook_secret)
         web = WebUI()
 
         @contextlib.asynccontextmanager
@@ -403,9 +401,18 @@ class Gateway:
                 route("/", web.index),  # the page holds no data; its API calls carry a token
                 route("/ui/{file}", web.asset),
             ],
-            exception_handlers=structured_http_errors(self.count_error),
+            exception_handlers=structured_http_errors(self.count_error, render_error),
             lifespan=lifespan,
         )
+
+
+def render_error(
+    request: Request, exc: RetouchError, headers: dict[str, str] | None = None
+) -> Response:
+    """An error answer in the convention of the API the request's path belongs to."""
+    if answers_openai(request):
+        return openai_error(request, exc, headers)
+    return error_response(request, exc, headers)
 
 
 def principal(request: Request) -> Principal:

@@ -26,7 +26,6 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +50,7 @@ from retouch.platform.uploads import decode_upload
 from retouch.runtime import requestparams
 from retouch.runtime.asgi import read_raw_body
 
+PATH_PREFIX = "/v1/images/"
 MAX_N = 10
 URL_TTL_S = 3600.0  # how long a ``url`` answer stays valid (OpenAI: 60 minutes)
 MAX_FIELD_BYTES = 64 << 10  # a text field (a prompt is at most 4096 characters)
@@ -280,15 +280,21 @@ def _sign(secret: bytes, job_id: str, expires: int) -> str:
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
 
 
-def openai_error(request: Request, exc: RetouchError) -> Response:
-    """This API's error body plus OpenAI's ``type`` and ``param``."""
+def openai_error(
+    request: Request, exc: RetouchError, headers: dict[str, str] | None = None
+) -> Response:
+    """This API's error body plus OpenAI's ``type`` and ``param``: every answer under
+    ``/v1/images/`` (the auth check's and the router's too) has it, so OpenAI's clients
+    show them as they would OpenAI's own."""
     body = exc.to_wire()
     body["error"]["type"] = "invalid_request_error" if exc.status < 500 else "server_error"
     body["error"]["param"] = exc.field
-    headers = (
-        {"retry-after": str(getattr(exc, "retry_after_s", 1))} if exc.status in (429, 503) else None
-    )
     return Response(json.dumps(body), exc.status, headers, media_type="application/json")
+
+
+def answers_openai(request: Request) -> bool:
+    """Whether ``request`` is one of this API's (its errors OpenAI-shaped)."""
+    return request.url.path.startswith(PATH_PREFIX)
 
 
 class OpenAIImages:
@@ -301,23 +307,14 @@ class OpenAIImages:
         *,
         max_body: int,
         secret: bytes,
-        on_error: Callable[[RetouchError], None],
     ) -> None:
         self.door = door
         self.max_body = max_body
         # Image links are signed with the server's secret (``retouch serve`` always has one:
         # the webhook secret); a gateway built without one signs with a per-process key.
         self.secret = secret or secrets.token_bytes(32)
-        self.on_error = on_error
 
     async def edits(self, request: Request) -> Response:
-        try:
-            return await self._edits(request)
-        except RetouchError as exc:
-            self.on_error(exc)
-            return openai_error(request, exc)
-
-    async def _edits(self, request: Request) -> Response:
         received = time.perf_counter()
         door = self.door
         form = await read_form(request, self.max_body)
