@@ -56,7 +56,7 @@ class ServeConfig:
     drain_timeout_s: float = knob(
         600.0, "how long a scaled-down executor's running invocations get to finish"
     )
-    token_file: Path | None = knob(None, "a file of '<admin|invoke> <token>' lines")
+    token_file: Path | None = knob(None, "a file of '<admin|invoke> <token> [tenant]' lines")
     max_body_bytes: int = knob(32 << 20, "payload limit in bytes", shown="32 MiB")
     max_image_pixels: int = knob(
         0,

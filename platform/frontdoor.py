@@ -110,24 +110,19 @@ class FrontDoor:
             raise
 
     async def accept(
-        self,
-        fn: DeployedFunction,
-        request: wire.JobRequest,
-        *,
-        durable: bool,
-        tenant: str = "anonymous",
+        self, fn: DeployedFunction, request: wire.JobRequest, *, durable: bool, owner: str
     ) -> Job:
         """Prepare ``request``, admit it (queue room again, and its own SLO: its demand
-        counts towards autoscaling either way) and submit it as a job. A durable job over
-        the retention caps is refused before anything is decoded."""
+        counts towards autoscaling either way) and submit it as a job ``owner`` owns. A
+        durable job over the retention caps is refused before anything is decoded."""
         if durable:
-            self.jobs.admit(request, tenant)
+            self.jobs.admit(request, owner)
         job_id = new_job_id()
-        prepared = await self._prepare(fn, request.invoke, job_id)
+        prepared = await self._prepare(fn, request.invoke, job_id, owner)
         self.dispatcher.admit(fn.spec.name)  # others may have filled the queue meanwhile
         self.dispatcher.admit_slo(prepared.placement)
         return await self.jobs.submit(
-            fn.spec.name, request, prepared, durable=durable, job_id=job_id, tenant=tenant
+            fn.spec.name, request, prepared, durable=durable, job_id=job_id, owner=owner
         )
 
     # ---- answers -------------------------------------------------------------------------
@@ -164,17 +159,17 @@ class FrontDoor:
         return await self.images.decode(declared, _decode_mask, data, size, halo, size=size)
 
     async def _prepare(
-        self, fn: DeployedFunction, req: wire.InvokeRequest, invocation_id: str
+        self, fn: DeployedFunction, req: wire.InvokeRequest, invocation_id: str, owner: str
     ) -> PreparedInvocation:
         """Check the template, decode the mask (a large one on a thread) and build what the
-        executor gets; an uploaded ``image`` is decoded and content-addressed here
-        (``uploads.upload_id``)."""
+        executor gets; an uploaded ``image`` is decoded and content-addressed here, within
+        its owner's uploads (``uploads.upload_id``)."""
         image = None
         if req.image is not None:
             declared = self.images.declare(req.image, "image")
             uploads.check_upload(fn.spec, declared.size)  # before a pixel is decoded
             template, image = await self.images.decode(
-                declared, uploads.decode_upload, fn.spec, req.image
+                declared, uploads.decode_upload, fn.spec, req.image, owner
             )
             size = declared.size
         else:
@@ -215,7 +210,7 @@ class FrontDoor:
         """Run a job's invocation through the dispatcher (the job store calls this)."""
         if job.prepared is None:  # resumed from the journal after a restart
             job.prepared = await self._prepare(
-                self.servable(job.function), job.request.invoke, job.id
+                self.servable(job.function), job.request.invoke, job.id, job.owner
             )
         prepared = job.prepared
         if job.cancel_requested:  # canceled while its mask was decoded

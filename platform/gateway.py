@@ -36,12 +36,20 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from retouch.functions import wire
-from retouch.functions.errors import BadRequest, InvalidSpec, NotFound, RetouchError, Unavailable
+from retouch.functions.errors import (
+    BadRequest,
+    Forbidden,
+    InvalidSpec,
+    NotFound,
+    RetouchError,
+    Unavailable,
+)
 from retouch.functions.imaging import MAX_PIXELS, declared_size, decode_image, encode_image
 from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import DeployStatus
-from retouch.platform.auth import TokenAuth
+from retouch.platform import uploads
+from retouch.platform.auth import TENANT, TENANT_RULE, Principal, TokenAuth
 from retouch.platform.config import DEFAULT_URL
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
@@ -56,16 +64,18 @@ from retouch.platform.jobs import DEFAULT_PROGRESS_INTERVAL_S, DEFAULT_RETENTION
 from retouch.platform.journal import JobJournal
 from retouch.platform.links import LinkSigner
 from retouch.platform.metrics import GatewayMetrics
-from retouch.platform.openai_images import OpenAIImages
+from retouch.platform.openai_images import OpenAIImages, answers_openai, openai_error
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
 from retouch.platform.retention import RetentionLimits
 from retouch.platform.web import WebUI
 from retouch.platform.webhooks import AllowList, WebhookSender
+from retouch.runtime import requestparams
 from retouch.runtime.asgi import (
     bearer,
     decode_bytes,
     endpoint,
+    error_response,
     read_msgpack,
     respond,
     structured_http_errors,
@@ -162,7 +172,7 @@ class Gateway:
     # ---- auth & lookup -----------------------------------------------------------------
     def scope(self, scope: str):
         def authorize(request: Request) -> None:
-            self.auth.authorize(bearer(request), scope)
+            request.state.principal = self.auth.authorize(bearer(request), scope)
 
         return authorize
 
@@ -193,12 +203,16 @@ class Gateway:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def list_functions(self, request: Request) -> dict[str, Any]:
-        states = await self.pool.report.states()
-        return {"functions": [f.describe(states) for _, f in sorted(self.functions.items())]}
+        states, viewer = await self.pool.report.states(), principal(request)
+        return {
+            "functions": [
+                own_uploads(f.describe(states), viewer) for _, f in sorted(self.functions.items())
+            ]
+        }
 
     async def get_function(self, request: Request) -> dict[str, Any]:
         fn = self.function(request.path_params["name"])
-        return fn.describe(await self.pool.report.states())
+        return own_uploads(fn.describe(await self.pool.report.states()), principal(request))
 
     async def put_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
@@ -287,7 +301,9 @@ class Gateway:
         fn = self.door.servable(request.path_params["name"])
         with self.door.arrival(fn, received):  # a 429 comes before the body is read
             req = wire.InvokeRequest.from_wire(await read_msgpack(request, self.max_body))
-            job = await self.door.accept(fn, wire.JobRequest(req), durable=False)
+            job = await self.door.accept(
+                fn, wire.JobRequest(req), durable=False, owner=principal(request).tenant
+            )
         (result,) = await self.door.answers([job])
         result.timings.total_ms = (time.perf_counter() - received) * 1e3
         return result.to_wire()
@@ -301,7 +317,7 @@ class Gateway:
             req = wire.JobRequest.from_wire(await read_msgpack(request, self.max_body))
             if req.webhook is not None:
                 await self.webhook_allow.check(req.webhook)
-            job = await self.door.accept(fn, req, durable=True)
+            job = await self.door.accept(fn, req, durable=True, owner=principal(request).tenant)
         return await self._job_response(request, job, wait_s, 202)
 
     async def _job_response(
@@ -313,10 +329,11 @@ class Gateway:
             headers = {"preference-applied": f"wait={wait_s:g}"}
         if job.status is wire.JobStatus.QUEUED:
             job.position = self.pool.dispatcher.queue_positions().get(job.id, job.position)
-        return respond(request, await self.jobs.document(job), status, headers)
+        is_owner = job.owner == principal(request).tenant  # not: an admin reading another's
+        return respond(request, await self.jobs.document(job, is_owner), status, headers)
 
     async def get_job(self, request: Request) -> Response:
-        job = self.jobs.get(request.path_params["id"])
+        job = self.jobs.get(request.path_params["id"], principal(request))
         return await self._job_response(
             request, job, parse_prefer_wait(request.headers.get("prefer"))
         )
@@ -333,26 +350,24 @@ class Gateway:
                     field="status",
                     code="invalid_field",
                 ) from None
-        raw_limit = query.get("limit", "100")
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_JOB_LIST:
-            raise BadRequest(
-                f"limit must be an integer in [1, {MAX_JOB_LIST}]",
-                field="limit",
-                code="invalid_field",
-            )
-        jobs = self.jobs.list(status, query.get("function") or None, int(raw_limit))
+        limit = requestparams.integer(query.get("limit"), "limit", 1, MAX_JOB_LIST, default=100)
+        viewer = principal(request)
+        jobs = self.jobs.list(
+            viewer, status, query.get("function") or None, limit, tenant_filter(request)
+        )
         positions = self.pool.dispatcher.queue_positions()
         for job in jobs:
             if job.status is wire.JobStatus.QUEUED:
                 job.position = positions.get(job.id, job.position)
-        return {"jobs": [j.describe(with_image=False) for j in jobs]}
+        return {"jobs": [j.describe(False, with_webhook=j.owner == viewer.tenant) for j in jobs]}
 
     async def cancel_job(self, request: Request) -> dict[str, Any]:
-        job = await self.jobs.cancel(self.jobs.get(request.path_params["id"]))
-        return await self.jobs.document(job)
+        viewer = principal(request)
+        job = await self.jobs.cancel(self.jobs.get(request.path_params["id"], viewer))
+        return await self.jobs.document(job, job.owner == viewer.tenant)
 
     async def job_events(self, request: Request) -> StreamingResponse:
-        job = self.jobs.get(request.path_params["id"])
+        job = self.jobs.get(request.path_params["id"], principal(request))
         return event_stream(self.jobs.events(job, last_event_id(request)))
 
     # ---- app -----------------------------------------------------------------------------
@@ -362,15 +377,12 @@ class Gateway:
         ) -> Route:
             authorize = self.scope(scope) if scope else (lambda request: None)
             return Route(
-                path, endpoint(handler, authorize, self.count_error, status), methods=[method]
+                path,
+                endpoint(handler, authorize, self.count_error, status, render_error),
+                methods=[method],
             )
 
-        images = OpenAIImages(
-            self.door,
-            max_body=self.max_body,
-            links=self.links,
-            on_error=self.count_error,
-        )
+        images = OpenAIImages(self.door, max_body=self.max_body, links=self.links)
         web = WebUI()
 
         @contextlib.asynccontextmanager
@@ -405,6 +417,48 @@ class Gateway:
                 route("/", web.index),  # the page holds no data; its API calls carry a token
                 route("/ui/{file}", web.asset),
             ],
-            exception_handlers=structured_http_errors(self.count_error),
+            exception_handlers=structured_http_errors(self.count_error, render_error),
             lifespan=lifespan,
         )
+
+
+def render_error(
+    request: Request, exc: RetouchError, headers: dict[str, str] | None = None
+) -> Response:
+    """An error answer in the convention of the API the request's path belongs to."""
+    if answers_openai(request):
+        return openai_error(request, exc, headers)
+    return error_response(request, exc, headers)
+
+
+def principal(request: Request) -> Principal:
+    """Who the request acts for (set by the route's scope check)."""
+    return request.state.principal
+
+
+def own_uploads(doc: dict[str, Any], viewer: Principal) -> dict[str, Any]:
+    """A function document with the uploads ``viewer`` may see: its own (admin: all)."""
+    if not viewer.admin:
+        doc["uploads"] = {
+            tid: state
+            for tid, state in doc["uploads"].items()
+            if uploads.owned_by(tid, viewer.tenant)
+        }
+    return doc
+
+
+def tenant_filter(request: Request) -> str | None:
+    """``GET /v1/jobs?tenant=``: an admin's filter; other tokens list their own anyway, so
+    for them only their own tenant (or none) is allowed."""
+    raw = request.query_params.get("tenant")
+    if raw is None:
+        return None
+    tenant = requestparams.identifier(raw, "tenant", TENANT, TENANT_RULE)
+    viewer = principal(request)
+    if not viewer.admin and tenant != viewer.tenant:
+        raise Forbidden(
+            "only an admin token lists other tenants' jobs",
+            field="tenant",
+            code="insufficient_scope",
+        )
+    return tenant

@@ -19,10 +19,12 @@ from retouch.functions import wire
 from retouch.functions.errors import BadRequest
 from retouch.functions.strictmaps import StrictMaps
 from retouch.platform import sse
+from retouch.runtime import requestparams
 from retouch.runtime.asgi import JSON, read_msgpack, read_raw_body
 
 MAX_WAIT_S = 60.0  # the longest ``Prefer: wait=N`` honoured
 KEEPALIVE_S = 15.0  # a comment line on an idle event stream
+MAX_EVENT_ID = 2**53 - 1  # event ids are counters; this is any client's safe integer
 
 
 async def read_control_body(request: Request, limit: int) -> Any:
@@ -59,33 +61,18 @@ def parse_prefer_wait(header: str | None) -> float | None:
         return None
     for part in header.split(","):
         name, _, value = part.strip().partition("=")
-        if name.strip().lower() != "wait":
-            continue
-        try:
-            seconds = float(value.strip().strip('"'))
-        except ValueError:
-            seconds = -1.0
-        if not 0 <= seconds <= MAX_WAIT_S:
-            raise BadRequest(
-                f"Prefer: wait=N takes 0 to {MAX_WAIT_S:.0f} seconds, got {value!r}",
-                field="Prefer",
-                code="invalid_field",
-            )
-        return seconds
+        if name.strip().lower() == "wait":
+            return requestparams.decimal(value.strip().strip('"'), "Prefer", 0.0, MAX_WAIT_S)
     return None
 
 
 def last_event_id(request: Request) -> int:
     """Where a reader resumes an event stream: ``Last-Event-ID`` (an ``EventSource``
     reconnecting) or ``?after=`` (a first connection); 0 replays every event."""
-    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
-    if not raw.isdigit():
-        raise BadRequest(
-            "Last-Event-ID (or after) must be a non-negative integer",
-            field="Last-Event-ID",
-            code="invalid_field",
-        )
-    return int(raw)
+    header = request.headers.get("last-event-id")
+    if header:
+        return requestparams.integer(header, "Last-Event-ID", 0, MAX_EVENT_ID)
+    return requestparams.integer(request.query_params.get("after"), "after", 0, MAX_EVENT_ID, 0)
 
 
 def event_stream(events: AsyncIterator[wire.JobEvent | None]) -> StreamingResponse:

@@ -30,6 +30,7 @@ from typing import Any
 from retouch.functions import wire
 from retouch.functions.errors import Canceled, Conflict, NotFound, RetouchError
 from retouch.functions.wire import JobEventKind, JobStatus
+from retouch.platform.auth import ANONYMOUS, Principal
 from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.journal import JobJournal
 from retouch.platform.retention import Retention, RetentionLimits, payload_bytes, slim_request
@@ -85,6 +86,7 @@ class Job:
     request: wire.JobRequest
     created_at: float
     durable: bool = True
+    owner: str = ANONYMOUS  # the tenant that submitted it: only it (and admin) may see it
     status: JobStatus = JobStatus.QUEUED
     started_at: float | None = None
     completed_at: float | None = None
@@ -100,7 +102,6 @@ class Job:
     task: asyncio.Task | None = None
     position: int | None = None
     image_on_disk: bool = False  # the result's image is read from the journal when asked for
-    tenant: str = "anonymous"  # who submitted it (per-tenant caps)
     retained_bytes: int = 0  # its payload while live, its result once finished
     _seq: int = 0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -117,8 +118,10 @@ class Job:
         base = f"/v1/jobs/{self.id}"
         return {"get": base, "stream": f"{base}/events", "cancel": f"{base}/cancel"}
 
-    def describe(self, with_image: bool = True) -> dict[str, Any]:
-        """The job document of ``GET /v1/jobs/{id}`` (without the image in events)."""
+    def describe(self, with_image: bool = True, with_webhook: bool = True) -> dict[str, Any]:
+        """The job document of ``GET /v1/jobs/{id}`` (without the image in events). The
+        webhook URL (it may hold the receiver's credentials) is its owner's only: not in
+        events, nor in the document an admin reads of another tenant's job."""
         doc: dict[str, Any] = {
             "id": self.id,
             "function": self.function,
@@ -140,7 +143,7 @@ class Job:
             doc["result"] = result
         if self.error is not None:
             doc["error"] = {**self.error.to_wire()["error"], "status": self.error.status}
-        if self.request.webhook is not None:
+        if self.request.webhook is not None and with_webhook:
             doc["webhook"] = self.request.webhook
             doc["webhook_events"] = [e.value for e in self.request.webhook_events]
         return doc
@@ -151,7 +154,7 @@ class Job:
             "v": RECORD_VERSION,
             "id": self.id,
             "function": self.function,
-            "tenant": self.tenant,
+            "owner": self.owner,
             "request": self.request.to_wire(),
             "created_at": self.created_at,
             "status": self.status.value,
@@ -171,6 +174,7 @@ class Job:
             function=str(record["function"]),
             request=wire.JobRequest.from_wire(record["request"]),
             created_at=float(record["created_at"]),
+            owner=str(record.get("owner", ANONYMOUS)),
             status=JobStatus(record["status"]),
             started_at=record.get("started_at"),
             completed_at=record.get("completed_at"),
@@ -180,7 +184,6 @@ class Job:
             error=None
             if error is None
             else RetouchError.from_wire(int(error.get("status", 500)), {"error": error}),
-            tenant=str(record.get("tenant", "anonymous")),
         )
         if not job.status.terminal:  # it had not ended: run it again from the start
             job.status, job.started_at = JobStatus.QUEUED, None
@@ -232,7 +235,9 @@ class JobStore:
                     job.retained_bytes = payload_bytes(job.request)
                 self._drop_image(job)
                 if job.status.terminal:  # its end, again, for readers; webhooks had it
-                    self._record(job, END_EVENT[job.status], job.describe(False), notify=False)
+                    self._record(
+                        job, END_EVENT[job.status], job.describe(False, False), notify=False
+                    )
                 else:
                     self._record(job, JobEventKind.QUEUED, {"position": None})
                     job.task = asyncio.create_task(self._run(job))
@@ -255,20 +260,29 @@ class JobStore:
                 await task
 
     # ---- lookup -------------------------------------------------------------------------
-    def get(self, job_id: str) -> Job:
+    def get(self, job_id: str, viewer: Principal) -> Job:
+        """The job, if ``viewer`` may see it: another tenant's job is as unknown as a
+        missing one (the same 404), so ids cannot be probed."""
         job = self.jobs.get(wire.check_job_id(job_id))
-        if job is None or not job.durable:
+        if job is None or not job.durable or not viewer.owns(job.owner):
             raise NotFound(f"no job {job_id!r}", field="id", code="job_not_found")
         return job
 
     def list(
-        self, status: JobStatus | None = None, function: str | None = None, limit: int = 100
+        self,
+        viewer: Principal,
+        status: JobStatus | None = None,
+        function: str | None = None,
+        limit: int = 100,
+        tenant: str | None = None,
     ) -> list[Job]:
-        """Newest first."""
+        """Newest first: the viewer's own jobs (an admin's: every tenant's, or ``tenant``'s)."""
         jobs = [
             j
             for j in self.jobs.values()
             if j.durable
+            and viewer.owns(j.owner)
+            and (tenant is None or j.owner == tenant)
             and (status is None or j.status is status)
             and (function is None or j.function == function)
         ]
@@ -282,12 +296,12 @@ class JobStore:
         return job.completed_at + self.retention_s
 
     # ---- submission and execution -------------------------------------------------------
-    def admit(self, request: wire.JobRequest, tenant: str) -> None:
+    def admit(self, request: wire.JobRequest, owner: str) -> None:
         """429 when a durable job of ``request`` would pass a live-job or retained-bytes
-        cap (``platform/retention.py``)."""
+        cap of its owner or of all (``platform/retention.py``)."""
         self.retention.admit(
             list(self.jobs.values()),
-            tenant,
+            owner,
             payload_bytes(request),
             self._clock(),
             self.retention_s,
@@ -300,13 +314,15 @@ class JobStore:
         prepared: PreparedInvocation,
         durable: bool = True,
         job_id: str | None = None,
-        tenant: str = "anonymous",
+        owner: str = ANONYMOUS,
     ) -> Job:
         """Accept a job (journaled first when durable, within the caps) and start it."""
         if durable:
-            self.admit(request, tenant)
-        job = Job(job_id or new_job_id(), function, request, self._clock(), durable=durable)
-        job.prepared, job.tenant = prepared, tenant
+            self.admit(request, owner)
+        job = Job(
+            job_id or new_job_id(), function, request, self._clock(), durable=durable, owner=owner
+        )
+        job.prepared = prepared
         job.retained_bytes = payload_bytes(request)
         if durable and self.journal is not None:
             await asyncio.to_thread(self.journal.write, job.to_record())
@@ -383,7 +399,7 @@ class JobStore:
                 self._drop_image(job)
             except OSError:
                 log.exception("could not record the end of job %s", job.id)
-        self._record(job, END_EVENT[status], job.describe(with_image=False))
+        self._record(job, END_EVENT[status], job.describe(with_image=False, with_webhook=False))
 
     def _drop_payload(self, job: Job) -> None:
         """A finished job keeps its result and a small record, not its request's payload
@@ -412,9 +428,9 @@ class JobStore:
             job.result = dataclasses.replace(job.result, image=b"")
             job.image_on_disk = True
 
-    async def document(self, job: Job) -> dict[str, Any]:
+    async def document(self, job: Job, with_webhook: bool = True) -> dict[str, Any]:
         """The job document with its result's image (read back from the journal)."""
-        doc = job.describe()
+        doc = job.describe(with_webhook=with_webhook)
         if job.image_on_disk and "result" in doc and self.journal is not None:
             try:
                 record = await asyncio.to_thread(self.journal.read, job.id)

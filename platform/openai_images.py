@@ -23,7 +23,6 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,14 +39,17 @@ from retouch.functions.errors import (
     UnsupportedMediaType,
 )
 from retouch.functions.imaging import MASK_MODES, decode_openai_mask, encode_mask
+from retouch.platform.auth import OPEN
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
 from retouch.platform.imagegate import ImageGate
 from retouch.platform.jobs import Job
 from retouch.platform.links import LinkSigner
 from retouch.platform.uploads import check_upload, decode_upload
+from retouch.runtime import requestparams
 from retouch.runtime.asgi import read_raw_body
 
+PATH_PREFIX = "/v1/images/"
 MAX_N = 10
 URL_TTL_S = 3600.0  # how long a ``url`` answer stays valid (OpenAI: 60 minutes)
 MAX_FIELD_BYTES = 64 << 10  # a text field (a prompt is at most 4096 characters)
@@ -82,6 +84,8 @@ FIELDS = (
     *IGNORED,
 )
 IMAGE_NAME = re.compile(r"([0-9a-f]{32})\.(png|webp)")
+SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
+MAX_EXPIRES = 2**40  # a Unix time (year 36812): bounds the digits a link's expires may have
 
 
 @dataclass(frozen=True)
@@ -103,34 +107,15 @@ class EditForm:
     guidance: float | None = None
 
 
-def _int(raw: str, field: str, lo: int, hi: int) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = lo - 1
-    if not lo <= value <= hi:
-        raise BadRequest(
-            f"{field} must be an integer in [{lo}, {hi}]", field=field, code="invalid_field"
-        )
-    return value
-
-
-def _float(raw: str, field: str, lo: float, hi: float) -> float:
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        value = float("nan")
-    if not lo <= value <= hi:  # NaN fails too
-        raise BadRequest(
-            f"{field} must be a number in [{lo}, {hi}]", field=field, code="invalid_field"
-        )
-    return value
+def _int(raw: str | None, field: str, lo: int, hi: int) -> int | None:
+    """An optional integer form field (surrounding whitespace allowed, as form clients pad)."""
+    return None if raw is None else requestparams.integer(raw.strip(), field, lo, hi)
 
 
 def _size(raw: str) -> tuple[int, int] | None:
     if raw.strip() == "auto":
         return None
-    m = re.fullmatch(r"\s*(\d{1,5})x(\d{1,5})\s*", raw)
+    m = SIZE.fullmatch(raw.strip())
     if m is None:
         raise BadRequest(
             "size must be WIDTHxHEIGHT (e.g. 512x512) or auto", field="size", code="invalid_field"
@@ -241,28 +226,28 @@ async def _validate(form: Any) -> EditForm:
         template=image.strip() if isinstance(image, str) else None,
         mask=mask,
         mask_mode=mask_mode,
-        n=1 if raw["n"] is None else _int(raw["n"], "n", 1, MAX_N),
+        n=_int(raw["n"], "n", 1, MAX_N) or 1,
         size=None if raw["size"] is None else _size(raw["size"]),
         response_format=response_format,
         output_format=OUTPUT_FORMATS[output_format],
-        seed=None if raw["seed"] is None else _int(raw["seed"], "seed", 0, 2**63 - 1),
-        steps=None
-        if raw["num_inference_steps"] is None
-        else _int(raw["num_inference_steps"], "num_inference_steps", 1, wire.MAX_STEPS),
+        seed=_int(raw["seed"], "seed", 0, 2**63 - 1),
+        steps=_int(raw["num_inference_steps"], "num_inference_steps", 1, wire.MAX_STEPS),
         guidance=None
         if raw["guidance_scale"] is None
-        else _float(raw["guidance_scale"], "guidance_scale", 0.0, wire.MAX_GUIDANCE),
+        else requestparams.decimal(
+            raw["guidance_scale"].strip(), "guidance_scale", 0.0, wire.MAX_GUIDANCE
+        ),
     )
 
 
-async def _edit_mask(images: ImageGate, fn: DeployedFunction, form: EditForm) -> bytes:
+async def _edit_mask(images: ImageGate, fn: DeployedFunction, form: EditForm, owner: str) -> bytes:
     """The form's mask as this API's white-on-black PNG, checked against the image; every
     image's header is checked before it is decoded, each decode within the budget."""
     spec = fn.spec
     if form.image is not None:
         image = images.declare(form.image, "image")
         check_upload(spec, image.size)
-        await images.decode(image, decode_upload, spec, form.image)  # image errors first
+        await images.decode(image, decode_upload, spec, form.image, owner)  # image errors first
         size = image.size
     else:
         found = fn.sizes.get(form.template or "")
@@ -297,15 +282,21 @@ def _mask_png(data: bytes, size: tuple[int, int], mode: str, field: str) -> byte
     return encode_mask(decode_openai_mask(data, size, mode, field=field))
 
 
-def openai_error(request: Request, exc: RetouchError) -> Response:
-    """This API's error body plus OpenAI's ``type`` and ``param``."""
+def openai_error(
+    request: Request, exc: RetouchError, headers: dict[str, str] | None = None
+) -> Response:
+    """This API's error body plus OpenAI's ``type`` and ``param``: every answer under
+    ``/v1/images/`` (the auth check's and the router's too) has it, so OpenAI's clients
+    show them as they would OpenAI's own."""
     body = exc.to_wire()
     body["error"]["type"] = "invalid_request_error" if exc.status < 500 else "server_error"
     body["error"]["param"] = exc.field
-    headers = (
-        {"retry-after": str(getattr(exc, "retry_after_s", 1))} if exc.status in (429, 503) else None
-    )
     return Response(json.dumps(body), exc.status, headers, media_type="application/json")
+
+
+def answers_openai(request: Request) -> bool:
+    """Whether ``request`` is one of this API's (its errors OpenAI-shaped)."""
+    return request.url.path.startswith(PATH_PREFIX)
 
 
 class OpenAIImages:
@@ -318,21 +309,12 @@ class OpenAIImages:
         *,
         max_body: int,
         links: LinkSigner,
-        on_error: Callable[[RetouchError], None],
     ) -> None:
         self.door = door
         self.max_body = max_body
         self.links = links  # its own key (``platform/links.py``), not the webhook secret
-        self.on_error = on_error
 
     async def edits(self, request: Request) -> Response:
-        try:
-            return await self._edits(request)
-        except RetouchError as exc:
-            self.on_error(exc)
-            return openai_error(request, exc)
-
-    async def _edits(self, request: Request) -> Response:
         received = time.perf_counter()
         door = self.door
         form = await read_form(request, self.max_body)
@@ -350,10 +332,11 @@ class OpenAIImages:
             )
         first_seed = secrets.randbits(62) if form.seed is None else form.seed
         durable = form.response_format == "url"  # its image is served from the journal
+        owner = request.state.principal.tenant
         jobs: list[Job] = []
         try:
             with door.arrival(fn, received):
-                mask = await _edit_mask(door.images, fn, form)
+                mask = await _edit_mask(door.images, fn, form, owner)
                 for i in range(form.n):
                     req = wire.InvokeRequest(
                         template=form.template,
@@ -365,7 +348,9 @@ class OpenAIImages:
                         guidance=form.guidance,
                         format=form.output_format,
                     )
-                    jobs.append(await door.accept(fn, wire.JobRequest(req), durable=durable))
+                    jobs.append(
+                        await door.accept(fn, wire.JobRequest(req), durable=durable, owner=owner)
+                    )
         except BaseException:
             door.forget(jobs)  # those already accepted run on; nobody waits for them
             raise
@@ -399,18 +384,18 @@ class OpenAIImages:
         if m is None:
             raise NotFound("no such image", field="name", code="image_not_found")
         job_id = m.group(1)
-        expires = request.query_params.get("expires", "")
+        expires = requestparams.integer(
+            request.query_params.get("expires"), "expires", 0, MAX_EXPIRES
+        )
         sig = request.query_params.get("sig", "")
-        if not expires.isdigit():
-            raise BadRequest("invalid image link signature", field="sig", code="invalid_signature")
-        self.links.verify(job_id, int(expires), sig)
-        if int(expires) < time.time():
+        self.links.verify(job_id, expires, sig)
+        if expires < time.time():
             raise NotFound("this image link has expired", field="expires", code="link_expired")
         try:
-            job = jobs.get(job_id)
+            job = jobs.get(job_id, OPEN)  # the link's signature is the authorization
         except NotFound as exc:
             raise NotFound("the image is gone", field="name", code="image_not_found") from exc
-        self.links.check_lifetime(int(expires), jobs.retained_until(job))
+        self.links.check_lifetime(expires, jobs.retained_until(job))
         doc = await jobs.document(job)
         result = doc.get("result")
         if result is None:

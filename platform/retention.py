@@ -75,7 +75,7 @@ class Retention:
 
     @staticmethod
     def usage(jobs: Iterable[Job], tenant: str | None = None) -> Usage:
-        kept = [j for j in jobs if j.durable and (tenant is None or j.tenant == tenant)]
+        kept = [j for j in jobs if j.durable and (tenant is None or j.owner == tenant)]
         live = sum(not j.status.terminal for j in kept)
         return Usage(live, sum(j.retained_bytes for j in kept))
 
@@ -123,7 +123,7 @@ def _until_freed(
         if j.durable
         and j.status.terminal
         and j.completed_at is not None
-        and (tenant is None or j.tenant == tenant)
+        and (tenant is None or j.owner == tenant)
     )
     freed = 0
     for completed_at, nbytes in finished:

@@ -28,6 +28,7 @@ from retouch.platform.providers import LocalProvider, Provider
 from retouch.platform.registry import Registry
 from retouch.platform.retention import RetentionLimits
 from retouch.platform.webhooks import AllowList, load_secret
+from retouch.runtime.httpserver import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ def serve(config: ServeConfig) -> None:
         port=config.port,
         log_level="warning",
         timeout_graceful_shutdown=10,
+        **SERVER_OPTIONS,
     )
 
 

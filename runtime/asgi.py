@@ -31,9 +31,11 @@ from retouch.functions.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
+from retouch.runtime import requestparams
 
 log = logging.getLogger(__name__)
 
+MAX_CONTENT_LENGTH = 2**63 - 1
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 
@@ -68,8 +70,10 @@ def error_response(
 async def read_raw_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 beyond ``limit`` bytes (declared, or while streaming)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
+    if declared is not None:  # the HTTP server checked its form; bounded here all the same
+        size = requestparams.integer(declared, "content-length", 0, MAX_CONTENT_LENGTH)
+        if size > limit:
+            raise PayloadTooLarge(f"body of {size} bytes exceeds the limit of {limit}")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -88,12 +92,17 @@ async def read_msgpack(request: Request, limit: int) -> Any:
     return wire.unpack(data)
 
 
+RenderError = Callable[[Request, RetouchError, dict[str, str] | None], Response]
+
+
 def structured_http_errors(
     on_error: Callable[[RetouchError], None] | None = None,
+    render: RenderError = error_response,
 ) -> dict[Any, Callable[[Request, Exception], Response]]:
     """Starlette ``exception_handlers`` that answer routing failures (unknown route, wrong
-    method) and anything unhandled outside :func:`endpoint` with the structured error body,
-    so no caller ever reads a plain-text ``Not Found``. Pass to ``Starlette(...)``."""
+    method) and anything unhandled outside :func:`endpoint` with the structured error body
+    (as ``render`` writes it), so no caller ever reads a plain-text ``Not Found``. Pass to
+    ``Starlette(...)``."""
 
     def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -113,14 +122,14 @@ def structured_http_errors(
             err.status = exc.status_code
         if on_error is not None:
             on_error(err)
-        return error_response(request, err, headers or None)
+        return render(request, err, headers or None)
 
     def internal(request: Request, exc: Exception) -> Response:
         # Starlette's ServerErrorMiddleware logs the traceback and re-raises after this.
         err = RetouchError(f"internal error: {type(exc).__name__}")
         if on_error is not None:
             on_error(err)
-        return error_response(request, err)
+        return render(request, err, None)
 
     return {HTTPException: http_error, Exception: internal}
 
@@ -178,11 +187,13 @@ def endpoint(
     authorize: Callable[[Request], None],
     on_error: Callable[[RetouchError], None] | None = None,
     status: int = 200,
+    render: RenderError = error_response,
 ) -> Callable[[Request], Awaitable[Response]]:
     """Wrap ``handler`` (returns the payload, or a ready ``Response``) with auth and errors.
 
-    A :class:`RetouchError` becomes its structured response; anything else is logged with
-    its traceback and answered as a 500 ``internal`` error, and the server keeps serving.
+    A :class:`RetouchError` (the auth check's included) becomes its structured response,
+    as ``render`` writes it; anything else is logged with its traceback and answered as a
+    500 ``internal`` error, and the server keeps serving.
     """
 
     async def route(request: Request) -> Response:
@@ -199,6 +210,6 @@ def endpoint(
             on_error(err)
         retry = getattr(err, "retry_after_s", 1)
         headers = {"retry-after": str(retry)} if err.status in (429, 503) else None
-        return error_response(request, err, headers)
+        return render(request, err, headers)
 
     return route

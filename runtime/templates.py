@@ -137,9 +137,12 @@ class TemplateCache:
         upload: bool = False,
     ) -> Template:
         """A template keyed by its content and settings; baked if the store holds the key
-        (ad-hoc ones get the store's ephemeral prefix: evicted before deployed ones)."""
+        (ad-hoc ones get the store's ephemeral prefix: evicted before deployed ones). An
+        ad-hoc template's key holds its id too: the gateway's upload ids say who may share
+        a bake (one tenant's uploads, never another's)."""
         pixels = np.asarray(image).tobytes()
-        key = template_key(model_fp, _settings(spec), scheduler_config, pixels, prompt, seed)
+        settings = {**_settings(spec), "upload": tid} if upload else _settings(spec)
+        key = template_key(model_fp, settings, scheduler_config, pixels, prompt, seed)
         if upload:
             key = EPHEMERAL_PREFIX + key
         baked = self.store.tier(key) is not Tier.NONE
@@ -204,7 +207,7 @@ class TemplateCache:
     ) -> Template:
         """The ad-hoc template of an uploaded image (created on first sight, marked most
         recently used). Baked already when the store holds it (another executor of the
-        host, or an earlier life of this one, baked the same pixels)."""
+        host, or an earlier life of this one, baked the same upload)."""
         with self.lock:
             known = self.uploads.get(spec.name, {}).get(template_id)
             if known is not None:

@@ -36,6 +36,7 @@ from retouch.functions import wire
 from retouch.functions.errors import BadRequest, RetouchError, Unavailable
 from retouch.functions.imaging import decode_image
 from retouch.functions.spec import parse_spec
+from retouch.runtime import requestparams
 from retouch.runtime.asgi import (
     check_token,
     decode_bytes,
@@ -57,30 +58,18 @@ STREAM_MEDIA_TYPE = "application/msgpack"  # a sequence of msgpack maps
 MAX_BODY = 1 << 30  # the gateway already enforced the public limit
 CHANGES_WAIT_S = 20  # a change-feed long poll answers after this long when nothing changed
 MAX_CHANGES_WAIT_S = 60
+MAX_GENERATION = 2**62
 
 
 def _generation(raw: Any) -> int:
     """The gateway's sequence number of a control operation on a function name."""
-    if isinstance(raw, str) and raw.isdigit():
-        raw = int(raw)
+    if isinstance(raw, str):
+        raw = requestparams.integer(raw, "generation", 0, MAX_GENERATION)
     if type(raw) is not int or raw < 0:
         raise BadRequest(
             "generation must be a non-negative integer", field="generation", code="invalid_field"
         )
     return raw
-
-
-def _query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise BadRequest(f"{name} must be an integer", field=name, code="invalid_field") from None
-    if not low <= value <= high:
-        raise BadRequest(f"{name} must be in [{low}, {high}]", field=name, code="invalid_field")
-    return value
 
 
 def _parse_deploy(body: Any) -> tuple[FunctionSpec, dict[str, Image.Image], int]:
@@ -113,8 +102,11 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
 
     async def changes(request: Request) -> dict[str, Any]:
         """Long poll: the change feed's events after ``after``, as soon as there are any."""
-        after = _query_int(request, "after", 0, 0, 2**62)
-        timeout_s = _query_int(request, "timeout", CHANGES_WAIT_S, 0, MAX_CHANGES_WAIT_S)
+        query = request.query_params
+        after = requestparams.integer(query.get("after"), "after", 0, 2**62, default=0)
+        timeout_s = requestparams.integer(
+            query.get("timeout"), "timeout", 0, MAX_CHANGES_WAIT_S, default=CHANGES_WAIT_S
+        )
         return (await core.changes.wait(after, timeout_s)).to_wire()
 
     async def put_function(request: Request) -> dict[str, Any]:

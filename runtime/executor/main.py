@@ -28,6 +28,7 @@ from retouch.runtime.executor.app import TOKEN_ENV, build_app
 from retouch.runtime.executor.changes import ChangeFeed
 from retouch.runtime.executor.core import ExecutorCore, WorkerStages
 from retouch.runtime.executor.options import ExecutorOptions
+from retouch.runtime.httpserver import SERVER_OPTIONS
 from retouch.runtime.models import ModelCache
 from retouch.runtime.templates import TemplateCache, store_path
 from retouch.runtime.workers import PrePostPool
@@ -142,7 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     tmp.write_text(str(sock.getsockname()[1]))
     tmp.replace(args.port_file)
     config = uvicorn.Config(
-        build_app(core, token), log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        build_app(core, token),
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        **SERVER_OPTIONS,
     )
     ExecutorServer(config, core.changes).run(sockets=[sock])
 

@@ -16,6 +16,7 @@ from retouch.functions import wire
 from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound, RetouchError
 from retouch.functions.wire import JobEventKind, JobStatus
 from retouch.platform import sse, webhooks
+from retouch.platform.auth import OPEN, Principal
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.httpapi import parse_prefer_wait
 from retouch.platform.jobs import Job, JobStore, PreparedInvocation
@@ -133,10 +134,10 @@ async def test_cancel_is_idempotent_and_refused_once_finished() -> None:
 async def test_lookup_errors_name_the_id() -> None:
     jobs = store(FakeRun())
     with pytest.raises(BadRequest) as bad:
-        jobs.get("nope")
+        jobs.get("nope", OPEN)
     assert bad.value.field == "id"
     with pytest.raises(NotFound) as missing:
-        jobs.get("0" * 32)
+        jobs.get("0" * 32, OPEN)
     assert missing.value.code == "job_not_found"
 
 
@@ -183,6 +184,39 @@ async def test_the_journal_resumes_unfinished_jobs_once(tmp_path: Path) -> None:
     ended = await asyncio.wait_for(again.wait(again.jobs[finished.id], 30), 1)  # no waiting
     assert [e.kind async for e in again.events(ended) if e is not None] == [JobEventKind.CANCELED]
     await again.close()
+
+
+@sync
+async def test_a_job_is_its_owners_and_outlives_a_restart_as_such(tmp_path: Path) -> None:
+    """Another tenant's job is as unknown as a missing one; an admin sees every tenant's,
+    and the owner is kept in the journal (a resumed job stays its owner's)."""
+    alice, bob = Principal("alice", "invoke"), Principal("bob", "invoke")
+    admin = Principal("ops", "admin")
+    jobs = store(FakeRun(hold=True), JobJournal(tmp_path))
+    await jobs.start()
+    job = await jobs.submit("f", request(), prepared(), owner="alice")
+    assert jobs.get(job.id, alice) is job and jobs.get(job.id, admin) is job
+    with pytest.raises(NotFound) as hidden:
+        jobs.get(job.id, bob)
+    with pytest.raises(NotFound) as missing:
+        jobs.get("0" * 32, bob)
+    assert hidden.value.to_wire()["error"]["code"] == missing.value.to_wire()["error"]["code"]
+    assert [j.id for j in jobs.list(alice)] == [job.id] and jobs.list(bob) == []
+    assert [j.id for j in jobs.list(admin, tenant="alice")] == [job.id]
+    assert jobs.list(admin, tenant="bob") == []
+    await jobs.close()
+    again = store(FakeRun(), JobJournal(tmp_path))
+    await again.start()
+    assert again.get(job.id, alice).owner == "alice"
+    with pytest.raises(NotFound):
+        again.get(job.id, bob)
+    await again.close()
+
+
+def test_a_webhook_url_stays_out_of_events_and_of_others_documents() -> None:
+    job = Job("e" * 32, "f", request(webhook="http://127.0.0.1:9/x?key=s3cret"), 1.0)
+    assert job.describe()["webhook"] == "http://127.0.0.1:9/x?key=s3cret"
+    assert "webhook" not in job.describe(with_webhook=False)
 
 
 def test_a_corrupt_record_is_set_aside(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from retouch.functions.errors import Forbidden, InvalidSpec, Unauthorized
 from retouch.functions.spec import parse_spec
-from retouch.platform.auth import TokenAuth, parse_token_file
+from retouch.platform.auth import Principal, TokenAuth, parse_token_file
 from retouch.platform.placement import LeastRequests, PlacementRequest, RoundRobin, make_placement
 from retouch.platform.registry import Registry
 
@@ -62,10 +62,29 @@ def test_token_scopes(tmp_path: Path) -> None:
         auth.authorize("nope", "invoke")
     with pytest.raises(Unauthorized):
         auth.authorize(None, "invoke")
-    TokenAuth().authorize(None, "admin")  # no tokens configured: open
+    assert TokenAuth().authorize(None, "admin") == Principal("anonymous", "admin")  # open
     path.write_text("root x\n")
     with pytest.raises(InvalidSpec):
         parse_token_file(path)
+
+
+def test_a_token_acts_for_its_tenant(tmp_path: Path) -> None:
+    """A token file's third column names the tenant; without one the tenant is derived
+    from the token (stable) and does not contain it."""
+    path = tmp_path / "tokens"
+    path.write_text("invoke i-1 acme\ninvoke i-2 acme\ninvoke lone-token\nadmin a-1 ops\n")
+    auth = TokenAuth(parse_token_file(path))
+    assert auth.authorize("i-1", "invoke") == auth.authorize("i-2", "invoke")
+    assert auth.authorize("i-1", "invoke").tenant == "acme"
+    lone = auth.authorize("lone-token", "invoke").tenant
+    assert lone == TokenAuth(parse_token_file(path)).authorize("lone-token", "invoke").tenant
+    assert "lone-token" not in lone and lone.startswith("t-")
+    admin = auth.authorize("a-1", "invoke")
+    assert admin.admin and admin.owns("acme") and not auth.authorize("i-1", "invoke").owns(lone)
+    for bad in ("invoke tok with space", "invoke tok bad/tenant", "invoke tok " + "x" * 65):
+        path.write_text(bad + "\n")
+        with pytest.raises(InvalidSpec):
+            parse_token_file(path)
 
 
 @dataclass

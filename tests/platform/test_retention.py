@@ -54,17 +54,17 @@ async def test_live_jobs_are_capped_per_tenant_with_retry_after() -> None:
     run = FakeRun(hold=True)
     jobs = store(run, limits=limits(max_live_jobs_per_tenant=2))
     await jobs.start()
-    held = [await jobs.submit("f", big_request(i), prepared(), tenant="a") for i in range(2)]
+    held = [await jobs.submit("f", big_request(i), prepared(), owner="a") for i in range(2)]
     with pytest.raises(Overloaded) as refused:
-        await jobs.submit("f", big_request(3), prepared(), tenant="a")
+        await jobs.submit("f", big_request(3), prepared(), owner="a")
     assert refused.value.code == "too_many_jobs" and refused.value.retry_after_s >= 1
-    other = await jobs.submit("f", big_request(4), prepared(), tenant="b")  # not a's cap
-    await jobs.submit("f", big_request(5), prepared(), durable=False, tenant="a")  # sync
+    other = await jobs.submit("f", big_request(4), prepared(), owner="b")  # not a's cap
+    await jobs.submit("f", big_request(5), prepared(), durable=False, owner="a")  # sync
     for job in held:
         run.canceled.add(job.id)
         await jobs.wait(job, 5)
-    await jobs.submit("f", big_request(6), prepared(), tenant="a")  # room again
-    assert other.tenant == "b"
+    await jobs.submit("f", big_request(6), prepared(), owner="a")  # room again
+    assert other.owner == "b"
     await jobs.close()
 
 
