@@ -235,7 +235,10 @@ class JobStore:
                 if job.status.terminal:  # its end, again, for readers; webhooks had it
                     self._record(job, END_EVENT[job.status], job.describe(False), notify=False)
                 else:  # its new run number is durable before it issues an event id
-                    await asyncio.to_thread(self.journal.write, job.to_record())
+                    try:
+                        await asyncio.to_thread(self.journal.write, job.to_record())
+                    except OSError:
+                        log.exception("could not record the new run of job %s", job.id)
                     self._record(job, JobEventKind.QUEUED, {"position": None})
                     job.task = asyncio.create_task(self._run(job))
             resumed = sum(not j.status.terminal for j in self.jobs.values())
@@ -362,8 +365,9 @@ class JobStore:
         journaled = self._notify(job, event) if self._notify and job.durable else None
         if job.durable and self.journal is not None:
             try:
-                if journaled is not None:
-                    await asyncio.shield(journaled)
+                if journaled is not None:  # a failed write is the sender's to log
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(journaled)
                 await asyncio.to_thread(self.journal.write, job.to_record())
                 self._drop_image(job)
             except OSError:

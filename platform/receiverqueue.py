@@ -41,9 +41,6 @@ class ReceiverQueue(Generic[T]):
         self._pending: deque[T] = deque()
         self._workers: set[asyncio.Task] = set()
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
     @property
     def idle(self) -> bool:
         return not self._pending and not self._workers
@@ -52,11 +49,15 @@ class ReceiverQueue(Generic[T]):
         """Queue ``item``; the delivery dropped to make room, if the queue was full."""
         self._pending.append(item)
         evicted = self._evict() if len(self._pending) > self._capacity else None
+        self._staff()
+        return evicted
+
+    def _staff(self) -> None:
+        """Enough workers for what is pending (up to the receiver's concurrency)."""
         while len(self._workers) < min(self._concurrency, len(self._pending)):
             task = asyncio.create_task(self._work())
             self._workers.add(task)
             task.add_done_callback(self._worker_done)
-        return evicted
 
     def _evict(self) -> T:
         for i, item in enumerate(self._pending):
@@ -75,6 +76,9 @@ class ReceiverQueue(Generic[T]):
 
     def _worker_done(self, task: asyncio.Task) -> None:
         self._workers.discard(task)
+        if task.cancelled():
+            return  # closing
+        self._staff()  # a delivery put while this worker was ending still gets one
         if self.idle:
             self._on_idle()
 

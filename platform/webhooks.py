@@ -289,9 +289,6 @@ class WebhookSender:
         if self._http is not None:
             await self._http.aclose()
 
-    def pending(self) -> int:
-        return sum(len(r) for r in self._receivers.values())
-
     def notify(self, job: Any, event: wire.JobEvent) -> Awaitable[None] | None:
         """A job event happened: journal and queue its delivery if the job asked for that
         event. Returns the journal write (the job store awaits it for the terminal event)."""
@@ -332,12 +329,18 @@ class WebhookSender:
                 self._concurrency,
                 self._backlog,
                 evictable=lambda d: d.event is not WebhookEvent.COMPLETED,
-                on_idle=lambda: self._receivers.pop(key, None),
+                on_idle=lambda: self._retire(key),
             )
             self._receivers[key] = receiver
         evicted = receiver.put(delivery)
         if evicted is not None:
             self._drop(evicted, f"{key} has {self._backlog} deliveries waiting")
+
+    def _retire(self, key: str) -> None:
+        """Forget an idle receiver's queue (a new one is made for its next delivery)."""
+        receiver = self._receivers.get(key)
+        if receiver is not None and receiver.idle:
+            del self._receivers[key]
 
     def _drop(self, delivery: Delivery, why: str) -> None:
         log.warning("webhook %s of job %s dropped: %s", delivery.id, delivery.job_id, why)
