@@ -260,7 +260,8 @@ class WebhookSender:
         self.stats = WebhookStats()
         self._concurrency, self._backlog = concurrency, backlog
         self._receivers: dict[str, ReceiverQueue[Delivery]] = {}
-        self._tasks: set[asyncio.Task] = set()  # retry timers and journal removals
+        self._timers: set[asyncio.Future[None]] = set()  # retries waiting for their time
+        self._journaling: set[asyncio.Future[None]] = set()  # journal writes and removals
         self._http: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
@@ -281,11 +282,10 @@ class WebhookSender:
         """Stop sending; what is pending stays journaled for the next start."""
         for receiver in list(self._receivers.values()):
             await receiver.close()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        for timer in list(self._timers):
+            timer.cancel()
+        # settled deliveries leave the journal (not re-sent at the next start)
+        await asyncio.gather(*self._timers, *self._journaling, return_exceptions=True)
         if self._http is not None:
             await self._http.aclose()
 
@@ -311,7 +311,7 @@ class WebhookSender:
         delivery = Delivery(ident, url, job.id, kind, body, time.time(), _done())
         if self.journal is not None:
             delivery.journaled = self._background(
-                asyncio.to_thread(self.journal.write, delivery.to_record())
+                self._journaling, asyncio.to_thread(self.journal.write, delivery.to_record())
             )
         self._enqueue(delivery)
         return delivery.journaled
@@ -350,7 +350,7 @@ class WebhookSender:
     def _forget(self, delivery: Delivery) -> None:
         """Settled: off the journal (after its write, which may still be under way)."""
         if self.journal is not None:
-            self._background(self._unjournal(delivery))
+            self._background(self._journaling, self._unjournal(delivery))
 
     async def _unjournal(self, delivery: Delivery) -> None:
         assert self.journal is not None
@@ -358,14 +358,18 @@ class WebhookSender:
             await delivery.journaled
         await asyncio.to_thread(self.journal.delete, delivery.id)
 
-    def _background(self, work: Awaitable[None]) -> asyncio.Future[None]:
+    def _background(
+        self, tasks: set[asyncio.Future[None]], work: Awaitable[None]
+    ) -> asyncio.Future[None]:
+        """``work`` on its own task, kept in ``tasks`` until done (a failure logged)."""
         task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._settled)
+        tasks.add(task)
+        task.add_done_callback(lambda done: self._settled(tasks, done))
         return task
 
-    def _settled(self, task: asyncio.Future[None]) -> None:
-        self._tasks.discard(task)
+    @staticmethod
+    def _settled(tasks: set[asyncio.Future[None]], task: asyncio.Future[None]) -> None:
+        tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("webhook journal: %s", task.exception())
 
@@ -396,7 +400,7 @@ class WebhookSender:
         else:
             self.stats.retried += 1
             delay = min(self.retry.max_s, self.retry.base_s * 2 ** (delivery.attempts - 1))
-            self._background(self._later(delivery, delay))
+            self._background(self._timers, self._later(delivery, delay))
 
     async def _later(self, delivery: Delivery, delay: float) -> None:
         await asyncio.sleep(delay)
