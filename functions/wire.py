@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
-from urllib.parse import urlsplit
 
+import httpx
 import msgpack
 import numpy as np
 
@@ -790,8 +790,11 @@ def check_job_id(raw: str) -> str:
     return raw
 
 
-def check_webhook_url(raw: Any) -> str:
-    """An absolute http(s) URL with a host; the allow-list is the gateway's business."""
+def parse_webhook_url(raw: Any) -> httpx.URL:
+    """The one parser of webhook URLs (submission, allow-list and sender all use it): an
+    absolute http(s) URL with a host and a valid port, no user info, and written the way it
+    parses back (so no control character, space or alternative spelling can make a check
+    and a connection read different hosts). Else ``invalid_field`` on ``webhook``."""
     if not isinstance(raw, str):
         raise BadRequest("webhook must be a URL string", field="webhook", code="invalid_field")
     if len(raw) > MAX_URL_CHARS:
@@ -799,17 +802,32 @@ def check_webhook_url(raw: Any) -> str:
             f"webhook longer than {MAX_URL_CHARS} characters", field="webhook", code="invalid_field"
         )
     try:
-        parts = urlsplit(raw)
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError as exc:
+        url = httpx.URL(raw)
+    except httpx.InvalidURL as exc:
         raise BadRequest(f"webhook: {exc}", field="webhook", code="invalid_field") from exc
-    if parts.scheme not in ("http", "https"):
+    if url.scheme not in ("http", "https"):
         raise BadRequest(
             "webhook must be an http or https URL", field="webhook", code="invalid_field"
         )
-    if not parts.hostname:
+    if not url.raw_host:
         raise BadRequest("webhook URL has no host", field="webhook", code="invalid_field")
-    return raw
+    if url.port is not None and not 0 < url.port < 65536:
+        raise BadRequest(
+            f"webhook port {url.port} out of range", field="webhook", code="invalid_field"
+        )
+    if url.userinfo:
+        raise BadRequest(
+            "webhook URL must not carry user info (user@host)",
+            field="webhook",
+            code="invalid_field",
+        )
+    if str(url) != raw:
+        raise BadRequest(
+            f"webhook URL does not read back the same; write it as {str(url)!r}",
+            field="webhook",
+            code="invalid_field",
+        )
+    return url
 
 
 @dataclass(frozen=True)
@@ -823,7 +841,7 @@ class JobRequest:
     @classmethod
     def from_wire(cls, obj: Any) -> JobRequest:
         body = as_map(obj)
-        webhook = None if body.get("webhook") is None else check_webhook_url(body["webhook"])
+        webhook = None if body.get("webhook") is None else str(parse_webhook_url(body["webhook"]))
         events = DEFAULT_WEBHOOK_EVENTS
         if body.get("webhook_events") is not None:
             raw = body["webhook_events"]

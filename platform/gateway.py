@@ -51,6 +51,7 @@ from retouch.functions.wire import DeployStatus
 from retouch.platform import uploads
 from retouch.platform.auth import TENANT, TENANT_RULE, Principal, TokenAuth
 from retouch.platform.config import DEFAULT_URL
+from retouch.platform.deliveryjournal import DeliveryJournal
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
 from retouch.platform.httpapi import (
@@ -108,7 +109,11 @@ class Gateway:
     _generations: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
-        self.webhooks = WebhookSender(self.webhook_secret, self.webhook_allow)
+        self.webhooks = WebhookSender(
+            self.webhook_secret,
+            self.webhook_allow,
+            journal=DeliveryJournal(self.data_dir / "webhooks") if self.data_dir else None,
+        )
         self.door = FrontDoor(
             self.functions,
             self.pool.dispatcher,

@@ -42,11 +42,16 @@ DEFAULT_PROGRESS_INTERVAL_S = 0.25
 POSITION_POLL_S = 0.25  # how often queue positions are re-read for ``queued`` events
 MAX_EVENTS = 512  # kept per job for late readers (progress is throttled, so rarely reached)
 RECORD_VERSION = 1
+# Event ids of a job's n-th run (0: as accepted, 1: resumed after a restart, ...) start
+# above n * RUN_SEQ_SPAN, so the ids a reader saw before a restart stay below the new ones.
+RUN_SEQ_SPAN = 1_000_000
 
 OnStart = Callable[[str, int], None]
 OnProgress = Callable[[wire.StepProgress], None]
 Execute = Callable[["Job", OnStart, OnProgress], Awaitable[wire.InvokeResult]]
-Notify = Callable[["Job", wire.JobEvent], None]
+# The webhook sender: returns its delivery's journal write (awaited for the terminal event,
+# which is durable before the job's final record), or None when nothing is delivered.
+Notify = Callable[["Job", wire.JobEvent], Awaitable[None] | None]
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,8 @@ class Job:
     position: int | None = None
     image_on_disk: bool = False  # the result's image is read from the journal when asked for
     retained_bytes: int = 0  # its payload while live, its result once finished
-    _seq: int = 0
+    run: int = 0  # how many times a gateway resumed it from the journal
+    _seq: int = 0  # the last event id given (journaled in the final record)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _first_step: float | None = None  # monotonic time of the first progress frame
     _last_progress_event: float = 0.0
@@ -158,6 +164,8 @@ class Job:
             "request": self.request.to_wire(),
             "created_at": self.created_at,
             "status": self.status.value,
+            "run": self.run,
+            "last_seq": self._seq,
             "started_at": self.started_at,
             "completed_at": self.completed_at,
             "result": None if self.result is None else self.result.to_wire(),
@@ -185,8 +193,13 @@ class Job:
             if error is None
             else RetouchError.from_wire(int(error.get("status", 500)), {"error": error}),
         )
-        if not job.status.terminal:  # it had not ended: run it again from the start
+        last_seq, run = int(record.get("last_seq", 0)), int(record.get("run", 0))
+        if job.status.terminal:  # its terminal event comes again under its own id
+            job.run, job._seq = run, max(last_seq, 1) - 1
+        else:  # it had not ended: run it again from the start, with ids above the last run's
             job.status, job.started_at = JobStatus.QUEUED, None
+            job.run = run + 1
+            job._seq = job.run * RUN_SEQ_SPAN
         return job
 
 
@@ -238,7 +251,11 @@ class JobStore:
                     self._record(
                         job, END_EVENT[job.status], job.describe(False, False), notify=False
                     )
-                else:
+                else:  # its new run number is durable before it issues an event id
+                    try:
+                        await asyncio.to_thread(self.journal.write, job.to_record())
+                    except OSError:
+                        log.exception("could not record the new run of job %s", job.id)
                     self._record(job, JobEventKind.QUEUED, {"position": None})
                     job.task = asyncio.create_task(self._run(job))
             resumed = sum(not j.status.terminal for j in self.jobs.values())
@@ -393,13 +410,22 @@ class JobStore:
         job.completed_at = self._clock()
         job.position = None
         self._drop_payload(job)
+        event = self._event(
+            job, END_EVENT[status], job.describe(with_image=False, with_webhook=False)
+        )
+        # The webhook's delivery is journaled before the job's end: a crash between the two
+        # re-runs the job (same delivery id); the other order could lose the delivery.
+        journaled = self._notify(job, event) if self._notify and job.durable else None
         if job.durable and self.journal is not None:
             try:
+                if journaled is not None:  # a failed write is the sender's to log
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(journaled)
                 await asyncio.to_thread(self.journal.write, job.to_record())
                 self._drop_image(job)
             except OSError:
                 log.exception("could not record the end of job %s", job.id)
-        self._record(job, END_EVENT[status], job.describe(with_image=False, with_webhook=False))
+        self._publish(job, event)
 
     def _drop_payload(self, job: Job) -> None:
         """A finished job keeps its result and a small record, not its request's payload
@@ -477,13 +503,17 @@ class JobStore:
 
     async def events(self, job: Job, after: int = 0):
         """The job's events with ``seq > after`` in order, live until it ends; ``None``
-        items mark idle periods (for keep-alives)."""
+        items mark idle periods (for keep-alives). A stream always ends with the terminal
+        event unless the reader says it has it (``after`` is its id): one resuming from an
+        id this job never gave still gets it."""
         sent = after
         while True:
             for event in [e for e in job.events if e.seq > sent]:
                 sent = event.seq
                 yield event
             if job.ended and sent >= job.events[-1].seq:
+                if sent > job.events[-1].seq:
+                    yield job.events[-1]
                 return
             job._changed.clear()
             try:
@@ -495,8 +525,21 @@ class JobStore:
     def _record(
         self, job: Job, kind: JobEventKind, data: dict[str, Any], notify: bool = True
     ) -> None:
+        if job._seq - job.run * RUN_SEQ_SPAN >= RUN_SEQ_SPAN - 1:
+            return  # this run's ids are spent but for its terminal event's
+        event = self._event(job, kind, data)
+        self._publish(job, event)
+        if self._notify is not None and job.durable and notify:
+            self._notify(job, event)  # its journal write completes on its own
+
+    @staticmethod
+    def _event(job: Job, kind: JobEventKind, data: dict[str, Any]) -> wire.JobEvent:
         job._seq += 1
-        event = wire.JobEvent(job._seq, kind, data)
+        return wire.JobEvent(job._seq, kind, data)
+
+    @staticmethod
+    def _publish(job: Job, event: wire.JobEvent) -> None:
+        """Into the job's history, for its readers."""
         job.events.append(event)
         if len(job.events) > MAX_EVENTS:  # drop the oldest progress event, keep the rest
             for i, old in enumerate(job.events):
@@ -504,8 +547,6 @@ class JobStore:
                     del job.events[i]
                     break
         job._changed.set()
-        if self._notify is not None and job.durable and notify:
-            self._notify(job, event)
 
     async def _watch_positions(self) -> None:
         """``queued`` events whenever a job's place in the gateway queue changes."""

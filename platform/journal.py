@@ -23,18 +23,23 @@ log = logging.getLogger(__name__)
 SUFFIX = ".job"
 
 
-class JobJournal:
-    """Job records on disk (call from a worker thread: every method does file I/O)."""
+class RecordFolder:
+    """Msgpack records on disk, one file per id, each replaced atomically (call from a
+    worker thread: every method does file I/O). The job journal is one; the webhook
+    delivery journal (``platform/deliveryjournal.py``) another."""
+
+    suffix = SUFFIX
+    check_id = staticmethod(wire.check_job_id)  # the id as a safe file name, or it raises
 
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
     def path(self, job_id: str) -> Path:
-        return self.root / f"{wire.check_job_id(job_id)}{SUFFIX}"
+        return self.root / f"{self.check_id(job_id)}{self.suffix}"
 
     def write(self, record: dict[str, Any]) -> None:
-        """Replace the job's record durably."""
+        """Replace the record durably."""
         final = self.path(record["id"])
         tmp = final.with_name(f".{final.name}.tmp")
         with tmp.open("wb") as f:
@@ -52,16 +57,16 @@ class JobJournal:
 
     def load(self) -> list[dict[str, Any]]:
         """Every readable record; a corrupt one is set aside (``.corrupt``) and logged."""
-        for stale in self.root.glob(f".*{SUFFIX}.tmp"):  # a write cut short by a crash
+        for stale in self.root.glob(f".*{self.suffix}.tmp"):  # a write cut short by a crash
             stale.unlink(missing_ok=True)
         records = []
-        for path in sorted(self.root.glob(f"*{SUFFIX}")):
+        for path in sorted(self.root.glob(f"*{self.suffix}")):
             try:
                 record = wire.as_map(wire.unpack(path.read_bytes()))
                 if record.get("id") != path.stem:
-                    raise ValueError(f"record names job {record.get('id')!r}")
+                    raise ValueError(f"record names {record.get('id')!r}")
             except (OSError, ValueError, RetouchError) as exc:
-                log.error("job record %s is unreadable (%s); set aside", path.name, exc)
+                log.error("record %s is unreadable (%s); set aside", path, exc)
                 path.rename(path.with_suffix(".corrupt"))
                 continue
             records.append(record)
@@ -73,3 +78,7 @@ class JobJournal:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class JobJournal(RecordFolder):
+    """Job records in ``<data dir>/jobs``."""

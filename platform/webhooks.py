@@ -1,18 +1,28 @@
-"""Signed webhook deliveries of job events, with retries, behind a target allow-list.
+"""Signed webhook deliveries of job events: journaled, retried, one queue per receiver,
+sent only to the checked address of an allow-listed target.
 
 A job may name a ``webhook`` URL and the events it wants (``started``, ``progress``,
 ``completed``). Each delivery is a JSON ``POST`` signed like Stripe's: the header
 ``Retouch-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>" under the
 server's secret>``, so a receiver checks the body is ours and fresh (reject an old ``t``:
-no replay). Deliveries run on their own tasks (never on the engine, never in the request
-that caused them), are retried with exponential backoff on a network error or a non-2xx
-answer, and are counted in ``/metrics``.
+no replay). Every delivery has an id (the ``webhook-id`` header, as in Standard Webhooks,
+and ``id`` in the signed body) that stays the same across retries and gateway restarts,
+so a receiver dedupes on it: delivery is at least once.
 
-Targets are checked against an allow-list at submission *and* again at delivery (a name
-may resolve elsewhere later): by default only loopback, so a webhook cannot be used to
-reach hosts inside the server's network. Entries are host names (exact, no resolution) or
-IP networks (``10.0.0.0/8``, ``192.168.1.7``); a name not listed is resolved and every
-address it resolves to must be inside a listed network.
+Deliveries are journaled (``platform/deliveryjournal.py``) before their first attempt and
+removed when delivered or given up; a restarted gateway resumes every pending one. They
+run on their own tasks (never on the engine, never in the request that caused them), one
+bounded queue per receiver (``platform/receiverqueue.py``) so a slow receiver delays only
+itself, are retried with exponential backoff on any failure (network, non-2xx, or an
+error of the sender's own), and are counted in ``/metrics``.
+
+Targets are checked against an allow-list at submission *and* at each attempt, where the
+check is the connection's: the host is resolved once, every address checked, and the
+request sent to a checked address (keeping ``Host`` and TLS SNI), so a name cannot
+resolve elsewhere between the check and the connection. By default only loopback, so a
+webhook cannot be used to reach hosts inside the server's network. Entries are host
+names (exact) or IP networks (``10.0.0.0/8``, ``192.168.1.7``); a name not listed must
+resolve only to addresses inside a listed network.
 """
 
 from __future__ import annotations
@@ -27,24 +37,29 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest
-from retouch.functions.wire import JobEventKind, WebhookEvent
+from retouch.functions.wire import JobEventKind, WebhookEvent, parse_webhook_url
+from retouch.platform.deliveryjournal import DeliveryJournal
+from retouch.platform.receiverqueue import ReceiverQueue
 
 log = logging.getLogger(__name__)
 
 SIGNATURE_HEADER = "Retouch-Signature"
+ID_HEADER = "webhook-id"
 DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128", "localhost")
-MAX_PENDING = 1024  # deliveries waiting; beyond it progress deliveries are dropped
+RECEIVER_CONCURRENCY = 4  # deliveries in flight to one receiver
+RECEIVER_BACKLOG = 1024  # deliveries waiting for one receiver; beyond it the oldest is dropped
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # Which webhook event a job event is (``queued`` is never delivered).
 WEBHOOK_EVENT = {
@@ -114,17 +129,26 @@ class AllowList:
     def describe(self) -> list[str]:
         return sorted(self.hosts) + [str(n) for n in self.networks]
 
-    async def check(self, url: str) -> None:
-        """Refuse (400 ``webhook_not_allowed``, field ``webhook``) a target outside."""
-        host = (urlsplit(url).hostname or "").lower().rstrip(".")
-        if host in self.hosts:
-            return
+    async def check(self, raw: str) -> None:
+        """At submission: refuse (400 ``webhook_not_allowed``, field ``webhook``) a target
+        outside; a listed name passes without resolving (it may resolve later)."""
+        url = parse_webhook_url(raw)
+        if _host(url) not in self.hosts:
+            await self.addresses(url)
+
+    async def addresses(self, url: httpx.URL) -> list[Address]:
+        """The addresses a delivery may connect to, resolved once and each checked: a
+        listed name's, or a literal's or unlisted name's that are all inside a listed
+        network (else ``webhook_not_allowed``)."""
+        host = _host(url)
         try:
-            addresses = [ipaddress.ip_address(host)]
+            addresses: list[Address] = [ipaddress.ip_address(host)]
         except ValueError:
             addresses = await _resolve(host)
+            if host in self.hosts:
+                return addresses
         if addresses and all(any(a in n for n in self.networks) for a in addresses):
-            return
+            return addresses
         raise BadRequest(
             f"webhook host {host!r} is not in the server's webhook allow-list "
             f"({', '.join(self.describe()) or 'empty'}); see retouch serve --webhook-allow",
@@ -133,17 +157,72 @@ class AllowList:
         )
 
 
-async def _resolve(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+def _host(url: httpx.URL) -> str:
+    """The URL's host in ASCII (IDNA), lowercase, without a trailing dot."""
+    return url.raw_host.decode("ascii").lower().rstrip(".")
+
+
+async def _resolve(host: str) -> list[Address]:
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
         return []
-    out = []
+    out: list[Address] = []
     for info in infos:
         with contextlib.suppress(ValueError):
             out.append(ipaddress.ip_address(info[4][0].split("%", 1)[0]))
-    return out
+    return list(dict.fromkeys(out))
+
+
+@dataclass
+class Delivery:
+    """One webhook POST, as journaled: its body (with its id) is fixed when the event
+    happens, so every retry and every resumption sends the same bytes."""
+
+    id: str
+    url: str
+    job_id: str
+    event: WebhookEvent
+    body: bytes
+    created_at: float
+    journaled: Awaitable[None]  # its journal write (done for a resumed delivery)
+    attempts: int = 0
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "job_id": self.job_id,
+            "event": self.event.value,
+            "body": self.body,
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], journaled: Awaitable[None]) -> Delivery:
+        return cls(
+            id=str(record["id"]),
+            url=str(record["url"]),
+            job_id=str(record["job_id"]),
+            event=WebhookEvent(record["event"]),
+            body=bytes(record["body"]),
+            created_at=float(record["created_at"]),
+            journaled=journaled,
+        )
+
+
+def delivery_id(job_id: str, kind: WebhookEvent, seq: int) -> str:
+    """A job completes once, so its ``completed`` id does not depend on which run's
+    event says so (a job re-run after a crash re-sends the same id); the others are
+    numbered by their event id, which is unique across the job's runs."""
+    return f"{job_id}-{'completed' if kind is WebhookEvent.COMPLETED else seq}"
+
+
+class Outcome(Enum):
+    DELIVERED = "delivered"
+    REFUSED = "refused"  # not a target we may call (any more): dropped, not retried
+    FAILED = "failed"  # retried, then given up
 
 
 @dataclass(frozen=True)
@@ -155,20 +234,11 @@ class RetryPolicy:
 
 
 @dataclass
-class Delivery:
-    url: str
-    job_id: str
-    event: WebhookEvent
-    body: bytes
-    attempts: int = 0
-
-
-@dataclass
 class WebhookStats:
     delivered: dict[str, int] = field(default_factory=dict)  # by webhook event
     failed: dict[str, int] = field(default_factory=dict)  # gave up after every retry
     retried: int = 0
-    dropped: int = 0  # refused by the allow-list at delivery, or the backlog was full
+    dropped: int = 0  # refused by the allow-list at delivery, or its receiver's backlog was full
 
 
 class WebhookSender:
@@ -179,44 +249,58 @@ class WebhookSender:
         secret: bytes,
         allow: AllowList | None = None,
         retry: RetryPolicy | None = None,
-        workers: int = 4,
+        journal: DeliveryJournal | None = None,
+        concurrency: int = RECEIVER_CONCURRENCY,
+        backlog: int = RECEIVER_BACKLOG,
     ) -> None:
         self.secret = secret
         self.allow = allow or AllowList()
         self.retry = retry or RetryPolicy()
+        self.journal = journal
         self.stats = WebhookStats()
-        self._workers = workers
-        self._queue: asyncio.Queue[Delivery] | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._retries: set[asyncio.Task] = set()
+        self._concurrency, self._backlog = concurrency, backlog
+        self._receivers: dict[str, ReceiverQueue[Delivery]] = {}
+        self._timers: set[asyncio.Future[None]] = set()  # retries waiting for their time
+        self._journaling: set[asyncio.Future[None]] = set()  # journal writes and removals
         self._http: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
-        self._queue = asyncio.Queue()
+        """Resume every delivery a previous run left pending, oldest first."""
         self._http = httpx.AsyncClient(timeout=self.retry.timeout_s, follow_redirects=False)
-        self._tasks = [asyncio.create_task(self._work()) for _ in range(self._workers)]
+        if self.journal is None:
+            return
+        records = await asyncio.to_thread(self.journal.load)
+        for record in records:
+            try:
+                self._enqueue(Delivery.from_record(record, _done()))
+            except (KeyError, TypeError, ValueError) as exc:
+                log.error("delivery record %s cannot be resumed: %s", record.get("id"), exc)
+        if records:
+            log.info("webhooks: %d pending deliveries resumed", len(records))
 
     async def close(self) -> None:
-        for task in [*self._tasks, *self._retries]:
-            task.cancel()
-        for task in [*self._tasks, *self._retries]:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Stop sending; what is pending stays journaled for the next start."""
+        for receiver in list(self._receivers.values()):
+            await receiver.close()
+        for timer in list(self._timers):
+            timer.cancel()
+        # settled deliveries leave the journal (not re-sent at the next start)
+        await asyncio.gather(*self._timers, *self._journaling, return_exceptions=True)
         if self._http is not None:
             await self._http.aclose()
 
-    def notify(self, job: Any, event: wire.JobEvent) -> None:
-        """A job event happened; queue its delivery if the job asked for that event."""
+    def notify(self, job: Any, event: wire.JobEvent) -> Awaitable[None] | None:
+        """A job event happened: journal and queue its delivery if the job asked for that
+        event. Returns the journal write (the job store awaits it for the terminal event)."""
         url = job.request.webhook
         kind = WEBHOOK_EVENT.get(event.kind)
         if url is None or kind is None or kind not in job.request.webhook_events:
-            return
-        if self._queue is None:
-            return
-        if kind is WebhookEvent.PROGRESS and self._queue.qsize() >= MAX_PENDING:
-            self.stats.dropped += 1
-            return
+            return None
+        if self._http is None:
+            return None
+        ident = delivery_id(job.id, kind, event.seq)
         payload = {
+            "id": ident,
             "type": kind.value,
             "event": event.kind.value,
             "seq": event.seq,
@@ -224,42 +308,86 @@ class WebhookSender:
             "job": job.describe(with_image=False),
         }
         body = json.dumps(payload, separators=(",", ":")).encode()
-        self._queue.put_nowait(Delivery(url, job.id, kind, body))
+        delivery = Delivery(ident, url, job.id, kind, body, time.time(), _done())
+        if self.journal is not None:
+            delivery.journaled = self._background(
+                self._journaling, asyncio.to_thread(self.journal.write, delivery.to_record())
+            )
+        self._enqueue(delivery)
+        return delivery.journaled
 
-    async def _work(self) -> None:
-        assert self._queue is not None
-        while True:
-            delivery = await self._queue.get()
-            try:
-                await self._attempt(delivery)
-            except Exception:
-                log.exception("webhook delivery for job %s failed", delivery.job_id)
-
-    async def _attempt(self, delivery: Delivery) -> None:
-        assert self._http is not None
+    def _enqueue(self, delivery: Delivery) -> None:
         try:
-            await self.allow.check(delivery.url)
+            key = receiver_key(parse_webhook_url(delivery.url))
         except BadRequest as exc:
-            log.warning("webhook of job %s not delivered: %s", delivery.job_id, exc.message)
-            self.stats.dropped += 1
+            self._drop(delivery, exc.message)
             return
-        delivery.attempts += 1
-        timestamp = int(time.time())
-        headers = {
-            "content-type": "application/json",
-            SIGNATURE_HEADER: sign(self.secret, delivery.body, timestamp),
-            "user-agent": "retouch-webhooks",
-        }
+        receiver = self._receivers.get(key)
+        if receiver is None:
+            receiver = ReceiverQueue(
+                self._deliver,
+                self._concurrency,
+                self._backlog,
+                evictable=lambda d: d.event is not WebhookEvent.COMPLETED,
+                on_idle=lambda: self._retire(key),
+            )
+            self._receivers[key] = receiver
+        evicted = receiver.put(delivery)
+        if evicted is not None:
+            self._drop(evicted, f"{key} has {self._backlog} deliveries waiting")
+
+    def _retire(self, key: str) -> None:
+        """Forget an idle receiver's queue (a new one is made for its next delivery)."""
+        receiver = self._receivers.get(key)
+        if receiver is not None and receiver.idle:
+            del self._receivers[key]
+
+    def _drop(self, delivery: Delivery, why: str) -> None:
+        log.warning("webhook %s of job %s dropped: %s", delivery.id, delivery.job_id, why)
+        self.stats.dropped += 1
+        self._forget(delivery)
+
+    def _forget(self, delivery: Delivery) -> None:
+        """Settled: off the journal (after its write, which may still be under way)."""
+        if self.journal is not None:
+            self._background(self._journaling, self._unjournal(delivery))
+
+    async def _unjournal(self, delivery: Delivery) -> None:
+        assert self.journal is not None
+        with contextlib.suppress(Exception):
+            await delivery.journaled
+        await asyncio.to_thread(self.journal.delete, delivery.id)
+
+    def _background(
+        self, tasks: set[asyncio.Future[None]], work: Awaitable[None]
+    ) -> asyncio.Future[None]:
+        """``work`` on its own task, kept in ``tasks`` until done (a failure logged)."""
+        task = asyncio.ensure_future(work)
+        tasks.add(task)
+        task.add_done_callback(lambda done: self._settled(tasks, done))
+        return task
+
+    @staticmethod
+    def _settled(tasks: set[asyncio.Future[None]], task: asyncio.Future[None]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("webhook journal: %s", task.exception())
+
+    async def _deliver(self, delivery: Delivery) -> None:
+        """One attempt and what follows from it; never raises (any error is a failed
+        attempt: counted, then retried or given up)."""
         try:
-            resp = await self._http.post(delivery.url, content=delivery.body, headers=headers)
-            ok, why = 200 <= resp.status_code < 300, f"HTTP {resp.status_code}"
-        except httpx.HTTPError as exc:
-            ok, why = False, f"{type(exc).__name__}: {exc}"
+            outcome, why = await self._attempt(delivery)
+        except Exception as exc:
+            log.debug("webhook %s attempt raised", delivery.id, exc_info=True)
+            outcome, why = Outcome.FAILED, f"{type(exc).__name__}: {exc}"
         key = delivery.event.value
-        if ok:
+        if outcome is Outcome.DELIVERED:
             self.stats.delivered[key] = self.stats.delivered.get(key, 0) + 1
-            return
-        if delivery.attempts >= self.retry.attempts:
+            self._forget(delivery)
+        elif outcome is Outcome.REFUSED:
+            self._drop(delivery, why)
+        elif delivery.attempts >= self.retry.attempts:
             self.stats.failed[key] = self.stats.failed.get(key, 0) + 1
             log.warning(
                 "webhook %s of job %s failed %d times (%s); giving up",
@@ -268,14 +396,65 @@ class WebhookSender:
                 delivery.attempts,
                 why,
             )
-            return
-        self.stats.retried += 1
-        delay = min(self.retry.max_s, self.retry.base_s * 2 ** (delivery.attempts - 1))
-        task = asyncio.create_task(self._later(delivery, delay))
-        self._retries.add(task)
-        task.add_done_callback(self._retries.discard)
+            self._forget(delivery)
+        else:
+            self.stats.retried += 1
+            delay = min(self.retry.max_s, self.retry.base_s * 2 ** (delivery.attempts - 1))
+            self._background(self._timers, self._later(delivery, delay))
 
     async def _later(self, delivery: Delivery, delay: float) -> None:
         await asyncio.sleep(delay)
-        assert self._queue is not None
-        self._queue.put_nowait(delivery)
+        self._enqueue(delivery)
+
+    async def _attempt(self, delivery: Delivery) -> tuple[Outcome, str]:
+        with contextlib.suppress(Exception):  # not on disk: still worth sending
+            await asyncio.shield(delivery.journaled)
+        delivery.attempts += 1
+        try:
+            url = parse_webhook_url(delivery.url)
+            addresses = await self.allow.addresses(url)
+        except BadRequest as exc:
+            return Outcome.REFUSED, exc.message
+        if not addresses:
+            return Outcome.FAILED, f"{_host(url)} does not resolve"
+        refused: httpx.ConnectError | None = None
+        for address in addresses:
+            try:
+                resp = await self._post(url, address, delivery)
+            except httpx.ConnectError as exc:  # the next checked address, if any
+                refused = exc
+                continue
+            ok = 200 <= resp.status_code < 300
+            return (Outcome.DELIVERED if ok else Outcome.FAILED), f"HTTP {resp.status_code}"
+        return Outcome.FAILED, f"ConnectError: {refused}"
+
+    async def _post(self, url: httpx.URL, address: Address, delivery: Delivery) -> httpx.Response:
+        """POST to ``address``, the checked one, as if to the URL's host: ``Host`` and
+        TLS SNI (and so certificate checks) name the host, the socket goes to the address."""
+        assert self._http is not None
+        headers = {
+            "host": url.netloc.decode("ascii"),
+            "content-type": "application/json",
+            SIGNATURE_HEADER: sign(self.secret, delivery.body, int(time.time())),
+            ID_HEADER: delivery.id,
+            "user-agent": "retouch-webhooks",
+        }
+        extensions = {"sni_hostname": _host(url)} if url.scheme == "https" else {}
+        return await self._http.post(
+            url.copy_with(host=str(address)),
+            content=delivery.body,
+            headers=headers,
+            extensions=extensions,
+        )
+
+
+def receiver_key(url: httpx.URL) -> str:
+    """Which queue a delivery waits in: one per scheme, host and port."""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return f"{url.scheme}://{_host(url)}:{port}"
+
+
+def _done() -> asyncio.Future[None]:
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future

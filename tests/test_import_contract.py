@@ -31,6 +31,8 @@ CONTROL_PLANE = (
     "retouch.platform.jobs",
     "retouch.platform.journal",
     "retouch.platform.webhooks",
+    "retouch.platform.deliveryjournal",
+    "retouch.platform.receiverqueue",
     "retouch.platform.sse",
     "retouch.platform.uploads",
     "retouch.platform.openai_images",

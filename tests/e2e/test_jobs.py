@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -34,6 +31,7 @@ from retouch.platform.server import ServerProcess
 from tests.support import wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
+from .receiver import Receiver
 
 FUNCTION, TEMPLATE, STEPS = "jobs-sd", "street", 3
 BLOCKER_STEPS = 16  # long enough to cancel one mid-run
@@ -176,84 +174,48 @@ def test_prefer_wait_and_listing(server: ServerProcess) -> None:
         assert {j["id"] for j in client.jobs(limit=1000)} == before
 
 
-class Receiver:
-    """A webhook receiver on loopback; ``/flaky`` answers 500 twice, then 200."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, dict[str, str], bytes, int]] = []
-        self.flaky_calls = 0
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["content-length"]))
-                status = 200
-                if self.path == "/flaky":
-                    receiver.flaky_calls += 1
-                    status = 500 if receiver.flaky_calls <= 2 else 200
-                receiver.requests.append((self.path, dict(self.headers), body, status))
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def delivered(self, path: str) -> list[dict]:
-        return [
-            json.loads(body)
-            for p, headers, body, status in self.requests
-            if p == path
-            and status == 200
-            and webhooks.verify(SECRET.encode(), body, headers["Retouch-Signature"])
-        ]
+def flaky_answer(path: str, n: int) -> int:
+    """``/flaky`` answers 500 twice, then 200; every other path 200."""
+    return 500 if path == "/flaky" and n <= 2 else 200
 
 
 def test_webhooks_signed_retried_and_allow_listed(server: ServerProcess) -> None:
-    receiver = Receiver()
-    try:
-        with Client(server.url, INVOKE) as client:
-            job = submit(
-                client, 8, webhook=f"{receiver.url}/ok", webhook_events=["started", "completed"]
-            )
-            flaky = submit(client, 9, webhook=f"{receiver.url}/flaky")
-            job.wait(timeout=120)
-            flaky.wait(timeout=120)
-            wait_for("two deliveries", lambda: len(receiver.delivered("/ok")) >= 2, 30, 0.05)
-            wait_for("the flaky delivery", lambda: receiver.delivered("/flaky"), 30, 0.05)
-            ok = receiver.delivered("/ok")
-            assert [d["type"] for d in ok] == ["started", "completed"]
-            assert ok[1]["job"]["status"] == "succeeded" and ok[1]["job"]["id"] == job.id
-            assert receiver.flaky_calls == 3
-            assert receiver.delivered("/flaky")[0]["job"]["id"] == flaky.id
-            # a signature under another secret, or a stale timestamp, does not verify
-            _, headers, body, _ = receiver.requests[0]
-            assert not webhooks.verify(b"other", body, headers["Retouch-Signature"])
-            assert not webhooks.verify(
-                SECRET.encode(), body, headers["Retouch-Signature"], now=time.time() + 3600
-            )
-            for url, code in (
-                ("http://10.1.2.3/hook", "webhook_not_allowed"),
-                ("http://192.168.0.1:8080/x", "webhook_not_allowed"),
-                ("ftp://127.0.0.1/x", "invalid_field"),
-                ("not a url", "invalid_field"),
-            ):
-                with pytest.raises(RetouchError) as err:
-                    submit(client, 1, webhook=url)
-                assert (err.value.status, err.value.code, err.value.field) == (
-                    400,
-                    code,
-                    "webhook",
-                ), url
-        metrics = httpx.get(f"{server.url}/metrics").text
-        assert 'retouch_webhook_deliveries{event="completed",outcome="delivered"}' in metrics
-        assert 'retouch_webhook_deliveries{event="",outcome="retried"} 2.0' in metrics
-    finally:
-        receiver.httpd.shutdown()
+    with Receiver(SECRET.encode(), flaky_answer) as receiver, Client(server.url, INVOKE) as client:
+        job = submit(
+            client, 8, webhook=f"{receiver.url}/ok", webhook_events=["started", "completed"]
+        )
+        flaky = submit(client, 9, webhook=f"{receiver.url}/flaky")
+        job.wait(timeout=120)
+        flaky.wait(timeout=120)
+        wait_for("two deliveries", lambda: len(receiver.delivered("/ok")) >= 2, 30, 0.05)
+        wait_for("the flaky delivery", lambda: receiver.delivered("/flaky"), 30, 0.05)
+        ok = receiver.delivered("/ok")
+        assert [d["type"] for d in ok] == ["started", "completed"]
+        assert ok[1]["job"]["status"] == "succeeded" and ok[1]["job"]["id"] == job.id
+        assert receiver.calls("/flaky") == 3
+        assert receiver.delivered("/flaky")[0]["job"]["id"] == flaky.id
+        # a signature under another secret, or a stale timestamp, does not verify
+        first = receiver.arrivals[0]
+        assert not webhooks.verify(b"other", first.raw, first.headers["retouch-signature"])
+        assert not webhooks.verify(
+            SECRET.encode(), first.raw, first.headers["retouch-signature"], now=time.time() + 3600
+        )
+        for url, code in (
+            ("http://10.1.2.3/hook", "webhook_not_allowed"),
+            ("http://192.168.0.1:8080/x", "webhook_not_allowed"),
+            ("ftp://127.0.0.1/x", "invalid_field"),
+            ("not a url", "invalid_field"),
+        ):
+            with pytest.raises(RetouchError) as err:
+                submit(client, 1, webhook=url)
+            assert (err.value.status, err.value.code, err.value.field) == (
+                400,
+                code,
+                "webhook",
+            ), url
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'retouch_webhook_deliveries{event="completed",outcome="delivered"}' in metrics
+    assert 'retouch_webhook_deliveries{event="",outcome="retried"} 2.0' in metrics
 
 
 def test_bad_input_on_job_endpoints(server: ServerProcess) -> None:

@@ -19,7 +19,7 @@ from retouch.platform import sse, webhooks
 from retouch.platform.auth import OPEN, Principal
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.httpapi import parse_prefer_wait
-from retouch.platform.jobs import Job, JobStore, PreparedInvocation
+from retouch.platform.jobs import RUN_SEQ_SPAN, Job, JobStore, PreparedInvocation
 from retouch.platform.journal import JobJournal
 from retouch.platform.placement import LeastRequests, PlacementRequest
 
@@ -172,6 +172,7 @@ async def test_the_journal_resumes_unfinished_jobs_once(tmp_path: Path) -> None:
     pending = await jobs.submit("f", request(2, webhook="http://127.0.0.1:9/x"), prepared())
     await asyncio.sleep(0.05)
     assert pending.status is JobStatus.RUNNING
+    terminal, last_seen = finished.events[-1], pending.events[-1].seq
     await jobs.close()  # a stopping gateway ends nothing
 
     again = store(FakeRun(), JobJournal(tmp_path))
@@ -182,8 +183,17 @@ async def test_the_journal_resumes_unfinished_jobs_once(tmp_path: Path) -> None:
     assert resumed.status is JobStatus.SUCCEEDED
     assert again.jobs[finished.id].status is JobStatus.CANCELED
     ended = await asyncio.wait_for(again.wait(again.jobs[finished.id], 30), 1)  # no waiting
-    assert [e.kind async for e in again.events(ended) if e is not None] == [JobEventKind.CANCELED]
+    assert [e async for e in again.events(ended) if e is not None] == [terminal]  # same id
+    # the resumed run's ids are above every id of the run before: a reader resuming from
+    # its last id gets the whole new run, ending with the terminal event
+    after = [e async for e in again.events(resumed, after=last_seen) if e is not None]
+    assert after == resumed.events and after[0].seq > RUN_SEQ_SPAN
+    assert [after[0].kind, after[-1].kind] == [JobEventKind.QUEUED, JobEventKind.SUCCEEDED]
+    # an id the job never gave: the stream still ends with the terminal event
+    beyond = [e async for e in again.events(ended, after=10**9) if e is not None]
+    assert beyond == [terminal]
     await again.close()
+    assert JobJournal(tmp_path).read(resumed.id)["run"] == 1
 
 
 @sync
@@ -301,6 +311,10 @@ def test_job_request_validation() -> None:
         ({"webhook": "http://"}, "webhook"),
         ({"webhook": "http://h:99999/"}, "webhook"),
         ({"webhook": "http://h/" + "x" * 3000}, "webhook"),
+        ({"webhook": "http://example.invalid\n@127.0.0.1:8/"}, "webhook"),  # hosts disagree
+        ({"webhook": "http://user:pw@127.0.0.1/"}, "webhook"),
+        ({"webhook": "http://127.0.0.1/a b"}, "webhook"),  # does not read back the same
+        ({"webhook": "HTTP://127.0.0.1/"}, "webhook"),
         ({"webhook_events": "started"}, "webhook_events"),
         ({"webhook_events": ["done"]}, "webhook_events"),
         ({"seed": "1"}, "seed"),
