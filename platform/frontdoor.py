@@ -39,7 +39,7 @@ from retouch.platform.imagegate import ImageGate
 from retouch.platform.jobs import Job, JobStore, OnProgress, OnStart, PreparedInvocation, new_job_id
 from retouch.platform.journal import JobJournal
 from retouch.platform.metrics import GatewayMetrics
-from retouch.platform.retention import RetentionLimits
+from retouch.platform.retention import RetentionLimits, payload_bytes
 from retouch.runtime.prediction import MaskFootprint
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class FrontDoor:
         counts towards autoscaling either way) and submit it as a job ``owner`` owns. A
         durable job over the retention caps is refused before anything is decoded."""
         if durable:
-            self.jobs.admit(request, owner)
+            self.jobs.admit(owner, payload_bytes(request))
         job_id = new_job_id()
         prepared = await self._prepare(fn, request.invoke, job_id, owner)
         self.dispatcher.admit(fn.spec.name)  # others may have filled the queue meanwhile

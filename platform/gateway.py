@@ -318,11 +318,15 @@ class Gateway:
         received = time.perf_counter()
         fn = self.door.servable(request.path_params["name"])
         wait_s = parse_prefer_wait(request.headers.get("prefer"))
+        owner = principal(request).tenant
+        declared = request.headers.get("content-length")
+        # Over a cap, refused before the body is read: a burst of large jobs costs nothing.
+        self.jobs.admit(owner, requestparams.integer(declared, "content-length", 0, 2**62, 0))
         with self.door.arrival(fn, received):
             req = wire.JobRequest.from_wire(await read_msgpack(request, self.max_body))
             if req.webhook is not None:
                 await self.webhook_allow.check(req.webhook)
-            job = await self.door.accept(fn, req, durable=True, owner=principal(request).tenant)
+            job = await self.door.accept(fn, req, durable=True, owner=owner)
         return await self._job_response(request, job, wait_s, 202)
 
     async def _job_response(

@@ -313,15 +313,13 @@ class JobStore:
         return job.completed_at + self.retention_s
 
     # ---- submission and execution -------------------------------------------------------
-    def admit(self, request: wire.JobRequest, owner: str) -> None:
-        """429 when a durable job of ``request`` would pass a live-job or retained-bytes
-        cap of its owner or of all (``platform/retention.py``)."""
+    def admit(self, owner: str, nbytes: int) -> None:
+        """429 when a durable job with ``nbytes`` of payload would pass a live-job or
+        retained-bytes cap of its owner or of all (``platform/retention.py``). The gateway
+        asks twice: with the body's declared length before reading it (a refusal costs no
+        memory), then with the decoded request's payload."""
         self.retention.admit(
-            list(self.jobs.values()),
-            owner,
-            payload_bytes(request),
-            self._clock(),
-            self.retention_s,
+            list(self.jobs.values()), owner, nbytes, self._clock(), self.retention_s
         )
 
     async def submit(
@@ -335,7 +333,7 @@ class JobStore:
     ) -> Job:
         """Accept a job (journaled first when durable, within the caps) and start it."""
         if durable:
-            self.admit(request, owner)
+            self.admit(owner, payload_bytes(request))
         job = Job(
             job_id or new_job_id(), function, request, self._clock(), durable=durable, owner=owner
         )

@@ -1,13 +1,15 @@
 """Signed result links (``response_format=url``) on a real gateway: signed with a key of
 their own (``<data dir>/link-keys``, mode 0600), not the webhook secret; based on
 ``--public-url`` whatever ``Host`` the request names; never valid past the result's
-retention end (``--job-retention`` 60 s here), whoever signed them."""
+retention end (``--job-retention`` 60 s here), whoever signed them. And the retention
+caps refuse a job from its declared length, before its body is read."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import io
+import socket
 import stat
 import time
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from retouch.functions import wire
 from retouch.platform.client import Client
 from retouch.platform.links import KEY_FILE, load_keys
 from retouch.platform.server import ServerProcess
@@ -29,6 +32,7 @@ from .street import deploy_street
 
 FUNCTION, STEPS, SIZE = "link-sd", 2, 128
 RETENTION_S = 60
+RETAINED_CAP = 8 << 20  # bytes a tenant's jobs may retain: room for these tests' edits
 
 
 def white_mask() -> bytes:
@@ -45,6 +49,7 @@ def server(data_dir: Path) -> Iterator[ServerProcess]:
     proc.extra_args = [
         "--public-url", f"http://localhost:{proc.port}/",
         "--job-retention", str(RETENTION_S),
+        "--max-retained-bytes-per-tenant", str(RETAINED_CAP),
     ]  # fmt: skip
     with proc:
         deploy_street(proc.url, FUNCTION, STEPS)
@@ -123,3 +128,27 @@ def test_a_link_never_outlives_its_result(server: ServerProcess, data_dir: Path)
     assert got.status_code == 400, got.text
     assert got.json()["error"]["code"] == "link_outlives_result"
     assert got.json()["error"]["field"] == "expires"
+
+
+def test_a_job_over_the_retention_cap_is_refused_before_its_body_is_read(
+    server: ServerProcess,
+) -> None:
+    """Headers that declare a body above the tenant's retention cap, and no body: the
+    gateway answers 429 ``retention_full`` at once (reading the body first would wait for
+    bytes that never come, and hold them in memory if they did)."""
+    head = (
+        f"POST /v1/functions/{FUNCTION}/jobs HTTP/1.1\r\n"
+        f"Host: 127.0.0.1:{server.port}\r\nAuthorization: Bearer {INVOKE}\r\n"
+        f"Content-Type: application/msgpack\r\nContent-Length: {RETAINED_CAP + 1}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        answer = sock.makefile("rb")
+        status_line = answer.readline()
+        headers = dict(
+            line.decode().strip().lower().split(": ", 1) for line in iter(answer.readline, b"\r\n")
+        )
+        body = answer.read(int(headers["content-length"]))
+    assert b" 429 " in status_line, (status_line, headers, body[:300])
+    assert int(headers["retry-after"]) >= 1
+    assert wire.unpack(body)["error"]["code"] == "retention_full", body
