@@ -781,6 +781,8 @@ class WebhookEvent(StrEnum):
 DEFAULT_WEBHOOK_EVENTS = (WebhookEvent.COMPLETED,)
 JOB_ID = re.compile(r"[0-9a-f]{32}")
 MAX_URL_CHARS = 2048
+MAX_HOST_CHARS = 253  # a DNS name, without its trailing dot
+MAX_LABEL_CHARS = 63
 
 
 def check_job_id(raw: str) -> str:
@@ -792,9 +794,10 @@ def check_job_id(raw: str) -> str:
 
 def parse_webhook_url(raw: Any) -> httpx.URL:
     """The one parser of webhook URLs (submission, allow-list and sender all use it): an
-    absolute http(s) URL with a host and a valid port, no user info, and written the way it
-    parses back (so no control character, space or alternative spelling can make a check
-    and a connection read different hosts). Else ``invalid_field`` on ``webhook``."""
+    absolute http(s) URL with a host that is an IP literal or a DNS name (labels of 1-63
+    characters, 253 in all), a valid port, no user info, and written the way it parses back
+    (so no control character, space or alternative spelling can make a check and a
+    connection read different hosts). Else ``invalid_field`` on ``webhook``."""
     if not isinstance(raw, str):
         raise BadRequest("webhook must be a URL string", field="webhook", code="invalid_field")
     if len(raw) > MAX_URL_CHARS:
@@ -811,6 +814,7 @@ def parse_webhook_url(raw: Any) -> httpx.URL:
         )
     if not url.raw_host:
         raise BadRequest("webhook URL has no host", field="webhook", code="invalid_field")
+    _check_host_name(url.raw_host.decode("ascii"))
     if url.port is not None and not 0 < url.port < 65536:
         raise BadRequest(
             f"webhook port {url.port} out of range", field="webhook", code="invalid_field"
@@ -828,6 +832,29 @@ def parse_webhook_url(raw: Any) -> httpx.URL:
             code="invalid_field",
         )
     return url
+
+
+def _check_host_name(host: str) -> None:
+    """A webhook host the resolver can look up: an IP literal, or a name whose labels are
+    1-63 characters (253 in all, one trailing dot allowed), as DNS (RFC 1035) requires;
+    else ``invalid_field`` on ``webhook`` rather than a lookup that fails at delivery."""
+    if ":" in host:  # an IPv6 literal (httpx checked it); an IPv4 one passes as labels
+        return
+    name = host[:-1] if host.endswith(".") else host
+    if len(name) > MAX_HOST_CHARS:
+        raise BadRequest(
+            f"webhook host name longer than {MAX_HOST_CHARS} characters",
+            field="webhook",
+            code="invalid_field",
+        )
+    for label in name.split("."):
+        if not 0 < len(label) <= MAX_LABEL_CHARS:
+            raise BadRequest(
+                f"webhook host {host!r} has an empty label or one over {MAX_LABEL_CHARS} "
+                "characters",
+                field="webhook",
+                code="invalid_field",
+            )
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,9 @@ class AsyncJob:
         return self.doc
 
 
+WEBHOOK_SECRET_CALL = Call("GET", "/v1/webhooks/secret")
+
+
 def _jobs_call(status: str | None, function: str | None, limit: int) -> Call:
     query = [f"limit={limit}"]
     if status:
@@ -244,6 +247,10 @@ class Client:
         self, status: str | None = None, function: str | None = None, limit: int = 100
     ) -> list[dict[str, Any]]:
         return self.call(_jobs_call(status, function, limit))["jobs"]
+
+    def webhook_secret(self) -> bytes:
+        """This token's tenant's webhook signing key (for ``webhooks.verify``)."""
+        return self.call(WEBHOOK_SECRET_CALL)["secret"].encode()
 
     def job_events(self, job_id: str, after: int = 0) -> Iterator[wire.JobEvent]:
         headers = {"accept": sse.MEDIA_TYPE, "last-event-id": str(after)}
@@ -389,6 +396,10 @@ class AsyncClient:
         self, status: str | None = None, function: str | None = None, limit: int = 100
     ) -> list[dict[str, Any]]:
         return (await self.call(_jobs_call(status, function, limit)))["jobs"]
+
+    async def webhook_secret(self) -> bytes:
+        """This token's tenant's webhook signing key (for ``webhooks.verify``)."""
+        return (await self.call(WEBHOOK_SECRET_CALL))["secret"].encode()
 
     async def job_events(self, job_id: str, after: int = 0) -> AsyncIterator[wire.JobEvent]:
         headers = {"accept": sse.MEDIA_TYPE, "last-event-id": str(after)}

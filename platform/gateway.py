@@ -99,7 +99,7 @@ class Gateway:
     data_dir: Path | None = None  # the job journal lives in <data_dir>/jobs (None: memory only)
     job_retention_s: float = DEFAULT_RETENTION_S
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
-    webhook_secret: bytes = b""
+    webhook_secret: bytes = b""  # the server's; each tenant signs with one derived from it
     webhook_allow: AllowList = field(default_factory=AllowList)
     links: LinkSigner = field(default_factory=lambda: LinkSigner.ephemeral(DEFAULT_URL))
     max_image_pixels: int = 0  # 0: the decoders' ceiling (imaging.MAX_PIXELS)
@@ -325,7 +325,7 @@ class Gateway:
         with self.door.arrival(fn, received):
             req = wire.JobRequest.from_wire(await read_msgpack(request, self.max_body))
             if req.webhook is not None:
-                await self.webhook_allow.check(req.webhook)
+                await self.webhooks.check(req.webhook, owner)
             job = await self.door.accept(fn, req, durable=True, owner=owner)
         return await self._job_response(request, job, wait_s, 202)
 
@@ -379,6 +379,12 @@ class Gateway:
         job = self.jobs.get(request.path_params["id"], principal(request))
         return event_stream(self.jobs.events(job, last_event_id(request)))
 
+    async def webhook_secret_of(self, request: Request) -> Response:
+        """The caller's own webhook signing secret: what its receivers verify with."""
+        tenant = principal(request).tenant
+        doc = {"tenant": tenant, "secret": self.webhooks.secret_for(tenant).decode()}
+        return respond(request, doc, 200, {"cache-control": "no-store"})
+
     # ---- app -----------------------------------------------------------------------------
     def app(self) -> Starlette:
         def route(
@@ -417,6 +423,7 @@ class Gateway:
                 route("/v1/jobs/{id}", self.get_job, scope="invoke"),
                 route("/v1/jobs/{id}/cancel", self.cancel_job, "POST", scope="invoke"),
                 route("/v1/jobs/{id}/events", self.job_events, scope="invoke"),
+                route("/v1/webhooks/secret", self.webhook_secret_of, scope="invoke"),
                 route("/v1/executors", self.executors, scope="invoke"),
                 route(
                     "/v1/functions/{name}/templates/{template}", self.template_image, scope="invoke"

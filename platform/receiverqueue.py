@@ -1,11 +1,16 @@
-"""One webhook receiver's queue: a bounded FIFO of deliveries with worker tasks of its own.
+"""One tenant's queue for one webhook receiver: a bounded FIFO of deliveries with worker
+tasks of its own.
 
-The webhook sender keeps one per receiver (scheme, host and port), so a receiver that
-answers slowly, or not at all, occupies only its own workers: another receiver's
+The webhook sender keeps one per tenant and receiver (scheme, host and port), so a
+receiver that answers slowly, or not at all, occupies only its own workers, and a tenant
+flooding a receiver that another tenant also uses fills only its own queue: other
 deliveries never wait behind it. Workers are started when deliveries arrive and end when
-the queue is empty, so an idle receiver costs nothing. When the queue is full the oldest
-delivery that may go is dropped (the caller counts it): the oldest one ``evictable``
-accepts, else the oldest of all.
+the queue is empty, so an idle receiver costs nothing.
+
+When the queue is over capacity the oldest delivery ``evictable`` accepts is dropped (the
+caller counts it). One it refuses (a job's final ``completed``) is never dropped: it
+stays even beyond the capacity, which such deliveries can exceed only by as many jobs as
+their tenant may keep.
 """
 
 from __future__ import annotations
@@ -45,8 +50,13 @@ class ReceiverQueue(Generic[T]):
     def idle(self) -> bool:
         return not self._pending and not self._workers
 
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
     def put(self, item: T) -> T | None:
-        """Queue ``item``; the delivery dropped to make room, if the queue was full."""
+        """Queue ``item``; the delivery dropped to make room (perhaps ``item`` itself), if
+        the queue was full and held one that may be dropped."""
         self._pending.append(item)
         evicted = self._evict() if len(self._pending) > self._capacity else None
         self._staff()
@@ -59,12 +69,12 @@ class ReceiverQueue(Generic[T]):
             self._workers.add(task)
             task.add_done_callback(self._worker_done)
 
-    def _evict(self) -> T:
+    def _evict(self) -> T | None:
         for i, item in enumerate(self._pending):
             if self._evictable(item):
                 del self._pending[i]
                 return item
-        return self._pending.popleft()
+        return None
 
     async def _work(self) -> None:
         while self._pending:

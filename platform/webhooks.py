@@ -4,22 +4,25 @@ sent only to the checked address of an allow-listed target.
 A job may name a ``webhook`` URL and the events it wants (``started``, ``progress``,
 ``completed``). Each delivery is a JSON ``POST`` signed like Stripe's: the header
 ``Retouch-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>" under the
-server's secret>``, so a receiver checks the body is ours and fresh (reject an old ``t``:
-no replay). Every delivery has an id (the ``webhook-id`` header, as in Standard Webhooks,
-and ``id`` in the signed body) that stays the same across retries and gateway restarts,
-so a receiver dedupes on it: delivery is at least once.
+job owner's secret>``, so a receiver checks the body is ours and fresh (reject an old
+``t``: no replay). Each tenant has its own secret, derived from the server's
+(:func:`tenant_secret`), so a receiver holding one tenant's secret cannot sign deliveries
+that another tenant's receiver would accept. Every delivery has an id (the ``webhook-id``
+header, as in Standard Webhooks, and ``id`` in the signed body) that stays the same across
+retries and gateway restarts, so a receiver dedupes on it: delivery is at least once.
 
 Deliveries are journaled (``platform/deliveryjournal.py``) before their first attempt and
 removed when delivered or given up; a restarted gateway resumes every pending one. They
 run on their own tasks (never on the engine, never in the request that caused them), one
-bounded queue per receiver (``platform/receiverqueue.py``) so a slow receiver delays only
-itself, are retried with exponential backoff on any failure (network, non-2xx, or an
-error of the sender's own), and are counted in ``/metrics``.
+bounded queue per tenant and receiver (``platform/receiverqueue.py``) so a slow receiver,
+or a tenant flooding a receiver others use too, delays only its own deliveries, are
+retried with exponential backoff on any failure (network, non-2xx, or an error of the
+sender's own), and are counted in ``/metrics``.
 
 Targets are checked against an allow-list at submission *and* at each attempt, where the
-check is the connection's: the host is resolved once, every address checked, and the
-request sent to a checked address (keeping ``Host`` and TLS SNI), so a name cannot
-resolve elsewhere between the check and the connection. By default only loopback, so a
+check is the connection's: the host is resolved once (``platform/resolver.py``: threads
+of its own, a deadline, a share per tenant), every address checked, and the request sent
+to a checked address (keeping ``Host`` and TLS SNI), so a name cannot resolve elsewhere between the check and the connection. By default only loopback, so a
 webhook cannot be used to reach hosts inside the server's network. Entries are host
 names (exact) or IP networks (``10.0.0.0/8``, ``192.168.1.7``); a name not listed must
 resolve only to addresses inside a listed network.
@@ -35,7 +38,6 @@ import ipaddress
 import json
 import logging
 import secrets
-import socket
 import time
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
@@ -46,10 +48,11 @@ from typing import Any
 import httpx
 
 from retouch.functions import wire
-from retouch.functions.errors import BadRequest
+from retouch.functions.errors import BadRequest, Unavailable
 from retouch.functions.wire import JobEventKind, WebhookEvent, parse_webhook_url
 from retouch.platform.deliveryjournal import DeliveryJournal
 from retouch.platform.receiverqueue import ReceiverQueue
+from retouch.platform.resolver import Address, Resolver
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +60,9 @@ SIGNATURE_HEADER = "Retouch-Signature"
 ID_HEADER = "webhook-id"
 DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128", "localhost")
 RECEIVER_CONCURRENCY = 4  # deliveries in flight to one receiver
-RECEIVER_BACKLOG = 1024  # deliveries waiting for one receiver; beyond it the oldest is dropped
+RECEIVER_BACKLOG = 1024  # deliveries of one tenant waiting for one receiver (see ReceiverQueue)
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+ReceiverKey = tuple[str, str]  # (tenant, receiver): one queue each
 
 # Which webhook event a job event is (``queued`` is never delivered).
 WEBHOOK_EVENT = {
@@ -92,9 +95,18 @@ def verify(
     return hmac.compare_digest(expected, parts.get("v1", ""))
 
 
+def tenant_secret(master: bytes, tenant: str) -> bytes:
+    """The key ``tenant``'s deliveries are signed with (and its receivers verify with):
+    HMAC-SHA256 of the tenant's name under the server's secret, in hex. Derived, so nothing
+    per tenant is stored and replacing the server's secret replaces every tenant's."""
+    mac = hmac.new(master, f"retouch-webhook:{tenant}".encode(), hashlib.sha256)
+    return mac.hexdigest().encode()
+
+
 def load_secret(data_dir: Path, given: str | None = None) -> bytes:
-    """The signing secret: given (``RETOUCH_WEBHOOK_SECRET``), else one generated once
-    and kept in ``<data dir>/webhook-secret`` (mode 0600) so it survives restarts."""
+    """The server's secret, from which each tenant's is derived: given
+    (``RETOUCH_WEBHOOK_SECRET``), else one generated once and kept in
+    ``<data dir>/webhook-secret`` (mode 0600) so it survives restarts."""
     if given:
         return given.encode()
     path = data_dir / "webhook-secret"
@@ -129,22 +141,22 @@ class AllowList:
     def describe(self) -> list[str]:
         return sorted(self.hosts) + [str(n) for n in self.networks]
 
-    async def check(self, raw: str) -> None:
+    async def check(self, raw: str, resolver: Resolver, tenant: str) -> None:
         """At submission: refuse (400 ``webhook_not_allowed``, field ``webhook``) a target
         outside; a listed name passes without resolving (it may resolve later)."""
         url = parse_webhook_url(raw)
         if _host(url) not in self.hosts:
-            await self.addresses(url)
+            await self.addresses(url, resolver, tenant)
 
-    async def addresses(self, url: httpx.URL) -> list[Address]:
-        """The addresses a delivery may connect to, resolved once and each checked: a
-        listed name's, or a literal's or unlisted name's that are all inside a listed
-        network (else ``webhook_not_allowed``)."""
+    async def addresses(self, url: httpx.URL, resolver: Resolver, tenant: str) -> list[Address]:
+        """The addresses a delivery may connect to, resolved once (as ``tenant``'s lookup)
+        and each checked: a listed name's, or a literal's or unlisted name's that are all
+        inside a listed network (else ``webhook_not_allowed``)."""
         host = _host(url)
         try:
             addresses: list[Address] = [ipaddress.ip_address(host)]
         except ValueError:
-            addresses = await _resolve(host)
+            addresses = await resolver.resolve(host, tenant)
             if host in self.hosts:
                 return addresses
         if addresses and all(any(a in n for n in self.networks) for a in addresses):
@@ -162,19 +174,6 @@ def _host(url: httpx.URL) -> str:
     return url.raw_host.decode("ascii").lower().rstrip(".")
 
 
-async def _resolve(host: str) -> list[Address]:
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return []
-    out: list[Address] = []
-    for info in infos:
-        with contextlib.suppress(ValueError):
-            out.append(ipaddress.ip_address(info[4][0].split("%", 1)[0]))
-    return list(dict.fromkeys(out))
-
-
 @dataclass
 class Delivery:
     """One webhook POST, as journaled: its body (with its id) is fixed when the event
@@ -183,6 +182,7 @@ class Delivery:
     id: str
     url: str
     job_id: str
+    owner: str  # the job's tenant: whose secret signs it, whose queue it waits in
     event: WebhookEvent
     body: bytes
     created_at: float
@@ -194,6 +194,7 @@ class Delivery:
             "id": self.id,
             "url": self.url,
             "job_id": self.job_id,
+            "owner": self.owner,
             "event": self.event.value,
             "body": self.body,
             "created_at": self.created_at,
@@ -205,6 +206,7 @@ class Delivery:
             id=str(record["id"]),
             url=str(record["url"]),
             job_id=str(record["job_id"]),
+            owner=str(record["owner"]),
             event=WebhookEvent(record["event"]),
             body=bytes(record["body"]),
             created_at=float(record["created_at"]),
@@ -238,7 +240,7 @@ class WebhookStats:
     delivered: dict[str, int] = field(default_factory=dict)  # by webhook event
     failed: dict[str, int] = field(default_factory=dict)  # gave up after every retry
     retried: int = 0
-    dropped: int = 0  # refused by the allow-list at delivery, or its receiver's backlog was full
+    dropped: int = 0  # refused by the allow-list at delivery, or its queue's backlog was full
 
 
 class WebhookSender:
@@ -246,20 +248,22 @@ class WebhookSender:
 
     def __init__(
         self,
-        secret: bytes,
+        master: bytes,
         allow: AllowList | None = None,
         retry: RetryPolicy | None = None,
         journal: DeliveryJournal | None = None,
         concurrency: int = RECEIVER_CONCURRENCY,
         backlog: int = RECEIVER_BACKLOG,
+        resolver: Resolver | None = None,
     ) -> None:
-        self.secret = secret
+        self._master = master  # the server's secret; deliveries are signed with a tenant's
         self.allow = allow or AllowList()
         self.retry = retry or RetryPolicy()
         self.journal = journal
+        self.resolver = resolver or Resolver()
         self.stats = WebhookStats()
         self._concurrency, self._backlog = concurrency, backlog
-        self._receivers: dict[str, ReceiverQueue[Delivery]] = {}
+        self._receivers: dict[ReceiverKey, ReceiverQueue[Delivery]] = {}
         self._timers: set[asyncio.Future[None]] = set()  # retries waiting for their time
         self._journaling: set[asyncio.Future[None]] = set()  # journal writes and removals
         self._http: httpx.AsyncClient | None = None
@@ -288,6 +292,16 @@ class WebhookSender:
         await asyncio.gather(*self._timers, *self._journaling, return_exceptions=True)
         if self._http is not None:
             await self._http.aclose()
+        self.resolver.close()
+
+    def secret_for(self, tenant: str) -> bytes:
+        """The key ``tenant``'s deliveries are signed with: what its receivers verify with."""
+        return tenant_secret(self._master, tenant)
+
+    async def check(self, raw: str, tenant: str) -> None:
+        """At submission: ``tenant``'s webhook target is allowed (else a structured error on
+        field ``webhook``)."""
+        await self.allow.check(raw, self.resolver, tenant)
 
     def notify(self, job: Any, event: wire.JobEvent) -> Awaitable[None] | None:
         """A job event happened: journal and queue its delivery if the job asked for that
@@ -308,7 +322,7 @@ class WebhookSender:
             "job": job.describe(with_image=False),
         }
         body = json.dumps(payload, separators=(",", ":")).encode()
-        delivery = Delivery(ident, url, job.id, kind, body, time.time(), _done())
+        delivery = Delivery(ident, url, job.id, job.owner, kind, body, time.time(), _done())
         if self.journal is not None:
             delivery.journaled = self._background(
                 self._journaling, asyncio.to_thread(self.journal.write, delivery.to_record())
@@ -318,7 +332,7 @@ class WebhookSender:
 
     def _enqueue(self, delivery: Delivery) -> None:
         try:
-            key = receiver_key(parse_webhook_url(delivery.url))
+            key = (delivery.owner, receiver_key(parse_webhook_url(delivery.url)))
         except BadRequest as exc:
             self._drop(delivery, exc.message)
             return
@@ -334,9 +348,9 @@ class WebhookSender:
             self._receivers[key] = receiver
         evicted = receiver.put(delivery)
         if evicted is not None:
-            self._drop(evicted, f"{key} has {self._backlog} deliveries waiting")
+            self._drop(evicted, f"{key[0]}'s queue for {key[1]} is full ({self._backlog})")
 
-    def _retire(self, key: str) -> None:
+    def _retire(self, key: ReceiverKey) -> None:
         """Forget an idle receiver's queue (a new one is made for its next delivery)."""
         receiver = self._receivers.get(key)
         if receiver is not None and receiver.idle:
@@ -412,9 +426,11 @@ class WebhookSender:
         delivery.attempts += 1
         try:
             url = parse_webhook_url(delivery.url)
-            addresses = await self.allow.addresses(url)
+            addresses = await self.allow.addresses(url, self.resolver, delivery.owner)
         except BadRequest as exc:
             return Outcome.REFUSED, exc.message
+        except Unavailable as exc:  # the lookup did not answer in time: try again later
+            return Outcome.FAILED, exc.message
         if not addresses:
             return Outcome.FAILED, f"{_host(url)} does not resolve"
         refused: httpx.ConnectError | None = None
@@ -435,7 +451,9 @@ class WebhookSender:
         headers = {
             "host": url.netloc.decode("ascii"),
             "content-type": "application/json",
-            SIGNATURE_HEADER: sign(self.secret, delivery.body, int(time.time())),
+            SIGNATURE_HEADER: sign(
+                self.secret_for(delivery.owner), delivery.body, int(time.time())
+            ),
             ID_HEADER: delivery.id,
             "user-agent": "retouch-webhooks",
         }
@@ -449,7 +467,7 @@ class WebhookSender:
 
 
 def receiver_key(url: httpx.URL) -> str:
-    """Which queue a delivery waits in: one per scheme, host and port."""
+    """The receiver a URL names: its scheme, host and port (a queue is per tenant and this)."""
     port = url.port or (443 if url.scheme == "https" else 80)
     return f"{url.scheme}://{_host(url)}:{port}"
 

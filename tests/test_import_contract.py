@@ -33,6 +33,7 @@ CONTROL_PLANE = (
     "retouch.platform.webhooks",
     "retouch.platform.deliveryjournal",
     "retouch.platform.receiverqueue",
+    "retouch.platform.resolver",
     "retouch.platform.sse",
     "retouch.platform.uploads",
     "retouch.platform.openai_images",

@@ -180,7 +180,10 @@ def flaky_answer(path: str, n: int) -> int:
 
 
 def test_webhooks_signed_retried_and_allow_listed(server: ServerProcess) -> None:
-    with Receiver(SECRET.encode(), flaky_answer) as receiver, Client(server.url, INVOKE) as client:
+    with (
+        Client(server.url, INVOKE) as client,
+        Receiver(client.webhook_secret(), flaky_answer) as receiver,
+    ):
         job = submit(
             client, 8, webhook=f"{receiver.url}/ok", webhook_events=["started", "completed"]
         )
@@ -194,12 +197,13 @@ def test_webhooks_signed_retried_and_allow_listed(server: ServerProcess) -> None
         assert ok[1]["job"]["status"] == "succeeded" and ok[1]["job"]["id"] == job.id
         assert receiver.calls("/flaky") == 3
         assert receiver.delivered("/flaky")[0]["job"]["id"] == flaky.id
-        # a signature under another secret, or a stale timestamp, does not verify
+        # a signature under another secret (the server's own included: deliveries are
+        # signed with the tenant's), or a stale timestamp, does not verify
         first = receiver.arrivals[0]
-        assert not webhooks.verify(b"other", first.raw, first.headers["retouch-signature"])
-        assert not webhooks.verify(
-            SECRET.encode(), first.raw, first.headers["retouch-signature"], now=time.time() + 3600
-        )
+        signature = first.headers["retouch-signature"]
+        assert not webhooks.verify(b"other", first.raw, signature)
+        assert not webhooks.verify(SECRET.encode(), first.raw, signature)
+        assert not webhooks.verify(receiver.secret, first.raw, signature, now=time.time() + 3600)
         for url, code in (
             ("http://10.1.2.3/hook", "webhook_not_allowed"),
             ("http://192.168.0.1:8080/x", "webhook_not_allowed"),

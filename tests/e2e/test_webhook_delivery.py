@@ -2,8 +2,10 @@
 processes: a gateway that is SIGKILLed while a delivery is failing makes it after its
 restart (once, under the same idempotency id), an SSE reader resuming with its last id
 after the restart gets the rest and the terminal event, a receiver sleeping 8 s per
-delivery does not delay another receiver's ``completed``, and a URL that a second parser
-could read differently is refused at submission.
+delivery does not delay another receiver's ``completed``, each tenant's deliveries are
+signed with the secret that tenant (and only it) reads from ``/v1/webhooks/secret``, and a
+URL that a second parser could read differently, or whose host no resolver can look up, is
+refused at submission.
 
 One gateway for the file (restarted once, on the same data dir); receivers are small HTTP
 servers on loopback, one port each (the gateway queues deliveries per receiver).
@@ -20,13 +22,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from retouch.functions.errors import RetouchError, Unavailable
 from retouch.functions.wire import JobEvent
+from retouch.platform.auth import token_tenant
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
+from retouch.platform.webhooks import tenant_secret, verify
 from tests.support import wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
@@ -70,14 +75,20 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, examples: Path) -> Iterato
         gw.proc.stop()
 
 
-def submit(url: str, seed: int, **options) -> str:
-    with Client(url, INVOKE) as client:
+def submit(url: str, seed: int, token: str = INVOKE, **options) -> str:
+    with Client(url, token) as client:
         job = client.submit(FUNCTION, TEMPLATE, MASK, "a red door", seed=seed, **options)
         return job.id
 
 
-def finished(url: str, job_id: str) -> dict:
-    with Client(url, INVOKE) as client:
+def key(url: str, token: str = INVOKE) -> bytes:
+    """The webhook secret of the token's tenant, as a receiver reads it."""
+    with Client(url, token) as client:
+        return client.webhook_secret()
+
+
+def finished(url: str, job_id: str, token: str = INVOKE) -> dict:
+    with Client(url, token) as client:
         job = client.job(job_id)
         job.wait(timeout=180)
         return job.status()
@@ -108,7 +119,7 @@ def test_delivery_and_event_ids_survive_a_gateway_sigkill(gateway: Gateway) -> N
     another job) and restarted: the receiver then gets exactly one ``completed``, under the
     id the failed attempts carried, and readers resume from their last ids."""
     answer = {"status": 503}
-    with Receiver(SECRET.encode(), lambda path, n: answer["status"]) as down:
+    with Receiver(key(gateway.proc.url), lambda path, n: answer["status"]) as down:
         hooked = submit(gateway.proc.url, 1, webhook=f"{down.url}/hook")
         assert finished(gateway.proc.url, hooked)["status"] == "succeeded"
         failed = wait_for("two failed attempts", lambda: len(down.arrivals) >= 2 and down.arrivals)
@@ -161,8 +172,8 @@ def test_a_slow_receiver_does_not_delay_another(gateway: Gateway) -> None:
     receiver within 1 s of the job's end."""
     every = ["started", "progress", "completed"]
     with (
-        Receiver(SECRET.encode(), delay_s=SLOW_S) as slow,
-        Receiver(SECRET.encode()) as fast,
+        Receiver(key(gateway.proc.url), delay_s=SLOW_S) as slow,
+        Receiver(key(gateway.proc.url)) as fast,
     ):
         url = gateway.proc.url
         for seed in (3, 4):
@@ -184,6 +195,8 @@ def test_urls_that_do_not_read_back_are_refused_at_submission(gateway: Gateway) 
         f"http://127.0.0.1:{port}/a b",
         f"HTTP://127.0.0.1:{port}/x",
         "http://127.0.0.1:99999/",
+        f"http://{'a' * 64}.example/",  # a label over 63 characters (IDNA refuses it)
+        "http://a..b/",  # an empty label
     ):
         with pytest.raises(RetouchError) as err:
             submit(gateway.proc.url, 1, webhook=url)
@@ -192,3 +205,29 @@ def test_urls_that_do_not_read_back_are_refused_at_submission(gateway: Gateway) 
             "invalid_field",
             "webhook",
         ), url
+
+
+def test_each_tenant_is_signed_with_the_secret_only_it_reads(gateway: Gateway) -> None:
+    """Two tenants' jobs hook the same receiver: each delivery verifies with its owner's
+    secret (from ``GET /v1/webhooks/secret``), not the other's, so neither tenant can sign
+    a delivery the other's receiver would accept."""
+    url = gateway.proc.url
+    secrets = {token: key(url, token) for token in (INVOKE, ADMIN)}
+    for token, secret in secrets.items():
+        assert secret == tenant_secret(SECRET.encode(), token_tenant(token))
+    assert secrets[INVOKE] != secrets[ADMIN]
+    anonymous = httpx.get(f"{url}/v1/webhooks/secret")
+    assert (anonymous.status_code, anonymous.json()["error"]["code"]) == (401, "missing_token")
+    with Receiver(secrets[INVOKE]) as receiver:
+        jobs = {
+            token: submit(url, 6, token, webhook=f"{receiver.url}/t") for token in (INVOKE, ADMIN)
+        }
+        for token, job_id in jobs.items():
+            finished(url, job_id, token)
+        wait_for("both deliveries", lambda: len(receiver.arrivals) >= 2, 30)
+    for token, job_id in jobs.items():
+        (arrival,) = [a for a in receiver.arrivals if a.body["job"]["id"] == job_id]
+        signature = arrival.headers["retouch-signature"]
+        other = secrets[ADMIN if token == INVOKE else INVOKE]
+        assert verify(secrets[token], arrival.raw, signature)
+        assert not verify(other, arrival.raw, signature)

@@ -22,6 +22,7 @@ from retouch.platform.httpapi import parse_prefer_wait
 from retouch.platform.jobs import RUN_SEQ_SPAN, Job, JobStore, PreparedInvocation
 from retouch.platform.journal import JobJournal
 from retouch.platform.placement import LeastRequests, PlacementRequest
+from retouch.platform.resolver import Resolver
 
 
 def sync(test: Callable[..., Coroutine]) -> Callable[..., None]:
@@ -277,9 +278,11 @@ def test_webhook_signature_and_allow_list() -> None:
     assert not webhooks.verify(b"k", b"{}", header, now=2000)  # replayed late
     assert not webhooks.verify(b"k", b"{}", "garbage", now=1000)
 
+    resolver = Resolver()
+
     async def check(allow: webhooks.AllowList, url: str) -> bool:
         try:
-            await allow.check(url)
+            await allow.check(url, resolver, "t")
         except BadRequest as exc:
             assert exc.field == "webhook" and exc.code == "webhook_not_allowed"
             return False
@@ -298,7 +301,10 @@ def test_webhook_signature_and_allow_list() -> None:
         assert await check(wide, "http://10.9.8.7/x") and await check(wide, "https://hooks.example")
         assert not await check(wide, "http://127.0.0.1/x")
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        resolver.close()
 
 
 def test_job_request_validation() -> None:
