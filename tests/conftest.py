@@ -11,11 +11,7 @@ import pytest
 
 @pytest.fixture(autouse=True, scope="session")
 def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one folder for all workers
-        shared = tmp_path_factory.getbasetemp().parent / "shared"
-        shared.mkdir(exist_ok=True)  # builds and profiles are written to a temp and renamed
-    else:
-        shared = tmp_path_factory.mktemp("shared")
+    shared = tmp_path_factory.mktemp("shared")
     os.environ["RETOUCH_SHARED_DIR"] = str(shared)  # read by `retouch serve` (ServeConfig)
     os.environ.setdefault("RETOUCH_LOG_LEVEL", "WARNING")
     return shared
