@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,6 @@ from retouch.functions.imaging import MAX_PIXELS, declared_size, decode_image, e
 from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import DeployStatus
-from retouch.platform import uploads
 from retouch.platform.auth import TENANT, TENANT_RULE, Principal, TokenAuth
 from retouch.platform.config import DEFAULT_URL
 from retouch.platform.deliveryjournal import DeliveryJournal
@@ -69,6 +68,7 @@ from retouch.platform.openai_images import OpenAIImages, answers_openai, openai_
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
 from retouch.platform.retention import RetentionLimits
+from retouch.platform.uploads import UploadNames
 from retouch.platform.web import WebUI
 from retouch.platform.webhooks import AllowList, WebhookSender
 from retouch.runtime import requestparams
@@ -109,6 +109,9 @@ class Gateway:
     _generations: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
+        # Upload ids are keyed with a secret kept beside the journal (so they, and the
+        # executors' bakes of uploads, outlive a restart); without a data dir, this run's.
+        self.uploads = UploadNames.load(self.data_dir) if self.data_dir else UploadNames.ephemeral()
         self.webhooks = WebhookSender(
             self.webhook_secret,
             self.webhook_allow,
@@ -123,6 +126,7 @@ class Gateway:
                 self.max_image_pixels or MAX_PIXELS,
                 DecodeBudget(self.decode_memory_bytes or default_budget()),
             ),
+            names=self.uploads,
             retention_s=self.job_retention_s,
             progress_interval_s=self.progress_interval_s,
             notify=self.webhooks.notify,
@@ -211,13 +215,19 @@ class Gateway:
         states, viewer = await self.pool.report.states(), principal(request)
         return {
             "functions": [
-                own_uploads(f.describe(states), viewer) for _, f in sorted(self.functions.items())
+                self._own_uploads(f.describe(states), viewer)
+                for _, f in sorted(self.functions.items())
             ]
         }
 
     async def get_function(self, request: Request) -> dict[str, Any]:
         fn = self.function(request.path_params["name"])
-        return own_uploads(fn.describe(await self.pool.report.states()), principal(request))
+        return self._own_uploads(fn.describe(await self.pool.report.states()), principal(request))
+
+    def _own_uploads(self, doc: dict[str, Any], viewer: Principal) -> dict[str, Any]:
+        """A function document with the uploads ``viewer`` may see: its own (admin: all)."""
+        doc["uploads"] = {t: s for t, s in doc["uploads"].items() if self.uploads.shown(t, viewer)}
+        return doc
 
     async def put_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
@@ -290,15 +300,40 @@ class Gateway:
         return {"deleted": name}
 
     async def executors(self, request: Request) -> dict[str, Any]:
-        states = {s.name: s.to_wire() for s in await self.pool.report.states()}
+        viewer = principal(request)
+        states = {s.name: self._own_state(s, viewer) for s in await self.pool.report.states()}
         report, queue = self.pool.report, self.pool.dispatcher.queue
-        executors = [{**e, "state": states.get(e["name"])} for e in report.describe()]
+        executors = [
+            {
+                **e,
+                "templates": self._own_residency(e["templates"], viewer),
+                "state": states.get(e["name"]),
+            }
+            for e in report.describe()
+        ]
         return {
             "executors": executors,
             "placement": queue.placement.name,
             "queue": {"waiting": len(queue), **asdict(queue.stats)},
             "control": report.placement_summary(),
             "autoscaler": report.describe_autoscaler(),
+        }
+
+    def _own_state(self, state: wire.ExecutorState, viewer: Principal) -> dict[str, Any]:
+        """An executor's report with the uploads ``viewer`` may see (its templates'
+        states hold every tenant's)."""
+        templates = {
+            fn: {t: status for t, status in tpls.items() if self.uploads.shown(t, viewer)}
+            for fn, tpls in state.templates.items()
+        }
+        return replace(state, templates=templates).to_wire()
+
+    def _own_residency(self, residency: dict[str, str], viewer: Principal) -> dict[str, str]:
+        """An executor's ``{"fn/template": tier}`` with the uploads ``viewer`` may see."""
+        return {
+            key: tier
+            for key, tier in residency.items()
+            if self.uploads.shown(key.partition("/")[2], viewer)
         }
 
     async def invoke(self, request: Request) -> dict[str, Any]:
@@ -443,17 +478,6 @@ def render_error(
 def principal(request: Request) -> Principal:
     """Who the request acts for (set by the route's scope check)."""
     return request.state.principal
-
-
-def own_uploads(doc: dict[str, Any], viewer: Principal) -> dict[str, Any]:
-    """A function document with the uploads ``viewer`` may see: its own (admin: all)."""
-    if not viewer.admin:
-        doc["uploads"] = {
-            tid: state
-            for tid, state in doc["uploads"].items()
-            if uploads.owned_by(tid, viewer.tenant)
-        }
-    return doc
 
 
 def tenant_filter(request: Request) -> str | None:
