@@ -49,6 +49,7 @@ from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import DeployStatus
 from retouch.platform.auth import TENANT, TENANT_RULE, Principal, TokenAuth
+from retouch.platform.bodybudget import BodyBudget
 from retouch.platform.config import DEFAULT_URL
 from retouch.platform.deliveryjournal import DeliveryJournal
 from retouch.platform.deployed import DeployedFunction
@@ -104,6 +105,7 @@ class Gateway:
     links: LinkSigner = field(default_factory=lambda: LinkSigner.ephemeral(DEFAULT_URL))
     max_image_pixels: int = 0  # 0: the decoders' ceiling (imaging.MAX_PIXELS)
     decode_memory_bytes: int = 0  # 0: an eighth of the machine's memory
+    body_memory_bytes: int = 0  # request bodies held at once; 0: an eighth of the memory
     retention_limits: RetentionLimits = field(default_factory=RetentionLimits)
     _name_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _generations: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -112,6 +114,7 @@ class Gateway:
         # Upload ids are keyed with a secret kept beside the journal (so they, and the
         # executors' bakes of uploads, outlive a restart); without a data dir, this run's.
         self.uploads = UploadNames.load(self.data_dir) if self.data_dir else UploadNames.ephemeral()
+        self.bodies = BodyBudget(self.body_memory_bytes or default_budget())
         self.webhooks = WebhookSender(
             self.webhook_secret,
             self.webhook_allow,
@@ -339,12 +342,13 @@ class Gateway:
     async def invoke(self, request: Request) -> dict[str, Any]:
         received = time.perf_counter()
         fn = self.door.servable(request.path_params["name"])
-        with self.door.arrival(fn, received):  # a 429 comes before the body is read
-            req = wire.InvokeRequest.from_wire(await read_msgpack(request, self.max_body))
-            job = await self.door.accept(
-                fn, wire.JobRequest(req), durable=False, owner=principal(request).tenant
-            )
-        (result,) = await self.door.answers([job])
+        with self.bodies.hold(request, self.max_body):  # held until answered
+            with self.door.arrival(fn, received):  # a 429 comes before the body is read
+                req = wire.InvokeRequest.from_wire(await read_msgpack(request, self.max_body))
+                job = await self.door.accept(
+                    fn, wire.JobRequest(req), durable=False, owner=principal(request).tenant
+                )
+            (result,) = await self.door.answers([job])
         result.timings.total_ms = (time.perf_counter() - received) * 1e3
         return result.to_wire()
 
@@ -357,7 +361,7 @@ class Gateway:
         declared = request.headers.get("content-length")
         # Over a cap, refused before the body is read: a burst of large jobs costs nothing.
         self.jobs.admit(owner, requestparams.integer(declared, "content-length", 0, 2**62, 0))
-        with self.door.arrival(fn, received):
+        with self.door.arrival(fn, received), self.bodies.hold(request, self.max_body):
             req = wire.JobRequest.from_wire(await read_msgpack(request, self.max_body))
             if req.webhook is not None:
                 await self.webhook_allow.check(req.webhook)
@@ -426,7 +430,9 @@ class Gateway:
                 methods=[method],
             )
 
-        images = OpenAIImages(self.door, max_body=self.max_body, links=self.links)
+        images = OpenAIImages(
+            self.door, max_body=self.max_body, links=self.links, bodies=self.bodies
+        )
         web = WebUI()
 
         @contextlib.asynccontextmanager

@@ -40,6 +40,7 @@ from retouch.functions.errors import (
 )
 from retouch.functions.imaging import MASK_MODES, decode_openai_mask, encode_mask
 from retouch.platform.auth import OPEN
+from retouch.platform.bodybudget import BodyBudget
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
 from retouch.platform.imagegate import Declared
@@ -312,13 +313,18 @@ class OpenAIImages:
         *,
         max_body: int,
         links: LinkSigner,
+        bodies: BodyBudget,
     ) -> None:
         self.door = door
         self.max_body = max_body
+        self.bodies = bodies  # a request's body is held (counted) until it is answered
         self.links = links  # its own key (``platform/links.py``), not the webhook secret
 
     async def edits(self, request: Request) -> Response:
-        received = time.perf_counter()
+        with self.bodies.hold(request, self.max_body):
+            return await self._edits(request, time.perf_counter())
+
+    async def _edits(self, request: Request, received: float) -> Response:
         door = self.door
         form = await read_form(request, self.max_body)
         try:
