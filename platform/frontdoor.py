@@ -57,6 +57,7 @@ class FrontDoor:
         journal: JobJournal | None,
         images: ImageGate,
         *,
+        names: uploads.UploadNames,
         retention_s: float,
         progress_interval_s: float,
         notify: Notify | None = None,
@@ -66,6 +67,7 @@ class FrontDoor:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.images = images  # header checks and the decode budget of every image
+        self.names = names  # the ids of uploaded images
         self.jobs = JobStore(
             self._execute,
             dispatcher.queue_positions,
@@ -110,15 +112,23 @@ class FrontDoor:
             raise
 
     async def accept(
-        self, fn: DeployedFunction, request: wire.JobRequest, *, durable: bool, owner: str
+        self,
+        fn: DeployedFunction,
+        request: wire.JobRequest,
+        *,
+        durable: bool,
+        owner: str,
+        upload: uploads.Upload | None = None,
     ) -> Job:
         """Prepare ``request``, admit it (queue room again, and its own SLO: its demand
         counts towards autoscaling either way) and submit it as a job ``owner`` owns. A
-        durable job over the retention caps is refused before anything is decoded."""
+        durable job over the retention caps is refused before anything is decoded.
+        ``upload``: the request's ``image`` as :meth:`upload` decoded it already (one decode
+        for several jobs of one image)."""
         if durable:
             self.jobs.admit(owner, payload_bytes(request))
         job_id = new_job_id()
-        prepared = await self._prepare(fn, request.invoke, job_id, owner)
+        prepared = await self._prepare(fn, request.invoke, job_id, owner, upload)
         self.dispatcher.admit(fn.spec.name)  # others may have filled the queue meanwhile
         self.dispatcher.admit_slo(prepared.placement)
         return await self.jobs.submit(
@@ -149,6 +159,13 @@ class FrontDoor:
                 self.jobs.forget(job)
 
     # ---- preparation and execution -------------------------------------------------------
+    async def upload(self, fn: DeployedFunction, data: bytes, owner: str) -> uploads.Upload:
+        """An uploaded image of ``owner`` for ``fn``, checked from its header (before a
+        pixel is decoded), then decoded within the decode budget and named."""
+        declared = self.images.declare(data, "image")
+        uploads.check_upload(fn.spec, declared.size)
+        return await self.images.decode(declared, self.names.decode, fn.spec, data, owner)
+
     async def decode_mask(
         self, data: bytes, size: tuple[int, int], halo: int = 0
     ) -> tuple[np.ndarray, MaskFootprint]:
@@ -159,19 +176,21 @@ class FrontDoor:
         return await self.images.decode(declared, _decode_mask, data, size, halo, size=size)
 
     async def _prepare(
-        self, fn: DeployedFunction, req: wire.InvokeRequest, invocation_id: str, owner: str
+        self,
+        fn: DeployedFunction,
+        req: wire.InvokeRequest,
+        invocation_id: str,
+        owner: str,
+        upload: uploads.Upload | None = None,
     ) -> PreparedInvocation:
         """Check the template, decode the mask (a large one on a thread) and build what the
-        executor gets; an uploaded ``image`` is decoded and content-addressed here, within
-        its owner's uploads (``uploads.upload_id``)."""
+        executor gets; an uploaded ``image`` is decoded and content-addressed here (unless
+        given decoded), within its owner's uploads (``UploadNames.id``)."""
         image = None
         if req.image is not None:
-            declared = self.images.declare(req.image, "image")
-            uploads.check_upload(fn.spec, declared.size)  # before a pixel is decoded
-            template, image = await self.images.decode(
-                declared, uploads.decode_upload, fn.spec, req.image, owner
-            )
-            size = declared.size
+            if upload is None:
+                upload = await self.upload(fn, req.image, owner)
+            template, image, size = upload.id, upload.pixels, upload.size
         else:
             template, size = req.template or "", fn.sizes.get(req.template or "")
         if size is None:

@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +48,8 @@ from retouch.functions.imaging import MAX_PIXELS, declared_size, decode_image, e
 from retouch.functions.models import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import DeployStatus
-from retouch.platform import uploads
 from retouch.platform.auth import TENANT, TENANT_RULE, Principal, TokenAuth
+from retouch.platform.bodybudget import BodyBudget
 from retouch.platform.config import DEFAULT_URL
 from retouch.platform.deliveryjournal import DeliveryJournal
 from retouch.platform.deployed import DeployedFunction
@@ -69,6 +69,7 @@ from retouch.platform.openai_images import OpenAIImages, answers_openai, openai_
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
 from retouch.platform.retention import RetentionLimits
+from retouch.platform.uploads import UploadNames
 from retouch.platform.web import WebUI
 from retouch.platform.webhooks import AllowList, WebhookSender
 from retouch.runtime import requestparams
@@ -104,11 +105,16 @@ class Gateway:
     links: LinkSigner = field(default_factory=lambda: LinkSigner.ephemeral(DEFAULT_URL))
     max_image_pixels: int = 0  # 0: the decoders' ceiling (imaging.MAX_PIXELS)
     decode_memory_bytes: int = 0  # 0: an eighth of the machine's memory
+    body_memory_bytes: int = 0  # request bodies held at once; 0: an eighth of the memory
     retention_limits: RetentionLimits = field(default_factory=RetentionLimits)
     _name_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _generations: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
+        # Upload ids are keyed with a secret kept beside the journal (so they, and the
+        # executors' bakes of uploads, outlive a restart); without a data dir, this run's.
+        self.uploads = UploadNames.load(self.data_dir) if self.data_dir else UploadNames.ephemeral()
+        self.bodies = BodyBudget(self.body_memory_bytes or default_budget())
         self.webhooks = WebhookSender(
             self.webhook_secret,
             self.webhook_allow,
@@ -123,6 +129,7 @@ class Gateway:
                 self.max_image_pixels or MAX_PIXELS,
                 DecodeBudget(self.decode_memory_bytes or default_budget()),
             ),
+            names=self.uploads,
             retention_s=self.job_retention_s,
             progress_interval_s=self.progress_interval_s,
             notify=self.webhooks.notify,
@@ -211,13 +218,19 @@ class Gateway:
         states, viewer = await self.pool.report.states(), principal(request)
         return {
             "functions": [
-                own_uploads(f.describe(states), viewer) for _, f in sorted(self.functions.items())
+                self._own_uploads(f.describe(states), viewer)
+                for _, f in sorted(self.functions.items())
             ]
         }
 
     async def get_function(self, request: Request) -> dict[str, Any]:
         fn = self.function(request.path_params["name"])
-        return own_uploads(fn.describe(await self.pool.report.states()), principal(request))
+        return self._own_uploads(fn.describe(await self.pool.report.states()), principal(request))
+
+    def _own_uploads(self, doc: dict[str, Any], viewer: Principal) -> dict[str, Any]:
+        """A function document with the uploads ``viewer`` may see: its own (admin: all)."""
+        doc["uploads"] = {t: s for t, s in doc["uploads"].items() if self.uploads.shown(t, viewer)}
+        return doc
 
     async def put_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
@@ -290,9 +303,17 @@ class Gateway:
         return {"deleted": name}
 
     async def executors(self, request: Request) -> dict[str, Any]:
-        states = {s.name: s.to_wire() for s in await self.pool.report.states()}
+        viewer = principal(request)
+        states = {s.name: self._own_state(s, viewer) for s in await self.pool.report.states()}
         report, queue = self.pool.report, self.pool.dispatcher.queue
-        executors = [{**e, "state": states.get(e["name"])} for e in report.describe()]
+        executors = [
+            {
+                **e,
+                "templates": self._own_residency(e["templates"], viewer),
+                "state": states.get(e["name"]),
+            }
+            for e in report.describe()
+        ]
         return {
             "executors": executors,
             "placement": queue.placement.name,
@@ -301,15 +322,33 @@ class Gateway:
             "autoscaler": report.describe_autoscaler(),
         }
 
+    def _own_state(self, state: wire.ExecutorState, viewer: Principal) -> dict[str, Any]:
+        """An executor's report with the uploads ``viewer`` may see (its templates'
+        states hold every tenant's)."""
+        templates = {
+            fn: {t: status for t, status in tpls.items() if self.uploads.shown(t, viewer)}
+            for fn, tpls in state.templates.items()
+        }
+        return replace(state, templates=templates).to_wire()
+
+    def _own_residency(self, residency: dict[str, str], viewer: Principal) -> dict[str, str]:
+        """An executor's ``{"fn/template": tier}`` with the uploads ``viewer`` may see."""
+        return {
+            key: tier
+            for key, tier in residency.items()
+            if self.uploads.shown(key.partition("/")[2], viewer)
+        }
+
     async def invoke(self, request: Request) -> dict[str, Any]:
         received = time.perf_counter()
         fn = self.door.servable(request.path_params["name"])
-        with self.door.arrival(fn, received):  # a 429 comes before the body is read
-            req = wire.InvokeRequest.from_wire(await read_msgpack(request, self.max_body))
-            job = await self.door.accept(
-                fn, wire.JobRequest(req), durable=False, owner=principal(request).tenant
-            )
-        (result,) = await self.door.answers([job])
+        with self.bodies.hold(request, self.max_body):  # held until answered
+            with self.door.arrival(fn, received):  # a 429 comes before the body is read
+                req = wire.InvokeRequest.from_wire(await read_msgpack(request, self.max_body))
+                job = await self.door.accept(
+                    fn, wire.JobRequest(req), durable=False, owner=principal(request).tenant
+                )
+            (result,) = await self.door.answers([job])
         result.timings.total_ms = (time.perf_counter() - received) * 1e3
         return result.to_wire()
 
@@ -322,7 +361,7 @@ class Gateway:
         declared = request.headers.get("content-length")
         # Over a cap, refused before the body is read: a burst of large jobs costs nothing.
         self.jobs.admit(owner, requestparams.integer(declared, "content-length", 0, 2**62, 0))
-        with self.door.arrival(fn, received):
+        with self.door.arrival(fn, received), self.bodies.hold(request, self.max_body):
             req = wire.JobRequest.from_wire(await read_msgpack(request, self.max_body))
             if req.webhook is not None:
                 await self.webhooks.check(req.webhook, owner)
@@ -397,7 +436,9 @@ class Gateway:
                 methods=[method],
             )
 
-        images = OpenAIImages(self.door, max_body=self.max_body, links=self.links)
+        images = OpenAIImages(
+            self.door, max_body=self.max_body, links=self.links, bodies=self.bodies
+        )
         web = WebUI()
 
         @contextlib.asynccontextmanager
@@ -450,17 +491,6 @@ def render_error(
 def principal(request: Request) -> Principal:
     """Who the request acts for (set by the route's scope check)."""
     return request.state.principal
-
-
-def own_uploads(doc: dict[str, Any], viewer: Principal) -> dict[str, Any]:
-    """A function document with the uploads ``viewer`` may see: its own (admin: all)."""
-    if not viewer.admin:
-        doc["uploads"] = {
-            tid: state
-            for tid, state in doc["uploads"].items()
-            if uploads.owned_by(tid, viewer.tenant)
-        }
-    return doc
 
 
 def tenant_filter(request: Request) -> str | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import logging
 import math
 import time
@@ -33,14 +34,20 @@ from retouch.functions.wire import JobEventKind, JobStatus
 from retouch.platform.auth import ANONYMOUS, Principal
 from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.journal import JobJournal
-from retouch.platform.retention import Retention, RetentionLimits, payload_bytes, slim_request
+from retouch.platform.retention import (
+    Retention,
+    RetentionLimits,
+    payload_bytes,
+    retained_bytes,
+    slim_request,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RETENTION_S = 24 * 3600.0
 DEFAULT_PROGRESS_INTERVAL_S = 0.25
 POSITION_POLL_S = 0.25  # how often queue positions are re-read for ``queued`` events
-MAX_EVENTS = 512  # kept per job for late readers (progress is throttled, so rarely reached)
+MAX_EVENTS = 512  # kept per live job for late readers (progress is throttled, so rarely reached)
 RECORD_VERSION = 1
 # Event ids of a job's n-th run (0: as accepted, 1: resumed after a restart, ...) start
 # above n * RUN_SEQ_SPAN, so the ids a reader saw before a restart stay below the new ones.
@@ -107,12 +114,13 @@ class Job:
     task: asyncio.Task | None = None
     position: int | None = None
     image_on_disk: bool = False  # the result's image is read from the journal when asked for
-    retained_bytes: int = 0  # its payload while live, its result once finished
+    retained_bytes: int = 0  # charged to its owner: payload while live, result once finished
     run: int = 0  # how many times a gateway resumed it from the journal
     _seq: int = 0  # the last event id given (journaled in the final record)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _first_step: float | None = None  # monotonic time of the first progress frame
     _last_progress_event: float = 0.0
+    _readers: int = 0  # event streams reading it now: its history is kept for them
 
     @property
     def ended(self) -> bool:
@@ -228,35 +236,20 @@ class JobStore:
         self._notify = notify
         self._clock = clock
         self.jobs: dict[str, Job] = {}
+        self._owned: dict[str, dict[str, Job]] = {}  # durable jobs by owner, for listings
         self._tasks: list[asyncio.Task] = []
-        self.retention = Retention(limits or RetentionLimits())
+        self.retention = Retention(limits or RetentionLimits(), retention_s)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         """Reload the journal and resume every job that had not ended."""
         if self.journal is not None:
-            for record in await asyncio.to_thread(self.journal.load):
-                try:
-                    job = Job.from_record(record)
-                except (RetouchError, KeyError, TypeError, ValueError) as exc:
-                    log.error("job record %s cannot be resumed: %s", record.get("id"), exc)
-                    continue
-                self.jobs[job.id] = job
-                if job.status.terminal:
-                    await self._compact(job)
-                else:
-                    job.retained_bytes = payload_bytes(job.request)
-                self._drop_image(job)
-                if job.status.terminal:  # its end, again, for readers; webhooks had it
-                    self._record(
-                        job, END_EVENT[job.status], job.describe(False, False), notify=False
-                    )
-                else:  # its new run number is durable before it issues an event id
-                    try:
-                        await asyncio.to_thread(self.journal.write, job.to_record())
-                    except OSError:
-                        log.exception("could not record the new run of job %s", job.id)
-                    self._record(job, JobEventKind.QUEUED, {"position": None})
+            journal = self.journal
+            loaded = [await self._load(journal, r) for r in await asyncio.to_thread(journal.load)]
+            # in the order they ended (the order they expire in); unfinished ones last
+            for job in sorted((j for j in loaded if j is not None), key=_ended_order):
+                self._keep(job)
+                if not job.status.terminal:
                     job.task = asyncio.create_task(self._run(job))
             resumed = sum(not j.status.terminal for j in self.jobs.values())
             if self.jobs:
@@ -266,6 +259,28 @@ class JobStore:
             asyncio.create_task(self._watch_positions()),
             asyncio.create_task(self._purge_expired()),
         ]
+
+    async def _load(self, journal: JobJournal, record: dict[str, Any]) -> Job | None:
+        """A journaled job, ready to be kept: a finished one with its terminal event under
+        its own id (then its record compacted, so the id it stores is that one), an
+        unfinished one with its new run number journaled before it issues an event id."""
+        try:
+            job = Job.from_record(record)
+        except (RetouchError, KeyError, TypeError, ValueError) as exc:
+            log.error("job record %s cannot be resumed: %s", record.get("id"), exc)
+            return None
+        if job.status.terminal:  # its end, again, for readers; webhooks had it
+            self._record(job, END_EVENT[job.status], job.describe(False, False), notify=False)
+            await self._compact(job)
+        else:
+            job.retained_bytes = retained_bytes(job.request)
+            try:
+                await asyncio.to_thread(journal.write, job.to_record())
+            except OSError:
+                log.exception("could not record the new run of job %s", job.id)
+            self._record(job, JobEventKind.QUEUED, {"position": None})
+        self._drop_image(job)
+        return job
 
     async def close(self) -> None:
         """Stop without ending any job: unfinished durable jobs resume at the next start."""
@@ -293,18 +308,23 @@ class JobStore:
         limit: int = 100,
         tenant: str | None = None,
     ) -> list[Job]:
-        """Newest first: the viewer's own jobs (an admin's: every tenant's, or ``tenant``'s)."""
-        jobs = [
+        """Newest first: the viewer's own jobs (an admin's: every tenant's, or ``tenant``'s).
+        Only the listed tenant's jobs are read, not every job the gateway keeps."""
+        if tenant is None and not viewer.admin:
+            tenant = viewer.tenant
+        if tenant is not None and not viewer.owns(tenant):
+            return []
+        if tenant is None:
+            kept = (j for owned in self._owned.values() for j in owned.values())
+        else:
+            kept = iter(self._owned.get(tenant, {}).values())
+        jobs = (
             j
-            for j in self.jobs.values()
-            if j.durable
-            and viewer.owns(j.owner)
-            and (tenant is None or j.owner == tenant)
-            and (status is None or j.status is status)
+            for j in kept
+            if (status is None or j.status is status)
             and (function is None or j.function == function)
-        ]
-        jobs.sort(key=lambda j: j.created_at, reverse=True)
-        return jobs[:limit]
+        )
+        return heapq.nlargest(limit, jobs, key=lambda j: j.created_at)
 
     def retained_until(self, job: Job) -> float:
         """When a finished job's record and result are removed (``inf`` while it runs)."""
@@ -318,9 +338,7 @@ class JobStore:
         retained-bytes cap of its owner or of all (``platform/retention.py``). The gateway
         asks twice: with the body's declared length before reading it (a refusal costs no
         memory), then with the decoded request's payload."""
-        self.retention.admit(
-            list(self.jobs.values()), owner, nbytes, self._clock(), self.retention_s
-        )
+        self.retention.admit(owner, nbytes, self._clock())
 
     async def submit(
         self,
@@ -331,16 +349,25 @@ class JobStore:
         job_id: str | None = None,
         owner: str = ANONYMOUS,
     ) -> Job:
-        """Accept a job (journaled first when durable, within the caps) and start it."""
+        """Accept a job (journaled first when durable, within the caps) and start it. A
+        durable job counts against the caps from its admission on, before its journal write
+        (others admitted meanwhile see it); a failed write takes it back."""
         if durable:
             self.admit(owner, payload_bytes(request))
         job = Job(
             job_id or new_job_id(), function, request, self._clock(), durable=durable, owner=owner
         )
         job.prepared = prepared
-        job.retained_bytes = payload_bytes(request)
-        if durable and self.journal is not None:
-            await asyncio.to_thread(self.journal.write, job.to_record())
+        job.retained_bytes = retained_bytes(request)
+        if durable:
+            self.retention.take(job)
+            try:
+                if self.journal is not None:
+                    await asyncio.to_thread(self.journal.write, job.to_record())
+            except BaseException:
+                self.retention.release(job)
+                raise
+            self._owned.setdefault(owner, {})[job.id] = job
         self.jobs[job.id] = job
         self._record(job, JobEventKind.QUEUED, {"position": None})
         job.task = asyncio.create_task(self._run(job))
@@ -407,7 +434,10 @@ class JobStore:
         job.status, job.result, job.error = status, result, error
         job.completed_at = self._clock()
         job.position = None
+        held = job.retained_bytes
         self._drop_payload(job)
+        if job.durable:
+            self.retention.ended(job, held)
         event = self._event(
             job, END_EVENT[status], job.describe(with_image=False, with_webhook=False)
         )
@@ -424,6 +454,7 @@ class JobStore:
             except OSError:
                 log.exception("could not record the end of job %s", job.id)
         self._publish(job, event)
+        self._trim(job)
 
     def _drop_payload(self, job: Job) -> None:
         """A finished job keeps its result and a small record, not its request's payload
@@ -433,7 +464,7 @@ class JobStore:
             template = job.prepared.invocation.template
         job.request, job.prepared = slim_request(job.request, template), None
         image = job.result.image if job.result is not None else b""
-        job.retained_bytes = len(image) + payload_bytes(job.request)
+        job.retained_bytes = retained_bytes(job.request, image)
 
     async def _compact(self, job: Job) -> None:
         """A finished job's record, small: one written before payloads were dropped at
@@ -505,19 +536,24 @@ class JobStore:
         event unless the reader says it has it (``after`` is its id): one resuming from an
         id this job never gave still gets it."""
         sent = after
-        while True:
-            for event in [e for e in job.events if e.seq > sent]:
-                sent = event.seq
-                yield event
-            if job.ended and sent >= job.events[-1].seq:
-                if sent > job.events[-1].seq:
-                    yield job.events[-1]
-                return
-            job._changed.clear()
-            try:
-                await asyncio.wait_for(job._changed.wait(), 1.0)
-            except TimeoutError:
-                yield None
+        job._readers += 1
+        try:
+            while True:
+                for event in [e for e in job.events if e.seq > sent]:
+                    sent = event.seq
+                    yield event
+                if job.ended and sent >= job.events[-1].seq:
+                    if sent > job.events[-1].seq:
+                        yield job.events[-1]
+                    return
+                job._changed.clear()
+                try:
+                    await asyncio.wait_for(job._changed.wait(), 1.0)
+                except TimeoutError:
+                    yield None
+        finally:
+            job._readers -= 1
+            self._trim(job)
 
     # ---- internals ----------------------------------------------------------------------
     def _record(
@@ -546,6 +582,13 @@ class JobStore:
                     break
         job._changed.set()
 
+    @staticmethod
+    def _trim(job: Job) -> None:
+        """A finished job keeps its terminal event only (as after a restart), once no
+        stream is reading the events before it: its history is not kept for a day."""
+        if job.ended and job._readers == 0 and len(job.events) > 1:
+            job.events = job.events[-1:]
+
     async def _watch_positions(self) -> None:
         """``queued`` events whenever a job's place in the gateway queue changes."""
         while True:
@@ -559,20 +602,47 @@ class JobStore:
                     self._record(job, JobEventKind.QUEUED, {"position": position})
 
     async def _purge_expired(self) -> None:
+        """Purge now and then, for as long as the store runs: an error is logged, never
+        the end of purging (the caps would fill for good)."""
         while True:
             await asyncio.sleep(min(60.0, max(0.5, self.retention_s / 4)))
-            await self.purge()
+            try:
+                await self.purge()
+            except Exception:
+                log.exception("purging expired jobs failed; trying again later")
 
     async def purge(self) -> int:
-        """Remove finished jobs older than the retention time (memory and journal)."""
-        cutoff = self._clock() - self.retention_s
-        expired = [
-            j
-            for j in self.jobs.values()
-            if j.status.terminal and j.completed_at is not None and j.completed_at < cutoff
-        ]
+        """Remove finished jobs older than the retention time (memory and journal). A
+        record that cannot be deleted is logged and left (the next start purges it)."""
+        expired = self.retention.expired(self._clock() - self.retention_s)
         for job in expired:
-            self.jobs.pop(job.id, None)
-            if job.durable and self.journal is not None:
-                await asyncio.to_thread(self.journal.delete, job.id)
+            self._forget_kept(job)
+            if self.journal is not None:
+                try:
+                    await asyncio.to_thread(self.journal.delete, job.id)
+                except OSError:
+                    log.exception("could not delete the record of expired job %s", job.id)
         return len(expired)
+
+    def _keep(self, job: Job) -> None:
+        """Keep a durable job: by id, by owner, and counted against the caps."""
+        self.jobs[job.id] = job
+        self._owned.setdefault(job.owner, {})[job.id] = job
+        self.retention.take(job)
+
+    def _forget_kept(self, job: Job) -> None:
+        """Undo :meth:`_keep`."""
+        self.jobs.pop(job.id, None)
+        owned = self._owned.get(job.owner, {})
+        owned.pop(job.id, None)
+        if not owned:
+            self._owned.pop(job.owner, None)
+        self.retention.release(job)
+
+
+def _ended_order(job: Job) -> tuple[float, float]:
+    """Finished jobs by their end, then unfinished ones by their creation."""
+    return (
+        job.completed_at if job.status.terminal and job.completed_at else math.inf,
+        job.created_at,
+    )

@@ -40,12 +40,13 @@ from retouch.functions.errors import (
 )
 from retouch.functions.imaging import MASK_MODES, decode_openai_mask, encode_mask
 from retouch.platform.auth import OPEN
+from retouch.platform.bodybudget import BodyBudget
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
-from retouch.platform.imagegate import ImageGate
+from retouch.platform.imagegate import Declared
 from retouch.platform.jobs import Job
 from retouch.platform.links import LinkSigner
-from retouch.platform.uploads import check_upload, decode_upload
+from retouch.platform.uploads import Upload
 from retouch.runtime import requestparams
 from retouch.runtime.asgi import read_raw_body
 
@@ -240,15 +241,16 @@ async def _validate(form: Any) -> EditForm:
     )
 
 
-async def _edit_mask(images: ImageGate, fn: DeployedFunction, form: EditForm, owner: str) -> bytes:
-    """The form's mask as this API's white-on-black PNG, checked against the image; every
-    image's header is checked before it is decoded, each decode within the budget."""
-    spec = fn.spec
+async def _edit_inputs(
+    door: FrontDoor, fn: DeployedFunction, form: EditForm, owner: str
+) -> tuple[bytes, Upload | None]:
+    """The form's mask as this API's white-on-black PNG, checked against the image, and the
+    uploaded image decoded (once, for all ``n`` jobs); every image's header is checked
+    before it is decoded, each decode within the budget."""
+    spec, images, upload = fn.spec, door.images, None
     if form.image is not None:
-        image = images.declare(form.image, "image")
-        check_upload(spec, image.size)
-        await images.decode(image, decode_upload, spec, form.image, owner)  # image errors first
-        size = image.size
+        upload = await door.upload(fn, form.image, owner)  # image errors first
+        size = upload.size
     else:
         found = fn.sizes.get(form.template or "")
         if found is None:
@@ -261,15 +263,17 @@ async def _edit_mask(images: ImageGate, fn: DeployedFunction, form: EditForm, ow
         size = found
     if form.mask is not None:
         mask = images.declare(form.mask, "mask")
-        return await images.decode(
+        png = await images.decode(
             mask, _mask_png, form.mask, size, form.mask_mode, "mask", size=size
         )
+        return png, upload
     if form.image is None:
         raise BadRequest(
             "mask is required when image names a template", field="mask", code="missing_field"
         )
     try:  # OpenAI: without a mask, the image's transparency is it
-        return await images.decode(image, _mask_png, form.image, size, "alpha", "image")
+        png = await images.decode(Declared(*size), _mask_png, form.image, size, "alpha", "image")
+        return png, upload
     except BadRequest as exc:
         raise BadRequest(
             "mask is required when the image has no transparent pixels",
@@ -309,13 +313,18 @@ class OpenAIImages:
         *,
         max_body: int,
         links: LinkSigner,
+        bodies: BodyBudget,
     ) -> None:
         self.door = door
         self.max_body = max_body
+        self.bodies = bodies  # a request's body is held (counted) until it is answered
         self.links = links  # its own key (``platform/links.py``), not the webhook secret
 
     async def edits(self, request: Request) -> Response:
-        received = time.perf_counter()
+        with self.bodies.hold(request, self.max_body):
+            return await self._edits(request, time.perf_counter())
+
+    async def _edits(self, request: Request, received: float) -> Response:
         door = self.door
         form = await read_form(request, self.max_body)
         try:
@@ -336,7 +345,7 @@ class OpenAIImages:
         jobs: list[Job] = []
         try:
             with door.arrival(fn, received):
-                mask = await _edit_mask(door.images, fn, form, owner)
+                mask, upload = await _edit_inputs(door, fn, form, owner)
                 for i in range(form.n):
                     req = wire.InvokeRequest(
                         template=form.template,
@@ -348,9 +357,10 @@ class OpenAIImages:
                         guidance=form.guidance,
                         format=form.output_format,
                     )
-                    jobs.append(
-                        await door.accept(fn, wire.JobRequest(req), durable=durable, owner=owner)
+                    job = await door.accept(
+                        fn, wire.JobRequest(req), durable=durable, owner=owner, upload=upload
                     )
+                    jobs.append(job)
         except BaseException:
             door.forget(jobs)  # those already accepted run on; nobody waits for them
             raise

@@ -3,18 +3,25 @@
 The gateway checks an upload's declared size (its header: no pixel decoded) against the
 function and the pixel limit, decodes it off the event loop within the decode budget
 (``platform/imagegate.py``), and names it by its owner and its content: ``upload:`` + a tag
-of the tenant + a hash of the tenant, the decoded pixels and their size. So the same photo
-sent as PNG, as lossless WebP or re-encoded by one tenant gets the same id, and the
-executors (which key an upload's bake by its id, the model's fingerprint and the function's
-settings) find its bake. Another tenant's copy of the same photo is another upload with its
-own bake: whether an edit comes back mask-aware, or how fast, must not tell one tenant what
-another uploaded. The tag lets the gateway show each tenant its own uploads only. The pixels
-travel to the executor as a raw RGB8 array.
+of the tenant + a digest of the tenant, the decoded pixels and their size, both keyed with
+the server's upload key (``<data dir>/upload-key``, made once). So the same photo sent as
+PNG, as lossless WebP or re-encoded by one tenant gets the same id, and the executors (which
+key an upload's bake by its id, the model's fingerprint and the function's settings) find
+its bake. Another tenant's copy of the same photo is another upload with its own bake:
+whether an edit comes back mask-aware, or how fast, must not tell one tenant what another
+uploaded. The tag lets the gateway show each tenant its own uploads only; as it is keyed, no
+tenant can compute another's ids (to count them in a listing, or to test whether a given
+photo is among them). The pixels travel to the executor as a raw RGB8 array.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -22,27 +29,87 @@ from retouch.functions import wire
 from retouch.functions.errors import BadRequest
 from retouch.functions.imaging import declared_size, decode_image
 from retouch.functions.spec import FunctionSpec
+from retouch.platform.auth import Principal
 
 PREFIX = "upload:"
-ID_HEX = 24  # 96 bits of SHA-256: collisions are not a concern at a few images per function
+ID_HEX = 24  # 96 bits of HMAC-SHA-256: collisions are not a concern at a few images
 TAG_HEX = 12  # the owner's tag: which tenant's listing shows the upload
+KEY_FILE = "upload-key"
+KEY_BYTES = 32
 
 
-def owner_tag(owner: str) -> str:
-    """The tenant part of its upload ids (a hash: ids do not spell tenant names)."""
-    return hashlib.sha256(f"upload-owner\0{owner}".encode()).hexdigest()[:TAG_HEX]
+@dataclass(frozen=True)
+class Upload:
+    """A decoded upload: its id and its RGB8 ``[H, W, 3]`` pixels."""
+
+    id: str
+    pixels: wire.RawArray
+
+    @property
+    def size(self) -> tuple[int, int]:
+        height, width = self.pixels.shape[:2]
+        return width, height
 
 
-def upload_id(pixels: np.ndarray, owner: str) -> str:
-    """The address of an RGB8 ``[H, W, 3]`` image within ``owner``'s uploads."""
-    digest = hashlib.sha256(f"{owner}\0{pixels.shape[1]}x{pixels.shape[0]}\0".encode())
-    digest.update(np.ascontiguousarray(pixels, dtype=np.uint8).tobytes())
-    return PREFIX + owner_tag(owner) + digest.hexdigest()[:ID_HEX]
+@dataclass(frozen=True)
+class UploadNames:
+    """Upload ids, keyed with the server's upload key. The key never changes once made:
+    an id is the address of an upload's bake on the executors."""
 
+    key: bytes = field(repr=False)
 
-def owned_by(template_id: str, owner: str) -> bool:
-    """Whether an upload id is one of ``owner``'s."""
-    return template_id.startswith(PREFIX + owner_tag(owner))
+    @classmethod
+    def ephemeral(cls) -> UploadNames:
+        """A key of this process only (a gateway without a data directory)."""
+        return cls(secrets.token_bytes(KEY_BYTES))
+
+    @classmethod
+    def load(cls, data_dir: Path) -> UploadNames:
+        """The key in ``<data dir>/upload-key`` (hex), made (mode 0600) on first start."""
+        path = data_dir / KEY_FILE
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return cls(bytes.fromhex(path.read_text().strip()))
+        key = secrets.token_bytes(KEY_BYTES)
+        with os.fdopen(fd, "w") as f:
+            f.write(key.hex() + "\n")
+        return cls(key)
+
+    def tag(self, owner: str) -> str:
+        """The tenant part of its upload ids (ids neither spell nor reveal tenant names)."""
+        return self._mac(f"upload-owner\0{owner}".encode()).hexdigest()[:TAG_HEX]
+
+    def id(self, pixels: np.ndarray, owner: str) -> str:
+        """The address of an RGB8 ``[H, W, 3]`` image within ``owner``'s uploads."""
+        mac = self._mac(f"upload\0{owner}\0{pixels.shape[1]}x{pixels.shape[0]}\0".encode())
+        mac.update(np.ascontiguousarray(pixels, dtype=np.uint8).tobytes())
+        return PREFIX + self.tag(owner) + mac.hexdigest()[:ID_HEX]
+
+    def owned_by(self, template_id: str, owner: str) -> bool:
+        """Whether an upload id is one of ``owner``'s."""
+        return template_id.startswith(PREFIX + self.tag(owner))
+
+    def shown(self, template_id: str, viewer: Principal) -> bool:
+        """Whether ``viewer`` may see a template id: a deployed template, or an upload of
+        its own (an admin: anyone's)."""
+        return (
+            not template_id.startswith(PREFIX)
+            or viewer.admin
+            or self.owned_by(template_id, viewer.tenant)
+        )
+
+    def decode(self, spec: FunctionSpec, data: bytes, owner: str, field: str = "image") -> Upload:
+        """An uploaded image decoded and named, or a 400 naming ``field``: not an image
+        (``undecodable_image``), a bomb (``image_too_large``), or refused by
+        :func:`check_upload` (from its header, before any pixel is decoded)."""
+        check_upload(spec, declared_size(data, field), field)
+        img = decode_image(data, field)
+        pixels = np.asarray(img.convert("RGB"), dtype=np.uint8)
+        return Upload(self.id(pixels, owner), wire.RawArray.of(pixels))
+
+    def _mac(self, message: bytes) -> hmac.HMAC:
+        return hmac.new(self.key, message, hashlib.sha256)
 
 
 def check_upload(spec: FunctionSpec, size: tuple[int, int], field: str = "image") -> None:
@@ -63,15 +130,3 @@ def check_upload(spec: FunctionSpec, size: tuple[int, int], field: str = "image"
             field=field,
             code="image_size_mismatch",
         )
-
-
-def decode_upload(
-    spec: FunctionSpec, data: bytes, owner: str, field: str = "image"
-) -> tuple[str, wire.RawArray]:
-    """(id, RGB8 pixels) of an uploaded image, or a 400 naming ``field``: not an image
-    (``undecodable_image``), a bomb (``image_too_large``), or refused by
-    :func:`check_upload` (from its header, before any pixel is decoded)."""
-    check_upload(spec, declared_size(data, field), field)
-    img = decode_image(data, field)
-    pixels = np.asarray(img.convert("RGB"), dtype=np.uint8)
-    return upload_id(pixels, owner), wire.RawArray.of(pixels)

@@ -20,6 +20,7 @@ from retouch.functions import wire
 from retouch.functions.errors import Overloaded
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
+from tests.support import decodes_run
 
 from .conftest import ADMIN, INVOKE, TOKENS
 
@@ -93,6 +94,22 @@ def test_edit_of_an_uploaded_image_with_openai_and_white_masks(client: openai.Op
     original = np.asarray(photo())
     inside = np.abs(a[REGION].astype(int) - original[REGION]).mean()
     assert inside > 5
+
+
+def test_an_uploaded_image_is_decoded_once_for_n_edits(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    """An edit of an uploaded image with ``n`` = 3 decodes the image once (not once to
+    check it and once per image): 1 image + 1 mask conversion + 3 masks, one per job."""
+    before = decodes_run(server.url)
+    resp = client.images.edit(
+        model=FUNCTION, image=("p.png", png(photo(11)), "image/png"),
+        mask=("m.png", white_mask(), "image/png"), prompt="a red door", n=3,
+        response_format="b64_json",
+        extra_body={"seed": 2, "num_inference_steps": 1, "mask_mode": "white"},
+    )  # fmt: skip
+    assert len(resp.data) == 3
+    assert decodes_run(server.url) - before == 1 + 1 + 3
 
 
 def test_template_id_n_and_url(client: openai.OpenAI, server: ServerProcess) -> None:

@@ -4,11 +4,11 @@ results, uploads, signed image links, listing and webhooks.
 
 Seen to hold: no tenant reads, streams, cancels or lists another's job (the same 404 as an
 unknown id: no existence oracle); an admin sees every tenant's, without their webhook URLs;
-one tenant's upload is neither listed to nor baked for another; webhooks go to their own
-job's receiver only; every bad number or id (Unicode digits, 5000 digits, out of range) is
-a structured 400 naming the parameter; every ``/v1/images/*`` answer, the auth check's
-included, has OpenAI's error fields; the HTTP server's own rejections are structured too;
-nothing answers 5xx.
+one tenant's upload is neither listed to nor baked for another, nor shown in another's view
+of the executors; webhooks go to their own job's receiver only; every bad number or id
+(Unicode digits, 5000 digits, out of range) is a structured 400 naming the parameter; every
+``/v1/images/*`` answer, the auth check's included, has OpenAI's error fields; the HTTP
+server's own rejections are structured too; nothing answers 5xx.
 
 One server for the module (one executor, a 2-step function on the tiny model).
 """
@@ -16,6 +16,7 @@ One server for the module (one executor, a 2-step function on the tiny model).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import socket
@@ -371,6 +372,25 @@ def test_uploads_are_their_tenants_own(http: httpx.Client, world: World) -> None
     assert {world.a_upload, world.b_upload} <= uploads(ADMIN)
     listed_to_bob = http.get("/v1/functions", headers=auth(BOB)).json()["functions"]
     assert world.a_upload not in json.dumps(listed_to_bob)
+
+
+def test_executors_show_each_tenant_its_own_uploads_only(http: httpx.Client, world: World) -> None:
+    """``/v1/executors`` (invoke scope) holds the executors' template states and residency:
+    another tenant's upload ids are not in it (an admin sees every tenant's), and the ids'
+    owner tag is keyed, not a hash anyone can compute from a tenant's name."""
+
+    def executors(token: str) -> str:
+        resp = http.get("/v1/executors", headers=auth(token))
+        assert resp.status_code == 200, resp.text[:300]
+        return resp.text
+
+    alice, bob, admin = executors(ALICE), executors(BOB), executors(ADMIN)
+    assert world.a_upload in alice and world.b_upload not in alice
+    assert world.b_upload in bob and world.a_upload not in bob
+    assert world.a_upload in admin and world.b_upload in admin
+    assert TEMPLATE in bob  # the deployed template is everyone's
+    unkeyed = hashlib.sha256(b"upload-owner\0alice").hexdigest()[:12]
+    assert unkeyed not in world.a_upload
 
 
 def test_webhooks_reach_their_own_jobs_receiver_only(world: World) -> None:

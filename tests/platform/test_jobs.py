@@ -53,12 +53,15 @@ class FakeRun:
     """An executor stand-in: starts, reports ``steps`` steps, then answers (or waits for
     a cancel when ``hold`` is set)."""
 
-    def __init__(self, steps: int = 3, hold: bool = False) -> None:
+    def __init__(self, steps: int = 3, hold: bool = False, gated: bool = False) -> None:
         self.steps, self.hold = steps, hold
         self.canceled: set[str] = set()
-        self.release = asyncio.Event()
+        self.release = asyncio.Event()  # a gated run starts once it is set
+        if not gated:
+            self.release.set()
 
     async def execute(self, job: Job, on_start, on_progress) -> wire.InvokeResult:
+        await self.release.wait()
         on_start("exec-0", 1)
         for step in range(1, self.steps + 1):
             await asyncio.sleep(0)
@@ -80,20 +83,27 @@ def store(run: FakeRun, journal: JobJournal | None = None, **kw) -> JobStore:
     return JobStore(run.execute, dict, run.cancel, journal, **kw)
 
 
+async def stream(jobs: JobStore, job: Job, after: int = 0) -> list[wire.JobEvent]:
+    """A reader's events until the job's end."""
+    return [e async for e in jobs.events(job, after) if e is not None]
+
+
 @sync
 async def test_a_job_runs_and_its_events_come_in_order() -> None:
     jobs = store(FakeRun(steps=4), progress_interval_s=0)
     await jobs.start()
     job = await jobs.submit("f", request(), prepared())
-    await jobs.wait(job, 5)
+    events = await stream(jobs, job)  # a reader from the start, live until the end
     assert job.status is JobStatus.SUCCEEDED and job.result is not None
-    kinds = [e.kind for e in job.events]
+    kinds = [e.kind for e in events]
     assert kinds == [JobEventKind.QUEUED, JobEventKind.STARTED] + [JobEventKind.PROGRESS] * 4 + [
         JobEventKind.SUCCEEDED
     ]
-    assert [e.seq for e in job.events] == list(range(1, 8))
-    late = [e async for e in jobs.events(job, after=5) if e is not None]  # Last-Event-ID: 5
-    assert [e.seq for e in late] == [6, 7]
+    assert [e.seq for e in events] == list(range(1, 8))
+    # with no stream reading it, a finished job keeps its terminal event only
+    assert job.events == events[-1:]
+    late = await stream(jobs, job, after=5)  # Last-Event-ID: 5
+    assert [e.seq for e in late] == [7]
     assert "image" not in job.events[-1].data["result"]
     doc = job.describe()
     assert doc["status"] == "succeeded" and doc["result"]["image"] == b"img"
@@ -105,8 +115,8 @@ async def test_progress_events_are_throttled_but_the_last_step_always_comes() ->
     jobs = store(FakeRun(steps=50), progress_interval_s=60)
     await jobs.start()
     job = await jobs.submit("f", request(), prepared())
-    await jobs.wait(job, 5)
-    steps = [e.data["step"] for e in job.events if e.kind is JobEventKind.PROGRESS]
+    events = await stream(jobs, job)
+    steps = [e.data["step"] for e in events if e.kind is JobEventKind.PROGRESS]
     assert steps == [1, 50]
     await jobs.close()
 
@@ -176,10 +186,15 @@ async def test_the_journal_resumes_unfinished_jobs_once(tmp_path: Path) -> None:
     terminal, last_seen = finished.events[-1], pending.events[-1].seq
     await jobs.close()  # a stopping gateway ends nothing
 
-    again = store(FakeRun(), JobJournal(tmp_path))
+    gated = FakeRun(gated=True)
+    again = store(gated, JobJournal(tmp_path))
     await again.start()
     resumed = again.jobs[pending.id]
     assert resumed.request.webhook == "http://127.0.0.1:9/x" and resumed.prepared is None
+    # a reader resuming from its last id before the new run goes on
+    reader = asyncio.create_task(stream(again, resumed, after=last_seen))
+    await asyncio.sleep(0)
+    gated.release.set()
     await again.wait(resumed, 5)
     assert resumed.status is JobStatus.SUCCEEDED
     assert again.jobs[finished.id].status is JobStatus.CANCELED
@@ -187,8 +202,9 @@ async def test_the_journal_resumes_unfinished_jobs_once(tmp_path: Path) -> None:
     assert [e async for e in again.events(ended) if e is not None] == [terminal]  # same id
     # the resumed run's ids are above every id of the run before: a reader resuming from
     # its last id gets the whole new run, ending with the terminal event
-    after = [e async for e in again.events(resumed, after=last_seen) if e is not None]
-    assert after == resumed.events and after[0].seq > RUN_SEQ_SPAN
+    after = await reader
+    assert after[-1] == resumed.events[-1] and after[0].seq > RUN_SEQ_SPAN
+    assert [e.seq for e in after] == sorted({e.seq for e in after})
     assert [after[0].kind, after[-1].kind] == [JobEventKind.QUEUED, JobEventKind.SUCCEEDED]
     # an id the job never gave: the stream still ends with the terminal event
     beyond = [e async for e in again.events(ended, after=10**9) if e is not None]
