@@ -584,10 +584,12 @@ class JobStore:
 
     @staticmethod
     def _trim(job: Job) -> None:
-        """A finished job keeps its terminal event only (as after a restart), once no
-        stream is reading the events before it: its history is not kept for a day."""
-        if job.ended and job._readers == 0 and len(job.events) > 1:
-            job.events = job.events[-1:]
+        """A finished job keeps its last progress event and its terminal event, once no
+        stream is reading the events before them: its history is not kept for a day, and a
+        stream opened later still shows how far it got (``retouch jobs watch``'s bar)."""
+        if job.ended and job._readers == 0 and len(job.events) > 2:
+            progress = [e for e in job.events[:-1] if e.kind is JobEventKind.PROGRESS]
+            job.events = [*progress[-1:], job.events[-1]]
 
     async def _watch_positions(self) -> None:
         """``queued`` events whenever a job's place in the gateway queue changes."""

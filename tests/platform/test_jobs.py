@@ -100,10 +100,10 @@ async def test_a_job_runs_and_its_events_come_in_order() -> None:
         JobEventKind.SUCCEEDED
     ]
     assert [e.seq for e in events] == list(range(1, 8))
-    # with no stream reading it, a finished job keeps its terminal event only
-    assert job.events == events[-1:]
+    # with no stream reading it, a finished job keeps its last progress and terminal events
+    assert job.events == events[-2:] and job.events[0].kind is JobEventKind.PROGRESS
     late = await stream(jobs, job, after=5)  # Last-Event-ID: 5
-    assert [e.seq for e in late] == [7]
+    assert [e.seq for e in late] == [6, 7]
     assert "image" not in job.events[-1].data["result"]
     doc = job.describe()
     assert doc["status"] == "succeeded" and doc["result"]["image"] == b"img"
