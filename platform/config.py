@@ -70,6 +70,12 @@ class ServeConfig:
         "others wait)",
         shown="an eighth of the machine's memory",
     )
+    body_memory_bytes: int = knob(
+        0,
+        "memory for request bodies held at once (each reserves its content-length, or "
+        "--max-body-bytes when it declares none; beyond it: 429 too_many_bodies)",
+        shown="an eighth of the machine's memory",
+    )
     placement: str = knob(
         "maskaware",
         "placement policy: maskaware (predicted completion + template residency), or a "
@@ -185,6 +191,7 @@ class ServeConfig:
             "progress_interval_s",
             "max_image_pixels",
             "decode_memory_bytes",
+            "body_memory_bytes",
         )
         for name in nonnegative:
             if getattr(self, name) < 0:

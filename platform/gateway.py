@@ -212,6 +212,7 @@ class Gateway:
         self.metrics.export_pool(self.pool.report)
         self.metrics.export_jobs(self.jobs.jobs.values(), self.webhooks.stats)
         self.metrics.export_decodes(self.door.images)
+        self.metrics.export_bodies(self.bodies)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def list_functions(self, request: Request) -> dict[str, Any]:

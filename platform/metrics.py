@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from retouch.functions import wire
+from retouch.platform.bodybudget import BodyBudget
 from retouch.platform.dispatch import Dispatcher
 from retouch.platform.fleet import Fleet
 from retouch.platform.imagegate import ImageGate
@@ -190,6 +191,13 @@ class GatewayMetrics:
             ["quantity"],
             registry=r,
         )
+        self.bodies = Gauge(
+            "retouch_request_bodies",
+            "Request bodies held at scrape time: budget_bytes, held_bytes, peak_held_bytes, "
+            "refused (429 too_many_bodies, since start)",
+            ["quantity"],
+            registry=r,
+        )
 
     def observe(
         self, function: str, result: wire.InvokeResult, mask_ratio: float, slo_ms: float | None
@@ -255,6 +263,12 @@ class GatewayMetrics:
         self.decodes.labels("reserved_bytes").set(budget.in_use)
         self.decodes.labels("peak_reserved_bytes").set(budget.peak)
         self.decodes.labels("waited").set(budget.waited)
+
+    def export_bodies(self, bodies: BodyBudget) -> None:
+        self.bodies.labels("budget_bytes").set(bodies.capacity)
+        self.bodies.labels("held_bytes").set(bodies.in_use)
+        self.bodies.labels("peak_held_bytes").set(bodies.peak)
+        self.bodies.labels("refused").set(bodies.refused)
 
     def export_pool(self, report: PoolReport) -> None:
         """The pool, its model pools, the gateway queue and the placement figures."""

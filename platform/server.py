@@ -69,6 +69,7 @@ def build_gateway(config: ServeConfig) -> Gateway:
         max_body=config.max_body_bytes,
         max_image_pixels=config.max_image_pixels,
         decode_memory_bytes=config.decode_memory_bytes,
+        body_memory_bytes=config.body_memory_bytes,
         retention_limits=RetentionLimits(
             config.max_live_jobs,
             config.max_live_jobs_per_tenant,

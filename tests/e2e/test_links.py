@@ -2,7 +2,8 @@
 their own (``<data dir>/link-keys``, mode 0600), not the webhook secret; based on
 ``--public-url`` whatever ``Host`` the request names; never valid past the result's
 retention end (``--job-retention`` 60 s here), whoever signed them. And the retention
-caps refuse a job from its declared length, before its body is read."""
+caps refuse a job from its declared length, before its body is read, and so does the budget
+of request bodies held at once."""
 
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ from retouch.functions import wire
 from retouch.platform.client import Client
 from retouch.platform.links import KEY_FILE, load_keys
 from retouch.platform.server import ServerProcess
+from tests.support import wait_for
 
 from .conftest import INVOKE, TOKENS
 from .street import deploy_street
 
 FUNCTION, STEPS, SIZE = "link-sd", 2, 128
 RETENTION_S = 60
+BODY_BUDGET = 16 << 20  # request bodies held at once
 RETAINED_CAP = 8 << 20  # bytes a tenant's jobs may retain: room for these tests' edits
 
 
@@ -50,6 +53,7 @@ def server(data_dir: Path) -> Iterator[ServerProcess]:
         "--public-url", f"http://localhost:{proc.port}/",
         "--job-retention", str(RETENTION_S),
         "--max-retained-bytes-per-tenant", str(RETAINED_CAP),
+        "--body-memory-bytes", str(BODY_BUDGET),
     ]  # fmt: skip
     with proc:
         deploy_street(proc.url, FUNCTION, STEPS)
@@ -130,25 +134,71 @@ def test_a_link_never_outlives_its_result(server: ServerProcess, data_dir: Path)
     assert got.json()["error"]["field"] == "expires"
 
 
+def _declare(server: ServerProcess, route: str, length: int) -> socket.socket:
+    """A connection that sent a request's head declaring ``length`` bytes of body, and no
+    body."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(
+        (
+            f"POST /v1/functions/{FUNCTION}/{route} HTTP/1.1\r\n"
+            f"Host: 127.0.0.1:{server.port}\r\nAuthorization: Bearer {INVOKE}\r\n"
+            f"Content-Type: application/msgpack\r\nContent-Length: {length}\r\n\r\n"
+        ).encode()
+    )
+    return sock
+
+
+def _answer(sock: socket.socket) -> tuple[bytes, dict[str, str], bytes]:
+    """(status line, headers, body) of the one answer on ``sock``."""
+    answer = sock.makefile("rb")
+    status_line = answer.readline()
+    headers = dict(
+        line.decode().strip().lower().split(": ", 1) for line in iter(answer.readline, b"\r\n")
+    )
+    return status_line, headers, answer.read(int(headers["content-length"]))
+
+
+def _metric(server: ServerProcess, name: str, quantity: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(f'{name}{{quantity="{quantity}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name} {quantity} in /metrics")
+
+
 def test_a_job_over_the_retention_cap_is_refused_before_its_body_is_read(
     server: ServerProcess,
 ) -> None:
     """Headers that declare a body above the tenant's retention cap, and no body: the
     gateway answers 429 ``retention_full`` at once (reading the body first would wait for
     bytes that never come, and hold them in memory if they did)."""
-    head = (
-        f"POST /v1/functions/{FUNCTION}/jobs HTTP/1.1\r\n"
-        f"Host: 127.0.0.1:{server.port}\r\nAuthorization: Bearer {INVOKE}\r\n"
-        f"Content-Type: application/msgpack\r\nContent-Length: {RETAINED_CAP + 1}\r\n\r\n"
-    )
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(head.encode())
-        answer = sock.makefile("rb")
-        status_line = answer.readline()
-        headers = dict(
-            line.decode().strip().lower().split(": ", 1) for line in iter(answer.readline, b"\r\n")
-        )
-        body = answer.read(int(headers["content-length"]))
+    with _declare(server, "jobs", RETAINED_CAP + 1) as sock:
+        status_line, headers, body = _answer(sock)
     assert b" 429 " in status_line, (status_line, headers, body[:300])
     assert int(headers["retry-after"]) >= 1
     assert wire.unpack(body)["error"]["code"] == "retention_full", body
+
+
+def test_request_bodies_held_at_once_stay_within_the_body_budget(server: ServerProcess) -> None:
+    """A first invoke declares 12 MiB and sends nothing: it holds that much of the 16 MiB
+    budget while the gateway waits for its body. A second declaring 12 MiB is refused at
+    once, ``429 too_many_bodies``, nothing read; ``/metrics`` shows the budget and the
+    refusal, and the first one's share comes back when it ends."""
+    bodies = "retouch_request_bodies"
+    assert _metric(server, bodies, "budget_bytes") == BODY_BUDGET
+    refused = _metric(server, bodies, "refused")
+    with _declare(server, "invoke", 12 << 20):
+        wait_for(
+            "the first body held",
+            lambda: _metric(server, bodies, "held_bytes") >= 12 << 20,
+            timeout=30,
+        )
+        with _declare(server, "invoke", 12 << 20) as second:
+            status_line, headers, body = _answer(second)
+        assert b" 429 " in status_line, (status_line, headers, body[:300])
+        assert wire.unpack(body)["error"]["code"] == "too_many_bodies", body
+        assert _metric(server, bodies, "refused") == refused + 1
+    wait_for(
+        "the first body's share back",
+        lambda: _metric(server, bodies, "held_bytes") == 0,
+        timeout=30,
+    )
