@@ -38,18 +38,22 @@ def rejection_body(status: int, code: str, message: str) -> bytes:
 class StructuredH11Protocol(H11Protocol):
     """uvicorn's h11 protocol whose own rejections are structured JSON, and which holds
     every request head to :data:`MAX_HEAD_BYTES` (h11 alone only checks a head that is
-    still incomplete: one that arrives whole in a single read, up to 256 KiB, passes)."""
+    still incomplete: one that arrives whole in a single read, up to 256 KiB, passes).
 
-    def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE and self._head_bytes(data) > MAX_HEAD_BYTES:
+    The check runs whenever a request may begin: on data received between requests, and
+    when a pipelined request's turn comes (uvicorn handles buffered events again after
+    each response), so a second request sent with the first is held to it too."""
+
+    def handle_events(self) -> None:
+        if self.conn.their_state is h11.IDLE and self._head_bytes() > MAX_HEAD_BYTES:
             self._reject("request_head_too_large", "request line and headers exceed "
                          f"{MAX_HEAD_BYTES} bytes")  # fmt: skip
             return
-        super().data_received(data)
+        super().handle_events()
 
-    def _head_bytes(self, data: bytes) -> int:
-        """The length of the request head received so far (up to its blank line)."""
-        received = self.conn.trailing_data[0] + data
+    def _head_bytes(self) -> int:
+        """The length of the next request's head received so far (up to its blank line)."""
+        received = self.conn.trailing_data[0]
         end = received.find(b"\r\n\r\n")
         return len(received) if end < 0 else end
 

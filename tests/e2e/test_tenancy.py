@@ -422,3 +422,21 @@ def test_the_servers_own_rejections_are_structured(world: World) -> None:
         assert error["code"] == code and error["type"] == "invalid_request_error"
         assert {"message", "field", "param"} <= set(error)
     assert httpx.get(f"{world.url}/healthz").status_code == 200
+
+
+def test_a_pipelined_request_head_is_held_to_the_limit_too(world: World) -> None:
+    """Two requests in one write: a small one, then one whose head is 20 KB. The first is
+    answered; the second gets the server's structured 400, as it would alone."""
+    port = int(world.url.rsplit(":", 1)[1])
+    small = "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    large = f"GET /v1/jobs/{'a' * 20000} HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall((small + large).encode())
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
+    second = raw[raw.index(b"HTTP/1.1 ", 1) :]
+    head, _, body = second.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), second[:200]
+    assert json.loads(body)["error"]["code"] == "request_head_too_large"
