@@ -160,7 +160,7 @@ class Planner:
     """
 
     cost_model: CostModel
-    device: str = "cpu"  # where the rows must rest to be read without a load
+    device: str  # where the rows must rest to be read without a load
     last: Plan | None = None
 
     def __call__(self, states: list[RequestState], blocks: list[str]) -> dict[str, Mode]:
@@ -180,7 +180,7 @@ class Planner:
         return modes
 
 
-def make_planner(cost_model: CostModel, device: object = "cpu") -> Planner:
+def make_planner(cost_model: CostModel, device: object) -> Planner:
     """``editor.set_planner(make_planner(cost_model, editor.device))``; the engine passes its
     result to ``step``. *device* is the torch device the editor runs on: the cost model's
     own ``device`` is a label of the hardware profiled (``cuda-NVIDIA-H100…``), not one."""
@@ -188,7 +188,7 @@ def make_planner(cost_model: CostModel, device: object = "cpu") -> Planner:
 
 
 def batch_tokens(
-    cost_model: CostModel, states: list[RequestState], device: object = "cpu"
+    cost_model: CostModel, states: list[RequestState], device: object
 ) -> list[tuple[int, int, int]]:
     """Per profiled block, the batch's (masked, total, streamed) tokens on the block's token
     grid; *streamed* counts the unmasked tokens whose rows must be loaded: none of a

@@ -56,27 +56,27 @@ def _model(load_slope: float, levels: tuple[int, ...] = (0, 0, 0, 0)) -> CostMod
 
 
 def test_free_loads_make_every_block_sparse() -> None:
-    planner = make_planner(_model(load_slope=0.0))
+    planner = make_planner(_model(load_slope=0.0), "cpu")
     modes = planner([_state(0.25), _state(0.5)], BLOCKS)
     assert modes == dict.fromkeys(BLOCKS, Mode.SPARSE)
     assert planner.last is not None and planner.last.sparse_blocks == 4
 
 
 def test_prohibitive_loads_make_every_block_full() -> None:
-    modes = make_planner(_model(load_slope=1.0))([_state(0.25)], BLOCKS)
+    modes = make_planner(_model(load_slope=1.0), "cpu")([_state(0.25)], BLOCKS)
     assert modes == dict.fromkeys(BLOCKS, Mode.FULL)
 
 
 def test_requests_without_cache_compute_everything() -> None:
-    planner = make_planner(_model(load_slope=0.0))
+    planner = make_planner(_model(load_slope=0.0), "cpu")
     assert planner([_state(0.25, reader=None)], BLOCKS) == dict.fromkeys(BLOCKS, Mode.FULL)
-    counts = batch_tokens(_model(0.0), [_state(0.25), _state(0.25, reader=None)])
+    counts = batch_tokens(_model(0.0), [_state(0.25), _state(0.25, reader=None)], "cpu")
     assert counts[0] == (64 + 256, 512, 192)  # the reader-less request counts every token
 
 
 def test_tokens_are_counted_on_each_blocks_grid() -> None:
     model = _model(0.0, levels=(0, 1, 1, 0))
-    counts = batch_tokens(model, [_state(0.5), _state(0.25)])
+    counts = batch_tokens(model, [_state(0.5), _state(0.25)], "cpu")
     assert counts == [
         (128 + 64, 512, 320),
         (32 + 16, 128, 80),
@@ -94,9 +94,9 @@ class Resident:
 
 def test_rows_resident_on_the_device_cost_no_load() -> None:
     """Prohibitive loads make every block full, unless the template is on the device."""
-    planner = make_planner(_model(load_slope=1.0))
+    planner = make_planner(_model(load_slope=1.0), "cpu")
     assert planner([_state(0.25, Resident())], BLOCKS) == dict.fromkeys(BLOCKS, Mode.SPARSE)
-    counts = batch_tokens(_model(1.0), [_state(0.25, Resident()), _state(0.25)])
+    counts = batch_tokens(_model(1.0), [_state(0.25, Resident()), _state(0.25)], "cpu")
     assert counts[0] == (128, 512, 192)  # only the host-tier request's rows are loaded
 
 
@@ -109,7 +109,7 @@ def test_a_profile_made_on_a_gpu_plans_on_the_editors_device() -> None:
 
 
 def test_blocks_outside_the_cost_model_stay_full() -> None:
-    modes = make_planner(_model(0.0))([_state(0.25)], [*BLOCKS, "extra"])
+    modes = make_planner(_model(0.0), "cpu")([_state(0.25)], [*BLOCKS, "extra"])
     assert modes["extra"] is Mode.FULL and list(modes) == [*BLOCKS, "extra"]
 
 
@@ -127,7 +127,7 @@ def test_a_request_in_its_warmup_counts_every_token() -> None:
 
     warming, plain = state(full_steps=1), state(full_steps=0)
     assert warming.warming and warming.step_reader is None and not plain.warming
-    assert batch_tokens(_model(0.0), [warming, plain])[0] == (256 + 64, 512, 192)
+    assert batch_tokens(_model(0.0), [warming, plain], "cpu")[0] == (256 + 64, 512, 192)
     warming.index = 1  # warm-up over
     assert not warming.warming and warming.step_reader == "cache"
-    assert batch_tokens(_model(0.0), [warming, plain])[0] == (64 + 64, 512, 384)
+    assert batch_tokens(_model(0.0), [warming, plain], "cpu")[0] == (64 + 64, 512, 384)
