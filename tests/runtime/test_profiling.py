@@ -82,7 +82,7 @@ def test_sd_profile_levels_and_planner(models_dir: Path) -> None:
     editor.bake(image, "a door", 1, 2, 4.0, store)
     mask = mask_of_ratio((SIZE, SIZE), 0.3, "rect", seed=2)
     state = editor.prepare(EditRequest(image, mask, "red", 3, 2, 4.0, "a door", 1), store)
-    planner = make_planner(model)
+    planner = make_planner(model, editor.device)
     modes = planner([state], editor.blocks)
     assert set(modes) == set(editor.blocks) and planner.last is not None
 
