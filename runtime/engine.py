@@ -290,6 +290,13 @@ class Engine:
             return self._accepting()
 
     @property
+    def stopping(self) -> bool:
+        """Asked by a background job between its steps: a stopping engine runs none to the
+        end (``stop`` would otherwise wait for a whole bake)."""
+        with self._cv:
+            return self._stopping
+
+    @property
     def error(self) -> str | None:
         with self._cv:
             return self._error

@@ -28,6 +28,7 @@ from retouch.cachestore.streaming import StreamedTemplate
 from retouch.functions.spec import FunctionSpec, UploadsSpec
 from retouch.functions.wire import BakeState, CacheTier, ChangeKind, TemplateStatus
 from retouch.runtime.fingerprint import template_key
+from retouch.runtime.maskaware.editor import BakeCancelled
 from retouch.runtime.maskaware.rowformat import RowFormat
 from retouch.runtime.maskaware.storedrows import DecodedTemplate, EncodingWriter, decoded
 
@@ -357,6 +358,11 @@ class TemplateCache:
             self._forget_on_device(template.key)  # a re-bake replaces its activations
             with self.store.bake(template.key, meta) as writer:
                 record(EncodingWriter(writer, template.storage))
+        except BakeCancelled as exc:  # the executor is stopping: unbaked, nothing stored
+            with self.lock:
+                template.state = BakeState.UNBAKED
+            log.info("bake of %s/%s cancelled: %s", template.function, template.id, exc)
+            return
         except Exception as exc:
             with self.lock:
                 template.state, template.error = BakeState.FAILED, str(exc)

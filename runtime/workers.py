@@ -5,9 +5,9 @@ FlashPS (§4.3) measured that pre- and post-processing inside the continuous-bat
 interrupt every running request (+40 % P95); moving them to other processes took −29 % P95.
 :class:`PrePostPool` runs ``pre`` workers (text encoding, VAE encode: ``editor.encode``) and
 ``post`` workers (VAE decode and image encoding: ``editor.decode`` + ``encode_image``).
-Each is a spawned process holding the model's pipeline *without* its denoiser (post
-workers also without text encoders), on the executor's device and dtype, loaded on first
-use and kept per model.
+Each is a process (forked from a fork server on a CPU, spawned on CUDA) holding the model's
+pipeline *without* its denoiser (post workers also without text encoders), on the
+executor's device and dtype, loaded on first use and kept per model.
 
 Jobs travel as a msgpack header over a pipe (``send_bytes``/``recv_bytes``) plus one
 shared-memory block of tensors per direction (:mod:`retouch.runtime.shm`); nothing is
@@ -115,14 +115,14 @@ class PrePostPool:
     ) -> None:
         if pre < 1 or post < 1:
             raise ValueError("a pool needs at least one pre and one post worker")
-        self._context = multiprocessing.get_context("spawn")
+        device = str(device or default_device())
+        self._context = _process_context(torch.device(device))
         self._prefix = f"rt{os.getpid()}{secrets.token_hex(3)}-"
         self._ids = itertools.count()
         self._jobs = threading.Condition()  # guards the queues and ``_closed``
         self._closed = False
         self._queues: dict[str, deque[_Job]] = {PRE: deque(), POST: deque()}
         self.timings: deque[JobTiming] = deque(maxlen=TIMINGS_KEPT)
-        device = str(device or default_device())
         level = logging.getLogger().getEffectiveLevel()
         self._workers = [
             _Worker(self, WorkerSpec(role, index, str(models_dir), device, threads, level, nice))
@@ -318,7 +318,8 @@ class _Worker:
         return None if self.process is None else self.process.pid
 
     def start(self) -> None:
-        self._spawn()
+        """Start the dispatcher thread; it starts the process (a fork server's first start
+        imports torch, which the executor does not wait for)."""
         self.thread.start()
 
     def wait_ready(self, timeout: float | None) -> bool:
@@ -338,7 +339,14 @@ class _Worker:
     # -- dispatcher thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
-        self._await_start()
+        try:
+            self._spawn()
+        except Exception:  # seen by _ensure_ready, which starts it again
+            log.exception("%s could not start", self.spec.name)
+        if self.pool.closed:  # closed while it started: nothing to finish
+            self.kill("started after its pool closed")
+        else:
+            self._await_start()
         while (job := self.pool._take(self)) is not None:
             if job.future.set_running_or_notify_cancel():
                 self._serve(job)
@@ -455,6 +463,18 @@ class _Worker:
             self.process.terminate()
             self.process.join(2.0)
         self.conn.close()
+
+
+def _process_context(device: torch.device) -> multiprocessing.context.BaseContext:
+    """How worker processes start. On a CPU: forked from a fork server that imported torch,
+    diffusers and the worker's code once, so a pool's workers (and every restart) skip the
+    ~5 s of imports a fresh interpreter pays, and share those pages. On CUDA: spawned, since
+    a process forked after anything touched the CUDA driver cannot use CUDA itself."""
+    if device.type != "cpu":
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([serve.__module__])
+    return context
 
 
 def _request_items(

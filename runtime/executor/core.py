@@ -570,7 +570,7 @@ class ExecutorCore:
         bake = (template.image, template.prompt, template.seed, template.steps, template.guidance)
 
         def record(writer, encoded: Encoded | None = None) -> None:
-            editor.bake(*bake, writer, encoded=encoded)
+            editor.bake(*bake, writer, encoded=encoded, cancelled=lambda: self.engine.stopping)
 
         if not self._encodes_elsewhere():
             self.engine.submit_background(lambda: self.templates.bake(template, record))

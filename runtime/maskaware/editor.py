@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from retouch.runtime.maskaware.loader import RowLoader
 
 __all__ = [
+    "BakeCancelled",
     "EditRequest",
     "Encoded",
     "MaskAwareEditor",
@@ -73,6 +74,11 @@ TEMPLATE_BLOCK = "template"  # block name of the per-template tensors (step -1)
 Plan = Callable[[list[RequestState], list[str]], dict[str, Mode]]
 # ``encoder(request, template_latents)``: pre-processing done elsewhere (a pre worker)
 Encoder = Callable[[EditRequest, torch.Tensor | None], Encoded]
+
+
+class BakeCancelled(RuntimeError):
+    """A bake stopped between two steps because its executor is stopping: nothing was
+    stored (a store's bake commits only when it completes), the next executor re-bakes."""
 
 
 def all_sparse(states: list[RequestState], blocks: list[str]) -> dict[str, Mode]:
@@ -166,6 +172,7 @@ class MaskAwareEditor:
         writer: ActivationWriter,
         mask: np.ndarray | None = None,
         encoded: Encoded | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
         """Record a template's generation: its own prompt and seed, nothing masked.
 
@@ -173,6 +180,8 @@ class MaskAwareEditor:
         makes the mask-aware edit reproduce the stock pipeline). ``encoded``: the bake
         request's pre-processing done beforehand (:meth:`bake_request`, e.g. by a pre
         worker, so the engine thread never waits for it); else it is done here.
+        ``cancelled``: asked before each step; True raises :class:`BakeCancelled` (a stopping
+        executor does not finish a bake nobody waits for).
         """
         self._require_denoiser()
         request = self.bake_request(image, prompt, seed, steps, guidance, mask)
@@ -188,6 +197,8 @@ class MaskAwareEditor:
         state = self.assemble(request, encoded, None)
         state.writer = writer
         while not state.done:
+            if cancelled is not None and cancelled():
+                raise BakeCancelled(f"{self.family} bake stopped at step {state.index}")
             ctx = ForwardContext([Slot(state.index, writer=writer)], self.impl.rows_per_request, {})
             self._run(ctx, [state])
         log.info("baked %s template in %d steps", self.family, steps)

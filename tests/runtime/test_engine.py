@@ -5,6 +5,7 @@ failed decode fails only its own invocation)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -21,7 +22,7 @@ from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import Canceled
 from retouch.runtime.engine import Engine, EngineConfig, EngineMode, EngineUnavailable, Work
 from retouch.runtime.executor.core import WorkerStages
-from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.editor import BakeCancelled, EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.workers import PrePostPool
 
@@ -214,6 +215,36 @@ def test_stop_fails_unfinished_invocations(editor, baked) -> None:
             outcomes.append(exc.code)
     assert "engine_unavailable" in outcomes  # the waiting one at least; none left hanging
     assert not engine.alive
+
+
+def test_stop_cancels_a_running_bake_between_two_steps(editor) -> None:
+    """A stopping executor (a scale-down, a restart) does not finish a bake nobody waits
+    for: the bake stops at its next step and ``stop`` returns."""
+    engine = Engine(EngineConfig(max_batch=1, disaggregated=False), None).start()
+    asked: list[bool] = []
+    outcome: list[str] = []
+    started = threading.Event()
+
+    def cancelled() -> bool:
+        started.set()
+        asked.append(engine.stopping)
+        return asked[-1]
+
+    def bake() -> None:
+        image = template_image((128, 128), 4)
+        try:
+            editor.bake(
+                image, "a shelf", 6, 100, 3.5, MemoryActivations().writer(), cancelled=cancelled
+            )
+            outcome.append("baked")
+        except BakeCancelled:
+            outcome.append("cancelled")
+
+    engine.submit_background(bake)
+    assert started.wait(60)
+    engine.stop()
+    assert outcome == ["cancelled"]
+    assert len(asked) < 100 and asked[-1] is True
 
 
 @dataclass
