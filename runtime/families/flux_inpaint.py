@@ -28,7 +28,7 @@ from PIL import Image
 
 from retouch.runtime.families.base import Family, FamilyModel
 from retouch.runtime.maskaware import flux_blocks, flux_packed, inpaint
-from retouch.runtime.maskaware.context import ForwardContext, Mode
+from retouch.runtime.maskaware.context import ForwardContext, Mode, current
 from retouch.runtime.maskaware.flops import Flops, linear_flops
 from retouch.runtime.maskaware.flux_packed import PackedInputs
 from retouch.runtime.maskaware.request import (
@@ -191,7 +191,8 @@ class FluxInpaint(FamilyModel):
         first = sparse and ctx.mode(self.blocks[0]) is Mode.SPARSE
 
         def padded(**t: torch.Tensor) -> torch.Tensor:
-            ctx.scratch[flux_blocks.SPARSE_CARRY] = first
+            scratch = current().scratch  # the running step's: a graph runner replays this
+            scratch[flux_blocks.SPARSE_CARRY] = first
             latents = t["latents"]
             out = transformer(
                 hidden_states=grid.gather(latents) if first else latents,
@@ -204,7 +205,7 @@ class FluxInpaint(FamilyModel):
                 joint_attention_kwargs={},
                 return_dict=False,
             )[0]
-            if ctx.scratch[flux_blocks.SPARSE_CARRY]:
+            if scratch[flux_blocks.SPARSE_CARRY]:
                 out = grid.scatter(out, torch.zeros_like(latents))
             return out
 
