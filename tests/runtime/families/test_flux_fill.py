@@ -20,6 +20,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
+from retouch.functions.errors import InvalidSpec
+from retouch.functions.models import check_model, model_family
 from retouch.runtime.families import family
 from retouch.runtime.families.stepflops import pipeline_step_flops
 from retouch.runtime.maskaware.context import Mode
@@ -192,3 +194,12 @@ def test_analytic_flops_equal_the_counted_step(pipe, baked) -> None:
     )
     assert counted(full_plan) == pytest.approx(analytic.full.total, rel=1e-9)
     assert 0.1 < analytic.ratio < 0.5
+
+
+def test_a_fill_folder_is_told_apart_from_flux_inpainting(folder: Path) -> None:
+    """A folder saved from FluxFillPipeline (as FLUX.1-Fill-dev ships) is a flux-fill
+    model; deploying it as flux-inpaint is refused before anything loads."""
+    assert model_family(str(folder)) == FAMILY
+    check_model(str(folder), FAMILY)
+    with pytest.raises(InvalidSpec, match="cannot serve flux-inpaint"):
+        check_model(str(folder), "flux-inpaint")
