@@ -29,11 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers import FluxFillPipeline
 from diffusers.utils.torch_utils import randn_tensor
-from PIL import Image
 
 from retouch.runtime.families.base import Encoding
 from retouch.runtime.families.flux_inpaint import (
@@ -48,7 +46,7 @@ from retouch.runtime.maskaware.context import current
 from retouch.runtime.maskaware.flops import Flops, linear_flops
 from retouch.runtime.maskaware.loader import FamilyRows
 from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
-from retouch.runtime.maskaware.request import EditRequest, RequestState, check_batchable
+from retouch.runtime.maskaware.request import EditRequest, RequestState
 
 WHOLE_OUTPUT = "_retouch_fill_whole_output"  # marks a last block whose exit hook is installed
 
@@ -120,37 +118,22 @@ class FluxFill(FluxInpaint):
         step = state.scheduler.step(prediction, state.timestep, state.latents, return_dict=False)
         state.latents = step[0]
 
-    def stock(
-        self,
-        requests: list[EditRequest],
-        noises: list[tuple[SeedNoise, SeedNoise]],
-        output_type: str = "pil",
-    ) -> list[Image.Image] | np.ndarray:
-        """One FluxFillPipeline call for ``requests``: each with its composed initial noise
-        (packed, as the pipeline takes ``latents``) and a generator whose draw for the
-        masked image's VAE encode is its template's VAE noise."""
-        first = check_batchable(requests)
+    def stock_batch(
+        self, requests: list[EditRequest], noises: list[tuple[SeedNoise, SeedNoise]]
+    ) -> dict[str, Any]:
+        """The template images, each request's composed initial noise (packed, as the Fill
+        pipeline takes ``latents``) and a generator per request whose draw for the masked
+        image's VAE encode is its template's VAE noise."""
+        pairs = list(zip(requests, noises, strict=True))
         latents = [
             self._pack(t.compose(own, self.latent_mask(r)[0, 0] > 0.5).latents)
-            for r, (t, own) in zip(requests, noises, strict=True)
+            for r, (t, own) in pairs
         ]
-        return self.pipe(
-            prompt=[r.prompt for r in requests],
-            image=[r.image for r in requests],
-            mask_image=[r.mask_image() for r in requests],
-            height=first.image.height,
-            width=first.image.width,
-            strength=1.0,
-            num_inference_steps=first.steps,
-            guidance_scale=first.guidance,
-            latents=torch.cat(latents).to(self.device, self.dtype),
-            generator=[
-                vae_generator(r.template_seed, t.vae.shape)
-                for r, (t, _) in zip(requests, noises, strict=True)
-            ],
-            output_type=output_type,
-            **self.stock_options(),
-        ).images
+        return {
+            "image": [r.image for r in requests],
+            "latents": torch.cat(latents).to(self.device, self.dtype),
+            "generator": [vae_generator(r.template_seed, t.vae.shape) for r, (t, _) in pairs],
+        }
 
 
 def vae_generator(seed: int, shape: torch.Size) -> torch.Generator:
