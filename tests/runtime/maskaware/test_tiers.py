@@ -55,6 +55,9 @@ def test_production_shapes_keep_their_real_block_structure() -> None:
     assert len(flux.transformer.single_transformer_blocks) == 38
     assert flux.transformer.config.joint_attention_dim == 4096
     assert flux.transformer.dtype == torch.bfloat16
+    _, fill = build_shape("flux-fill-dev", "meta")
+    assert fill.transformer.config.in_channels == 384  # 64 latents + 64 masked image + 256 mask
+    assert len(fill.transformer.single_transformer_blocks) == 38
     _, sd3 = build_shape("sd3-medium", "meta")
     assert len(sd3.transformer.transformer_blocks) == 24
     _, sd2 = build_shape("sd2-inpaint", "meta")
