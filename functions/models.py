@@ -39,6 +39,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     )
 }
 
+
 def is_builtin(model: str) -> bool:
     return model.startswith(PREFIX)
 
