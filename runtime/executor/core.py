@@ -186,7 +186,7 @@ class ExecutorCore:
         self.lock = threading.Lock()  # guards the three tables below; never held across work
         self.functions: dict[str, FunctionEntry] = {}
         self.cost_models: dict[str, CostModel] = {}  # per model, on this device
-        self._profiles: dict[str, Path] = {}  # per model: its profile file (step records)
+        self._profiles: dict[str, Path] = {}  # per loaded model (source key): step records
         self._editors: dict[tuple[str, str], Future[MaskAwareEditor]] = {}
         self._generations: dict[str, int] = {}  # latest control operation per function name
         self._closed = False
@@ -340,8 +340,9 @@ class ExecutorCore:
         profile = profile_path(self.data_dir, loaded.folder, loaded.device)
         prior = load_step_records(profile)
         with self.lock:
-            self._profiles[spec.model] = profile
-        self.engine.counters.prior = {**self.engine.counters.prior, spec.model: tuple(prior)}
+            self._profiles[spec.source.key] = profile
+        prior_of = {**self.engine.counters.prior, spec.source.key: tuple(prior)}
+        self.engine.counters.prior = prior_of
         if prior:
             log.info("step fit of %s starts from %d kept steps", spec.model, len(prior))
         grids = cost_model.extra.get("grids")
@@ -458,7 +459,7 @@ class ExecutorCore:
         )
         work = Work(
             key=(spec.source.key, spec.scheduler, spec.width, spec.height),
-            model=spec.model,
+            model=spec.source.key,
             family=spec.family,
             scheduler=spec.scheduler,
             editor=editor,
