@@ -4,7 +4,9 @@
   BPE tokenizer files (``vocab.json`` + ``merges.txt``, 77 tokens), fp16-variant weights, a
   sharded UNet with its index, a feature extractor, and a safety checker that is declared
   but not shipped (as in ``runwayml``-style repos whose users load without it).
-* :func:`t5_tokenizer`: a sentencepiece T5 tokenizer (``spiece.model``) trained offline.
+* :func:`build_flux_folder`: a hub-layout Flux inpainting folder, its T5 tokenizer a
+  sentencepiece model (``tokenizer_2/spiece.model``) trained offline, its transformer
+  sharded.
 * :func:`into_hub_cache`: a folder copied into a Hugging Face cache as ``huggingface_hub``
   lays it out (``models--org--name/blobs``, ``snapshots/<commit>`` of links, ``refs/main``).
 * :func:`ldm_checkpoint`: a diffusers SD pipeline's weights in the original (LDM) key
@@ -20,8 +22,16 @@ import shutil
 from pathlib import Path
 
 import torch
-from diffusers import StableDiffusionInpaintPipeline
-from transformers import CLIPImageProcessor, CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from diffusers import DiffusionPipeline, FluxInpaintPipeline, StableDiffusionInpaintPipeline
+from transformers import (
+    CLIPImageProcessor,
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
 
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.runtime.models import load_pipeline
@@ -79,7 +89,7 @@ def t5_tokenizer(folder: Path, length: int = 512) -> int:
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(corpus),
         model_prefix=str(folder / "spiece"),
-        vocab_size=96,
+        vocab_size=40,
         pad_id=0,
         eos_id=1,
         unk_id=2,
@@ -89,21 +99,14 @@ def t5_tokenizer(folder: Path, length: int = 512) -> int:
     (folder / "spiece.vocab").unlink()
     config = {"model_max_length": length, "tokenizer_class": "T5Tokenizer", "extra_ids": 0}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return 96
+    return 40
 
 
-def build_sd_folder(target: Path, models_dir: Path) -> Path:
-    """The hub-layout SD inpainting folder (see the module docstring), from ``tiny-sd``'s
-    UNet, VAE and scheduler with a 77-position CLIP text encoder over the real tokenizer."""
-    tiny = load_pipeline(
-        ensure_demo_model("retouch:tiny-sd", models_dir), "sd-inpaint", torch.device("cpu")
-    )
-    scratch = target.parent / f".{target.name}-tokenizer"
-    vocab = clip_tokenizer_files(scratch)
-    hidden = tiny.text_encoder.config.hidden_size
+def _clip_encoder(vocab: int, hidden: int) -> CLIPTextModel:
+    """A small CLIP text encoder over the real tokenizer's vocabulary and 77 positions."""
     with torch.random.fork_rng():
         torch.manual_seed(5)
-        encoder = CLIPTextModel(
+        return CLIPTextModel(
             CLIPTextConfig(
                 vocab_size=vocab,
                 hidden_size=hidden,
@@ -116,26 +119,89 @@ def build_sd_folder(target: Path, models_dir: Path) -> Path:
                 pad_token_id=vocab - 1,
             )
         ).eval()
+
+
+def _save_hub_layout(
+    pipe: DiffusionPipeline,
+    target: Path,
+    denoiser: str,
+    tokenizers: dict[str, Path],
+    shard_size: str = "300KB",
+) -> None:
+    """fp16-variant weights, the denoiser sharded with its index, and each tokenizer folder
+    as written by hand (``tokenizers``: component name -> its files)."""
+    pipe.to(torch.float16).save_pretrained(target, variant="fp16")
+    (target / denoiser / "diffusion_pytorch_model.fp16.safetensors").unlink()
+    getattr(pipe, denoiser).save_pretrained(
+        target / denoiser, variant="fp16", max_shard_size=shard_size
+    )
+    for name, files in tokenizers.items():
+        shutil.rmtree(target / name)
+        shutil.copytree(files, target / name)
+        shutil.rmtree(files)
+
+
+def build_sd_folder(target: Path, models_dir: Path) -> Path:
+    """The hub-layout SD inpainting folder (see the module docstring), from ``tiny-sd``'s
+    UNet, VAE and scheduler with a 77-position CLIP text encoder over the real tokenizer."""
+    tiny = load_pipeline(
+        ensure_demo_model("retouch:tiny-sd", models_dir), "sd-inpaint", torch.device("cpu")
+    )
+    clip = target.parent / f".{target.name}-clip"
+    vocab = clip_tokenizer_files(clip)
     pipe = StableDiffusionInpaintPipeline(
         vae=tiny.vae,
-        text_encoder=encoder,
-        tokenizer=CLIPTokenizer.from_pretrained(scratch),
+        text_encoder=_clip_encoder(vocab, tiny.text_encoder.config.hidden_size),
+        tokenizer=CLIPTokenizer.from_pretrained(clip),
         unet=tiny.unet,
         scheduler=tiny.scheduler,
         safety_checker=None,
         feature_extractor=CLIPImageProcessor(),
         requires_safety_checker=False,
-    ).to(torch.float16)
-    pipe.save_pretrained(target, variant="fp16")
-    unet = target / "unet"
-    (unet / "diffusion_pytorch_model.fp16.safetensors").unlink()
-    pipe.unet.save_pretrained(unet, variant="fp16", max_shard_size="300KB")
-    shutil.rmtree(target / "tokenizer")
-    shutil.copytree(scratch, target / "tokenizer")  # vocab.json + merges.txt, as the hub's
-    shutil.rmtree(scratch)
+    )
+    _save_hub_layout(pipe, target, "unet", {"tokenizer": clip})
     index = json.loads((target / "model_index.json").read_text())
     index["safety_checker"] = ["stable_diffusion", "StableDiffusionSafetyChecker"]
     (target / "model_index.json").write_text(json.dumps(index, indent=2))
+    return target
+
+
+def build_flux_folder(target: Path, models_dir: Path) -> Path:
+    """A hub-layout Flux inpainting folder: ``tiny-flux``'s transformer (sharded) and VAE,
+    a CLIP text encoder over the real BPE tokenizer (77 tokens) and a T5 encoder over a
+    sentencepiece tokenizer (``tokenizer_2/spiece.model``, 512 tokens)."""
+    tiny = load_pipeline(
+        ensure_demo_model("retouch:tiny-flux", models_dir), "flux-inpaint", torch.device("cpu")
+    )
+    clip, t5 = target.parent / f".{target.name}-clip", target.parent / f".{target.name}-t5"
+    vocab = clip_tokenizer_files(clip)
+    t5_vocab = t5_tokenizer(t5)
+    hidden = tiny.text_encoder_2.config.d_model
+    with torch.random.fork_rng():
+        torch.manual_seed(6)
+        config = T5Config(
+            vocab_size=t5_vocab,
+            d_model=hidden,
+            d_kv=hidden // 2,
+            d_ff=2 * hidden,
+            num_layers=2,
+            num_heads=2,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        )
+        encoder_2 = T5EncoderModel(config).eval()
+    pipe = FluxInpaintPipeline(
+        scheduler=tiny.scheduler,
+        vae=tiny.vae,
+        text_encoder=_clip_encoder(vocab, tiny.text_encoder.config.hidden_size),
+        tokenizer=CLIPTokenizer.from_pretrained(clip),
+        text_encoder_2=encoder_2,
+        tokenizer_2=T5Tokenizer.from_pretrained(t5),
+        transformer=tiny.transformer,
+    )
+    tokenizers = {"tokenizer": clip, "tokenizer_2": t5}
+    _save_hub_layout(pipe, target, "transformer", tokenizers, shard_size="40KB")
     return target
 
 
