@@ -60,6 +60,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         FamilySpec(
             "sd3-inpaint", "StableDiffusion3InpaintPipeline", FLOW, 28, 7.0, cuda_dtype="bf16"
         ),
+        FamilySpec("flux-fill", "FluxFillPipeline", FLOW, 50, 30.0, cuda_dtype="bf16"),
     )
 }
 

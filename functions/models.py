@@ -35,6 +35,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel("small-flux", "flux-inpaint", 512),
         BuiltinModel("tiny-sd3", "sd3-inpaint", 128),
         BuiltinModel("small-sd3", "sd3-inpaint", 512),
+        BuiltinModel("tiny-flux-fill", "flux-fill", 128),
+        BuiltinModel("small-flux-fill", "flux-fill", 512),
         BuiltinModel("shapes-sd", "sd-inpaint", 128, trained=True),  # functions/demo/weights
     )
 }

@@ -118,9 +118,12 @@ class TemplateCache:
             self._make(spec, tid, images[tid], t.prompt, t.seed, model_fp, scheduler_config)
             for tid, t in spec.templates.items()
         ]
+        keys = {t.key for t in added}
         with self.lock:
             for key in [k for k in self.templates if k[0] == spec.name]:
-                del self.templates[key]
+                old = self.templates.pop(key)
+                if old.key not in keys:  # superseded: its queued or running bake is not wanted
+                    old.dropped = True
             self.templates.update({(t.function, t.id): t for t in added})
             self._dropped.extend(self._drop_uploads(spec.name))
             self.limits[spec.name] = spec.uploads
@@ -177,6 +180,12 @@ class TemplateCache:
         for template in gone:
             template.dropped = True
         return gone
+
+    def unwanted(self, template: Template) -> bool:
+        """Its bake may stop: the function was deleted or redeployed with other settings
+        (asked between a bake's steps)."""
+        with self.lock:
+            return template.dropped
 
     def take_dropped(self) -> list[Template]:
         """Templates dropped by :meth:`register` whose bakes should go (:meth:`drop_unused`)."""
@@ -350,6 +359,9 @@ class TemplateCache:
         """Run ``record(writer)`` (one recorded generation) into the store, atomically, its
         rows in the template's storage format."""
         with self.lock:
+            if template.dropped:  # deleted or superseded while its bake waited
+                template.state = BakeState.UNBAKED
+                return
             template.state = BakeState.BAKING
         meta = {"function": template.function, "template": template.id, "steps": template.steps}
         if template.upload:
@@ -358,7 +370,7 @@ class TemplateCache:
             self._forget_on_device(template.key)  # a re-bake replaces its activations
             with self.store.bake(template.key, meta) as writer:
                 record(EncodingWriter(writer, template.storage))
-        except BakeCancelled as exc:  # the executor is stopping: unbaked, nothing stored
+        except BakeCancelled as exc:  # stopping, or no longer wanted: unbaked, nothing stored
             with self.lock:
                 template.state = BakeState.UNBAKED
             log.info("bake of %s/%s cancelled: %s", template.function, template.id, exc)

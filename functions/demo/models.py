@@ -31,6 +31,7 @@ from diffusers import (
     DDIMScheduler,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
+    FluxFillPipeline,
     FluxInpaintPipeline,
     FluxTransformer2DModel,
     SD3Transformer2DModel,
@@ -187,11 +188,16 @@ def _build_flux(
     single_layers: int,
     vae_channels: tuple[int, ...],
     text_hidden: int,
+    fill: bool = False,
 ) -> None:
+    """A Flux DiT in FluxInpaintPipeline, or (``fill``) in FluxFillPipeline with FLUX.1-Fill's
+    input layout: packed latents, packed masked-image latents and the packed mask."""
     rope = (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)
+    factor = 2 ** (len(vae_channels) - 1)
     transformer = FluxTransformer2DModel(
         patch_size=1,
-        in_channels=64,  # 16 latent channels packed 2x2
+        in_channels=64 + (64 + 4 * factor**2 if fill else 0),  # 16 latent channels packed 2x2
+        out_channels=64 if fill else None,
         num_layers=layers,
         num_single_layers=single_layers,
         attention_head_dim=head_dim,
@@ -202,9 +208,10 @@ def _build_flux(
         axes_dims_rope=rope,
     )
     t5 = _t5(text_hidden)
+    pipeline = FluxFillPipeline if fill else FluxInpaintPipeline
     _save(
         folder,
-        lambda tokenizer: FluxInpaintPipeline(
+        lambda tokenizer: pipeline(
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
             vae=_vae(vae_channels, 16, scaling_factor=0.3611, shift_factor=0.1159),
             text_encoder=_clip_text(text_hidden),
@@ -275,6 +282,24 @@ def _copy_trained(source: Path, folder: Path) -> None:
         shutil.copyfile(source / "training.json", folder / "training.json")
 
 
+# The Flux DiT sizes, shared by flux-inpaint and flux-fill models.
+TINY_FLUX: dict[str, Any] = {
+    "hidden_heads": 2,
+    "head_dim": 16,
+    "layers": 1,
+    "single_layers": 2,
+    "vae_channels": (16, 32, 32),
+    "text_hidden": 32,
+}
+SMALL_FLUX: dict[str, Any] = {  # factor-4 VAE: 128x128 latents = 64x64 = 4096 tokens at 512 px
+    "hidden_heads": 6,
+    "head_dim": 64,
+    "layers": 2,
+    "single_layers": 4,
+    "vae_channels": (16, 32, 32),
+    "text_hidden": 64,
+}
+
 DEMO_MODELS: dict[str, DemoModel] = {
     m.name: m
     for m in (
@@ -291,15 +316,7 @@ DEMO_MODELS: dict[str, DemoModel] = {
         ),
         DemoModel(
             "tiny-flux",
-            lambda f: _build_flux(
-                f,
-                hidden_heads=2,
-                head_dim=16,
-                layers=1,
-                single_layers=2,
-                vae_channels=(16, 32, 32),
-                text_hidden=32,
-            ),
+            lambda f: _build_flux(f, **TINY_FLUX),
         ),
         DemoModel(
             "small-sd",
@@ -314,15 +331,7 @@ DEMO_MODELS: dict[str, DemoModel] = {
         ),
         DemoModel(
             "small-flux",
-            lambda f: _build_flux(  # factor-4 VAE: 128x128 latents = 64x64 = 4096 tokens
-                f,
-                hidden_heads=6,
-                head_dim=64,
-                layers=2,
-                single_layers=4,
-                vae_channels=(16, 32, 32),
-                text_hidden=64,
-            ),
+            lambda f: _build_flux(f, **SMALL_FLUX),
         ),
         DemoModel(
             "tiny-sd3",
@@ -348,6 +357,8 @@ DEMO_MODELS: dict[str, DemoModel] = {
                 text_hidden=64,
             ),
         ),
+        DemoModel("tiny-flux-fill", lambda f: _build_flux(f, **TINY_FLUX, fill=True)),
+        DemoModel("small-flux-fill", lambda f: _build_flux(f, **SMALL_FLUX, fill=True)),
         DemoModel(
             "shapes-sd",
             lambda f: _copy_trained(SHAPES_SD, f),

@@ -1,8 +1,8 @@
 """Production-shaped pipelines for benchmarks: the real denoiser configs, random weights.
 
 Benchmarks of the GPU data path need the shapes users serve (FLUX.1-dev's 19 + 38 blocks at
-3072 wide, SD3-medium's 24 MMDiT blocks, the SD2-inpainting UNet), not the small demo
-models, whose steps are launch-bound. No weights can be downloaded, and an fp32 CPU init of
+3072 wide, and FLUX.1-Fill-dev's on 384 input channels, SD3-medium's 24 MMDiT blocks, the
+SD2-inpainting UNet), not the small demo models, whose steps are launch-bound. No weights can be downloaded, and an fp32 CPU init of
 12 B parameters followed by a save and a load would take minutes, so these pipelines are
 built in memory, directly on the target device in the compute dtype (random init there
 takes seconds) and never written to disk.
@@ -29,6 +29,7 @@ from diffusers import (
     DDIMScheduler,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
+    FluxFillPipeline,
     FluxInpaintPipeline,
     FluxTransformer2DModel,
     SD3Transformer2DModel,
@@ -126,10 +127,28 @@ def _tokenizer(folder: Path, name: str, length: int) -> CLIPTokenizer:
 def build_flux_dev(scale: float, scratch: Path) -> FluxInpaintPipeline:
     """FLUX.1-dev's transformer (19 dual + 38 single blocks, 24 heads of 128, guidance
     embedding, 4096-wide T5 context, 768-wide pooled CLIP) in ``FluxInpaintPipeline``."""
+    return _flux(FluxInpaintPipeline, 64, scale, scratch)
+
+
+def build_flux_fill_dev(scale: float, scratch: Path) -> FluxFillPipeline:
+    """FLUX.1-Fill-dev: FLUX.1-dev's transformer taking 384 channels per token (64 packed
+    latents, 64 packed masked-image latents, 256 packed mask of the factor-8 VAE) and
+    predicting 64, in ``FluxFillPipeline``."""
+    return _flux(FluxFillPipeline, 384, scale, scratch)
+
+
+def _flux(
+    pipeline: type[FluxInpaintPipeline | FluxFillPipeline],
+    in_channels: int,
+    scale: float,
+    scratch: Path,
+) -> FluxInpaintPipeline | FluxFillPipeline:
+    """FLUX.1-dev's transformer with ``in_channels`` in ``pipeline``."""
     text, pooled = _width(4096, scale, 64), _width(768, scale, 64)
     transformer = FluxTransformer2DModel(
         patch_size=1,
-        in_channels=64,
+        in_channels=in_channels,
+        out_channels=64,
         num_layers=_depth(19, scale),
         num_single_layers=_depth(38, scale),
         attention_head_dim=128,
@@ -139,7 +158,7 @@ def build_flux_dev(scale: float, scratch: Path) -> FluxInpaintPipeline:
         guidance_embeds=True,
         axes_dims_rope=(16, 56, 56),
     )
-    return FluxInpaintPipeline(
+    return pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(
             shift=3.0,
             use_dynamic_shifting=True,
@@ -231,6 +250,14 @@ SHAPES: dict[str, Shape] = {
     for s in (
         Shape(
             "flux-dev", "flux-inpaint", 1024, torch.bfloat16, "FLUX.1-dev (12 B)", build_flux_dev
+        ),
+        Shape(
+            "flux-fill-dev",
+            "flux-fill",
+            1024,
+            torch.bfloat16,
+            "FLUX.1-Fill-dev (12 B)",
+            build_flux_fill_dev,
         ),
         Shape(
             "sd3-medium",

@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 TEMPLATE_PROMPT = "a quiet street"
 EDIT_PROMPT = "a red bicycle"
 TIERS = ("device", "graphs", "host", "host-fp8", "host-graphs", "host-fp8-graphs")
-GUIDANCE = {"flux-inpaint": 3.5, "sd3-inpaint": 7.0, "sd-inpaint": 7.5}
 
 
 @dataclass
@@ -225,7 +224,7 @@ def _bench_shape(
     editor = MaskAwareEditor(pipe, shape.family, where)
     denoiser = getattr(pipe, editor.impl.denoiser)
     template = template_image((size, size), seed=1)
-    guidance = GUIDANCE[shape.family]
+    guidance = family_spec(shape.family).guidance
     baked = MemoryActivations()
     start = time.perf_counter()
     editor.bake(template, TEMPLATE_PROMPT, 1, steps, guidance, baked)

@@ -570,7 +570,10 @@ class ExecutorCore:
         bake = (template.image, template.prompt, template.seed, template.steps, template.guidance)
 
         def record(writer, encoded: Encoded | None = None) -> None:
-            editor.bake(*bake, writer, encoded=encoded, cancelled=lambda: self.engine.stopping)
+            editor.bake(*bake, writer, encoded=encoded, cancelled=unwanted)
+
+        def unwanted() -> bool:  # a stopping executor, a deleted or redeployed function
+            return self.engine.stopping or self.templates.unwanted(template)
 
         if not self._encodes_elsewhere():
             self.engine.submit_background(lambda: self.templates.bake(template, record))

@@ -200,24 +200,33 @@ class FamilyModel:
         """One stock pipeline call for ``requests`` (same size, steps and guidance), each
         with its composed noise (``noises``: the template's and the request's of each)."""
         first = check_batchable(requests)
-        inputs = [
-            self.stock_inputs(r, t, own) for r, (t, own) in zip(requests, noises, strict=True)
-        ]
-        noise, images, masked = ([row[i] for row in inputs] for i in range(3))
         return self.pipe(
             prompt=[r.prompt for r in requests],
-            image=torch.cat(images) if isinstance(images[0], torch.Tensor) else list(images),
             mask_image=[r.mask_image() for r in requests],
-            masked_image_latents=torch.cat(masked),
             height=first.image.height,
             width=first.image.width,
             strength=1.0,
             num_inference_steps=first.steps,
             guidance_scale=first.guidance,
-            latents=torch.cat(noise).to(self.device, self.dtype),
             output_type=output_type,
+            **self.stock_batch(requests, noises),
             **self.stock_options(),
         ).images
+
+    def stock_batch(
+        self, requests: list[EditRequest], noises: list[tuple[SeedNoise, SeedNoise]]
+    ) -> dict[str, Any]:
+        """The stock call's per-request inputs (:meth:`stock_inputs` of each): ``image``,
+        ``masked_image_latents`` and the composed initial ``latents``."""
+        inputs = [
+            self.stock_inputs(r, t, own) for r, (t, own) in zip(requests, noises, strict=True)
+        ]
+        noise, images, masked = ([row[i] for row in inputs] for i in range(3))
+        return {
+            "image": torch.cat(images) if isinstance(images[0], torch.Tensor) else list(images),
+            "masked_image_latents": torch.cat(masked),
+            "latents": torch.cat(noise).to(self.device, self.dtype),
+        }
 
 
 class Family:

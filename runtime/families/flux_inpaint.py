@@ -28,7 +28,7 @@ from PIL import Image
 
 from retouch.runtime.families.base import Family, FamilyModel
 from retouch.runtime.maskaware import flux_blocks, flux_packed, inpaint
-from retouch.runtime.maskaware.context import ForwardContext, Mode
+from retouch.runtime.maskaware.context import ForwardContext, Mode, current
 from retouch.runtime.maskaware.flops import Flops, linear_flops
 from retouch.runtime.maskaware.flux_packed import PackedInputs
 from retouch.runtime.maskaware.request import (
@@ -40,14 +40,20 @@ from retouch.runtime.maskaware.request import (
 
 
 @dataclass
-class FluxInputs:
-    """Per-request transformer inputs besides the latents."""
+class FluxConditioning:
+    """What every Flux pipeline hands its transformer besides the image tokens."""
 
     prompt_embeds: torch.Tensor  # [1, L, D]
     pooled: torch.Tensor  # [1, P]
     text_ids: torch.Tensor  # [L, 3]
     image_ids: torch.Tensor  # [N, 3]
     guidance: torch.Tensor | None  # [1] (guidance-distilled models) or None
+
+
+@dataclass
+class FluxInputs(FluxConditioning):
+    """Per-request transformer inputs besides the latents, and the blend's."""
+
     mask: torch.Tensor  # [1, N, 64] packed latent mask (the blend weight)
     image_latents: torch.Tensor  # [1, N, 64] packed template latents
     noise: torch.Tensor  # [1, N, 64] packed initial noise (re-noises the template)
@@ -117,33 +123,53 @@ class FluxInpaint(FamilyModel):
 
         ``every``: compute every token (no cache to read).
         """
-        mask = tensors["mask"]
-        hard = mask[0, 0] > 0.5
+        hard = tensors["mask"][0, 0] > 0.5
         noise = self._pack(tensors["noise"].to(self.device, self.dtype))
-        pipe = self.pipe
         scheduler, timesteps = self._scheduler(request)
         h, w = hard.shape
-        guidance = None
-        if pipe.transformer.config.guidance_embeds:
-            guidance = torch.full([1], request.guidance, device=self.device, dtype=torch.float32)
-        inputs = FluxInputs(
-            prompt_embeds=tensors["prompt_embeds"].to(self.device),
-            pooled=tensors["pooled"].to(self.device),
-            text_ids=tensors["text_ids"].to(self.device),
-            image_ids=pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, self.dtype),
-            guidance=guidance,
-            mask=self._pack(mask.to(self.device, self.dtype).repeat(1, self.channels, 1, 1)),
+        inputs = self.inputs(request, tensors, noise)
+        tokens = token_sets(hard, [(h // 2, w // 2)], every=every)
+        return RequestState(request, noise.clone(), scheduler, timesteps, inputs, tokens)
+
+    def inputs(
+        self, request: EditRequest, tensors: dict[str, torch.Tensor], noise: torch.Tensor
+    ) -> FluxInputs:
+        """The request's transformer inputs besides the latents, and what the blend needs."""
+        mask = tensors["mask"].to(self.device, self.dtype)
+        return FluxInputs(
+            **vars(self.conditioning(request, tensors)),
+            mask=self._pack(mask.repeat(1, self.channels, 1, 1)),
             image_latents=self._pack(tensors["image_latents"].to(self.device, self.dtype)),
             noise=noise,
         )
-        tokens = token_sets(hard, [(h // 2, w // 2)], every=every)
-        return RequestState(request, noise.clone(), scheduler, timesteps, inputs, tokens)
+
+    def conditioning(
+        self, request: EditRequest, tensors: dict[str, torch.Tensor]
+    ) -> FluxConditioning:
+        """Text, positions and guidance on the device, as the Flux pipelines prepare them."""
+        h, w = tensors["mask"].shape[-2:]
+        guidance = None
+        if self.pipe.transformer.config.guidance_embeds:
+            guidance = torch.full([1], request.guidance, device=self.device, dtype=torch.float32)
+        return FluxConditioning(
+            prompt_embeds=tensors["prompt_embeds"].to(self.device),
+            pooled=tensors["pooled"].to(self.device),
+            text_ids=tensors["text_ids"].to(self.device),
+            image_ids=self.pipe._prepare_latent_image_ids(
+                1, h // 2, w // 2, self.device, self.dtype
+            ),
+            guidance=guidance,
+        )
+
+    def transformer_input(self, state: RequestState) -> torch.Tensor:
+        """A request's image tokens as the transformer takes them: its packed latents."""
+        return state.latents
 
     def forward(self, states: list[RequestState], ctx: ForwardContext) -> list[torch.Tensor]:
         """One batched transformer call; returns each request's ``[1, N, 64]`` prediction."""
         ctx.grid = next(iter(ctx.grids.values()), None)  # one token grid; none in a bake
         ctx.text_len = states[0].inputs.prompt_embeds.shape[1]
-        inputs = _batched(states)
+        inputs = _batched(states, torch.cat([self.transformer_input(s) for s in states]))
         transformer, grid = self.pipe.transformer, ctx.grid
         sparse = (
             grid is not None
@@ -165,7 +191,8 @@ class FluxInpaint(FamilyModel):
         first = sparse and ctx.mode(self.blocks[0]) is Mode.SPARSE
 
         def padded(**t: torch.Tensor) -> torch.Tensor:
-            ctx.scratch[flux_blocks.SPARSE_CARRY] = first
+            scratch = current().scratch  # the running step's: a graph runner replays this
+            scratch[flux_blocks.SPARSE_CARRY] = first
             latents = t["latents"]
             out = transformer(
                 hidden_states=grid.gather(latents) if first else latents,
@@ -178,7 +205,7 @@ class FluxInpaint(FamilyModel):
                 joint_attention_kwargs={},
                 return_dict=False,
             )[0]
-            if ctx.scratch[flux_blocks.SPARSE_CARRY]:
+            if scratch[flux_blocks.SPARSE_CARRY]:
                 out = grid.scatter(out, torch.zeros_like(latents))
             return out
 
@@ -204,9 +231,9 @@ class FluxInpaint(FamilyModel):
         return pipe.image_processor.postprocess(decoded, output_type=output_type)[0]
 
 
-def _batched(states: list[RequestState]) -> PackedInputs:
-    """The transformer inputs of all requests, as the pipeline prepares them for one."""
-    latents = torch.cat([s.latents for s in states])
+def _batched(states: list[RequestState], latents: torch.Tensor) -> PackedInputs:
+    """The transformer inputs of all requests (``latents``: their image tokens), as the
+    pipeline prepares them for one."""
     inputs = [s.inputs for s in states]
     timestep = torch.cat([s.timestep.reshape(1).to(latents.dtype) for s in states]) / 1000
     return PackedInputs(

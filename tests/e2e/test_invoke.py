@@ -141,3 +141,24 @@ def test_a_hub_model_deploys_by_id_from_the_cache_in_bf16(
     assert refused.value.status == 422 and refused.value.field == "model"
     assert "tokenizer/merges.txt" in refused.value.message
     assert "sd-broken" not in {f["name"] for f in admin.list()}
+
+
+def test_deploy_and_invoke_a_flux_fill_function(admin: Client, examples: Path) -> None:
+    """FLUX.1-Fill end to end: a spec naming retouch:tiny-flux-fill deploys, its first edit
+    runs before or after the bake, and once baked the edit is mask-aware."""
+    spec, images = read_spec_file(examples / "tiny-flux.toml")
+    fill = dataclasses.replace(
+        spec, name="fill", model="retouch:tiny-flux-fill", family="flux-fill", steps=2
+    )
+    assert admin.deploy(fill, images)["status"] == "ready"
+    assert admin.get("fill")["family"] == "flux-fill"
+    template = np.asarray(Image.open(io.BytesIO(images["mug"])).convert("RGB"))
+    mask = np.zeros((128, 128), bool)
+    mask[32:80, 40:96] = True
+
+    first = admin.invoke("fill", "mug", mask, "a red mug", seed=4, format="raw")
+    assert first.path in ("stock", "maskaware") and first.mask_ratio > 0
+    wait_baked(admin, "fill", timeout=300)  # templates are baked in the background
+    edit = admin.invoke("fill", "mug", mask, "a red mug", seed=4, format="raw")
+    assert edit.path == "maskaware" and (edit.width, edit.height) == (128, 128)
+    assert not np.array_equal(np.frombuffer(edit.image, np.uint8).reshape(128, 128, 3), template)

@@ -289,3 +289,10 @@ def test_deep_msgpack_is_a_400() -> None:
     with pytest.raises(BadRequest) as err:
         wire.unpack(b"\x91" * 5000 + b"\x01")
     assert err.value.code == "malformed_body" and "deeply" in err.value.message
+
+
+def test_flux_fill_defaults_are_fills_own() -> None:
+    """FLUX.1-Fill is run at 50 steps and guidance 30 (FluxFillPipeline's defaults)."""
+    doc = {"name": "f", "model": "m", "family": "flux-fill", "resolution": 128}
+    spec = parse_spec({**doc, "templates": {"t": {}}})
+    assert (spec.steps, spec.guidance, spec.scheduler) == (50, 30.0, "flow-euler")
