@@ -16,7 +16,8 @@ FLOW = ("flow-euler",)
 @dataclass(frozen=True)
 class FamilySpec:
     """One family: the pipeline class it loads, its schedulers (the first is the default),
-    its default steps and guidance, and the default ``halo`` of its mask-aware edits."""
+    its default steps and guidance, the default ``halo`` of its mask-aware edits and its
+    default compute dtype on CUDA."""
 
     name: str
     pipeline: str  # the diffusers pipeline class a model of this family is loaded with
@@ -29,6 +30,8 @@ class FamilySpec:
     # template's activations there leaves a seam (docs/maskaware.md, "Halo"). DiT families
     # blend the unmasked latents back to the template every step and need none.
     halo: int = 0
+    # The compute dtype of ``dtype = "auto"`` on CUDA (on a CPU: fp32, which it runs fastest).
+    cuda_dtype: str = "fp16"
 
     @property
     def scheduler(self) -> str:
@@ -45,9 +48,19 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     f.name: f
     for f in (
         FamilySpec("sd-inpaint", "StableDiffusionInpaintPipeline", SD_SCHEDULERS, 20, 7.5, halo=2),
-        FamilySpec("flux-inpaint", "FluxInpaintPipeline", FLOW, 20, 3.5, ("FluxImg2ImgPipeline",)),
-        FamilySpec("sd3-inpaint", "StableDiffusion3InpaintPipeline", FLOW, 28, 7.0),
-        FamilySpec("flux-fill", "FluxFillPipeline", FLOW, 50, 30.0),
+        FamilySpec(
+            "flux-inpaint",
+            "FluxInpaintPipeline",
+            FLOW,
+            20,
+            3.5,
+            ("FluxImg2ImgPipeline",),
+            cuda_dtype="bf16",
+        ),
+        FamilySpec(
+            "sd3-inpaint", "StableDiffusion3InpaintPipeline", FLOW, 28, 7.0, cuda_dtype="bf16"
+        ),
+        FamilySpec("flux-fill", "FluxFillPipeline", FLOW, 50, 30.0, cuda_dtype="bf16"),
     )
 }
 

@@ -1,20 +1,16 @@
-"""What a spec's ``model`` may name, checked without loading anything.
+"""The built-in models, as plain data.
 
-A model is a built-in ``retouch:<name>`` (built or shipped by ``functions/demo``) or the
-path of a local diffusers folder. The gateway checks a deploy against this before it stores
-anything; it must not import torch or diffusers to do so (the control plane stays light),
-so the catalogue of built-in models lives here as plain data and ``functions/demo/models.py``
-attaches a builder to each entry.
+The catalogue of built-in ``retouch:<name>`` models (built or shipped by ``functions/demo``)
+as plain data: the gateway checks a deploy against it (``functions/modelcheck.py``) without
+importing torch or diffusers, and ``functions/demo/models.py`` attaches a builder to each
+entry.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from retouch.functions.errors import InvalidSpec
-from retouch.functions.families import FAMILY_SPECS
 
 PREFIX = "retouch:"
 
@@ -45,9 +41,6 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     )
 }
 
-# Pipeline classes found in a folder's model_index.json that a family can load.
-COMPATIBLE: dict[str, tuple[str, ...]] = {n: f.compatible for n, f in FAMILY_SPECS.items()}
-
 
 def is_builtin(model: str) -> bool:
     return model.startswith(PREFIX)
@@ -67,37 +60,3 @@ def known_builtin(model: str) -> BuiltinModel:
         raise InvalidSpec(
             f"unknown built-in model {model!r}; built-in models: {known}", field="model"
         ) from None
-
-
-def pipeline_class(model: str) -> str:
-    """The pipeline class a local diffusers folder declares (its ``model_index.json``)."""
-    index = Path(model).expanduser() / "model_index.json"
-    try:
-        return json.loads(index.read_text()).get("_class_name", "")
-    except (OSError, ValueError, AttributeError):
-        raise InvalidSpec(
-            f"{model!r} is not a diffusers folder (no readable model_index.json)", field="model"
-        ) from None
-
-
-def model_family(model: str) -> str:
-    """The family of a built-in model, or of a diffusers folder by its pipeline class."""
-    if is_builtin(model):
-        return known_builtin(model).family
-    cls = pipeline_class(model)
-    for family, classes in COMPATIBLE.items():
-        if cls in classes:
-            return family
-    raise InvalidSpec(f"{model} holds a {cls}, which no family serves", field="model")
-
-
-def check_model(model: str, family: str) -> None:
-    """Reject a model that cannot serve ``family`` before anything is stored or loaded."""
-    if is_builtin(model):
-        native = known_builtin(model).family
-        if native != family:
-            raise InvalidSpec(f"{model} is a {native} model, not {family}", field="family")
-        return
-    cls = pipeline_class(model)
-    if cls not in COMPATIBLE[family]:
-        raise InvalidSpec(f"{model} holds a {cls}, which cannot serve {family}", field="family")

@@ -18,6 +18,7 @@ from typing import Any
 from retouch.functions import wire
 from retouch.functions.errors import InvalidSpec
 from retouch.functions.families import FAMILY_SPECS
+from retouch.functions.modelsource import OPTIONS, ModelSource, parse_source
 
 FAMILIES = tuple(FAMILY_SPECS)
 SCHEDULERS: dict[str, tuple[str, ...]] = {n: f.schedulers for n, f in FAMILY_SPECS.items()}
@@ -33,6 +34,7 @@ TEMPLATE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 FIELDS = (
     "name",
     "model",
+    *OPTIONS,  # how the model loads: dtype, variant, revision, config
     "family",
     "resolution",
     "steps",
@@ -139,6 +141,15 @@ class FunctionSpec:
     feather_px: int = 3
     halo: int | None = None  # latent pixels around the mask computed fresh (None: the family's)
     storage: str = "native"  # how its bakes' rows rest in the store (one of STORAGES)
+    dtype: str = "auto"  # the compute dtype (auto: the family's on the device)
+    variant: str | None = None  # weight files' variant (``diffusion_pytorch_model.fp16.*``)
+    revision: str | None = None  # of a hub id
+    config: str | None = None  # a single-file checkpoint's diffusers folder or hub id
+
+    @property
+    def source(self) -> ModelSource:
+        """The model and how it loads (functions with equal sources share a loaded copy)."""
+        return ModelSource(self.model, self.dtype, self.variant, self.revision, self.config)
 
     def __post_init__(self) -> None:
         if self.halo is None:
@@ -150,6 +161,7 @@ class FunctionSpec:
         doc: dict[str, Any] = {
             "name": self.name,
             "model": self.model,
+            **self.source.options(),
             "family": self.family,
             "resolution": [self.width, self.height],
             "steps": self.steps,
@@ -199,6 +211,7 @@ def parse_spec(raw: Any) -> FunctionSpec:
     if not NAME_RE.fullmatch(name):
         raise InvalidSpec("name must match [a-z0-9][a-z0-9-]{0,62}", field="name")
     model = _str(raw, "model")
+    source = parse_source(raw, model)
     family = _str(raw, "family")
     if family not in FAMILIES:
         raise InvalidSpec(f"family must be one of {FAMILIES}", field="family")
@@ -231,6 +244,10 @@ def parse_spec(raw: Any) -> FunctionSpec:
         halo=_int(raw, "halo", FAMILY_SPECS[family].halo, 0, 16),
         feather_px=_int(raw, "feather_px", 3, 0, 64),
         storage=_storage(raw),
+        dtype=source.dtype,
+        variant=source.variant,
+        revision=source.revision,
+        config=source.config,
     )
 
 

@@ -45,7 +45,7 @@ from retouch.functions.errors import (
     Unavailable,
 )
 from retouch.functions.imaging import MAX_PIXELS, declared_size, decode_image, encode_image
-from retouch.functions.models import check_model
+from retouch.functions.modelcheck import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import DeployStatus
 from retouch.platform.auth import TENANT, TENANT_RULE, Principal, TokenAuth
@@ -244,7 +244,7 @@ class Gateway:
             raise InvalidSpec(
                 f"spec name {spec.name!r} does not match the URL name {name!r}", field="name"
             )
-        check_model(spec.model, spec.family)
+        await asyncio.to_thread(check_model, spec.source, spec.family)
         templates = await asyncio.to_thread(self._templates, spec, body.get("templates"))
         async with self._lock(name):
             await asyncio.to_thread(self.registry.put, spec, templates)

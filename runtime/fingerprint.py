@@ -22,16 +22,17 @@ SAMPLE_BYTES = 1 << 20
 
 @lru_cache(maxsize=64)
 def model_fingerprint(folder: Path) -> str:
-    """Hash of a diffusers folder: every config file in full, every weight file by size,
-    header and a sample of its bytes.
+    """Hash of a diffusers folder (or of one single-file checkpoint): every config file in
+    full, every weight file by size, header and a sample of its bytes.
 
     Hashing multi-GB weights in full would add minutes to every executor start; the
     safetensors header (names, dtypes, shapes, offsets) plus sampled bytes changes whenever
     the weights do in practice.
     """
     digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        rel = path.relative_to(folder).as_posix()
+    files = [folder] if folder.is_file() else sorted(p for p in folder.rglob("*") if p.is_file())
+    for path in files:
+        rel = path.relative_to(folder).as_posix() if path != folder else path.name
         size = path.stat().st_size
         digest.update(f"{rel}\0{size}\0".encode())
         with path.open("rb") as f:

@@ -1,8 +1,12 @@
 """Loading diffusion models onto an executor's device.
 
-A model is named either ``retouch:<demo>`` (built once into the data directory, then loaded
-like any folder) or by the path of a local diffusers folder. Every function that uses the
-same model on an executor shares one loaded copy.
+A model is a :class:`~retouch.functions.modelsource.ModelSource`: a ``retouch:<demo>``
+(built once into the data directory, then loaded like any folder), a local diffusers folder
+or cached hub id (with its ``variant``; sharded weights load through their index), or a
+single-file checkpoint with its ``config`` folder; in its ``dtype``. Every function with
+the same source on an executor shares one loaded copy. Nothing is ever downloaded: the
+model check (:func:`~retouch.functions.modelcheck.check_model`) finds every file locally
+first, and diffusers is told ``local_files_only``.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ from diffusers import (
     PNDMScheduler,
 )
 
-from retouch.functions.demo.models import demo_model, ensure_demo_model, is_demo
-from retouch.functions.errors import InvalidSpec
+from retouch.functions.demo.models import ensure_demo_model
+from retouch.functions.families import family_spec
+from retouch.functions.modelcheck import ModelFiles, ModelKind, check_model
+from retouch.functions.modelsource import ModelSource, from_key
 from retouch.runtime.families import family as family_of
+from retouch.runtime.fingerprint import model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +49,16 @@ SCHEDULERS: dict[str, type] = {
 }
 
 
-def model_folder(model: str, models_dir: Path) -> Path:
-    """The folder a model loads from, building a demo model on first use."""
-    if is_demo(model):
-        try:
-            demo_model(model)
-        except KeyError:
-            raise InvalidSpec(f"unknown built-in model {model!r}", field="model") from None
-        return ensure_demo_model(model, models_dir)
-    return Path(model).expanduser().resolve()
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def model_files(source: ModelSource, family: str, models_dir: Path) -> ModelFiles:
+    """Where ``source``'s files are, once the model check passed; a built-in model is
+    built into ``models_dir`` on first use."""
+    files = check_model(source, family)
+    if files.kind is ModelKind.BUILTIN:
+        return ModelFiles(files.kind, files.pipeline, ensure_demo_model(source.model, models_dir))
+    return files
 
 
 def default_device() -> torch.device:
@@ -78,20 +86,39 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def device_dtype(device: torch.device) -> torch.dtype:
-    """The compute dtype on ``device``: float16 on CUDA, else float32."""
-    return torch.float16 if device.type == "cuda" else torch.float32
+def compute_dtype(dtype: str, family: str, device: torch.device) -> torch.dtype:
+    """A spec's ``dtype`` on ``device``; ``auto`` is the family's CUDA dtype on CUDA and
+    float32 elsewhere (a CPU runs half precision slower, not faster)."""
+    if dtype == "auto":
+        dtype = family_spec(family).cuda_dtype if device.type == "cuda" else "fp32"
+    return DTYPES[dtype]
 
 
 def load_pipeline(
-    folder: Path, family: str, device: torch.device, *, without: tuple[str, ...] = ()
+    folder: Path,
+    family: str,
+    device: torch.device,
+    *,
+    without: tuple[str, ...] = (),
+    dtype: str = "auto",
+    variant: str | None = None,
+    checkpoint: Path | None = None,
 ) -> DiffusionPipeline:
     """The one pipeline loader (executor, pre/post workers, benches): ``family``'s pipeline
-    class and load arguments, the device's dtype, components ``without`` left out, in eval
-    mode without gradients or progress bars."""
+    class and load arguments, in ``dtype`` (:func:`compute_dtype`), components ``without``
+    left out, in eval mode without gradients or progress bars. ``folder`` is a diffusers
+    folder (its ``variant`` weights), or the configs of a single-file ``checkpoint``."""
     model_family = family_of(family)
-    kwargs = {**model_family.load_kwargs, **dict.fromkeys(without)}
-    pipe = model_family.pipeline.from_pretrained(folder, dtype=device_dtype(device), **kwargs)
+    kwargs = {
+        **model_family.load_kwargs,
+        **dict.fromkeys(without),
+        "dtype": compute_dtype(dtype, family, device),
+        "local_files_only": True,
+    }
+    if checkpoint is None:
+        pipe = model_family.pipeline.from_pretrained(folder, variant=variant, **kwargs)
+    else:
+        pipe = model_family.pipeline.from_single_file(checkpoint, config=str(folder), **kwargs)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     for module in pipe.components.values():
@@ -102,13 +129,17 @@ def load_pipeline(
 
 @dataclass
 class LoadedModel:
-    """One model resident on a device, shared by every function that names it."""
+    """One model resident on a device, shared by every function that names it.
+
+    ``model``: its source's key; ``folder``: its diffusers folder (a single file's config
+    folder); ``fingerprint``: what keys its bakes (weights, configs, dtype, variant)."""
 
     model: str
     family: str
     pipe: DiffusionPipeline
     device: torch.device
     folder: Path
+    fingerprint: str
     base_scheduler_config: dict[str, Any] = field(default_factory=dict)
 
     def pipeline_for(self, scheduler: str) -> DiffusionPipeline:
@@ -144,6 +175,7 @@ class ModelCache:
         self._lock = threading.Lock()
 
     def get(self, model: str, family: str) -> LoadedModel:
+        """The loaded copy of ``model`` (a source's :attr:`~ModelSource.key`)."""
         with self._lock:
             future = self._models.get(model)
             owner = future is None
@@ -168,7 +200,9 @@ class ModelCache:
             return [m for m, f in self._models.items() if not f.done()]
 
     def _load(self, model: str, family: str) -> LoadedModel:
-        folder = model_folder(model, self.models_dir)
+        source = from_key(model)
+        files = model_files(source, family, self.models_dir)
+        assert files.folder is not None  # every kind loads from a folder once resolved
         kinds = family_of(family)
         left_out = (kinds.denoisers if "denoiser" in self.without else ()) + (
             kinds.text_components
@@ -178,7 +212,15 @@ class ModelCache:
             else ()
         )
         started = time.perf_counter()
-        pipe = load_pipeline(folder, family, self.device, without=left_out)
+        pipe = load_pipeline(
+            files.folder,
+            family,
+            self.device,
+            without=left_out,
+            dtype=source.dtype,
+            variant=source.variant,
+            checkpoint=files.checkpoint,
+        )
         log.info(
             "loaded %s (%s) on %s%s in %.1f s",
             model,
@@ -187,4 +229,20 @@ class ModelCache:
             f" without {', '.join(left_out)}" if left_out else "",
             time.perf_counter() - started,
         )
-        return LoadedModel(model, family, pipe, self.device, folder, dict(pipe.scheduler.config))
+        fingerprint = source_fingerprint(source, files, pipe)
+        return LoadedModel(
+            model, family, pipe, self.device, files.folder, fingerprint, dict(pipe.scheduler.config)
+        )
+
+
+def source_fingerprint(source: ModelSource, files: ModelFiles, pipe: DiffusionPipeline) -> str:
+    """The model part of a bake's cache key: the files loaded (the folder, and a single
+    file's checkpoint) and how (variant, compute dtype): a bf16 copy's activations are not
+    an fp32 copy's."""
+    assert files.folder is not None
+    parts = [model_fingerprint(files.folder)]
+    if files.checkpoint is not None:
+        parts.append(model_fingerprint(files.checkpoint))
+    if not source.plain:  # a plain source keeps the key its bakes always had
+        parts += [str(source.variant), str(pipe.dtype)]
+    return "-".join(parts) if len(parts) > 1 else parts[0]

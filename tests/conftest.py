@@ -13,6 +13,9 @@ import pytest
 def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shared = tmp_path_factory.mktemp("shared")
     os.environ["RETOUCH_SHARED_DIR"] = str(shared)  # read by `retouch serve` (ServeConfig)
+    # Hub ids resolve from this cache only (never the user's, never the network).
+    os.environ["HF_HUB_CACHE"] = str(shared / "hub")
+    os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("RETOUCH_LOG_LEVEL", "WARNING")
     return shared
 

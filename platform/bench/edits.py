@@ -235,7 +235,7 @@ def load_editor(model: str, models_dir: Path, device: str = "cpu") -> MaskAwareE
     """A mask-aware editor over the stock pipeline of ``model`` (a built-in model or a
     diffusers folder), fp32; its ``stock_edit`` is that pipeline as diffusers runs it."""
     from retouch.functions.demo.models import ensure_demo_model, is_demo
-    from retouch.functions.models import model_family
+    from retouch.functions.modelcheck import model_family
     from retouch.runtime.models import load_pipeline as load_family_pipeline
     from retouch.runtime.models import pick_device
 

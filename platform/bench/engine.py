@@ -50,6 +50,7 @@ def run_engine_bench(
     clock: str = "wall",
     full_steps: int = 0,
     device: str = "auto",
+    dtype: str = "auto",
 ) -> list[dict[str, Any]]:
     """Stock vs mask-aware whole edits for every batch size and mask ratio.
 
@@ -59,6 +60,7 @@ def run_engine_bench(
     of wall time (steadier on a machine shared with other work). ``full_steps``: the
     mask-aware edits' warm-up steps over every token (rows then carry ``full_steps``).
     ``device``: ``auto`` (CUDA when there is one), ``cpu`` or ``cuda``; rows name it.
+    ``dtype``: the compute dtype as a spec names it (``auto``: the family's on the device).
     """
     if repeats < 1:
         raise ValueError("repeats must be at least 1")
@@ -68,7 +70,7 @@ def run_engine_bench(
         raise ValueError(f"full_steps must be in [0, steps={steps}], not {full_steps}")
     where = pick_device(device)
     family, pipe, size = load_demo(
-        model, models_dir or default_data_dir() / "models", "engine", where
+        model, models_dir or default_data_dir() / "models", "engine", where, dtype
     )
     editor = MaskAwareEditor(pipe, family, where)
     template = template_image((size, size), seed=1)
@@ -116,6 +118,7 @@ def run_engine_bench(
                     "ratio": round(sparse / stock, 4),
                     "flop_ratio": round(flops.ratio, 4),
                     "device": device_name(where),
+                    "dtype": str(pipe.dtype).removeprefix("torch."),
                 }
             )
             if full_steps:
@@ -152,15 +155,16 @@ def aligned_mask(size: int, ratio: float, cell: int) -> np.ndarray:
 
 
 def load_demo(
-    model: str, models_dir: Path, bench: str, device: torch.device
+    model: str, models_dir: Path, bench: str, device: torch.device, dtype: str = "auto"
 ) -> tuple[str, DiffusionPipeline, int]:
-    """Family, pipeline loaded on ``device`` and square image size of a built-in model (the
-    benchmarks need its known resolution; ``bench`` names the caller in the error)."""
+    """Family, pipeline loaded on ``device`` in ``dtype`` and square image size of a
+    built-in model (the benchmarks need its known resolution; ``bench`` names the caller in
+    the error)."""
     if not is_demo(model):
         raise ValueError(f"bench {bench} runs the built-in retouch: models")
     spec = demo_model(model)
     folder = ensure_demo_model(model, models_dir)
-    return spec.family, load_pipeline(folder, spec.family, device), spec.resolution
+    return spec.family, load_pipeline(folder, spec.family, device, dtype=dtype), spec.resolution
 
 
 def device_name(device: torch.device) -> str:

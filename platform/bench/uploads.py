@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from retouch.functions.models import model_family
+from retouch.functions.modelcheck import model_family
 from retouch.functions.spec import parse_spec
 from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess

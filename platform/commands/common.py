@@ -12,7 +12,8 @@ from typing import Any, NoReturn
 from retouch.functions import knobs
 from retouch.functions.errors import RetouchError
 from retouch.functions.knobs import argument_type
-from retouch.functions.models import is_builtin, known_builtin, model_family
+from retouch.functions.modelcheck import model_family
+from retouch.functions.models import is_builtin, known_builtin
 from retouch.platform.client import Client
 from retouch.platform.config import default_data_dir, default_url
 
@@ -95,7 +96,7 @@ def builtin(text: str) -> str:
 
 
 def model(text: str) -> str:
-    """A built-in model, or a local diffusers folder that a family can load."""
+    """A built-in model, or a local diffusers folder (or cached hub id) a family can load."""
     try:
         model_family(text)
     except RetouchError as exc:

@@ -122,11 +122,15 @@ def _deploy(args: argparse.Namespace) -> None:
 def _ls(args: argparse.Namespace) -> None:
     with connect(args) as client:
         functions = client.list()
-    print(f"{'NAME':<20} {'STATUS':<10} {'FAMILY':<13} {'MODEL':<28} {'TEMPLATES':<24} STATES")
+    print(
+        f"{'NAME':<20} {'STATUS':<10} {'FAMILY':<13} {'MODEL':<28} {'DTYPE':<6} "
+        f"{'TEMPLATES':<24} STATES"
+    )
     for f in functions:
         states = ",".join(t["state"] for t in f["templates"].values())
         print(
-            f"{f['name']:<20} {f['status']:<10} {f['family']:<13} {f['model']:<28} {','.join(f['templates']):<24} {states}"
+            f"{f['name']:<20} {f['status']:<10} {f['family']:<13} {f['model']:<28} "
+            f"{f['dtype']:<6} {','.join(f['templates']):<24} {states}"
         )
 
 

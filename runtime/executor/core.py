@@ -34,7 +34,6 @@ from retouch.functions.spec import FunctionSpec
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.engine import Engine, OnStep, Output, Work
 from retouch.runtime.executor.changes import ChangeFeed
-from retouch.runtime.fingerprint import model_fingerprint
 from retouch.runtime.maskaware.editor import EditRequest, Encoded, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.models import ModelCache
@@ -187,7 +186,7 @@ class ExecutorCore:
         self.lock = threading.Lock()  # guards the three tables below; never held across work
         self.functions: dict[str, FunctionEntry] = {}
         self.cost_models: dict[str, CostModel] = {}  # per model, on this device
-        self._profiles: dict[str, Path] = {}  # per model: its profile file (step records)
+        self._profiles: dict[str, Path] = {}  # per loaded model (source key): step records
         self._editors: dict[tuple[str, str], Future[MaskAwareEditor]] = {}
         self._generations: dict[str, int] = {}  # latest control operation per function name
         self._closed = False
@@ -235,13 +234,13 @@ class ExecutorCore:
         them): a deploy overtaken by a later deploy or delete of the same name is dropped
         (:class:`Superseded`) instead of resurrecting an older version."""
         self._check_generation(spec.name, generation)
-        loaded = self.models.get(spec.model, spec.family)
+        loaded = self.models.get(spec.source.key, spec.family)
         if self.stages is not None:  # load it in the workers now, not on the first request
-            for future in self.stages.pool.load(spec.model, spec.family):
+            for future in self.stages.pool.load(spec.source.key, spec.family):
                 future.result()
         editor = self.editor(spec)
         sched_config = dict(editor.impl.pipe.scheduler.config)
-        fingerprint = model_fingerprint(loaded.folder)
+        fingerprint = loaded.fingerprint
         # Lock order: core.lock, then the template cache's lock. Registration only looks
         # keys up in the store's tables; the held section does no model work and no scan.
         with self.lock:
@@ -297,7 +296,7 @@ class ExecutorCore:
         A new editor gets an overlapped row loader and the bubble-free planner of the
         model's cost model on this device (profiled once, then read from the profile
         cache). The build runs outside the lock; concurrent callers wait on its future."""
-        key = (spec.model, spec.scheduler)
+        key = (spec.source.key, spec.scheduler)
         with self.lock:
             future = self._editors.get(key)
             owner = future is None
@@ -318,12 +317,12 @@ class ExecutorCore:
         return editor
 
     def _build_editor(self, spec: FunctionSpec) -> tuple[MaskAwareEditor, CostModel]:
-        loaded = self.models.get(spec.model, spec.family)
+        loaded = self.models.get(spec.source.key, spec.family)
         if self.profile_in_background and not cached_profile(
             loaded.folder, self.data_dir, loaded.device, spec.family, spec.width
         ):
             profile_in_subprocess(
-                spec.model,
+                spec.source.key,
                 spec.family,
                 spec.scheduler,
                 spec.width,
@@ -341,8 +340,9 @@ class ExecutorCore:
         profile = profile_path(self.data_dir, loaded.folder, loaded.device)
         prior = load_step_records(profile)
         with self.lock:
-            self._profiles[spec.model] = profile
-        self.engine.counters.prior = {**self.engine.counters.prior, spec.model: tuple(prior)}
+            self._profiles[spec.source.key] = profile
+        prior_of = {**self.engine.counters.prior, spec.source.key: tuple(prior)}
+        self.engine.counters.prior = prior_of
         if prior:
             log.info("step fit of %s starts from %d kept steps", spec.model, len(prior))
         grids = cost_model.extra.get("grids")
@@ -377,7 +377,7 @@ class ExecutorCore:
     ) -> Future[Encoded]:
         assert self.stages is not None
         return self.stages.encode_request(
-            (spec.model, spec.family, spec.scheduler), request, template_latents
+            (spec.source.key, spec.family, spec.scheduler), request, template_latents
         )
 
     def entry(self, name: str) -> FunctionEntry:
@@ -458,8 +458,8 @@ class ExecutorCore:
             spec.halo,
         )
         work = Work(
-            key=(spec.model, spec.scheduler, spec.width, spec.height),
-            model=spec.model,
+            key=(spec.source.key, spec.scheduler, spec.width, spec.height),
+            model=spec.source.key,
             family=spec.family,
             scheduler=spec.scheduler,
             editor=editor,

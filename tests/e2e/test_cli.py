@@ -38,6 +38,7 @@ def test_cli_round_trip(
         listing.returncode == 0
         and "tiny-sd" in listing.stdout
         and "street,poster" in listing.stdout
+        and "DTYPE" in listing.stdout
     )
 
     mask = np.zeros((128, 128), bool)

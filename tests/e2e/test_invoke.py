@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import shutil
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 from PIL import Image
 
+from retouch.functions.errors import RetouchError
 from retouch.platform.bench.load import wait_baked
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
+from tests.modelfolders import build_sd_folder, into_hub_cache
 
 
 def test_empty_mask_returns_template_and_full_mask_repaints(admin: Client, examples: Path) -> None:
@@ -104,6 +109,38 @@ def test_composite_keeps_the_template_outside_the_mask(admin: Client, examples: 
     assert np.array_equal(edited[far], template[far])
     assert not np.array_equal(generated[far], template[far])  # the VAE round trip moved them
     assert np.array_equal(edited[mask], generated[mask])
+
+
+@pytest.mark.slow  # its model is new to the session: the executor profiles it at deploy
+def test_a_hub_model_deploys_by_id_from_the_cache_in_bf16(
+    admin: Client, examples: Path, models_dir: Path, tmp_path: Path
+) -> None:
+    """A hub-layout folder (fp16 variant, sharded UNet, CLIP BPE tokenizer) in the local
+    Hugging Face cache (``HF_HUB_CACHE``, set for the server by ``tests/conftest.py``)
+    deploys by its hub id and serves bf16 edits on a CPU; a copy missing a file is refused
+    at deploy with a 4xx naming the file."""
+    folder = build_sd_folder(tmp_path / "sd", models_dir)
+    into_hub_cache(folder, Path(os.environ["HF_HUB_CACHE"]), "retouch-tests/e2e-sd")
+    spec, images = read_spec_file(examples / "tiny-sd.toml")
+    hub = dataclasses.replace(
+        spec, name="sd-hub", model="retouch-tests/e2e-sd", variant="fp16", dtype="bf16", steps=2
+    )
+    assert admin.deploy(hub, images)["status"] == "ready"
+    listed = {f["name"]: f for f in admin.list()}["sd-hub"]
+    assert (listed["model"], listed["dtype"], listed["variant"]) == (hub.model, "bf16", "fp16")
+    mask = np.zeros((128, 128), bool)
+    mask[20:70, 30:90] = True
+    edit = admin.invoke("sd-hub", "street", mask, "a red door", seed=4, format="raw")
+    template = np.asarray(Image.open(io.BytesIO(images["street"])).convert("RGB"))
+    assert not np.array_equal(np.frombuffer(edit.image, np.uint8).reshape(128, 128, 3), template)
+
+    broken = Path(shutil.copytree(folder, tmp_path / "broken"))
+    (broken / "tokenizer" / "merges.txt").unlink()
+    with pytest.raises(RetouchError) as refused:
+        admin.deploy(dataclasses.replace(hub, name="sd-broken", model=str(broken)), images)
+    assert refused.value.status == 422 and refused.value.field == "model"
+    assert "tokenizer/merges.txt" in refused.value.message
+    assert "sd-broken" not in {f["name"] for f in admin.list()}
 
 
 def test_deploy_and_invoke_a_flux_fill_function(admin: Client, examples: Path) -> None:

@@ -55,7 +55,7 @@ BAD = [
     (["bench", "engine", "--batch", "0"], "--batch"),
     (["bench", "engine", "--mask-ratios", "0.2,x"], "--mask-ratios"),
     (["bench", "fidelity", "--model", "/no/such/folder"], "--model"),
-    (["bench", "edits", "--model", "/no/such/folder"], "not a diffusers folder"),
+    (["bench", "edits", "--model", "/no/such/folder"], "no such model folder"),
     (["bench", "load", "--mask-file", "/no/such/file"], "no such file"),
     (["bench", "gateway", "--examples", "/no/such/folder"], "no such folder"),
     (["bench", "plan", "--mask-ratio", "1.5"], "--mask-ratio"),

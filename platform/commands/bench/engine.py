@@ -9,6 +9,7 @@ import json
 from retouch.platform.commands.bench.options import (
     add_builtin_model,
     add_device,
+    add_dtype,
     add_mask_ratio,
     add_repeats,
     add_steps,
@@ -56,6 +57,7 @@ def add_engine(bench_sub: argparse._SubParsersAction) -> None:
         help="wall time, or process CPU time (steadier on a shared machine)",
     )
     add_device(p)
+    add_dtype(p)
     add_models_dir(p)
     add_json(p, "the rows")
     p.set_defaults(run=_run_engine)
@@ -74,6 +76,7 @@ def _run_engine(args: argparse.Namespace) -> None:
         clock=args.clock,
         full_steps=args.full_steps,
         device=args.device,
+        dtype=args.dtype,
     )
     if args.json:
         print(json.dumps(rows))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from retouch.functions.modelsource import DTYPES
 from retouch.platform.commands.common import (
     builtin,
     non_negative_int,
@@ -19,6 +20,15 @@ def add_device(p: argparse.ArgumentParser) -> None:
         choices=("auto", "cpu", "cuda"),
         default="auto",
         help="where the model runs: auto = CUDA when there is one (default), cpu, cuda",
+    )
+
+
+def add_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="compute dtype, as a spec's dtype: auto = the family's on the device (default)",
     )
 
 

@@ -21,7 +21,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import InvalidSpec
-from retouch.functions.models import check_model, model_family
+from retouch.functions.modelcheck import check_model, model_family
+from retouch.functions.modelsource import ModelSource
 from retouch.runtime.families import family
 from retouch.runtime.families.stepflops import pipeline_step_flops
 from retouch.runtime.maskaware.context import Mode
@@ -200,9 +201,9 @@ def test_a_fill_folder_is_told_apart_from_flux_inpainting(folder: Path) -> None:
     """A folder saved from FluxFillPipeline (as FLUX.1-Fill-dev ships) is a flux-fill
     model; deploying it as flux-inpaint is refused before anything loads."""
     assert model_family(str(folder)) == FAMILY
-    check_model(str(folder), FAMILY)
+    check_model(ModelSource(str(folder)), FAMILY)
     with pytest.raises(InvalidSpec, match="cannot serve flux-inpaint"):
-        check_model(str(folder), "flux-inpaint")
+        check_model(ModelSource(str(folder)), "flux-inpaint")
 
 
 def test_a_batched_stock_call_gives_each_request_its_reference(pipe) -> None:

@@ -1,0 +1,266 @@
+"""The one model check: whether a :class:`ModelSource` can be served by a family.
+
+The gateway runs it at deploy (before anything is stored) and an executor runs it before
+it loads, so every missing or inconsistent file ends in an :class:`InvalidSpec` (a 4xx)
+naming that file, never in an internal error from deep inside ``from_pretrained``. It reads
+only small files (``model_index.json``, configs, safetensors headers and shard indexes) and
+imports neither torch nor diffusers: the control plane stays light.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from retouch.functions import hubcache
+from retouch.functions.errors import InvalidSpec
+from retouch.functions.families import FAMILY_SPECS
+from retouch.functions.models import is_builtin, known_builtin
+from retouch.functions.modelsource import ModelSource
+
+# Suffixes of single-file checkpoints.
+CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt")
+# Components every family loads as None (``runtime/families``: ``load_kwargs``).
+NEVER_LOADED = ("safety_checker",)
+# Weight file names by library: (safetensors stem, pickle file).
+WEIGHT_NAMES = {
+    "diffusers": ("diffusion_pytorch_model", "diffusion_pytorch_model.bin"),
+    "transformers": ("model", "pytorch_model.bin"),
+}
+# Files a tokenizer folder needs by tokenizer class prefix when it has no ``tokenizer.json``.
+TOKENIZER_FILES = {"CLIP": ("vocab.json", "merges.txt"), "T5": ("spiece.model",)}
+MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one
+
+
+class ModelKind(enum.Enum):
+    BUILTIN = "builtin"  # built (or copied) on the executor from the catalogue
+    FOLDER = "folder"  # a diffusers folder (a local path or a cached hub snapshot)
+    SINGLE_FILE = "single-file"  # one checkpoint, configs and tokenizers from ``config``
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a checked model's files are: a diffusers ``folder`` (a single file's config
+    folder; None for a built-in) and, for a single file, its ``checkpoint``."""
+
+    kind: ModelKind
+    pipeline: str  # the pipeline class its model_index.json (or the family) names
+    folder: Path | None = None
+    checkpoint: Path | None = None
+
+
+def check_model(source: ModelSource, family: str) -> ModelFiles:
+    """Where ``source``'s files are, once every file ``family``'s pipeline loads is seen to
+    be there and consistent; an :class:`InvalidSpec` naming the first one that is not."""
+    if is_builtin(source.model):
+        return _check_builtin(source, family)
+    path = Path(source.model).expanduser()
+    if path.is_file() or path.suffix in CHECKPOINT_SUFFIXES:
+        return _check_single_file(source, path, family)
+    if source.config is not None:
+        raise InvalidSpec("config is only for single-file checkpoints", field="config")
+    folder = _locate(source.model, source.revision, "model")
+    pipeline = _check_pipeline(folder, family, "model")
+    _check_components(folder, source.variant, weights=True, field="model")
+    return ModelFiles(ModelKind.FOLDER, pipeline, folder=folder)
+
+
+def model_family(model: str) -> str:
+    """The family of a built-in model, or of a folder (or cached hub id) by its pipeline."""
+    if is_builtin(model):
+        return known_builtin(model).family
+    cls = pipeline_class(_locate(model, None, "model"))
+    for family, spec in FAMILY_SPECS.items():
+        if cls in spec.compatible:
+            return family
+    raise InvalidSpec(f"{model} holds a {cls}, which no family serves", field="model")
+
+
+def pipeline_class(folder: Path, field: str = "model") -> str:
+    """The pipeline class a diffusers folder declares (its ``model_index.json``)."""
+    return str(_model_index(folder, field).get("_class_name", ""))
+
+
+# -- the three kinds ------------------------------------------------------------------------
+
+
+def _check_builtin(source: ModelSource, family: str) -> ModelFiles:
+    native = known_builtin(source.model).family
+    if native != family:
+        raise InvalidSpec(f"{source.model} is a {native} model, not {family}", field="family")
+    for option in ("variant", "revision", "config"):
+        if getattr(source, option) is not None:
+            raise InvalidSpec(f"a built-in model takes no {option}", field=option)
+    return ModelFiles(ModelKind.BUILTIN, FAMILY_SPECS[family].pipeline)
+
+
+def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFiles:
+    if path.suffix not in CHECKPOINT_SUFFIXES:
+        raise InvalidSpec(
+            f"{path}: a single-file checkpoint ends in {' or '.join(CHECKPOINT_SUFFIXES)}",
+            field="model",
+        )
+    if not path.is_file():
+        raise InvalidSpec(f"no such checkpoint file: {path}", field="model")
+    if source.variant is not None:
+        raise InvalidSpec("variant names files of a diffusers folder", field="variant")
+    if source.config is None:
+        raise InvalidSpec(
+            f"{path.name} is a single-file checkpoint: config must name the diffusers folder "
+            "(or cached hub id) with its configs and tokenizers (never fetched)",
+            field="config",
+        )
+    if path.suffix == ".safetensors":
+        _safetensors_header(path, "model")
+    folder = _locate(source.config, source.revision, "config")
+    pipeline = _check_pipeline(folder, family, "config")
+    _check_components(folder, None, weights=False, field="config")
+    return ModelFiles(ModelKind.SINGLE_FILE, pipeline, folder=folder, checkpoint=path.resolve())
+
+
+def _locate(name: str, revision: str | None, field: str) -> Path:
+    """A local folder, or a hub id's snapshot in the local cache."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if revision is not None:
+            raise InvalidSpec("revision is for hub ids, not local folders", field="revision")
+        return path.resolve()
+    if hubcache.is_hub_id(name):
+        return hubcache.snapshot(name, revision, field)
+    raise InvalidSpec(f"no such model folder, file or cached hub id: {name}", field=field)
+
+
+def _model_index(folder: Path, field: str) -> dict[str, Any]:
+    index = folder / "model_index.json"
+    try:
+        doc = json.loads(index.read_text())
+    except (OSError, ValueError):
+        raise InvalidSpec(
+            f"{folder} is not a diffusers folder (no readable model_index.json)", field=field
+        ) from None
+    if not isinstance(doc, dict):
+        raise InvalidSpec(f"{index} is not a JSON object", field=field)
+    return doc
+
+
+def _check_pipeline(folder: Path, family: str, field: str) -> str:
+    cls = pipeline_class(folder, field)
+    if cls not in FAMILY_SPECS[family].compatible:
+        raise InvalidSpec(f"{folder} holds a {cls}, which cannot serve {family}", field="family")
+    return cls
+
+
+# -- components ------------------------------------------------------------------------------
+
+
+def _check_components(folder: Path, variant: str | None, *, weights: bool, field: str) -> None:
+    """Every component ``model_index.json`` lists: its folder, config and weights (unless
+    the weights come from elsewhere: a single file), or its tokenizer files."""
+    for name, entry in sorted(_model_index(folder, field).items()):
+        if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
+            continue
+        library, cls = entry
+        if library is None or cls is None or name in NEVER_LOADED:
+            continue
+        part = folder / name
+        if not part.is_dir():
+            raise InvalidSpec(f"{folder}: missing component folder {name}/", field=field)
+        if "Tokenizer" in cls:
+            _check_tokenizer(part, cls, field)
+        elif cls.endswith("Scheduler"):
+            _need(part / "scheduler_config.json", field)
+        elif "ImageProcessor" in cls or "FeatureExtractor" in cls:
+            _need(part / "preprocessor_config.json", field)
+        else:
+            _need(part / "config.json", field)
+            if weights:
+                _check_weights(part, library, variant, field)
+
+
+def _need(path: Path, field: str) -> None:
+    if not path.is_file():
+        raise InvalidSpec(f"missing {_short(path)} ({path})", field=field)
+
+
+def _short(path: Path) -> str:
+    """``component/file``: how an error names a file of a model folder."""
+    return f"{path.parent.name}/{path.name}"
+
+
+def _check_tokenizer(part: Path, cls: str, field: str) -> None:
+    if (part / "tokenizer.json").is_file():
+        return
+    kind = next((k for k in TOKENIZER_FILES if cls.startswith(k)), None)
+    for name in TOKENIZER_FILES[kind] if kind else ("tokenizer_config.json",):
+        _need(part / name, field)
+
+
+def _variant_name(name: str, variant: str | None) -> str:
+    """diffusers' and transformers' file naming: the variant before the last suffix."""
+    if variant is None:
+        return name
+    stem, _, suffix = name.rpartition(".")
+    return f"{stem}.{variant}.{suffix}"
+
+
+def _check_weights(part: Path, library: str, variant: str | None, field: str) -> None:
+    """One weight file, or a shard index whose shards are all there and hold its tensors."""
+    stem, pickled = WEIGHT_NAMES.get(library, WEIGHT_NAMES["diffusers"])
+    index = part / _variant_name(f"{stem}.safetensors.index.json", variant)
+    single = part / _variant_name(f"{stem}.safetensors", variant)
+    if index.is_file():
+        _check_shards(index, field)
+    elif single.is_file():
+        _safetensors_header(single, field)
+    elif not (part / _variant_name(pickled, variant)).is_file():
+        others = sorted(p.name for p in part.glob("*.safetensors"))
+        hint = f"; it holds {', '.join(others[:3])}" if others else ""
+        if variant is None and others:
+            hint += " (variant weights: name the variant in the spec)"
+        raise InvalidSpec(f"missing {_short(single)} ({single}){hint}", field=field)
+
+
+def _check_shards(index: Path, field: str) -> None:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards: dict[str, set[str]] = {}
+        for tensor, shard in weight_map.items():
+            shards.setdefault(shard, set()).add(tensor)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise InvalidSpec(f"{_short(index)} is not a shard index ({index})", field=field) from None
+    for shard, tensors in sorted(shards.items()):
+        path = index.parent / shard
+        if not path.is_file():
+            raise InvalidSpec(f"missing {_short(path)}, a shard {_short(index)} lists", field=field)
+        absent = sorted(tensors - set(_safetensors_header(path, field)))
+        if absent:
+            raise InvalidSpec(
+                f"{_short(path)} lacks {absent[0]}, which {_short(index)} places there",
+                field=field,
+            )
+
+
+def _safetensors_header(path: Path, field: str) -> dict[str, Any]:
+    """The tensors a safetensors file declares, once its size is seen to match them (a
+    truncated download fails here, not in the loader)."""
+    bad = InvalidSpec(
+        f"{_short(path)} is truncated or not a safetensors file ({path})", field=field
+    )
+    try:
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > MAX_HEADER:
+                raise bad
+            header = json.loads(f.read(length))
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+        size = path.stat().st_size
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, struct.error):
+        raise bad from None
+    if size != 8 + length + end:
+        raise bad
+    return tensors
