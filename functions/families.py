@@ -47,6 +47,14 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         FamilySpec("sd-inpaint", "StableDiffusionInpaintPipeline", SD_SCHEDULERS, 20, 7.5, halo=2),
         FamilySpec("flux-inpaint", "FluxInpaintPipeline", FLOW, 20, 3.5, ("FluxImg2ImgPipeline",)),
         FamilySpec("sd3-inpaint", "StableDiffusion3InpaintPipeline", FLOW, 28, 7.0),
+        FamilySpec(
+            "sdxl-inpaint",
+            "StableDiffusionXLInpaintPipeline",
+            ("euler", "ddim", "euler-a", "dpm++", "pndm"),  # SDXL ships Euler
+            20,
+            7.5,
+            halo=2,
+        ),
     )
 }
 

@@ -39,6 +39,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel("small-flux", "flux-inpaint", 512),
         BuiltinModel("tiny-sd3", "sd3-inpaint", 128),
         BuiltinModel("small-sd3", "sd3-inpaint", 512),
+        BuiltinModel("tiny-sdxl", "sdxl-inpaint", 128),
+        BuiltinModel("small-sdxl", "sdxl-inpaint", 512),
         BuiltinModel("shapes-sd", "sd-inpaint", 128, trained=True),  # functions/demo/weights
     )
 }

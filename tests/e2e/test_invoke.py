@@ -104,3 +104,28 @@ def test_composite_keeps_the_template_outside_the_mask(admin: Client, examples: 
     assert np.array_equal(edited[far], template[far])
     assert not np.array_equal(generated[far], template[far])  # the VAE round trip moved them
     assert np.array_equal(edited[mask], generated[mask])
+
+
+def test_deploy_and_invoke_an_sdxl_function(admin: Client, examples: Path) -> None:
+    """An ``sdxl-inpaint`` function (two text encoders, pooled embeddings and time ids) is
+    served stock before its bake and mask-aware after it, over HTTP."""
+    spec, images = read_spec_file(examples / "tiny-sdxl.toml")
+    assert spec.family == "sdxl-inpaint"
+    spec = dataclasses.replace(spec, steps=2)  # the suite's time
+    assert admin.deploy(spec, images)["status"] == "ready"
+    template = np.asarray(Image.open(io.BytesIO(images["street"])).convert("RGB"))
+    mask = np.zeros((128, 128), bool)
+    mask[32:80, 40:96] = True
+
+    first = admin.invoke("tiny-sdxl", "street", mask, "a red car", seed=4, format="raw")
+    assert first.path in ("stock", "maskaware") and first.mask_ratio > 0
+    assert not np.array_equal(np.frombuffer(first.image, np.uint8).reshape(128, 128, 3), template)
+
+    wait_baked(admin, "tiny-sdxl", timeout=300)  # templates are baked in the background
+    edit = admin.invoke("tiny-sdxl", "street", mask, "a red car", seed=4, format="raw")
+    assert edit.path == "maskaware"
+    assert (edit.width, edit.height) == (128, 128)
+    image = np.frombuffer(edit.image, np.uint8).reshape(128, 128, 3)
+    assert not np.array_equal(image, template)
+    other = admin.invoke("tiny-sdxl", "street", mask, "a blue door", seed=4, format="raw")
+    assert other.path == "maskaware" and other.image != edit.image  # the prompt reaches the UNet

@@ -20,6 +20,7 @@ MODELS = {
     "sd-inpaint": "retouch:tiny-sd",
     "flux-inpaint": "retouch:tiny-flux",
     "sd3-inpaint": "retouch:tiny-sd3",
+    "sdxl-inpaint": "retouch:tiny-sdxl",
 }
 
 
