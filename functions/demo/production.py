@@ -28,7 +28,6 @@ from diffusers import (
     AutoencoderKL,
     DDIMScheduler,
     DiffusionPipeline,
-    EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxInpaintPipeline,
     FluxTransformer2DModel,
@@ -47,6 +46,7 @@ from transformers import (
     T5EncoderModel,
 )
 
+from retouch.functions.demo.models import sdxl_scheduler
 from retouch.functions.demo.tokenizer import save_tokenizer, vocabulary
 
 CLIP_TOKENS = 77
@@ -254,13 +254,7 @@ def build_sdxl_inpaint(scale: float, scratch: Path) -> StableDiffusionXLInpaintP
         norm_num_groups=32,
     )
     with torch.device("cpu"):  # the scheduler's sigmas live on the host (not on "meta")
-        scheduler = EulerDiscreteScheduler(
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            steps_offset=1,
-            timestep_spacing="leading",
-        )
+        scheduler = sdxl_scheduler()
     return StableDiffusionXLInpaintPipeline(
         vae=_vae(4, scale, scaling_factor=0.13025),
         text_encoder=_clip(clip_l),

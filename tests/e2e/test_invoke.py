@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 from PIL import Image
 
 from retouch.platform.bench.load import wait_baked
@@ -106,26 +107,31 @@ def test_composite_keeps_the_template_outside_the_mask(admin: Client, examples: 
     assert np.array_equal(edited[mask], generated[mask])
 
 
-def test_deploy_and_invoke_an_sdxl_function(admin: Client, examples: Path) -> None:
-    """An ``sdxl-inpaint`` function (two text encoders, pooled embeddings and time ids) is
-    served stock before its bake and mask-aware after it, over HTTP."""
-    spec, images = read_spec_file(examples / "tiny-sdxl.toml")
-    assert spec.family == "sdxl-inpaint"
+@pytest.mark.parametrize(
+    ("example", "template", "family"),
+    [("tiny-sd3", "mug", "sd3-inpaint"), ("tiny-sdxl", "street", "sdxl-inpaint")],
+)
+def test_deploy_and_invoke_a_function_of_each_newer_family(
+    admin: Client, examples: Path, example: str, template: str, family: str
+) -> None:
+    """SD3 (MMDiT, three text encoders) and SDXL (two text encoders, pooled embeddings and
+    time ids) functions: served stock before their bake, mask-aware after it, over HTTP."""
+    spec, images = read_spec_file(examples / f"{example}.toml")
+    assert spec.family == family
     spec = dataclasses.replace(spec, steps=2)  # the suite's time
     assert admin.deploy(spec, images)["status"] == "ready"
-    template = np.asarray(Image.open(io.BytesIO(images["street"])).convert("RGB"))
+    pixels = np.asarray(Image.open(io.BytesIO(images[template])).convert("RGB"))
     mask = np.zeros((128, 128), bool)
     mask[32:80, 40:96] = True
 
-    first = admin.invoke("tiny-sdxl", "street", mask, "a red car", seed=4, format="raw")
+    first = admin.invoke(example, template, mask, "a red car", seed=4, format="raw")
     assert first.path in ("stock", "maskaware") and first.mask_ratio > 0
-    assert not np.array_equal(np.frombuffer(first.image, np.uint8).reshape(128, 128, 3), template)
+    assert not np.array_equal(np.frombuffer(first.image, np.uint8).reshape(128, 128, 3), pixels)
 
-    wait_baked(admin, "tiny-sdxl", timeout=300)  # templates are baked in the background
-    edit = admin.invoke("tiny-sdxl", "street", mask, "a red car", seed=4, format="raw")
+    wait_baked(admin, example, timeout=300)  # templates are baked in the background
+    edit = admin.invoke(example, template, mask, "a red car", seed=4, format="raw")
     assert edit.path == "maskaware"
     assert (edit.width, edit.height) == (128, 128)
-    image = np.frombuffer(edit.image, np.uint8).reshape(128, 128, 3)
-    assert not np.array_equal(image, template)
-    other = admin.invoke("tiny-sdxl", "street", mask, "a blue door", seed=4, format="raw")
-    assert other.path == "maskaware" and other.image != edit.image  # the prompt reaches the UNet
+    assert not np.array_equal(np.frombuffer(edit.image, np.uint8).reshape(128, 128, 3), pixels)
+    other = admin.invoke(example, template, mask, "a blue door", seed=4, format="raw")
+    assert other.path == "maskaware" and other.image != edit.image  # the prompt reaches it
