@@ -28,7 +28,7 @@ from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.maskaware.quality import psnr
 from retouch.runtime.maskaware.store import MemoryActivations
-from retouch.runtime.models import load_pipeline
+from retouch.runtime.models import LoadedModel, load_pipeline
 
 FAMILY = "sdxl-inpaint"
 SIZE, STEPS, GUIDANCE = 128, 2, 4.0
@@ -196,3 +196,14 @@ def test_analytic_flops_equal_the_counted_step(pipe) -> None:
     )
     assert counted(full_plan) == pytest.approx(analytic.full.total, rel=1e-9)
     assert 0.1 < analytic.ratio < 1.0
+
+
+def test_a_function_pipeline_keeps_the_model_options(pipe, folder: Path) -> None:
+    """An executor's pipeline with the function's scheduler keeps what the model folder
+    says, e.g. a refiner-style model's aesthetic-score time ids."""
+    options = {"requires_aesthetics_score": True, "force_zeros_for_empty_prompt": False}
+    model = type(pipe)(**pipe.components, **options)
+    loaded = LoadedModel("m", FAMILY, model, CPU, folder, dict(pipe.scheduler.config))
+    view = loaded.pipeline_for("ddim")
+    assert type(view.scheduler).__name__ == "DDIMScheduler"
+    assert {k: view.config[k] for k in options} == options
