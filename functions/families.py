@@ -61,6 +61,14 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             "sd3-inpaint", "StableDiffusion3InpaintPipeline", FLOW, 28, 7.0, cuda_dtype="bf16"
         ),
         FamilySpec("flux-fill", "FluxFillPipeline", FLOW, 50, 30.0, cuda_dtype="bf16"),
+        FamilySpec(
+            "sdxl-inpaint",
+            "StableDiffusionXLInpaintPipeline",
+            ("euler", "ddim", "euler-a", "dpm++", "pndm"),  # SDXL ships Euler
+            20,
+            7.5,
+            halo=2,
+        ),
     )
 }
 

@@ -143,9 +143,12 @@ class LoadedModel:
     base_scheduler_config: dict[str, Any] = field(default_factory=dict)
 
     def pipeline_for(self, scheduler: str) -> DiffusionPipeline:
-        """A pipeline view with the function's scheduler; weights are shared, not copied."""
+        """A pipeline view with the function's scheduler; weights are shared, not copied.
+        The pipeline's own options (SDXL's ``requires_aesthetics_score``, ...) carry over."""
         sched = SCHEDULERS[scheduler].from_config(self.base_scheduler_config)
-        components = {**self.pipe.components, "scheduler": sched}
+        _, optional = DiffusionPipeline._get_signature_keys(self.pipe)
+        options = {k: v for k, v in self.pipe.config.items() if k in optional}
+        components = {**self.pipe.components, "scheduler": sched, **options}
         pipe = type(self.pipe)(**components)
         pipe.set_progress_bar_config(disable=True)
         return pipe

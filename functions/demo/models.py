@@ -30,6 +30,7 @@ from diffusers import (
     AutoencoderKL,
     DDIMScheduler,
     DiffusionPipeline,
+    EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxFillPipeline,
     FluxInpaintPipeline,
@@ -37,6 +38,7 @@ from diffusers import (
     SD3Transformer2DModel,
     StableDiffusion3InpaintPipeline,
     StableDiffusionInpaintPipeline,
+    StableDiffusionXLInpaintPipeline,
     UNet2DConditionModel,
 )
 from transformers import (
@@ -264,6 +266,72 @@ def _build_sd3(
     )
 
 
+@dataclass(frozen=True)
+class SDXLSize:
+    """A demo size of SDXL's inpainting layout (a factor-4 VAE under it)."""
+
+    channels: tuple[int, ...]  # per UNet level; the first has no transformer blocks
+    transformer_layers: tuple[int, ...]  # per level
+    head_dim: int
+    text_hidden: tuple[int, int]  # CLIP-L and CLIP-G widths
+
+
+TINY_SDXL = SDXLSize((32, 64, 64), (1, 1, 2), head_dim=16, text_hidden=(32, 48))
+# At 512 px its 128² latents have SDXL's token grids at 1024² (no attention at 128², then
+# 64² and 32²), at about small-sd's cost per step.
+SMALL_SDXL = SDXLSize((96, 192, 384), (1, 2, 10), head_dim=64, text_hidden=(64, 96))
+
+
+def sdxl_scheduler() -> EulerDiscreteScheduler:
+    """The scheduler SDXL ships (Euler, scaled-linear betas, leading spacing)."""
+    return EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+
+
+def _build_sdxl(folder: Path, size: SDXLSize, resolution: int) -> None:
+    """SDXL's inpainting layout: a 9-channel UNet whose first level has no transformer
+    blocks and whose deeper levels have several layers each, conditioned on CLIP-L and
+    CLIP-G (hidden states side by side) plus CLIP-G's pooled projection and the time ids."""
+    vae_channels = (16, 32, 32)
+    n, head_dim = len(size.channels), size.head_dim
+    clip_l, clip_g = size.text_hidden
+    unet = UNet2DConditionModel(
+        sample_size=resolution // 2 ** (len(vae_channels) - 1),
+        in_channels=9,  # noisy latents + mask + masked-image latents
+        out_channels=4,
+        down_block_types=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (n - 1),
+        up_block_types=("CrossAttnUpBlock2D",) * (n - 1) + ("UpBlock2D",),
+        block_out_channels=size.channels,
+        layers_per_block=1,
+        transformer_layers_per_block=size.transformer_layers,
+        attention_head_dim=tuple(max(1, c // head_dim) for c in size.channels),  # heads
+        cross_attention_dim=clip_l + clip_g,
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=head_dim,  # per time id (SDXL: 256)
+        projection_class_embeddings_input_dim=6 * head_dim + clip_g,
+        norm_num_groups=min(32, size.channels[0]),
+    )
+    _save(
+        folder,
+        lambda tokenizer: StableDiffusionXLInpaintPipeline(
+            vae=_vae(vae_channels, 4, scaling_factor=0.13025),
+            text_encoder=_clip_text(clip_l),
+            text_encoder_2=CLIPTextModelWithProjection(_clip_config(clip_g)),
+            tokenizer=tokenizer,
+            tokenizer_2=tokenizer,
+            unet=unet,
+            scheduler=sdxl_scheduler(),
+            add_watermarker=False,
+        ),
+    )
+
+
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 SHAPES_SD = WEIGHTS_DIR / "shapes-sd"
 
@@ -359,6 +427,8 @@ DEMO_MODELS: dict[str, DemoModel] = {
         ),
         DemoModel("tiny-flux-fill", lambda f: _build_flux(f, **TINY_FLUX, fill=True)),
         DemoModel("small-flux-fill", lambda f: _build_flux(f, **SMALL_FLUX, fill=True)),
+        DemoModel("tiny-sdxl", lambda f: _build_sdxl(f, TINY_SDXL, resolution=128)),
+        DemoModel("small-sdxl", lambda f: _build_sdxl(f, SMALL_SDXL, resolution=512)),
         DemoModel(
             "shapes-sd",
             lambda f: _copy_trained(SHAPES_SD, f),

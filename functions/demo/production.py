@@ -2,7 +2,8 @@
 
 Benchmarks of the GPU data path need the shapes users serve (FLUX.1-dev's 19 + 38 blocks at
 3072 wide, and FLUX.1-Fill-dev's on 384 input channels, SD3-medium's 24 MMDiT blocks, the
-SD2-inpainting UNet), not the small demo models, whose steps are launch-bound. No weights can be downloaded, and an fp32 CPU init of
+SD2- and SDXL-inpainting UNets), not the small demo models, whose steps are launch-bound.
+No weights can be downloaded, and an fp32 CPU init of
 12 B parameters followed by a save and a load would take minutes, so these pipelines are
 built in memory, directly on the target device in the compute dtype (random init there
 takes seconds) and never written to disk.
@@ -35,6 +36,7 @@ from diffusers import (
     SD3Transformer2DModel,
     StableDiffusion3InpaintPipeline,
     StableDiffusionInpaintPipeline,
+    StableDiffusionXLInpaintPipeline,
     UNet2DConditionModel,
 )
 from transformers import (
@@ -46,6 +48,7 @@ from transformers import (
     T5EncoderModel,
 )
 
+from retouch.functions.demo.models import sdxl_scheduler
 from retouch.functions.demo.tokenizer import save_tokenizer, vocabulary
 
 CLIP_TOKENS = 77
@@ -245,6 +248,45 @@ def build_sd2_inpaint(scale: float, scratch: Path) -> StableDiffusionInpaintPipe
     )
 
 
+def build_sdxl_inpaint(scale: float, scratch: Path) -> StableDiffusionXLInpaintPipeline:
+    """The SDXL-inpainting UNet (2.6 B: 320/640/1280, no transformer blocks on the first
+    level, 2 and 10 transformer layers on the others, linear projections, 2048-wide
+    CLIP-L + CLIP-G context, pooled CLIP-G and six time ids added to the timestep
+    embedding) at 1024²."""
+    channels = tuple(_width(c, scale, 32) for c in (320, 640, 1280))
+    clip_l, clip_g = _width(768, scale, 64), _width(1280, scale, 64)
+    time_embed = _width(256, scale, 32)
+    unet = UNet2DConditionModel(
+        sample_size=128,
+        in_channels=9,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        block_out_channels=channels,
+        layers_per_block=2 if scale >= 1 else 1,
+        transformer_layers_per_block=(1, _depth(2, scale), _depth(10, scale)),
+        attention_head_dim=tuple(max(1, c // 64) for c in channels),  # heads of 64
+        cross_attention_dim=clip_l + clip_g,
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=time_embed,
+        projection_class_embeddings_input_dim=6 * time_embed + clip_g,
+        norm_num_groups=32,
+    )
+    with torch.device("cpu"):  # the scheduler's sigmas live on the host (not on "meta")
+        scheduler = sdxl_scheduler()
+    return StableDiffusionXLInpaintPipeline(
+        vae=_vae(4, scale, scaling_factor=0.13025),
+        text_encoder=_clip(clip_l),
+        text_encoder_2=_clip(clip_g, projection=True),
+        tokenizer=_tokenizer(scratch, "clip", CLIP_TOKENS),
+        tokenizer_2=_tokenizer(scratch, "clip", CLIP_TOKENS),
+        unet=unet,
+        scheduler=scheduler,
+        add_watermarker=False,
+    )
+
+
 SHAPES: dict[str, Shape] = {
     s.name: s
     for s in (
@@ -274,6 +316,14 @@ SHAPES: dict[str, Shape] = {
             torch.bfloat16,
             "stable-diffusion-2-inpainting (865 M UNet)",
             build_sd2_inpaint,
+        ),
+        Shape(
+            "sdxl-inpaint",
+            "sdxl-inpaint",
+            1024,
+            torch.bfloat16,
+            "stable-diffusion-xl-1.0-inpainting-0.1 (2.6 B UNet)",
+            build_sdxl_inpaint,
         ),
     )
 }

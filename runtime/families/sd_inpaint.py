@@ -69,10 +69,10 @@ class SDInpaint(FamilyModel):
     def _masked_image_latents(
         self, request: EditRequest, mask_condition: torch.Tensor, vae_noise: torch.Tensor
     ) -> torch.Tensor:
-        image = request.image
+        image, vae = request.image, self.pipe.vae
         init = self.pipe.image_processor.preprocess(image, height=image.height, width=image.width)
-        masked = (init.to(torch.float32) * (mask_condition < 0.5)).to(self.device, self.dtype)
-        return self.pipe.vae.config.scaling_factor * vae_sample(self.pipe.vae, masked, vae_noise)
+        masked = (init.to(torch.float32) * (mask_condition < 0.5)).to(self.device, vae.dtype)
+        return vae.config.scaling_factor * vae_sample(vae, masked, vae_noise)
 
     def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
         positive, negative = self.pipe.encode_prompt(prompt, self.device, 1, True)
@@ -90,44 +90,54 @@ class SDInpaint(FamilyModel):
 
         ``every``: compute every token (no cache to read).
         """
-        mask = tensors["mask"].to(self.device, self.dtype)
         hard = tensors["mask"][0, 0] > 0.5
         scheduler = self.new_scheduler()
         timesteps, _ = retrieve_timesteps(scheduler, request.steps, self.device)
         if hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
         latents = tensors["noise"].to(self.device, self.dtype) * scheduler.init_noise_sigma
-        inputs = SDInputs(
-            prompt_embeds=tensors["prompt_embeds"].to(self.device),
-            mask=mask,
-            masked_image_latents=tensors["masked_image_latents"].to(self.device, self.dtype),
-            extra_step_kwargs=self.pipe.prepare_extra_step_kwargs(None, 0.0),  # eta 0
-        )
+        inputs = self.model_inputs(request, tensors)
         tokens = token_sets(
             hard, level_sizes(*hard.shape, self.levels), every=every, halo=request.halo
         )
         return RequestState(request, latents, scheduler, timesteps, inputs, tokens)
 
+    def model_inputs(self, request: EditRequest, tensors: dict[str, torch.Tensor]) -> SDInputs:
+        """The request's UNet inputs besides the latents, on the device."""
+        return SDInputs(
+            prompt_embeds=tensors["prompt_embeds"].to(self.device),
+            mask=tensors["mask"].to(self.device, self.dtype),
+            masked_image_latents=tensors["masked_image_latents"].to(self.device, self.dtype),
+            extra_step_kwargs=self.pipe.prepare_extra_step_kwargs(None, 0.0),  # eta 0
+        )
+
     def forward(self, states: list[RequestState], ctx: ForwardContext) -> list[torch.Tensor]:
         """One batched UNet call; returns each request's ``[2, 4, h, w]`` noise prediction."""
-        rows, times, texts = [], [], []
+        rows, times = [], []
         for state in states:
             t = state.timestep
             latent_in = state.scheduler.scale_model_input(torch.cat([state.latents] * 2), t)
             extra = [state.inputs.mask, state.inputs.masked_image_latents]
             rows.append(torch.cat([latent_in, *(torch.cat([x] * 2) for x in extra)], dim=1))
             times.append(t.reshape(1).expand(2))
-            texts.append(state.inputs.prompt_embeds)
-        unet = self.pipe.unet
         out = ctx.call(
-            lambda sample, timestep, text: unet(
-                sample, timestep, encoder_hidden_states=text, return_dict=False
-            )[0],
+            self.denoise,
             sample=torch.cat(rows),
             timestep=torch.cat(times).to(self.device),
-            text=torch.cat(texts),
+            **self.conditions(states),
         )
         return list(out.split(2))
+
+    def conditions(self, states: list[RequestState]) -> dict[str, torch.Tensor]:
+        """The batch's conditioning rows besides sample and timestep (arguments of
+        :meth:`denoise`, so that a step-graph runner captures them)."""
+        return {"text": torch.cat([s.inputs.prompt_embeds for s in states])}
+
+    def denoise(
+        self, sample: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor
+    ) -> torch.Tensor:
+        """One UNet call on the batch's rows."""
+        return self.pipe.unet(sample, timestep, encoder_hidden_states=text, return_dict=False)[0]
 
     def advance(self, state: RequestState, prediction: torch.Tensor) -> None:
         """Guidance and the request's own scheduler step."""
@@ -162,7 +172,12 @@ class SDInpaint(FamilyModel):
 def unet_flops(
     config: Mapping[str, Any], latent_size: tuple[int, int], text_len: int, ratio: float
 ) -> Flops:
-    """One row of a ``UNet2DConditionModel`` with cross-attention blocks at mask ratio ``ratio``."""
+    """One row of a ``UNet2DConditionModel`` at mask ratio ``ratio``.
+
+    Transformer blocks are counted where the UNet has them: in its ``CrossAttn*`` down and
+    up blocks (SDXL's first level and SD2's deepest have none) and a cross-attention mid
+    block, each with its ``transformer_layers_per_block`` layers.
+    """
     channels = list(config["block_out_channels"])
     levels = len(channels)
     sizes = [latent_size]
@@ -171,6 +186,8 @@ def unet_flops(
         sizes.append(((h + 1) // 2, (w + 1) // 2))
     pixels = [h * w for h, w in sizes]
     per_block = _per_level(config.get("transformer_layers_per_block", 1), levels)
+    down_attends = _attends(config, "down_block_types", levels)
+    up_attends = _attends(config, "up_block_types", levels)[::-1]  # per level, as down
     temb = channels[0] * 4
     layers = config["layers_per_block"]
     text_dim = config["cross_attention_dim"]
@@ -182,7 +199,9 @@ def unet_flops(
             dense += conv_flops(n, cin, cout, kernel=1)
         return Flops(dense)
 
-    def transformer(level: int, width: int) -> Flops:
+    def transformer(level: int, width: int, attends: bool = True) -> Flops:
+        if not attends:
+            return Flops()
         return _unet_transformer(pixels[level], width, per_block[level], text_len, text_dim, ratio)
 
     total = Flops(conv_flops(pixels[0], config["in_channels"], channels[0]))
@@ -190,12 +209,13 @@ def unet_flops(
     for i, out in enumerate(channels):  # down path
         for j in range(layers):
             total += resnet(i, channels[max(i - 1, 0)] if j == 0 else out, out)
-            total += transformer(i, out)
+            total += transformer(i, out, down_attends[i])
         if i < levels - 1:
             total += Flops(conv_flops(pixels[i + 1], out, out))  # stride-2 downsampler
     deepest = channels[-1]
-    total += resnet(levels - 1, deepest, deepest) + transformer(levels - 1, deepest)
-    total += resnet(levels - 1, deepest, deepest)
+    total += _mid_block(
+        config, resnet(levels - 1, deepest, deepest), transformer(levels - 1, deepest)
+    )
     reversed_channels = channels[::-1]
     output = reversed_channels[0]
     for i in range(levels):  # up path
@@ -205,10 +225,26 @@ def unet_flops(
         for j in range(layers + 1):
             skip = skip_in if j == layers else output
             total += resnet(level, (previous if j == 0 else output) + skip, output)
-            total += transformer(level, output)
+            total += transformer(level, output, up_attends[level])
         if level > 0:
             total += Flops(conv_flops(pixels[level - 1], output, output))  # upsampler conv
     return total + Flops(conv_flops(pixels[0], channels[0], config["out_channels"]))
+
+
+def _attends(config: Mapping[str, Any], key: str, levels: int) -> list[bool]:
+    """Per block of ``config[key]``: whether it has transformer blocks (``CrossAttn*``)."""
+    types = config.get(key) or ("CrossAttn",) * levels
+    return ["CrossAttn" in t for t in types]
+
+
+def _mid_block(config: Mapping[str, Any], resnet: Flops, transformer: Flops) -> Flops:
+    """The mid block: resnet, transformer, resnet (``UNetMidBlock2DCrossAttn``) or none."""
+    kind = config.get("mid_block_type", "UNetMidBlock2DCrossAttn")
+    if kind is None:
+        return Flops()
+    if kind != "UNetMidBlock2DCrossAttn":
+        raise ValueError(f"no FLOP formula for a UNet mid block {kind!r}")
+    return resnet + transformer + resnet
 
 
 def _per_level(value: int | list[int] | tuple[int, ...], levels: int) -> list[int]:

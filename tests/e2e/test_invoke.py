@@ -162,3 +162,33 @@ def test_deploy_and_invoke_a_flux_fill_function(admin: Client, examples: Path) -
     edit = admin.invoke("fill", "mug", mask, "a red mug", seed=4, format="raw")
     assert edit.path == "maskaware" and (edit.width, edit.height) == (128, 128)
     assert not np.array_equal(np.frombuffer(edit.image, np.uint8).reshape(128, 128, 3), template)
+
+
+@pytest.mark.parametrize(
+    ("example", "template", "family"),
+    [("tiny-sd3", "mug", "sd3-inpaint"), ("tiny-sdxl", "street", "sdxl-inpaint")],
+)
+def test_deploy_and_invoke_a_function_of_each_newer_family(
+    admin: Client, examples: Path, example: str, template: str, family: str
+) -> None:
+    """SD3 (MMDiT, three text encoders) and SDXL (two text encoders, pooled embeddings and
+    time ids) functions: served stock before their bake, mask-aware after it, over HTTP."""
+    spec, images = read_spec_file(examples / f"{example}.toml")
+    assert spec.family == family
+    spec = dataclasses.replace(spec, steps=2)  # the suite's time
+    assert admin.deploy(spec, images)["status"] == "ready"
+    pixels = np.asarray(Image.open(io.BytesIO(images[template])).convert("RGB"))
+    mask = np.zeros((128, 128), bool)
+    mask[32:80, 40:96] = True
+
+    first = admin.invoke(example, template, mask, "a red car", seed=4, format="raw")
+    assert first.path in ("stock", "maskaware") and first.mask_ratio > 0
+    assert not np.array_equal(np.frombuffer(first.image, np.uint8).reshape(128, 128, 3), pixels)
+
+    wait_baked(admin, example, timeout=300)  # templates are baked in the background
+    edit = admin.invoke(example, template, mask, "a red car", seed=4, format="raw")
+    assert edit.path == "maskaware"
+    assert (edit.width, edit.height) == (128, 128)
+    assert not np.array_equal(np.frombuffer(edit.image, np.uint8).reshape(128, 128, 3), pixels)
+    other = admin.invoke(example, template, mask, "a blue door", seed=4, format="raw")
+    assert other.path == "maskaware" and other.image != edit.image  # the prompt reaches it

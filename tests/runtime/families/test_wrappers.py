@@ -21,6 +21,7 @@ MODELS = {
     "flux-inpaint": "retouch:tiny-flux",
     "sd3-inpaint": "retouch:tiny-sd3",
     "flux-fill": "retouch:tiny-flux-fill",
+    "sdxl-inpaint": "retouch:tiny-sdxl",
 }
 
 

@@ -66,6 +66,9 @@ def test_production_shapes_keep_their_real_block_structure() -> None:
     assert sd2.unet.config.block_out_channels == (320, 640, 1280, 1280)
     params = sum(p.numel() for p in sd2.unet.parameters())
     assert 860e6 < params < 870e6  # the SD2-inpainting UNet's 865 M
+    _, sdxl = build_shape("sdxl-inpaint", "meta")
+    assert sdxl.unet.config.transformer_layers_per_block == (1, 2, 10)
+    assert 2.56e9 < sum(p.numel() for p in sdxl.unet.parameters()) < 2.58e9  # 2.567 B
     with pytest.raises(ValueError, match="scale"):
         build_shape("flux-dev", "meta", scale=1.5)
 

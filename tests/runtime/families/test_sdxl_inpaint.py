@@ -1,0 +1,209 @@
+"""The ``sdxl-inpaint`` family against the stock StableDiffusionXLInpaintPipeline.
+
+Same checks as the other families (``test_sd3_inpaint.py`` beside it): an exact cache
+reproduces the stock pipeline, a full mask equals it whatever was baked, plans mixing full
+and sparse blocks and the row loader change nothing, a request inside a batch gives its
+solo result, a worker's pipeline without the UNet encodes and decodes the same, and the
+analytic FLOPs equal what torch counts. ``retouch:tiny-sdxl`` has SDXL's layout: no
+transformer blocks on its first level, two layers per block on its deepest, two text
+encoders, pooled embeddings and time ids as ``added_cond_kwargs``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+from retouch.functions.demo.images import template_image
+from retouch.functions.demo.models import ensure_demo_model
+from retouch.runtime.families import family
+from retouch.runtime.families.stepflops import pipeline_step_flops
+from retouch.runtime.maskaware.context import Mode
+from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
+from retouch.runtime.maskaware.quality import psnr
+from retouch.runtime.maskaware.store import MemoryActivations
+from retouch.runtime.models import LoadedModel, load_pipeline
+
+FAMILY = "sdxl-inpaint"
+SIZE, STEPS, GUIDANCE = 128, 2, 4.0
+EQUAL_DB = 60.0  # the acceptance bound, mask-aware vs stock
+CPU = torch.device("cpu")
+CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)
+    )
+}
+
+
+@pytest.fixture(scope="module")
+def folder(models_dir: Path) -> Path:
+    return ensure_demo_model("retouch:tiny-sdxl", models_dir)
+
+
+@pytest.fixture(scope="module")
+def pipe(folder: Path):
+    return load_pipeline(folder, FAMILY, CPU)
+
+
+def _rect(top: int, left: int, height: int, width: int) -> np.ndarray:
+    mask = np.zeros((SIZE, SIZE), dtype=bool)
+    mask[top : top + height, left : left + width] = True
+    return mask
+
+
+def _request(mask: np.ndarray, prompt: str, seed: int, template: tuple[str, int]) -> EditRequest:
+    return EditRequest(
+        template_image((SIZE, SIZE), 7), mask, prompt, seed, STEPS, GUIDANCE, *template
+    )
+
+
+@pytest.fixture(scope="module")
+def exact(pipe) -> tuple[EditRequest, MemoryActivations]:
+    """A request and a cache baked with its own mask, prompt and seed."""
+    mask = _rect(12, 20, 40, 50)
+    request = _request(mask, "a red door", 11, ("a red door", 11))
+    store = MemoryActivations()
+    editor = MaskAwareEditor(pipe, FAMILY, CPU)
+    editor.bake(request.image, "a red door", 11, STEPS, GUIDANCE, store, mask=mask)
+    return request, store
+
+
+@pytest.fixture(scope="module")
+def street(pipe) -> MemoryActivations:
+    """The cache of a template edits are made against ("a quiet street", seed 3)."""
+    store = MemoryActivations()
+    editor = MaskAwareEditor(pipe, FAMILY, CPU)
+    editor.bake(template_image((SIZE, SIZE), 7), "a quiet street", 3, STEPS, GUIDANCE, store)
+    return store
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> None:
+    assert psnr(a, b) >= EQUAL_DB and np.abs(a - b).max() <= 1e-4
+
+
+def test_the_unet_has_sdxl_layout(pipe) -> None:
+    """What the family must handle: attention-free first level, several layers per block,
+    the text-time added embedding, two text encoders side by side."""
+    config = pipe.unet.config
+    assert config.down_block_types[0] == "DownBlock2D"
+    assert max(config.transformer_layers_per_block) > 1
+    assert config.addition_embed_type == "text_time"
+    width = pipe.text_encoder.config.hidden_size + pipe.text_encoder_2.config.hidden_size
+    assert config.cross_attention_dim == width
+    editor = MaskAwareEditor(pipe, FAMILY, CPU)
+    assert not any(block.startswith("down_blocks.0.") for block in editor.blocks)
+
+
+def test_exact_cache_reproduces_the_stock_pipeline(pipe, exact) -> None:
+    editor = MaskAwareEditor(pipe, FAMILY, CPU)
+    request, store = exact
+    _close(editor.edit(request, store, "np"), editor.stock_edit(request, "np"))
+
+
+def test_full_mask_equals_the_pipeline_called_directly(pipe, street) -> None:
+    """Mask 1.0: the mask-aware edit against another template's cache equals the stock
+    StableDiffusionXLInpaintPipeline called as a user calls it, with the request's noise:
+    its initial latents, then (same generator) the masked image's VAE posterior sample."""
+    request = _request(np.ones((SIZE, SIZE), bool), "a red door", 5, ("a quiet street", 3))
+    generator = torch.Generator().manual_seed(request.seed)
+    direct = pipe(
+        prompt=request.prompt,
+        image=request.image,
+        mask_image=Image.fromarray(request.mask.astype(np.uint8) * 255),
+        height=SIZE,
+        width=SIZE,
+        strength=1.0,
+        num_inference_steps=STEPS,
+        guidance_scale=GUIDANCE,
+        latents=torch.randn((1, 4, SIZE // 4, SIZE // 4), generator=generator),
+        generator=generator,
+        output_type="np",
+    ).images[0]
+    _close(MaskAwareEditor(pipe, FAMILY, CPU).edit(request, street, "np"), direct)
+
+
+def test_mixed_plans_and_the_row_loader_change_nothing(pipe, exact) -> None:
+    editor = MaskAwareEditor(pipe, FAMILY, CPU)
+    request, store = exact
+    reference = editor.edit(request, store, "np")
+    blocks = editor.blocks
+    for parity in (0, 1):
+        modes = {b: Mode.FULL if i % 2 == parity else Mode.SPARSE for i, b in enumerate(blocks)}
+        editor.set_planner(lambda states, names, modes=modes: modes)
+        assert np.abs(editor.edit(request, store, "np") - reference).max() <= 1e-5
+    editor.set_planner(lambda states, names: dict.fromkeys(names, Mode.SPARSE))
+    attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
+    try:
+        assert np.array_equal(editor.edit(request, store, "np"), reference)
+    finally:
+        attach(editor, None)
+
+
+def test_a_request_in_a_batch_gives_its_solo_result(pipe, street) -> None:
+    editor, store = MaskAwareEditor(pipe, FAMILY, CPU), street
+    requests = [
+        _request(_rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3)),
+        _request(_rect(60, 60, 20, 30), "a blue car", 6, ("a quiet street", 3)),
+    ]
+    solo = [editor.edit(r, store, "np") for r in requests]
+    states = [editor.prepare(r, store) for r in requests]
+    while not states[0].done:
+        editor.step(states)
+    for state, alone in zip(states, solo, strict=True):
+        assert np.abs(editor.finish(state, "np") - alone).max() <= 1e-4
+
+
+def test_a_worker_pipeline_without_the_unet_encodes_and_decodes_the_same(
+    pipe, folder: Path
+) -> None:
+    editor = MaskAwareEditor(pipe, FAMILY, CPU)
+    light = load_pipeline(folder, FAMILY, CPU, without=family(FAMILY).denoisers)
+    worker = MaskAwareEditor(light, FAMILY, CPU)
+    assert not worker.has_denoiser
+    request = _request(_rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3))
+    ours, theirs = editor.encode(request).tensors, worker.encode(request).tensors
+    assert ours.keys() == theirs.keys() >= {"prompt_embeds", "text_embeds"}
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    latents = torch.randn(1, 4, SIZE // 4, SIZE // 4)
+    assert np.array_equal(
+        editor.decode(latents, request, "np"), worker.decode(latents, request, "np")
+    )
+
+
+def test_analytic_flops_equal_the_counted_step(pipe) -> None:
+    image = template_image((SIZE, SIZE), 2)
+    mask = _rect(16, 32, 64, 32)  # aligned to every token grid: ratio 0.125 on each
+    store = MemoryActivations()
+    MaskAwareEditor(pipe, FAMILY, CPU).bake(image, "abc", 1, 1, GUIDANCE, store)
+    requests = [EditRequest(image, mask, "xyz", 2 + i, 1, GUIDANCE, "abc", 1) for i in range(2)]
+    analytic = pipeline_step_flops(pipe, FAMILY, SIZE, SIZE, float(mask.mean()), batch=2)
+
+    def counted(editor: MaskAwareEditor) -> int:
+        states = [editor.prepare(r, store) for r in requests]
+        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
+            editor.step(states)
+        return counter.get_total_flops()
+
+    full_plan = MaskAwareEditor(pipe, FAMILY, CPU, plan=lambda s, b: dict.fromkeys(b, Mode.FULL))
+    assert counted(MaskAwareEditor(pipe, FAMILY, CPU)) == pytest.approx(
+        analytic.maskaware.total, rel=1e-9
+    )
+    assert counted(full_plan) == pytest.approx(analytic.full.total, rel=1e-9)
+    assert 0.1 < analytic.ratio < 1.0
+
+
+def test_a_function_pipeline_keeps_the_model_options(pipe, folder: Path) -> None:
+    """An executor's pipeline with the function's scheduler keeps what the model folder
+    says, e.g. a refiner-style model's aesthetic-score time ids."""
+    options = {"requires_aesthetics_score": True, "force_zeros_for_empty_prompt": False}
+    model = type(pipe)(**pipe.components, **options)
+    loaded = LoadedModel("m", FAMILY, model, CPU, folder, dict(pipe.scheduler.config))
+    view = loaded.pipeline_for("ddim")
+    assert type(view.scheduler).__name__ == "DDIMScheduler"
+    assert {k: view.config[k] for k in options} == options
