@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FluxFillPipeline
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
@@ -31,16 +31,13 @@ from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.maskaware.quality import psnr
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import load_pipeline
+from tests.runtime.families.cases import CPU, CPU_ATTENTION, EQUAL_DB, Case
+from tests.runtime.families.cases import close as _close
 
 FAMILY = "flux-fill"
-SIZE, STEPS, GUIDANCE = 128, 2, 30.0
-EQUAL_DB = 60.0  # the acceptance bound, mask-aware vs stock
-CPU = torch.device("cpu")
-CPU_ATTENTION = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (
-        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)
-    )
-}
+CASE = Case(FAMILY, guidance=30.0)
+SIZE, STEPS, GUIDANCE = CASE.size, CASE.steps, CASE.guidance
+_rect, _request, _exact = CASE.rect, CASE.request, CASE.exact
 
 
 @pytest.fixture(scope="module")
@@ -60,30 +57,6 @@ def baked(pipe) -> MemoryActivations:
     editor = MaskAwareEditor(pipe, FAMILY, CPU)
     editor.bake(template_image((SIZE, SIZE), 7), "a quiet street", 3, STEPS, GUIDANCE, store)
     return store
-
-
-def _rect(top: int, left: int, height: int, width: int) -> np.ndarray:
-    mask = np.zeros((SIZE, SIZE), dtype=bool)
-    mask[top : top + height, left : left + width] = True
-    return mask
-
-
-def _request(mask: np.ndarray, prompt: str, seed: int, template: tuple[str, int]) -> EditRequest:
-    return EditRequest(
-        template_image((SIZE, SIZE), 7), mask, prompt, seed, STEPS, GUIDANCE, *template
-    )
-
-
-def _exact(editor: MaskAwareEditor, mask: np.ndarray) -> tuple[EditRequest, MemoryActivations]:
-    """A request and a cache baked with its own mask, prompt and seed."""
-    request = _request(mask, "a red door", 11, ("a red door", 11))
-    store = MemoryActivations()
-    editor.bake(request.image, "a red door", 11, STEPS, GUIDANCE, store, mask=mask)
-    return request, store
-
-
-def _close(a: np.ndarray, b: np.ndarray) -> None:
-    assert psnr(a, b) >= EQUAL_DB and np.abs(a - b).max() <= 1e-4
 
 
 @pytest.mark.parametrize("mask", [_rect(12, 20, 40, 50), _rect(70, 8, 30, 100)])
@@ -142,16 +115,7 @@ def test_mixed_plans_and_the_row_loader_change_nothing(pipe) -> None:
 
 def test_a_request_in_a_batch_gives_its_solo_result(pipe, baked) -> None:
     editor = MaskAwareEditor(pipe, FAMILY, CPU)
-    requests = [
-        _request(_rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3)),
-        _request(_rect(60, 60, 20, 30), "a blue car", 6, ("a quiet street", 3)),
-    ]
-    solo = [editor.edit(r, baked, "np") for r in requests]
-    states = [editor.prepare(r, baked) for r in requests]
-    while not states[0].done:
-        editor.step(states)
-    for state, alone in zip(states, solo, strict=True):
-        assert np.abs(editor.finish(state, "np") - alone).max() <= 1e-4
+    CASE.assert_batch_gives_solo(editor, baked)
 
 
 def test_a_worker_pipeline_without_the_transformer_encodes_and_decodes_the_same(

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
@@ -23,19 +23,15 @@ from retouch.runtime.families.stepflops import pipeline_step_flops
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
-from retouch.runtime.maskaware.quality import psnr
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import load_pipeline
+from tests.runtime.families.cases import CPU, CPU_ATTENTION, Case
+from tests.runtime.families.cases import close as _close
 
 FAMILY = "sd3-inpaint"
-SIZE, STEPS, GUIDANCE = 128, 2, 4.0
-EQUAL_DB = 60.0  # the acceptance bound, mask-aware vs stock
-CPU = torch.device("cpu")
-CPU_ATTENTION = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (
-        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)
-    )
-}
+CASE = Case(FAMILY)
+SIZE, STEPS, GUIDANCE = CASE.size, CASE.steps, CASE.guidance
+_rect, _request, _exact = CASE.rect, CASE.request, CASE.exact
 
 
 @pytest.fixture(scope="module")
@@ -46,30 +42,6 @@ def folder(models_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def pipe(folder: Path):
     return load_pipeline(folder, FAMILY, CPU)
-
-
-def _rect(top: int, left: int, height: int, width: int) -> np.ndarray:
-    mask = np.zeros((SIZE, SIZE), dtype=bool)
-    mask[top : top + height, left : left + width] = True
-    return mask
-
-
-def _request(mask: np.ndarray, prompt: str, seed: int, template: tuple[str, int]) -> EditRequest:
-    return EditRequest(
-        template_image((SIZE, SIZE), 7), mask, prompt, seed, STEPS, GUIDANCE, *template
-    )
-
-
-def _exact(editor: MaskAwareEditor, mask: np.ndarray) -> tuple[EditRequest, MemoryActivations]:
-    """A request and a cache baked with its own mask, prompt and seed."""
-    request = _request(mask, "a red door", 11, ("a red door", 11))
-    store = MemoryActivations()
-    editor.bake(request.image, "a red door", 11, STEPS, GUIDANCE, store, mask=mask)
-    return request, store
-
-
-def _close(a: np.ndarray, b: np.ndarray) -> None:
-    assert psnr(a, b) >= EQUAL_DB and np.abs(a - b).max() <= 1e-4
 
 
 @pytest.mark.parametrize("mask", [_rect(12, 20, 40, 50), _rect(70, 8, 30, 100)])
@@ -107,16 +79,7 @@ def test_a_request_in_a_batch_gives_its_solo_result(pipe) -> None:
     editor = MaskAwareEditor(pipe, FAMILY, CPU)
     store = MemoryActivations()
     editor.bake(template_image((SIZE, SIZE), 7), "a quiet street", 3, STEPS, GUIDANCE, store)
-    requests = [
-        _request(_rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3)),
-        _request(_rect(60, 60, 20, 30), "a blue car", 6, ("a quiet street", 3)),
-    ]
-    solo = [editor.edit(r, store, "np") for r in requests]
-    states = [editor.prepare(r, store) for r in requests]
-    while not states[0].done:
-        editor.step(states)
-    for state, alone in zip(states, solo, strict=True):
-        assert np.abs(editor.finish(state, "np") - alone).max() <= 1e-4
+    CASE.assert_batch_gives_solo(editor, store)
 
 
 def test_a_worker_pipeline_without_the_transformer_encodes_and_decodes_the_same(

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
@@ -26,19 +26,15 @@ from retouch.runtime.families.stepflops import pipeline_step_flops
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
-from retouch.runtime.maskaware.quality import psnr
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import LoadedModel, load_pipeline
+from tests.runtime.families.cases import CPU, CPU_ATTENTION, Case
+from tests.runtime.families.cases import close as _close
 
 FAMILY = "sdxl-inpaint"
-SIZE, STEPS, GUIDANCE = 128, 2, 4.0
-EQUAL_DB = 60.0  # the acceptance bound, mask-aware vs stock
-CPU = torch.device("cpu")
-CPU_ATTENTION = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (
-        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)
-    )
-}
+CASE = Case(FAMILY)
+SIZE, STEPS, GUIDANCE = CASE.size, CASE.steps, CASE.guidance
+_rect, _request, _exact = CASE.rect, CASE.request, CASE.exact
 
 
 @pytest.fixture(scope="module")
@@ -49,18 +45,6 @@ def folder(models_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def pipe(folder: Path):
     return load_pipeline(folder, FAMILY, CPU)
-
-
-def _rect(top: int, left: int, height: int, width: int) -> np.ndarray:
-    mask = np.zeros((SIZE, SIZE), dtype=bool)
-    mask[top : top + height, left : left + width] = True
-    return mask
-
-
-def _request(mask: np.ndarray, prompt: str, seed: int, template: tuple[str, int]) -> EditRequest:
-    return EditRequest(
-        template_image((SIZE, SIZE), 7), mask, prompt, seed, STEPS, GUIDANCE, *template
-    )
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +65,6 @@ def street(pipe) -> MemoryActivations:
     editor = MaskAwareEditor(pipe, FAMILY, CPU)
     editor.bake(template_image((SIZE, SIZE), 7), "a quiet street", 3, STEPS, GUIDANCE, store)
     return store
-
-
-def _close(a: np.ndarray, b: np.ndarray) -> None:
-    assert psnr(a, b) >= EQUAL_DB and np.abs(a - b).max() <= 1e-4
 
 
 def test_the_unet_has_sdxl_layout(pipe) -> None:
@@ -147,16 +127,7 @@ def test_mixed_plans_and_the_row_loader_change_nothing(pipe, exact) -> None:
 
 def test_a_request_in_a_batch_gives_its_solo_result(pipe, street) -> None:
     editor, store = MaskAwareEditor(pipe, FAMILY, CPU), street
-    requests = [
-        _request(_rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3)),
-        _request(_rect(60, 60, 20, 30), "a blue car", 6, ("a quiet street", 3)),
-    ]
-    solo = [editor.edit(r, store, "np") for r in requests]
-    states = [editor.prepare(r, store) for r in requests]
-    while not states[0].done:
-        editor.step(states)
-    for state, alone in zip(states, solo, strict=True):
-        assert np.abs(editor.finish(state, "np") - alone).max() <= 1e-4
+    CASE.assert_batch_gives_solo(editor, store)
 
 
 def test_a_worker_pipeline_without_the_unet_encodes_and_decodes_the_same(

@@ -1,0 +1,71 @@
+"""What the family tests share: the acceptance bound, a CPU flop rule for SDPA, and one
+family's masks, requests and exact bakes at a test size (each family module names its
+:class:`Case` and keeps its own checks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.flop_counter import sdpa_flop_count
+
+from retouch.functions.demo.images import template_image
+from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.quality import psnr
+from retouch.runtime.maskaware.store import MemoryActivations
+
+EQUAL_DB = 60.0  # the acceptance bound, mask-aware vs stock
+CPU = torch.device("cpu")
+CPU_ATTENTION = {  # torch's flop counter knows SDPA's CUDA kernels, not the CPU one
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)
+    )
+}
+
+
+def close(a: np.ndarray, b: np.ndarray) -> None:
+    assert psnr(a, b) >= EQUAL_DB and np.abs(a - b).max() <= 1e-4
+
+
+@dataclass(frozen=True)
+class Case:
+    """One family's test inputs: template 7 at ``size``, ``steps`` steps, ``guidance``."""
+
+    family: str
+    guidance: float = 4.0
+    size: int = 128
+    steps: int = 2
+
+    def rect(self, top: int, left: int, height: int, width: int) -> np.ndarray:
+        mask = np.zeros((self.size, self.size), dtype=bool)
+        mask[top : top + height, left : left + width] = True
+        return mask
+
+    def request(
+        self, mask: np.ndarray, prompt: str, seed: int, template: tuple[str, int]
+    ) -> EditRequest:
+        image = template_image((self.size, self.size), 7)
+        return EditRequest(image, mask, prompt, seed, self.steps, self.guidance, *template)
+
+    def exact(
+        self, editor: MaskAwareEditor, mask: np.ndarray
+    ) -> tuple[EditRequest, MemoryActivations]:
+        """A request and a cache baked with its own mask, prompt and seed."""
+        request = self.request(mask, "a red door", 11, ("a red door", 11))
+        store = MemoryActivations()
+        editor.bake(request.image, "a red door", 11, self.steps, self.guidance, store, mask=mask)
+        return request, store
+
+    def assert_batch_gives_solo(self, editor: MaskAwareEditor, store: MemoryActivations) -> None:
+        """Two requests stepped in one batch end where each ends alone."""
+        requests = [
+            self.request(self.rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3)),
+            self.request(self.rect(60, 60, 20, 30), "a blue car", 6, ("a quiet street", 3)),
+        ]
+        solo = [editor.edit(r, store, "np") for r in requests]
+        states = [editor.prepare(r, store) for r in requests]
+        while not states[0].done:
+            editor.step(states)
+        for state, alone in zip(states, solo, strict=True):
+            assert np.abs(editor.finish(state, "np") - alone).max() <= 1e-4
