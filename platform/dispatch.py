@@ -27,7 +27,7 @@ from retouch.functions import wire
 from retouch.functions.errors import Canceled, GatewayTimeout, NotFound, RetouchError, Unavailable
 from retouch.functions.spec import FunctionSpec
 from retouch.platform.control.cluster import Placed, PlacementRequest
-from retouch.platform.control.queue import InvocationQueue, QueueLimits
+from retouch.platform.control.queue import InvocationQueue, QueueLimits, Seat
 from retouch.platform.executorlink import ExecutorHandle, ExecutorLink
 from retouch.platform.fleet import Fleet
 from retouch.platform.placement import Placement, make_placement
@@ -112,8 +112,17 @@ class Dispatcher:
         )
 
     # ---- admission ----------------------------------------------------------------------
-    def admit(self, function: str) -> None:
-        self.queue.admit(function)
+    def check(self, function: str) -> None:
+        """429 ``overloaded`` when the queue is full (nothing held: the check on arrival)."""
+        self.queue.check(function)
+
+    def admit(self, function: str) -> Seat:
+        """429 ``overloaded`` when the queue is full, else a place in it held for this
+        invocation until :meth:`invoke` queues it or :meth:`unseat` gives it back."""
+        return self.queue.admit(function)
+
+    def unseat(self, seat: Seat) -> None:
+        self.queue.unseat(seat)
 
     def admit_slo(self, request: PlacementRequest, *, early: bool = False) -> None:
         """429 ``slo_unattainable`` when ``request`` is predicted to miss its SLO. Every
@@ -152,18 +161,22 @@ class Dispatcher:
         request: PlacementRequest,
         on_start: OnStart | None = None,
         on_progress: OnProgress | None = None,
+        seat: Seat | None = None,
     ) -> wire.InvokeResult:
         """Run one invocation: wait for a slot, send it, and re-place it when its executor
         is lost (up to ``max_attempts`` executors, within ``invoke_timeout_s``).
-        ``on_start`` hears each time it leaves the queue, ``on_progress`` each step."""
-        if not inv.id:
-            return await self._invoke(inv, request, on_start, on_progress)
-        self._active[inv.id] = None
+        ``on_start`` hears each time it leaves the queue, ``on_progress`` each step;
+        ``seat``: the place its admission held (given back however this ends)."""
+        if inv.id:
+            self._active[inv.id] = None
         try:
-            return await self._invoke(inv, request, on_start, on_progress)
+            return await self._invoke(inv, request, on_start, on_progress, seat)
         finally:
-            self._active.pop(inv.id, None)
-            self._cancels.discard(inv.id)
+            if seat is not None:
+                self.queue.unseat(seat)
+            if inv.id:
+                self._active.pop(inv.id, None)
+                self._cancels.discard(inv.id)
 
     def _check_canceled(self, inv: wire.ExecutorInvoke) -> None:
         if inv.id and inv.id in self._cancels:
@@ -175,6 +188,7 @@ class Dispatcher:
         request: PlacementRequest,
         on_start: OnStart | None,
         on_progress: OnProgress | None,
+        seat: Seat | None,
     ) -> wire.InvokeResult:
         deadline = time.monotonic() + self.retry.invoke_timeout_s
         service_s = self.queue.service_s(request)
@@ -191,6 +205,7 @@ class Dispatcher:
                 tag=inv.id or None,
                 token=token,
                 service_s=service_s,
+                seat=seat,
             )
             bound = time.monotonic()
             placed = handle.view.placed.get(token)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
@@ -104,7 +105,7 @@ class FrontDoor:
         ``received``: ``time.perf_counter()`` when the request's headers arrived; a 429
         raised inside is timed from then (admission should answer in milliseconds)."""
         try:
-            self.dispatcher.admit(fn.spec.name)
+            self.dispatcher.check(fn.spec.name)
             self.dispatcher.admit_slo(fn.cheapest, early=True)
             yield
         except Overloaded:
@@ -120,20 +121,32 @@ class FrontDoor:
         owner: str,
         upload: uploads.Upload | None = None,
     ) -> Job:
-        """Prepare ``request``, admit it (queue room again, and its own SLO: its demand
-        counts towards autoscaling either way) and submit it as a job ``owner`` owns. A
-        durable job over the retention caps is refused before anything is decoded.
-        ``upload``: the request's ``image`` as :meth:`upload` decoded it already (one decode
-        for several jobs of one image)."""
+        """Prepare ``request``, admit it (queue room again, held for it until it waits
+        in the queue; and its own SLO: its demand counts towards autoscaling either way) and
+        submit it as a job ``owner`` owns. A durable job over the retention caps is refused
+        before anything is decoded. ``upload``: the request's ``image`` as :meth:`upload`
+        decoded it already (one decode for several jobs of one image)."""
         if durable:
             self.jobs.admit(owner, payload_bytes(request))
         job_id = new_job_id()
         prepared = await self._prepare(fn, request.invoke, job_id, owner, upload)
-        self.dispatcher.admit(fn.spec.name)  # others may have filled the queue meanwhile
-        self.dispatcher.admit_slo(prepared.placement)
-        return await self.jobs.submit(
-            fn.spec.name, request, prepared, durable=durable, job_id=job_id, owner=owner
-        )
+        seat = self.dispatcher.admit(fn.spec.name)  # others may have filled the queue meanwhile
+        try:
+            self.dispatcher.admit_slo(prepared.placement)
+            job = await self.jobs.submit(
+                fn.spec.name,
+                request,
+                dataclasses.replace(prepared, seat=seat),
+                durable=durable,
+                job_id=job_id,
+                owner=owner,
+            )
+        except BaseException:
+            self.dispatcher.unseat(seat)
+            raise
+        if job.task is not None:  # however the job ends, its place is not held past it
+            job.task.add_done_callback(lambda _: self.dispatcher.unseat(seat))
+        return job
 
     # ---- answers -------------------------------------------------------------------------
     async def answers(self, jobs: list[Job]) -> list[wire.InvokeResult]:
@@ -235,7 +248,7 @@ class FrontDoor:
         if job.cancel_requested:  # canceled while its mask was decoded
             raise Canceled(f"job {job.id} was canceled", field="id")
         result = await self.dispatcher.invoke(
-            prepared.invocation, prepared.placement, on_start, on_progress
+            prepared.invocation, prepared.placement, on_start, on_progress, prepared.seat
         )
         result.timings.total_ms = (time.time() - job.created_at) * 1e3
         fn = self.functions.get(job.function)

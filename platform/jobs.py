@@ -33,6 +33,7 @@ from retouch.functions.errors import Canceled, Conflict, NotFound, RetouchError
 from retouch.functions.wire import JobEventKind, JobStatus
 from retouch.platform.auth import ANONYMOUS, Principal
 from retouch.platform.control.cluster import PlacementRequest
+from retouch.platform.control.queue import Seat
 from retouch.platform.journal import JobJournal
 from retouch.platform.retention import (
     Retention,
@@ -68,6 +69,7 @@ class PreparedInvocation:
 
     invocation: wire.ExecutorInvoke
     placement: PlacementRequest
+    seat: Seat | None = None  # its place in the queue, held from admission (none: resumed)
 
 
 END_EVENT = {

@@ -7,7 +7,10 @@ it would have gone to (a restart, a deploy in progress): it simply waits for the
 
 Bounded memory: at most ``max_queued`` invocations wait in all (and ``max_per_function``
 for one function); beyond that :meth:`admit` refuses with 429 ``overloaded`` and a
-``Retry-After`` estimated from the recent service time. Invocations re-placed after their
+``Retry-After`` estimated from the recent service time. An admitted invocation holds a
+:class:`Seat` from its admission until it waits here: the admissions still on their way
+(a job being created, its task not yet run) count against the limits, so a burst admitted
+in one tick cannot all pass the check before any of it is queued. Invocations re-placed after their
 executor was lost go to the head of the queue: they were accepted first.
 
 Late binding (for policies that ask for it, ``maskaware``): an invocation is bound only
@@ -81,6 +84,14 @@ class QueueLimits:
 
 
 @dataclass(eq=False)
+class Seat:
+    """A place in the queue, held from an invocation's admission until it waits in the
+    queue (:meth:`InvocationQueue.acquire`) or gives up (:meth:`InvocationQueue.unseat`)."""
+
+    function: str
+
+
+@dataclass(eq=False)
 class Waiter:
     """One invocation waiting for a slot."""
 
@@ -132,6 +143,7 @@ class InvocationQueue:
         self._candidates = candidates  # executors that serve a function now
         self._clock = clock
         self._waiting: deque[Waiter] = deque()
+        self._seats: set[Seat] = set()  # admitted, not yet waiting
         self.stats = QueueStats()
         self.decision_s: deque[float] = deque(maxlen=4096)  # recent placement choices
         self._last_probe: dict[str, float] = {}  # function -> when admission last probed
@@ -143,6 +155,10 @@ class InvocationQueue:
 
     def waiting(self, function: str) -> int:
         return sum(w.request.function == function for w in self._waiting)
+
+    def held(self, function: str | None = None) -> int:
+        """Places held by admitted invocations that do not wait yet (of ``function``)."""
+        return sum(function is None or s.function == function for s in self._seats)
 
     def positions(self) -> dict[str, int]:
         """Tagged waiters and how many invocations wait ahead of each (0: next)."""
@@ -159,11 +175,12 @@ class InvocationQueue:
                 return True
         return False
 
-    def admit(self, function: str) -> None:
-        """Refuse at once (429 with a retry hint) when the queue is full."""
-        full = len(self._waiting) >= self.limits.max_queued
+    def check(self, function: str) -> None:
+        """Refuse at once (429 with a retry hint) when the queue is full, counting the
+        places held by admitted invocations on their way to it."""
+        full = len(self._waiting) + len(self._seats) >= self.limits.max_queued
         per = self.limits.max_per_function
-        if not full and per > 0 and self.waiting(function) >= per:
+        if not full and per > 0 and self.waiting(function) + self.held(function) >= per:
             full = True
         if full:
             self.stats.rejected += 1
@@ -174,6 +191,18 @@ class InvocationQueue:
                 retry_after_s=retry,
                 detail={"stage": "arrival"},
             )
+
+    def admit(self, function: str) -> Seat:
+        """:meth:`check`, then hold a place until the invocation waits (``acquire(seat=)``)
+        or gives up (:meth:`unseat`)."""
+        self.check(function)
+        seat = Seat(function)
+        self._seats.add(seat)
+        return seat
+
+    def unseat(self, seat: Seat) -> None:
+        """Give back a place that was not used (idempotent)."""
+        self._seats.discard(seat)
 
     def admit_slo(
         self, request: PlacementRequest, *, early: bool = False, queued_s: float | None = None
@@ -303,13 +332,17 @@ class InvocationQueue:
         tag: str | None = None,
         token: int = -1,
         service_s: float = 0.0,
+        seat: Seat | None = None,
     ) -> Slotted:
         """Wait until an executor serving ``request.function`` has a free slot (bound to
         it, ``inflight`` counted). Raises :class:`GatewayTimeout` at the invocation's
         deadline, or once *no* executor has been able to serve the function for
         ``wait_timeout_s`` (an executor restarting, a deploy in progress): waiting behind
-        other work is bounded by the deadline and the queue limit, not by this timeout."""
+        other work is bounded by the deadline and the queue limit, not by this timeout.
+        ``seat``: the place its admission held, taken by the waiter now."""
         waiter = Waiter(request, self._clock(), tag, token, front, service_s)
+        if seat is not None:
+            self._seats.discard(seat)
         if front:
             self.stats.replaced += 1
         else:

@@ -84,6 +84,30 @@ async def test_full_queue_refuses_with_retry_hint() -> None:
 
 
 @sync
+async def test_admitted_invocations_hold_their_place_until_they_wait() -> None:
+    """A burst admitted in one tick (its jobs' tasks not yet run) cannot overfill the queue:
+    each admission holds a place until its waiter takes it or it is given back."""
+    ex = FakeExecutor("a", slots=1)
+    queue = make_queue([ex], max_queued=2, max_per_function=2)
+    await queue.acquire(req(), far())  # the executor's one slot is taken
+    first, second = queue.admit("f"), queue.admit("f")
+    with pytest.raises(Overloaded):
+        queue.admit("f")  # nothing waits yet, but two places are held
+    assert queue.held() == 2 and len(queue) == 0
+    waiting = asyncio.create_task(queue.acquire(req(), far(), seat=first))
+    await asyncio.sleep(0.01)
+    assert queue.held() == 1 and len(queue) == 1  # the seat became a waiter
+    with pytest.raises(Overloaded):
+        queue.admit("f")
+    queue.unseat(second)
+    queue.unseat(second)  # giving a place back twice is harmless
+    third = queue.admit("f")
+    assert queue.held("f") == 1
+    queue.unseat(third)
+    waiting.cancel()
+
+
+@sync
 async def test_per_function_limit_leaves_other_functions_alone() -> None:
     ex = FakeExecutor("a", slots=1, functions={"f", "g"})
     queue = make_queue([ex], max_queued=10, max_per_function=1)
