@@ -466,9 +466,10 @@ class _Worker:
 
 
 def _process_context(device: torch.device) -> multiprocessing.context.BaseContext:
-    """How worker processes start. On a CPU: forked from a fork server that imported torch,
-    diffusers and the worker's code once, so a pool's workers (and every restart) skip the
-    ~5 s of imports a fresh interpreter pays, and share those pages. On CUDA: spawned, since
+    """How worker processes start. On a CPU: forked from a fork server that holds torch,
+    diffusers and the worker's code (the executor's own fork, ``runtime/forkserver.py``;
+    else a fresh one that imports them once), so a pool's workers (and every restart) skip
+    the ~5 s of imports a fresh interpreter pays, and share those pages. On CUDA: spawned, since
     a process forked after anything touched the CUDA driver cannot use CUDA itself."""
     if device.type != "cpu":
         return multiprocessing.get_context("spawn")

@@ -23,6 +23,7 @@ import uvicorn
 from retouch.cachestore.devicetier import DeviceTier
 from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.functions.knobs import add_flags, from_flags
+from retouch.runtime import forkserver
 from retouch.runtime.engine import Engine, EngineConfig, EngineMode
 from retouch.runtime.executor.app import TOKEN_ENV, build_app
 from retouch.runtime.executor.changes import ChangeFeed
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     token = os.environ.get(TOKEN_ENV)
     if not token:
         raise SystemExit(f"{TOKEN_ENV} must be set")
+    if torch.device(args.device).type == "cpu":
+        forkserver.fork_from_here()  # before any thread starts (the parent watch is one)
     _exit_with_parent()
     if args.options.threads > 0:
         torch.set_num_threads(args.options.threads)
