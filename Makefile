@@ -38,8 +38,11 @@ $(RAY_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,ray]"
 	touch $(RAY_STAMP)
 
+# Two pytest-xdist workers, a test file each at a time (its module's server is its own);
+# tests/conftest.py gives them one torch thread each. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: setup $(RAY_STAMP) browser
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -1,5 +1,7 @@
 """Session-wide set-up: one shared folder for built demo models and device profiles, so
-every ``retouch serve`` a test starts reuses them instead of rebuilding and re-profiling."""
+every ``retouch serve`` a test starts reuses them instead of rebuilding and re-profiling.
+Under pytest-xdist the workers share it too (both are written atomically: a model is built
+into a temporary folder renamed into place, a profile written beside and replaced)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,22 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two test processes share the 2-core machine: each server's executors and each test
+    # process run one torch thread, and OpenMP threads sleep rather than spin while they
+    # wait (spinning threads of two processes on two cores took CPU from the work itself).
+    os.environ.setdefault("RETOUCH_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 @pytest.fixture(autouse=True, scope="session")
 def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    shared = tmp_path_factory.mktemp("shared")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base is <run>/popen-gwN
+        shared = tmp_path_factory.getbasetemp().parent / "shared"
+        shared.mkdir(exist_ok=True)
+    else:
+        shared = tmp_path_factory.mktemp("shared")
     os.environ["RETOUCH_SHARED_DIR"] = str(shared)  # read by `retouch serve` (ServeConfig)
     # Hub ids resolve from this cache only (never the user's, never the network).
     os.environ["HF_HUB_CACHE"] = str(shared / "hub")

@@ -61,13 +61,9 @@ def test_executors_on_two_nodes_serve_and_survive_a_killed_actor(
         assert len(executors) == 2
         assert len({e["node"] for e in executors}) == 2  # Ray put one on each node
         # served at normal priority, not at the niceness 15 of Ray's workers
-        ours = [
-            p
-            for p in psutil.process_iter(["cmdline"])
-            if "retouch.runtime.executor" in (p.info["cmdline"] or [])
-            and str(tmp_path) in " ".join(p.info["cmdline"])
-        ]
-        assert len(ours) == 2 and all(p.nice() == 0 for p in ours)
+        ours = [psutil.Process(e["state"]["pid"]) for e in executors]
+        assert all(str(tmp_path) in " ".join(p.cmdline()) for p in ours)  # this cluster's
+        assert all(p.nice() == 0 for p in ours)
         client.deploy(spec, images)
         assert invoke(client, 0).path in ("stock", "maskaware")
 
