@@ -16,10 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import multiprocessing
 import os
 import re
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,22 +142,31 @@ def profile_in_subprocess(
     in a child at ``nice 10`` the profile gets about a tenth of a core the engine wants (at
     ``nice 19`` it starved: 1.6 % of a CPU under steady load, so the deploy never ended), and
     it shares no GIL with the executor's event loop (a low-priority *thread* holding the GIL
-    would stall it). The child writes the profile cache; the caller then reads it. Returns
-    False (the caller profiles in-process) when the child failed."""
-    cmd = [
-        sys.executable, "-m", "retouch.runtime.profiling",
+    would stall it). On a CPU the child forks from the workers' fork server, which holds
+    torch and diffusers already (``runtime/forkserver.py``); on CUDA it is spawned. The
+    child writes the profile cache; the caller then reads it. Returns False (the caller
+    profiles in-process) when the child failed; its error is in the executor's log."""
+    argv = [
         "--model", model, "--family", family, "--scheduler", scheduler,
         "--size", str(size), "--data-dir", str(data_dir), "--device", str(device),
         "--threads", str(threads),
     ]  # fmt: skip
     log.info("profiling %s on %s in a background process", model, device)
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, preexec_fn=_nice, stdin=subprocess.DEVNULL
+    how = "forkserver" if torch.device(device).type == "cpu" else "spawn"
+    child = multiprocessing.get_context(how).Process(
+        target=_profile_child, args=(argv,), name="retouch-profile"
     )
-    if proc.returncode != 0:
-        log.error("profiling %s failed (exit %d): %s", model, proc.returncode, proc.stderr[-2000:])
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        log.error("profiling %s failed (exit %s)", model, child.exitcode)
         return False
     return True
+
+
+def _profile_child(argv: list[str]) -> None:
+    _nice()
+    main(argv)
 
 
 def _nice() -> None:
