@@ -52,8 +52,10 @@ in docs/simulator.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
+import json
 import math
 import time
 from collections import OrderedDict, deque
@@ -825,10 +827,19 @@ def solo_steps_s(
 
 
 def with_plan_table(cost_model: CostModel, max_batch: int) -> CostModel:
-    """A copy of ``cost_model`` with the plan table an executor would ship with it."""
+    """A copy of ``cost_model`` with the plan table an executor would ship with it. The
+    table is planned once per cost model and batch size in a process (about 3 s of CPU for
+    a 57-block model at batch 8): a bench or a test suite simulates one model many times."""
     model = CostModel.from_dict(cost_model.to_dict())
-    model.extra["step_table"] = plan_table(model, model.extra["grids"], max_batch)
+    key = json.dumps(model.to_dict(), sort_keys=True)
+    model.extra["step_table"] = [list(row) for row in _plan_table(key, max_batch)]
     return model
+
+
+@functools.lru_cache(maxsize=8)
+def _plan_table(cost_model_json: str, max_batch: int) -> tuple[tuple[float, ...], ...]:
+    model = CostModel.from_dict(json.loads(cost_model_json))
+    return tuple(tuple(row) for row in plan_table(model, model.extra["grids"], max_batch))
 
 
 def run_simulation(

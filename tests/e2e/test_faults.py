@@ -25,7 +25,7 @@ from tests.support import wait_for
 pytestmark = pytest.mark.slow
 
 FUNCTION, TEMPLATE = "tiny-sd", "street"
-STEPS = 12  # not the spec's 10: the stock path, independent of bake timing
+STEPS = 8  # not the spec's 10: the stock path, independent of bake timing
 IN_FLIGHT = 8
 LATE = 2  # invocations sent while the executor restarts
 MASK = np.zeros((128, 128), bool)
