@@ -8,11 +8,13 @@ hooks, synchronising the device on CUDA) is fitted as a line in the tokens it pr
 (summed over the batch). The row loads of those steps, plus a sweep of loads alone (1 to 8
 copies of a request, each job timed with its copy to the device) give the load line in bytes.
 The result is a :class:`CostModel` with R² per fit, cached as JSON under
-``<data-dir>/profiles/<model fingerprint>-<device>.json`` so a restart does not re-profile.
+``<data-dir>/profiles/<model fingerprint>-<device>.json`` so a restart does not re-profile
+(the fingerprint of the model as loaded: its files, variant and dtype).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -28,7 +30,6 @@ import torch
 
 from retouch.functions.demo.images import mask_of_ratio, template_image
 from retouch.runtime.costmodel import BlockProfile, CostModel, LinearFit
-from retouch.runtime.fingerprint import model_fingerprint
 from retouch.runtime.maskaware.context import ForwardContext, Mode, Slot
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor, RequestState
 from retouch.runtime.maskaware.loader import FamilyRows, LoadMode, RowLoader, attach, attached
@@ -36,6 +37,7 @@ from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.maskaware.tokens import TokenBatch
 
 log = logging.getLogger(__name__)
+HEX64 = re.compile(r"[0-9a-f]{64}")  # a folder's fingerprint (runtime/fingerprint.py)
 
 PROFILE_NICE = 10  # the profiling child yields most of the CPU to the engine beside it
 PROFILE_VERSION = 2  # bump when what is measured changes: cached profiles are redone
@@ -94,20 +96,26 @@ def device_label(device: torch.device | str) -> str:
     return "cuda-" + re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
 
 
-def profile_path(data_dir: Path, folder: Path, device: torch.device | str) -> Path:
-    return data_dir / "profiles" / f"{model_fingerprint(folder)}-{device_label(device)}.json"
+def profile_path(data_dir: Path, fingerprint: str, device: torch.device | str) -> Path:
+    """Where the profile of a loaded model (``LoadedModel.fingerprint``: its files, and
+    the variant and dtype it was loaded in, so a bf16 copy is not timed as its fp32 one) on
+    ``device`` is cached. A plain folder's fingerprint is its folder hash, used as it is."""
+    name = fingerprint
+    if not HEX64.fullmatch(fingerprint):  # files + variant + dtype: one hash for a file name
+        name = hashlib.sha256(fingerprint.encode()).hexdigest()
+    return data_dir / "profiles" / f"{name}-{device_label(device)}.json"
 
 
 def load_or_profile(
     editor: MaskAwareEditor,
-    folder: Path,
+    fingerprint: str,
     data_dir: Path,
     size: int,
     config: ProfileConfig | None = None,
 ) -> CostModel:
     """The cached profile of this model on this device at ``size``, profiling on a miss."""
     config = config or ProfileConfig()
-    path = profile_path(data_dir, Path(folder), editor.device)
+    path = profile_path(data_dir, fingerprint, editor.device)
     cached = _read_cached(path, editor.family, size)
     if cached is not None:
         log.info("cost model of %s from %s (min R² %.3f)", editor.family, path, cached.min_r2())
@@ -121,10 +129,10 @@ def load_or_profile(
 
 
 def cached_profile(
-    folder: Path, data_dir: Path, device: torch.device | str, family: str, size: int
+    fingerprint: str, data_dir: Path, device: torch.device | str, family: str, size: int
 ) -> CostModel | None:
     """The cached profile of this model on this device at ``size``, or None."""
-    return _read_cached(profile_path(data_dir, Path(folder), device), family, size)
+    return _read_cached(profile_path(data_dir, fingerprint, device), family, size)
 
 
 def profile_in_subprocess(
@@ -404,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     loaded = ModelCache(args.data_dir / "models", device).get(args.model, args.family)
     editor = MaskAwareEditor(loaded.pipeline_for(args.scheduler), args.family, device)
     attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
-    load_or_profile(editor, loaded.folder, args.data_dir, args.size)
+    load_or_profile(editor, loaded.fingerprint, args.data_dir, args.size)
 
 
 if __name__ == "__main__":

@@ -319,7 +319,7 @@ class ExecutorCore:
     def _build_editor(self, spec: FunctionSpec) -> tuple[MaskAwareEditor, CostModel]:
         loaded = self.models.get(spec.source.key, spec.family)
         if self.profile_in_background and not cached_profile(
-            loaded.folder, self.data_dir, loaded.device, spec.family, spec.width
+            loaded.fingerprint, self.data_dir, loaded.device, spec.family, spec.width
         ):
             profile_in_subprocess(
                 spec.source.key,
@@ -334,10 +334,10 @@ class ExecutorCore:
         if self._encodes_elsewhere():
             editor.set_encoder(functools.partial(self._encode_in_worker, spec))
         attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
-        cost_model = load_or_profile(editor, loaded.folder, self.data_dir, spec.width)
+        cost_model = load_or_profile(editor, loaded.fingerprint, self.data_dir, spec.width)
         editor.set_planner(make_planner(cost_model, editor.device))
         editor.set_graphs(self.cuda_graphs)  # after profiling: it times eager blocks
-        profile = profile_path(self.data_dir, loaded.folder, loaded.device)
+        profile = profile_path(self.data_dir, loaded.fingerprint, loaded.device)
         prior = load_step_records(profile)
         with self.lock:
             self._profiles[spec.source.key] = profile

@@ -24,6 +24,7 @@ from retouch.runtime.profiling import (
     load_or_profile,
     measure_load_line,
     profile_editor,
+    profile_path,
 )
 
 SIZE = 128
@@ -44,7 +45,7 @@ def test_flux_profile_is_cached_per_model_and_device(
     models_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     editor, folder = _editor("retouch:tiny-flux", models_dir)
-    model = load_or_profile(editor, folder, tmp_path, SIZE, QUICK)
+    model = load_or_profile(editor, model_fingerprint(folder), tmp_path, SIZE, QUICK)
     path = tmp_path / "profiles" / f"{model_fingerprint(folder)}-cpu.json"
     assert path.exists() and CostModel.from_dict(json.loads(path.read_text())) == model
     assert [b.name for b in model.blocks] == list(family_rows(editor).order)
@@ -58,12 +59,12 @@ def test_flux_profile_is_cached_per_model_and_device(
         raise AssertionError("profiled again")
 
     monkeypatch.setattr(profiling, "profile_editor", refuse)
-    assert load_or_profile(editor, folder, tmp_path, SIZE, QUICK) == model
+    assert load_or_profile(editor, model_fingerprint(folder), tmp_path, SIZE, QUICK) == model
     with pytest.raises(AssertionError, match="profiled again"):  # another size: re-profile
-        load_or_profile(editor, folder, tmp_path, 2 * SIZE, QUICK)
+        load_or_profile(editor, model_fingerprint(folder), tmp_path, 2 * SIZE, QUICK)
     path.write_text("{not json")
     with pytest.raises(AssertionError, match="profiled again"):  # unreadable: re-profile
-        load_or_profile(editor, folder, tmp_path, SIZE, QUICK)
+        load_or_profile(editor, model_fingerprint(folder), tmp_path, SIZE, QUICK)
 
 
 @pytest.mark.slow
@@ -98,3 +99,15 @@ def test_load_line_through_an_emulated_link(models_dir: Path) -> None:
     state = editor.prepare(request, LinkReader(store, gbps=0.005))
     line = measure_load_line(editor, state, repeats=1)
     assert 0.7 / 0.005e9 < line.slope < 2.0 / 0.005e9 and line.r2 > 0.8, line
+
+
+def test_a_copy_loaded_in_another_dtype_has_its_own_profile(models_dir: Path) -> None:
+    """Profiles are keyed by the model as loaded (``LoadedModel.fingerprint``): a plain
+    folder keeps its folder hash as the key, a bf16 copy of it gets another file."""
+    folder = ensure_demo_model("retouch:tiny-sd", models_dir)
+    plain = model_fingerprint(folder)
+    bf16 = f"{plain}-None-torch.bfloat16"  # as runtime/models.py's source_fingerprint
+    data = Path("/data")
+    assert profile_path(data, plain, "cpu").name == f"{plain}-cpu.json"
+    assert profile_path(data, bf16, "cpu") != profile_path(data, plain, "cpu")
+    assert profile_path(data, bf16, "cpu").parent == data / "profiles"
