@@ -40,7 +40,15 @@ class DeployedFunction:
         footprint = MaskFootprint.of(np.zeros((spec.height, spec.width), dtype=bool))
         slo = None if spec.slo_ms is None else spec.slo_ms / 1e3
         return PlacementRequest(
-            spec.name, "", 0.0, spec.model, spec.steps, footprint, slo, optimistic=True
+            spec.name,
+            "",
+            0.0,
+            spec.model,
+            spec.steps,
+            footprint,
+            slo,
+            optimistic=True,
+            copy=spec.source.key,
         )
 
     def describe(self, executor_states: list[ExecutorState] | None = None) -> dict[str, Any]:

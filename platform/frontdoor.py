@@ -233,6 +233,7 @@ class FrontDoor:
             inv.steps,
             footprint,
             None if fn.spec.slo_ms is None else fn.spec.slo_ms / 1e3,
+            copy=fn.spec.source.key,
         )
         return PreparedInvocation(inv, placement)
 

@@ -67,11 +67,18 @@ class PlacementRequest:
     function: str
     template: str
     mask_ratio: float
-    model: str = ""
+    model: str = ""  # its model pool (the spec's model name)
     steps: int = 0
     footprint: MaskFootprint | None = None
     slo_s: float | None = None  # its function's latency objective
     optimistic: bool = False  # predict it as if its template were in host memory
+    copy: str = ""  # the loaded copy it runs on (ModelSource.key), whose cost model applies
+
+    @property
+    def cost_key(self) -> str:
+        """The key of its cost model in an executor's state: its copy (a bf16 copy of a
+        model is profiled apart from the fp32 one), else its model."""
+        return self.copy or self.model
 
 
 @dataclass
@@ -163,7 +170,7 @@ class ExecutorView:
     # ---- events -------------------------------------------------------------------------
     def member(self, newcomer: PlacementRequest) -> Member | None:
         """The newcomer's cost on this executor (None: no profile of its model here yet)."""
-        coster = self.costers.get(newcomer.model)
+        coster = self.costers.get(newcomer.cost_key)
         if coster is None or newcomer.footprint is None:
             return None
         tier = (
@@ -430,7 +437,7 @@ class ExecutorView:
         tier = self.tier(newcomer.function, newcomer.template)
         if tier in BAKED:
             return 0.0
-        coster = self.costers.get(newcomer.model)
+        coster = self.costers.get(newcomer.cost_key)
         if coster is None:
             return 0.0
         c = self.calibration

@@ -185,7 +185,7 @@ class ExecutorCore:
         self.stats = ExecutorStats()
         self.lock = threading.Lock()  # guards the three tables below; never held across work
         self.functions: dict[str, FunctionEntry] = {}
-        self.cost_models: dict[str, CostModel] = {}  # per model, on this device
+        self.cost_models: dict[str, CostModel] = {}  # per loaded copy (source key), here
         self._profiles: dict[str, Path] = {}  # per loaded model (source key): step records
         self._editors: dict[tuple[str, str], Future[MaskAwareEditor]] = {}
         self._generations: dict[str, int] = {}  # latest control operation per function name
@@ -312,7 +312,7 @@ class ExecutorCore:
             future.set_exception(exc)
             raise
         with self.lock:
-            self.cost_models[spec.model] = cost_model
+            self.cost_models[spec.source.key] = cost_model  # per loaded copy
         future.set_result(editor)
         return editor
 

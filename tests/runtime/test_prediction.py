@@ -796,3 +796,26 @@ def test_template_status_carries_device_residency_on_the_wire() -> None:
     status = wire.TemplateStatus(wire.BakeState.BAKED, host=True, device=True)
     assert wire.TemplateStatus.from_wire(status.to_wire()) == status
     assert wire.TemplateStatus.from_wire({"state": "baked"}).device is False
+
+
+def test_a_copy_in_another_dtype_is_predicted_from_its_own_cost_model() -> None:
+    """An executor reports a cost model per loaded copy (``ModelSource.key``): a function
+    on the bf16 copy of model ``m`` is predicted from that copy's profile, not the fp32 one."""
+    cluster = ClusterView()
+    fp32 = cost_model()
+    faster = [replace(b, compute=LinearFit(5e-4, 5e-6, 1.0)) for b in fp32.blocks]
+    bf16 = replace(fp32, blocks=faster, extra=dict(fp32.extra))
+    copy = '{"dtype": "bf16", "model": "m"}'
+    docs = {}
+    for key, model in (("m", fp32), (copy, bf16)):
+        model.extra["step_table"] = plan_table(model, [GRID], 4)
+        docs[key] = model.to_dict()
+    state = wire.ExecutorState(
+        "e", 0, "cpu", engine=wire.EngineStats(max_batch=4), cost_models=docs
+    )
+    view = cluster.add("e", 4, 8)
+    view.observe_state(state, cluster.costers)
+    plain = request(0.5)
+    on_copy = replace(plain, copy=copy)
+    assert plain.cost_key == "m" and on_copy.cost_key == copy
+    assert 0 < view.executor_s(on_copy) < view.executor_s(plain)  # the faster copy's profile
