@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from retouch.functions.knobs import words
 from retouch.platform.client import read_spec_file
 from retouch.platform.commands.common import (
     UsageError,
+    add_json,
     bar,
     client_options,
     connect,
@@ -84,7 +86,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--async",
         dest="as_job",
         action="store_true",
-        help="submit a job and print its id at once (then: retouch jobs watch ID)",
+        help="submit a job and print only its id (JID=$(retouch invoke ... --async); then "
+        "retouch jobs watch $JID); its status goes to stderr",
     )
     p.add_argument("--webhook", default=None, help="with --async: URL told about the job")
     p.add_argument(
@@ -93,6 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="with --webhook: started,progress,completed (default completed)",
     )
+    add_json(p, "the job document (--async) or the result without its image")
     p.set_defaults(run=_invoke)
 
 
@@ -160,11 +164,19 @@ def _invoke(args: argparse.Namespace) -> None:
         call = client.submit if args.as_job else client.invoke
         result = call(args.name, args.template, mask, args.prompt, args.seed, **given)
     if args.as_job:
+        if args.json:
+            print(json.dumps(result.doc))
+            return
         position = result.doc.get("queue_position")
         where = f" (queue position {position})" if position is not None else ""
-        print(f"{result.id} {result.doc['status']}{where}")
+        print(result.id)  # alone on stdout: a script captures it
+        print(f"{result.doc['status']}{where}", file=sys.stderr)
         return
     args.output.write_bytes(result.image)  # already encoded in the requested format
+    if args.json:
+        doc = {k: v for k, v in result.to_wire().items() if k != "image"}
+        print(json.dumps({"output": str(args.output), **doc}))
+        return
     t = result.timings
     print(
         f"{args.output}: {result.width}x{result.height} mask_ratio={result.mask_ratio:.3f} path={result.path} executor={result.executor} total={t.total_ms:.0f}ms run={t.run_ms:.0f}ms queue={t.queue_ms:.0f}ms"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +28,11 @@ def _cli(
 
 
 def test_cli_round_trip(
-    server: ServerProcess, tokens: dict[str, str], examples: Path, tmp_path: Path
+    server: ServerProcess,
+    data_dir: Path,
+    tokens: dict[str, str],
+    examples: Path,
+    tmp_path: Path,
 ) -> None:
     admin = tokens["RETOUCH_ADMIN_TOKEN"]
     out = _cli("deploy", str(examples / "tiny-sd.toml"), url=server.url, token=admin)
@@ -64,6 +70,32 @@ def test_cli_round_trip(
     assert out.returncode == 0, out.stderr
     assert "mask_ratio=0.153" in out.stdout
     assert Image.open(result_path).size == (128, 128)
+    edit = ["invoke", "tiny-sd", "--template", "street", "--mask", str(tmp_path / "mask.png")]
+    edit += ["--prompt", "a tree", "--steps", "2", "-o", str(result_path)]
+    out = _cli(*edit, "--json", url=server.url, token=admin)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["mask_ratio"] == pytest.approx(0.1526, abs=1e-3) and "image" not in doc
+    assert doc["output"] == str(result_path)
+
+    # A script captures a job's id alone: JID=$(retouch invoke ... --async)
+    out = _cli(*edit, "--async", url=server.url, token=admin)
+    assert out.returncode == 0, out.stderr
+    assert re.fullmatch(r"[0-9a-f]{32}\n", out.stdout), out.stdout
+    assert out.stderr.split()[0] in ("queued", "running", "succeeded"), out.stderr
+
+    # The store's counters: the server's executors' (--url), or a data dir's, with the
+    # --data-dir flag before or after the subcommand.
+    out = _cli("cache", "stats", "--json", url=server.url, token=admin)
+    assert out.returncode == 0, out.stderr
+    (executor,) = json.loads(out.stdout).values()
+    assert executor["bakes"] >= 1 and executor["host_templates"] >= 1
+    out = _cli("cache", "stats", url=server.url, token=admin)
+    assert out.returncode == 0 and re.search(r"^\s+bakes\s+\d+$", out.stdout, re.M), out.stdout
+    after = _cli("cache", "stats", "--data-dir", str(data_dir))
+    before = _cli("cache", "--data-dir", str(data_dir), "stats")
+    assert after.returncode == before.returncode == 0, after.stderr + before.stderr
+    assert after.stdout == before.stdout and not after.stdout.lstrip().startswith("{")
 
     assert _cli("rm", "tiny-sd", url=server.url, token=admin).returncode == 0
     assert "tiny-sd" not in _cli("ls", url=server.url, token=admin).stdout
