@@ -8,7 +8,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from retouch.platform.commands.common import add_json, client_options, connect, report
+from retouch.platform.commands.common import (
+    add_json,
+    client_options,
+    connect,
+    print_table,
+    report,
+)
 from retouch.platform.config import default_data_dir
 
 DATA_DIR_HELP = "default $RETOUCH_DATA_DIR or ~/.retouch"
@@ -48,13 +54,18 @@ def _cache(args: argparse.Namespace) -> None:
         _print_fields(result)
         return
     # ad-hoc templates (uploaded images) are ``upload:<hash>``, keys ``~<hash>``
-    width = max([12, *(len(str(r["meta"].get("template", ""))) for r in result)])
-    print(f"{'KEY':<34} {'TIER':<5} {'MB':>9} {'FUNCTION':<16} {'TEMPLATE':<{width}} VALID")
-    for row in result:
-        meta = row["meta"]
-        print(
-            f"{row['key']:<34} {row['tier']:<5} {row['bytes'] / 1e6:>9.1f} {meta.get('function', ''):<16} {meta.get('template', ''):<{width}} {'yes' if row['valid'] else 'no: ' + row['reason']}"
-        )
+    rows = [
+        [
+            row["key"],
+            row["tier"],
+            f"{row['bytes'] / 1e6:.1f}",
+            row["meta"].get("function", ""),
+            row["meta"].get("template", ""),
+            "yes" if row["valid"] else "no: " + row["reason"],
+        ]
+        for row in result
+    ]
+    print_table(["KEY", "TIER", "MB", "FUNCTION", "TEMPLATE", "VALID"], rows)
 
 
 def _server_stats(args: argparse.Namespace) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -107,6 +107,33 @@ def model(text: str) -> str:
 def report(result: object, as_json: bool) -> None:
     """Benchmarks print JSON with ``--json``, an indented summary otherwise."""
     print(json.dumps(result) if as_json else json.dumps(result, indent=2))
+
+
+def print_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    """Columns as wide as their widest cell (the last one unpadded), two spaces apart: a
+    listing stays aligned however long its names are. Numbers are right-aligned."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    numeric = [bool(cells) and all(_is_number(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        padded = [
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values[:-1], widths, numeric, strict=False)
+        ]
+        return "  ".join([*padded, values[-1]]).rstrip()
+
+    print(line(list(headers)))
+    for row in cells:
+        print(line(row))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def one_line_error(message: str) -> NoReturn:

@@ -20,6 +20,7 @@ from retouch.platform.commands.common import (
     non_negative_float,
     non_negative_int,
     positive_int,
+    print_table,
 )
 
 
@@ -39,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_deploy)
 
     p = client_options(sub.add_parser("ls", help="list functions"))
+    add_json(p, "the functions' documents")
     p.set_defaults(run=_ls)
 
     p = client_options(sub.add_parser("rm", help="delete a function"))
@@ -126,16 +128,14 @@ def _deploy(args: argparse.Namespace) -> None:
 def _ls(args: argparse.Namespace) -> None:
     with connect(args) as client:
         functions = client.list()
-    print(
-        f"{'NAME':<20} {'STATUS':<10} {'FAMILY':<13} {'MODEL':<28} {'DTYPE':<6} "
-        f"{'TEMPLATES':<24} STATES"
-    )
+    if args.json:
+        print(json.dumps(functions))
+        return
+    rows = []
     for f in functions:
-        states = ",".join(t["state"] for t in f["templates"].values())
-        print(
-            f"{f['name']:<20} {f['status']:<10} {f['family']:<13} {f['model']:<28} "
-            f"{f['dtype']:<6} {','.join(f['templates']):<24} {states}"
-        )
+        templates = ", ".join(f"{name} ({t['state']})" for name, t in f["templates"].items())
+        rows.append([f["name"], f["status"], f["family"], f["model"], f["dtype"], templates])
+    print_table(["NAME", "STATUS", "FAMILY", "MODEL", "DTYPE", "TEMPLATES"], rows)
 
 
 def _rm(args: argparse.Namespace) -> None:

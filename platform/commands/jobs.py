@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 
 from retouch.functions import wire
-from retouch.platform.commands.common import add_json, bar, client_options, connect, positive_int
+from retouch.platform.commands.common import (
+    add_json,
+    bar,
+    client_options,
+    connect,
+    positive_int,
+    print_table,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,7 +51,7 @@ def _ls(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(jobs))
         return
-    print(f"{'ID':<34} {'STATUS':<10} {'FUNCTION':<16} {'CREATED':<25} DETAIL")
+    rows = []
     for job in jobs:
         detail = ""
         if job["status"] == "queued":
@@ -57,9 +64,8 @@ def _ls(args: argparse.Namespace) -> None:
             detail = (
                 f"path={job['result']['path']} total={job['result']['timings']['total_ms']:.0f}ms"
             )
-        print(
-            f"{job['id']:<34} {job['status']:<10} {job['function']:<16} {job['created_at']:<25} {detail}"
-        )
+        rows.append([job["id"], job["status"], job["function"], job["created_at"], detail])
+    print_table(["ID", "STATUS", "FUNCTION", "CREATED", "DETAIL"], rows)
 
 
 def _watch(args: argparse.Namespace) -> None:

@@ -313,7 +313,7 @@ def test_cli_deploy_waits_until_templates_are_baked(
     assert "baking templates" in out.stderr and "2/2" in out.stderr
     listing = subprocess.run([*run, "ls"], capture_output=True, text=True, env=env).stdout
     row = next(line for line in listing.splitlines() if line.startswith("baked-sd"))
-    assert row.endswith("baked,baked"), row
+    assert row.endswith("street (baked), poster (baked)"), row
 
 
 def _png(mask: np.ndarray) -> bytes:

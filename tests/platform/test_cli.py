@@ -13,6 +13,7 @@ import pytest
 
 from retouch.functions.knobs import to_flags
 from retouch.platform.cli import build_parser, main
+from retouch.platform.commands.common import print_table
 from retouch.platform.commands.serve import config_of
 from retouch.platform.config import ServeConfig
 from retouch.runtime.executor.main import parse_args as executor_args
@@ -133,3 +134,18 @@ def test_admission_and_cpu_niceness_settings_out_of_range_are_refused_by_name() 
     with pytest.raises(ValueError, match="cpu_nice"):
         replace(ExecutorOptions(), cpu_nice=-3).check()
     assert ServeConfig.from_env(admission_quantile=0.95).admission_quantile == 0.95
+
+
+def test_tables_fit_their_contents(capsys: pytest.CaptureFixture[str]) -> None:
+    """``retouch ls``, ``jobs ls`` and ``cache ls``: each column as wide as its widest cell,
+    so a long name or four templates never push the next column out of line."""
+    long = "a-function-with-a-rather-long-name"
+    print_table(
+        ["NAME", "MB", "TEMPLATES"],
+        [[long, 12.5, "a (baked), b (baked), c (baking), d (queued)"], ["x", 3, "t (baked)"]],
+    )
+    header, first, second = capsys.readouterr().out.splitlines()
+    right = header.index("MB") + len("MB")  # numbers are right-aligned under their header
+    assert first.index("12.5") + len("12.5") == right == second.index(" 3 ") + 2
+    assert header.index("TEMPLATES") == first.index("a (baked)") == second.index("t (baked)")
+    assert header.startswith("NAME" + " " * (len(long) - 4 + 2))
