@@ -3,8 +3,8 @@
 
 Server side: ``serve``, ``demo``, ``train-demo``, ``cache``, ``bench``. Client side
 (``--url``, default ``$RETOUCH_URL`` or http://127.0.0.1:8000; ``--token``, default
-``$RETOUCH_TOKEN``): ``deploy``, ``ls``, ``rm``, ``invoke`` (``--async``: submit a job),
-``jobs ls|watch|cancel``. No traceback for a user's mistake: a bad option value, a missing
+``$RETOUCH_TOKEN``; both before or after the subcommand): ``deploy``, ``ls``, ``rm``,
+``invoke`` (``--async``: submit a job), ``jobs ls|watch|cancel``, ``cache stats --url``. No traceback for a user's mistake: a bad option value, a missing
 or invalid local file (a spec with a misspelt field included) prints one line
 (``error: ...``) and exits 2; an error answered by the gateway prints one line
 (``error: <code>: <message>``) and exits 1.
@@ -19,7 +19,7 @@ import sys
 
 from retouch.functions.errors import RetouchError
 from retouch.platform.commands import bench, cache, functions, jobs, serve, train
-from retouch.platform.commands.common import Parser, UsageError, describe
+from retouch.platform.commands.common import Parser, UsageError, client_options, describe
 
 GROUPS = (serve, functions, jobs, cache, train, bench)
 
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="retouch", description="Serverless masked image editing.")
+    client_options(parser, top_level=True)  # before the subcommand, or after it
     sub = parser.add_subparsers(dest="command", required=True)
     for group in GROUPS:
         group.register(sub)

@@ -163,16 +163,20 @@ def models_dir(args: argparse.Namespace) -> Path:
     return (args.data_dir or default_data_dir()) / "models"
 
 
-def client_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``--url`` and ``--token`` of the commands that talk to a gateway."""
+def client_options(
+    p: argparse.ArgumentParser, *, top_level: bool = False
+) -> argparse.ArgumentParser:
+    """``--url`` and ``--token`` of the commands that talk to a gateway. Given to the
+    ``retouch`` parser itself (``top_level``, with the defaults) and to each such command
+    (no defaults: a value given after the command wins, one given before it stays), so
+    they go before or after the subcommand alike."""
+    default_token = os.environ.get("RETOUCH_TOKEN") if top_level else argparse.SUPPRESS
     p.add_argument(
-        "--url", default=None, help="gateway URL (default $RETOUCH_URL or http://127.0.0.1:8000)"
+        "--url",
+        default=None if top_level else argparse.SUPPRESS,
+        help="gateway URL (default $RETOUCH_URL or http://127.0.0.1:8000)",
     )
-    p.add_argument(
-        "--token",
-        default=os.environ.get("RETOUCH_TOKEN"),
-        help="bearer token (default $RETOUCH_TOKEN)",
-    )
+    p.add_argument("--token", default=default_token, help="bearer token (default $RETOUCH_TOKEN)")
     return p
 
 

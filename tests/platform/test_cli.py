@@ -149,3 +149,14 @@ def test_tables_fit_their_contents(capsys: pytest.CaptureFixture[str]) -> None:
     assert first.index("12.5") + len("12.5") == right == second.index(" 3 ") + 2
     assert header.index("TEMPLATES") == first.index("a (baked)") == second.index("t (baked)")
     assert header.startswith("NAME" + " " * (len(long) - 4 + 2))
+
+
+def test_url_and_token_go_before_or_after_the_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RETOUCH_TOKEN", "from-env")
+    parse = build_parser().parse_args
+    assert parse(["--url", "http://a", "ls"]).url == "http://a"
+    assert parse(["ls", "--url", "http://b"]).url == "http://b"
+    assert parse(["--url", "http://a", "ls", "--url", "http://b"]).url == "http://b"
+    bare = parse(["jobs", "ls"])
+    assert bare.url is None and bare.token == "from-env"
+    assert parse(["--token", "t", "cache", "stats", "--url", "http://c"]).token == "t"
