@@ -1,19 +1,27 @@
 """What the family tests share: the acceptance bound, a CPU flop rule for SDPA, and one
-family's masks, requests and exact bakes at a test size (each family module names its
-:class:`Case` and keeps its own checks)."""
+family's masks, requests, exact bakes and the checks every family passes alike (batch vs
+solo, the worker pipeline, counted vs analytic FLOPs) at a test size; each family module
+names its :class:`Case` and keeps its own checks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
-from torch.utils.flop_counter import sdpa_flop_count
+from diffusers import DiffusionPipeline
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from retouch.functions.demo.images import template_image
+from retouch.runtime.families import family
+from retouch.runtime.families.stepflops import pipeline_step_flops
+from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.quality import psnr
 from retouch.runtime.maskaware.store import MemoryActivations
+from retouch.runtime.models import load_pipeline
 
 EQUAL_DB = 60.0  # the acceptance bound, mask-aware vs stock
 CPU = torch.device("cpu")
@@ -69,3 +77,47 @@ class Case:
             editor.step(states)
         for state, alone in zip(states, solo, strict=True):
             assert np.abs(editor.finish(state, "np") - alone).max() <= 1e-4
+
+    def assert_worker_encodes_and_decodes_alike(
+        self, pipe: DiffusionPipeline, folder: Path, latents: torch.Tensor
+    ) -> set[str]:
+        """A pre/post worker's pipeline (no denoiser) encodes a request and decodes
+        ``latents`` exactly as the whole pipeline does; returns the encoded tensors' names."""
+        editor = MaskAwareEditor(pipe, self.family, CPU)
+        light = load_pipeline(folder, self.family, CPU, without=family(self.family).denoisers)
+        worker = MaskAwareEditor(light, self.family, CPU)
+        assert not worker.has_denoiser
+        request = self.request(self.rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3))
+        ours, theirs = editor.encode(request).tensors, worker.encode(request).tensors
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        assert np.array_equal(
+            editor.decode(latents, request, "np"), worker.decode(latents, request, "np")
+        )
+        return set(ours)
+
+    def counted_flops_ratio(
+        self, pipe: DiffusionPipeline, requests: list[EditRequest], store: MemoryActivations
+    ) -> float:
+        """One step of ``requests`` (one mask) counts exactly the analytic FLOPs, mask-aware
+        and with every block full (``stepflops``); returns the analytic ratio of the two."""
+        ratio = float(requests[0].mask.mean())
+        analytic = pipeline_step_flops(
+            pipe, self.family, self.size, self.size, ratio, batch=len(requests)
+        )
+
+        def counted(editor: MaskAwareEditor) -> int:
+            states = [editor.prepare(r, store) for r in requests]
+            with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
+                editor.step(states)
+            return counter.get_total_flops()
+
+        def every_block_full(step: object, blocks: list[str]) -> dict[str, Mode]:
+            return dict.fromkeys(blocks, Mode.FULL)
+
+        full_plan = MaskAwareEditor(pipe, self.family, CPU, plan=every_block_full)
+        assert counted(MaskAwareEditor(pipe, self.family, CPU)) == pytest.approx(
+            analytic.maskaware.total, rel=1e-9
+        )
+        assert counted(full_plan) == pytest.approx(analytic.full.total, rel=1e-9)
+        return analytic.ratio

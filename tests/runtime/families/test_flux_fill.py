@@ -16,22 +16,19 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FluxFillPipeline
-from torch.utils.flop_counter import FlopCounterMode
 
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import InvalidSpec
 from retouch.functions.modelcheck import check_model, model_family
 from retouch.functions.modelsource import ModelSource
-from retouch.runtime.families import family
-from retouch.runtime.families.stepflops import pipeline_step_flops
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor, RequestState
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.maskaware.quality import psnr
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import load_pipeline
-from tests.runtime.families.cases import CPU, CPU_ATTENTION, EQUAL_DB, Case
+from tests.runtime.families.cases import CPU, EQUAL_DB, Case
 from tests.runtime.families.cases import close as _close
 
 FAMILY = "flux-fill"
@@ -121,18 +118,8 @@ def test_a_request_in_a_batch_gives_its_solo_result(pipe, baked) -> None:
 def test_a_worker_pipeline_without_the_transformer_encodes_and_decodes_the_same(
     pipe, folder: Path
 ) -> None:
-    editor = MaskAwareEditor(pipe, FAMILY, CPU)
-    light = load_pipeline(folder, FAMILY, CPU, without=family(FAMILY).denoisers)
-    worker = MaskAwareEditor(light, FAMILY, CPU)
-    assert not worker.has_denoiser
-    request = _request(_rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3))
-    ours, theirs = editor.encode(request).tensors, worker.encode(request).tensors
-    assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
-    latents = torch.randn(1, (SIZE // 8) ** 2, 64)  # packed: 2x2 tokens of the factor-4 VAE
-    assert np.array_equal(
-        editor.decode(latents, request, "np"), worker.decode(latents, request, "np")
-    )
+    packed = torch.randn(1, (SIZE // 8) ** 2, 64)  # packed: 2x2 tokens of the factor-4 VAE
+    CASE.assert_worker_encodes_and_decodes_alike(pipe, folder, packed)
 
 
 def test_a_transformer_without_the_fill_inputs_is_refused(pipe, models_dir: Path) -> None:
@@ -145,20 +132,7 @@ def test_a_transformer_without_the_fill_inputs_is_refused(pipe, models_dir: Path
 def test_analytic_flops_equal_the_counted_step(pipe, baked) -> None:
     mask = _rect(16, 32, 64, 32)  # aligned to the 2x2-packed tokens: ratio 0.125
     requests = [_request(mask, "xyz", 2 + i, ("a quiet street", 3)) for i in range(2)]
-    analytic = pipeline_step_flops(pipe, FAMILY, SIZE, SIZE, float(mask.mean()), batch=2)
-
-    def counted(editor: MaskAwareEditor) -> int:
-        states = [editor.prepare(r, baked) for r in requests]
-        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
-            editor.step(states)
-        return counter.get_total_flops()
-
-    full_plan = MaskAwareEditor(pipe, FAMILY, CPU, plan=lambda s, b: dict.fromkeys(b, Mode.FULL))
-    assert counted(MaskAwareEditor(pipe, FAMILY, CPU)) == pytest.approx(
-        analytic.maskaware.total, rel=1e-9
-    )
-    assert counted(full_plan) == pytest.approx(analytic.full.total, rel=1e-9)
-    assert 0.1 < analytic.ratio < 0.5
+    assert 0.1 < CASE.counted_flops_ratio(pipe, requests, baked) < 0.5
 
 
 def test_a_fill_folder_is_told_apart_from_flux_inpainting(folder: Path) -> None:

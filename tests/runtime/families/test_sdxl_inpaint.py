@@ -17,18 +17,15 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.flop_counter import FlopCounterMode
 
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
-from retouch.runtime.families import family
-from retouch.runtime.families.stepflops import pipeline_step_flops
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import LoadedModel, load_pipeline
-from tests.runtime.families.cases import CPU, CPU_ATTENTION, Case
+from tests.runtime.families.cases import CPU, Case
 from tests.runtime.families.cases import close as _close
 
 FAMILY = "sdxl-inpaint"
@@ -133,18 +130,9 @@ def test_a_request_in_a_batch_gives_its_solo_result(pipe, street) -> None:
 def test_a_worker_pipeline_without_the_unet_encodes_and_decodes_the_same(
     pipe, folder: Path
 ) -> None:
-    editor = MaskAwareEditor(pipe, FAMILY, CPU)
-    light = load_pipeline(folder, FAMILY, CPU, without=family(FAMILY).denoisers)
-    worker = MaskAwareEditor(light, FAMILY, CPU)
-    assert not worker.has_denoiser
-    request = _request(_rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3))
-    ours, theirs = editor.encode(request).tensors, worker.encode(request).tensors
-    assert ours.keys() == theirs.keys() >= {"prompt_embeds", "text_embeds"}
-    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     latents = torch.randn(1, 4, SIZE // 4, SIZE // 4)
-    assert np.array_equal(
-        editor.decode(latents, request, "np"), worker.decode(latents, request, "np")
-    )
+    names = CASE.assert_worker_encodes_and_decodes_alike(pipe, folder, latents)
+    assert names >= {"prompt_embeds", "text_embeds"}
 
 
 def test_analytic_flops_equal_the_counted_step(pipe) -> None:
@@ -153,20 +141,7 @@ def test_analytic_flops_equal_the_counted_step(pipe) -> None:
     store = MemoryActivations()
     MaskAwareEditor(pipe, FAMILY, CPU).bake(image, "abc", 1, 1, GUIDANCE, store)
     requests = [EditRequest(image, mask, "xyz", 2 + i, 1, GUIDANCE, "abc", 1) for i in range(2)]
-    analytic = pipeline_step_flops(pipe, FAMILY, SIZE, SIZE, float(mask.mean()), batch=2)
-
-    def counted(editor: MaskAwareEditor) -> int:
-        states = [editor.prepare(r, store) for r in requests]
-        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
-            editor.step(states)
-        return counter.get_total_flops()
-
-    full_plan = MaskAwareEditor(pipe, FAMILY, CPU, plan=lambda s, b: dict.fromkeys(b, Mode.FULL))
-    assert counted(MaskAwareEditor(pipe, FAMILY, CPU)) == pytest.approx(
-        analytic.maskaware.total, rel=1e-9
-    )
-    assert counted(full_plan) == pytest.approx(analytic.full.total, rel=1e-9)
-    assert 0.1 < analytic.ratio < 1.0
+    assert 0.1 < CASE.counted_flops_ratio(pipe, requests, store) < 1.0
 
 
 def test_a_function_pipeline_keeps_the_model_options(pipe, folder: Path) -> None:
