@@ -13,7 +13,6 @@ from retouch.platform.commands.common import (
     client_options,
     connect,
     print_table,
-    report,
 )
 from retouch.platform.config import default_data_dir
 
@@ -82,11 +81,8 @@ def _server_stats(args: argparse.Namespace) -> None:
         _print_fields(fields, indent="  ")
 
 
-def _print_fields(result: Any, indent: str = "") -> None:
-    """A flat mapping as aligned ``name  value`` lines (nested values as JSON)."""
-    if not isinstance(result, dict):
-        report(result, False)
-        return
+def _print_fields(result: dict[str, Any], indent: str = "") -> None:
+    """A mapping as aligned ``name  value`` lines (nested values as JSON)."""
     width = max([0, *(len(str(k)) for k in result)])
     for key, value in result.items():
         shown = value if isinstance(value, int | float | str) else json.dumps(value)
