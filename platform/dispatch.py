@@ -166,14 +166,13 @@ class Dispatcher:
         """Run one invocation: wait for a slot, send it, and re-place it when its executor
         is lost (up to ``max_attempts`` executors, within ``invoke_timeout_s``).
         ``on_start`` hears each time it leaves the queue, ``on_progress`` each step;
-        ``seat``: the place its admission held (given back however this ends)."""
+        ``seat``: the place its admission held, which its waiter takes (the front door
+        gives back one never taken when the job ends)."""
         if inv.id:
             self._active[inv.id] = None
         try:
             return await self._invoke(inv, request, on_start, on_progress, seat)
         finally:
-            if seat is not None:
-                self.queue.unseat(seat)
             if inv.id:
                 self._active.pop(inv.id, None)
                 self._cancels.discard(inv.id)
