@@ -8,6 +8,8 @@ identically whether it failed in validation, in the gateway or on an executor.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -143,3 +145,11 @@ _BY_STATUS: dict[int, type[RetouchError]] = {
         GatewayTimeout,
     )
 }
+
+
+def unknown_field_message(key: str, allowed: Iterable[str]) -> str:
+    """``unknown field 'x'`` with the closest known name, or the list of known ones."""
+    known = list(allowed)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f" — did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(known)}"
+    return f"unknown field {key!r}{hint}"

@@ -8,7 +8,6 @@ data, stored by the registry and sent to executors.
 
 from __future__ import annotations
 
-import difflib
 import re
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from retouch.functions import wire
-from retouch.functions.errors import InvalidSpec
+from retouch.functions.errors import InvalidSpec, unknown_field_message
 from retouch.functions.families import FAMILY_SPECS
 from retouch.functions.modelsource import OPTIONS, ModelSource, parse_source
 
@@ -371,14 +370,10 @@ def _slo(raw: Any) -> float | None:
 def _known(raw: dict[Any, Any], allowed: tuple[str, ...], where: str | None = None) -> None:
     """Refuse the first field not in ``allowed``, suggesting the closest allowed one."""
     for key in raw:
-        if key in allowed:
-            continue
-        text = str(key)
-        close = difflib.get_close_matches(text, allowed, n=1, cutoff=0.6)
-        hint = (
-            f" — did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(allowed)}"
-        )
-        raise InvalidSpec(f"unknown field {text!r}{hint}", field=_path(where, text))
+        if key not in allowed:
+            raise InvalidSpec(
+                unknown_field_message(str(key), allowed), field=_path(where, str(key))
+            )
 
 
 def _path(where: str | None, key: str) -> str:

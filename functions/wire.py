@@ -8,7 +8,9 @@ field, so every entry point rejects bad input the same way.
 
 from __future__ import annotations
 
+import base64
 import re
+import secrets
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
@@ -18,13 +20,14 @@ import httpx
 import msgpack
 import numpy as np
 
-from retouch.functions.errors import BadRequest, RetouchError
+from retouch.functions.errors import BadRequest, RetouchError, unknown_field_message
 from retouch.functions.strictmaps import StrictMaps
 
 OUTPUT_FORMATS = ("png", "webp", "raw")
 MAX_STEPS = 200
 MAX_GUIDANCE = 50.0
 MAX_PROMPT_CHARS = 4096
+MAX_PADDING = 4096  # padding_mask_crop, in pixels of the input image
 
 
 def pack(obj: Any) -> bytes:
@@ -98,8 +101,14 @@ def require(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> A
     return expect(body, name, kind)
 
 
-def expect(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+def expect(
+    body: dict[str, Any],
+    name: str,
+    kind: type | tuple[type, ...],
+    sent: dict[str, str] | None = None,
+) -> Any:
     value = body[name]
+    name = (sent or {}).get(name, name)  # the name the caller wrote
     # bool is an int in Python; it is never a valid number here.
     if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
         raise BadRequest(f"field '{name}' has the wrong type", field=name, code="invalid_field")
@@ -109,10 +118,16 @@ def expect(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> An
     return value
 
 
-def optional(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
+def optional(
+    body: dict[str, Any],
+    name: str,
+    kind: type | tuple[type, ...],
+    default: Any,
+    sent: dict[str, str] | None = None,
+) -> Any:
     if body.get(name) is None:
         return default
-    return expect(body, name, kind)
+    return expect(body, name, kind, sent)
 
 
 def as_map(obj: Any) -> dict[str, Any]:
@@ -126,7 +141,12 @@ class InvokeRequest:
     """A public invocation, validated. ``mask`` is still the encoded image the user sent.
 
     It edits either one of the function's templates (``template``) or an uploaded image
-    (``image``: encoded bytes, decoded by the gateway), never both."""
+    (``image``: encoded bytes, decoded by the gateway), never both. Fields carry diffusers'
+    inpainting names on the wire (``num_inference_steps``, ``guidance_scale``,
+    ``negative_prompt``, ``strength``, ``padding_mask_crop``); the older ``steps`` and
+    ``guidance`` are read as aliases. Images and masks are bytes (msgpack) or, in JSON,
+    base64 strings or ``data:`` URIs. An unknown field is refused, so a misspelt argument
+    never silently falls back to its default."""
 
     template: str | None
     mask: bytes
@@ -136,11 +156,14 @@ class InvokeRequest:
     guidance: float | None = None
     format: str = "png"
     image: bytes | None = None
+    negative_prompt: str | None = None
+    strength: float = 1.0
+    padding_mask_crop: int | None = None
 
     @classmethod
     def from_wire(cls, obj: Any) -> InvokeRequest:
-        body = as_map(obj)
-        image = optional(body, "image", (bytes, bytearray), None)
+        body, sent = _canonical(as_map(obj))
+        image = None if body.get("image") is None else decode_bytes(body["image"], "image")
         if image is None and body.get("template") is None:
             raise BadRequest(
                 "field 'template' (or 'image', an uploaded image) is required",
@@ -151,33 +174,55 @@ class InvokeRequest:
             raise BadRequest(
                 "send either 'template' or 'image', not both", field="image", code="invalid_field"
             )
+        if body.get("mask") is None:
+            raise BadRequest("field 'mask' is required", field="mask", code="missing_field")
+        seed = optional(body, "seed", int, None)
         req = cls(
             template=None if image is not None else require(body, "template", str),
-            mask=bytes(require(body, "mask", (bytes, bytearray))),
+            mask=decode_bytes(body["mask"], "mask"),
             prompt=require(body, "prompt", str),
-            seed=require(body, "seed", int),
-            steps=optional(body, "steps", int, None),
-            guidance=optional(body, "guidance", (int, float), None),
+            seed=secrets.randbelow(2**63) if seed is None else seed,
+            steps=optional(body, "num_inference_steps", int, None, sent),
+            guidance=optional(body, "guidance_scale", (int, float), None, sent),
             format=optional(body, "format", str, "png"),
-            image=None if image is None else bytes(image),
+            image=image,
+            negative_prompt=optional(body, "negative_prompt", str, None),
+            strength=float(optional(body, "strength", (int, float), 1.0)),
+            padding_mask_crop=optional(body, "padding_mask_crop", int, None),
         )
-        req.check()
+        req.check(sent)
         return req
 
-    def check(self) -> None:
-        if len(self.prompt) > MAX_PROMPT_CHARS:
-            raise BadRequest(
-                f"prompt longer than {MAX_PROMPT_CHARS}", field="prompt", code="invalid_field"
-            )
+    def check(self, sent: dict[str, str] | None = None) -> None:
+        """Every argument in range; ``sent``: the name each was sent under (an alias)."""
+        steps_field = (sent or {}).get("num_inference_steps", "num_inference_steps")
+        guidance_field = (sent or {}).get("guidance_scale", "guidance_scale")
+        for name, text in (("prompt", self.prompt), ("negative_prompt", self.negative_prompt)):
+            if text is not None and len(text) > MAX_PROMPT_CHARS:
+                raise BadRequest(
+                    f"{name} longer than {MAX_PROMPT_CHARS}", field=name, code="invalid_field"
+                )
         if not 0 <= self.seed < 2**63:
             raise BadRequest("seed must be in [0, 2^63)", field="seed", code="invalid_field")
         if self.steps is not None and not 1 <= self.steps <= MAX_STEPS:
             raise BadRequest(
-                f"steps must be in [1, {MAX_STEPS}]", field="steps", code="invalid_field"
+                f"{steps_field} must be in [1, {MAX_STEPS}]",
+                field=steps_field,
+                code="invalid_field",
             )
         if self.guidance is not None and not 0.0 <= self.guidance <= MAX_GUIDANCE:
             raise BadRequest(
-                f"guidance must be in [0, {MAX_GUIDANCE}]", field="guidance", code="invalid_field"
+                f"{guidance_field} must be in [0, {MAX_GUIDANCE}]",
+                field=guidance_field,
+                code="invalid_field",
+            )
+        if not 0.0 < self.strength <= 1.0:  # NaN fails too
+            raise BadRequest("strength must be in (0, 1]", field="strength", code="invalid_field")
+        if self.padding_mask_crop is not None and not 0 <= self.padding_mask_crop <= MAX_PADDING:
+            raise BadRequest(
+                f"padding_mask_crop must be in [0, {MAX_PADDING}] pixels",
+                field="padding_mask_crop",
+                code="invalid_field",
             )
         if self.format not in OUTPUT_FORMATS:
             raise BadRequest(
@@ -185,7 +230,91 @@ class InvokeRequest:
             )
 
     def to_wire(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        out = {
+            "template": self.template,
+            "image": self.image,
+            "mask": self.mask,
+            "prompt": self.prompt,
+            "negative_prompt": self.negative_prompt,
+            "seed": self.seed,
+            "num_inference_steps": self.steps,
+            "guidance_scale": self.guidance,
+            "strength": self.strength,
+            "padding_mask_crop": self.padding_mask_crop,
+            "format": self.format,
+        }
+        return {k: v for k, v in out.items() if v is not None}
+
+    def echo(self) -> dict[str, Any]:
+        """The request as its job document shows it (``input``): every argument, the
+        images by their size in bytes, not their bytes."""
+        out = self.to_wire()
+        for name in ("image", "mask"):
+            if name in out:
+                out[name] = f"<{len(out[name])} bytes>"
+        return out
+
+
+INVOKE_FIELDS = frozenset(
+    (
+        "template",
+        "image",
+        "mask",
+        "prompt",
+        "negative_prompt",
+        "seed",
+        "num_inference_steps",
+        "guidance_scale",
+        "strength",
+        "padding_mask_crop",
+        "format",
+    )
+)
+ALIASES = {"steps": "num_inference_steps", "guidance": "guidance_scale"}  # retouch's older names
+
+
+def _canonical(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``body`` under diffusers' names (an alias renamed; sending both names of one argument
+    is refused; an unknown field is ``unknown_field``), and the name each was sent under
+    (errors name the field as the caller wrote it)."""
+    out: dict[str, Any] = {}
+    sent: dict[str, str] = {}
+    for key, value in body.items():
+        name = ALIASES.get(key, key)
+        if name not in INVOKE_FIELDS:
+            raise BadRequest(
+                unknown_field_message(key, sorted(INVOKE_FIELDS)), field=key, code="unknown_field"
+            )
+        if name in out:
+            raise BadRequest(
+                f"send {name!r} or its alias {key!r}, not both", field=key, code="invalid_field"
+            )
+        out[name], sent[name] = value, key
+    return out, sent
+
+
+def decode_bytes(value: Any, field: str) -> bytes:
+    """The one decoder of binary fields: msgpack bin, or in JSON a base64 string or a
+    ``data:`` URI (``data:image/png;base64,...``, as browsers and OpenAI-style clients
+    write images)."""
+    if isinstance(value, bytes | bytearray):
+        return bytes(value)
+    if isinstance(value, str):
+        if value.startswith("data:"):
+            header, sep, value = value.partition(",")
+            if not sep or not header.endswith(";base64"):
+                raise BadRequest(
+                    "a data URI must be base64 (data:<type>;base64,<data>)",
+                    field=field,
+                    code="invalid_field",
+                )
+        try:
+            return base64.b64decode(value, validate=True)
+        except ValueError as exc:
+            raise BadRequest(
+                "expected base64 bytes or a data: URI", field=field, code="invalid_field"
+            ) from exc
+    raise BadRequest("expected bytes (base64 in JSON)", field=field, code="invalid_field")
 
 
 @dataclass(frozen=True)
@@ -204,6 +333,8 @@ class ExecutorInvoke:
     # An uploaded image (RGB8 ``[H, W, 3]``) instead of a deployed template; ``template``
     # is then its content address (``upload:<hash of the pixels>``).
     image: RawArray | None = None
+    negative_prompt: str = ""  # the unconditional branch's prompt ("" as diffusers' default)
+    strength: float = 1.0  # < 1: start from the image noised to this fraction of the schedule
 
     def to_wire(self) -> dict[str, Any]:
         out = {**asdict(self), "mask": self.mask.to_wire()}
@@ -226,6 +357,8 @@ class ExecutorInvoke:
             image=None
             if body.get("image") is None
             else RawArray.from_wire(require(body, "image", dict), "image"),
+            negative_prompt=optional(body, "negative_prompt", str, ""),
+            strength=float(optional(body, "strength", (int, float), 1.0)),
         )
 
 

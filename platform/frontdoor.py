@@ -224,6 +224,8 @@ class FrontDoor:
             guidance=fn.spec.guidance if req.guidance is None else float(req.guidance),
             format=req.format,
             id=invocation_id,
+            negative_prompt=req.negative_prompt or "",
+            strength=req.strength,
         )
         placement = PlacementRequest(
             fn.spec.name,

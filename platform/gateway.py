@@ -58,7 +58,7 @@ from retouch.platform.httpapi import (
     event_stream,
     last_event_id,
     parse_prefer_wait,
-    read_control_body,
+    read_body,
 )
 from retouch.platform.imagegate import DecodeBudget, ImageGate, default_budget
 from retouch.platform.jobs import DEFAULT_PROGRESS_INTERVAL_S, DEFAULT_RETENTION_S, Job
@@ -75,10 +75,8 @@ from retouch.platform.webhooks import AllowList, WebhookSender
 from retouch.runtime import requestparams
 from retouch.runtime.asgi import (
     bearer,
-    decode_bytes,
     endpoint,
     error_response,
-    read_msgpack,
     respond,
     structured_http_errors,
 )
@@ -235,7 +233,7 @@ class Gateway:
 
     async def put_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
-        body = wire.as_map(await read_control_body(request, self.max_body))
+        body = wire.as_map(await read_body(request, self.max_body))
         raw_spec = body.get("spec")
         if isinstance(raw_spec, dict):
             raw_spec = {"name": name, **raw_spec}
@@ -260,7 +258,7 @@ class Gateway:
             if tid not in raw:
                 raise InvalidSpec(f"no image uploaded for template {tid!r}", field=where)
             try:
-                data = decode_bytes(raw[tid], where)
+                data = wire.decode_bytes(raw[tid], where)
                 width, height = declared_size(data, where, self.door.images.max_pixels)
                 if (width, height) != (spec.width, spec.height):  # refused before decoding
                     raise InvalidSpec(
@@ -345,7 +343,7 @@ class Gateway:
         fn = self.door.servable(request.path_params["name"])
         with self.bodies.hold(request, self.max_body):  # held until answered
             with self.door.arrival(fn, received):  # a 429 comes before the body is read
-                req = wire.InvokeRequest.from_wire(await read_msgpack(request, self.max_body))
+                req = wire.InvokeRequest.from_wire(await read_body(request, self.max_body))
                 job = await self.door.accept(
                     fn, wire.JobRequest(req), durable=False, owner=principal(request).tenant
                 )
@@ -363,7 +361,7 @@ class Gateway:
         # Over a cap, refused before the body is read: a burst of large jobs costs nothing.
         self.jobs.admit(owner, requestparams.integer(declared, "content-length", 0, 2**62, 0))
         with self.door.arrival(fn, received), self.bodies.hold(request, self.max_body):
-            req = wire.JobRequest.from_wire(await read_msgpack(request, self.max_body))
+            req = wire.JobRequest.from_wire(await read_body(request, self.max_body))
             if req.webhook is not None:
                 await self.webhooks.check(req.webhook, owner)
             job = await self.door.accept(fn, req, durable=True, owner=owner)

@@ -1,7 +1,7 @@
 """The gateway's own HTTP conventions, on top of the layer it shares with the executors
 (``runtime/asgi.py``: msgpack bodies, structured errors, auth).
 
-Only the public API has them: strict JSON bodies on control endpoints, the ``Prefer:
+Only the public API has them: msgpack or strict JSON bodies on every endpoint, the ``Prefer:
 wait=N`` and ``Last-Event-ID`` headers, and job events as a server-sent event stream.
 """
 
@@ -27,8 +27,9 @@ KEEPALIVE_S = 15.0  # a comment line on an idle event stream
 MAX_EVENT_ID = 2**53 - 1  # event ids are counters; this is any client's safe integer
 
 
-async def read_control_body(request: Request, limit: int) -> Any:
-    """A control endpoint's body: msgpack, or strict JSON (for ``curl`` and scripts)."""
+async def read_body(request: Request, limit: int) -> Any:
+    """A request body: msgpack (the fast path), or strict JSON (``curl`` and scripts; its
+    images base64 or ``data:`` URIs). Any other content type is a 415."""
     if request.headers.get("content-type", "").startswith(JSON):
         return parse_json(await read_raw_body(request, limit))
     return await read_msgpack(request, limit)

@@ -23,7 +23,6 @@ from starlette.routing import Match
 
 from retouch.functions import wire
 from retouch.functions.errors import (
-    BadRequest,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
@@ -159,18 +158,6 @@ def check_token(request: Request, expected: str) -> None:
     got = bearer(request)
     if got is None or not hmac.compare_digest(got.encode(), expected.encode()):
         raise Unauthorized("missing or wrong bearer token")
-
-
-def decode_bytes(value: Any, field: str) -> bytes:
-    """Bytes from msgpack bin, or from a base64 string in a JSON body."""
-    if isinstance(value, bytes | bytearray):
-        return bytes(value)
-    if isinstance(value, str):
-        try:
-            return base64.b64decode(value, validate=True)
-        except ValueError as exc:
-            raise BadRequest("expected base64 bytes", field=field, code="invalid_field") from exc
-    raise BadRequest("expected bytes", field=field, code="invalid_field")
 
 
 def _json_bytes(value: Any) -> str:

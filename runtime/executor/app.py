@@ -39,7 +39,6 @@ from retouch.functions.spec import parse_spec
 from retouch.runtime import requestparams
 from retouch.runtime.asgi import (
     check_token,
-    decode_bytes,
     endpoint,
     read_msgpack,
     structured_http_errors,
@@ -79,7 +78,7 @@ def _parse_deploy(body: Any) -> tuple[FunctionSpec, dict[str, Image.Image], int]
     raw = body.get("templates") or {}
     images = {
         tid: decode_image(
-            decode_bytes(raw.get(tid), f"templates.{tid}"), f"templates.{tid}"
+            wire.decode_bytes(raw.get(tid), f"templates.{tid}"), f"templates.{tid}"
         ).convert("RGB")
         for tid in spec.templates
     }

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -37,11 +39,54 @@ def test_invoke_request_validation() -> None:
         ({"seed": 2**63}, "seed", "invalid_field"),
         ({"guidance": -1.0}, "guidance", "invalid_field"),
         ({"template": None}, "template", "missing_field"),
-        ({"mask": "text"}, "mask", "invalid_field"),
+        ({"mask": "not base64!"}, "mask", "invalid_field"),
+        ({"mask": "data:image/png,rawtext"}, "mask", "invalid_field"),
+        ({"mask": None}, "mask", "missing_field"),
+        ({"steps": 0}, "steps", "invalid_field"),
+        ({"num_inference_steps": 201}, "num_inference_steps", "invalid_field"),
+        ({"guidance_scale": 51}, "guidance_scale", "invalid_field"),
+        ({"steps": 4, "num_inference_steps": 4}, "num_inference_steps", "invalid_field"),
+        ({"strength": 0}, "strength", "invalid_field"),
+        ({"strength": 1.5}, "strength", "invalid_field"),
+        ({"strength": float("nan")}, "strength", "invalid_field"),
+        ({"padding_mask_crop": -1}, "padding_mask_crop", "invalid_field"),
+        ({"padding_mask_crop": 1.5}, "padding_mask_crop", "invalid_field"),
+        ({"negative_prompt": 3}, "negative_prompt", "invalid_field"),
+        ({"negative_prompt": "x" * 5000}, "negative_prompt", "invalid_field"),
+        ({"num_inference_step": 4}, "num_inference_step", "unknown_field"),
     ]:
         with pytest.raises(BadRequest) as err:
             wire.InvokeRequest.from_wire({**ok, **change})
         assert (err.value.field, err.value.code) == (field, code)
+
+
+def test_invoke_request_takes_diffusers_names_and_json_images() -> None:
+    """diffusers' argument names, the older ones as aliases; images as base64 or data URIs
+    (what a JSON caller sends); a misspelt name is refused with the closest known one."""
+    png = b"\x89PNG fake"
+    b64 = base64.b64encode(png).decode()
+    req = wire.InvokeRequest.from_wire(
+        {
+            "template": "t",
+            "mask": f"data:image/png;base64,{b64}",
+            "prompt": "p",
+            "negative_prompt": "blurry",
+            "num_inference_steps": 7,
+            "guidance": 3,
+            "strength": 0.6,
+            "padding_mask_crop": 32,
+        }
+    )
+    assert (req.mask, req.steps, req.guidance, req.strength) == (png, 7, 3.0, 0.6)
+    assert (req.negative_prompt, req.padding_mask_crop) == ("blurry", 32)
+    assert 0 <= req.seed < 2**63  # no seed: a random one, recorded with the request
+    again = wire.InvokeRequest.from_wire(req.to_wire())
+    assert again == req
+    assert {"num_inference_steps", "guidance_scale"} <= req.to_wire().keys()
+    assert req.echo()["mask"] == f"<{len(png)} bytes>"
+    with pytest.raises(BadRequest) as err:
+        wire.InvokeRequest.from_wire({"template": "t", "mask": b64, "prompt": "p", "gudance": 1})
+    assert "did you mean 'guidance_scale'" in err.value.message
 
 
 def test_unpack_malformed() -> None:
