@@ -246,12 +246,15 @@ class InvokeRequest:
         return {k: v for k, v in out.items() if v is not None}
 
     def echo(self) -> dict[str, Any]:
-        """The request as its job document shows it (``input``): every argument, the
-        images by their size in bytes, not their bytes."""
+        """The request as its job document shows it (``input``): every argument, the image
+        and mask by their size while the job holds them (a finished job keeps neither: its
+        ``template`` names what it edited, an upload by its content id)."""
         out = self.to_wire()
         for name in ("image", "mask"):
-            if name in out:
+            if out.get(name):
                 out[name] = f"<{len(out[name])} bytes>"
+            else:
+                out.pop(name, None)
         return out
 
 

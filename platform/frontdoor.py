@@ -37,8 +37,10 @@ from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.dispatch import Dispatcher
 from retouch.platform.imagegate import ImageGate
-from retouch.platform.jobs import Job, JobStore, OnProgress, OnStart, PreparedInvocation, new_job_id
+from retouch.platform.job import Job, PreparedInvocation, new_job_id
+from retouch.platform.jobs import JobStore, OnProgress, OnStart
 from retouch.platform.journal import JobJournal
+from retouch.platform.links import LinkSigner
 from retouch.platform.metrics import GatewayMetrics
 from retouch.platform.retention import RetentionLimits, payload_bytes
 from retouch.runtime.prediction import MaskFootprint
@@ -63,6 +65,7 @@ class FrontDoor:
         progress_interval_s: float,
         notify: Notify | None = None,
         limits: RetentionLimits | None = None,
+        links: LinkSigner | None = None,
     ) -> None:
         self.functions = functions  # the gateway's, kept current by its deploys and deletes
         self.dispatcher = dispatcher
@@ -78,6 +81,7 @@ class FrontDoor:
             progress_interval_s=progress_interval_s,
             notify=notify,
             limits=limits,
+            links=links,
         )
 
     # ---- lookup --------------------------------------------------------------------------

@@ -61,11 +61,13 @@ from retouch.platform.httpapi import (
     read_body,
 )
 from retouch.platform.imagegate import DecodeBudget, ImageGate, default_budget
-from retouch.platform.jobs import DEFAULT_PROGRESS_INTERVAL_S, DEFAULT_RETENTION_S, Job
+from retouch.platform.job import Job
+from retouch.platform.jobs import DEFAULT_PROGRESS_INTERVAL_S, DEFAULT_RETENTION_S
 from retouch.platform.journal import JobJournal
 from retouch.platform.links import LinkSigner
 from retouch.platform.metrics import GatewayMetrics
 from retouch.platform.openai_images import OpenAIImages, answers_openai, openai_error
+from retouch.platform.outputs import serve_output
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
 from retouch.platform.retention import RetentionLimits
@@ -132,6 +134,7 @@ class Gateway:
             progress_interval_s=self.progress_interval_s,
             notify=self.webhooks.notify,
             limits=self.retention_limits,
+            links=self.links,
         )
         self.jobs = self.door.jobs
 
@@ -417,6 +420,9 @@ class Gateway:
         job = self.jobs.get(request.path_params["id"], principal(request))
         return event_stream(self.jobs.events(job, last_event_id(request)))
 
+    async def output(self, request: Request) -> Response:
+        return await serve_output(self.jobs, request)
+
     async def webhook_secret_of(self, request: Request) -> Response:
         """The caller's own webhook signing secret: what its receivers verify with."""
         tenant = principal(request).tenant
@@ -435,9 +441,7 @@ class Gateway:
                 methods=[method],
             )
 
-        images = OpenAIImages(
-            self.door, max_body=self.max_body, links=self.links, bodies=self.bodies
-        )
+        images = OpenAIImages(self.door, max_body=self.max_body, bodies=self.bodies)
         web = WebUI()
 
         @contextlib.asynccontextmanager
@@ -469,7 +473,7 @@ class Gateway:
                     "/v1/functions/{name}/templates/{template}", self.template_image, scope="invoke"
                 ),
                 route("/v1/images/edits", images.edits, "POST", scope="invoke"),
-                route("/v1/images/{name}", images.image),  # a signed link: no token
+                route("/v1/images/{name}", self.output),  # a signed link: no token
                 route("/", web.index),  # the page holds no data; its API calls carry a token
                 route("/ui/{file}", web.asset),
             ],

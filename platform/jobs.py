@@ -22,19 +22,23 @@ import heapq
 import logging
 import math
 import time
-import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from retouch.functions import wire
 from retouch.functions.errors import Canceled, Conflict, NotFound, RetouchError
 from retouch.functions.wire import JobEventKind, JobStatus
 from retouch.platform.auth import ANONYMOUS, Principal
-from retouch.platform.control.cluster import PlacementRequest
-from retouch.platform.control.queue import Seat
+from retouch.platform.job import (
+    END_EVENT,
+    RUN_SEQ_SPAN,
+    Job,
+    PreparedInvocation,
+    iso,
+    new_job_id,
+)
 from retouch.platform.journal import JobJournal
+from retouch.platform.links import LinkSigner
 from retouch.platform.retention import (
     Retention,
     RetentionLimits,
@@ -49,10 +53,6 @@ DEFAULT_RETENTION_S = 24 * 3600.0
 DEFAULT_PROGRESS_INTERVAL_S = 0.25
 POSITION_POLL_S = 0.25  # how often queue positions are re-read for ``queued`` events
 MAX_EVENTS = 512  # kept per live job for late readers (progress is throttled, so rarely reached)
-RECORD_VERSION = 1
-# Event ids of a job's n-th run (0: as accepted, 1: resumed after a restart, ...) start
-# above n * RUN_SEQ_SPAN, so the ids a reader saw before a restart stay below the new ones.
-RUN_SEQ_SPAN = 1_000_000
 
 OnStart = Callable[[str, int], None]
 OnProgress = Callable[[wire.StepProgress], None]
@@ -60,157 +60,6 @@ Execute = Callable[["Job", OnStart, OnProgress], Awaitable[wire.InvokeResult]]
 # The webhook sender: returns its delivery's journal write (awaited for the terminal event,
 # which is durable before the job's final record), or None when nothing is delivered.
 Notify = Callable[["Job", wire.JobEvent], Awaitable[None] | None]
-
-
-@dataclass(frozen=True)
-class PreparedInvocation:
-    """A request decoded for the pool (``platform/frontdoor.py`` builds it): what the
-    executor gets, and what placement and admission read of it. Kept in memory only."""
-
-    invocation: wire.ExecutorInvoke
-    placement: PlacementRequest
-    seat: Seat | None = None  # its place in the queue, held from admission (none: resumed)
-
-
-END_EVENT = {
-    JobStatus.SUCCEEDED: JobEventKind.SUCCEEDED,
-    JobStatus.FAILED: JobEventKind.FAILED,
-    JobStatus.CANCELED: JobEventKind.CANCELED,
-}
-TERMINAL_EVENTS = frozenset(END_EVENT.values())
-
-
-def iso(t: float | None) -> str | None:
-    """A Unix time as RFC 3339 UTC with milliseconds (``2026-11-23T01:02:03.456Z``)."""
-    if t is None:
-        return None
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def new_job_id() -> str:
-    return uuid.uuid4().hex
-
-
-@dataclass(eq=False)
-class Job:
-    """One job: its request, state, result and event history (event-loop state)."""
-
-    id: str
-    function: str
-    request: wire.JobRequest
-    created_at: float
-    durable: bool = True
-    owner: str = ANONYMOUS  # the tenant that submitted it: only it (and admin) may see it
-    status: JobStatus = JobStatus.QUEUED
-    started_at: float | None = None
-    completed_at: float | None = None
-    executor: str | None = None
-    attempts: int = 0
-    progress: wire.JobProgress | None = None
-    result: wire.InvokeResult | None = None
-    error: RetouchError | None = None
-    # In memory only: the decoded invocation (rebuilt from the request after a restart).
-    prepared: PreparedInvocation | None = None
-    cancel_requested: bool = False
-    events: list[wire.JobEvent] = field(default_factory=list)
-    task: asyncio.Task | None = None
-    position: int | None = None
-    image_on_disk: bool = False  # the result's image is read from the journal when asked for
-    retained_bytes: int = 0  # charged to its owner: payload while live, result once finished
-    run: int = 0  # how many times a gateway resumed it from the journal
-    _seq: int = 0  # the last event id given (journaled in the final record)
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
-    _first_step: float | None = None  # monotonic time of the first progress frame
-    _last_progress_event: float = 0.0
-    _readers: int = 0  # event streams reading it now: its history is kept for them
-
-    @property
-    def ended(self) -> bool:
-        """Its terminal event is out (its final record, if durable, is written by then)."""
-        return bool(self.events) and self.events[-1].kind in TERMINAL_EVENTS
-
-    @property
-    def urls(self) -> dict[str, str]:
-        base = f"/v1/jobs/{self.id}"
-        return {"get": base, "stream": f"{base}/events", "cancel": f"{base}/cancel"}
-
-    def describe(self, with_image: bool = True, with_webhook: bool = True) -> dict[str, Any]:
-        """The job document of ``GET /v1/jobs/{id}`` (without the image in events). The
-        webhook URL (it may hold the receiver's credentials) is its owner's only: not in
-        events, nor in the document an admin reads of another tenant's job."""
-        doc: dict[str, Any] = {
-            "id": self.id,
-            "function": self.function,
-            "status": self.status.value,
-            "created_at": iso(self.created_at),
-            "started_at": iso(self.started_at),
-            "completed_at": iso(self.completed_at),
-            "urls": self.urls,
-        }
-        if self.status is JobStatus.QUEUED:
-            doc["queue_position"] = self.position
-        if self.status is JobStatus.RUNNING:
-            doc["executor"] = self.executor
-            doc["progress"] = self.progress.to_wire() if self.progress else None
-        if self.result is not None:
-            result = self.result.to_wire()
-            if not with_image:
-                result.pop("image")
-            doc["result"] = result
-        if self.error is not None:
-            doc["error"] = {**self.error.to_wire()["error"], "status": self.error.status}
-        if self.request.webhook is not None and with_webhook:
-            doc["webhook"] = self.request.webhook
-            doc["webhook_events"] = [e.value for e in self.request.webhook_events]
-        return doc
-
-    # ---- durable form ------------------------------------------------------------------
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "v": RECORD_VERSION,
-            "id": self.id,
-            "function": self.function,
-            "owner": self.owner,
-            "request": self.request.to_wire(),
-            "created_at": self.created_at,
-            "status": self.status.value,
-            "run": self.run,
-            "last_seq": self._seq,
-            "started_at": self.started_at,
-            "completed_at": self.completed_at,
-            "result": None if self.result is None else self.result.to_wire(),
-            "error": None
-            if self.error is None
-            else {**self.error.to_wire()["error"], "status": self.error.status},
-        }
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Job:
-        error = record.get("error")
-        job = cls(
-            id=wire.check_job_id(str(record["id"])),
-            function=str(record["function"]),
-            request=wire.JobRequest.from_wire(record["request"]),
-            created_at=float(record["created_at"]),
-            owner=str(record.get("owner", ANONYMOUS)),
-            status=JobStatus(record["status"]),
-            started_at=record.get("started_at"),
-            completed_at=record.get("completed_at"),
-            result=None
-            if record.get("result") is None
-            else wire.InvokeResult.from_wire(record["result"]),
-            error=None
-            if error is None
-            else RetouchError.from_wire(int(error.get("status", 500)), {"error": error}),
-        )
-        last_seq, run = int(record.get("last_seq", 0)), int(record.get("run", 0))
-        if job.status.terminal:  # its terminal event comes again under its own id
-            job.run, job._seq = run, max(last_seq, 1) - 1
-        else:  # it had not ended: run it again from the start, with ids above the last run's
-            job.status, job.started_at = JobStatus.QUEUED, None
-            job.run = run + 1
-            job._seq = job.run * RUN_SEQ_SPAN
-        return job
 
 
 class JobStore:
@@ -228,6 +77,7 @@ class JobStore:
         notify: Notify | None = None,
         clock: Callable[[], float] = time.time,
         limits: RetentionLimits | None = None,
+        links: LinkSigner | None = None,
     ) -> None:
         self._execute = execute
         self._positions = positions  # the gateway queue's positions by invocation id
@@ -237,6 +87,7 @@ class JobStore:
         self.progress_interval_s = progress_interval_s
         self._notify = notify
         self._clock = clock
+        self.links = links  # signs result links (``output``); none: jobs have no ``output``
         self.jobs: dict[str, Job] = {}
         self._owned: dict[str, dict[str, Job]] = {}  # durable jobs by owner, for listings
         self._tasks: list[asyncio.Task] = []
@@ -272,6 +123,7 @@ class JobStore:
             log.error("job record %s cannot be resumed: %s", record.get("id"), exc)
             return None
         if job.status.terminal:  # its end, again, for readers; webhooks had it
+            job.output = self.output_url(job)
             self._record(job, END_EVENT[job.status], job.describe(False, False), notify=False)
             await self._compact(job)
         else:
@@ -333,6 +185,15 @@ class JobStore:
         if job.completed_at is None:
             return math.inf
         return job.completed_at + self.retention_s
+
+    def output_url(self, job: Job, ttl_s: float | None = None) -> str | None:
+        """A signed link to a succeeded durable job's image, valid ``ttl_s`` (never past
+        its retention end; ``None``: until then). A job that is not kept has none."""
+        if job.result is None or not job.durable or self.links is None:
+            return None
+        not_after = self.retained_until(job)
+        expires = not_after if ttl_s is None else min(self._clock() + ttl_s, not_after)
+        return self.links.url(job.id, job.result.format, int(expires), not_after)
 
     # ---- submission and execution -------------------------------------------------------
     def admit(self, owner: str, nbytes: int) -> None:
@@ -435,6 +296,7 @@ class JobStore:
     ) -> None:
         job.status, job.result, job.error = status, result, error
         job.completed_at = self._clock()
+        job.output = self.output_url(job)
         job.position = None
         held = job.retained_bytes
         self._drop_payload(job)

@@ -19,7 +19,7 @@ from retouch.platform.bodybudget import BodyBudget
 from retouch.platform.dispatch import Dispatcher
 from retouch.platform.fleet import Fleet
 from retouch.platform.imagegate import ImageGate
-from retouch.platform.jobs import Job
+from retouch.platform.job import Job
 from retouch.platform.scaler import PoolScaler
 from retouch.platform.webhooks import WebhookStats
 

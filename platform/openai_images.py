@@ -39,13 +39,11 @@ from retouch.functions.errors import (
     UnsupportedMediaType,
 )
 from retouch.functions.imaging import MASK_MODES, decode_openai_mask, encode_mask
-from retouch.platform.auth import OPEN
 from retouch.platform.bodybudget import BodyBudget
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
 from retouch.platform.imagegate import Declared
-from retouch.platform.jobs import Job
-from retouch.platform.links import LinkSigner
+from retouch.platform.job import Job
 from retouch.platform.uploads import Upload
 from retouch.runtime import requestparams
 from retouch.runtime.asgi import read_raw_body
@@ -56,7 +54,6 @@ URL_TTL_S = 3600.0  # how long a ``url`` answer stays valid (OpenAI: 60 minutes)
 MAX_FIELD_BYTES = 64 << 10  # a text field (a prompt is at most 4096 characters)
 RESPONSE_FORMATS = ("b64_json", "url")
 OUTPUT_FORMATS = {"png": "png", "webp": "webp"}
-MEDIA_TYPES = {"png": "image/png", "webp": "image/webp"}
 # OpenAI fields that change nothing here; accepted so stock clients work unchanged.
 IGNORED = (
     "user",
@@ -84,9 +81,7 @@ FIELDS = (
     "stream",
     *IGNORED,
 )
-IMAGE_NAME = re.compile(r"([0-9a-f]{32})\.(png|webp)")
 SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
-MAX_EXPIRES = 2**40  # a Unix time (year 36812): bounds the digits a link's expires may have
 
 
 @dataclass(frozen=True)
@@ -312,13 +307,11 @@ class OpenAIImages:
         door: FrontDoor,
         *,
         max_body: int,
-        links: LinkSigner,
         bodies: BodyBudget,
     ) -> None:
         self.door = door
         self.max_body = max_body
         self.bodies = bodies  # a request's body is held (counted) until it is answered
-        self.links = links  # its own key (``platform/links.py``), not the webhook secret
 
     async def edits(self, request: Request) -> Response:
         with self.bodies.hold(request, self.max_body):
@@ -369,7 +362,7 @@ class OpenAIImages:
         for i, (job, result) in enumerate(zip(jobs, results, strict=True)):
             item: dict[str, Any] = {"seed": (first_seed + i) % 2**63, "path": result.path.value}
             if durable:
-                item["url"] = self._url(job)
+                item["url"] = self.door.jobs.output_url(job, URL_TTL_S)
             else:
                 item["b64_json"] = base64.b64encode(result.image).decode()
             data.append(item)
@@ -380,38 +373,3 @@ class OpenAIImages:
             "output_format": form.output_format,
         }
         return Response(json.dumps(body), 200, media_type="application/json")
-
-    def _url(self, job: Job) -> str:
-        """A signed link to the job's image: an hour, and never past its retention end."""
-        not_after = self.door.jobs.retained_until(job)
-        expires = int(min(time.time() + URL_TTL_S, not_after))
-        return self.links.url(job.id, job.request.invoke.format, expires, not_after)
-
-    async def image(self, request: Request) -> Response:
-        """``GET /v1/images/{id}.{ext}?expires=&sig=``: a signed link needs no token."""
-        jobs = self.door.jobs
-        m = IMAGE_NAME.fullmatch(request.path_params["name"])
-        if m is None:
-            raise NotFound("no such image", field="name", code="image_not_found")
-        job_id = m.group(1)
-        expires = requestparams.integer(
-            request.query_params.get("expires"), "expires", 0, MAX_EXPIRES
-        )
-        sig = request.query_params.get("sig", "")
-        self.links.verify(job_id, expires, sig)
-        if expires < time.time():
-            raise NotFound("this image link has expired", field="expires", code="link_expired")
-        try:
-            job = jobs.get(job_id, OPEN)  # the link's signature is the authorization
-        except NotFound as exc:
-            raise NotFound("the image is gone", field="name", code="image_not_found") from exc
-        self.links.check_lifetime(expires, jobs.retained_until(job))
-        doc = await jobs.document(job)
-        result = doc.get("result")
-        if result is None:
-            raise NotFound("the image is gone", field="name", code="image_not_found")
-        return Response(
-            bytes(result["image"]),
-            media_type=MEDIA_TYPES.get(result["format"], "application/octet-stream"),
-            headers={"cache-control": "private, max-age=3600"},
-        )

@@ -27,7 +27,7 @@ from retouch.functions import wire
 from retouch.functions.errors import Overloaded
 
 if TYPE_CHECKING:
-    from retouch.platform.jobs import Job
+    from retouch.platform.job import Job
 
 LIVE_RETRY_AFTER_S = 2  # a live job usually ends within seconds
 # What keeping one job costs beside its payload or result: its ``Job`` object, small record,

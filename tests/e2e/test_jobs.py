@@ -9,7 +9,10 @@ pre-processing buffer), every step reported (``--progress-interval 0``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import io
+import json
 import os
 import subprocess
 import sys
@@ -21,8 +24,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from PIL import Image
 
 from retouch.functions.errors import Canceled, RetouchError
+from retouch.functions.imaging import encode_mask
 from retouch.functions.wire import InvokeResult, JobEvent, JobEventKind
 from retouch.platform import webhooks
 from retouch.platform.bench.load import wait_baked
@@ -334,3 +339,66 @@ def test_async_client_job_handle(server: ServerProcess) -> None:
     assert events[-1].kind is JobEventKind.SUCCEEDED and doc["status"] == "succeeded"
     assert [e.data["step"] for e in events if e.kind is JobEventKind.PROGRESS] == [1, 2, 3]
     assert same_image(result, sync_invoke(server.url, 3))
+
+
+def curl(*args: str, data: str | None = None) -> tuple[int, bytes]:
+    """``curl`` itself (no Python client, no msgpack): the status and the body."""
+    out = subprocess.run(
+        ["curl", "-sS", "-w", "\\n%{http_code}", *args],
+        input=None if data is None else data.encode(),
+        capture_output=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    body, _, status = out.rpartition(b"\n")
+    return int(status), body
+
+
+def test_curl_alone_invokes_submits_follows_fetches_and_cancels(server: ServerProcess) -> None:
+    """What a shell user does with curl and JSON: an invoke, a job (its mask a data URI)
+    followed over SSE, its ``output`` link fetched without a token, and a cancel."""
+    auth = ["-H", f"authorization: Bearer {INVOKE}", "-H", "content-type: application/json"]
+    mask = base64.b64encode(encode_mask(MASK)).decode()
+    body = {"template": TEMPLATE, "prompt": "a red door", "seed": 5, "mask": mask}
+    fn = f"{server.url}/v1/functions/{FUNCTION}"
+
+    status, answer = curl(*auth, "-d", "@-", f"{fn}/invoke", data=json.dumps(body))
+    assert status == 200, answer
+    invoked = json.loads(answer)
+    assert invoked["path"] == "maskaware" and invoked["format"] == "png"
+    direct = np.asarray(Image.open(io.BytesIO(base64.b64decode(invoked["image"]))))
+
+    job_body = {**body, "mask": f"data:image/png;base64,{mask}", "num_inference_steps": STEPS}
+    status, answer = curl(*auth, "-d", "@-", f"{fn}/jobs", data=json.dumps(job_body))
+    assert status == 202, answer
+    job = json.loads(answer)
+    assert job["input"]["num_inference_steps"] == STEPS and job["input"]["seed"] == 5
+    assert job["input"]["mask"].endswith(" bytes>")  # the echo holds no payload
+
+    status, stream = curl(
+        "-N", "-H", f"authorization: Bearer {INVOKE}", server.url + job["urls"]["stream"]
+    )
+    assert status == 200
+    events = [
+        line.partition(b": ")[2] for line in stream.splitlines() if line.startswith(b"event:")
+    ]
+    assert events[-1] == b"succeeded", events
+    last = json.loads(stream.split(b"data: ")[-1].splitlines()[0])
+    assert "image" not in last["result"]  # events carry the link, not the bytes
+    assert last["output"].startswith(f"{server.url}/v1/images/{job['id']}.png?")
+    assert last["metrics"]["inference_steps"] == STEPS and "predict_time" in last["metrics"]
+    assert "succeeded on" in last["logs"]
+
+    status, png = curl(last["output"])  # no token: the link's signature is the authorization
+    assert status == 200
+    fetched = np.asarray(Image.open(io.BytesIO(png)))
+    assert np.abs(fetched.astype(int) - direct.astype(int)).max() <= MAX_PIXEL_DIFF
+    status, answer = curl(last["output"].replace("sig=", "sig=0"))
+    assert status == 400 and json.loads(answer)["error"]["field"] == "sig"
+
+    long = {**job_body, "num_inference_steps": 200}
+    _, answer = curl(*auth, "-d", "@-", f"{fn}/jobs", data=json.dumps(long))
+    cancel_url = server.url + json.loads(answer)["urls"]["cancel"]
+    status, answer = curl(*auth, "-X", "POST", cancel_url)
+    assert status == 200 and json.loads(answer)["status"] == "canceled", answer
+    assert json.loads(answer)["output"] is None

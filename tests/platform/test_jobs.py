@@ -19,7 +19,8 @@ from retouch.platform import sse, webhooks
 from retouch.platform.auth import OPEN, Principal
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.httpapi import parse_prefer_wait
-from retouch.platform.jobs import RUN_SEQ_SPAN, Job, JobStore, PreparedInvocation
+from retouch.platform.job import RUN_SEQ_SPAN, Job, PreparedInvocation
+from retouch.platform.jobs import JobStore
 from retouch.platform.journal import JobJournal
 from retouch.platform.placement import LeastRequests, PlacementRequest
 from retouch.platform.resolver import Resolver

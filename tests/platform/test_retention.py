@@ -16,7 +16,8 @@ import pytest
 
 from retouch.functions import wire
 from retouch.functions.errors import Overloaded
-from retouch.platform.jobs import Job, JobStore
+from retouch.platform.job import Job
+from retouch.platform.jobs import JobStore
 from retouch.platform.journal import JobJournal
 from retouch.platform.retention import JOB_OVERHEAD_BYTES, RetentionLimits, Usage
 from tests.platform.test_jobs import FakeRun, prepared, request, result, store, sync

@@ -21,7 +21,7 @@ from retouch.functions.errors import BadRequest, RetouchError
 from retouch.functions.wire import JobEventKind, WebhookEvent
 from retouch.platform.auth import ANONYMOUS
 from retouch.platform.deliveryjournal import DeliveryJournal
-from retouch.platform.jobs import Job
+from retouch.platform.job import Job
 from retouch.platform.receiverqueue import ReceiverQueue
 from retouch.platform.resolver import Resolver
 from retouch.platform.webhooks import RetryPolicy, WebhookSender, tenant_secret, verify
