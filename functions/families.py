@@ -8,16 +8,29 @@ here, so a family's spec-side facts are written once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+from retouch.functions.errors import BadRequest
 
 SD_SCHEDULERS = ("ddim", "euler", "euler-a", "dpm++", "pndm")
 FLOW = ("flow-euler",)
 
 
+class StrengthRule(StrEnum):
+    """How a family's diffusers pipeline counts the steps a ``strength`` < 1 keeps (its
+    ``get_timesteps``): the two conventions differ by one step where ``steps * strength``
+    is not a whole number (or is one only up to rounding: ``10 * 0.7``)."""
+
+    KEEP_FLOOR = "keep-floor"  # SD, SDXL: int(steps * strength) steps kept
+    SKIP_FLOOR = "skip-floor"  # SD3, Flux: int(steps - steps * strength) steps skipped
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """One family: the pipeline class it loads, its schedulers (the first is the default),
-    its default steps and guidance, the default ``halo`` of its mask-aware edits and its
-    default compute dtype on CUDA."""
+    its default steps and guidance, the default ``halo`` of its mask-aware edits, its
+    default compute dtype on CUDA, whether it takes a negative prompt and how it counts
+    the steps of a ``strength`` < 1."""
 
     name: str
     pipeline: str  # the diffusers pipeline class a model of this family is loaded with
@@ -32,6 +45,21 @@ class FamilySpec:
     halo: int = 0
     # The compute dtype of ``dtype = "auto"`` on CUDA (on a CPU: fp32, which it runs fastest).
     cuda_dtype: str = "fp16"
+    # Classifier-free guidance: the unconditional branch encodes a negative prompt. The
+    # guidance-distilled Flux models have no such branch, so no negative prompt.
+    negative_prompt: bool = True
+    strength_rule: StrengthRule = StrengthRule.SKIP_FLOOR
+
+    def skipped_steps(self, steps: int, strength: float) -> int:
+        """The first steps of a ``steps`` schedule that ``strength`` skips: an edit starts
+        from the image noised to the timestep after them (0 at strength 1)."""
+        if self.strength_rule is StrengthRule.KEEP_FLOOR:
+            return max(steps - min(int(steps * strength), steps), 0)
+        return int(max(steps - min(steps * strength, steps), 0))
+
+    def steps_run(self, steps: int, strength: float) -> int:
+        """The denoising steps an edit with ``strength`` actually runs."""
+        return steps - self.skipped_steps(steps, strength)
 
     @property
     def scheduler(self) -> str:
@@ -47,7 +75,15 @@ class FamilySpec:
 FAMILY_SPECS: dict[str, FamilySpec] = {
     f.name: f
     for f in (
-        FamilySpec("sd-inpaint", "StableDiffusionInpaintPipeline", SD_SCHEDULERS, 20, 7.5, halo=2),
+        FamilySpec(
+            "sd-inpaint",
+            "StableDiffusionInpaintPipeline",
+            SD_SCHEDULERS,
+            20,
+            7.5,
+            halo=2,
+            strength_rule=StrengthRule.KEEP_FLOOR,
+        ),
         FamilySpec(
             "flux-inpaint",
             "FluxInpaintPipeline",
@@ -56,11 +92,20 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             3.5,
             ("FluxImg2ImgPipeline",),
             cuda_dtype="bf16",
+            negative_prompt=False,
         ),
         FamilySpec(
             "sd3-inpaint", "StableDiffusion3InpaintPipeline", FLOW, 28, 7.0, cuda_dtype="bf16"
         ),
-        FamilySpec("flux-fill", "FluxFillPipeline", FLOW, 50, 30.0, cuda_dtype="bf16"),
+        FamilySpec(
+            "flux-fill",
+            "FluxFillPipeline",
+            FLOW,
+            50,
+            30.0,
+            cuda_dtype="bf16",
+            negative_prompt=False,
+        ),
         FamilySpec(
             "sdxl-inpaint",
             "StableDiffusionXLInpaintPipeline",
@@ -68,6 +113,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             20,
             7.5,
             halo=2,
+            strength_rule=StrengthRule.KEEP_FLOOR,
         ),
     )
 }
@@ -76,3 +122,24 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
 def family_spec(name: str) -> FamilySpec:
     """The family named ``name``; ``KeyError`` if there is none."""
     return FAMILY_SPECS[name]
+
+
+def check_edit(family: str, steps: int, strength: float, negative_prompt: str) -> int:
+    """The denoising steps an edit of ``family`` runs, after refusing what the family cannot
+    do: a negative prompt without classifier-free guidance, or a ``strength`` that keeps no
+    step of ``steps`` (diffusers refuses both alike)."""
+    spec = family_spec(family)
+    if negative_prompt and not spec.negative_prompt:
+        raise BadRequest(
+            f"{family} is guidance-distilled: it takes no negative_prompt",
+            field="negative_prompt",
+            code="unsupported_field",
+        )
+    run = spec.steps_run(steps, strength)
+    if run < 1:
+        raise BadRequest(
+            f"strength {strength} keeps no step of {steps}: at least 1/{steps} is needed",
+            field="strength",
+            code="invalid_field",
+        )
+    return run

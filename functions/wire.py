@@ -420,6 +420,13 @@ BAKE_PROGRESS = (
 )
 
 
+def strength_variant(template: str, skipped: int) -> str:
+    """The id under which executors bake and report ``template`` for edits that skip the
+    first ``skipped`` steps of its schedule (a ``strength`` < 1: another trajectory, so
+    another bake, residency and placement affinity); the template's own id at 0."""
+    return template if skipped == 0 else f"{template}@step{skipped}"
+
+
 class InvokePath(StrEnum):
     """How an edit was computed."""
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from retouch.functions import wire
 from retouch.functions.errors import Canceled, NotFound, Overloaded, Unavailable
+from retouch.functions.families import check_edit, family_spec
 from retouch.functions.imaging import decode_mask
 from retouch.functions.wire import DeployStatus
 from retouch.platform import uploads
@@ -202,7 +203,11 @@ class FrontDoor:
     ) -> PreparedInvocation:
         """Check the template, decode the mask (a large one on a thread) and build what the
         executor gets; an uploaded ``image`` is decoded and content-addressed here (unless
-        given decoded), within its owner's uploads (``UploadNames.id``)."""
+        given decoded), within its owner's uploads (``UploadNames.id``). What the function's
+        family cannot do is refused first (:func:`check_edit`)."""
+        steps = req.steps or fn.spec.steps
+        negative = req.negative_prompt or ""
+        steps_run = check_edit(fn.spec.family, steps, req.strength, negative)
         image = None
         if req.image is not None:
             if upload is None:
@@ -224,19 +229,22 @@ class FrontDoor:
             mask=wire.RawArray.of(mask.astype("uint8")),
             prompt=req.prompt,
             seed=req.seed,
-            steps=req.steps or fn.spec.steps,
+            steps=steps,
             guidance=fn.spec.guidance if req.guidance is None else float(req.guidance),
             format=req.format,
             id=invocation_id,
-            negative_prompt=req.negative_prompt or "",
+            negative_prompt=negative,
             strength=req.strength,
         )
+        # Placed by the steps it runs (a strength < 1 skips some) and by the template as the
+        # executors bake and report it for that trajectory (a variant, when it has a bake)
+        skipped = family_spec(fn.spec.family).skipped_steps(steps, req.strength)
         placement = PlacementRequest(
             fn.spec.name,
-            template,
+            wire.strength_variant(template, skipped if steps == fn.spec.steps else 0),
             footprint.ratio,
             fn.spec.model,
-            inv.steps,
+            steps_run,
             footprint,
             None if fn.spec.slo_ms is None else fn.spec.slo_ms / 1e3,
             copy=fn.spec.source.key,

@@ -4,6 +4,11 @@ Every deployed template gets a cache key (``fingerprint.template_key``) under it
 function's settings. A template is *baked* when the store holds its activations; an edit
 with exactly those settings then runs mask-aware, anything else runs the stock path. A
 template found corrupt or missing is marked unbaked and baked again (insert on miss).
+
+An edit at ``strength`` < 1 follows another trajectory (the schedule without its first
+steps, from the template noised part-way): it is served by a *variant* of the template
+(:meth:`TemplateCache.variant`), keyed by the steps the strength skips and baked on its
+first use like any template.
 """
 
 from __future__ import annotations
@@ -25,8 +30,15 @@ from retouch.cachestore.errors import CorruptEntry, StoreError
 from retouch.cachestore.policy import EPHEMERAL_PREFIX
 from retouch.cachestore.store import ActivationStore, HostTemplate, Tier
 from retouch.cachestore.streaming import StreamedTemplate
+from retouch.functions.families import family_spec
 from retouch.functions.spec import FunctionSpec, UploadsSpec
-from retouch.functions.wire import BakeState, CacheTier, ChangeKind, TemplateStatus
+from retouch.functions.wire import (
+    BakeState,
+    CacheTier,
+    ChangeKind,
+    TemplateStatus,
+    strength_variant,
+)
 from retouch.runtime.fingerprint import template_key
 from retouch.runtime.maskaware.editor import BakeCancelled
 from retouch.runtime.maskaware.rowformat import RowFormat
@@ -60,6 +72,7 @@ class Template:
     dropped: bool = False  # no longer tracked (evicted upload, removed function): never baked
     too_large: bool = False  # an upload whose bake alone exceeds uploads.max_bytes: never baked
     storage: RowFormat = RowFormat.NATIVE  # how its bake's rows rest in the store
+    strength: float = 1.0  # a variant's: the strength its bake runs at (the key: its skip)
 
     def covers(self, steps: int, guidance: float) -> bool:
         """Whether the bake's activations are valid for an edit with these settings."""
@@ -139,13 +152,18 @@ class TemplateCache:
         model_fp: str,
         scheduler_config: dict[str, Any],
         upload: bool = False,
+        strength: float = 1.0,
     ) -> Template:
         """A template keyed by its content and settings; baked if the store holds the key
         (ad-hoc ones get the store's ephemeral prefix: evicted before deployed ones). An
         ad-hoc template's key holds its id too: the gateway's upload ids say who may share
-        a bake (one tenant's uploads, never another's)."""
+        a bake (one tenant's uploads, never another's). Below ``strength`` 1 the key holds
+        the steps it skips (strengths that skip as many share one trajectory)."""
         pixels = np.asarray(image).tobytes()
         settings = {**_settings(spec), "upload": tid} if upload else _settings(spec)
+        skipped = family_spec(spec.family).skipped_steps(spec.steps, strength)
+        if skipped:
+            settings["skipped_steps"] = skipped
         key = template_key(model_fp, settings, scheduler_config, pixels, prompt, seed)
         if upload:
             key = EPHEMERAL_PREFIX + key
@@ -163,6 +181,7 @@ class TemplateCache:
             upload=upload,
             nbytes=self.store.nbytes(key) if baked else 0,
             storage=RowFormat(spec.storage),
+            strength=strength,
         )
 
     def detach(self, function: str) -> list[Template]:
@@ -219,24 +238,65 @@ class TemplateCache:
         recently used). Baked already when the store holds it (another executor of the
         host, or an earlier life of this one, baked the same upload)."""
         with self.lock:
-            known = self.uploads.get(spec.name, {}).get(template_id)
+            known = self._tracked(spec.name, template_id, True)
             if known is not None:
-                self.uploads[spec.name].move_to_end(template_id)
                 return known
         up = spec.uploads
         template = self._make(
             spec, template_id, image, up.prompt, up.seed, model_fp, scheduler_config, upload=True
         )
+        return self._track(spec.name, template)
+
+    def variant(
+        self,
+        spec: FunctionSpec,
+        base: Template,
+        strength: float,
+        model_fp: str,
+        scheduler_config: dict[str, Any],
+    ) -> Template:
+        """``base`` as edits at ``strength`` < 1 of ``spec``'s steps see it: its own key and
+        bake, tracked beside ``base`` under the id :func:`strength_variant` names (an
+        upload's among the uploads, under their limits); ``base`` itself at strength 1."""
+        skipped = family_spec(spec.family).skipped_steps(spec.steps, strength)
+        vid = strength_variant(base.id, skipped)
+        if vid == base.id:
+            return base
         with self.lock:
-            table = self.uploads.setdefault(spec.name, OrderedDict())
-            known = table.get(template_id)
-            if known is not None:  # raced with another arrival of the same image
-                table.move_to_end(template_id)
+            known = self._tracked(spec.name, vid, base.upload)
+            if known is not None:
                 return known
-            table[template_id] = template
-            victims = self._over_limits(spec.name, keep=template)
+        made = self._make(
+            spec, vid, base.image, base.prompt, base.seed, model_fp, scheduler_config,
+            upload=base.upload, strength=strength,
+        )  # fmt: skip
+        return self._track(spec.name, made)
+
+    def _track(self, function: str, template: Template) -> Template:
+        """Track a template made outside the lock, unless a racing arrival of the same one
+        (an image, a strength) was tracked meanwhile: then that one. An upload's may evict
+        the least recently used uploads."""
+        victims: list[Template] = []
+        with self.lock:
+            known = self._tracked(function, template.id, template.upload)
+            if known is not None:
+                return known
+            if template.upload:
+                self.uploads.setdefault(function, OrderedDict())[template.id] = template
+                victims = self._over_limits(function, keep=template)
+            else:
+                self.templates[(function, template.id)] = template
         self._delete(victims)
         return template
+
+    def _tracked(self, function: str, tid: str, upload: bool) -> Template | None:
+        """(lock held) A tracked template (an upload's marked most recently used)."""
+        if not upload:
+            return self.templates.get((function, tid))
+        table = self.uploads.get(function, {})
+        if tid in table:
+            table.move_to_end(tid)
+        return table.get(tid)
 
     def _over_limits(self, function: str, keep: Template | None = None) -> list[Template]:
         """(lock held) Untrack the least recently used ad-hoc templates of ``function``
@@ -364,6 +424,8 @@ class TemplateCache:
                 return
             template.state = BakeState.BAKING
         meta = {"function": template.function, "template": template.id, "steps": template.steps}
+        if template.strength < 1.0:
+            meta["strength"] = template.strength
         if template.upload:
             meta["upload"] = True
         try:

@@ -29,6 +29,7 @@ from PIL import Image
 
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound
+from retouch.functions.families import check_edit
 from retouch.functions.imaging import encode_image, mask_ratio
 from retouch.functions.spec import FunctionSpec
 from retouch.runtime.costmodel import CostModel
@@ -435,15 +436,19 @@ class ExecutorCore:
             raise BadRequest(
                 "mask does not match the template size", field="mask", code="mask_size_mismatch"
             )
+        spec = entry.spec
+        check_edit(spec.family, inv.steps, inv.strength, inv.negative_prompt)
         arrived = time.perf_counter()
         if not mask.any():  # nothing to edit: the template, without running the model
             return asyncio.to_thread(self._template_result, template, inv, arrived)
         covered = self.maskaware and template.covers(inv.steps, inv.guidance)
         found = wire.CacheTier.NONE
-        if covered:
+        if covered:  # at strength < 1 its variant: that trajectory's bake
+            template = self.templates.variant(
+                spec, template, inv.strength, entry.fingerprint, entry.scheduler_config
+            )
             found = self.templates.tier(template)  # where placement found it
             self.templates.prefetch(template)  # disk -> host while the invocation queues
-        spec = entry.spec
         editor = self.editor(spec)  # built at deploy, before the function was registered
         request = EditRequest(
             template.image,
@@ -456,6 +461,8 @@ class ExecutorCore:
             template.seed,
             spec.full_steps,
             spec.halo,
+            inv.negative_prompt,
+            inv.strength,
         )
         work = Work(
             key=(spec.source.key, spec.scheduler, spec.width, spec.height),
@@ -568,9 +575,10 @@ class ExecutorCore:
             spec = self.functions[template.function].spec
         editor = self.editor(spec)
         bake = (template.image, template.prompt, template.seed, template.steps, template.guidance)
+        strength = template.strength
 
         def record(writer, encoded: Encoded | None = None) -> None:
-            editor.bake(*bake, writer, encoded=encoded, cancelled=unwanted)
+            editor.bake(*bake, writer, encoded=encoded, cancelled=unwanted, strength=strength)
 
         def unwanted() -> bool:  # a stopping executor, a deleted or redeployed function
             return self.engine.stopping or self.templates.unwanted(template)
@@ -580,7 +588,7 @@ class ExecutorCore:
             return
         # encoded by a pre worker first: the engine thread, which runs the bake, never
         # waits for it (a failed encode fails the bake, as a failed bake does)
-        encoding = self._encode_future(spec, MaskAwareEditor.bake_request(*bake))
+        encoding = self._encode_future(spec, MaskAwareEditor.bake_request(*bake, strength=strength))
 
         def encoded_record(writer) -> None:
             record(writer, encoding.result())

@@ -25,7 +25,7 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
-from retouch.functions.families import family_spec
+from retouch.functions.families import FamilySpec, family_spec
 from retouch.runtime.maskaware import inpaint
 from retouch.runtime.maskaware.context import ForwardContext
 from retouch.runtime.maskaware.flops import Flops
@@ -67,8 +67,8 @@ class FamilyModel:
     packs: ClassVar[bool] = True
     template_tensors: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, pipe: DiffusionPipeline, device: torch.device) -> None:
-        self.pipe, self.device = pipe, device
+    def __init__(self, pipe: DiffusionPipeline, device: torch.device, spec: FamilySpec) -> None:
+        self.pipe, self.device, self.spec = pipe, device, spec
         denoiser = getattr(pipe, self.denoiser)
         self.has_denoiser = denoiser is not None
         self.channels = pipe.vae.config.latent_channels
@@ -114,6 +114,17 @@ class FamilyModel:
         """A request's own scheduler (schedulers hold per-request step state)."""
         return type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
 
+    def truncate(
+        self, scheduler: Any, timesteps: torch.Tensor, request: EditRequest
+    ) -> torch.Tensor:
+        """The pipelines' ``get_timesteps`` on a request's own scheduler: the schedule
+        without the steps its ``strength`` skips, the scheduler begun after them (so that
+        ``add_noise`` / ``scale_noise`` at the first kept timestep find their sigma)."""
+        begin = self.spec.skipped_steps(request.steps, request.strength) * scheduler.order
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(begin)
+        return timesteps[begin:]
+
     # -- encode (a pre worker) ------------------------------------------------------------
 
     def encode(
@@ -133,20 +144,27 @@ class FamilyModel:
         return {
             "mask": mask,  # [1, 1, h, w] float32
             "noise": noise.latents,  # [1, C, h, w] float32
-            **self.encode_prompt(request.prompt),
+            **self.encode_prompt(request.prompt, request.negative_prompt),
             **self.encode_image(image),
         }
 
-    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
+    def encode_prompt(self, prompt: str, negative_prompt: str) -> dict[str, torch.Tensor]:
+        """The text encoding; ``negative_prompt`` ("" for none) is the unconditional
+        branch's prompt in the families with classifier-free guidance."""
         raise NotImplementedError
 
     def encode_image(self, job: Encoding) -> dict[str, torch.Tensor]:
         """By default the template's latents: the bake's, or the VAE encode of the template
         with the template's own noise."""
+        return {"image_latents": self.template_image_latents(job).cpu()}  # [1, C, h, w]
+
+    def template_image_latents(self, job: Encoding) -> torch.Tensor:
+        """The bake's template latents, or the VAE encode of the template with the
+        template's own noise (what the bake stored)."""
         latents = job.template_latents
         if latents is None:
             latents = self.image_latents(job.request.image, job.template_noise.vae)
-        return {"image_latents": latents.cpu()}  # [1, C, h, w]
+        return latents
 
     # -- steps (the engine thread) ----------------------------------------------------------
 
@@ -197,15 +215,17 @@ class FamilyModel:
         noises: list[tuple[SeedNoise, SeedNoise]],
         output_type: str = "pil",
     ) -> list[Image.Image] | np.ndarray:
-        """One stock pipeline call for ``requests`` (same size, steps and guidance), each
-        with its composed noise (``noises``: the template's and the request's of each)."""
+        """One stock pipeline call for ``requests`` (same size, steps, guidance, strength
+        and negative prompt), each with its composed noise (``noises``: the template's and
+        the request's of each)."""
         first = check_batchable(requests)
         return self.pipe(
             prompt=[r.prompt for r in requests],
+            **self.stock_negative(first, len(requests)),
             mask_image=[r.mask_image() for r in requests],
             height=first.image.height,
             width=first.image.width,
-            strength=1.0,
+            strength=first.strength,
             num_inference_steps=first.steps,
             guidance_scale=first.guidance,
             output_type=output_type,
@@ -213,11 +233,17 @@ class FamilyModel:
             **self.stock_options(),
         ).images
 
+    def stock_negative(self, request: EditRequest, batch: int) -> dict[str, Any]:
+        """The stock call's ``negative_prompt`` (one per prompt): None for none (SDXL then
+        zeroes the unconditional embedding, as its served path does)."""
+        negative = request.negative_prompt
+        return {"negative_prompt": [negative] * batch if negative else None}
+
     def stock_batch(
         self, requests: list[EditRequest], noises: list[tuple[SeedNoise, SeedNoise]]
     ) -> dict[str, Any]:
         """The stock call's per-request inputs (:meth:`stock_inputs` of each): ``image``,
-        ``masked_image_latents`` and the composed initial ``latents``."""
+        ``masked_image_latents`` and the composed initial noise (:meth:`stock_noise`)."""
         inputs = [
             self.stock_inputs(r, t, own) for r, (t, own) in zip(requests, noises, strict=True)
         ]
@@ -225,8 +251,29 @@ class FamilyModel:
         return {
             "image": torch.cat(images) if isinstance(images[0], torch.Tensor) else list(images),
             "masked_image_latents": torch.cat(masked),
-            "latents": torch.cat(noise).to(self.device, self.dtype),
+            **self.stock_noise(requests, noise, [own for _, own in noises]),
         }
+
+    def stock_noise(
+        self, requests: list[EditRequest], composed: list[torch.Tensor], own: list[SeedNoise]
+    ) -> dict[str, Any]:
+        """The composed initial noise as the stock call takes it: ``latents`` at strength 1.
+
+        Below it the pipelines take ``latents`` as the already noised start (and the blend
+        families re-noise the template with it), so the noise must be the pipeline's own
+        draw: a generator on the request's seed, which draws exactly the request's noise
+        (``SeedNoise.draw``; on a CPU, and with ``image`` given as latents, so that no VAE
+        sample draws first). That is the composed noise only when nothing of the
+        template's is in it: a mask over every latent, or the template's own seed."""
+        if requests[0].strength == 1.0:
+            return {"latents": torch.cat(composed).to(self.device, self.dtype)}
+        for noise, seed_noise in zip(composed, own, strict=True):
+            if not torch.equal(noise, seed_noise.latents):
+                raise ValueError(
+                    "a stock reference at strength < 1 draws its noise from the request's "
+                    "seed: it needs a mask over every latent or the template's own seed"
+                )
+        return {"generator": [torch.Generator().manual_seed(r.seed) for r in requests]}
 
 
 class Family:
@@ -251,7 +298,7 @@ class Family:
         self.rows_per_request = self.model.rows_per_request
 
     def bind(self, pipe: DiffusionPipeline, device: torch.device) -> FamilyModel:
-        return self.model(pipe, device)
+        return self.model(pipe, device, self.spec)
 
     def rows(self, model: FamilyModel) -> FamilyRows:
         """A sparse block reads its image K/V; a full block after a sparse one that one's Y."""

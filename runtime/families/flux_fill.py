@@ -97,9 +97,13 @@ class FluxFill(FluxInpaint):
         return torch.cat((latents, mask), dim=-1)
 
     def encode_image(self, job: Encoding) -> dict[str, torch.Tensor]:
-        """The packed condition, the masked image encoded with the template's VAE noise."""
+        """The packed condition, the masked image encoded with the template's VAE noise;
+        below strength 1 also the template's latents (where the edit starts)."""
         condition = self.condition(job.request, job.condition, job.template_noise.vae)
-        return {"condition": condition.cpu()}
+        out = {"condition": condition.cpu()}
+        if job.request.strength < 1.0:
+            out["image_latents"] = self.template_image_latents(job).cpu()
+        return out
 
     def inputs(
         self, request: EditRequest, tensors: dict[str, torch.Tensor], noise: torch.Tensor
@@ -123,7 +127,10 @@ class FluxFill(FluxInpaint):
     ) -> dict[str, Any]:
         """The template images, each request's composed initial noise (packed, as the Fill
         pipeline takes ``latents``) and a generator per request whose draw for the masked
-        image's VAE encode is its template's VAE noise."""
+        image's VAE encode is its template's VAE noise (so at strength 1 only: below it the
+        pipeline's image encode would draw first)."""
+        if requests[0].strength < 1.0:
+            raise ValueError("the Fill stock reference runs at strength 1 only")
         pairs = list(zip(requests, noises, strict=True))
         latents = [
             self._pack(t.compose(own, self.latent_mask(r)[0, 0] > 0.5).latents)

@@ -1,8 +1,10 @@
 """The ``flux-inpaint`` family: FluxInpaintPipeline split into encode / assemble / step /
 decode.
 
-Each piece does what ``FluxInpaintPipeline.__call__`` does for strength 1.0, calling the
-pipeline's own helpers. ``encode`` (text encoders, template VAE encode) and ``decode`` (VAE
+Each piece does what ``FluxInpaintPipeline.__call__`` does, calling the pipeline's own
+helpers (below strength 1: the schedule without its first steps, the latents starting from
+the template's latents noised to the first kept timestep). Flux is guidance-distilled: no
+unconditional branch, so no negative prompt. ``encode`` (text encoders, template VAE encode) and ``decode`` (VAE
 decode) need no transformer, so they also run on a pipeline loaded without one. After every step the pipeline blends the unmasked latents back to
 the template re-noised to the next timestep, so the unmasked tokens' inputs are exactly the
 bake's at every step and only the masked tokens need computing; the transformer output of
@@ -99,10 +101,20 @@ class FluxInpaint(FamilyModel):
             config.get("max_shift", 1.15),
         )
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
-        return scheduler, timesteps
+        return scheduler, self.truncate(scheduler, timesteps, request)
 
-    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
+    def refuse_negative(self, negative_prompt: str) -> None:
+        """Flux has no unconditional branch: a negative prompt would be silently ignored."""
+        if negative_prompt:
+            raise ValueError(f"{self.spec.name} takes no negative prompt (guidance-distilled)")
+
+    def stock_negative(self, request: EditRequest, batch: int) -> dict[str, Any]:
+        self.refuse_negative(request.negative_prompt)
+        return {}
+
+    def encode_prompt(self, prompt: str, negative_prompt: str) -> dict[str, torch.Tensor]:
+        """The prompt's encoding (no negative prompt)."""
+        self.refuse_negative(negative_prompt)
         prompt_embeds, pooled, text_ids = self.pipe.encode_prompt(
             prompt=prompt,
             prompt_2=None,
@@ -129,7 +141,10 @@ class FluxInpaint(FamilyModel):
         h, w = hard.shape
         inputs = self.inputs(request, tensors, noise)
         tokens = token_sets(hard, [(h // 2, w // 2)], every=every)
-        return RequestState(request, noise.clone(), scheduler, timesteps, inputs, tokens)
+        start = tensors.get("image_latents")  # Fill's only below strength 1
+        image = None if start is None else self._pack(start.to(self.device, self.dtype))
+        latents = inpaint.initial_latents(request, scheduler, timesteps, noise, image)
+        return RequestState(request, latents, scheduler, timesteps, inputs, tokens)
 
     def inputs(
         self, request: EditRequest, tensors: dict[str, torch.Tensor], noise: torch.Tensor

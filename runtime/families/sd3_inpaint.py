@@ -1,8 +1,10 @@
 """The ``sd3-inpaint`` family: StableDiffusion3InpaintPipeline split into encode / assemble /
 step / decode, with mask-aware MMDiT blocks.
 
-Each piece does what ``StableDiffusion3InpaintPipeline.__call__`` does for strength 1.0 and
-a 16-channel transformer, calling the pipeline's own helpers. Like Flux, the pipeline blends
+Each piece does what ``StableDiffusion3InpaintPipeline.__call__`` does for a 16-channel
+transformer, calling the pipeline's own helpers (below strength 1: the schedule without its
+first steps, the latents starting from the template's latents noised to the first kept
+timestep). Like Flux, the pipeline blends
 the unmasked latents back to the template re-noised to the next timestep after every step,
 so the unmasked tokens' inputs are exactly the bake's and their transformer output is
 discarded; only the masked tokens need computing. Every op of an SD3
@@ -53,7 +55,7 @@ from retouch.runtime.maskaware.request import (
 class SD3Inputs:
     """Per-request transformer inputs besides the latents."""
 
-    prompt_embeds: torch.Tensor  # [2, L, D]: negative (empty) prompt, then the prompt
+    prompt_embeds: torch.Tensor  # [2, L, D]: negative prompt ("" if none), then the prompt
     pooled: torch.Tensor  # [2, P]
     mask: torch.Tensor  # [1, 1, h, w] latent mask (the blend weight)
     image_latents: torch.Tensor  # [1, 16, h, w] template latents
@@ -94,11 +96,10 @@ class SD3Inpaint(FamilyModel):
                 config.get("max_shift", 1.16),
             )
         timesteps, _ = retrieve_timesteps(scheduler, request.steps, self.device, **kwargs)
-        scheduler.set_begin_index(0)
-        return scheduler, timesteps
+        return scheduler, self.truncate(scheduler, timesteps, request)
 
-    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
-        """The three text encoders, negative (empty) prompt first."""
+    def encode_prompt(self, prompt: str, negative_prompt: str) -> dict[str, torch.Tensor]:
+        """The three text encoders, the negative prompt ("" if none) first."""
         positive, negative, pooled, negative_pooled = self.pipe.encode_prompt(
             prompt=prompt,
             prompt_2=None,
@@ -106,6 +107,7 @@ class SD3Inpaint(FamilyModel):
             device=self.device,
             num_images_per_prompt=1,
             do_classifier_free_guidance=True,
+            negative_prompt=negative_prompt or None,
             max_sequence_length=self.max_sequence_length(),
         )
         return {
@@ -130,7 +132,10 @@ class SD3Inpaint(FamilyModel):
         )
         h, w = hard.shape
         tokens = token_sets(hard, [(h // self.patch, w // self.patch)], every=every)
-        return RequestState(request, noise.clone(), scheduler, timesteps, inputs, tokens)
+        latents = inpaint.initial_latents(
+            request, scheduler, timesteps, noise, inputs.image_latents
+        )
+        return RequestState(request, latents, scheduler, timesteps, inputs, tokens)
 
     def forward(self, states: list[RequestState], ctx: ForwardContext) -> list[torch.Tensor]:
         """One batched transformer call; returns each request's ``[2, 16, h, w]`` prediction.

@@ -1,9 +1,10 @@
 """The ``sd-inpaint`` family: StableDiffusionInpaintPipeline split into encode / assemble /
 step / decode.
 
-Each piece does what ``StableDiffusionInpaintPipeline.__call__`` does for strength 1.0 and a
-9-channel UNet, calling the pipeline's own helpers, so that with an exact cache the
-mask-aware edit reproduces the stock pipeline. ``encode`` (text encoder, masked-image VAE
+Each piece does what ``StableDiffusionInpaintPipeline.__call__`` does for a 9-channel UNet,
+calling the pipeline's own helpers, so that with an exact cache the mask-aware edit
+reproduces the stock pipeline. Below strength 1 the schedule loses its first steps and the
+latents start from the image's VAE encode noised to the first kept timestep. ``encode`` (text encoder, masked-image VAE
 encode) and ``decode`` (VAE decode) need no UNet, so they also run on a pipeline loaded
 without one (a pre/post worker's). The UNet forward is batched across requests
 (request-major rows ``[uncond, cond]`` per request, per-row timesteps); guidance and the
@@ -41,7 +42,7 @@ from retouch.runtime.maskaware.tokens import level_sizes
 class SDInputs:
     """Per-request UNet inputs besides the latents."""
 
-    prompt_embeds: torch.Tensor  # [2, L, D]: negative (empty) prompt, then the prompt
+    prompt_embeds: torch.Tensor  # [2, L, D]: negative prompt ("" if none), then the prompt
     mask: torch.Tensor  # [1, 1, h, w] latent mask, the UNet's mask channel
     masked_image_latents: torch.Tensor  # [1, 4, h, w]
     extra_step_kwargs: dict[str, Any]
@@ -69,19 +70,37 @@ class SDInpaint(FamilyModel):
     def _masked_image_latents(
         self, request: EditRequest, mask_condition: torch.Tensor, vae_noise: torch.Tensor
     ) -> torch.Tensor:
-        image, vae = request.image, self.pipe.vae
-        init = self.pipe.image_processor.preprocess(image, height=image.height, width=image.width)
-        masked = (init.to(torch.float32) * (mask_condition < 0.5)).to(self.device, vae.dtype)
-        return vae.config.scaling_factor * vae_sample(vae, masked, vae_noise)
+        return self._vae_latents(request.image, mask_condition < 0.5, vae_noise)
 
-    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
-        positive, negative = self.pipe.encode_prompt(prompt, self.device, 1, True)
+    def _image_latents(self, request: EditRequest, vae_noise: torch.Tensor) -> torch.Tensor:
+        """The whole image's VAE encode (``_encode_vae_image``): where strength < 1 starts."""
+        return self._vae_latents(request.image, None, vae_noise)
+
+    def _vae_latents(
+        self, image: Image.Image, keep: torch.Tensor | None, vae_noise: torch.Tensor
+    ) -> torch.Tensor:
+        """``scaling_factor`` times the VAE sample of ``image`` (only where ``keep``)."""
+        vae = self.pipe.vae
+        init = self.pipe.image_processor.preprocess(image, height=image.height, width=image.width)
+        pixels = init.to(torch.float32) if keep is None else init.to(torch.float32) * keep
+        return vae.config.scaling_factor * vae_sample(
+            vae, pixels.to(self.device, vae.dtype), vae_noise
+        )
+
+    def encode_prompt(self, prompt: str, negative_prompt: str) -> dict[str, torch.Tensor]:
+        positive, negative = self.pipe.encode_prompt(
+            prompt, self.device, 1, True, negative_prompt=negative_prompt or None
+        )
         return {"prompt_embeds": torch.cat([negative, positive]).cpu()}  # [2, L, D]
 
     def encode_image(self, job: Encoding) -> dict[str, torch.Tensor]:
-        """The masked image's VAE encode."""
+        """The masked image's VAE encode; below strength 1 also the whole image's (both
+        with the composed VAE noise: the unmasked region's is the bake's)."""
         latents = self._masked_image_latents(job.request, job.condition, job.noise.vae)
-        return {"masked_image_latents": latents.cpu()}  # [1, 4, h, w]
+        out = {"masked_image_latents": latents.cpu()}  # [1, 4, h, w]
+        if job.request.strength < 1.0:
+            out["image_latents"] = self._image_latents(job.request, job.noise.vae).cpu()
+        return out
 
     def assemble(
         self, request: EditRequest, tensors: dict[str, torch.Tensor], *, every: bool
@@ -93,14 +112,28 @@ class SDInpaint(FamilyModel):
         hard = tensors["mask"][0, 0] > 0.5
         scheduler = self.new_scheduler()
         timesteps, _ = retrieve_timesteps(scheduler, request.steps, self.device)
-        if hasattr(scheduler, "set_begin_index"):
-            scheduler.set_begin_index(0)
-        latents = tensors["noise"].to(self.device, self.dtype) * scheduler.init_noise_sigma
+        timesteps = self.truncate(scheduler, timesteps, request)
+        latents = self.initial_latents(request, tensors, scheduler, timesteps)
         inputs = self.model_inputs(request, tensors)
         tokens = token_sets(
             hard, level_sizes(*hard.shape, self.levels), every=every, halo=request.halo
         )
         return RequestState(request, latents, scheduler, timesteps, inputs, tokens)
+
+    def initial_latents(
+        self,
+        request: EditRequest,
+        tensors: dict[str, torch.Tensor],
+        scheduler: Any,
+        timesteps: torch.Tensor,
+    ) -> torch.Tensor:
+        """``prepare_latents``: the noise scaled to the scheduler's first sigma, or below
+        strength 1 the image latents noised to the first kept timestep."""
+        noise = tensors["noise"].to(self.device, self.dtype)
+        if request.strength == 1.0:
+            return noise * scheduler.init_noise_sigma
+        image = tensors["image_latents"].to(self.device, self.dtype)
+        return scheduler.add_noise(image, noise, timesteps[:1])
 
     def model_inputs(self, request: EditRequest, tensors: dict[str, torch.Tensor]) -> SDInputs:
         """The request's UNet inputs besides the latents, on the device."""
@@ -155,15 +188,15 @@ class SDInpaint(FamilyModel):
 
     def stock_inputs(
         self, request: EditRequest, template_noise: SeedNoise, request_noise: SeedNoise
-    ) -> tuple[torch.Tensor, Image.Image, torch.Tensor]:
-        """The composed noise, the image and its masked-image latents."""
+    ) -> tuple[torch.Tensor, Image.Image | torch.Tensor, torch.Tensor]:
+        """The composed noise, the image (below strength 1 its latents, which the pipeline
+        takes as they are: the served path's VAE sample) and its masked-image latents."""
         condition, mask = self.masks(request)
         noise = template_noise.compose(request_noise, mask[0, 0] > 0.5)
-        return (
-            noise.latents,
-            request.image,
-            self._masked_image_latents(request, condition, noise.vae),
-        )
+        image = request.image
+        if request.strength < 1.0:
+            image = self._image_latents(request, noise.vae)
+        return noise.latents, image, self._masked_image_latents(request, condition, noise.vae)
 
 
 # -- UNet ---------------------------------------------------------------------------------

@@ -60,18 +60,22 @@ class SDXLInpaint(SDInpaint):
     def text_length(pipe: StableDiffusionXLInpaintPipeline) -> int:
         return pipe.tokenizer_2.model_max_length  # both CLIPs pad to it; features concatenate
 
-    def _masked_image_latents(
-        self, request: EditRequest, mask_condition: torch.Tensor, vae_noise: torch.Tensor
+    def _vae_latents(
+        self, image: Image.Image, keep: torch.Tensor | None, vae_noise: torch.Tensor
     ) -> torch.Tensor:
         with upcast(self.pipe.vae):
-            latents = super()._masked_image_latents(request, mask_condition, vae_noise)
+            latents = super()._vae_latents(image, keep, vae_noise)
         return latents.to(self.pipe.vae.dtype)
 
-    def encode_prompt(self, prompt: str) -> dict[str, torch.Tensor]:
-        """Both text encoders; the negative (empty) prompt first (zeros when the pipeline's
-        ``force_zeros_for_empty_prompt`` says so, as the stock call makes it)."""
+    def encode_prompt(self, prompt: str, negative_prompt: str) -> dict[str, torch.Tensor]:
+        """Both text encoders; the negative prompt first (without one: zeros when the
+        pipeline's ``force_zeros_for_empty_prompt`` says so, as the stock call makes it)."""
         positive, negative, pooled, negative_pooled = self.pipe.encode_prompt(
-            prompt, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=True
+            prompt,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=True,
+            negative_prompt=negative_prompt or None,
         )
         return {
             "prompt_embeds": torch.cat([negative, positive]).cpu(),  # [2, L, D]

@@ -173,6 +173,7 @@ class MaskAwareEditor:
         mask: np.ndarray | None = None,
         encoded: Encoded | None = None,
         cancelled: Callable[[], bool] | None = None,
+        strength: float = 1.0,
     ) -> None:
         """Record a template's generation: its own prompt and seed, nothing masked.
 
@@ -181,10 +182,12 @@ class MaskAwareEditor:
         request's pre-processing done beforehand (:meth:`bake_request`, e.g. by a pre
         worker, so the engine thread never waits for it); else it is done here.
         ``cancelled``: asked before each step; True raises :class:`BakeCancelled` (a stopping
-        executor does not finish a bake nobody waits for).
+        executor does not finish a bake nobody waits for). ``strength`` < 1: the trajectory
+        of edits with that strength (it starts from the template's latents part-way down
+        the schedule: another trajectory, so another bake).
         """
         self._require_denoiser()
-        request = self.bake_request(image, prompt, seed, steps, guidance, mask)
+        request = self.bake_request(image, prompt, seed, steps, guidance, mask, strength)
         noise = SeedNoise.draw(
             seed, self.impl.noise_shape(image.height, image.width), torch.float32
         )
@@ -211,11 +214,14 @@ class MaskAwareEditor:
         steps: int,
         guidance: float,
         mask: np.ndarray | None = None,
+        strength: float = 1.0,
     ) -> EditRequest:
         """The request a bake runs: the template's own prompt and seed, nothing masked."""
         if mask is None:
             mask = np.zeros((image.height, image.width), dtype=bool)
-        return EditRequest(image, mask, prompt, seed, steps, guidance, prompt, seed)
+        return EditRequest(
+            image, mask, prompt, seed, steps, guidance, prompt, seed, strength=strength
+        )
 
     # -- edits ----------------------------------------------------------------------------
 

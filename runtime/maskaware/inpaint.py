@@ -44,6 +44,23 @@ def template_latents(
     return (sample - vae.config.shift_factor) * vae.config.scaling_factor
 
 
+def initial_latents(
+    request: EditRequest,
+    scheduler: Any,
+    timesteps: torch.Tensor,
+    noise: torch.Tensor,
+    image_latents: torch.Tensor | None,
+) -> torch.Tensor:
+    """The flow pipelines' ``prepare_latents``: the noise, or below strength 1 the image's
+    latents noised to the first kept timestep (``scale_noise`` is element-wise, so packed
+    latents take it alike; the scheduler is begun there)."""
+    if request.strength == 1.0:
+        return noise.clone()
+    if image_latents is None:
+        raise ValueError("an edit at strength < 1 starts from the image's latents: none given")
+    return scheduler.scale_noise(image_latents, timesteps[:1], noise)
+
+
 def blend(state: RequestState, latents: torch.Tensor) -> torch.Tensor:
     """The inpaint blend after a scheduler step: unmasked latents from the template,
     re-noised to the next timestep (``inputs``: ``mask``, ``image_latents``, ``noise``)."""

@@ -21,7 +21,10 @@ class EditRequest:
     """Paint ``mask`` (True = edit) of a template image with ``prompt``.
 
     ``template_prompt`` and ``template_seed`` name the bake whose activations the edit reuses;
-    ``seed`` drives only the masked region.
+    ``seed`` drives only the masked region. ``negative_prompt``: the classifier-free
+    guidance families' unconditional prompt. ``strength`` < 1 starts from the image noised
+    part-way down the schedule and runs only the rest of it (diffusers' ``strength``); a
+    bake for it follows that shorter trajectory.
     """
 
     image: Image.Image
@@ -34,8 +37,12 @@ class EditRequest:
     template_seed: int
     full_steps: int = 0  # the first steps compute every token (a quality warm-up)
     halo: int = 0  # latent pixels around the mask computed fresh too (conv families)
+    negative_prompt: str = ""
+    strength: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.strength <= 1.0:
+            raise ValueError(f"strength must be in (0, 1], not {self.strength}")
         if self.full_steps < 0:
             raise ValueError(f"full_steps must be >= 0, not {self.full_steps}")
         if self.halo < 0:
@@ -224,6 +231,13 @@ def check_batchable(requests: list[EditRequest]) -> EditRequest:
     for request in requests[1:]:
         if request.image.size != first.image.size:
             raise ValueError("a stock batch needs one image size")
-        if (request.steps, request.guidance) != (first.steps, first.guidance):
-            raise ValueError("a stock batch needs one step count and guidance")
+        if _stock_settings(request) != _stock_settings(first):
+            raise ValueError(
+                "a stock batch needs one step count, guidance, strength and negative prompt"
+            )
     return first
+
+
+def _stock_settings(request: EditRequest) -> tuple[int, float, float, str]:
+    """What one stock pipeline call takes once for its whole batch."""
+    return request.steps, request.guidance, request.strength, request.negative_prompt

@@ -332,6 +332,7 @@ def _fields() -> list[Case]:
         bad("strength-zero", "invalid_field", "strength", strength=0),
         bad("strength-over-1", "invalid_field", "strength", strength=1.01),
         bad("strength-string", "invalid_field", "strength", strength="0.5"),
+        bad("strength-keeps-no-step", "invalid_field", "strength", strength=0.5),  # of 1 step
         bad("padding-negative", "invalid_field", "padding_mask_crop", padding_mask_crop=-4),
         bad("padding-huge", "invalid_field", "padding_mask_crop", padding_mask_crop=10**6),
         bad("negative-prompt-list", "invalid_field", "negative_prompt", negative_prompt=["x"]),

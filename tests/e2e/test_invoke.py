@@ -6,6 +6,7 @@ import dataclasses
 import io
 import os
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from retouch.functions import wire
 from retouch.functions.errors import RetouchError
 from retouch.platform.bench.load import wait_baked
 from retouch.platform.client import Client, read_spec_file
@@ -192,3 +194,47 @@ def test_deploy_and_invoke_a_function_of_each_newer_family(
     assert not np.array_equal(np.frombuffer(edit.image, np.uint8).reshape(128, 128, 3), pixels)
     other = admin.invoke(example, template, mask, "a blue door", seed=4, format="raw")
     assert other.path == "maskaware" and other.image != edit.image  # the prompt reaches it
+
+
+def _variant_baked(admin: Client, function: str, variant: str, timeout: float = 300) -> None:
+    """Until an executor reports the strength variant ``variant`` of a template baked."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for executor in admin.executors()["executors"]:
+            states = executor["state"]["templates"].get(function, {})
+            if states.get(variant, {}).get("state") == "baked":
+                return
+        time.sleep(0.3)
+    raise AssertionError(f"{variant} of {function} not baked after {timeout:.0f} s")
+
+
+def test_strength_runs_its_steps_and_is_maskaware_from_its_second_edit(
+    admin: Client, examples: Path
+) -> None:
+    """strength 0.6 of 5 steps runs 3: the first edit of a template at that strength runs
+    the stock path and bakes that trajectory in the background, the second is mask-aware
+    (strength 1's bake does not serve it); a negative prompt changes the edit, and a
+    guidance-distilled family refuses one."""
+    spec, images = read_spec_file(examples / "tiny-sd.toml")
+    admin.deploy(dataclasses.replace(spec, name="sd-strength", steps=5), images)
+    wait_baked(admin, "sd-strength", timeout=300)  # strength 1's bakes
+    mask = np.zeros((128, 128), bool)
+    mask[30:80, 20:70] = True
+
+    def edit(**options: object) -> wire.InvokeResult:
+        return admin.invoke("sd-strength", "poster", mask, "a cat", seed=3, **options)
+
+    first = edit(strength=0.6)
+    assert (first.path, first.engine.steps, first.template) == ("stock", 3, "poster")
+    _variant_baked(admin, "sd-strength", wire.strength_variant("poster", 2))
+    second = edit(strength=0.6)
+    assert (second.path, second.engine.steps) == ("maskaware", 3)
+    whole = edit()
+    assert (whole.path, whole.engine.steps) == ("maskaware", 5) and whole.image != second.image
+    negative = edit(strength=0.6, negative_prompt="blurry")
+    assert negative.path == "maskaware" and negative.image != second.image
+
+    admin.deploy_file(examples / "tiny-flux.toml")
+    with pytest.raises(RetouchError) as refused:
+        admin.invoke("tiny-flux", "mug", mask, "x", negative_prompt="blurry")
+    assert (refused.value.status, refused.value.field) == (400, "negative_prompt")
