@@ -34,7 +34,8 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="selenium (a dev de
 
 FUNCTION, STEPS = "web-sd", 8
 EDIT_STEPS, EDIT_GUIDANCE, NEGATIVE = 3, 4.5, "blurry, dark"  # what the test sets on the page
-PROMPTS = read_spec_file(EXAMPLES / "tiny-sd.toml")[0].examples  # the function's examples
+SPEC = read_spec_file(EXAMPLES / "tiny-sd.toml")[0]  # the function's, but for its steps
+PROMPTS = SPEC.examples
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 
@@ -43,8 +44,8 @@ CHROMEDRIVER = shutil.which("chromedriver")
 def server(data_dir: Path, examples: Path) -> Iterator[ServerProcess]:
     args = ["--progress-interval", "0"]
     with ServerProcess(data_dir, env=TOKENS, extra_args=args) as proc:
-        spec, images = read_spec_file(examples / "tiny-sd.toml")
-        spec = dataclasses.replace(spec, name=FUNCTION, steps=STEPS)
+        _, images = read_spec_file(examples / "tiny-sd.toml")
+        spec = dataclasses.replace(SPEC, name=FUNCTION, steps=STEPS)
         with Client(proc.url, ADMIN) as admin:
             assert admin.deploy(spec, images)["status"] == "ready"
         yield proc
@@ -139,6 +140,9 @@ def test_page_and_static_files_are_served(server: ServerProcess) -> None:
         headers={"authorization": f"Bearer {INVOKE}"},
     )
     assert tpl.status_code == 200 and tpl.content.startswith(b"\x89PNG")
+    # the function's example prompts, which the page offers
+    doc = httpx.get(f"{server.url}/v1/functions/{FUNCTION}", headers=AUTH).json()
+    assert doc["examples"] == list(PROMPTS)
     for path, code, field in (
         (f"/v1/functions/{FUNCTION}/templates/nope", "template_not_found", "template"),
         ("/v1/functions/nope/templates/street", "function_not_found", "name"),
@@ -203,11 +207,17 @@ def test_playground_paints_submits_and_shows_the_result(server: ServerProcess, b
     assert abs(float(find(By.ID, "mask-ratio").get_attribute("data-ratio")) - ratio) < 1e-9
 
     # the prompt starts at the function's first example, the settings at its own
-    value = lambda element_id: find(By.ID, element_id).get_attribute("value")  # noqa: E731
+    def value(element_id: str) -> str:
+        return find(By.ID, element_id).get_attribute("value")
+
     examples = Select(find(By.ID, "examples"))
     assert [o.text for o in examples.options] == list(PROMPTS) and len(PROMPTS) >= 2
     assert value("prompt") == PROMPTS[0]
-    assert (value("steps"), float(value("guidance")), value("strength")) == (str(STEPS), 7.5, "1")
+    assert (value("steps"), float(value("guidance")), value("strength")) == (
+        str(STEPS),
+        SPEC.guidance,
+        "1",
+    )
     examples.select_by_index(1)
     assert value("prompt") == PROMPTS[1]
     for element_id, text in (
@@ -263,7 +273,7 @@ def test_playground_paints_submits_and_shows_the_result(server: ServerProcess, b
     # image (edits are deterministic), and at the function's own guidance another one
     shown = base64.b64decode(driver.execute_script(READ_RESULT))
     assert invoke(server, body) == shown
-    assert invoke(server, {**body, "guidance_scale": 7.5}) != shown
+    assert invoke(server, {**body, "guidance_scale": SPEC.guidance}) != shown
     assert post(server, "jobs", sent).status_code == 202
 
     shot = os.environ.get("RETOUCH_SCREENSHOT")
