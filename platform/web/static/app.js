@@ -329,8 +329,8 @@ function numberField(id, label, integer) {
   const bad = !Number.isFinite(value) || (integer && !Number.isSafeInteger(value)) ||
     value < Number(input.min) || (input.max !== "" && value > Number(input.max));
   if (bad) {
-    const range = input.max !== "" ? `${input.min}–${input.max}` : `≥ ${input.min}`;
-    throw new Error(`${label} must be ${integer ? "an integer" : "a number"} in ${range}`);
+    const range = input.max !== "" ? `in ${input.min}–${input.max}` : `≥ ${input.min}`;
+    throw new Error(`${label} must be ${integer ? "an integer" : "a number"} ${range}`);
   }
   return value;
 }
