@@ -49,6 +49,7 @@ FIELDS = (
     "placement",
     "uploads",
     "storage",
+    "examples",
 )
 TEMPLATE_FIELDS = ("image", "prompt", "seed")  # image: a path, in TOML files only
 SCALING_FIELDS = (
@@ -71,6 +72,9 @@ STORAGES = ("native", "fp8")
 PLACEMENTS = ("maskaware", "least-requests", "round-robin", "least-masked-tokens", "template-hash")
 UPLOADS_FIELDS = ("max_images", "max_bytes", "prompt", "seed")
 SIZE_MULTIPLE = 16  # Flux packs 2x2 latents on top of the VAE factor (8); SD needs 8
+# Example prompts: a menu on the web page, so a short list of short lines.
+MAX_EXAMPLES = 16
+MAX_EXAMPLE_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,9 @@ class FunctionSpec:
     variant: str | None = None  # weight files' variant (``diffusion_pytorch_model.fp16.*``)
     revision: str | None = None  # of a hub id
     config: str | None = None  # a single-file checkpoint's diffusers folder or hub id
+    # Prompts that mean something to the model (what it was trained to draw): the web page
+    # offers them, so a first edit need not guess the model's vocabulary.
+    examples: tuple[str, ...] = ()
 
     @property
     def source(self) -> ModelSource:
@@ -171,6 +178,7 @@ class FunctionSpec:
             "composite": self.composite,
             "feather_px": self.feather_px,
             "storage": self.storage,
+            "examples": list(self.examples),
             "templates": {
                 tid: {"prompt": t.prompt, "seed": t.seed} for tid, t in self.templates.items()
             },
@@ -247,7 +255,25 @@ def parse_spec(raw: Any) -> FunctionSpec:
         variant=source.variant,
         revision=source.revision,
         config=source.config,
+        examples=_examples(raw.get("examples", [])),
     )
+
+
+def _examples(raw: Any) -> tuple[str, ...]:
+    """Errors name the entry (``examples[3]``); one past the limit for too many."""
+    if not isinstance(raw, list):
+        raise InvalidSpec("examples must be a list of prompts", field="examples")
+    if len(raw) > MAX_EXAMPLES:
+        raise InvalidSpec(f"at most {MAX_EXAMPLES} examples", field=f"examples[{MAX_EXAMPLES}]")
+    for i, text in enumerate(raw):
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidSpec("an example must be a non-empty string", field=f"examples[{i}]")
+        if len(text) > MAX_EXAMPLE_CHARS or "\n" in text or "\r" in text:
+            raise InvalidSpec(
+                f"an example is one line of at most {MAX_EXAMPLE_CHARS} characters",
+                field=f"examples[{i}]",
+            )
+    return tuple(raw)
 
 
 def _storage(raw: dict[str, Any]) -> str:

@@ -2,8 +2,10 @@
 ``chromium-driver``, installed by ``make test`` where it can) driven by Selenium.
 
 It loads the page with the token in the URL fragment, paints a mask on the canvas, sees the
-live mask ratio, submits the edit as a job, watches the progress bar reach the last step,
-finds the result image, then checks the dashboard. A screenshot of the finished page is
+live mask ratio, picks one of the function's example prompts, sets steps, guidance and a
+negative prompt, submits the edit as a job, watches the progress bar reach the last step,
+finds the result image and checks the job ran with those settings, then checks the
+dashboard. A screenshot of the finished page is
 written to ``$RETOUCH_SCREENSHOT`` when set (``docs/playground.png`` was made so).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import io
 import os
 import shutil
 from collections.abc import Iterator
@@ -18,16 +21,21 @@ from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 
+from retouch.functions import wire
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
-from tests.support import wait_for
+from tests.support import EXAMPLES, wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium (a dev dependency)")
 
 FUNCTION, STEPS = "web-sd", 8
+EDIT_STEPS, EDIT_GUIDANCE, NEGATIVE = 3, 4.5, "blurry, dark"  # what the test sets on the page
+SPEC = read_spec_file(EXAMPLES / "tiny-sd.toml")[0]  # the function's, but for its steps
+PROMPTS = SPEC.examples
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 
@@ -36,8 +44,8 @@ CHROMEDRIVER = shutil.which("chromedriver")
 def server(data_dir: Path, examples: Path) -> Iterator[ServerProcess]:
     args = ["--progress-interval", "0"]
     with ServerProcess(data_dir, env=TOKENS, extra_args=args) as proc:
-        spec, images = read_spec_file(examples / "tiny-sd.toml")
-        spec = dataclasses.replace(spec, name=FUNCTION, steps=STEPS)
+        _, images = read_spec_file(examples / "tiny-sd.toml")
+        spec = dataclasses.replace(SPEC, name=FUNCTION, steps=STEPS)
         with Client(proc.url, ADMIN) as admin:
             assert admin.deploy(spec, images)["status"] == "ready"
         yield proc
@@ -80,6 +88,37 @@ def wait(driver, predicate, timeout: float, what: str):
     return wait_for(what, lambda: predicate(driver), timeout, 0.05, detail=browser_log)
 
 
+AUTH = {"authorization": f"Bearer {INVOKE}"}
+# The result image's pixels as the page shows them (RGBA rows, base64): drawn on a canvas,
+# since the page's CSP keeps fetch() off its blob URLs.
+READ_RESULT = """
+const img = document.getElementById("result");
+const c = document.createElement("canvas");
+c.width = img.naturalWidth;
+c.height = img.naturalHeight;
+const ctx = c.getContext("2d");
+ctx.drawImage(img, 0, 0);
+const data = ctx.getImageData(0, 0, c.width, c.height).data;
+let s = "";
+for (let i = 0; i < data.length; i += 0x8000) s += String.fromCharCode(...data.subarray(i, i + 0x8000));
+return btoa(s);
+"""
+
+
+def post(server: ServerProcess, route: str, content: bytes) -> httpx.Response:
+    """A msgpack request to the function's ``invoke`` or ``jobs`` route."""
+    headers = {**AUTH, "content-type": "application/msgpack"}
+    url = f"{server.url}/v1/functions/{FUNCTION}/{route}"
+    return httpx.post(url, content=content, headers=headers, timeout=60)
+
+
+def invoke(server: ServerProcess, body: dict) -> bytes:
+    """The pixels (RGBA rows) of the image a synchronous invoke of ``body`` answers."""
+    resp = post(server, "invoke", wire.pack(body))
+    assert resp.status_code == 200, resp.text
+    return Image.open(io.BytesIO(wire.unpack(resp.content)["image"])).convert("RGBA").tobytes()
+
+
 def test_page_and_static_files_are_served(server: ServerProcess) -> None:
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -101,6 +140,9 @@ def test_page_and_static_files_are_served(server: ServerProcess) -> None:
         headers={"authorization": f"Bearer {INVOKE}"},
     )
     assert tpl.status_code == 200 and tpl.content.startswith(b"\x89PNG")
+    # the function's example prompts, which the page offers
+    doc = httpx.get(f"{server.url}/v1/functions/{FUNCTION}", headers=AUTH).json()
+    assert doc["examples"] == list(PROMPTS)
     for path, code, field in (
         (f"/v1/functions/{FUNCTION}/templates/nope", "template_not_found", "template"),
         ("/v1/functions/nope/templates/street", "function_not_found", "name"),
@@ -164,12 +206,34 @@ def test_playground_paints_submits_and_shows_the_result(server: ServerProcess, b
     find(By.ID, "undo").click()
     assert abs(float(find(By.ID, "mask-ratio").get_attribute("data-ratio")) - ratio) < 1e-9
 
-    prompt = find(By.ID, "prompt")
-    prompt.clear()
-    prompt.send_keys("a red door")
-    seed = find(By.ID, "seed")
-    seed.clear()
-    seed.send_keys("3")
+    # the prompt starts at the function's first example, the settings at its own
+    def value(element_id: str) -> str:
+        return find(By.ID, element_id).get_attribute("value")
+
+    examples = Select(find(By.ID, "examples"))
+    assert [o.text for o in examples.options] == list(PROMPTS) and len(PROMPTS) >= 2
+    assert value("prompt") == PROMPTS[0]
+    assert (value("steps"), float(value("guidance")), value("strength")) == (
+        str(STEPS),
+        SPEC.guidance,
+        "1",
+    )
+    examples.select_by_index(1)
+    assert value("prompt") == PROMPTS[1]
+    for element_id, text in (
+        ("steps", str(EDIT_STEPS)),
+        ("guidance", str(EDIT_GUIDANCE)),
+        ("negative-prompt", NEGATIVE),
+        ("seed", "3"),
+        ("strength", "0"),  # out of (0, 1]: refused on the page, naming the field
+    ):
+        find(By.ID, element_id).clear()
+        find(By.ID, element_id).send_keys(text)
+    find(By.ID, "submit").click()
+    toast = wait(driver, lambda d: find(By.ID, "toast").text, 10, "the strength error")
+    assert "strength" in toast and find(By.ID, "job-state").text == "no job yet"
+    find(By.ID, "strength").clear()
+    find(By.ID, "strength").send_keys("1")
     find(By.ID, "submit").click()
 
     # the progress bar fills step by step to the end, then the result appears
@@ -178,7 +242,7 @@ def test_playground_paints_submits_and_shows_the_result(server: ServerProcess, b
     def progressed(d):
         bar = find(By.ID, "progress")
         seen.add(int(float(bar.get_attribute("value"))))
-        return int(float(bar.get_attribute("max"))) == STEPS and STEPS in seen
+        return int(float(bar.get_attribute("max"))) == EDIT_STEPS and EDIT_STEPS in seen
 
     wait(driver, progressed, 180, "the progress bar to reach the last step")
     assert len(seen - {0}) >= 2, seen  # it moved in steps, not in one jump
@@ -189,23 +253,33 @@ def test_playground_paints_submits_and_shows_the_result(server: ServerProcess, b
     assert find(By.ID, "job-state").text.startswith("succeeded")
     assert driver.execute_script("return document.getElementById('result').naturalWidth") == 128
     assert not find(By.ID, "download").get_attribute("hidden")
-    assert "path" in find(By.ID, "result-info").text
+    assert f"path stock · {EDIT_STEPS} steps" in find(By.ID, "result-info").text
+    job_id = find(By.ID, "result").get_attribute("data-job")
+    job = httpx.get(f"{server.url}/v1/jobs/{job_id}", headers=AUTH).json()
+    assert job["result"]["engine"]["steps"] == EDIT_STEPS  # the executor ran the page's steps
 
     # copy as curl: the exact job request, which the API accepts again
     find(By.ID, "copy-curl").click()
     curl = wait(
         driver, lambda d: find(By.ID, "curl-text").get_attribute("value"), 10, "the curl command"
     )
-    encoded = curl.split("echo '")[1].split("'")[0]
-    resp = httpx.post(
-        f"{server.url}/v1/functions/{FUNCTION}/jobs",
-        content=base64.b64decode(encoded),
-        headers={"authorization": f"Bearer {INVOKE}", "content-type": "application/msgpack"},
-    )
-    assert resp.status_code == 202
+    sent = base64.b64decode(curl.split("echo '")[1].split("'")[0])
+    body = wire.unpack(sent)
+    assert {"num_inference_steps", "guidance_scale", "negative_prompt", "strength"} <= set(body)
+    request = wire.InvokeRequest.from_wire(body)  # as the gateway reads it
+    assert (request.prompt, request.negative_prompt, request.seed) == (PROMPTS[1], NEGATIVE, 3)
+    assert (request.steps, request.guidance, request.strength) == (EDIT_STEPS, EDIT_GUIDANCE, 1.0)
+    # the guidance reached the model: the same request invoked again gives the page's
+    # image (edits are deterministic), and at the function's own guidance another one
+    shown = base64.b64decode(driver.execute_script(READ_RESULT))
+    assert invoke(server, body) == shown
+    assert invoke(server, {**body, "guidance_scale": SPEC.guidance}) != shown
+    assert post(server, "jobs", sent).status_code == 202
 
     shot = os.environ.get("RETOUCH_SCREENSHOT")
-    if shot:
+    if shot:  # the whole playground, its settings included
+        driver.set_window_size(1280, 1200)
+        driver.execute_script("window.scrollTo(0, 0)")
         driver.save_screenshot(shot)
 
     # the dashboard refreshes itself with the executor, its model and the template residency

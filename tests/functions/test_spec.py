@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from retouch.functions import wire
+from retouch.functions.demo.shapes import WORDS
 from retouch.functions.errors import BadRequest, InvalidSpec
 from retouch.functions.spec import STORAGES, FunctionSpec, load_spec_file, parse_spec
 from retouch.platform.httpapi import parse_json
@@ -88,6 +89,24 @@ def test_storage_defaults_to_native_and_round_trips() -> None:
     assert parse_spec(fp8.to_dict()) == fp8
 
 
+def test_examples_are_shown_as_given_and_bounded() -> None:
+    """The page's menu of example prompts: kept in order through the stored document, at
+    most 16 of at most 200 characters (the limits accepted at their edges)."""
+    assert parse_spec(_doc()).examples == () and parse_spec(_doc()).to_dict()["examples"] == []
+    examples = [f"prompt {i}".ljust(200, ".") for i in range(16)]
+    spec = parse_spec(_doc(examples=examples))
+    assert spec.to_dict()["examples"] == examples and parse_spec(spec.to_dict()) == spec
+
+
+def test_every_example_function_offers_example_prompts() -> None:
+    for path in sorted(EXAMPLES.glob("*.toml")):
+        assert load_spec_file(path)[0].examples, path.name
+    shapes, _ = load_spec_file(EXAMPLES / "shapes-sd.toml")
+    vocabulary = set(WORDS)  # the trained model's captions: each word one token
+    for text in shapes.examples:
+        assert set(text.split()) <= vocabulary, text
+
+
 def test_storages_are_the_row_formats() -> None:
     """The spec's choices are exactly the formats the runtime stores rows in."""
     assert set(STORAGES) == {f.value for f in RowFormat}
@@ -125,6 +144,14 @@ def test_storages_are_the_row_formats() -> None:
         ({"scaling": {"target_utilisation": 1.5}}, "scaling.target_utilisation"),
         ({"scaling": {"headroom_sigmas": -1}}, "scaling.headroom_sigmas"),
         ({"slo": {"latency_ms": 0}}, "slo.latency_ms"),
+        ({"examples": "a red star"}, "examples"),
+        ({"examples": {"0": "a red star"}}, "examples"),
+        ({"examples": ["a red star"] * 17}, "examples[16]"),
+        ({"examples": ["a red star", "x" * 201]}, "examples[1]"),
+        ({"examples": ["a red star", 5]}, "examples[1]"),
+        ({"examples": [None]}, "examples[0]"),
+        ({"examples": ["  "]}, "examples[0]"),
+        ({"examples": ["a red\nstar"]}, "examples[0]"),
     ],
 )
 def test_errors_name_the_field(change: dict, field: str) -> None:

@@ -111,10 +111,29 @@ async function chooseFunction() {
   state.fn = fn;
   [state.width, state.height] = fn.resolution;
   $("function-info").textContent = `${fn.model} · ${state.width}×${state.height} · ${fn.steps} steps`;
+  showExamples(fn.examples || []);
+  resetSettings();
   const tpl = $("template");
   tpl.replaceChildren(...Object.keys(fn.templates).map((t) => new Option(`${t} (${fn.templates[t].state})`, t)));
   resizeCanvases();
   await chooseTemplate();
+}
+
+// The function's example prompts (spec field `examples`): a menu, the first one in the
+// prompt box, so a first edit asks for something the model was trained to draw.
+function showExamples(examples) {
+  $("examples").replaceChildren(...examples.map((text) => new Option(text, text)));
+  $("examples-label").hidden = examples.length === 0;
+  $("prompt").value = examples.length ? examples[0] : "";
+}
+
+// The generation settings start at the function's own (its spec's steps and guidance) and
+// strength 1 (repaint the mask fully), so an untouched form edits as the function does.
+function resetSettings() {
+  if (!state.fn) return;
+  $("steps").value = String(state.fn.steps);
+  $("guidance").value = String(state.fn.guidance);
+  $("strength").value = "1";
 }
 
 async function chooseTemplate() {
@@ -302,22 +321,50 @@ async function maskPng() {
 
 // ---- jobs: submit, follow (SSE over fetch, so the token travels as a header), cancel ------
 
-async function submit() {
-  if (!state.fn) return toast("choose a function first", true);
-  if (Number($("mask-ratio").dataset.ratio || 0) === 0) return toast("paint the region to edit first", true);
-  const seed = Number($("seed").value);
-  if (!Number.isSafeInteger(seed) || seed < 0) return toast("seed must be a non-negative integer", true);
+// A number from a settings field, or an Error naming the field when it is empty, not a
+// number or out of the field's range (Number("") would silently be 0).
+function numberField(id, label, integer) {
+  const input = $(id);
+  const value = input.valueAsNumber;
+  const bad = !Number.isFinite(value) || (integer && !Number.isSafeInteger(value)) ||
+    value < Number(input.min) || (input.max !== "" && value > Number(input.max));
+  if (bad) {
+    const range = input.max !== "" ? `in ${input.min}–${input.max}` : `≥ ${input.min}`;
+    throw new Error(`${label} must be ${integer ? "an integer" : "a number"} ${range}`);
+  }
+  return value;
+}
+
+// The job request, under diffusers' argument names (docs/api.md, "Invocation").
+async function buildRequest() {
   const request = {
     mask: await maskPng(),
     prompt: $("prompt").value,
-    seed,
+    seed: numberField("seed", "seed", true),
+    num_inference_steps: numberField("steps", "steps", true),
+    guidance_scale: numberField("guidance", "guidance", false),
+    strength: numberField("strength", "strength", false),
     format: "png",
   };
+  const negative = $("negative-prompt").value;
+  if (negative) request.negative_prompt = negative;
   if (state.upload) request.image = state.upload;
   else request.template = state.template;
+  return request;
+}
+
+async function submit() {
+  if (!state.fn) return toast("choose a function first", true);
+  if (Number($("mask-ratio").dataset.ratio || 0) === 0) return toast("paint the region to edit first", true);
+  let request;
+  try {
+    request = await buildRequest();
+  } catch (err) {
+    return toast(err.message, true);
+  }
   state.lastRequest = { fn: state.fn.name, ...request };
   $("copy-curl").disabled = false;
-  setProgress(0, state.fn.steps);
+  setProgress(0, request.num_inference_steps);
   $("job-state").textContent = "submitting…";
   let doc;
   try {
@@ -433,7 +480,7 @@ async function showResult(jobId) {
   $("job-state").textContent = `succeeded · job ${jobId.slice(0, 8)}`;
   const t = r.timings;
   $("result-info").textContent =
-    `path ${r.path} · ${(t.total_ms / 1000).toFixed(2)} s total (run ${(t.run_ms / 1000).toFixed(2)} s) · ` +
+    `path ${r.path} · ${r.engine.steps} steps · ${(t.total_ms / 1000).toFixed(2)} s total (run ${(t.run_ms / 1000).toFixed(2)} s) · ` +
     `mask ${(r.mask_ratio * 100).toFixed(1)} % · ${r.executor}${r.template ? " · " + r.template : ""}`;
   img.dataset.job = jobId;
   img.dataset.path = r.path;
@@ -645,6 +692,8 @@ function init() {
     if ((e.ctrlKey || e.metaKey) && e.key === "z") { e.preventDefault(); undoMask(); }
   });
   $("random-seed").addEventListener("click", () => { $("seed").value = String(Math.floor(Math.random() * 2 ** 31)); });
+  $("examples").addEventListener("change", () => { $("prompt").value = $("examples").value; });
+  $("defaults").addEventListener("click", resetSettings);
   $("submit").addEventListener("click", () => submit().catch((e) => toast(e.message, true)));
   $("cancel").addEventListener("click", cancelJob);
   $("copy-curl").addEventListener("click", copyCurl);
