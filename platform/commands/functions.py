@@ -21,6 +21,7 @@ from retouch.platform.commands.common import (
     non_negative_int,
     positive_int,
     print_table,
+    unit_interval,
 )
 
 
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="baked (default): until every template is baked, so first edits are mask-aware; "
         "ready: once executors have loaded it",
     )
+    add_json(p, "the function's document")
     p.set_defaults(run=_deploy)
 
     p = client_options(sub.add_parser("ls", help="list functions"))
@@ -45,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = client_options(sub.add_parser("rm", help="delete a function"))
     p.add_argument("name", help="the function's name")
+    add_json(p, "the answer")
     p.set_defaults(run=_rm)
 
     p = client_options(sub.add_parser("invoke", help="edit a template: paint the masked region"))
@@ -61,15 +64,33 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--mask", type=existing_file, required=True, help="mask image file, nonzero = edit"
     )
     p.add_argument("--prompt", required=True, help="what to paint in the masked region")
+    p.add_argument("--negative-prompt", default=None, help="what the edit steers away from")
     p.add_argument("--seed", type=non_negative_int, default=0, help="noise seed (default 0)")
     p.add_argument(
-        "--steps", type=positive_int, default=None, help="denoising steps (default: the spec's)"
+        "--steps",
+        "--num-inference-steps",
+        type=positive_int,
+        default=None,
+        help="denoising steps (default: the spec's)",
     )
     p.add_argument(
         "--guidance",
+        "--guidance-scale",
         type=non_negative_float,
         default=None,
         help="guidance scale (default: the spec's)",
+    )
+    p.add_argument(
+        "--strength",
+        type=unit_interval,
+        default=None,
+        help="how far the masked region may move from the image, in (0, 1] (default 1)",
+    )
+    p.add_argument(
+        "--padding-mask-crop",
+        type=non_negative_int,
+        default=None,
+        help="edit only a crop around the mask, padded by this many pixels, and paste it back",
     )
     p.add_argument(
         "--format",
@@ -119,8 +140,11 @@ def _deploy(args: argparse.Namespace) -> None:
                 print(file=sys.stderr)
             states = [t["state"] for t in doc["templates"].values()]
             baking = f", {states.count('baked')}/{len(states)} templates baked"
-    error = f" ({doc['error']})" if doc.get("error") else ""
-    print(f"{doc['name']}: {doc['status']}{baking}{error}")
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        error = f" ({doc['error']})" if doc.get("error") else ""
+        print(f"{doc['name']}: {doc['status']}{baking}{error}")
     if doc["status"] == "failed":
         sys.exit(1)
 
@@ -140,8 +164,8 @@ def _ls(args: argparse.Namespace) -> None:
 
 def _rm(args: argparse.Namespace) -> None:
     with connect(args) as client:
-        client.delete(args.name)
-    print(f"deleted {args.name}")
+        doc = client.delete(args.name)
+    print(json.dumps(doc) if args.json else f"deleted {args.name}")
 
 
 def _invoke(args: argparse.Namespace) -> None:
@@ -149,7 +173,14 @@ def _invoke(args: argparse.Namespace) -> None:
         mask = args.mask.read_bytes()
     except OSError as exc:
         raise UsageError(f"--mask: cannot read {args.mask}: {exc.strerror}") from exc
-    options = {"steps": args.steps, "guidance": args.guidance, "format": args.format}
+    options = {
+        "steps": args.steps,
+        "guidance": args.guidance,
+        "format": args.format,
+        "negative_prompt": args.negative_prompt,
+        "strength": args.strength,
+        "padding_mask_crop": args.padding_mask_crop,
+    }
     if args.image is not None:
         try:
             options["image"] = args.image.read_bytes()

@@ -39,9 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "-o", "--output", type=Path, default=None, help="write the image here when it succeeds"
     )
+    add_json(p, "the finished job's document (without its image)")
     p.set_defaults(run=_watch)
     p = client_options(jobs_sub.add_parser("cancel", help="cancel a queued or running job"))
     p.add_argument("id", help="the job's id")
+    add_json(p, "the job's document")
     p.set_defaults(run=_cancel)
 
 
@@ -91,11 +93,15 @@ def _watch(args: argparse.Namespace) -> None:
         if status != "succeeded":
             error = job.doc.get("error") or {}
             message = f": {error.get('code')}: {error.get('message')}" if error else ""
-            print(f"{job.id} {status}{message}")
+            print(json.dumps(job.doc) if args.json else f"{job.id} {status}{message}")
             sys.exit(1)
         result = job.wait()
     if args.output is not None:
         args.output.write_bytes(result.image)
+    if args.json:
+        doc = {**job.doc, "result": {k: v for k, v in job.doc["result"].items() if k != "image"}}
+        print(json.dumps({"written": None if args.output is None else str(args.output), **doc}))
+        return
     out = f" -> {args.output}" if args.output is not None else ""
     print(
         f"{job.id} succeeded{out}: {result.width}x{result.height} path={result.path} total={result.timings.total_ms:.0f}ms"
@@ -105,4 +111,4 @@ def _watch(args: argparse.Namespace) -> None:
 def _cancel(args: argparse.Namespace) -> None:
     with connect(args) as client:
         doc = client.job(args.id).cancel()
-    print(f"{doc['id']} {doc['status']}")
+    print(json.dumps(doc) if args.json else f"{doc['id']} {doc['status']}")

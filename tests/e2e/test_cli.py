@@ -99,7 +99,8 @@ def test_cli_round_trip(
     assert names[0] == names[1] and "host_templates" in names[0]  # values move as it works
     assert not after.stdout.lstrip().startswith("{")
 
-    assert _cli("rm", "tiny-sd", url=server.url, token=admin).returncode == 0
+    out = _cli("rm", "tiny-sd", "--json", url=server.url, token=admin)
+    assert out.returncode == 0 and json.loads(out.stdout) == {"deleted": "tiny-sd"}, out.stderr
     assert "tiny-sd" not in _cli("ls", url=server.url, token=admin).stdout
 
 

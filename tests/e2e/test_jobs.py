@@ -301,6 +301,27 @@ def test_cli_async_watch_ls_cancel(server: ServerProcess, tmp_path: Path) -> Non
     canceled = cli("jobs", "cancel", job_id)
     assert canceled.returncode == 1 and "job_finished" in canceled.stderr
 
+    # diffusers' arguments as flags, and --json on what a script parses
+    submitted = cli(
+        "invoke", FUNCTION, "--template", TEMPLATE, "--mask", str(mask), "--prompt", "x",
+        "--negative-prompt", "blurry", "--num-inference-steps", "2", "--guidance-scale", "3",
+        "--strength", "0.5", "--async", "--json",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    doc = json.loads(submitted.stdout)
+    assert doc["input"] | {"negative_prompt": "blurry", "num_inference_steps": 2} == doc["input"]
+    assert (doc["input"]["guidance_scale"], doc["input"]["strength"]) == (3.0, 0.5)
+    watched = cli("jobs", "watch", doc["id"], "--json")
+    assert watched.returncode == 0, watched.stderr
+    finished = json.loads(watched.stdout)
+    assert finished["status"] == "succeeded" and finished["output"].startswith(server.url)
+    assert finished["result"]["engine"]["steps"] == 1  # int(2 * 0.5): strength cuts the schedule
+    canceled = cli("jobs", "cancel", doc["id"], "--json")
+    assert canceled.returncode == 1 and "job_finished" in canceled.stderr
+    bad = cli("invoke", FUNCTION, "--template", TEMPLATE, "--mask", str(mask), "--prompt", "x",
+              "--strength", "1.5")  # fmt: skip
+    assert bad.returncode == 2 and "(0, 1]" in bad.stderr and "Traceback" not in bad.stderr
+
 
 def test_cli_deploy_waits_until_templates_are_baked(
     server: ServerProcess, examples: Path, tmp_path: Path
@@ -319,11 +340,17 @@ def test_cli_deploy_waits_until_templates_are_baked(
     listing = subprocess.run([*run, "ls"], capture_output=True, text=True, env=env).stdout
     row = next(line for line in listing.splitlines() if line.startswith("baked-sd"))
     assert row.endswith("street (baked), poster (baked)"), row
+    # the same spec again (nothing changes), its document as JSON for a script
+    out = subprocess.run(
+        [*run, "deploy", str(path), "--json"], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["name"] == "baked-sd" and doc["status"] == "ready"
+    assert {t["state"] for t in doc["templates"].values()} == {"baked"}
 
 
 def _png(mask: np.ndarray) -> bytes:
-    from retouch.functions.imaging import encode_mask
-
     return encode_mask(mask)
 
 
