@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -105,9 +106,11 @@ return btoa(s);
 """
 
 
-def post(server: ServerProcess, route: str, content: bytes) -> httpx.Response:
-    """A msgpack request to the function's ``invoke`` or ``jobs`` route."""
-    headers = {**AUTH, "content-type": "application/msgpack"}
+def post(
+    server: ServerProcess, route: str, content: bytes, ctype: str = "application/msgpack"
+) -> httpx.Response:
+    """A request to the function's ``invoke`` or ``jobs`` route."""
+    headers = {**AUTH, "content-type": ctype}
     url = f"{server.url}/v1/functions/{FUNCTION}/{route}"
     return httpx.post(url, content=content, headers=headers, timeout=60)
 
@@ -258,13 +261,13 @@ def test_playground_paints_submits_and_shows_the_result(server: ServerProcess, b
     job = httpx.get(f"{server.url}/v1/jobs/{job_id}", headers=AUTH).json()
     assert job["result"]["engine"]["steps"] == EDIT_STEPS  # the executor ran the page's steps
 
-    # copy as curl: the exact job request, which the API accepts again
+    # copy as curl: the job request as JSON, which the API accepts again
     find(By.ID, "copy-curl").click()
     curl = wait(
         driver, lambda d: find(By.ID, "curl-text").get_attribute("value"), 10, "the curl command"
     )
-    sent = base64.b64decode(curl.split("echo '")[1].split("'")[0])
-    body = wire.unpack(sent)
+    sent = curl.split("<<'JSON'\n")[1].rsplit("\nJSON", 1)[0]
+    body = json.loads(sent)
     assert {"num_inference_steps", "guidance_scale", "negative_prompt", "strength"} <= set(body)
     request = wire.InvokeRequest.from_wire(body)  # as the gateway reads it
     assert (request.prompt, request.negative_prompt, request.seed) == (PROMPTS[1], NEGATIVE, 3)
@@ -274,7 +277,7 @@ def test_playground_paints_submits_and_shows_the_result(server: ServerProcess, b
     shown = base64.b64decode(driver.execute_script(READ_RESULT))
     assert invoke(server, body) == shown
     assert invoke(server, {**body, "guidance_scale": SPEC.guidance}) != shown
-    assert post(server, "jobs", sent).status_code == 202
+    assert post(server, "jobs", sent.encode(), "application/json").status_code == 202
 
     shot = os.environ.get("RETOUCH_SCREENSHOT")
     if shot:  # the whole playground, its settings included

@@ -496,7 +496,7 @@ async function cancelJob() {
   }
 }
 
-// ---- copy as curl: the same job request, byte for byte --------------------------------------
+// ---- copy as curl: the same job request, as JSON --------------------------------------
 
 function base64(bytes) {
   let s = "";
@@ -507,11 +507,11 @@ function base64(bytes) {
 function curlCommand() {
   const { fn, ...body } = state.lastRequest;
   const url = `${location.origin}/v1/functions/${fn}/jobs`;
-  const encoded = base64(msgpack.encode(body));
+  const json = JSON.stringify(body, (_, v) => (v instanceof Uint8Array ? base64(v) : v));
   const auth = token() ? ` \\\n  -H "authorization: Bearer $RETOUCH_TOKEN"` : "";
-  return `# the job request this page sent (msgpack, as the API takes it); answers the job document (msgpack)\n` +
-    `echo '${encoded}' | base64 -d | curl -sS -X POST '${url}'${auth} \\\n` +
-    `  -H 'content-type: application/msgpack' --data-binary @- -o job.msgpack`;
+  return `# the job request this page sent, as JSON (images base64); answers the job document\n` +
+    `curl -sS -X POST '${url}'${auth} \\\n` +
+    `  -H 'content-type: application/json' --data-binary @- <<'JSON'\n${json}\nJSON`;
 }
 
 async function copyCurl() {
