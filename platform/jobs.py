@@ -35,6 +35,7 @@ from retouch.platform.auth import ANONYMOUS, Principal
 from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.control.queue import Seat
 from retouch.platform.journal import JobJournal
+from retouch.platform.reframe import Framed
 from retouch.platform.retention import (
     Retention,
     RetentionLimits,
@@ -70,6 +71,9 @@ class PreparedInvocation:
     invocation: wire.ExecutorInvoke
     placement: PlacementRequest
     seat: Seat | None = None  # its place in the queue, held from admission (none: resumed)
+    # An input the executor edits resized or cropped (``platform/reframe.py``): its result
+    # is pasted back into it. None: the executor's result is the answer as it comes.
+    framed: Framed | None = None
 
 
 END_EVENT = {
@@ -462,8 +466,8 @@ class JobStore:
         """A finished job keeps its result and a small record, not its request's payload
         (mask, uploaded image) nor the arrays decoded from it."""
         template = job.request.invoke.template or ""
-        if job.prepared is not None:  # an upload's content id
-            template = job.prepared.invocation.template
+        if job.prepared is not None and job.request.invoke.image is not None:
+            template = job.prepared.invocation.template  # an upload's content id
         job.request, job.prepared = slim_request(job.request, template), None
         image = job.result.image if job.result is not None else b""
         job.retained_bytes = retained_bytes(job.request, image)
