@@ -88,6 +88,16 @@ def edit(client: Client, image: bytes, seed: int = 1, name: str = FUNCTION) -> w
     return client.invoke(name, None, MASK, "a red door", seed=seed, image=image, format="raw")
 
 
+def post_msgpack(server: ServerProcess, route: str, request: dict) -> httpx.Response:
+    """``request`` to the function's ``invoke`` or ``jobs`` route, as msgpack."""
+    return httpx.post(
+        f"{server.url}/v1/functions/{FUNCTION}/{route}",
+        content=wire.pack(request),
+        headers={"authorization": f"Bearer {INVOKE}", "content-type": "application/msgpack"},
+        timeout=60,
+    )
+
+
 def uploads(client: Client, name: str) -> dict[str, dict]:
     return client.get(name)["uploads"]
 
@@ -233,12 +243,7 @@ def test_bad_uploads_are_4xx_naming_the_field(
     Image.fromarray(MASK.astype(np.uint8) * 255).save(mask, format="PNG")
     request = {"mask": mask.getvalue(), "prompt": "p", "seed": 1, **body}
     for route in ("invoke", "jobs"):
-        resp = httpx.post(
-            f"{server.url}/v1/functions/{FUNCTION}/{route}",
-            content=wire.pack(request),
-            headers={"authorization": f"Bearer {INVOKE}", "content-type": "application/msgpack"},
-            timeout=60,
-        )
+        resp = post_msgpack(server, route, request)
         assert resp.status_code == status, resp.content
         error = wire.unpack(resp.content)["error"]
         assert (error["code"], error["field"]) == (code, field), error
@@ -284,12 +289,7 @@ def test_uploads_are_refused_from_their_header_before_any_pixel_is_decoded(
     for image, code in cases:
         request = {"image": image, "mask": mask.getvalue(), "prompt": "p", "seed": 1}
         for route in ("invoke", "jobs"):
-            resp = httpx.post(
-                f"{server.url}/v1/functions/{FUNCTION}/{route}",
-                content=wire.pack(request),
-                headers={**auth, "content-type": "application/msgpack"},
-                timeout=60,
-            )
+            resp = post_msgpack(server, route, request)
             assert resp.status_code == 400, resp.content
             error = wire.unpack(resp.content)["error"]
             assert (error["code"], error["field"]) == (code, "image"), error
@@ -412,12 +412,7 @@ def test_bad_sizes_and_crops_are_4xx_naming_the_field(
         **fields, "mask": encode_mask(mask),
     }  # fmt: skip
     for route in ("invoke", "jobs"):
-        resp = httpx.post(
-            f"{server.url}/v1/functions/{FUNCTION}/{route}",
-            content=wire.pack(request),
-            headers={"authorization": f"Bearer {INVOKE}", "content-type": "application/msgpack"},
-            timeout=60,
-        )
+        resp = post_msgpack(server, route, request)
         assert resp.status_code == 400, resp.content
         error = wire.unpack(resp.content)["error"]
         assert (error["code"], error["field"]) == (code, field), error
