@@ -146,7 +146,7 @@ def run_crop_bench(
         ServerProcess(data_dir, extra_args=["--invoke-timeout", "3600"]) as server,
         Client(server.url, timeout=3600) as client,
     ):
-        client.deploy(spec, {"t": png(Image.new("RGB", (resolution, resolution)))})
+        client.deploy(spec, {"t": png(Image.new("RGB", (resolution, resolution)))}, timeout=3600)
         client.wait_baked("m", timeout=3600)
         client.invoke("m", "t", np.ones((resolution, resolution), bool), "warm-up", seed=1)
 
