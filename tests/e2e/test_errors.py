@@ -79,11 +79,11 @@ BAD_INVOKES = [
     ("steps out of range", wire.pack(_invoke_body(steps=0)), 400, "invalid_field", "steps"),
     ("unknown format", wire.pack(_invoke_body(format="gif")), 400, "invalid_field", "format"),
     (
-        "wrong mask size",
-        wire.pack(_invoke_body(mask=encode_mask(np.ones((64, 128), bool)))),
+        "crop around an empty mask",
+        wire.pack(_invoke_body(mask=encode_mask(np.zeros((64, 128), bool)), padding_mask_crop=8)),
         400,
-        "mask_size_mismatch",
-        "mask",
+        "invalid_field",
+        "padding_mask_crop",
     ),
     (
         "undecodable mask",
