@@ -114,13 +114,11 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def decode_mask(data: bytes, size: tuple[int, int], field: str = "mask") -> np.ndarray:
-    """A boolean ``[H, W]`` array (True = edit) from an encoded mask of exactly ``size``.
-
-    The size is compared from the header, before any pixel is decoded; see the module
-    docstring for which pixels count as selected.
-    """
-    colour, alpha = _mask_channels(data, size, field, "template")
+def decode_mask(data: bytes, field: str = "mask") -> np.ndarray:
+    """A boolean ``[H, W]`` array (True = edit) from an encoded mask, at the size it was
+    sent (the gateway resizes it to its image's: ``platform/reframe.py``); see the module
+    docstring for which pixels count as selected."""
+    colour, alpha = _mask_channels(data, field)
     if alpha is None:
         return colour
     opaque = alpha > 0
@@ -141,9 +139,7 @@ def decode_mask(data: bytes, size: tuple[int, int], field: str = "mask") -> np.n
 MASK_MODES = ("auto", "alpha", "white")
 
 
-def decode_openai_mask(
-    data: bytes, size: tuple[int, int], mode: str = "auto", field: str = "mask"
-) -> np.ndarray:
+def decode_openai_mask(data: bytes, mode: str = "auto", field: str = "mask") -> np.ndarray:
     """A boolean ``[H, W]`` edit mask under the OpenAI Images API's conventions.
 
     ``alpha``: fully transparent pixels (alpha 0) are edited, as OpenAI masks (and an image
@@ -157,7 +153,7 @@ def decode_openai_mask(
             field="mask_mode",
             code="invalid_field",
         )
-    colour, alpha = _mask_channels(data, size, field, "image")
+    colour, alpha = _mask_channels(data, field)
     transparent = None if alpha is None else alpha == 0
     if mode == "auto":
         mode = "alpha" if transparent is not None and transparent.any() else "white"
@@ -172,18 +168,9 @@ def decode_openai_mask(
     return colour if alpha is None else colour & (alpha > 0)
 
 
-def _mask_channels(
-    data: bytes, size: tuple[int, int], field: str, against: str
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """(not-black per pixel, alpha or None) of a mask whose header declares ``size``."""
-    img = _open(data, field)
-    if img.size != tuple(size):
-        raise BadRequest(
-            f"{field} is {img.width}x{img.height}, {against} is {size[0]}x{size[1]}",
-            field=field,
-            code="mask_size_mismatch",
-        )
-    _load(img, field)
+def _mask_channels(data: bytes, field: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(not-black per pixel, alpha or None) of an encoded mask."""
+    img = _load(_open(data, field), field)
     return _convert(field, f"{img.mode} mask", _channels, img)
 
 

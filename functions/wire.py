@@ -28,6 +28,7 @@ MAX_STEPS = 200
 MAX_GUIDANCE = 50.0
 MAX_PROMPT_CHARS = 4096
 MAX_PADDING = 4096  # padding_mask_crop, in pixels of the input image
+SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # an image size on the wire: WIDTHxHEIGHT
 
 
 def pack(obj: Any) -> bytes:
@@ -144,7 +145,8 @@ class InvokeRequest:
     (``image``: encoded bytes, decoded by the gateway), never both. Fields carry diffusers'
     inpainting names on the wire (``num_inference_steps``, ``guidance_scale``,
     ``negative_prompt``, ``strength``, ``padding_mask_crop``); the older ``steps`` and
-    ``guidance`` are read as aliases. Images and masks are bytes (msgpack) or, in JSON,
+    ``guidance`` are read as aliases. ``size`` (``WIDTHxHEIGHT``, as OpenAI's) is the
+    result's size; without it the result has the input image's. Images and masks are bytes (msgpack) or, in JSON,
     base64 strings or ``data:`` URIs. An unknown field is refused, so a misspelt argument
     never silently falls back to its default."""
 
@@ -159,6 +161,7 @@ class InvokeRequest:
     negative_prompt: str | None = None
     strength: float = 1.0
     padding_mask_crop: int | None = None
+    size: tuple[int, int] | None = None
 
     @classmethod
     def from_wire(cls, obj: Any) -> InvokeRequest:
@@ -189,6 +192,7 @@ class InvokeRequest:
             negative_prompt=optional(body, "negative_prompt", str, None),
             strength=float(optional(body, "strength", (int, float), 1.0)),
             padding_mask_crop=optional(body, "padding_mask_crop", int, None),
+            size=None if body.get("size") is None else parse_size(expect(body, "size", str)),
         )
         req.check(sent)
         return req
@@ -241,6 +245,7 @@ class InvokeRequest:
             "guidance_scale": self.guidance,
             "strength": self.strength,
             "padding_mask_crop": self.padding_mask_crop,
+            "size": None if self.size is None else f"{self.size[0]}x{self.size[1]}",
             "format": self.format,
         }
         return {k: v for k, v in out.items() if v is not None}
@@ -270,6 +275,7 @@ INVOKE_FIELDS = frozenset(
         "guidance_scale",
         "strength",
         "padding_mask_crop",
+        "size",
         "format",
     )
 )
@@ -294,6 +300,16 @@ def _canonical(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
             )
         out[name], sent[name] = value, key
     return out, sent
+
+
+def parse_size(raw: str, field: str = "size") -> tuple[int, int]:
+    """``WIDTHxHEIGHT`` (ASCII digits, each side at least 1) as ``(width, height)``."""
+    m = SIZE.fullmatch(raw.strip())
+    if m is None or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise BadRequest(
+            f"{field} must be WIDTHxHEIGHT (e.g. 512x512)", field=field, code="invalid_field"
+        )
+    return int(m.group(1)), int(m.group(2))
 
 
 def decode_bytes(value: Any, field: str) -> bytes:

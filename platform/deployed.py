@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from retouch.functions.imaging import decode_image
 from retouch.functions.spec import FunctionSpec
 from retouch.functions.wire import BAKE_PROGRESS, BakeState, DeployStatus, ExecutorState
 from retouch.platform.control.cluster import PlacementRequest
@@ -27,10 +28,20 @@ class DeployedFunction:
     error: str | None = None
     sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
     task: asyncio.Task | None = None
+    # Template images decoded for crops of them (``padding_mask_crop``), on first need.
+    _pixels: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def spec(self) -> FunctionSpec:
         return self.stored.spec
+
+    def template_pixels(self, tid: str) -> np.ndarray:
+        """A template's RGB8 ``[H, W, 3]`` pixels (its stored PNG, decoded once)."""
+        pixels = self._pixels.get(tid)
+        if pixels is None:
+            img = decode_image(self.stored.templates[tid], f"templates.{tid}.image")
+            pixels = self._pixels[tid] = np.asarray(img.convert("RGB"), dtype=np.uint8)
+        return pixels
 
     @cached_property
     def cheapest(self) -> PlacementRequest:

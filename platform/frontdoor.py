@@ -9,12 +9,17 @@ uploaded image all take the same path, in this order:
    decided from here on is timed (``/v1/executors``'s ``refusal_ms``);
 3. :meth:`FrontDoor.accept`: the request is decoded into one
    :class:`~retouch.platform.jobs.PreparedInvocation` (template checked, mask decoded, a
-   large one off the event loop, an uploaded image content-addressed), admitted again (the
-   queue may have filled meanwhile; this invocation's own SLO), and submitted as a job;
-4. the job store runs it through the dispatcher (:meth:`FrontDoor._execute`), and a synchronous
-   caller waits for it with :meth:`FrontDoor.answers`.
+   large one off the event loop, the input framed for the function's resolution
+   (``platform/reframe.py``: resized, or cropped around the mask), an uploaded image or a
+   crop content-addressed), admitted again (the queue may have filled meanwhile; this
+   invocation's own SLO), and submitted as a job;
+4. the job store runs it through the dispatcher (:meth:`FrontDoor._execute`), the edit of a
+   resized or cropped input is pasted back into it, and a synchronous caller waits for it
+   with :meth:`FrontDoor.answers`.
 
-A job resumed from the journal after a restart is prepared again on its way to the dispatcher.
+A job resumed from the journal after a restart is prepared again on its way to the
+dispatcher: framing is a pure function of the request, so its crop and paste-back are the
+same.
 """
 
 from __future__ import annotations
@@ -24,25 +29,28 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from PIL import Image
 
 from retouch.functions import wire
-from retouch.functions.errors import Canceled, NotFound, Overloaded, Unavailable
+from retouch.functions.errors import BadRequest, Canceled, NotFound, Overloaded, Unavailable
 from retouch.functions.families import check_edit, family_spec
-from retouch.functions.imaging import decode_mask
+from retouch.functions.imaging import decode_mask, encode_image
 from retouch.functions.wire import DeployStatus
 from retouch.platform import uploads
 from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.dispatch import Dispatcher
-from retouch.platform.imagegate import ImageGate
+from retouch.platform.imagegate import Declared, ImageGate
 from retouch.platform.job import Job, PreparedInvocation, new_job_id
 from retouch.platform.jobs import JobStore, OnProgress, OnStart
 from retouch.platform.journal import JobJournal
 from retouch.platform.links import LinkSigner
 from retouch.platform.metrics import GatewayMetrics
+from retouch.platform.reframe import Frame, Framed, Size, resize_mask
 from retouch.platform.retention import RetentionLimits, payload_bytes
 from retouch.runtime.prediction import MaskFootprint
 
@@ -177,21 +185,21 @@ class FrontDoor:
                 self.jobs.forget(job)
 
     # ---- preparation and execution -------------------------------------------------------
-    async def upload(self, fn: DeployedFunction, data: bytes, owner: str) -> uploads.Upload:
-        """An uploaded image of ``owner`` for ``fn``, checked from its header (before a
-        pixel is decoded), then decoded within the decode budget and named."""
+    async def upload(self, fn: DeployedFunction, data: bytes) -> uploads.Upload:
+        """An uploaded image for ``fn``, checked from its header (the pixel limit, before a
+        pixel is decoded), then decoded within the decode budget, at the size it was sent."""
         declared = self.images.declare(data, "image")
-        uploads.check_upload(fn.spec, declared.size)
-        return await self.images.decode(declared, self.names.decode, fn.spec, data, owner)
+        uploads.check_upload(fn.spec)
+        return await self.images.decode(declared, uploads.decode_upload, data)
 
-    async def decode_mask(
-        self, data: bytes, size: tuple[int, int], halo: int = 0
-    ) -> tuple[np.ndarray, MaskFootprint]:
-        """A mask of ``size`` (checked from its header, as the pixel limit), decoded within
-        the decode budget: a small one inline, a large one on a worker thread, so the event
-        loop serves other invocations meanwhile."""
+    async def decode_mask(self, data: bytes, size: Size) -> np.ndarray:
+        """A mask as a boolean array of ``size`` (its image's): decoded at the size it was
+        sent, its header checked against the pixel limit first, and resized when other;
+        within the decode budget (for the larger of the two sizes): a small one inline, a
+        large one on a worker thread, so the event loop serves other invocations meanwhile."""
         declared = self.images.declare(data, "mask")
-        return await self.images.decode(declared, _decode_mask, data, size, halo, size=size)
+        cost = max(declared, Declared(*size), key=lambda d: d.pixels)
+        return await self.images.decode(cost, _decode_mask, data, size)
 
     async def _prepare(
         self,
@@ -201,37 +209,45 @@ class FrontDoor:
         owner: str,
         upload: uploads.Upload | None = None,
     ) -> PreparedInvocation:
-        """Check the template, decode the mask (a large one on a thread) and build what the
-        executor gets; an uploaded ``image`` is decoded and content-addressed here (unless
-        given decoded), within its owner's uploads (``UploadNames.id``). What the function's
-        family cannot do is refused first (:func:`check_edit`)."""
-        steps = req.steps or fn.spec.steps
+        """Check the template, decode the mask, frame the input for the function's
+        resolution and build what the executor gets. An uploaded ``image`` (decoded here
+        unless given decoded) or a crop of a template is an ad-hoc template, named by the
+        pixels the executor gets within its owner's uploads (``UploadNames.id``). What the
+        function's family cannot do is refused first (:func:`check_edit`)."""
+        spec = fn.spec
+        steps = req.steps or spec.steps
         negative = req.negative_prompt or ""
-        steps_run = check_edit(fn.spec.family, steps, req.strength, negative)
-        image = None
+        steps_run = check_edit(spec.family, steps, req.strength, negative)
         if req.image is not None:
-            if upload is None:
-                upload = await self.upload(fn, req.image, owner)
-            template, image, size = upload.id, upload.pixels, upload.size
+            upload = upload or await self.upload(fn, req.image)
+            size = upload.size
         else:
-            template, size = req.template or "", fn.sizes.get(req.template or "")
+            size = fn.sizes.get(req.template or "")
         if size is None:
             raise NotFound(
-                f"function {fn.spec.name!r} has no template {req.template!r}",
+                f"function {spec.name!r} has no template {req.template!r}",
                 field="template",
                 code="template_not_found",
             )
-        mask, footprint = await self.decode_mask(req.mask, size, fn.spec.halo or 0)
+        mask = await self.decode_mask(req.mask, size)
+        canvas_size = (spec.width, spec.height)
+        output = self._output_size(req.size)
+        frame = Frame.plan(mask, canvas_size, req.padding_mask_crop, output)
+        if req.image is None and frame.reshapes:  # a crop of a template: an ad-hoc template
+            uploads.check_upload(spec, "padding_mask_crop")
+        canvas = await self.images.work(
+            mask.size, self._canvas, fn, req.template or "", upload, frame, mask, owner
+        )
         inv = wire.ExecutorInvoke(
-            function=fn.spec.name,
-            template=template,
-            image=image,
-            mask=wire.RawArray.of(mask.astype("uint8")),
+            function=spec.name,
+            template=canvas.template,
+            image=canvas.image,
+            mask=wire.RawArray.of(canvas.mask.astype("uint8")),
             prompt=req.prompt,
             seed=req.seed,
             steps=steps,
-            guidance=fn.spec.guidance if req.guidance is None else float(req.guidance),
-            format=req.format,
+            guidance=spec.guidance if req.guidance is None else float(req.guidance),
+            format=req.format if canvas.framed is None else "raw",  # pasted back, then encoded here
             id=invocation_id,
             negative_prompt=negative,
             strength=req.strength,
@@ -240,21 +256,64 @@ class FrontDoor:
         # executors bake and report it for that trajectory (a variant, when it has a bake)
         skipped = family_spec(fn.spec.family).skipped_steps(steps, req.strength)
         placement = PlacementRequest(
-            fn.spec.name,
-            wire.strength_variant(template, skipped if steps == fn.spec.steps else 0),
-            footprint.ratio,
-            fn.spec.model,
+            spec.name,
+            wire.strength_variant(canvas.template, skipped if steps == spec.steps else 0),
+            canvas.footprint.ratio,
+            spec.model,
             steps_run,
-            footprint,
-            None if fn.spec.slo_ms is None else fn.spec.slo_ms / 1e3,
-            copy=fn.spec.source.key,
+            canvas.footprint,
+            None if spec.slo_ms is None else spec.slo_ms / 1e3,
+            copy=spec.source.key,
         )
-        return PreparedInvocation(inv, placement)
+        return PreparedInvocation(inv, placement, framed=canvas.framed)
+
+    def _output_size(self, size: Size | None) -> Size | None:
+        """The result's size asked for, within the pixel limit (its memory and encoding
+        cost an input's)."""
+        if size is not None and size[0] * size[1] > self.images.max_pixels:
+            raise BadRequest(
+                f"size {size[0]}x{size[1]} is above {self.images.max_pixels} pixels",
+                field="size",
+                code="image_too_large",
+            )
+        return size
+
+    def _canvas(
+        self,
+        fn: DeployedFunction,
+        template: str,
+        upload: uploads.Upload | None,
+        frame: Frame,
+        mask: np.ndarray,
+        owner: str,
+    ) -> Canvas:
+        """What the executor edits of an input framed by ``frame`` (work for a worker
+        thread when large): a deployed template as it is, else an ad-hoc template (an
+        uploaded image, or a crop of a template) named by the pixels the executor gets."""
+        halo = fn.spec.halo or 0
+        if upload is not None:
+            source = upload.pixels
+        elif frame.identity:  # the template itself, and its edit is the answer
+            return Canvas(template, None, mask, MaskFootprint.of(mask, halo), None)
+        else:
+            source = fn.template_pixels(template)
+        framed = None if frame.identity else Framed(frame, source, mask)
+        if upload is None and not frame.reshapes:  # the template itself, its edit resized
+            return Canvas(template, None, mask, MaskFootprint.of(mask, halo), framed)
+        pixels, canvas_mask = frame.to_canvas(source, mask)
+        return Canvas(
+            self.names.id(pixels, owner),
+            wire.RawArray.of(pixels),
+            canvas_mask,
+            MaskFootprint.of(canvas_mask, halo),
+            framed,
+        )
 
     async def _execute(
         self, job: Job, on_start: OnStart, on_progress: OnProgress
     ) -> wire.InvokeResult:
-        """Run a job's invocation through the dispatcher (the job store calls this)."""
+        """Run a job's invocation through the dispatcher (the job store calls this); the
+        edit of a resized or cropped input is pasted back into it."""
         if job.prepared is None:  # resumed from the journal after a restart
             job.prepared = await self._prepare(
                 self.servable(job.function), job.request.invoke, job.id, job.owner
@@ -265,16 +324,43 @@ class FrontDoor:
         result = await self.dispatcher.invoke(
             prepared.invocation, prepared.placement, on_start, on_progress, prepared.seat
         )
+        if prepared.framed is not None:
+            result = await self._paste(prepared.framed, result, job.request.invoke.format)
         result.timings.total_ms = (time.time() - job.created_at) * 1e3
         fn = self.functions.get(job.function)
         slo_ms = fn.spec.slo_ms if fn is not None else None
         self.metrics.observe(job.function, result, prepared.placement.mask_ratio, slo_ms)
         return result
 
+    async def _paste(
+        self, framed: Framed, result: wire.InvokeResult, fmt: str
+    ) -> wire.InvokeResult:
+        """The executor's edit (raw RGB8 of the function's resolution) pasted back into
+        the input, at the size asked for, encoded as asked (a large one on a worker
+        thread)."""
+        width, height = framed.frame.output
 
-def _decode_mask(
-    data: bytes, size: tuple[int, int], halo: int = 0
-) -> tuple[np.ndarray, MaskFootprint]:
-    """Decode a mask and summarise it for prediction."""
-    mask = decode_mask(data, size)
-    return mask, MaskFootprint.of(mask, halo)
+        def encoded() -> bytes:
+            edited = np.frombuffer(result.image, np.uint8).reshape(result.height, result.width, 3)
+            return encode_image(Image.fromarray(framed.answer(edited), "RGB"), fmt)
+
+        image = await self.images.work(width * height, encoded)
+        return dataclasses.replace(result, image=image, format=fmt, width=width, height=height)
+
+
+@dataclass(frozen=True)
+class Canvas:
+    """What the executor edits of one input: a template id (an ad-hoc one's with its
+    pixels), the mask at the function's resolution and its footprint, and what the
+    paste-back needs (None: the executor's result is the answer)."""
+
+    template: str
+    image: wire.RawArray | None
+    mask: np.ndarray
+    footprint: MaskFootprint
+    framed: Framed | None
+
+
+def _decode_mask(data: bytes, size: Size) -> np.ndarray:
+    """A mask decoded at the size it was sent, resized to ``size`` when other."""
+    return resize_mask(decode_mask(data), size)

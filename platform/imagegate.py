@@ -2,17 +2,19 @@
 
 An encoded image is small and its pixels may be huge (a 130 KB PNG can declare 4096 x 4096
 RGBA16: hundreds of MB decoded), so the gateway reads each image's declared size from its
-header (no pixel decoded) and refuses it above ``--max-image-pixels`` (``image_too_large``)
-or, where it must match a size (an upload the function's, a mask its image's), at a
-mismatch. Only then is it decoded, and only once it holds a reservation from the
-:class:`DecodeBudget`: ``BYTES_PER_PIXEL`` per declared pixel, out of
+header (no pixel decoded) and refuses it above ``--max-image-pixels`` (``image_too_large``).
+Only then is it decoded, and only once it holds a reservation from the
+:class:`DecodeBudget`: ``BYTES_PER_PIXEL`` per declared pixel (or per pixel of the size a
+decode resizes it to, when larger: a mask resized to its image's), out of
 ``--decode-memory-bytes`` (by default an eighth of the machine's memory). So however many
 images arrive at once, the decodes in flight together stay within the budget; the rest
 wait their turn in arrival order.
 
 Small images (``INLINE_PIXELS`` or fewer) are decoded on the event loop without a
 reservation: 256 x 256 decodes in ~0.4 ms on a 2-core machine, less than the hop to a
-worker thread costs when the cores are busy, and the loop decodes them one at a time.
+worker thread costs when the cores are busy, and the loop decodes them one at a time. Other
+work on images (resizing, cropping, pasting an edit back: ``platform/reframe.py``) follows
+the same rule (:meth:`ImageGate.work`).
 """
 
 from __future__ import annotations
@@ -134,20 +136,10 @@ class ImageGate:
         above ``max_pixels``; no pixel is decoded."""
         return Declared(*declared_size(data, field, self.max_pixels))
 
-    async def decode(
-        self,
-        declared: Declared,
-        fn: Callable[..., T],
-        *args: object,
-        size: tuple[int, int] | None = None,
-    ) -> T:
+    async def decode(self, declared: Declared, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)``, a decode of an image of ``declared`` size: inline when small, else
         on a worker thread once the budget has room for it. The reservation is held until
-        the thread is done, even when the request that asked for it is gone. ``size``: the
-        size the image must have, when ``fn`` refuses another from the header (a mask):
-        such a refusal runs at once, without a reservation."""
-        if size is not None and declared.size != size:
-            return fn(*args)  # refused from the header: nothing is decoded
+        the thread is done, even when the request that asked for it is gone."""
         self.decoded += 1
         if declared.pixels <= INLINE_PIXELS:
             return fn(*args)
@@ -160,6 +152,13 @@ class ImageGate:
             raise
         work.add_done_callback(functools.partial(self._done, nbytes))
         return await asyncio.shield(work)
+
+    async def work(self, pixels: int, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)``, work on images of ``pixels`` pixels that decodes nothing (a
+        resize, a paste): inline when small, else on a worker thread."""
+        if pixels <= INLINE_PIXELS:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
 
     def _done(self, nbytes: int, work: asyncio.Future) -> None:
         self.budget.release(nbytes)

@@ -324,8 +324,8 @@ class JobStore:
         """A finished job keeps its result and a small record, not its request's payload
         (mask, uploaded image) nor the arrays decoded from it."""
         template = job.request.invoke.template or ""
-        if job.prepared is not None:  # an upload's content id
-            template = job.prepared.invocation.template
+        if job.prepared is not None and job.request.invoke.image is not None:
+            template = job.prepared.invocation.template  # an upload's content id
         job.request, job.prepared = slim_request(job.request, template), None
         image = job.result.image if job.result is not None else b""
         job.retained_bytes = retained_bytes(job.request, image)

@@ -5,8 +5,9 @@ names a function, ``image`` is an uploaded image (an ad-hoc template, see
 ``platform/uploads.py``) or, as a text field (or a ``text/plain`` part, for clients that
 only send files), one of the function's template ids,
 ``mask`` follows OpenAI's convention (transparent = edit) or the diffusers one (white =
-edit), ``prompt``, ``n``, ``size``, ``response_format`` (``b64_json``, or ``url``: a signed
-link the gateway serves), ``output_format``, and the common extensions ``seed``,
+edit), ``prompt``, ``n``, ``size`` (the result's; ``auto``: the image's, whatever the
+function's resolution: ``platform/reframe.py``), ``response_format`` (``b64_json``, or
+``url``: a signed link the gateway serves), ``output_format``, and the common extensions ``seed``,
 ``num_inference_steps``, ``guidance_scale`` and ``mask_mode``. Each of the ``n`` images is
 one job (seeds ``seed``, ``seed + 1``, ...), taken in through the gateway's front door
 (``platform/frontdoor.py``): the same checks, admission (SLO included) and queue as every
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -81,7 +81,6 @@ FIELDS = (
     "stream",
     *IGNORED,
 )
-SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
 
 
 @dataclass(frozen=True)
@@ -109,14 +108,7 @@ def _int(raw: str | None, field: str, lo: int, hi: int) -> int | None:
 
 
 def _size(raw: str) -> tuple[int, int] | None:
-    if raw.strip() == "auto":
-        return None
-    m = SIZE.fullmatch(raw.strip())
-    if m is None:
-        raise BadRequest(
-            "size must be WIDTHxHEIGHT (e.g. 512x512) or auto", field="size", code="invalid_field"
-        )
-    return int(m.group(1)), int(m.group(2))
+    return None if raw.strip() == "auto" else wire.parse_size(raw)
 
 
 async def read_form(request: Request, max_body: int) -> EditForm:
@@ -239,12 +231,13 @@ async def _validate(form: Any) -> EditForm:
 async def _edit_inputs(
     door: FrontDoor, fn: DeployedFunction, form: EditForm, owner: str
 ) -> tuple[bytes, Upload | None]:
-    """The form's mask as this API's white-on-black PNG, checked against the image, and the
-    uploaded image decoded (once, for all ``n`` jobs); every image's header is checked
-    before it is decoded, each decode within the budget."""
+    """The form's mask as this API's white-on-black PNG (of the size it was sent: the front
+    door resizes it to the image's), and the uploaded image decoded (once, for all ``n``
+    jobs); every image's header is checked before it is decoded, each decode within the
+    budget."""
     spec, images, upload = fn.spec, door.images, None
     if form.image is not None:
-        upload = await door.upload(fn, form.image, owner)  # image errors first
+        upload = await door.upload(fn, form.image)  # image errors first
         size = upload.size
     else:
         found = fn.sizes.get(form.template or "")
@@ -258,16 +251,14 @@ async def _edit_inputs(
         size = found
     if form.mask is not None:
         mask = images.declare(form.mask, "mask")
-        png = await images.decode(
-            mask, _mask_png, form.mask, size, form.mask_mode, "mask", size=size
-        )
+        png = await images.decode(mask, _mask_png, form.mask, form.mask_mode, "mask")
         return png, upload
     if form.image is None:
         raise BadRequest(
             "mask is required when image names a template", field="mask", code="missing_field"
         )
     try:  # OpenAI: without a mask, the image's transparency is it
-        png = await images.decode(Declared(*size), _mask_png, form.image, size, "alpha", "image")
+        png = await images.decode(Declared(*size), _mask_png, form.image, "alpha", "image")
         return png, upload
     except BadRequest as exc:
         raise BadRequest(
@@ -277,8 +268,8 @@ async def _edit_inputs(
         ) from exc
 
 
-def _mask_png(data: bytes, size: tuple[int, int], mode: str, field: str) -> bytes:
-    return encode_mask(decode_openai_mask(data, size, mode, field=field))
+def _mask_png(data: bytes, mode: str, field: str) -> bytes:
+    return encode_mask(decode_openai_mask(data, mode, field=field))
 
 
 def openai_error(
@@ -325,13 +316,6 @@ class OpenAIImages:
         except NotFound as exc:
             exc.field = "model"
             raise
-        spec = fn.spec
-        if form.size is not None and form.size != (spec.width, spec.height):
-            raise BadRequest(
-                f"size must be {spec.width}x{spec.height} (function {spec.name!r}) or auto",
-                field="size",
-                code="invalid_field",
-            )
         first_seed = secrets.randbits(62) if form.seed is None else form.seed
         durable = form.response_format == "url"  # its image is served from the journal
         owner = request.state.principal.tenant
@@ -349,6 +333,7 @@ class OpenAIImages:
                         steps=form.steps,
                         guidance=form.guidance,
                         format=form.output_format,
+                        size=form.size,
                     )
                     job = await door.accept(
                         fn, wire.JobRequest(req), durable=durable, owner=owner, upload=upload
@@ -359,6 +344,7 @@ class OpenAIImages:
             raise
         results = await door.answers(jobs)
         data = []
+        width, height = results[0].width, results[0].height
         for i, (job, result) in enumerate(zip(jobs, results, strict=True)):
             item: dict[str, Any] = {"seed": (first_seed + i) % 2**63, "path": result.path.value}
             if durable:
@@ -369,7 +355,7 @@ class OpenAIImages:
         body = {
             "created": int(time.time()),
             "data": data,
-            "size": f"{spec.width}x{spec.height}",
+            "size": f"{width}x{height}",
             "output_format": form.output_format,
         }
         return Response(json.dumps(body), 200, media_type="application/json")

@@ -1,13 +1,17 @@
 """Uploaded images (``image`` instead of ``template``), as the gateway takes them.
 
 The gateway checks an upload's declared size (its header: no pixel decoded) against the
-function and the pixel limit, decodes it off the event loop within the decode budget
-(``platform/imagegate.py``), and names it by its owner and its content: ``upload:`` + a tag
-of the tenant + a digest of the tenant, the decoded pixels and their size, both keyed with
-the server's upload key (``<data dir>/upload-key``, made once). So the same photo sent as
-PNG, as lossless WebP or re-encoded by one tenant gets the same id, and the executors (which
-key an upload's bake by its id, the model's fingerprint and the function's settings) find
-its bake. Another tenant's copy of the same photo is another upload with its own bake:
+pixel limit, decodes it off the event loop within the decode budget
+(``platform/imagegate.py``), frames it for the function (``platform/reframe.py``: resized
+to the function's resolution, or the crop ``padding_mask_crop`` asks for) and names it by
+its owner and the pixels the executor gets: ``upload:`` + a tag of the tenant + a digest of
+the tenant, those pixels and their size, both keyed with the server's upload key
+(``<data dir>/upload-key``, made once). So the same photo sent as PNG, as lossless WebP or
+re-encoded by one tenant gets the same id, its second edit (any mask; with
+``padding_mask_crop``, a mask of the same crop box) finds the first one's bake on the
+executors (which key an upload's bake by its id, the model's fingerprint and the function's
+settings), and so does a crop of a deployed template (the same pixels are the same
+ad-hoc template). Another tenant's copy of the same photo is another upload with its own bake:
 whether an edit comes back mask-aware, or how fast, must not tell one tenant what another
 uploaded. The tag lets the gateway show each tenant its own uploads only; as it is keyed, no
 tenant can compute another's ids (to count them in a listing, or to test whether a given
@@ -25,9 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from retouch.functions import wire
 from retouch.functions.errors import BadRequest
-from retouch.functions.imaging import declared_size, decode_image
+from retouch.functions.imaging import decode_image
 from retouch.functions.spec import FunctionSpec
 from retouch.platform.auth import Principal
 
@@ -40,10 +43,9 @@ KEY_BYTES = 32
 
 @dataclass(frozen=True)
 class Upload:
-    """A decoded upload: its id and its RGB8 ``[H, W, 3]`` pixels."""
+    """A decoded upload: its RGB8 ``[H, W, 3]`` pixels at the size it was sent."""
 
-    id: str
-    pixels: wire.RawArray
+    pixels: np.ndarray
 
     @property
     def size(self) -> tuple[int, int]:
@@ -99,34 +101,23 @@ class UploadNames:
             or self.owned_by(template_id, viewer.tenant)
         )
 
-    def decode(self, spec: FunctionSpec, data: bytes, owner: str, field: str = "image") -> Upload:
-        """An uploaded image decoded and named, or a 400 naming ``field``: not an image
-        (``undecodable_image``), a bomb (``image_too_large``), or refused by
-        :func:`check_upload` (from its header, before any pixel is decoded)."""
-        check_upload(spec, declared_size(data, field), field)
-        img = decode_image(data, field)
-        pixels = np.asarray(img.convert("RGB"), dtype=np.uint8)
-        return Upload(self.id(pixels, owner), wire.RawArray.of(pixels))
-
     def _mac(self, message: bytes) -> hmac.HMAC:
         return hmac.new(self.key, message, hashlib.sha256)
 
 
-def check_upload(spec: FunctionSpec, size: tuple[int, int], field: str = "image") -> None:
-    """Refuse (400 naming ``field``) an upload to a function that takes none
-    (``uploads_disabled``) or of another size than the function's resolution
-    (``image_size_mismatch``); ``size`` is the one its header declares, so nothing is
-    decoded for a refusal."""
+def decode_upload(data: bytes, field: str = "image") -> Upload:
+    """An uploaded image decoded to RGB8, or a 400 naming ``field``: not an image
+    (``undecodable_image``), a bomb (``image_too_large``)."""
+    img = decode_image(data, field)
+    return Upload(np.asarray(img.convert("RGB"), dtype=np.uint8))
+
+
+def check_upload(spec: FunctionSpec, field: str = "image") -> None:
+    """Refuse (400 naming ``field``) an ad-hoc template (an uploaded image, or a crop of a
+    deployed one) for a function that takes none (``uploads_disabled``)."""
     if spec.uploads.max_images == 0:
         raise BadRequest(
             f"function {spec.name!r} does not accept uploaded images (uploads.max_images = 0)",
             field=field,
             code="uploads_disabled",
-        )
-    if size != (spec.width, spec.height):
-        raise BadRequest(
-            f"image is {size[0]}x{size[1]}, function {spec.name!r} edits "
-            f"{spec.width}x{spec.height} images",
-            field=field,
-            code="image_size_mismatch",
         )

@@ -4,6 +4,12 @@ baked), and the same edit computed in full without a bake (``guidance`` overridd
 ``python -m retouch.platform.bench.uploads [--model retouch:small-sd] [--size 256]
 [--steps 10] [--photo 13] [--data-dir DIR]`` prints one JSON line per edit
 (``docs/benchmarks.md``, "Uploaded images").
+
+:func:`run_crop_bench` (``retouch bench crop``) edits a photo larger than the function's
+resolution both ways, side by side in one run: with ``padding_mask_crop`` (a crop around
+the mask at the function's resolution, pasted back) and resized whole to the function's
+resolution (pasted back too); each mode's first edit (stock, bakes its ad-hoc template) and,
+once baked, later edits with another mask of the same bounding box (mask-aware).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -88,6 +95,106 @@ def run(model: str, size: int, steps: int, photo_seed: int, data_dir: Path) -> l
         edit("3")
         edit("stock reference", guidance=spec.guidance - 1e-4)
     return rows
+
+
+def _photo(size: tuple[int, int], seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)
+    return np.asarray(Image.fromarray(small).resize(size, Image.BILINEAR))
+
+
+def _masks(size: tuple[int, int], ratio: float) -> tuple[np.ndarray, np.ndarray]:
+    """A centred rectangle of ``ratio`` of the photo, and a frame of it (the same bounding
+    box, so the same crop, and another mask)."""
+    width, height = size
+    w, h = int(width * ratio**0.5), int(height * ratio**0.5)
+    left, top = (width - w) // 2, (height - h) // 2
+    mask = np.zeros((height, width), bool)
+    mask[top : top + h, left : left + w] = True
+    frame = mask.copy()
+    frame[top + h // 8 : top + h - h // 8, left + w // 8 : left + w - w // 8] = False
+    return mask, frame
+
+
+def run_crop_bench(
+    model: str,
+    resolution: int,
+    steps: int,
+    photo: tuple[int, int],
+    pad: int,
+    repeats: int,
+    data_dir: Path,
+) -> dict[str, Any]:
+    """Edits of one ``photo``-sized image with a 10 % mask: ``padding_mask_crop=pad`` and
+    the whole photo resized, interleaved in one run against one server; wall time at the
+    client, the gateway's ``total_ms`` and the executor's ``run_ms``, per edit."""
+    image = png(Image.fromarray(_photo(photo, 7)))
+    mask, frame = _masks(photo, 0.10)
+    spec = parse_spec(
+        {
+            "name": "m",
+            "model": model,
+            "family": model_family(model),
+            "resolution": resolution,
+            "steps": steps,
+            "templates": {"t": {"prompt": "", "seed": 0}},
+        }
+    )
+    modes = {"padding_mask_crop": {"padding_mask_crop": pad}, "resized": {}}
+    rows: list[dict[str, Any]] = []
+    with (
+        ServerProcess(data_dir, extra_args=["--invoke-timeout", "3600"]) as server,
+        Client(server.url, timeout=3600) as client,
+    ):
+        client.deploy(spec, {"t": png(Image.new("RGB", (resolution, resolution)))}, timeout=3600)
+        client.wait_baked("m", timeout=3600)
+        client.invoke("m", "t", np.ones((resolution, resolution), bool), "warm-up", seed=1)
+
+        def edit(mode: str, edit_mask: np.ndarray, label: str, seed: int) -> str:
+            started = time.perf_counter()
+            r = client.invoke(
+                "m", None, edit_mask, "a red door", seed=seed, image=image, **modes[mode]
+            )
+            rows.append(
+                {
+                    "mode": mode,
+                    "edit": label,
+                    "path": r.path.value,
+                    "size": f"{r.width}x{r.height}",
+                    "canvas_mask_ratio": round(r.mask_ratio, 3),
+                    "wall_ms": round((time.perf_counter() - started) * 1e3),
+                    "total_ms": round(r.timings.total_ms),
+                    "run_ms": round(r.timings.run_ms),
+                }
+            )
+            return r.template
+
+        uploads = {mode: edit(mode, mask, "first", 1) for mode in modes}
+        for upload in uploads.values():
+            while client.get("m")["uploads"].get(upload, {}).get("state") != "baked":
+                time.sleep(0.5)
+        for i in range(repeats):
+            for mode in modes:
+                edit(mode, frame, "later", 2 + i)
+    return {
+        "model": model,
+        "resolution": resolution,
+        "steps": steps,
+        "photo": f"{photo[0]}x{photo[1]}",
+        "padding_mask_crop": pad,
+        "mask_ratio": round(float(mask.mean()), 3),
+        "edits": rows,
+        "mean_later_wall_ms": {
+            mode: round(
+                float(
+                    np.mean(
+                        [r["wall_ms"] for r in rows if r["mode"] == mode and r["edit"] == "later"]
+                    )
+                )
+            )
+            for mode in modes
+        },
+    }
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ from retouch.platform.bench.load import (
 )
 from retouch.platform.bench.specs import OVERHEADS, LoadSpec, SimSpec, ValidateSpec
 from retouch.platform.client import Client
+from retouch.platform.reframe import resize_mask
 from retouch.platform.simulator import Arrival, run_simulation, solo_steps_s
 from retouch.platform.workload import Workload
 from retouch.runtime.costmodel import CostModel
@@ -430,7 +431,8 @@ def _record(
 ) -> list[dict[str, Any]]:
     rows = []
     for req, o in zip(plan, outcomes, strict=True):
-        fp = MaskFootprint.of(decode_mask(req.mask, size), halo)  # as the gateway summarises it
+        mask = resize_mask(decode_mask(req.mask), size)  # as the gateway reads it
+        fp = MaskFootprint.of(mask, halo)
         rows.append(
             {
                 "at_s": req.at,

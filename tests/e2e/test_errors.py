@@ -79,11 +79,11 @@ BAD_INVOKES = [
     ("steps out of range", wire.pack(_invoke_body(steps=0)), 400, "invalid_field", "steps"),
     ("unknown format", wire.pack(_invoke_body(format="gif")), 400, "invalid_field", "format"),
     (
-        "wrong mask size",
-        wire.pack(_invoke_body(mask=encode_mask(np.ones((64, 128), bool)))),
+        "crop around an empty mask",
+        wire.pack(_invoke_body(mask=encode_mask(np.zeros((64, 128), bool)), padding_mask_crop=8)),
         400,
-        "mask_size_mismatch",
-        "mask",
+        "invalid_field",
+        "padding_mask_crop",
     ),
     (
         "undecodable mask",
@@ -127,8 +127,11 @@ def test_unknown_function(server: ServerProcess, tokens: dict[str, str]) -> None
 
 
 def test_wrong_content_type_answers_in_json(server: ServerProcess, tokens: dict[str, str]) -> None:
-    resp = _post_invoke(server, tokens, b"{}", headers={"content-type": "application/json"})
+    resp = _post_invoke(server, tokens, b"<a/>", headers={"content-type": "application/xml"})
     _error(resp, 415, "unsupported_media_type")
+    assert resp.headers["content-type"].startswith("application/json")
+    resp = _post_invoke(server, tokens, b"{}", headers={"content-type": "application/json"})
+    _error(resp, 400, "missing_field")  # JSON is read like msgpack, and answered in JSON
     assert resp.headers["content-type"].startswith("application/json")
 
 

@@ -30,10 +30,10 @@ def test_a_small_mask_is_decoded_while_a_large_one_is_still_decoding(
     release = threading.Event()
     large = (1024, 1024)
 
-    def slow_for_large(data: bytes, size: tuple[int, int], halo: int = 0):
+    def slow_for_large(data: bytes, size: tuple[int, int]):
         if size == large:  # stands for a decode that takes long: held until released
             assert release.wait(10), "the large decode was never released"
-        return real(data, size, halo)
+        return real(data, size)
 
     monkeypatch.setattr(frontdoor, "_decode_mask", slow_for_large)
     front = door(ImageGate(4096 * 4096, DecodeBudget(1 << 30)))
@@ -44,13 +44,35 @@ def test_a_small_mask_is_decoded_while_a_large_one_is_still_decoding(
         small = np.zeros((64, 64), bool)
         small[:32] = True
         # Were the large decode on the loop, this would never run before it is released.
-        mask, footprint = await asyncio.wait_for(front.decode_mask(encode_mask(small), (64, 64)), 5)
-        assert not big.done() and footprint.ratio == pytest.approx(0.5)
+        mask = await asyncio.wait_for(front.decode_mask(encode_mask(small), (64, 64)), 5)
+        assert not big.done() and mask.mean() == pytest.approx(0.5)
         release.set()
-        mask, footprint = await asyncio.wait_for(big, 10)
-        assert mask.shape == (1024, 1024) and footprint.ratio == pytest.approx(1.0)
+        mask = await asyncio.wait_for(big, 10)
+        assert mask.shape == (1024, 1024) and mask.all()
 
     asyncio.run(scenario())
+
+
+def test_a_small_mask_resized_to_a_large_image_is_resized_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 64 x 64 mask for a 2048 x 1536 image: resized to the image's size (as diffusers'
+    mask processor does) on a worker thread, holding a reservation for the larger size."""
+    gate = ImageGate(4096 * 4096, DecodeBudget(1 << 30))
+    small = np.zeros((64, 64), bool)
+    small[16:48, 16:48] = True
+    threads: list[int] = []
+    real = frontdoor._decode_mask
+
+    def spy(data: bytes, size: tuple[int, int]) -> np.ndarray:
+        threads.append(threading.get_ident())
+        return real(data, size)
+
+    monkeypatch.setattr(frontdoor, "_decode_mask", spy)
+    mask = asyncio.run(door(gate).decode_mask(encode_mask(small), (2048, 1536)))
+    assert mask.shape == (1536, 2048) and mask.mean() == pytest.approx(0.25, abs=0.01)
+    assert threads == [t for t in threads if t != threading.get_ident()] != []
+    assert gate.budget.peak == 2048 * 1536 * BYTES_PER_PIXEL
 
 
 def test_decodes_in_flight_stay_within_the_budget_in_arrival_order() -> None:

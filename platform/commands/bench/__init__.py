@@ -25,6 +25,7 @@ SUBCOMMANDS = (
     quality.add_edits,
     serving.add_store,
     serving.add_memory,
+    serving.add_crop,
     production.add_ops,
     production.add_production,
 )

@@ -108,3 +108,41 @@ def _run_memory(args: argparse.Namespace) -> None:
             run_memory_bench(Path(tmp), args.hostile, args.at_limit, args.jobs, args.side),
             args.json,
         )
+
+
+def add_crop(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "crop",
+        help="a photo larger than the function edited with padding_mask_crop and resized "
+        "whole, side by side in one run",
+    )
+    p.add_argument("--model", default="retouch:tiny-sd", help="model (default retouch:tiny-sd)")
+    p.add_argument("--resolution", type=positive_int, default=512, help="the function's (512)")
+    p.add_argument("--steps", type=positive_int, default=10, help="denoising steps (default 10)")
+    p.add_argument(
+        "--photo", type=_size, default=(2048, 1536), help="WIDTHxHEIGHT (default 2048x1536)"
+    )
+    p.add_argument("--pad", type=positive_int, default=32, help="padding_mask_crop (default 32)")
+    add_repeats(p, 3)
+    add_json(p)
+    p.set_defaults(run=_run_crop)
+
+
+def _size(raw: str) -> tuple[int, int]:
+    from retouch.functions.errors import BadRequest
+    from retouch.functions.wire import parse_size
+
+    try:
+        return parse_size(raw, "--photo")
+    except BadRequest as exc:
+        raise argparse.ArgumentTypeError(exc.message) from exc
+
+
+def _run_crop(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.uploads import run_crop_bench
+
+    with tempfile.TemporaryDirectory(prefix="retouch-bench-crop-") as tmp:
+        result = run_crop_bench(
+            args.model, args.resolution, args.steps, args.photo, args.pad, args.repeats, Path(tmp)
+        )
+    report(result, args.json)
