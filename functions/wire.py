@@ -951,67 +951,64 @@ def check_job_id(raw: str) -> str:
     return raw
 
 
-def parse_webhook_url(raw: Any) -> httpx.URL:
-    """The one parser of webhook URLs (submission, allow-list and sender all use it): an
+def parse_target_url(raw: Any, field: str = "webhook") -> httpx.URL:
+    """The one parser of URLs the gateway calls or fetches (webhooks at submission, in the
+    allow-list and in the sender; remote ``image``/``mask`` inputs): an
     absolute http(s) URL with a host that is an IP literal or a DNS name (labels of 1-63
     characters, 253 in all), a valid port, no user info, and written the way it parses back
     (so no control character, space or alternative spelling can make a check and a
-    connection read different hosts). Else ``invalid_field`` on ``webhook``."""
+    connection read different hosts). Else ``invalid_field`` on ``field``."""
     if not isinstance(raw, str):
-        raise BadRequest("webhook must be a URL string", field="webhook", code="invalid_field")
+        raise BadRequest(f"{field} must be a URL string", field=field, code="invalid_field")
     if len(raw) > MAX_URL_CHARS:
         raise BadRequest(
-            f"webhook longer than {MAX_URL_CHARS} characters", field="webhook", code="invalid_field"
+            f"{field} longer than {MAX_URL_CHARS} characters", field=field, code="invalid_field"
         )
     try:
         url = httpx.URL(raw)
     except httpx.InvalidURL as exc:
-        raise BadRequest(f"webhook: {exc}", field="webhook", code="invalid_field") from exc
+        raise BadRequest(f"{field}: {exc}", field=field, code="invalid_field") from exc
     if url.scheme not in ("http", "https"):
-        raise BadRequest(
-            "webhook must be an http or https URL", field="webhook", code="invalid_field"
-        )
+        raise BadRequest(f"{field} must be an http or https URL", field=field, code="invalid_field")
     if not url.raw_host:
-        raise BadRequest("webhook URL has no host", field="webhook", code="invalid_field")
-    _check_host_name(url.raw_host.decode("ascii"))
+        raise BadRequest(f"{field} URL has no host", field=field, code="invalid_field")
+    _check_host_name(url.raw_host.decode("ascii"), field)
     if url.port is not None and not 0 < url.port < 65536:
-        raise BadRequest(
-            f"webhook port {url.port} out of range", field="webhook", code="invalid_field"
-        )
+        raise BadRequest(f"{field} port {url.port} out of range", field=field, code="invalid_field")
     if url.userinfo:
         raise BadRequest(
-            "webhook URL must not carry user info (user@host)",
-            field="webhook",
+            f"{field} URL must not carry user info (user@host)",
+            field=field,
             code="invalid_field",
         )
     if str(url) != raw:
         raise BadRequest(
-            f"webhook URL does not read back the same; write it as {str(url)!r}",
-            field="webhook",
+            f"{field} URL does not read back the same; write it as {str(url)!r}",
+            field=field,
             code="invalid_field",
         )
     return url
 
 
-def _check_host_name(host: str) -> None:
-    """A webhook host the resolver can look up: an IP literal, or a name whose labels are
+def _check_host_name(host: str, field: str) -> None:
+    """A host the resolver can look up: an IP literal, or a name whose labels are
     1-63 characters (253 in all, one trailing dot allowed), as DNS (RFC 1035) requires;
-    else ``invalid_field`` on ``webhook`` rather than a lookup that fails at delivery."""
+    else ``invalid_field`` on ``field`` rather than a lookup that fails at delivery."""
     if ":" in host:  # an IPv6 literal (httpx checked it); an IPv4 one passes as labels
         return
     name = host[:-1] if host.endswith(".") else host
     if len(name) > MAX_HOST_CHARS:
         raise BadRequest(
-            f"webhook host name longer than {MAX_HOST_CHARS} characters",
-            field="webhook",
+            f"{field} host name longer than {MAX_HOST_CHARS} characters",
+            field=field,
             code="invalid_field",
         )
     for label in name.split("."):
         if not 0 < len(label) <= MAX_LABEL_CHARS:
             raise BadRequest(
-                f"webhook host {host!r} has an empty label or one over {MAX_LABEL_CHARS} "
+                f"{field} host {host!r} has an empty label or one over {MAX_LABEL_CHARS} "
                 "characters",
-                field="webhook",
+                field=field,
                 code="invalid_field",
             )
 
@@ -1027,7 +1024,7 @@ class JobRequest:
     @classmethod
     def from_wire(cls, obj: Any) -> JobRequest:
         body = as_map(obj)
-        webhook = None if body.get("webhook") is None else str(parse_webhook_url(body["webhook"]))
+        webhook = None if body.get("webhook") is None else str(parse_target_url(body["webhook"]))
         events = DEFAULT_WEBHOOK_EVENTS
         if body.get("webhook_events") is not None:
             raw = body["webhook_events"]

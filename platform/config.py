@@ -128,6 +128,12 @@ class ServeConfig:
         ("127.0.0.0/8", "::1/128", "localhost"),
         "comma-separated hosts and IP networks webhooks may target",
     )
+    fetch_allow: tuple[str, ...] = knob(
+        (),
+        "comma-separated hosts and IP networks image/mask URLs may be fetched from "
+        "(none: inputs given as URLs are refused)",
+        shown="none",
+    )
     webhook_secret: str | None = knob(
         None, "webhook signing secret (none: generated once into <data dir>)", flag=""
     )

@@ -48,6 +48,7 @@ from retouch.functions.imaging import MAX_PIXELS, declared_size, decode_image, e
 from retouch.functions.modelcheck import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import DeployStatus
+from retouch.platform.allowlist import AllowList
 from retouch.platform.auth import TENANT, TENANT_RULE, Principal, TokenAuth
 from retouch.platform.bodybudget import BodyBudget
 from retouch.platform.config import DEFAULT_URL
@@ -70,10 +71,11 @@ from retouch.platform.openai_images import OpenAIImages, answers_openai, openai_
 from retouch.platform.outputs import serve_output
 from retouch.platform.pool import ExecutorPool
 from retouch.platform.registry import Registry, StoredFunction
+from retouch.platform.remoteinputs import InputFetcher
 from retouch.platform.retention import RetentionLimits
 from retouch.platform.uploads import UploadNames
 from retouch.platform.web import WebUI
-from retouch.platform.webhooks import AllowList, WebhookSender
+from retouch.platform.webhooks import WebhookSender
 from retouch.runtime import requestparams
 from retouch.runtime.asgi import (
     bearer,
@@ -102,6 +104,7 @@ class Gateway:
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
     webhook_secret: bytes = b""  # the server's; each tenant signs with one derived from it
     webhook_allow: AllowList = field(default_factory=AllowList)
+    fetch_allow: AllowList | None = None  # hosts image/mask URLs may name (None: no fetching)
     links: LinkSigner = field(default_factory=lambda: LinkSigner.ephemeral(DEFAULT_URL))
     max_image_pixels: int = 0  # 0: the decoders' ceiling (imaging.MAX_PIXELS)
     decode_memory_bytes: int = 0  # 0: an eighth of the machine's memory
@@ -120,6 +123,7 @@ class Gateway:
             self.webhook_allow,
             journal=DeliveryJournal(self.data_dir / "webhooks") if self.data_dir else None,
         )
+        self.inputs = InputFetcher(self.fetch_allow, self.max_body, self.webhooks.resolver)
         self.door = FrontDoor(
             self.functions,
             self.pool.dispatcher,
@@ -144,10 +148,12 @@ class Gateway:
         for stored in self.registry.load_all().values():
             self._track(stored)
         await self.webhooks.start()
+        await self.inputs.start()
         await self.jobs.start()  # resumes unfinished jobs: functions are tracked by now
 
     async def stop(self) -> None:
         await self.jobs.close()
+        await self.inputs.close()
         await self.webhooks.close()
         for fn in self.functions.values():
             if fn.task:
@@ -346,10 +352,10 @@ class Gateway:
         fn = self.door.servable(request.path_params["name"])
         with self.bodies.hold(request, self.max_body):  # held until answered
             with self.door.arrival(fn, received):  # a 429 comes before the body is read
-                req = wire.InvokeRequest.from_wire(await read_body(request, self.max_body))
-                job = await self.door.accept(
-                    fn, wire.JobRequest(req), durable=False, owner=principal(request).tenant
-                )
+                owner = principal(request).tenant
+                body = await self.inputs.inline(await read_body(request, self.max_body), owner)
+                req = wire.InvokeRequest.from_wire(body)
+                job = await self.door.accept(fn, wire.JobRequest(req), durable=False, owner=owner)
             (result,) = await self.door.answers([job])
         result.timings.total_ms = (time.perf_counter() - received) * 1e3
         return result.to_wire()
@@ -364,7 +370,8 @@ class Gateway:
         # Over a cap, refused before the body is read: a burst of large jobs costs nothing.
         self.jobs.admit(owner, requestparams.integer(declared, "content-length", 0, 2**62, 0))
         with self.door.arrival(fn, received), self.bodies.hold(request, self.max_body):
-            req = wire.JobRequest.from_wire(await read_body(request, self.max_body))
+            body = await self.inputs.inline(await read_body(request, self.max_body), owner)
+            req = wire.JobRequest.from_wire(body)
             if req.webhook is not None:
                 await self.webhooks.check(req.webhook, owner)
             job = await self.door.accept(fn, req, durable=True, owner=owner)

@@ -39,13 +39,14 @@ class Resolver:
     ) -> None:
         self.per_tenant = per_tenant
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="webhook-resolve")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="resolve")
         self._shares: dict[str, asyncio.Semaphore] = {}  # per tenant: threads it may hold
 
-    async def resolve(self, host: str, tenant: str) -> list[Address]:
+    async def resolve(self, host: str, tenant: str, field: str = "webhook") -> list[Address]:
         """``host``'s addresses (none if it does not resolve or is not a valid name), as
-        one of ``tenant``'s lookups; 503 ``webhook_lookup_timeout`` (field ``webhook``) if
-        no answer came within the deadline, the wait for the tenant's share included."""
+        one of ``tenant``'s lookups; 503 ``webhook_lookup_timeout`` (another ``field``'s:
+        ``lookup_timeout``) if no answer came within the deadline, the wait for the
+        tenant's share included."""
         share = self._shares.setdefault(tenant, asyncio.Semaphore(self.per_tenant))
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -53,9 +54,9 @@ class Resolver:
                 return await asyncio.wrap_future(self._start(host, share))
         except TimeoutError:
             raise Unavailable(
-                f"webhook host {host!r} did not resolve within {self.timeout_s:g} s",
-                field="webhook",
-                code="webhook_lookup_timeout",
+                f"{field} host {host!r} did not resolve within {self.timeout_s:g} s",
+                field=field,
+                code="webhook_lookup_timeout" if field == "webhook" else "lookup_timeout",
             ) from None
 
     def _start(self, host: str, share: asyncio.Semaphore) -> Future[list[Address]]:

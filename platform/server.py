@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from retouch.platform.allowlist import AllowList
 from retouch.platform.auth import load_auth
 from retouch.platform.config import ServeConfig
 from retouch.platform.control.queue import QueueLimits
@@ -27,7 +28,7 @@ from retouch.platform.pool import ExecutorPool
 from retouch.platform.providers import LocalProvider, Provider
 from retouch.platform.registry import Registry
 from retouch.platform.retention import RetentionLimits
-from retouch.platform.webhooks import AllowList, load_secret
+from retouch.platform.webhooks import load_secret
 from retouch.runtime.httpserver import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,9 @@ def build_gateway(config: ServeConfig) -> Gateway:
         progress_interval_s=config.progress_interval_s,
         webhook_secret=load_secret(config.data_dir, config.webhook_secret),
         webhook_allow=AllowList.parse(config.webhook_allow),
+        fetch_allow=AllowList.parse(config.fetch_allow, "--fetch-allow", "fetch_not_allowed")
+        if config.fetch_allow
+        else None,
         links=LinkSigner(
             load_keys(config.link_key_file or config.data_dir / KEY_FILE),
             check_public_url(config.public_url or bind_url(config.host, config.port)),

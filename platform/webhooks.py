@@ -19,13 +19,10 @@ or a tenant flooding a receiver others use too, delays only its own deliveries, 
 retried with exponential backoff on any failure (network, non-2xx, or an error of the
 sender's own), and are counted in ``/metrics``.
 
-Targets are checked against an allow-list at submission *and* at each attempt, where the
-check is the connection's: the host is resolved once (``platform/resolver.py``: threads
-of its own, a deadline, a share per tenant), every address checked, and the request sent
-to a checked address (keeping ``Host`` and TLS SNI), so a name cannot resolve elsewhere between the check and the connection. By default only loopback, so a
-webhook cannot be used to reach hosts inside the server's network. Entries are host
-names (exact) or IP networks (``10.0.0.0/8``, ``192.168.1.7``); a name not listed must
-resolve only to addresses inside a listed network.
+Targets are checked against an allow-list (``platform/allowlist.py``) at submission *and*
+at each attempt, where the check is the connection's: the request goes to a checked
+address. By default only loopback, so a webhook cannot be used to reach hosts inside the
+server's network.
 """
 
 from __future__ import annotations
@@ -34,12 +31,11 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -49,7 +45,8 @@ import httpx
 
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, Unavailable
-from retouch.functions.wire import JobEventKind, WebhookEvent, parse_webhook_url
+from retouch.functions.wire import JobEventKind, WebhookEvent, parse_target_url
+from retouch.platform.allowlist import AllowList, host_of, pinned
 from retouch.platform.deliveryjournal import DeliveryJournal
 from retouch.platform.receiverqueue import ReceiverQueue
 from retouch.platform.resolver import Address, Resolver
@@ -61,7 +58,6 @@ ID_HEADER = "webhook-id"
 DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128", "localhost")
 RECEIVER_CONCURRENCY = 4  # deliveries in flight to one receiver
 RECEIVER_BACKLOG = 1024  # deliveries of one tenant waiting for one receiver (see ReceiverQueue)
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 ReceiverKey = tuple[str, str]  # (tenant, receiver): one queue each
 
 # Which webhook event a job event is (``queued`` is never delivered).
@@ -114,64 +110,6 @@ def load_secret(data_dir: Path, given: str | None = None) -> bytes:
         path.write_text(secrets.token_hex(32))
         path.chmod(0o600)
     return path.read_text().strip().encode()
-
-
-@dataclass(frozen=True)
-class AllowList:
-    """Webhook targets the server may call: host names and IP networks."""
-
-    hosts: frozenset[str] = frozenset({"localhost"})
-    networks: tuple[Network, ...] = (
-        ipaddress.ip_network("127.0.0.0/8"),
-        ipaddress.ip_network("::1/128"),
-    )
-
-    @classmethod
-    def parse(cls, entries: Iterable[str]) -> AllowList:
-        hosts, networks = set(), []
-        for entry in (e.strip() for e in entries):
-            if not entry:
-                continue
-            try:
-                networks.append(ipaddress.ip_network(entry, strict=False))
-            except ValueError:
-                hosts.add(entry.lower().rstrip("."))
-        return cls(frozenset(hosts), tuple(networks))
-
-    def describe(self) -> list[str]:
-        return sorted(self.hosts) + [str(n) for n in self.networks]
-
-    async def check(self, raw: str, resolver: Resolver, tenant: str) -> None:
-        """At submission: refuse (400 ``webhook_not_allowed``, field ``webhook``) a target
-        outside; a listed name passes without resolving (it may resolve later)."""
-        url = parse_webhook_url(raw)
-        if _host(url) not in self.hosts:
-            await self.addresses(url, resolver, tenant)
-
-    async def addresses(self, url: httpx.URL, resolver: Resolver, tenant: str) -> list[Address]:
-        """The addresses a delivery may connect to, resolved once (as ``tenant``'s lookup)
-        and each checked: a listed name's, or a literal's or unlisted name's that are all
-        inside a listed network (else ``webhook_not_allowed``)."""
-        host = _host(url)
-        try:
-            addresses: list[Address] = [ipaddress.ip_address(host)]
-        except ValueError:
-            addresses = await resolver.resolve(host, tenant)
-            if host in self.hosts:
-                return addresses
-        if addresses and all(any(a in n for n in self.networks) for a in addresses):
-            return addresses
-        raise BadRequest(
-            f"webhook host {host!r} is not in the server's webhook allow-list "
-            f"({', '.join(self.describe()) or 'empty'}); see retouch serve --webhook-allow",
-            field="webhook",
-            code="webhook_not_allowed",
-        )
-
-
-def _host(url: httpx.URL) -> str:
-    """The URL's host in ASCII (IDNA), lowercase, without a trailing dot."""
-    return url.raw_host.decode("ascii").lower().rstrip(".")
 
 
 @dataclass
@@ -332,7 +270,7 @@ class WebhookSender:
 
     def _enqueue(self, delivery: Delivery) -> None:
         try:
-            key = (delivery.owner, receiver_key(parse_webhook_url(delivery.url)))
+            key = (delivery.owner, receiver_key(parse_target_url(delivery.url)))
         except BadRequest as exc:
             self._drop(delivery, exc.message)
             return
@@ -425,14 +363,14 @@ class WebhookSender:
             await asyncio.shield(delivery.journaled)
         delivery.attempts += 1
         try:
-            url = parse_webhook_url(delivery.url)
+            url = parse_target_url(delivery.url)
             addresses = await self.allow.addresses(url, self.resolver, delivery.owner)
         except BadRequest as exc:
             return Outcome.REFUSED, exc.message
         except Unavailable as exc:  # the lookup did not answer in time: try again later
             return Outcome.FAILED, exc.message
         if not addresses:
-            return Outcome.FAILED, f"{_host(url)} does not resolve"
+            return Outcome.FAILED, f"{host_of(url)} does not resolve"
         refused: httpx.ConnectError | None = None
         for address in addresses:
             try:
@@ -445,11 +383,10 @@ class WebhookSender:
         return Outcome.FAILED, f"ConnectError: {refused}"
 
     async def _post(self, url: httpx.URL, address: Address, delivery: Delivery) -> httpx.Response:
-        """POST to ``address``, the checked one, as if to the URL's host: ``Host`` and
-        TLS SNI (and so certificate checks) name the host, the socket goes to the address."""
+        """POST to ``address``, the checked one, as if to the URL's host."""
         assert self._http is not None
-        headers = {
-            "host": url.netloc.decode("ascii"),
+        target, headers, extensions = pinned(url, address)
+        headers |= {
             "content-type": "application/json",
             SIGNATURE_HEADER: sign(
                 self.secret_for(delivery.owner), delivery.body, int(time.time())
@@ -457,19 +394,15 @@ class WebhookSender:
             ID_HEADER: delivery.id,
             "user-agent": "retouch-webhooks",
         }
-        extensions = {"sni_hostname": _host(url)} if url.scheme == "https" else {}
         return await self._http.post(
-            url.copy_with(host=str(address)),
-            content=delivery.body,
-            headers=headers,
-            extensions=extensions,
+            target, content=delivery.body, headers=headers, extensions=extensions
         )
 
 
 def receiver_key(url: httpx.URL) -> str:
     """The receiver a URL names: its scheme, host and port (a queue is per tenant and this)."""
     port = url.port or (443 if url.scheme == "https" else 80)
-    return f"{url.scheme}://{_host(url)}:{port}"
+    return f"{url.scheme}://{host_of(url)}:{port}"
 
 
 def _done() -> asyncio.Future[None]:

@@ -301,6 +301,7 @@ def _bodies() -> list[Case]:
         Case("body-json-mask-not-an-image", "POST", INV, 400, "undecodable_image", "mask", body=b'{"template": "street", "mask": "aGVsbG8=", "prompt": "p"}', headers={**JSON, **INVOKE}),
         Case("body-json-unknown-field", "POST", INV, 400, "unknown_field", "stregth", body=b'{"template": "street", "mask": "aGVsbG8=", "prompt": "p", "stregth": 0.5}', headers={**JSON, **INVOKE}),
         Case("body-json-invoke-nan", "POST", INV, 400, "malformed_body", body=b'{"template": "street", "mask": "aGVsbG8=", "prompt": "p", "strength": NaN}', headers={**JSON, **INVOKE}),
+        Case("body-json-mask-url-not-fetched", "POST", INV, 400, "fetch_disabled", "mask", body=b'{"template": "street", "mask": "http://127.0.0.1:9/mask.png", "prompt": "p"}', headers={**JSON, **INVOKE}),
         Case("body-json-on-jobs", "POST", f"/v1/functions/{FUNCTION}/jobs", 400, "missing_field", "template", body=b'{"webhook_events": ["completed"]}', headers={**JSON, **INVOKE}),
         Case("body-text-on-invoke", "POST", INV, 415, "unsupported_media_type", body=b"hi", headers={"content-type": "text/plain", **INVOKE}),
         Case("body-no-content-type", "POST", INV, 400, "malformed_body", body=b"\xc1", headers=INVOKE),

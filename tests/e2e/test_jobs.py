@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -49,7 +53,7 @@ MAX_PIXEL_DIFF = 3  # a request batched with others differs from its solo run by
 @pytest.fixture(scope="module")
 def server(data_dir: Path, examples: Path) -> Iterator[ServerProcess]:
     env = {**TOKENS, "RETOUCH_WEBHOOK_SECRET": SECRET}
-    args = ["--max-batch", "2", "--progress-interval", "0"]
+    args = ["--max-batch", "2", "--progress-interval", "0", "--fetch-allow", "127.0.0.0/8"]
     with ServerProcess(data_dir, env=env, extra_args=args) as proc:
         spec, images = read_spec_file(examples / "tiny-sd.toml")
         spec = dataclasses.replace(
@@ -381,7 +385,26 @@ def curl(*args: str, data: str | None = None) -> tuple[int, bytes]:
     return int(status), body
 
 
-def test_curl_alone_invokes_submits_follows_fetches_and_cancels(server: ServerProcess) -> None:
+@contextlib.contextmanager
+def serve_files(folder: Path) -> Iterator[str]:
+    """``folder`` over HTTP on loopback (where a user's images would be hosted)."""
+    handler = functools.partial(QuietFiles, directory=str(folder))
+    files = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{files.server_address[1]}"
+    finally:
+        files.shutdown()
+
+
+class QuietFiles(SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_curl_alone_invokes_submits_follows_fetches_and_cancels(
+    server: ServerProcess, tmp_path: Path
+) -> None:
     """What a shell user does with curl and JSON: an invoke, a job (its mask a data URI)
     followed over SSE, its ``output`` link fetched without a token, and a cancel."""
     auth = ["-H", f"authorization: Bearer {INVOKE}", "-H", "content-type: application/json"]
@@ -394,6 +417,12 @@ def test_curl_alone_invokes_submits_follows_fetches_and_cancels(server: ServerPr
     invoked = json.loads(answer)
     assert invoked["path"] == "maskaware" and invoked["format"] == "png"
     direct = np.asarray(Image.open(io.BytesIO(base64.b64decode(invoked["image"]))))
+    # the mask as a URL (this server fetches from loopback: --fetch-allow): the same edit
+    (tmp_path / "mask.png").write_bytes(encode_mask(MASK))
+    with serve_files(tmp_path) as files:
+        by_url = {**body, "mask": f"{files}/mask.png"}
+        status, answer = curl(*auth, "-d", "@-", f"{fn}/invoke", data=json.dumps(by_url))
+    assert status == 200 and json.loads(answer)["image"] == invoked["image"], answer
 
     job_body = {**body, "mask": f"data:image/png;base64,{mask}", "num_inference_steps": STEPS}
     status, answer = curl(*auth, "-d", "@-", f"{fn}/jobs", data=json.dumps(job_body))

@@ -16,6 +16,7 @@ from retouch.functions import wire
 from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound, RetouchError
 from retouch.functions.wire import JobEventKind, JobStatus
 from retouch.platform import sse, webhooks
+from retouch.platform.allowlist import AllowList
 from retouch.platform.auth import OPEN, Principal
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.httpapi import parse_prefer_wait
@@ -297,7 +298,7 @@ def test_webhook_signature_and_allow_list() -> None:
 
     resolver = Resolver()
 
-    async def check(allow: webhooks.AllowList, url: str) -> bool:
+    async def check(allow: AllowList, url: str) -> bool:
         try:
             await allow.check(url, resolver, "t")
         except BadRequest as exc:
@@ -305,8 +306,8 @@ def test_webhook_signature_and_allow_list() -> None:
             return False
         return True
 
-    default = webhooks.AllowList()
-    wide = webhooks.AllowList.parse(["10.0.0.0/8", "hooks.example"])
+    default = AllowList()
+    wide = AllowList.parse(["10.0.0.0/8", "hooks.example"])
 
     async def run() -> None:
         assert await check(default, "http://127.0.0.1:8080/x")

@@ -232,6 +232,6 @@ async def test_a_host_name_idna_refuses_is_a_400_at_submission_never_a_500() -> 
         # a name that reaches the resolver anyway does not resolve; it does not raise
         assert await sender.resolver.resolve(too_long[7:-1], "alice") == []
         assert await sender.resolver.resolve("a..b", "alice") == []
-        wire.parse_webhook_url(f"http://{'a' * 63}.example./")  # the longest label is fine
+        wire.parse_target_url(f"http://{'a' * 63}.example./")  # the longest label is fine
     finally:
         await sender.close()

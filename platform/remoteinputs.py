@@ -1,0 +1,120 @@
+"""Remote inputs: an ``image`` or ``mask`` given as an ``http(s)`` URL, fetched by the gateway.
+
+Replicate's and fal's users pass images as URLs. Fetching one is a connection the gateway
+makes on a client's behalf, so it is **off** unless the operator lists the hosts it may
+reach (``retouch serve --fetch-allow``), checked exactly as webhook targets are
+(``platform/allowlist.py``: resolved once, every address checked, the request sent to a
+checked address). A fetch follows no redirect, must answer 2xx within ``timeout_s`` and
+send at most ``max_bytes`` (what any request body may hold); the bytes then go where the
+request's own bytes would, through the same decoding and checks. A job journals the
+fetched bytes with its request, so a resumed job never fetches again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from retouch.functions.errors import BadRequest, PayloadTooLarge, Unavailable
+from retouch.functions.wire import parse_target_url
+from retouch.platform.allowlist import AllowList, pinned
+from retouch.platform.resolver import Resolver
+
+URL_FIELDS = ("image", "mask")
+DEFAULT_TIMEOUT_S = 10.0
+
+
+def is_url(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith(("http://", "https://"))
+
+
+class InputFetcher:
+    """Replaces URL-valued ``image``/``mask`` fields of a request body by their bytes."""
+
+    def __init__(
+        self,
+        allow: AllowList | None,
+        max_bytes: int,
+        resolver: Resolver | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.allow = allow  # None: fetching is off
+        self.max_bytes = max_bytes
+        self.resolver = resolver or Resolver()  # the gateway's one, shared with webhooks
+        self.timeout_s = timeout_s
+        self._http: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        self._http = httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def inline(self, body: Any, tenant: str) -> Any:
+        """``body`` with each URL in ``image``/``mask`` replaced by the bytes it names (a
+        body that is not a map is left for the request parser to refuse)."""
+        if not isinstance(body, dict):
+            return body
+        urls = {f: body[f] for f in URL_FIELDS if is_url(body.get(f))}
+        if not urls:
+            return body
+        if self.allow is None:
+            field = next(iter(urls))
+            raise BadRequest(
+                f"{field} is a URL, and this server fetches none (retouch serve --fetch-allow); "
+                "send the image's bytes (base64 or a data: URI in JSON)",
+                field=field,
+                code="fetch_disabled",
+            )
+        return body | {f: await self.fetch(url, f, tenant) for f, url in urls.items()}
+
+    async def fetch(self, raw: str, field: str, tenant: str) -> bytes:
+        """The bytes at ``raw``, fetched from a checked address of an allow-listed host."""
+        assert self.allow is not None and self._http is not None
+        url = parse_target_url(raw, field)
+        addresses = await self.allow.addresses(url, self.resolver, tenant, field)
+        if not addresses:
+            raise BadRequest(f"{field} host does not resolve", field=field, code="fetch_failed")
+        failure: Exception | None = None
+        for address in addresses:
+            target, headers, extensions = pinned(url, address)
+            try:
+                return await self._get(target, headers, extensions, field)
+            except httpx.ConnectError as exc:  # the next checked address, if any
+                failure = exc
+            except httpx.TimeoutException as exc:
+                raise Unavailable(
+                    f"{field}: {url.host} did not answer within {self.timeout_s:g} s",
+                    field=field,
+                    code="fetch_timeout",
+                ) from exc
+        raise BadRequest(f"{field}: cannot connect: {failure}", field=field, code="fetch_failed")
+
+    async def _get(
+        self, target: httpx.URL, headers: dict[str, str], extensions: dict[str, Any], field: str
+    ) -> bytes:
+        assert self._http is not None
+        request = self._http.build_request(
+            "GET", target, headers=headers | {"user-agent": "retouch-fetch"}, extensions=extensions
+        )
+        resp = await self._http.send(request, stream=True)
+        try:
+            if not 200 <= resp.status_code < 300:
+                raise BadRequest(
+                    f"{field}: the URL answered HTTP {resp.status_code}",
+                    field=field,
+                    code="fetch_failed",
+                )
+            chunks, size = [], 0
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > self.max_bytes:
+                    raise PayloadTooLarge(
+                        f"{field}: the URL's body exceeds {self.max_bytes} bytes", field=field
+                    )
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            await resp.aclose()
