@@ -131,7 +131,7 @@ def test_wrong_content_type_answers_in_json(server: ServerProcess, tokens: dict[
     _error(resp, 415, "unsupported_media_type")
     assert resp.headers["content-type"].startswith("application/json")
     resp = _post_invoke(server, tokens, b"{}", headers={"content-type": "application/json"})
-    _error(resp, 400, "missing_field")  # JSON is read like msgpack, and answered in JSON
+    _error(resp, 400, "missing_field", "template")  # JSON is read like msgpack, answered in JSON
     assert resp.headers["content-type"].startswith("application/json")
 
 
