@@ -485,7 +485,7 @@ class Gateway:
                 route(
                     "/v1/functions/{name}/templates/{template}", self.template_image, scope="invoke"
                 ),
-                route("/v1/predictions", predictions.create, "POST", scope="invoke", status=201),
+                route("/v1/predictions", predictions.create, "POST", scope="invoke"),
                 route("/v1/predictions", predictions.list, scope="invoke"),
                 route("/v1/predictions/{id}", predictions.get, scope="invoke"),
                 route("/v1/predictions/{id}/cancel", predictions.cancel, "POST", scope="invoke"),
@@ -495,7 +495,6 @@ class Gateway:
                     predictions.create_for_model,
                     "POST",
                     scope="invoke",
-                    status=201,
                 ),
                 route("/v1/webhooks/default/secret", predictions.webhook_secret, scope="invoke"),
                 route("/v1/images/edits", images.edits, "POST", scope="invoke"),
