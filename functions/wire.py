@@ -937,6 +937,14 @@ class WebhookEvent(StrEnum):
     COMPLETED = "completed"
 
 
+class WebhookFormat(StrEnum):
+    """What a job's webhook deliveries carry: retouch's own envelope around the job
+    document, or Replicate's prediction document (a job submitted as a prediction)."""
+
+    RETOUCH = "retouch"
+    REPLICATE = "replicate"
+
+
 DEFAULT_WEBHOOK_EVENTS = (WebhookEvent.COMPLETED,)
 JOB_ID = re.compile(r"[0-9a-f]{32}")
 MAX_URL_CHARS = 2048
@@ -1015,11 +1023,13 @@ def _check_host_name(host: str, field: str) -> None:
 
 @dataclass(frozen=True)
 class JobRequest:
-    """``POST /v1/functions/{name}/jobs``: an invocation plus where to report on it."""
+    """``POST /v1/functions/{name}/jobs``: an invocation plus where to report on it, and
+    in which form (``webhook_format``; a prediction's is ``replicate``)."""
 
     invoke: InvokeRequest
     webhook: str | None = None
     webhook_events: tuple[WebhookEvent, ...] = DEFAULT_WEBHOOK_EVENTS
+    webhook_format: WebhookFormat = WebhookFormat.RETOUCH
 
     @classmethod
     def from_wire(cls, obj: Any) -> JobRequest:
@@ -1042,15 +1052,32 @@ class JobRequest:
                     field="webhook_events",
                     code="invalid_field",
                 ) from exc
-        invoke = {k: v for k, v in body.items() if k not in ("webhook", "webhook_events")}
-        return cls(InvokeRequest.from_wire(invoke), webhook, events)
+        form = WebhookFormat.RETOUCH
+        if body.get("webhook_format") is not None:
+            form = _choice(body["webhook_format"], WebhookFormat, "webhook_format")
+        reporting = ("webhook", "webhook_events", "webhook_format")
+        invoke = {k: v for k, v in body.items() if k not in reporting}
+        return cls(InvokeRequest.from_wire(invoke), webhook, events, form)
 
     def to_wire(self) -> dict[str, Any]:
         out = self.invoke.to_wire()
         if self.webhook is not None:
             out["webhook"] = self.webhook
             out["webhook_events"] = [e.value for e in self.webhook_events]
+        if self.webhook_format is not WebhookFormat.RETOUCH:
+            out["webhook_format"] = self.webhook_format.value
         return out
+
+
+def _choice(raw: Any, kind: type[StrEnum], name: str) -> Any:
+    """One of ``kind``'s values, else ``invalid_field`` on ``name`` listing them."""
+    try:
+        return kind(raw)
+    except (ValueError, TypeError):
+        known = ", ".join(k.value for k in kind)
+        raise BadRequest(
+            f"{name} must be one of {known}", field=name, code="invalid_field"
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ from retouch.platform.metrics import GatewayMetrics
 from retouch.platform.openai_images import OpenAIImages, answers_openai, openai_error
 from retouch.platform.outputs import serve_output
 from retouch.platform.pool import ExecutorPool
+from retouch.platform.predictions import Predictions, Read, answers_replicate, replicate_error
 from retouch.platform.registry import Registry, StoredFunction
 from retouch.platform.remoteinputs import InputFetcher
 from retouch.platform.retention import RetentionLimits
@@ -122,6 +123,7 @@ class Gateway:
             self.webhook_secret,
             self.webhook_allow,
             journal=DeliveryJournal(self.data_dir / "webhooks") if self.data_dir else None,
+            public_url=self.links.base_url,
         )
         self.inputs = InputFetcher(self.fetch_allow, self.max_body, self.webhooks.resolver)
         self.door = FrontDoor(
@@ -362,30 +364,40 @@ class Gateway:
 
     # ---- jobs ----------------------------------------------------------------------------
     async def submit_job(self, request: Request) -> Response:
-        received = time.perf_counter()
         fn = self.door.servable(request.path_params["name"])
         wait_s = parse_prefer_wait(request.headers.get("prefer"))
+        job = await self.accept_job(request, lambda body: (fn, wire.JobRequest.from_wire(body)), fn)
+        return await self._job_response(request, job, wait_s, 202)
+
+    async def accept_job(
+        self, request: Request, read: Read, fn: DeployedFunction | None = None
+    ) -> Job:
+        """The one way a durable job comes in over HTTP (``.../jobs`` and predictions):
+        the caps on the declared length, then (for a function the URL names, ``fn``) the
+        arrival check, both before the body is read; ``read`` makes the body the function
+        and the job request; the webhook's target is checked; the front door accepts it."""
+        received = time.perf_counter()
         owner = principal(request).tenant
         declared = request.headers.get("content-length")
         # Over a cap, refused before the body is read: a burst of large jobs costs nothing.
         self.jobs.admit(owner, requestparams.integer(declared, "content-length", 0, 2**62, 0))
-        with self.door.arrival(fn, received), self.bodies.hold(request, self.max_body):
+        with contextlib.ExitStack() as admitted:
+            if fn is not None:
+                admitted.enter_context(self.door.arrival(fn, received))
+            admitted.enter_context(self.bodies.hold(request, self.max_body))
             body = await self.inputs.inline(await read_body(request, self.max_body), owner)
-            req = wire.JobRequest.from_wire(body)
+            named, req = read(body)
+            if fn is None:  # named by the body: admitted once it is read
+                admitted.enter_context(self.door.arrival(named, received))
             if req.webhook is not None:
                 await self.webhooks.check(req.webhook, owner)
-            job = await self.door.accept(fn, req, durable=True, owner=owner)
-        return await self._job_response(request, job, wait_s, 202)
+            return await self.door.accept(named, req, durable=True, owner=owner)
 
     async def _job_response(
         self, request: Request, job: Job, wait_s: float | None, status: int = 200
     ) -> Response:
-        headers = None
-        if wait_s is not None:
-            await self.jobs.wait(job, wait_s)
-            headers = {"preference-applied": f"wait={wait_s:g}"}
-        if job.status is wire.JobStatus.QUEUED:
-            job.position = self.pool.dispatcher.queue_positions().get(job.id, job.position)
+        await self.jobs.settle(job, wait_s)
+        headers = None if wait_s is None else {"preference-applied": f"wait={wait_s:g}"}
         is_owner = job.owner == principal(request).tenant  # not: an admin reading another's
         return respond(request, await self.jobs.document(job, is_owner), status, headers)
 
@@ -449,6 +461,7 @@ class Gateway:
             )
 
         images = OpenAIImages(self.door, max_body=self.max_body, bodies=self.bodies)
+        predictions = Predictions(self.door, self.accept_job, self.webhooks, self.links.base_url)
         web = WebUI()
 
         @contextlib.asynccontextmanager
@@ -479,6 +492,18 @@ class Gateway:
                 route(
                     "/v1/functions/{name}/templates/{template}", self.template_image, scope="invoke"
                 ),
+                route("/v1/predictions", predictions.create, "POST", scope="invoke"),
+                route("/v1/predictions", predictions.list, scope="invoke"),
+                route("/v1/predictions/{id}", predictions.get, scope="invoke"),
+                route("/v1/predictions/{id}/cancel", predictions.cancel, "POST", scope="invoke"),
+                route("/v1/predictions/{id}/stream", predictions.stream, scope="invoke"),
+                route(
+                    "/v1/models/{owner}/{name}/predictions",
+                    predictions.create_for_model,
+                    "POST",
+                    scope="invoke",
+                ),
+                route("/v1/webhooks/default/secret", predictions.webhook_secret, scope="invoke"),
                 route("/v1/images/edits", images.edits, "POST", scope="invoke"),
                 route("/v1/images/{name}", self.output),  # a signed link: no token
                 route("/", web.index),  # the page holds no data; its API calls carry a token
@@ -495,6 +520,8 @@ def render_error(
     """An error answer in the convention of the API the request's path belongs to."""
     if answers_openai(request):
         return openai_error(request, exc, headers)
+    if answers_replicate(request):
+        return replicate_error(request, exc, headers)
     return error_response(request, exc, headers)
 
 

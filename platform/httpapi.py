@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -57,12 +57,15 @@ def _refuse_constant(name: str) -> Any:
 
 
 def parse_prefer_wait(header: str | None) -> float | None:
-    """``Prefer: wait=N`` (RFC 7240, as Replicate uses it): seconds to block, at most 60."""
+    """``Prefer: wait=N`` (RFC 7240, as Replicate uses it): seconds to block, at most 60;
+    a bare ``Prefer: wait`` (what Replicate's clients send for ``wait=True``) is 60."""
     if not header:
         return None
     for part in header.split(","):
-        name, _, value = part.strip().partition("=")
+        name, eq, value = part.strip().partition("=")
         if name.strip().lower() == "wait":
+            if not eq:
+                return MAX_WAIT_S
             return requestparams.decimal(value.strip().strip('"'), "Prefer", 0.0, MAX_WAIT_S)
     return None
 
@@ -76,16 +79,20 @@ def last_event_id(request: Request) -> int:
     return requestparams.integer(request.query_params.get("after"), "after", 0, MAX_EVENT_ID, 0)
 
 
-def event_stream(events: AsyncIterator[wire.JobEvent | None]) -> StreamingResponse:
-    """A job's events as ``text/event-stream``; ``None`` items mark idle periods, and an
-    idle stream gets a keep-alive comment every ``KEEPALIVE_S`` so proxies keep it open."""
+def event_stream(
+    events: AsyncIterator[wire.JobEvent | None],
+    render: Callable[[wire.JobEvent], bytes] = sse.frame,
+) -> StreamingResponse:
+    """A job's events as ``text/event-stream`` (each as ``render`` frames it: retouch's
+    events, or a prediction's); ``None`` items mark idle periods, and an idle stream gets a
+    keep-alive comment every ``KEEPALIVE_S`` so proxies keep it open."""
 
     async def stream() -> AsyncIterator[bytes]:
         idle_since = time.monotonic()
         async for event in events:
             if event is not None:
                 idle_since = time.monotonic()
-                yield sse.frame(event)
+                yield render(event)
             elif time.monotonic() - idle_since >= KEEPALIVE_S:
                 idle_since = time.monotonic()
                 yield sse.KEEPALIVE

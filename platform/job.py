@@ -26,6 +26,7 @@ RECORD_VERSION = 1
 # Event ids of a job's n-th run (0: as accepted, 1: resumed after a restart, ...) start
 # above n * RUN_SEQ_SPAN, so the ids a reader saw before a restart stay below the new ones.
 RUN_SEQ_SPAN = 1_000_000
+PROGRESS_BAR = 10  # characters of a log's progress bar
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,22 @@ def iso(t: float | None) -> str | None:
     if t is None:
         return None
     return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def queue_line(position: int) -> str:
+    return f"waiting in the queue at position {position}"
+
+
+def start_line(started_at: str | None, executor: str, attempt: int) -> str:
+    return f"{started_at} started on {executor} (attempt {attempt})"
+
+
+def progress_line(step: int, total: int) -> str:
+    """A progress bar as tqdm writes it (`` 33%|###       | 1/3``): what Replicate's
+    clients parse a prediction's progress from (``Prediction.progress``)."""
+    fraction = step / total if total else 0.0
+    bar = ("#" * int(fraction * PROGRESS_BAR)).ljust(PROGRESS_BAR)
+    return f"{int(fraction * 100):3d}%|{bar}| {step}/{total}"
 
 
 def new_job_id() -> str:
@@ -144,13 +161,11 @@ class Job:
         """What happened to the job, a line an event (Replicate's ``logs``), from its state."""
         lines = [f"{iso(self.created_at)} accepted for {self.function}"]
         if self.status is JobStatus.QUEUED and self.position is not None:
-            lines.append(f"waiting in the queue at position {self.position}")
+            lines.append(queue_line(self.position))
         if self.started_at is not None and self.executor is not None:
-            lines.append(
-                f"{iso(self.started_at)} started on {self.executor} (attempt {self.attempts})"
-            )
+            lines.append(start_line(iso(self.started_at), self.executor, self.attempts))
         if self.progress is not None and not self.status.terminal:
-            lines.append(f"step {self.progress.step}/{self.progress.total}")
+            lines.append(progress_line(self.progress.step, self.progress.total))
         if self.result is not None:
             r = self.result
             lines.append(

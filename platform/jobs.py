@@ -161,9 +161,11 @@ class JobStore:
         function: str | None = None,
         limit: int = 100,
         tenant: str | None = None,
+        before: tuple[float, str] | None = None,
     ) -> list[Job]:
-        """Newest first: the viewer's own jobs (an admin's: every tenant's, or ``tenant``'s).
-        Only the listed tenant's jobs are read, not every job the gateway keeps."""
+        """Newest first: the viewer's own jobs (an admin's: every tenant's, or ``tenant``'s),
+        those older than ``before`` (a page's last ``listing_key``) if given. Only the
+        listed tenant's jobs are read, not every job the gateway keeps."""
         if tenant is None and not viewer.admin:
             tenant = viewer.tenant
         if tenant is not None and not viewer.owns(tenant):
@@ -177,8 +179,9 @@ class JobStore:
             for j in kept
             if (status is None or j.status is status)
             and (function is None or j.function == function)
+            and (before is None or listing_key(j) < before)
         )
-        return heapq.nlargest(limit, jobs, key=lambda j: j.created_at)
+        return heapq.nlargest(limit, jobs, key=listing_key)
 
     def retained_until(self, job: Job) -> float:
         """When a finished job's record and result are removed (``inf`` while it runs)."""
@@ -394,6 +397,14 @@ class JobStore:
                 await asyncio.wait_for(job._changed.wait(), left)
         return job
 
+    async def settle(self, job: Job, wait_s: float | None) -> None:
+        """A job as an answer shows it: once it ended or ``wait_s`` passed (``Prefer:
+        wait``; ``None``: at once), a queued one with its position in the queue now."""
+        if wait_s is not None:
+            await self.wait(job, wait_s)
+        if job.status is JobStatus.QUEUED:
+            job.position = self._positions().get(job.id, job.position)
+
     async def events(self, job: Job, after: int = 0):
         """The job's events with ``seq > after`` in order, live until it ends; ``None``
         items mark idle periods (for keep-alives). A stream always ends with the terminal
@@ -504,6 +515,11 @@ class JobStore:
         if not owned:
             self._owned.pop(job.owner, None)
         self.retention.release(job)
+
+
+def listing_key(job: Job) -> tuple[float, str]:
+    """The order of listings (newest first): creation time, ties broken by id."""
+    return job.created_at, job.id
 
 
 def _ended_order(job: Job) -> tuple[float, float]:

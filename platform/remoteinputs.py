@@ -53,10 +53,13 @@ class InputFetcher:
             await self._http.aclose()
 
     async def inline(self, body: Any, tenant: str) -> Any:
-        """``body`` with each URL in ``image``/``mask`` replaced by the bytes it names (a
-        body that is not a map is left for the request parser to refuse)."""
+        """``body`` with each URL in ``image``/``mask`` replaced by the bytes it names, or in
+        its ``input`` (a prediction's); a body that is not a map is left for the request
+        parser to refuse."""
         if not isinstance(body, dict):
             return body
+        if isinstance(body.get("input"), dict):  # a Replicate prediction's arguments
+            return body | {"input": await self.inline(body["input"], tenant)}
         urls = {f: body[f] for f in URL_FIELDS if is_url(body.get(f))}
         if not urls:
             return body

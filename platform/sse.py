@@ -14,8 +14,18 @@ KEEPALIVE = b": keep-alive\n\n"
 
 
 def frame(event: wire.JobEvent) -> bytes:
-    data = json.dumps(event.data, separators=(",", ":"), default=_no_bytes)
-    return f"id: {event.seq}\nevent: {event.kind.value}\ndata: {data}\n\n".encode()
+    """A job event as retouch's streams carry it: its kind, its data as one JSON line."""
+    return text_frame(event.seq, event.kind.value, json_data(event.data))
+
+
+def text_frame(seq: int, name: str, data: str) -> bytes:
+    """One event: ``data`` on as many ``data:`` lines as it has lines."""
+    lines = "".join(f"data: {line}\n" for line in data.split("\n"))
+    return f"id: {seq}\nevent: {name}\n{lines}\n".encode()
+
+
+def json_data(data: Any) -> str:
+    return json.dumps(data, separators=(",", ":"), default=_no_bytes)
 
 
 def _no_bytes(value: Any) -> Any:

@@ -2,10 +2,14 @@
 sent only to the checked address of an allow-listed target.
 
 A job may name a ``webhook`` URL and the events it wants (``started``, ``progress``,
-``completed``). Each delivery is a JSON ``POST`` signed like Stripe's: the header
-``Retouch-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>" under the
-job owner's secret>``, so a receiver checks the body is ours and fresh (reject an old
-``t``: no replay). Each tenant has its own secret, derived from the server's
+``completed``). Each delivery is a JSON ``POST`` (retouch's envelope around the job
+document, or for a prediction Replicate's prediction document) signed twice with the job
+owner's secret: like Stripe's, ``Retouch-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256
+of "<t>.<body>">``, and as Standard Webhooks specify (what Replicate's clients verify),
+``webhook-timestamp: <t>`` and ``webhook-signature: v1,<base64 HMAC-SHA256 of
+"<webhook-id>.<t>.<body>">`` with the secret written ``whsec_<base64>``
+(:func:`standard_key`). Either way a receiver checks the body is ours and fresh (reject
+an old ``t``: no replay). Each tenant has its own secret, derived from the server's
 (:func:`tenant_secret`), so a receiver holding one tenant's secret cannot sign deliveries
 that another tenant's receiver would accept. Every delivery has an id (the ``webhook-id``
 header, as in Standard Webhooks, and ``id`` in the signed body) that stays the same across
@@ -28,6 +32,7 @@ server's network.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import hmac
@@ -45,7 +50,8 @@ import httpx
 
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, Unavailable
-from retouch.functions.wire import JobEventKind, WebhookEvent, parse_target_url
+from retouch.functions.wire import JobEventKind, WebhookEvent, WebhookFormat, parse_target_url
+from retouch.platform import predictions
 from retouch.platform.allowlist import AllowList, host_of, pinned
 from retouch.platform.deliveryjournal import DeliveryJournal
 from retouch.platform.receiverqueue import ReceiverQueue
@@ -55,6 +61,9 @@ log = logging.getLogger(__name__)
 
 SIGNATURE_HEADER = "Retouch-Signature"
 ID_HEADER = "webhook-id"
+TIMESTAMP_HEADER = "webhook-timestamp"  # Standard Webhooks' three headers: id, time, signature
+STANDARD_SIGNATURE_HEADER = "webhook-signature"
+STANDARD_KEY_PREFIX = "whsec_"
 DEFAULT_ALLOW = ("127.0.0.0/8", "::1/128", "localhost")
 RECEIVER_CONCURRENCY = 4  # deliveries in flight to one receiver
 RECEIVER_BACKLOG = 1024  # deliveries of one tenant waiting for one receiver (see ReceiverQueue)
@@ -89,6 +98,18 @@ def verify(
         return False
     expected = sign(secret, body, timestamp).split("v1=", 1)[1]
     return hmac.compare_digest(expected, parts.get("v1", ""))
+
+
+def standard_key(secret: bytes) -> str:
+    """A tenant's secret as Standard Webhooks write one, ``whsec_<base64>``: what
+    ``GET /v1/webhooks/default/secret`` gives and Replicate's ``Webhooks.validate`` takes."""
+    return STANDARD_KEY_PREFIX + base64.b64encode(secret).decode()
+
+
+def sign_standard(secret: bytes, delivery_id: str, body: bytes, timestamp: int) -> str:
+    """The ``webhook-signature`` header value (Standard Webhooks, version 1)."""
+    content = f"{delivery_id}.{timestamp}.".encode() + body
+    return "v1," + base64.b64encode(hmac.new(secret, content, hashlib.sha256).digest()).decode()
 
 
 def tenant_secret(master: bytes, tenant: str) -> bytes:
@@ -193,8 +214,10 @@ class WebhookSender:
         concurrency: int = RECEIVER_CONCURRENCY,
         backlog: int = RECEIVER_BACKLOG,
         resolver: Resolver | None = None,
+        public_url: str = "",
     ) -> None:
         self._master = master  # the server's secret; deliveries are signed with a tenant's
+        self.public_url = public_url  # the base of a prediction document's URLs
         self.allow = allow or AllowList()
         self.retry = retry or RetryPolicy()
         self.journal = journal
@@ -236,6 +259,10 @@ class WebhookSender:
         """The key ``tenant``'s deliveries are signed with: what its receivers verify with."""
         return tenant_secret(self._master, tenant)
 
+    def standard_key_for(self, tenant: str) -> str:
+        """``tenant``'s key as Standard Webhooks write it (``whsec_<base64>``)."""
+        return standard_key(self.secret_for(tenant))
+
     async def check(self, raw: str, tenant: str) -> None:
         """At submission: ``tenant``'s webhook target is allowed (else a structured error on
         field ``webhook``)."""
@@ -251,15 +278,7 @@ class WebhookSender:
         if self._http is None:
             return None
         ident = delivery_id(job.id, kind, event.seq)
-        payload = {
-            "id": ident,
-            "type": kind.value,
-            "event": event.kind.value,
-            "seq": event.seq,
-            "sent_at": time.time(),
-            "job": job.describe(with_image=False),
-        }
-        body = json.dumps(payload, separators=(",", ":")).encode()
+        body = json.dumps(self._payload(job, event, kind, ident), separators=(",", ":")).encode()
         delivery = Delivery(ident, url, job.id, job.owner, kind, body, time.time(), _done())
         if self.journal is not None:
             delivery.journaled = self._background(
@@ -267,6 +286,21 @@ class WebhookSender:
             )
         self._enqueue(delivery)
         return delivery.journaled
+
+    def _payload(
+        self, job: Any, event: wire.JobEvent, kind: WebhookEvent, ident: str
+    ) -> dict[str, Any]:
+        """What a delivery carries, in the job's webhook format."""
+        if job.request.webhook_format is WebhookFormat.REPLICATE:
+            return predictions.document(job, self.public_url)
+        return {
+            "id": ident,
+            "type": kind.value,
+            "event": event.kind.value,
+            "seq": event.seq,
+            "sent_at": time.time(),
+            "job": job.describe(with_image=False),
+        }
 
     def _enqueue(self, delivery: Delivery) -> None:
         try:
@@ -386,12 +420,13 @@ class WebhookSender:
         """POST to ``address``, the checked one, as if to the URL's host."""
         assert self._http is not None
         target, headers, extensions = pinned(url, address)
+        secret, now = self.secret_for(delivery.owner), int(time.time())
         headers |= {
             "content-type": "application/json",
-            SIGNATURE_HEADER: sign(
-                self.secret_for(delivery.owner), delivery.body, int(time.time())
-            ),
+            SIGNATURE_HEADER: sign(secret, delivery.body, now),
             ID_HEADER: delivery.id,
+            TIMESTAMP_HEADER: str(now),
+            STANDARD_SIGNATURE_HEADER: sign_standard(secret, delivery.id, delivery.body, now),
             "user-agent": "retouch-webhooks",
         }
         return await self._http.post(

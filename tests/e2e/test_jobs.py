@@ -28,7 +28,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import replicate
 from PIL import Image
+from replicate.exceptions import ReplicateError
+from replicate.helpers import FileOutput
+from replicate.webhook import InvalidSignatureError, Webhooks
 
 from retouch.functions.errors import Canceled, RetouchError
 from retouch.functions.imaging import encode_mask
@@ -458,3 +462,123 @@ def test_curl_alone_invokes_submits_follows_fetches_and_cancels(
     status, answer = curl(*auth, "-X", "POST", cancel_url)
     assert status == 200 and json.loads(answer)["status"] == "canceled", answer
     assert json.loads(answer)["output"] is None
+
+
+def png_pixels(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).astype(int)
+
+
+def test_replicate_client_drives_predictions(server: ServerProcess) -> None:
+    """Replicate's own Python client pointed at the gateway: create (by model and by
+    version), poll, ``Prefer: wait``, ``replicate.run``, stream, cancel, list, and a webhook
+    its ``Webhooks.validate`` accepts with the key of ``/v1/webhooks/default/secret``. A
+    prediction is the job of the same id."""
+    client = replicate.Client(api_token=INVOKE, base_url=server.url)
+    mask = "data:image/png;base64," + base64.b64encode(encode_mask(MASK)).decode()
+    inputs = {"template": TEMPLATE, "mask": mask, "prompt": "a red door", "seed": 21}
+    with Client(server.url, INVOKE) as native, Receiver(native.webhook_secret()) as receiver:
+        created = client.predictions.create(
+            model=f"acme/{FUNCTION}",
+            input=inputs,
+            webhook=f"{receiver.url}/hook",
+            webhook_events_filter=["start", "completed"],
+        )
+        assert created.status in ("starting", "processing") and created.model.endswith(FUNCTION)
+        created.wait()  # polls GET /v1/predictions/{id}
+        assert created.status == "succeeded" and created.error is None, created.logs
+        assert created.output.startswith(f"{server.url}/v1/images/{created.id}.png?")
+        assert created.metrics["inference_steps"] == STEPS and "predict_time" in created.metrics
+        assert native.job(created.id).status()["output"] == created.output  # the same job
+
+        waited = client.predictions.create(version=FUNCTION, input=inputs, wait=60)
+        assert waited.status == "succeeded"  # answered once it ended: Prefer: wait=60
+
+        output = client.run(f"retouch/{FUNCTION}", input=inputs)  # bare Prefer: wait
+        # an https output becomes a FileOutput by itself; this server's is http
+        image = FileOutput(output, client).read()
+        first = FileOutput(created.output, client).read()
+        assert np.abs(png_pixels(image) - png_pixels(first)).max() <= MAX_PIXEL_DIFF
+
+        streamed = client.predictions.create(model=f"retouch/{FUNCTION}", input=inputs)
+        events = [(e.event.value, str(e.data)) for e in streamed.stream()]
+        assert events[-2:] == [("output", events[-2][1]), ("done", "{}")], events
+        bars = [d.rsplit(" ", 1)[-1] for k, d in events if k == "logs" and "%|" in d]
+        assert bars == [f"{step}/{STEPS}" for step in range(1, STEPS + 1)], events
+        streamed.reload()
+        assert events[-2][1] == streamed.output
+
+        long = {**inputs, "num_inference_steps": 200}
+        doomed = client.predictions.create(model=f"retouch/{FUNCTION}", input=long)
+        doomed.cancel()
+        assert doomed.status == "canceled" and doomed.output is None
+
+        listed = [p.id for p in client.predictions.list()]
+        assert listed.index(doomed.id) < listed.index(streamed.id) < listed.index(created.id)
+        first = httpx.get(
+            f"{server.url}/v1/predictions?limit=2", headers={"authorization": f"Bearer {INVOKE}"}
+        ).json()
+        second = client.predictions.list(first["next"])  # the client follows the cursor
+        assert [p["id"] for p in first["results"]] == listed[:2]
+        assert [p.id for p in second][:2] == listed[2:4]
+
+        secret = client.webhooks.default.secret()
+        assert secret.key.startswith("whsec_")
+        hooks = wait_for("2 webhooks", lambda: receiver.accepted()[1:] and receiver.accepted(), 60)
+        bodies = [a.body for a in hooks]
+        assert [b["status"] for b in bodies] == ["processing", "succeeded"], bodies
+        assert bodies[1]["output"] == created.output and bodies[1]["id"] == created.id
+        for arrival in hooks:
+            Webhooks.validate(headers=arrival.headers, body=arrival.raw.decode(), secret=secret)
+        with pytest.raises(InvalidSignatureError):
+            Webhooks.validate(headers=hooks[0].headers, body="{}", secret=secret)
+
+        with pytest.raises(ReplicateError) as err:
+            client.predictions.create(model=f"acme/{FUNCTION}", input={**inputs, "seed": -1})
+        assert err.value.status == 400 and "input.seed" in (err.value.detail or "")
+
+
+def test_bad_input_on_prediction_routes(server: ServerProcess) -> None:
+    """Every new route and field: a structured 4xx naming the field, in retouch's error
+    object and in the problem-details fields Replicate's client reads."""
+    auth = {"authorization": f"Bearer {INVOKE}"}
+    mask = base64.b64encode(encode_mask(MASK)).decode()
+    good = {"template": TEMPLATE, "mask": mask, "prompt": "x", "seed": 1}
+    with Client(server.url, INVOKE) as client:
+        done = submit(client, 1)
+        done.wait(timeout=120)
+    unknown = "0" * 32
+    create, by_model = "/v1/predictions", f"/v1/models/acme/{FUNCTION}/predictions"
+    cases = [
+        ("POST", create, {"input": good}, 400, "missing_field", "version"),
+        ("POST", create, {"version": FUNCTION, "model": FUNCTION, "input": good}, 400, "invalid_field", "version"),
+        ("POST", create, {"version": "no-such-fn", "input": good}, 404, "function_not_found", "version"),
+        ("POST", create, {"model": "a/b/c", "input": good}, 400, "invalid_field", "model"),
+        ("POST", create, {"version": FUNCTION}, 400, "missing_field", "input"),
+        ("POST", create, {"version": FUNCTION, "input": good, "webhook_completed": "x"}, 400, "unknown_field", "webhook_completed"),
+        ("POST", create, {"version": FUNCTION, "input": {**good, "prompt": 5}}, 400, "invalid_field", "input.prompt"),
+        ("POST", create, {"version": FUNCTION, "input": {**good, "colour": 1}}, 400, "unknown_field", "input.colour"),
+        ("POST", create, {"version": FUNCTION, "input": {**good, "template": "nope"}}, 404, "template_not_found", "input.template"),
+        ("POST", create, {"version": FUNCTION, "input": {**good, "mask": "bm90IGEgcG5n"}}, 400, "undecodable_image", "input.mask"),
+        ("POST", create, {"version": FUNCTION, "input": good, "stream": "yes"}, 400, "invalid_field", "stream"),
+        ("POST", create, {"version": FUNCTION, "input": good, "webhook_events_filter": ["begin"]}, 400, "invalid_field", "webhook_events_filter"),
+        ("POST", create, {"version": FUNCTION, "input": good, "webhook": "http://10.1.2.3/h"}, 400, "webhook_not_allowed", "webhook"),
+        ("POST", "/v1/models/bad%20owner/x/predictions", {"input": good}, 400, "invalid_field", "owner"),
+        ("POST", "/v1/models/acme/no-such-fn/predictions", {"input": good}, 404, "function_not_found", "name"),
+        ("POST", by_model, {"version": FUNCTION, "input": good}, 400, "unknown_field", "version"),
+        ("GET", "/v1/predictions/not-an-id", None, 400, "invalid_field", "id"),
+        ("GET", f"/v1/predictions/{unknown}", None, 404, "job_not_found", "id"),
+        ("GET", f"/v1/predictions/{unknown}/stream", None, 404, "job_not_found", "id"),
+        ("POST", f"/v1/predictions/{done.id}/cancel", None, 409, "job_finished", "id"),
+        ("GET", "/v1/predictions?cursor=zzz", None, 400, "invalid_field", "cursor"),
+        ("GET", "/v1/predictions?limit=0", None, 400, "invalid_field", "limit"),
+    ]  # fmt: skip
+    for method, path, body, status, code, field in cases:
+        resp = httpx.request(method, server.url + path, headers=auth, json=body)
+        assert resp.status_code == status, (path, body, resp.text)
+        doc = resp.json()
+        assert (doc["error"]["code"], doc["error"]["field"]) == (code, field), (path, body)
+        assert (doc["status"], doc["title"]) == (status, code) and field in doc["detail"]
+    resp = httpx.post(server.url + create, headers={**auth, "prefer": "wait=abc"}, json={})
+    assert resp.status_code == 400 and resp.json()["error"]["field"] == "Prefer"
+    resp = httpx.get(f"{server.url}/v1/webhooks/default/secret")
+    assert resp.status_code == 401 and resp.json()["title"] == "missing_token"

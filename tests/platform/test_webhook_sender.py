@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+from replicate.webhook import Webhooks, WebhookSigningSecret
 
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, RetouchError
@@ -235,3 +236,21 @@ async def test_a_host_name_idna_refuses_is_a_400_at_submission_never_a_500() -> 
         wire.parse_target_url(f"http://{'a' * 63}.example./")  # the longest label is fine
     finally:
         await sender.close()
+
+
+@sync
+async def test_a_predictions_delivery_is_its_document_signed_as_standard_webhooks() -> None:
+    """A job submitted as a prediction gets Replicate's prediction document, which
+    Replicate's own ``Webhooks.validate`` accepts with the tenant's ``whsec_`` key."""
+    with Receiver(KEY) as receiver:
+        sender = WebhookSender(SECRET, retry=FAST_RETRY, public_url="http://gw.example")
+        await sender.start()
+        j = job(f"{receiver.url}/hook", webhook_format="replicate")
+        j.status = wire.JobStatus.SUCCEEDED
+        sender.notify(j, completed(j))
+        (arrival,) = await until(lambda: receiver.accepted())
+        await sender.close()
+    assert arrival.body["id"] == j.id and arrival.body["status"] == "succeeded"
+    assert arrival.body["urls"]["get"] == f"http://gw.example/v1/predictions/{j.id}"
+    secret = WebhookSigningSecret(key=sender.standard_key_for(ANONYMOUS))
+    Webhooks.validate(headers=arrival.headers, body=arrival.raw.decode(), secret=secret)
