@@ -9,6 +9,7 @@ field, so every entry point rejects bad input the same way.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import re
 import secrets
 from collections.abc import Iterator
@@ -190,12 +191,12 @@ class InvokeRequest:
             format=optional(body, "format", str, "png"),
             image=image,
             negative_prompt=optional(body, "negative_prompt", str, None),
-            strength=float(optional(body, "strength", (int, float), 1.0)),
+            strength=optional(body, "strength", (int, float), 1.0),
             padding_mask_crop=optional(body, "padding_mask_crop", int, None),
             size=None if body.get("size") is None else parse_size(expect(body, "size", str)),
         )
         req.check(sent)
-        return req
+        return dataclasses.replace(req, strength=float(req.strength))  # in range: converts
 
     def check(self, sent: dict[str, str] | None = None) -> None:
         """Every argument in range; ``sent``: the name each was sent under (an alias)."""
@@ -540,10 +541,12 @@ class InvokeResult:
     engine: RunStats = field(default_factory=RunStats)
     attempts: int = 1  # executors it was sent to (more than one after an executor was lost)
     template: str = ""  # the template edited (``upload:<hash>`` for an uploaded image)
+    seed: int | None = None  # the seed it ran with (the gateway's; drawn when none was sent)
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "template": self.template,
+            "seed": self.seed,
             "image": self.image,
             "format": self.format,
             "width": self.width,
@@ -573,6 +576,7 @@ class InvokeResult:
             engine=RunStats.from_wire(body.get("engine")),
             attempts=int(body.get("attempts", 1)),
             template=str(body.get("template", "")),
+            seed=None if body.get("seed") is None else int(body["seed"]),
         )
 
 

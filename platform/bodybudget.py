@@ -8,6 +8,8 @@ A body is read whole before it is decoded, its decodes may then wait for the dec
 the body budget before a byte of it is read, and holds it until it is answered. A request
 that does not fit is refused at once, nothing read: ``429 too_many_bodies``. A durable job's
 payload, once accepted, is bounded by the retention caps instead (``platform/retention.py``).
+Images the gateway fetches for a request (``platform/remoteinputs.py``) reserve their bound
+(``--max-body-bytes`` each) the same way, before they are fetched.
 """
 
 from __future__ import annotations
@@ -43,7 +45,14 @@ class BodyBudget:
         """Hold ``request``'s body's share while the block runs, or raise a 429 at once."""
         declared = request.headers.get("content-length")
         nbytes = requestparams.integer(declared, "content-length", 0, 2**62, max_body)
-        nbytes = min(nbytes, max_body, self.capacity)
+        with self.reserve(min(nbytes, max_body)):
+            yield
+
+    @contextlib.contextmanager
+    def reserve(self, nbytes: int) -> Iterator[None]:
+        """Hold ``nbytes`` while the block runs (a body, or the images fetched for one), or
+        raise a 429 at once."""
+        nbytes = min(nbytes, self.capacity)
         if self.in_use + nbytes > self.capacity:
             self.refused += 1
             raise Overloaded(

@@ -65,10 +65,11 @@ def invoke_call(
     template: str | None,
     mask: bytes | np.ndarray,
     prompt: str,
-    seed: int = 0,
+    seed: int | None = 0,
     **options: Any,
 ) -> Call:
-    """``template=None, image=<encoded image bytes>`` edits an uploaded image instead."""
+    """``template=None, image=<encoded image bytes>`` edits an uploaded image instead;
+    ``seed=None``: the gateway draws one (the result says which)."""
     mask_bytes = encode_mask(mask) if isinstance(mask, np.ndarray) else mask
     req = wire.InvokeRequest(
         template=template, mask=mask_bytes, prompt=prompt, seed=seed, **options
@@ -81,7 +82,7 @@ def job_call(
     template: str | None,
     mask: bytes | np.ndarray,
     prompt: str,
-    seed: int = 0,
+    seed: int | None = 0,
     webhook: str | None = None,
     webhook_events: list[str] | None = None,
     **options: Any,
@@ -233,7 +234,7 @@ class Client:
         template: str | None,
         mask: bytes | np.ndarray,
         prompt: str,
-        seed: int = 0,
+        seed: int | None = 0,
         **options: Any,
     ) -> Job:
         """Submit an async job (``webhook=``, ``webhook_events=`` and the invoke options)."""
@@ -334,7 +335,7 @@ class Client:
         template: str | None,
         mask: bytes | np.ndarray,
         prompt: str,
-        seed: int = 0,
+        seed: int | None = 0,
         **options: Any,
     ) -> wire.InvokeResult:
         """Edit ``template``, or an uploaded image: ``template=None, image=<bytes>``."""
@@ -382,7 +383,7 @@ class AsyncClient:
         template: str | None,
         mask: bytes | np.ndarray,
         prompt: str,
-        seed: int = 0,
+        seed: int | None = 0,
         **options: Any,
     ) -> AsyncJob:
         return AsyncJob(
@@ -453,7 +454,7 @@ class AsyncClient:
         template: str | None,
         mask: bytes | np.ndarray,
         prompt: str,
-        seed: int = 0,
+        seed: int | None = 0,
         **options: Any,
     ) -> wire.InvokeResult:
         return wire.InvokeResult.from_wire(

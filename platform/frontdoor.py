@@ -50,9 +50,11 @@ from retouch.platform.jobs import JobStore, OnProgress, OnStart
 from retouch.platform.journal import JobJournal
 from retouch.platform.links import LinkSigner
 from retouch.platform.metrics import GatewayMetrics
-from retouch.platform.reframe import Frame, Framed, Size, resize_mask
+from retouch.platform.reframe import Frame, Size, resize_mask
 from retouch.platform.retention import RetentionLimits, payload_bytes
 from retouch.runtime.prediction import MaskFootprint
+
+WEBP_MAX_SIDE = 16383  # libwebp's limit: a larger result could not be encoded
 
 if TYPE_CHECKING:
     from retouch.platform.jobs import Notify
@@ -233,6 +235,13 @@ class FrontDoor:
         canvas_size = (spec.width, spec.height)
         output = self._output_size(req.size)
         frame = Frame.plan(mask, canvas_size, req.padding_mask_crop, output)
+        if req.format == "webp" and max(frame.output) > WEBP_MAX_SIDE:  # before any work
+            raise BadRequest(
+                f"a WebP image is at most {WEBP_MAX_SIDE} pixels a side; this result would be "
+                f"{frame.output[0]}x{frame.output[1]}: use png",
+                field="size" if req.size is not None else "format",
+                code="invalid_field",
+            )
         if req.image is None and frame.reshapes:  # a crop of a template: an ad-hoc template
             uploads.check_upload(spec, "padding_mask_crop")
         canvas = await self.images.work(
@@ -247,7 +256,7 @@ class FrontDoor:
             seed=req.seed,
             steps=steps,
             guidance=spec.guidance if req.guidance is None else float(req.guidance),
-            format=req.format if canvas.framed is None else "raw",  # pasted back, then encoded here
+            format=req.format if canvas.frame is None else "raw",  # pasted back, then encoded here
             id=invocation_id,
             negative_prompt=negative,
             strength=req.strength,
@@ -255,9 +264,10 @@ class FrontDoor:
         # Placed by the steps it runs (a strength < 1 skips some) and by the template as the
         # executors bake and report it for that trajectory (a variant, when it has a bake)
         skipped = family_spec(fn.spec.family).skipped_steps(steps, req.strength)
+        baked = steps == spec.steps and inv.guidance == spec.guidance  # as the executor's covers
         placement = PlacementRequest(
             spec.name,
-            wire.strength_variant(canvas.template, skipped if steps == spec.steps else 0),
+            wire.strength_variant(canvas.template, skipped if baked else 0),
             canvas.footprint.ratio,
             spec.model,
             steps_run,
@@ -265,7 +275,7 @@ class FrontDoor:
             None if spec.slo_ms is None else spec.slo_ms / 1e3,
             copy=spec.source.key,
         )
-        return PreparedInvocation(inv, placement, framed=canvas.framed)
+        return PreparedInvocation(inv, placement, frame=canvas.frame)
 
     def _output_size(self, size: Size | None) -> Size | None:
         """The result's size asked for, within the pixel limit (its memory and encoding
@@ -297,16 +307,16 @@ class FrontDoor:
             return Canvas(template, None, mask, MaskFootprint.of(mask, halo), None)
         else:
             source = fn.template_pixels(template)
-        framed = None if frame.identity else Framed(frame, source, mask)
+        pasted = None if frame.identity else frame
         if upload is None and not frame.reshapes:  # the template itself, its edit resized
-            return Canvas(template, None, mask, MaskFootprint.of(mask, halo), framed)
+            return Canvas(template, None, mask, MaskFootprint.of(mask, halo), pasted)
         pixels, canvas_mask = frame.to_canvas(source, mask)
         return Canvas(
             self.names.id(pixels, owner),
             wire.RawArray.of(pixels),
             canvas_mask,
             MaskFootprint.of(canvas_mask, halo),
-            framed,
+            pasted,
         )
 
     async def _execute(
@@ -324,8 +334,10 @@ class FrontDoor:
         result = await self.dispatcher.invoke(
             prepared.invocation, prepared.placement, on_start, on_progress, prepared.seat
         )
-        if prepared.framed is not None:
-            result = await self._paste(prepared.framed, result, job.request.invoke.format)
+        result = dataclasses.replace(result, seed=prepared.invocation.seed)
+        if prepared.frame is not None:
+            fn = self.servable(job.function)
+            result = await self._paste(prepared.frame, result, fn, job.request.invoke)
         result.timings.total_ms = (time.time() - job.created_at) * 1e3
         fn = self.functions.get(job.function)
         slo_ms = fn.spec.slo_ms if fn is not None else None
@@ -333,19 +345,31 @@ class FrontDoor:
         return result
 
     async def _paste(
-        self, framed: Framed, result: wire.InvokeResult, fmt: str
+        self,
+        frame: Frame,
+        result: wire.InvokeResult,
+        fn: DeployedFunction,
+        req: wire.InvokeRequest,
     ) -> wire.InvokeResult:
         """The executor's edit (raw RGB8 of the function's resolution) pasted back into
-        the input, at the size asked for, encoded as asked (a large one on a worker
-        thread)."""
-        width, height = framed.frame.output
+        the input, decoded again from the request (with its mask), at the size asked for,
+        encoded as asked (a large one on a worker thread)."""
+        if req.image is not None:
+            source = (await self.upload(fn, req.image)).pixels
+        else:
+            source = fn.template_pixels(req.template or "")
+        mask = await self.decode_mask(req.mask, (source.shape[1], source.shape[0]))
+        width, height = frame.output
 
         def encoded() -> bytes:
             edited = np.frombuffer(result.image, np.uint8).reshape(result.height, result.width, 3)
-            return encode_image(Image.fromarray(framed.answer(edited), "RGB"), fmt)
+            pasted = frame.paste(edited, source, mask)
+            return encode_image(Image.fromarray(pasted, "RGB"), req.format)
 
         image = await self.images.work(width * height, encoded)
-        return dataclasses.replace(result, image=image, format=fmt, width=width, height=height)
+        return dataclasses.replace(
+            result, image=image, format=req.format, width=width, height=height
+        )
 
 
 @dataclass(frozen=True)
@@ -358,7 +382,7 @@ class Canvas:
     image: wire.RawArray | None
     mask: np.ndarray
     footprint: MaskFootprint
-    framed: Framed | None
+    frame: Frame | None
 
 
 def _decode_mask(data: bytes, size: Size) -> np.ndarray:

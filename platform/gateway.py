@@ -125,7 +125,9 @@ class Gateway:
             journal=DeliveryJournal(self.data_dir / "webhooks") if self.data_dir else None,
             public_url=self.links.base_url,
         )
-        self.inputs = InputFetcher(self.fetch_allow, self.max_body, self.webhooks.resolver)
+        self.inputs = InputFetcher(
+            self.fetch_allow, self.max_body, self.bodies, self.webhooks.resolver
+        )
         self.door = FrontDoor(
             self.functions,
             self.pool.dispatcher,
@@ -352,10 +354,12 @@ class Gateway:
     async def invoke(self, request: Request) -> dict[str, Any]:
         received = time.perf_counter()
         fn = self.door.servable(request.path_params["name"])
-        with self.bodies.hold(request, self.max_body):  # held until answered
+        # the body (and what it makes the gateway fetch) held until answered
+        with self.bodies.hold(request, self.max_body), contextlib.ExitStack() as held:
             with self.door.arrival(fn, received):  # a 429 comes before the body is read
                 owner = principal(request).tenant
-                body = await self.inputs.inline(await read_body(request, self.max_body), owner)
+                raw = await read_body(request, self.max_body)
+                body = await self.inputs.inline(raw, owner, held)
                 req = wire.InvokeRequest.from_wire(body)
                 job = await self.door.accept(fn, wire.JobRequest(req), durable=False, owner=owner)
             (result,) = await self.door.answers([job])
@@ -385,7 +389,8 @@ class Gateway:
             if fn is not None:
                 admitted.enter_context(self.door.arrival(fn, received))
             admitted.enter_context(self.bodies.hold(request, self.max_body))
-            body = await self.inputs.inline(await read_body(request, self.max_body), owner)
+            raw = await read_body(request, self.max_body)
+            body = await self.inputs.inline(raw, owner, admitted)
             named, req = read(body)
             if fn is None:  # named by the body: admitted once it is read
                 admitted.enter_context(self.door.arrival(named, received))

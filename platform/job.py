@@ -20,7 +20,7 @@ from retouch.functions.wire import JobEventKind, JobStatus
 from retouch.platform.auth import ANONYMOUS
 from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.control.queue import Seat
-from retouch.platform.reframe import Framed
+from retouch.platform.reframe import Frame
 
 RECORD_VERSION = 1
 # Event ids of a job's n-th run (0: as accepted, 1: resumed after a restart, ...) start
@@ -38,8 +38,10 @@ class PreparedInvocation:
     placement: PlacementRequest
     seat: Seat | None = None  # its place in the queue, held from admission (none: resumed)
     # An input the executor edits resized or cropped (``platform/reframe.py``): its result
-    # is pasted back into it. None: the executor's result is the answer as it comes.
-    framed: Framed | None = None
+    # is pasted back into it. None: the executor's result is the answer as it comes. Only
+    # the plan: the input's pixels are decoded again for the paste (a queued job holds its
+    # encoded input, which retention charges, not input-sized arrays).
+    frame: Frame | None = None
 
 
 END_EVENT = {

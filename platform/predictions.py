@@ -140,7 +140,7 @@ def job_request(body: dict[str, Any]) -> wire.JobRequest:
     except RetouchError as exc:
         in_input(exc, reading_input=True)
         raise
-    webhook = None if body.get("webhook") is None else str(wire.parse_webhook_url(body["webhook"]))
+    webhook = None if body.get("webhook") is None else str(wire.parse_target_url(body["webhook"]))
     return wire.JobRequest(
         invoke, webhook, webhook_events(body.get("webhook_events_filter")), WebhookFormat.REPLICATE
     )
@@ -164,6 +164,8 @@ def in_input(exc: RetouchError, reading_input: bool = False) -> None:
     (``input.<field>``). ``reading_input``: raised reading ``input``, so whatever field
     it names (an unknown one too) is one of ``input``'s."""
     head = (exc.field or "").split(".", 1)[0]
+    if exc.code == "unknown_field" and not reading_input:
+        return  # a top-level field the body should not have (``prompt`` outside ``input``)
     if reading_input or head in wire.INVOKE_FIELDS or head in wire.ALIASES:
         exc.field = "input" if exc.field is None else f"input.{exc.field}"
 

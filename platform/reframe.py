@@ -159,15 +159,3 @@ class Frame:
         ``mask`` is when the canvas was reshaped (:func:`overlay`), then at ``output``."""
         out = overlay(source, edited, mask, self.box) if self.reshapes else edited
         return resize_pixels(out, self.output)
-
-
-@dataclass(frozen=True)
-class Framed:
-    """An input framed for its function: what the paste-back of its edit needs."""
-
-    frame: Frame
-    source: np.ndarray  # the input's RGB8 pixels, at its own size
-    mask: np.ndarray  # its mask, at the input's size
-
-    def answer(self, edited: np.ndarray) -> np.ndarray:
-        return self.frame.paste(edited, self.source, self.mask)

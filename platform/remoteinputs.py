@@ -4,14 +4,16 @@ Replicate's and fal's users pass images as URLs. Fetching one is a connection th
 makes on a client's behalf, so it is **off** unless the operator lists the hosts it may
 reach (``retouch serve --fetch-allow``), checked exactly as webhook targets are
 (``platform/allowlist.py``: resolved once, every address checked, the request sent to a
-checked address). A fetch follows no redirect, must answer 2xx within ``timeout_s`` and
-send at most ``max_bytes`` (what any request body may hold); the bytes then go where the
+checked address). A fetch follows no redirect, must answer 2xx, uncompressed, within
+``timeout_s`` in all, and send at most ``max_bytes`` (what any request body may hold); the bytes then go where the
 request's own bytes would, through the same decoding and checks. A job journals the
 fetched bytes with its request, so a resumed job never fetches again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import httpx
@@ -19,6 +21,7 @@ import httpx
 from retouch.functions.errors import BadRequest, PayloadTooLarge, Unavailable
 from retouch.functions.wire import parse_target_url
 from retouch.platform.allowlist import AllowList, pinned
+from retouch.platform.bodybudget import BodyBudget
 from retouch.platform.resolver import Resolver
 
 URL_FIELDS = ("image", "mask")
@@ -36,11 +39,13 @@ class InputFetcher:
         self,
         allow: AllowList | None,
         max_bytes: int,
+        bodies: BodyBudget,
         resolver: Resolver | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.allow = allow  # None: fetching is off
         self.max_bytes = max_bytes
+        self.bodies = bodies  # fetched bytes count as body bytes while the request is held
         self.resolver = resolver or Resolver()  # the gateway's one, shared with webhooks
         self.timeout_s = timeout_s
         self._http: httpx.AsyncClient | None = None
@@ -52,14 +57,15 @@ class InputFetcher:
         if self._http is not None:
             await self._http.aclose()
 
-    async def inline(self, body: Any, tenant: str) -> Any:
+    async def inline(self, body: Any, tenant: str, held: contextlib.ExitStack) -> Any:
         """``body`` with each URL in ``image``/``mask`` replaced by the bytes it names, or in
         its ``input`` (a prediction's); a body that is not a map is left for the request
-        parser to refuse."""
+        parser to refuse. Each fetch reserves its bound (``max_bytes``) in the body budget
+        first, held in ``held`` (the request's own stack: until it is answered)."""
         if not isinstance(body, dict):
             return body
         if isinstance(body.get("input"), dict):  # a Replicate prediction's arguments
-            return body | {"input": await self.inline(body["input"], tenant)}
+            return body | {"input": await self.inline(body["input"], tenant, held)}
         urls = {f: body[f] for f in URL_FIELDS if is_url(body.get(f))}
         if not urls:
             return body
@@ -71,6 +77,7 @@ class InputFetcher:
                 field=field,
                 code="fetch_disabled",
             )
+        held.enter_context(self.bodies.reserve(self.max_bytes * len(urls)))
         return body | {f: await self.fetch(url, f, tenant) for f, url in urls.items()}
 
     async def fetch(self, raw: str, field: str, tenant: str) -> bytes:
@@ -81,27 +88,35 @@ class InputFetcher:
         if not addresses:
             raise BadRequest(f"{field} host does not resolve", field=field, code="fetch_failed")
         failure: Exception | None = None
-        for address in addresses:
-            target, headers, extensions = pinned(url, address)
-            try:
-                return await self._get(target, headers, extensions, field)
-            except httpx.ConnectError as exc:  # the next checked address, if any
-                failure = exc
-            except httpx.TimeoutException as exc:
-                raise Unavailable(
-                    f"{field}: {url.host} did not answer within {self.timeout_s:g} s",
-                    field=field,
-                    code="fetch_timeout",
-                ) from exc
+        try:
+            async with asyncio.timeout(self.timeout_s):  # the whole fetch, not each read
+                for address in addresses:
+                    target, headers, extensions = pinned(url, address)
+                    try:
+                        return await self._get(target, headers, extensions, field)
+                    except httpx.ConnectError as exc:  # the next checked address, if any
+                        failure = exc
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            raise Unavailable(
+                f"{field}: {url.host} did not answer within {self.timeout_s:g} s",
+                field=field,
+                code="fetch_timeout",
+            ) from exc
+        except httpx.HTTPError as exc:  # a broken answer: protocol error, reset, ...
+            raise BadRequest(
+                f"{field}: the fetch failed: {type(exc).__name__}: {exc}",
+                field=field,
+                code="fetch_failed",
+            ) from exc
         raise BadRequest(f"{field}: cannot connect: {failure}", field=field, code="fetch_failed")
 
     async def _get(
         self, target: httpx.URL, headers: dict[str, str], extensions: dict[str, Any], field: str
     ) -> bytes:
         assert self._http is not None
-        request = self._http.build_request(
-            "GET", target, headers=headers | {"user-agent": "retouch-fetch"}, extensions=extensions
-        )
+        # identity: the size bound holds for the bytes sent, not for what they inflate to
+        headers = headers | {"user-agent": "retouch-fetch", "accept-encoding": "identity"}
+        request = self._http.build_request("GET", target, headers=headers, extensions=extensions)
         resp = await self._http.send(request, stream=True)
         try:
             if not 200 <= resp.status_code < 300:
@@ -111,7 +126,13 @@ class InputFetcher:
                     code="fetch_failed",
                 )
             chunks, size = [], 0
-            async for chunk in resp.aiter_bytes():
+            if resp.headers.get("content-encoding", "identity") != "identity":
+                raise BadRequest(
+                    f"{field}: the URL answered with a content-encoding; fetches take identity",
+                    field=field,
+                    code="fetch_failed",
+                )
+            async for chunk in resp.aiter_raw():
                 size += len(chunk)
                 if size > self.max_bytes:
                     raise PayloadTooLarge(

@@ -65,7 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompt", required=True, help="what to paint in the masked region")
     p.add_argument("--negative-prompt", default=None, help="what the edit steers away from")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="noise seed (default 0)")
+    p.add_argument(
+        "--seed", type=non_negative_int, default=None, help="noise seed (default: a random one)"
+    )
     p.add_argument(
         "--steps",
         "--num-inference-steps",
@@ -210,5 +212,5 @@ def _invoke(args: argparse.Namespace) -> None:
         return
     t = result.timings
     print(
-        f"{args.output}: {result.width}x{result.height} mask_ratio={result.mask_ratio:.3f} path={result.path} executor={result.executor} total={t.total_ms:.0f}ms run={t.run_ms:.0f}ms queue={t.queue_ms:.0f}ms"
+        f"{args.output}: {result.width}x{result.height} seed={result.seed} mask_ratio={result.mask_ratio:.3f} path={result.path} executor={result.executor} total={t.total_ms:.0f}ms run={t.run_ms:.0f}ms queue={t.queue_ms:.0f}ms"
     )

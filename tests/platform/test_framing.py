@@ -89,12 +89,12 @@ def test_a_crop_of_a_large_upload_is_what_the_executor_edits() -> None:
     assert inv.image is not None and inv.image.shape == (CANVAS, CANVAS, 3)
     assert inv.mask.shape == (CANVAS, CANVAS) and inv.format == "raw"  # pasted back at the gateway
     assert inv.template.startswith("upload:")
-    assert first.framed is not None and first.framed.frame.box == crop_region(mask, (64, 64), 8)
+    assert first.frame is not None and first.frame.box == crop_region(mask, (64, 64), 8)
     # a resumed job is prepared again from its request: the same canvas, id and box
     again = _prepare(
         fn, template=None, image=_png(photo), mask=encode_mask(mask), padding_mask_crop=8
     )
-    assert again.invocation == inv and again.framed.frame == first.framed.frame
+    assert again.invocation == inv and again.frame == first.frame
     # another mask with the same bounding box: the same crop, the same ad-hoc template
     ring = mask.copy()
     ring[210:250, 310:370] = False
@@ -111,24 +111,28 @@ def test_a_crop_of_a_large_upload_is_what_the_executor_edits() -> None:
 def test_the_paste_back_keeps_every_pixel_outside_the_mask() -> None:
     fn, photo = _function(), _pixels(PHOTO, 2)
     mask = _rect(PHOTO, 100, 100, 180, 150)
-    prepared = _prepare(
-        fn,
+    req = wire.InvokeRequest(
         template=None,
         image=_png(photo),
         mask=encode_mask(mask),
+        prompt="p",
+        seed=1,
         padding_mask_crop=16,
         format="png",
     )
+    prepared = asyncio.run(_door()._prepare(fn, req, "job", "tenant"))
     edited = np.full((CANVAS, CANVAS, 3), 7, np.uint8)
     result = wire.InvokeResult(
         edited.tobytes(), "raw", CANVAS, CANVAS, 0.1, "e", wire.InvokePath.STOCK
     )
     door = _door()
-    out = asyncio.run(door._paste(prepared.framed, result, "png"))
+    out = asyncio.run(door._paste(prepared.frame, result, fn, req))
     assert (out.format, out.width, out.height) == ("png", *PHOTO)
     pixels = np.asarray(Image.open(io.BytesIO(out.image)).convert("RGB"))
     assert np.array_equal(pixels[~mask], photo[~mask]) and (pixels[mask] == 7).all()
-    raw = asyncio.run(door._paste(prepared.framed, result, "raw"))
+    raw = asyncio.run(
+        door._paste(prepared.frame, result, fn, dataclasses.replace(req, format="raw"))
+    )
     assert np.array_equal(np.frombuffer(raw.image, np.uint8).reshape(pixels.shape), pixels)
 
 
@@ -136,10 +140,10 @@ def test_an_upload_of_the_functions_size_is_edited_as_it_is() -> None:
     fn, photo = _function(), _pixels((CANVAS, CANVAS), 3)
     mask = _rect((CANVAS, CANVAS), 10, 10, 30, 30)
     prepared = _prepare(fn, template=None, image=_png(photo), mask=encode_mask(mask))
-    assert prepared.framed is None and prepared.invocation.format == "png"
+    assert prepared.frame is None and prepared.invocation.format == "png"
     assert prepared.invocation.template == UploadNames(b"k" * 32).id(photo, "tenant")
     resized = _prepare(fn, template=None, image=_png(photo), mask=encode_mask(mask), size=(32, 16))
-    assert resized.framed is not None and resized.framed.frame.output == (32, 16)
+    assert resized.frame is not None and resized.frame.output == (32, 16)
 
 
 def test_a_crop_of_a_template_is_an_ad_hoc_template_like_an_upload() -> None:
@@ -148,8 +152,8 @@ def test_a_crop_of_a_template_is_an_ad_hoc_template_like_an_upload() -> None:
     crop = _prepare(fn, template="t", mask=encode_mask(mask), padding_mask_crop=2)
     inv = crop.invocation
     assert inv.template.startswith("upload:") and inv.image is not None
-    box = crop.framed.frame.box
-    assert box.size == (14, 14) and crop.framed.source is fn.template_pixels("t")
+    box = crop.frame.box
+    assert box.size == (14, 14)
     # the same pixels sent as an upload are the same ad-hoc template (one bake serves both)
     cut = fn.template_pixels("t")[box.slices]
     as_upload = _prepare(
@@ -159,7 +163,7 @@ def test_a_crop_of_a_template_is_an_ad_hoc_template_like_an_upload() -> None:
     # without a crop the template is edited as deployed, a mask of another size resized
     plain = _prepare(fn, template="t", mask=encode_mask(np.ones((128, 128), bool)))
     assert plain.invocation.template == "t" and plain.invocation.image is None
-    assert plain.framed is None and plain.invocation.mask.shape == (CANVAS, CANVAS)
+    assert plain.frame is None and plain.invocation.mask.shape == (CANVAS, CANVAS)
 
 
 def test_bad_framing_input_is_refused_naming_the_field() -> None:
@@ -167,6 +171,8 @@ def test_bad_framing_input_is_refused_naming_the_field() -> None:
     cases = [
         (dict(template="t", mask=empty, padding_mask_crop=4), "invalid_field", "padding_mask_crop"),
         (dict(template="t", mask=empty, size=(5000, 5000)), "image_too_large", "size"),
+        # WebP cannot hold a side over 16383 pixels: refused before the model runs
+        (dict(template="t", mask=empty, size=(16400, 8), format="webp"), "invalid_field", "size"),
     ]
     for fields, code, field in cases:
         with pytest.raises(BadRequest) as refused:

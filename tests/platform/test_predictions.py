@@ -121,6 +121,10 @@ def test_body_checks_name_the_field_as_the_prediction_holds_it() -> None:
     with pytest.raises(BadRequest) as err:
         predictions.known_fields({"input": INPUT, "webhook_completed": "x"}, ("input",))
     assert (err.value.field, err.value.code) == ("webhook_completed", "unknown_field")
+    with pytest.raises(BadRequest) as err:  # an edit field outside input is the body's
+        predictions.known_fields({"input": INPUT, "prompt": "x"}, ("input",))
+    predictions.in_input(err.value)
+    assert (err.value.field, err.value.code) == ("prompt", "unknown_field")
     for raw in ("a/b/c", "owner/", "fn:v1", 5, "bad owner/fn"):
         with pytest.raises(BadRequest) as err:
             predictions.function_name(raw, "model")
