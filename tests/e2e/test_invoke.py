@@ -226,7 +226,7 @@ def test_strength_runs_its_steps_and_is_maskaware_from_its_second_edit(
 
     first = edit(strength=0.6)
     assert (first.path, first.engine.steps, first.template) == ("stock", 3, "poster")
-    _variant_baked(admin, "sd-strength", wire.strength_variant("poster", 2))
+    _variant_baked(admin, "sd-strength", wire.template_variant("poster", 2))
     second = edit(strength=0.6)
     assert (second.path, second.engine.steps) == ("maskaware", 3)
     whole = edit()
