@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from retouch.functions import wire
-from retouch.functions.errors import InvalidSpec, unknown_field_message
+from retouch.functions.errors import BadRequest, InvalidSpec, unknown_field_message
 from retouch.functions.families import FAMILY_SPECS
 from retouch.functions.modelsource import OPTIONS, ModelSource, parse_source
 
@@ -39,6 +39,7 @@ FIELDS = (
     "steps",
     "guidance",
     "scheduler",
+    "schedulers",
     "full_steps",
     "halo",
     "composite",
@@ -75,6 +76,9 @@ SIZE_MULTIPLE = 16  # Flux packs 2x2 latents on top of the VAE factor (8); SD ne
 # Example prompts: a menu on the web page, so a short list of short lines.
 MAX_EXAMPLES = 16
 MAX_EXAMPLE_CHARS = 200
+# Schedulers a request may choose besides the spec's: each is another trajectory, so
+# another bake per template it is used on (a short list bounds what one function can fill).
+MAX_SCHEDULERS = 8
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,27 @@ class FunctionSpec:
     # Prompts that mean something to the model (what it was trained to draw): the web page
     # offers them, so a first edit need not guess the model's vocabulary.
     examples: tuple[str, ...] = ()
+    # Schedulers of the family an invocation may choose (``scheduler``) besides ``scheduler``.
+    schedulers: tuple[str, ...] = ()
+
+    @property
+    def allowed_schedulers(self) -> tuple[str, ...]:
+        """The schedulers an edit may run with: the spec's own first."""
+        return (self.scheduler, *(s for s in self.schedulers if s != self.scheduler))
+
+    def request_scheduler(self, name: str | None) -> str:
+        """The scheduler an invocation asking for ``name`` (None: none) runs with; a name
+        the function does not allow is refused, naming the ones it does."""
+        if name is None or name == self.scheduler:
+            return self.scheduler
+        if name not in self.schedulers:
+            raise BadRequest(
+                f"scheduler {name!r} is not allowed by {self.name!r}: "
+                f"one of {', '.join(self.allowed_schedulers)}",
+                field="scheduler",
+                code="invalid_field",
+            )
+        return name
 
     @property
     def source(self) -> ModelSource:
@@ -173,6 +198,7 @@ class FunctionSpec:
             "steps": self.steps,
             "guidance": self.guidance,
             "scheduler": self.scheduler,
+            "schedulers": list(self.schedulers),
             "full_steps": self.full_steps,
             "halo": self.halo,
             "composite": self.composite,
@@ -256,7 +282,26 @@ def parse_spec(raw: Any) -> FunctionSpec:
         revision=source.revision,
         config=source.config,
         examples=_examples(raw.get("examples", [])),
+        schedulers=_schedulers(raw.get("schedulers", []), family),
     )
+
+
+def _schedulers(raw: Any, family: str) -> tuple[str, ...]:
+    """Errors name the entry (``schedulers[2]``); one past the limit for too many."""
+    if not isinstance(raw, list):
+        raise InvalidSpec("schedulers must be a list of scheduler names", field="schedulers")
+    if len(raw) > MAX_SCHEDULERS:
+        raise InvalidSpec(
+            f"at most {MAX_SCHEDULERS} schedulers", field=f"schedulers[{MAX_SCHEDULERS}]"
+        )
+    for i, name in enumerate(raw):
+        if name not in SCHEDULERS[family]:
+            raise InvalidSpec(
+                f"a scheduler for {family} is one of {SCHEDULERS[family]}", field=f"schedulers[{i}]"
+            )
+        if name in raw[:i]:
+            raise InvalidSpec(f"{name!r} is listed twice", field=f"schedulers[{i}]")
+    return tuple(raw)
 
 
 def _examples(raw: Any) -> tuple[str, ...]:

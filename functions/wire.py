@@ -163,6 +163,7 @@ class InvokeRequest:
     strength: float = 1.0
     padding_mask_crop: int | None = None
     size: tuple[int, int] | None = None
+    scheduler: str | None = None  # one the function allows (None: the function's own)
 
     @classmethod
     def from_wire(cls, obj: Any) -> InvokeRequest:
@@ -194,6 +195,7 @@ class InvokeRequest:
             strength=optional(body, "strength", (int, float), 1.0),
             padding_mask_crop=optional(body, "padding_mask_crop", int, None),
             size=None if body.get("size") is None else parse_size(expect(body, "size", str)),
+            scheduler=optional(body, "scheduler", str, None),
         )
         req.check(sent)
         return dataclasses.replace(req, strength=float(req.strength))  # in range: converts
@@ -247,6 +249,7 @@ class InvokeRequest:
             "strength": self.strength,
             "padding_mask_crop": self.padding_mask_crop,
             "size": None if self.size is None else f"{self.size[0]}x{self.size[1]}",
+            "scheduler": self.scheduler,
             "format": self.format,
         }
         return {k: v for k, v in out.items() if v is not None}
@@ -277,6 +280,7 @@ INVOKE_FIELDS = frozenset(
         "strength",
         "padding_mask_crop",
         "size",
+        "scheduler",
         "format",
     )
 )
@@ -355,6 +359,7 @@ class ExecutorInvoke:
     image: RawArray | None = None
     negative_prompt: str = ""  # the unconditional branch's prompt ("" as diffusers' default)
     strength: float = 1.0  # < 1: start from the image noised to this fraction of the schedule
+    scheduler: str = ""  # one the function allows ("": the function's own)
 
     def to_wire(self) -> dict[str, Any]:
         out = {**asdict(self), "mask": self.mask.to_wire()}
@@ -379,6 +384,7 @@ class ExecutorInvoke:
             else RawArray.from_wire(require(body, "image", dict), "image"),
             negative_prompt=optional(body, "negative_prompt", str, ""),
             strength=float(optional(body, "strength", (int, float), 1.0)),
+            scheduler=optional(body, "scheduler", str, ""),
         )
 
 
@@ -437,11 +443,14 @@ BAKE_PROGRESS = (
 )
 
 
-def strength_variant(template: str, skipped: int) -> str:
+def template_variant(template: str, skipped: int, scheduler: str = "") -> str:
     """The id under which executors bake and report ``template`` for edits that skip the
-    first ``skipped`` steps of its schedule (a ``strength`` < 1: another trajectory, so
-    another bake, residency and placement affinity); the template's own id at 0."""
-    return template if skipped == 0 else f"{template}@step{skipped}"
+    first ``skipped`` steps of its schedule (a ``strength`` < 1) or run with ``scheduler``,
+    one the function allows besides its own ("": its own). Either is another trajectory,
+    so another bake, residency and placement affinity; the template's own id for neither."""
+    at_scheduler = f"@{scheduler}" if scheduler else ""
+    at_step = f"@step{skipped}" if skipped else ""
+    return f"{template}{at_scheduler}{at_step}"
 
 
 class InvokePath(StrEnum):

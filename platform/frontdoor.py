@@ -215,11 +215,13 @@ class FrontDoor:
         resolution and build what the executor gets. An uploaded ``image`` (decoded here
         unless given decoded) or a crop of a template is an ad-hoc template, named by the
         pixels the executor gets within its owner's uploads (``UploadNames.id``). What the
-        function's family cannot do is refused first (:func:`check_edit`)."""
+        function's family cannot do, and a scheduler the function does not allow, are
+        refused first (:func:`check_edit`, ``FunctionSpec.request_scheduler``)."""
         spec = fn.spec
         steps = req.steps or spec.steps
         negative = req.negative_prompt or ""
         steps_run = check_edit(spec.family, steps, req.strength, negative)
+        scheduler = spec.request_scheduler(req.scheduler)
         if req.image is not None:
             upload = upload or await self.upload(fn, req.image)
             size = upload.size
@@ -260,14 +262,19 @@ class FrontDoor:
             id=invocation_id,
             negative_prompt=negative,
             strength=req.strength,
+            scheduler=scheduler,
         )
         # Placed by the steps it runs (a strength < 1 skips some) and by the template as the
-        # executors bake and report it for that trajectory (a variant, when it has a bake)
-        skipped = family_spec(fn.spec.family).skipped_steps(steps, req.strength)
-        baked = steps == spec.steps and inv.guidance == spec.guidance  # as the executor's covers
+        # executors bake and report it for that trajectory (a variant, when it has a bake:
+        # the steps it skips and a scheduler other than the function's own key it)
+        variant = canvas.template  # other settings run stock: no variant is baked
+        if steps == spec.steps and inv.guidance == spec.guidance:  # the executor's covers
+            skipped = family_spec(spec.family).skipped_steps(steps, req.strength)
+            other = "" if scheduler == spec.scheduler else scheduler
+            variant = wire.template_variant(canvas.template, skipped, other)
         placement = PlacementRequest(
             spec.name,
-            wire.strength_variant(canvas.template, skipped if baked else 0),
+            variant,
             canvas.footprint.ratio,
             spec.model,
             steps_run,

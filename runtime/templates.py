@@ -6,9 +6,10 @@ with exactly those settings then runs mask-aware, anything else runs the stock p
 template found corrupt or missing is marked unbaked and baked again (insert on miss).
 
 An edit at ``strength`` < 1 follows another trajectory (the schedule without its first
-steps, from the template noised part-way): it is served by a *variant* of the template
-(:meth:`TemplateCache.variant`), keyed by the steps the strength skips and baked on its
-first use like any template.
+steps, from the template noised part-way), and so does an edit with another scheduler than
+the function's own (one its spec allows): it is served by a *variant* of the template
+(:meth:`TemplateCache.variant`), keyed by the steps the strength skips and the scheduler
+(its name and config) and baked on its first use like any template.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from retouch.functions.wire import (
     CacheTier,
     ChangeKind,
     TemplateStatus,
-    strength_variant,
+    template_variant,
 )
 from retouch.runtime.fingerprint import template_key
 from retouch.runtime.maskaware.editor import BakeCancelled
@@ -73,6 +74,7 @@ class Template:
     too_large: bool = False  # an upload whose bake alone exceeds uploads.max_bytes: never baked
     storage: RowFormat = RowFormat.NATIVE  # how its bake's rows rest in the store
     strength: float = 1.0  # a variant's: the strength its bake runs at (the key: its skip)
+    scheduler: str = ""  # the scheduler its bake runs with (the key holds it and its config)
 
     def covers(self, steps: int, guidance: float) -> bool:
         """Whether the bake's activations are valid for an edit with these settings."""
@@ -153,14 +155,19 @@ class TemplateCache:
         scheduler_config: dict[str, Any],
         upload: bool = False,
         strength: float = 1.0,
+        scheduler: str = "",
     ) -> Template:
         """A template keyed by its content and settings; baked if the store holds the key
         (ad-hoc ones get the store's ephemeral prefix: evicted before deployed ones). An
         ad-hoc template's key holds its id too: the gateway's upload ids say who may share
         a bake (one tenant's uploads, never another's). Below ``strength`` 1 the key holds
-        the steps it skips (strengths that skip as many share one trajectory)."""
+        the steps it skips (strengths that skip as many share one trajectory). ``scheduler``
+        ("": the spec's) is the one its bake runs with, ``scheduler_config`` that one's."""
         pixels = np.asarray(image).tobytes()
-        settings = {**_settings(spec), "upload": tid} if upload else _settings(spec)
+        scheduler = scheduler or spec.scheduler
+        settings = {**_settings(spec), "scheduler": scheduler}
+        if upload:
+            settings["upload"] = tid
         skipped = family_spec(spec.family).skipped_steps(spec.steps, strength)
         if skipped:
             settings["skipped_steps"] = skipped
@@ -182,6 +189,7 @@ class TemplateCache:
             nbytes=self.store.nbytes(key) if baked else 0,
             storage=RowFormat(spec.storage),
             strength=strength,
+            scheduler=scheduler,
         )
 
     def detach(self, function: str) -> list[Template]:
@@ -252,14 +260,18 @@ class TemplateCache:
         spec: FunctionSpec,
         base: Template,
         strength: float,
+        scheduler: str,
         model_fp: str,
         scheduler_config: dict[str, Any],
     ) -> Template:
-        """``base`` as edits at ``strength`` < 1 of ``spec``'s steps see it: its own key and
-        bake, tracked beside ``base`` under the id :func:`strength_variant` names (an
-        upload's among the uploads, under their limits); ``base`` itself at strength 1."""
+        """``base`` as edits of ``spec``'s steps at ``strength`` < 1 or with ``scheduler``
+        (another than the spec's, with its config ``scheduler_config``) see it: its own key
+        and bake, tracked beside ``base`` under the id :func:`template_variant` names (an
+        upload's among the uploads, under their limits); ``base`` itself at strength 1 with
+        the spec's scheduler."""
         skipped = family_spec(spec.family).skipped_steps(spec.steps, strength)
-        vid = strength_variant(base.id, skipped)
+        other = "" if scheduler == spec.scheduler else scheduler
+        vid = template_variant(base.id, skipped, other)
         if vid == base.id:
             return base
         with self.lock:
@@ -268,7 +280,7 @@ class TemplateCache:
                 return known
         made = self._make(
             spec, vid, base.image, base.prompt, base.seed, model_fp, scheduler_config,
-            upload=base.upload, strength=strength,
+            upload=base.upload, strength=strength, scheduler=scheduler,
         )  # fmt: skip
         return self._track(spec.name, made)
 
@@ -423,7 +435,12 @@ class TemplateCache:
                 template.state = BakeState.UNBAKED
                 return
             template.state = BakeState.BAKING
-        meta = {"function": template.function, "template": template.id, "steps": template.steps}
+        meta = {
+            "function": template.function,
+            "template": template.id,
+            "steps": template.steps,
+            "scheduler": template.scheduler,
+        }
         if template.strength < 1.0:
             meta["strength"] = template.strength
         if template.upload:

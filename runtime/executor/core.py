@@ -240,6 +240,8 @@ class ExecutorCore:
             for future in self.stages.pool.load(spec.source.key, spec.family):
                 future.result()
         editor = self.editor(spec)
+        for other in spec.schedulers:  # the ones requests may choose: built now, not on one
+            self.editor(spec, other)
         sched_config = dict(editor.impl.pipe.scheduler.config)
         fingerprint = loaded.fingerprint
         # Lock order: core.lock, then the template cache's lock. Registration only looks
@@ -291,13 +293,15 @@ class ExecutorCore:
             latest = self._generations.get(name, 0)
         _refuse_if_superseded(name, generation, latest)
 
-    def editor(self, spec: FunctionSpec) -> MaskAwareEditor:
-        """One editor per (model, scheduler); editors of a model share its modules.
+    def editor(self, spec: FunctionSpec, scheduler: str = "") -> MaskAwareEditor:
+        """One editor per (model, scheduler) (``scheduler``: one the spec allows, "" its
+        own); editors of a model share its modules.
 
         A new editor gets an overlapped row loader and the bubble-free planner of the
         model's cost model on this device (profiled once, then read from the profile
         cache). The build runs outside the lock; concurrent callers wait on its future."""
-        key = (spec.source.key, spec.scheduler)
+        scheduler = scheduler or spec.scheduler
+        key = (spec.source.key, scheduler)
         with self.lock:
             future = self._editors.get(key)
             owner = future is None
@@ -306,7 +310,7 @@ class ExecutorCore:
         if not owner:
             return future.result()
         try:
-            editor, cost_model = self._build_editor(spec)
+            editor, cost_model = self._build_editor(spec, scheduler)
         except BaseException as exc:
             with self.lock:
                 self._editors.pop(key, None)
@@ -317,7 +321,9 @@ class ExecutorCore:
         future.set_result(editor)
         return editor
 
-    def _build_editor(self, spec: FunctionSpec) -> tuple[MaskAwareEditor, CostModel]:
+    def _build_editor(
+        self, spec: FunctionSpec, scheduler: str
+    ) -> tuple[MaskAwareEditor, CostModel]:
         loaded = self.models.get(spec.source.key, spec.family)
         if self.profile_in_background and not cached_profile(
             loaded.fingerprint, self.data_dir, loaded.device, spec.family, spec.width
@@ -325,13 +331,13 @@ class ExecutorCore:
             profile_in_subprocess(
                 spec.source.key,
                 spec.family,
-                spec.scheduler,
+                scheduler,
                 spec.width,
                 self.data_dir,
                 loaded.device,
                 torch.get_num_threads(),
             )  # on failure, load_or_profile below profiles in-process
-        editor = MaskAwareEditor(loaded.pipeline_for(spec.scheduler), spec.family, loaded.device)
+        editor = MaskAwareEditor(loaded.pipeline_for(scheduler), spec.family, loaded.device)
         if self._encodes_elsewhere():
             editor.set_encoder(functools.partial(self._encode_in_worker, spec))
         attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
@@ -438,18 +444,20 @@ class ExecutorCore:
             )
         spec = entry.spec
         check_edit(spec.family, inv.steps, inv.strength, inv.negative_prompt)
+        scheduler = spec.request_scheduler(inv.scheduler or None)
         arrived = time.perf_counter()
         if not mask.any():  # nothing to edit: the template, without running the model
             return asyncio.to_thread(self._template_result, template, inv, arrived)
         covered = self.maskaware and template.covers(inv.steps, inv.guidance)
         found = wire.CacheTier.NONE
-        if covered:  # at strength < 1 its variant: that trajectory's bake
+        editor = self.editor(spec, scheduler)  # built at deploy, before it was registered
+        if covered:  # at strength < 1 or another scheduler its variant: that trajectory's bake
+            config = dict(editor.impl.pipe.scheduler.config)
             template = self.templates.variant(
-                spec, template, inv.strength, entry.fingerprint, entry.scheduler_config
+                spec, template, inv.strength, scheduler, entry.fingerprint, config
             )
             found = self.templates.tier(template)  # where placement found it
             self.templates.prefetch(template)  # disk -> host while the invocation queues
-        editor = self.editor(spec)  # built at deploy, before the function was registered
         request = EditRequest(
             template.image,
             mask,
@@ -465,10 +473,10 @@ class ExecutorCore:
             inv.strength,
         )
         work = Work(
-            key=(spec.source.key, spec.scheduler, spec.width, spec.height),
+            key=(spec.source.key, scheduler, spec.width, spec.height),
             model=spec.source.key,
             family=spec.family,
-            scheduler=spec.scheduler,
+            scheduler=scheduler,
             editor=editor,
             request=request,
             fmt=inv.format,
@@ -573,7 +581,7 @@ class ExecutorCore:
             return
         with self.lock:
             spec = self.functions[template.function].spec
-        editor = self.editor(spec)
+        editor = self.editor(spec, template.scheduler)
         bake = (template.image, template.prompt, template.seed, template.steps, template.guidance)
         strength = template.strength
 

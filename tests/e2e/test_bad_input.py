@@ -334,6 +334,8 @@ def _fields() -> list[Case]:
         bad("strength-over-1", "invalid_field", "strength", strength=1.01),
         bad("strength-string", "invalid_field", "strength", strength="0.5"),
         bad("strength-keeps-no-step", "invalid_field", "strength", strength=0.5),  # of 1 step
+        bad("scheduler-not-allowed", "invalid_field", "scheduler", scheduler="euler"),
+        bad("scheduler-int", "invalid_field", "scheduler", scheduler=3),
         bad("padding-negative", "invalid_field", "padding_mask_crop", padding_mask_crop=-4),
         bad("padding-huge", "invalid_field", "padding_mask_crop", padding_mask_crop=10**6),
         bad("negative-prompt-list", "invalid_field", "negative_prompt", negative_prompt=["x"]),
@@ -511,6 +513,9 @@ def _specs() -> list[Case]:
         bad("examples-too-many", "examples[16]", deploy_body(examples=["a red balloon"] * 17)),
         bad("examples-too-long", "examples[1]", deploy_body(examples=["a", "x" * 201])),
         bad("examples-not-strings", "examples[0]", deploy_body(examples=[3])),
+        bad("schedulers-not-a-list", "schedulers", deploy_body(schedulers="euler")),
+        bad("schedulers-other-family", "schedulers[1]", deploy_body(schedulers=["euler", "flow-euler"])),
+        bad("schedulers-twice", "schedulers[1]", deploy_body(schedulers=["dpm++", "dpm++"])),
         bad("examples-json-null", "examples[1]", b'{"spec": ' + _json(spec_doc(examples=["a", None])) + b"}", headers=AJ),
         bad("spec-missing", None, wire.pack({"templates": _IMAGES})),
         bad("spec-a-list", None, deploy_body(spec_=[1])),

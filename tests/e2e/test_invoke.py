@@ -208,25 +208,42 @@ def _variant_baked(admin: Client, function: str, variant: str, timeout: float = 
     raise AssertionError(f"{variant} of {function} not baked after {timeout:.0f} s")
 
 
+@pytest.fixture(scope="module")
+def sd_strength(server: ServerProcess, tokens: dict[str, str], examples: Path) -> str:
+    """tiny-sd at 5 steps whose requests may also choose DPM++ (its own: DDIM), the
+    templates' own bakes done."""
+    spec, images = read_spec_file(examples / "tiny-sd.toml")
+    spec = dataclasses.replace(spec, name="sd-strength", steps=5, schedulers=("dpm++",))
+    with Client(server.url, tokens["RETOUCH_ADMIN_TOKEN"]) as admin:
+        admin.deploy(spec, images)
+        wait_baked(admin, spec.name, timeout=300)  # strength 1's, with DDIM
+    return spec.name
+
+
+def _poster_mask() -> np.ndarray:
+    mask = np.zeros((128, 128), bool)
+    mask[30:80, 20:70] = True
+    return mask
+
+
+def _edit_poster(admin: Client, function: str, **options: object) -> wire.InvokeResult:
+    return admin.invoke(function, "poster", _poster_mask(), "a cat", seed=3, **options)
+
+
 def test_strength_runs_its_steps_and_is_maskaware_from_its_second_edit(
-    admin: Client, examples: Path
+    admin: Client, examples: Path, sd_strength: str
 ) -> None:
     """strength 0.6 of 5 steps runs 3: the first edit of a template at that strength runs
     the stock path and bakes that trajectory in the background, the second is mask-aware
     (strength 1's bake does not serve it); a negative prompt changes the edit, and a
     guidance-distilled family refuses one."""
-    spec, images = read_spec_file(examples / "tiny-sd.toml")
-    admin.deploy(dataclasses.replace(spec, name="sd-strength", steps=5), images)
-    wait_baked(admin, "sd-strength", timeout=300)  # strength 1's bakes
-    mask = np.zeros((128, 128), bool)
-    mask[30:80, 20:70] = True
 
     def edit(**options: object) -> wire.InvokeResult:
-        return admin.invoke("sd-strength", "poster", mask, "a cat", seed=3, **options)
+        return _edit_poster(admin, sd_strength, **options)
 
     first = edit(strength=0.6)
     assert (first.path, first.engine.steps, first.template) == ("stock", 3, "poster")
-    _variant_baked(admin, "sd-strength", wire.strength_variant("poster", 2))
+    _variant_baked(admin, sd_strength, wire.template_variant("poster", 2))
     second = edit(strength=0.6)
     assert (second.path, second.engine.steps) == ("maskaware", 3)
     whole = edit()
@@ -236,5 +253,29 @@ def test_strength_runs_its_steps_and_is_maskaware_from_its_second_edit(
 
     admin.deploy_file(examples / "tiny-flux.toml")
     with pytest.raises(RetouchError) as refused:
-        admin.invoke("tiny-flux", "mug", mask, "x", negative_prompt="blurry")
+        admin.invoke("tiny-flux", "mug", _poster_mask(), "x", negative_prompt="blurry")
     assert (refused.value.status, refused.value.field) == (400, "negative_prompt")
+
+
+def test_a_chosen_scheduler_is_maskaware_from_its_second_edit(
+    admin: Client, sd_strength: str
+) -> None:
+    """A scheduler the function allows besides its own is another trajectory: its first
+    edit of a template runs stock and bakes that trajectory, the second is mask-aware (the
+    DDIM bake does not serve it); naming the function's own is its own bake; one it does
+    not allow is a 400 naming ``scheduler`` and the allowed ones."""
+    assert admin.get(sd_strength)["schedulers"] == ["dpm++"]
+    first = _edit_poster(admin, sd_strength, scheduler="dpm++")
+    assert (first.path, first.engine.steps, first.template) == ("stock", 5, "poster")
+    _variant_baked(admin, sd_strength, wire.template_variant("poster", 0, "dpm++"))
+    second = _edit_poster(admin, sd_strength, scheduler="dpm++")
+    own = _edit_poster(admin, sd_strength)
+    assert (second.path, own.path) == ("maskaware", "maskaware")
+    assert own.image != second.image  # DPM++ ran, not DDIM
+    named = _edit_poster(admin, sd_strength, scheduler="ddim")
+    assert named.path == "maskaware" and named.image == own.image
+    for refused in ("euler", "DPM++"):
+        with pytest.raises(RetouchError) as err:
+            _edit_poster(admin, sd_strength, scheduler=refused)
+        assert (err.value.status, err.value.field) == (400, "scheduler")
+        assert "ddim" in err.value.message and "dpm++" in err.value.message

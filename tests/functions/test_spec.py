@@ -98,6 +98,28 @@ def test_examples_are_shown_as_given_and_bounded() -> None:
     assert spec.to_dict()["examples"] == examples and parse_spec(spec.to_dict()) == spec
 
 
+def test_schedulers_a_request_may_choose() -> None:
+    """Besides the spec's own scheduler only those it lists; the stored document keeps the
+    list, and a name outside it is a 400 naming ``scheduler`` and the allowed ones."""
+    plain = parse_spec(_doc())
+    assert plain.schedulers == () and plain.allowed_schedulers == ("ddim",)
+    assert plain.request_scheduler(None) == plain.request_scheduler("ddim") == "ddim"
+    spec = parse_spec(_doc(schedulers=["euler-a", "ddim", "dpm++"]))
+    assert spec.to_dict()["schedulers"] == ["euler-a", "ddim", "dpm++"]
+    assert parse_spec(spec.to_dict()) == spec
+    assert spec.allowed_schedulers == ("ddim", "euler-a", "dpm++")
+    assert spec.request_scheduler("dpm++") == "dpm++"
+    for refused in (plain, spec):
+        with pytest.raises(BadRequest) as err:
+            refused.request_scheduler("euler")
+        assert (err.value.status, err.value.field, err.value.code) == (
+            400,
+            "scheduler",
+            "invalid_field",
+        )
+        assert all(name in err.value.message for name in refused.allowed_schedulers)
+
+
 def test_every_example_function_offers_example_prompts() -> None:
     for path in sorted(EXAMPLES.glob("*.toml")):
         assert load_spec_file(path)[0].examples, path.name
@@ -152,6 +174,11 @@ def test_storages_are_the_row_formats() -> None:
         ({"examples": [None]}, "examples[0]"),
         ({"examples": ["  "]}, "examples[0]"),
         ({"examples": ["a red\nstar"]}, "examples[0]"),
+        ({"schedulers": "euler"}, "schedulers"),
+        ({"schedulers": ["euler", "flow-euler"]}, "schedulers[1]"),
+        ({"schedulers": ["euler", 3]}, "schedulers[1]"),
+        ({"schedulers": ["euler", "ddim", "euler"]}, "schedulers[2]"),
+        ({"schedulers": ["euler"] * 9}, "schedulers[8]"),
     ],
 )
 def test_errors_name_the_field(change: dict, field: str) -> None:
