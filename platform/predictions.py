@@ -6,7 +6,7 @@ the gateway's one way in for durable jobs (the admission, queue, caps, journal a
 webhook checks of ``POST /v1/functions/{name}/jobs``), under the same id, readable at
 ``/v1/jobs/{id}`` too. This module reads Replicate's request body, renders a job as
 Replicate's prediction document, and its events in the form Replicate's client streams
-(``logs``, ``output``, ``error``, ``done``). Its webhooks are the sender's, in the
+(``logs``, ``output``, ``error``, ``done``: ``platform/prediction.py``). Its webhooks are the sender's, in the
 ``replicate`` format: the prediction document, signed as Standard Webhooks specify.
 
 Names: ``version`` and ``model`` name a function, as ``name`` or ``owner/name``. Function
@@ -26,12 +26,12 @@ from starlette.responses import Response, StreamingResponse
 
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, NotFound, RetouchError, unknown_field_message
-from retouch.functions.wire import JobEventKind, JobStatus, WebhookEvent, WebhookFormat
-from retouch.platform import sse
+from retouch.functions.wire import WebhookEvent, WebhookFormat
 from retouch.platform.auth import TENANT, TENANT_RULE
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.httpapi import event_stream, last_event_id, parse_prefer_wait
-from retouch.platform.job import Job, iso, progress_line, queue_line, start_line
+from retouch.platform.job import Job
+from retouch.platform.prediction import document, frames
 from retouch.runtime import requestparams
 from retouch.runtime.asgi import respond
 
@@ -39,17 +39,8 @@ if TYPE_CHECKING:
     from retouch.platform.frontdoor import FrontDoor
     from retouch.platform.webhooks import WebhookSender
 
-MODEL_OWNER = "retouch"  # the owner a prediction's ``model`` names
 PAGE_SIZE = 100  # predictions per listing page (Replicate's)
 MAX_PAGE = 1000
-# A job's status in Replicate's words.
-STATUS = {
-    JobStatus.QUEUED: "starting",
-    JobStatus.RUNNING: "processing",
-    JobStatus.SUCCEEDED: "succeeded",
-    JobStatus.FAILED: "failed",
-    JobStatus.CANCELED: "canceled",
-}
 # Replicate's webhook events and the job events that deliver them. One image is a job's
 # output, there once it succeeded: ``output`` comes with its completion (one delivery).
 WEBHOOK_EVENTS = {
@@ -67,55 +58,6 @@ CURSOR = re.compile(r"([0-9.eE+-]{1,32})-([0-9a-f]{32})")  # <created_at>-<job i
 # and the function when the URL names it (admitted before the body is read).
 Read = Callable[[Any], tuple[DeployedFunction, wire.JobRequest]]
 Accept = Callable[[Request, Read, DeployedFunction | None], Awaitable[Job]]
-
-
-def document(job: Job, base_url: str, waited_out: bool = False) -> dict[str, Any]:
-    """A job as Replicate's prediction. ``waited_out``: the answer to a ``Prefer: wait``
-    that ended before the job did; it reads ``starting`` as Replicate's does, which is
-    what tells its ``replicate.run`` to go on polling (``processing`` would end it)."""
-    status = STATUS[job.status]
-    if waited_out and not job.status.terminal:
-        status = STATUS[JobStatus.QUEUED]
-    url = f"{base_url}/v1/predictions/{job.id}"
-    return {
-        "id": job.id,
-        "model": f"{MODEL_OWNER}/{job.function}",
-        "version": job.function,
-        "status": status,
-        "input": job.request.invoke.echo(),
-        "output": job.output,
-        "logs": job.logs(),
-        "error": None if job.error is None else job.error.message,
-        "metrics": job.metrics(),
-        "urls": {"get": url, "cancel": f"{url}/cancel", "stream": f"{url}/stream"},
-        "created_at": iso(job.created_at),
-        "started_at": iso(job.started_at),
-        "completed_at": iso(job.completed_at),
-        "data_removed": job.status is JobStatus.SUCCEEDED and job.output is None,
-        "source": "api",
-    }
-
-
-def frames(event: wire.JobEvent) -> bytes:
-    """A job event as Replicate's stream carries it (``logs`` lines, the ``output`` URL,
-    an ``error``, then ``done``), under the job event's id (so ``Last-Event-ID`` resumes)."""
-    data, seq = event.data, event.seq
-    if event.kind is JobEventKind.QUEUED:
-        position = data.get("position")
-        return b"" if position is None else sse.text_frame(seq, "logs", queue_line(position))
-    if event.kind is JobEventKind.STARTED:
-        line = start_line(data.get("started_at"), data["executor"], data["attempt"])
-        return sse.text_frame(seq, "logs", line)
-    if event.kind is JobEventKind.PROGRESS:
-        return sse.text_frame(seq, "logs", progress_line(data["step"], data["total"]))
-    if event.kind is JobEventKind.SUCCEEDED:
-        output = sse.text_frame(seq, "output", data.get("output") or "")
-        return output + sse.text_frame(seq, "done", "{}")
-    if event.kind is JobEventKind.FAILED:
-        detail = (data.get("error") or {}).get("message", "the prediction failed")
-        error = sse.text_frame(seq, "error", sse.json_data({"detail": detail}))
-        return error + sse.text_frame(seq, "done", sse.json_data({"reason": "error"}))
-    return sse.text_frame(seq, "done", sse.json_data({"reason": "canceled"}))
 
 
 def known_fields(raw: Any, allowed: tuple[str, ...]) -> dict[str, Any]:

@@ -51,7 +51,7 @@ import httpx
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, Unavailable
 from retouch.functions.wire import JobEventKind, WebhookEvent, WebhookFormat, parse_target_url
-from retouch.platform import predictions
+from retouch.platform import prediction
 from retouch.platform.allowlist import AllowList, host_of, pinned
 from retouch.platform.deliveryjournal import DeliveryJournal
 from retouch.platform.receiverqueue import ReceiverQueue
@@ -292,7 +292,7 @@ class WebhookSender:
     ) -> dict[str, Any]:
         """What a delivery carries, in the job's webhook format."""
         if job.request.webhook_format is WebhookFormat.REPLICATE:
-            return predictions.document(job, self.public_url)
+            return prediction.document(job, self.public_url)
         return {
             "id": ident,
             "type": kind.value,

@@ -14,7 +14,7 @@ from replicate.webhook import InvalidSignatureError, Webhooks, WebhookSigningSec
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, RetouchError
 from retouch.functions.wire import JobEventKind, JobStatus, WebhookEvent, WebhookFormat
-from retouch.platform import predictions, webhooks
+from retouch.platform import prediction, predictions, webhooks
 from retouch.platform.httpapi import MAX_WAIT_S, parse_prefer_wait
 from retouch.platform.job import Job
 
@@ -29,12 +29,12 @@ def job(status: JobStatus = JobStatus.QUEUED, **fields) -> Job:
 
 
 def test_document_speaks_replicate_and_parses_as_its_prediction() -> None:
-    for status, word in predictions.STATUS.items():
-        doc = predictions.document(job(status), BASE)
+    for status, word in prediction.STATUS.items():
+        doc = prediction.document(job(status), BASE)
         assert doc["status"] == word
         parsed = Prediction(**doc)  # what Replicate's client builds from it
         assert (parsed.model, parsed.version) == ("retouch/inpaint", "inpaint")
-    doc = predictions.document(job(JobStatus.RUNNING, started_at=11.0), BASE)
+    doc = prediction.document(job(JobStatus.RUNNING, started_at=11.0), BASE)
     assert doc["urls"] == {
         "get": f"{BASE}/v1/predictions/{'a' * 32}",
         "cancel": f"{BASE}/v1/predictions/{'a' * 32}/cancel",
@@ -42,17 +42,17 @@ def test_document_speaks_replicate_and_parses_as_its_prediction() -> None:
     }
     assert doc["input"]["prompt"] == "p" and doc["input"]["mask"] == "<3 bytes>"
     # a Prefer: wait that ran out reads "starting", so replicate.run goes on polling
-    assert predictions.document(job(JobStatus.RUNNING), BASE, waited_out=True)["status"] == (
+    assert prediction.document(job(JobStatus.RUNNING), BASE, waited_out=True)["status"] == (
         "starting"
     )
     failed = job(JobStatus.FAILED, error=RetouchError("boom", code="executor_error"))
-    assert predictions.document(failed, BASE, waited_out=True)["error"] == "boom"
+    assert prediction.document(failed, BASE, waited_out=True)["error"] == "boom"
 
 
 def test_running_logs_carry_progress_replicates_client_reads() -> None:
     running = job(JobStatus.RUNNING, started_at=11.0, executor="exec-0")
     running.progress = wire.JobProgress(2, 8)
-    progress = Prediction(**predictions.document(running, BASE)).progress
+    progress = Prediction(**prediction.document(running, BASE)).progress
     assert progress is not None and (progress.current, progress.total) == (2, 8)
     assert progress.percentage == 0.25
 
@@ -69,7 +69,7 @@ class Lines:
 
 
 def decoded(events: list[wire.JobEvent]) -> list[tuple[str, str, str]]:
-    data = b"".join(predictions.frames(e) for e in events)
+    data = b"".join(prediction.frames(e) for e in events)
     source = EventSource(None, Lines(data), use_file_output=False)  # type: ignore[arg-type]
     return [(e.event.value, e.data, e.id) for e in source]
 
