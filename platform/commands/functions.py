@@ -89,6 +89,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how far the masked region may move from the image, in (0, 1] (default 1)",
     )
     p.add_argument(
+        "--scheduler",
+        default=None,
+        help="one of the schedulers the function allows (default: its own)",
+    )
+    p.add_argument(
         "--padding-mask-crop",
         type=non_negative_int,
         default=None,
@@ -182,6 +187,7 @@ def _invoke(args: argparse.Namespace) -> None:
         "negative_prompt": args.negative_prompt,
         "strength": args.strength,
         "padding_mask_crop": args.padding_mask_crop,
+        "scheduler": args.scheduler,
     }
     if args.image is not None:
         try:

@@ -313,12 +313,13 @@ def test_cli_async_watch_ls_cancel(server: ServerProcess, tmp_path: Path) -> Non
     submitted = cli(
         "invoke", FUNCTION, "--template", TEMPLATE, "--mask", str(mask), "--prompt", "x",
         "--negative-prompt", "blurry", "--num-inference-steps", "2", "--guidance-scale", "3",
-        "--strength", "0.5", "--async", "--json",
+        "--strength", "0.5", "--scheduler", "ddim", "--async", "--json",
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr
     doc = json.loads(submitted.stdout)
     assert doc["input"] | {"negative_prompt": "blurry", "num_inference_steps": 2} == doc["input"]
     assert (doc["input"]["guidance_scale"], doc["input"]["strength"]) == (3.0, 0.5)
+    assert doc["input"]["scheduler"] == "ddim"  # the function's own, named
     watched = cli("jobs", "watch", doc["id"], "--json")
     assert watched.returncode == 0, watched.stderr
     finished = json.loads(watched.stdout)
