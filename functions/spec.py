@@ -163,6 +163,15 @@ class FunctionSpec:
         """The schedulers an edit may run with: the spec's own first."""
         return (self.scheduler, *(s for s in self.schedulers if s != self.scheduler))
 
+    def template_variant(self, template: str, strength: float, scheduler: str) -> str:
+        """The id of ``template`` as edits of this function's steps at ``strength`` with
+        ``scheduler`` see it (another trajectory, another bake): the template itself at
+        strength 1 with the spec's own scheduler. The one rule the gateway (placement) and
+        the executor (the variant it serves and bakes) both follow."""
+        skipped = FAMILY_SPECS[self.family].skipped_steps(self.steps, strength)
+        other = "" if scheduler == self.scheduler else scheduler
+        return wire.template_variant(template, skipped, other)
+
     def request_scheduler(self, name: str | None) -> str:
         """The scheduler an invocation asking for ``name`` (None: none) runs with; a name
         the function does not allow is refused, naming the ones it does."""

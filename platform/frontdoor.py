@@ -37,7 +37,7 @@ from PIL import Image
 
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, Canceled, NotFound, Overloaded, Unavailable
-from retouch.functions.families import check_edit, family_spec
+from retouch.functions.families import check_edit
 from retouch.functions.imaging import decode_mask, encode_image
 from retouch.functions.wire import DeployStatus
 from retouch.platform import uploads
@@ -269,9 +269,7 @@ class FrontDoor:
         # the steps it skips and a scheduler other than the function's own key it)
         variant = canvas.template  # other settings run stock: no variant is baked
         if steps == spec.steps and inv.guidance == spec.guidance:  # the executor's covers
-            skipped = family_spec(spec.family).skipped_steps(steps, req.strength)
-            other = "" if scheduler == spec.scheduler else scheduler
-            variant = wire.template_variant(canvas.template, skipped, other)
+            variant = spec.template_variant(canvas.template, req.strength, scheduler)
         placement = PlacementRequest(
             spec.name,
             variant,

@@ -38,7 +38,6 @@ from retouch.functions.wire import (
     CacheTier,
     ChangeKind,
     TemplateStatus,
-    template_variant,
 )
 from retouch.runtime.fingerprint import template_key
 from retouch.runtime.maskaware.editor import BakeCancelled
@@ -266,12 +265,10 @@ class TemplateCache:
     ) -> Template:
         """``base`` as edits of ``spec``'s steps at ``strength`` < 1 or with ``scheduler``
         (another than the spec's, with its config ``scheduler_config``) see it: its own key
-        and bake, tracked beside ``base`` under the id :func:`template_variant` names (an
+        and bake, tracked beside ``base`` under the id ``FunctionSpec.template_variant`` names (an
         upload's among the uploads, under their limits); ``base`` itself at strength 1 with
         the spec's scheduler."""
-        skipped = family_spec(spec.family).skipped_steps(spec.steps, strength)
-        other = "" if scheduler == spec.scheduler else scheduler
-        vid = template_variant(base.id, skipped, other)
+        vid = spec.template_variant(base.id, strength, scheduler)
         if vid == base.id:
             return base
         with self.lock:
