@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from retouch.functions import wire
+from retouch.functions.adapters import AdapterSpec, adapter_set_id, parse_adapters
 from retouch.functions.errors import BadRequest, InvalidSpec, unknown_field_message
 from retouch.functions.families import FAMILY_SPECS
 from retouch.functions.modelsource import OPTIONS, ModelSource, parse_source
@@ -51,6 +52,7 @@ FIELDS = (
     "uploads",
     "storage",
     "examples",
+    "adapters",
 )
 TEMPLATE_FIELDS = ("image", "prompt", "seed")  # image: a path, in TOML files only
 SCALING_FIELDS = (
@@ -157,6 +159,14 @@ class FunctionSpec:
     examples: tuple[str, ...] = ()
     # Schedulers of the family an invocation may choose (``scheduler``) besides ``scheduler``.
     schedulers: tuple[str, ...] = ()
+    # LoRA adapters applied to the base model (functions/adapters.py); none: the bare model.
+    adapters: tuple[AdapterSpec, ...] = ()
+
+    @property
+    def adapter_set(self) -> str:
+        """The id of this function's adapter set ("" for none): what batches, residency,
+        placement and bakes are keyed by besides the model."""
+        return adapter_set_id(self.adapters)
 
     @property
     def allowed_schedulers(self) -> tuple[str, ...]:
@@ -214,6 +224,7 @@ class FunctionSpec:
             "feather_px": self.feather_px,
             "storage": self.storage,
             "examples": list(self.examples),
+            "adapters": [a.to_dict() for a in self.adapters],
             "templates": {
                 tid: {"prompt": t.prompt, "seed": t.seed} for tid, t in self.templates.items()
             },
@@ -292,6 +303,7 @@ def parse_spec(raw: Any) -> FunctionSpec:
         config=source.config,
         examples=_examples(raw.get("examples", [])),
         schedulers=_schedulers(raw.get("schedulers", []), family),
+        adapters=parse_adapters(raw.get("adapters", [])),
     )
 
 

@@ -744,6 +744,9 @@ class ExecutorState:
     cache: CacheInfo = field(default_factory=CacheInfo)
     workers: dict[str, int] = field(default_factory=dict)  # pre/post worker processes (pid)
     gpu_memory: DeviceMemory = field(default_factory=DeviceMemory)
+    # Adapter sets (``FunctionSpec.adapter_set``) whose weights are resident on the device,
+    # least recently used first: placement adds no load cost for these.
+    adapters: tuple[str, ...] = ()
 
     def template(self, function: str, template: str) -> TemplateStatus | None:
         return self.templates.get(function, {}).get(template)
@@ -770,6 +773,7 @@ class ExecutorState:
             "cache": self.cache.to_wire(),
             "workers": self.workers,
             "gpu_memory": self.gpu_memory.to_wire(),
+            "adapters": list(self.adapters),
         }
 
     @classmethod
@@ -796,6 +800,7 @@ class ExecutorState:
             cache=CacheInfo.from_wire(body.get("cache")),
             workers={str(k): int(v) for k, v in (body.get("workers") or {}).items()},
             gpu_memory=DeviceMemory.from_wire(body.get("gpu_memory")),
+            adapters=tuple(str(a) for a in body.get("adapters") or ()),
         )
 
 
