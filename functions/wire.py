@@ -29,6 +29,7 @@ MAX_STEPS = 200
 MAX_GUIDANCE = 50.0
 MAX_PROMPT_CHARS = 4096
 MAX_PADDING = 4096  # padding_mask_crop, in pixels of the input image
+MAX_IMAGES_PER_PROMPT = 10  # num_images_per_prompt (and the OpenAI route's ``n``)
 SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # an image size on the wire: WIDTHxHEIGHT
 
 
@@ -164,6 +165,9 @@ class InvokeRequest:
     padding_mask_crop: int | None = None
     size: tuple[int, int] | None = None
     scheduler: str | None = None  # one the function allows (None: the function's own)
+    # Images of this one request: image i runs with seed ``seed + i`` (so each can be made
+    # again alone), as its own invocation (they share denoising steps in the engine).
+    num_images_per_prompt: int = 1
 
     @classmethod
     def from_wire(cls, obj: Any) -> InvokeRequest:
@@ -196,6 +200,7 @@ class InvokeRequest:
             padding_mask_crop=optional(body, "padding_mask_crop", int, None),
             size=None if body.get("size") is None else parse_size(expect(body, "size", str)),
             scheduler=optional(body, "scheduler", str, None),
+            num_images_per_prompt=optional(body, "num_images_per_prompt", int, 1),
         )
         req.check(sent)
         return dataclasses.replace(req, strength=float(req.strength))  # in range: converts
@@ -235,6 +240,19 @@ class InvokeRequest:
             raise BadRequest(
                 f"format must be one of {OUTPUT_FORMATS}", field="format", code="invalid_field"
             )
+        if not 1 <= self.num_images_per_prompt <= MAX_IMAGES_PER_PROMPT:
+            raise BadRequest(
+                f"num_images_per_prompt must be in [1, {MAX_IMAGES_PER_PROMPT}]",
+                field="num_images_per_prompt",
+                code="invalid_field",
+            )
+
+    def images(self) -> list[InvokeRequest]:
+        """One request per image asked for: image i with seed ``seed + i`` (mod 2^63)."""
+        return [
+            dataclasses.replace(self, seed=(self.seed + i) % 2**63, num_images_per_prompt=1)
+            for i in range(self.num_images_per_prompt)
+        ]
 
     def to_wire(self) -> dict[str, Any]:
         out = {
@@ -251,6 +269,9 @@ class InvokeRequest:
             "size": None if self.size is None else f"{self.size[0]}x{self.size[1]}",
             "scheduler": self.scheduler,
             "format": self.format,
+            "num_images_per_prompt": None
+            if self.num_images_per_prompt == 1
+            else self.num_images_per_prompt,
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -282,6 +303,7 @@ INVOKE_FIELDS = frozenset(
         "size",
         "scheduler",
         "format",
+        "num_images_per_prompt",
     )
 )
 ALIASES = {"steps": "num_inference_steps", "guidance": "guidance_scale"}  # retouch's older names
@@ -1048,6 +1070,17 @@ class JobRequest:
     webhook: str | None = None
     webhook_events: tuple[WebhookEvent, ...] = DEFAULT_WEBHOOK_EVENTS
     webhook_format: WebhookFormat = WebhookFormat.RETOUCH
+
+    def __post_init__(self) -> None:
+        if self.invoke.num_images_per_prompt != 1:
+            # A job is one image: one seat in the queue, one placement, one cancel, one
+            # retained result, one ``output`` link (invoke fans several out into jobs).
+            raise BadRequest(
+                "a job makes one image: submit one job per image (seed, seed + 1, ...), "
+                "or invoke with num_images_per_prompt",
+                field="num_images_per_prompt",
+                code="unsupported_field",
+            )
 
     @classmethod
     def from_wire(cls, obj: Any) -> JobRequest:

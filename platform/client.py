@@ -77,6 +77,19 @@ def invoke_call(
     return Call("POST", f"/v1/functions/{name}/invoke", req.to_wire())
 
 
+def invoke_results(body: Any) -> list[wire.InvokeResult]:
+    """An invoke's answer as its list of results: one result, or (for
+    ``num_images_per_prompt`` > 1) ``{"results": [...]}``."""
+    if isinstance(body, dict) and "results" in body:
+        return [wire.InvokeResult.from_wire(r) for r in body["results"]]
+    return [wire.InvokeResult.from_wire(body)]
+
+
+def _one_image(options: dict[str, Any]) -> None:
+    if options.get("num_images_per_prompt", 1) != 1:
+        raise ValueError("invoke returns one image: use invoke_images for several")
+
+
 def job_call(
     name: str,
     template: str | None,
@@ -339,9 +352,27 @@ class Client:
         **options: Any,
     ) -> wire.InvokeResult:
         """Edit ``template``, or an uploaded image: ``template=None, image=<bytes>``."""
+        _one_image(options)
         return wire.InvokeResult.from_wire(
             self.call(invoke_call(name, template, mask, prompt, seed, **options))
         )
+
+    def invoke_images(
+        self,
+        name: str,
+        template: str | None,
+        mask: bytes | np.ndarray,
+        prompt: str,
+        seed: int | None = 0,
+        num_images_per_prompt: int = 1,
+        **options: Any,
+    ) -> list[wire.InvokeResult]:
+        """``num_images_per_prompt`` edits of one request (image i with seed ``seed + i``)."""
+        call = invoke_call(
+            name, template, mask, prompt, seed, num_images_per_prompt=num_images_per_prompt,
+            **options,
+        )  # fmt: skip
+        return invoke_results(self.call(call))
 
 
 class AsyncClient:
@@ -457,6 +488,7 @@ class AsyncClient:
         seed: int | None = 0,
         **options: Any,
     ) -> wire.InvokeResult:
+        _one_image(options)
         return wire.InvokeResult.from_wire(
             await self.call(invoke_call(name, template, mask, prompt, seed, **options))
         )

@@ -163,6 +163,31 @@ class FrontDoor:
             job.task.add_done_callback(lambda _: self.dispatcher.unseat(seat))
         return job
 
+    async def accept_images(
+        self,
+        fn: DeployedFunction,
+        request: wire.InvokeRequest,
+        *,
+        durable: bool,
+        owner: str,
+        upload: uploads.Upload | None = None,
+    ) -> list[Job]:
+        """``request``'s ``num_images_per_prompt`` images accepted as one job each (image i
+        with seed ``seed + i``), in order. If one is refused, those already accepted run on
+        and are forgotten (nobody waits for them) and the refusal is raised."""
+        jobs: list[Job] = []
+        try:
+            for one in request.images():
+                jobs.append(
+                    await self.accept(
+                        fn, wire.JobRequest(one), durable=durable, owner=owner, upload=upload
+                    )
+                )
+        except BaseException:
+            self.forget(jobs)
+            raise
+        return jobs
+
     # ---- answers -------------------------------------------------------------------------
     async def answers(self, jobs: list[Job]) -> list[wire.InvokeResult]:
         """Wait for jobs run on a caller's behalf and give their results in order (the first

@@ -361,10 +361,14 @@ class Gateway:
                 raw = await read_body(request, self.max_body)
                 body = await self.inputs.inline(raw, owner, held)
                 req = wire.InvokeRequest.from_wire(body)
-                job = await self.door.accept(fn, wire.JobRequest(req), durable=False, owner=owner)
-            (result,) = await self.door.answers([job])
-        result.timings.total_ms = (time.perf_counter() - received) * 1e3
-        return result.to_wire()
+                jobs = await self.door.accept_images(fn, req, durable=False, owner=owner)
+            results = await self.door.answers(jobs)
+        total_ms = (time.perf_counter() - received) * 1e3
+        for result in results:
+            result.timings.total_ms = total_ms
+        if req.num_images_per_prompt == 1:
+            return results[0].to_wire()
+        return {"results": [r.to_wire() for r in results]}  # the images asked for, in order
 
     # ---- jobs ----------------------------------------------------------------------------
     async def submit_job(self, request: Request) -> Response:

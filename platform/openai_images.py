@@ -43,13 +43,12 @@ from retouch.platform.bodybudget import BodyBudget
 from retouch.platform.deployed import DeployedFunction
 from retouch.platform.frontdoor import FrontDoor
 from retouch.platform.imagegate import Declared
-from retouch.platform.job import Job
 from retouch.platform.uploads import Upload
 from retouch.runtime import requestparams
 from retouch.runtime.asgi import read_raw_body
 
 PATH_PREFIX = "/v1/images/"
-MAX_N = 10
+MAX_N = wire.MAX_IMAGES_PER_PROMPT
 URL_TTL_S = 3600.0  # how long a ``url`` answer stays valid (OpenAI: 60 minutes)
 MAX_FIELD_BYTES = 64 << 10  # a text field (a prompt is at most 4096 characters)
 RESPONSE_FORMATS = ("b64_json", "url")
@@ -319,29 +318,21 @@ class OpenAIImages:
         first_seed = secrets.randbits(62) if form.seed is None else form.seed
         durable = form.response_format == "url"  # its image is served from the journal
         owner = request.state.principal.tenant
-        jobs: list[Job] = []
-        try:
-            with door.arrival(fn, received):
-                mask, upload = await _edit_inputs(door, fn, form, owner)
-                for i in range(form.n):
-                    req = wire.InvokeRequest(
-                        template=form.template,
-                        image=form.image,
-                        mask=mask,
-                        prompt=form.prompt,
-                        seed=(first_seed + i) % 2**63,
-                        steps=form.steps,
-                        guidance=form.guidance,
-                        format=form.output_format,
-                        size=form.size,
-                    )
-                    job = await door.accept(
-                        fn, wire.JobRequest(req), durable=durable, owner=owner, upload=upload
-                    )
-                    jobs.append(job)
-        except BaseException:
-            door.forget(jobs)  # those already accepted run on; nobody waits for them
-            raise
+        with door.arrival(fn, received):
+            mask, upload = await _edit_inputs(door, fn, form, owner)
+            req = wire.InvokeRequest(
+                template=form.template,
+                image=form.image,
+                mask=mask,
+                prompt=form.prompt,
+                seed=first_seed,
+                steps=form.steps,
+                guidance=form.guidance,
+                format=form.output_format,
+                size=form.size,
+                num_images_per_prompt=form.n,
+            )
+            jobs = await door.accept_images(fn, req, durable=durable, owner=owner, upload=upload)
         results = await door.answers(jobs)
         data = []
         width, height = results[0].width, results[0].height

@@ -77,15 +77,14 @@ def job_request(body: dict[str, Any]) -> wire.JobRequest:
     if not isinstance(body.get("input"), dict):
         code = "missing_field" if body.get("input") is None else "invalid_field"
         raise BadRequest("input must be a map of the edit's fields", field="input", code=code)
+    webhook = None if body.get("webhook") is None else str(wire.parse_target_url(body["webhook"]))
+    events = webhook_events(body.get("webhook_events_filter"))
     try:
         invoke = wire.InvokeRequest.from_wire(body["input"])
+        return wire.JobRequest(invoke, webhook, events, WebhookFormat.REPLICATE)
     except RetouchError as exc:
         in_input(exc, reading_input=True)
         raise
-    webhook = None if body.get("webhook") is None else str(wire.parse_target_url(body["webhook"]))
-    return wire.JobRequest(
-        invoke, webhook, webhook_events(body.get("webhook_events_filter")), WebhookFormat.REPLICATE
-    )
 
 
 def webhook_events(raw: Any) -> tuple[WebhookEvent, ...]:

@@ -7,8 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+from retouch.functions import wire
 from retouch.functions.knobs import words
-from retouch.platform.client import read_spec_file
+from retouch.platform.client import Job, read_spec_file
 from retouch.platform.commands.common import (
     UsageError,
     add_json,
@@ -98,6 +99,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=non_negative_int,
         default=None,
         help="edit only a crop around the mask, padded by this many pixels, and paste it back",
+    )
+    p.add_argument(
+        "-n",
+        "--num-images-per-prompt",
+        type=positive_int,
+        default=1,
+        help="images of this request, seeds seed, seed+1, ...; written as OUTPUT-0, "
+        "OUTPUT-1, ... (default 1: OUTPUT)",
     )
     p.add_argument(
         "--format",
@@ -196,27 +205,49 @@ def _invoke(args: argparse.Namespace) -> None:
             raise UsageError(f"--image: cannot read {args.image}: {exc.strerror}") from exc
     if not args.as_job and args.webhook is not None:
         raise UsageError("--webhook needs --async")
+    if args.as_job and args.num_images_per_prompt != 1:
+        raise UsageError("--num-images-per-prompt: a job makes one image (submit one per seed)")
     if args.as_job:
         options |= {"webhook": args.webhook, "webhook_events": args.webhook_events}
     given = {k: v for k, v in options.items() if v is not None}
     with connect(args) as client:
-        call = client.submit if args.as_job else client.invoke
-        result = call(args.name, args.template, mask, args.prompt, args.seed, **given)
+        if args.as_job:
+            job = client.submit(args.name, args.template, mask, args.prompt, args.seed, **given)
+        else:
+            results = client.invoke_images(
+                args.name, args.template, mask, args.prompt, args.seed,
+                args.num_images_per_prompt, **given,
+            )  # fmt: skip
     if args.as_job:
-        if args.json:
-            print(json.dumps(result.doc))
-            return
-        position = result.doc.get("queue_position")
-        where = f" (queue position {position})" if position is not None else ""
-        print(result.id)  # alone on stdout: a script captures it
-        print(f"{result.doc['status']}{where}", file=sys.stderr)
+        _print_submitted(job, args.json)
         return
-    args.output.write_bytes(result.image)  # already encoded in the requested format
-    if args.json:
+    for i, result in enumerate(results):
+        output = args.output if len(results) == 1 else _numbered(args.output, i)
+        _print_result(output, result, args.json)
+
+
+def _numbered(path: Path, i: int) -> Path:
+    """``out.png`` → ``out-0.png``: where image ``i`` of several is written."""
+    return path.with_name(f"{path.stem}-{i}{path.suffix}")
+
+
+def _print_submitted(result: Job, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result.doc))
+        return
+    position = result.doc.get("queue_position")
+    where = f" (queue position {position})" if position is not None else ""
+    print(result.id)  # alone on stdout: a script captures it
+    print(f"{result.doc['status']}{where}", file=sys.stderr)
+
+
+def _print_result(output: Path, result: wire.InvokeResult, as_json: bool) -> None:
+    output.write_bytes(result.image)  # already encoded in the requested format
+    if as_json:
         doc = {k: v for k, v in result.to_wire().items() if k != "image"}
-        print(json.dumps({"output": str(args.output), **doc}))
+        print(json.dumps({"output": str(output), **doc}))
         return
     t = result.timings
     print(
-        f"{args.output}: {result.width}x{result.height} seed={result.seed} mask_ratio={result.mask_ratio:.3f} path={result.path} executor={result.executor} total={t.total_ms:.0f}ms run={t.run_ms:.0f}ms queue={t.queue_ms:.0f}ms"
+        f"{output}: {result.width}x{result.height} seed={result.seed} mask_ratio={result.mask_ratio:.3f} path={result.path} executor={result.executor} total={t.total_ms:.0f}ms run={t.run_ms:.0f}ms queue={t.queue_ms:.0f}ms"
     )

@@ -78,6 +78,20 @@ def test_cli_round_trip(
     assert doc["mask_ratio"] == pytest.approx(0.1526, abs=1e-3) and "image" not in doc
     assert doc["output"] == str(result_path)
 
+    # -n images of one request, each written beside the output name with its seed
+    out = _cli(*edit, "--seed", "5", "-n", "2", url=server.url, token=admin)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        str(result_path.with_name("edited-0.png")),
+        str(result_path.with_name("edited-1.png")),
+    ]
+    assert "seed=5 " in lines[0] and "seed=6 " in lines[1]
+    first, second = (Image.open(result_path.with_name(f"edited-{i}.png")) for i in (0, 1))
+    assert first.size == second.size == (128, 128) and first.tobytes() != second.tobytes()
+    out = _cli(*edit, "-n", "2", "--async", url=server.url, token=admin)
+    assert out.returncode == 2 and "a job makes one image" in out.stderr
+
     # A script captures a job's id alone: JID=$(retouch invoke ... --async)
     out = _cli(*edit, "--async", url=server.url, token=admin)
     assert out.returncode == 0, out.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import io
 import os
@@ -16,9 +17,11 @@ from PIL import Image
 
 from retouch.functions import wire
 from retouch.functions.errors import RetouchError
+from retouch.functions.imaging import encode_mask
 from retouch.platform.bench.load import wait_baked
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
+from tests.e2e.conftest import ADMIN
 from tests.modelfolders import build_sd_folder, into_hub_cache
 
 
@@ -47,6 +50,50 @@ def test_same_seed_same_image(admin: Client, examples: Path) -> None:
     c = admin.invoke("tiny-sd", "poster", mask, "a cat", seed=8, steps=2, format="raw")
     assert a.image == b.image
     assert a.image != c.image
+
+
+def test_num_images_per_prompt_gives_image_i_the_seed_plus_i(
+    server: ServerProcess, admin: Client, examples: Path
+) -> None:
+    """N images of one request in one answer (JSON, as a curl user sends it), image i the
+    same as a request for seed + i alone (up to batched-vs-solo rounding); a job refuses N."""
+    admin.deploy_file(examples / "tiny-sd.toml")
+    mask = np.zeros((128, 128), bool)
+    mask[20:70, 30:90] = True
+    body = {"template": "poster", "prompt": "a cat", "seed": 2**63 - 2, "steps": 2}
+    body |= {"mask": base64.b64encode(encode_mask(mask)).decode(), "format": "raw"}
+    headers = {"authorization": f"Bearer {ADMIN}"}
+    url = f"{server.url}/v1/functions/tiny-sd/invoke"
+    answer = httpx.post(
+        url, json={**body, "num_images_per_prompt": 3}, headers=headers, timeout=300
+    )
+    assert answer.status_code == 200, answer.text
+    results = answer.json()["results"]
+    assert [r["seed"] for r in results] == [2**63 - 2, 2**63 - 1, 0]  # wraps at 2^63
+    images = [np.frombuffer(base64.b64decode(r["image"]), np.uint8) for r in results]
+    assert len({i.tobytes() for i in images}) == 3
+    for seed, image in zip((2**63 - 2, 2**63 - 1, 0), images, strict=True):
+        alone = admin.invoke("tiny-sd", "poster", mask, "a cat", seed=seed, steps=2, format="raw")
+        diff = np.abs(np.frombuffer(alone.image, np.uint8).astype(int) - image.astype(int))
+        assert diff.max() <= 3, (seed, diff.max())
+    listed = admin.invoke_images("tiny-sd", "poster", mask, "a cat", 9, 2, steps=2)
+    assert [r.seed for r in listed] == [9, 10]
+
+    for n, code in ((0, "invalid_field"), (11, "invalid_field"), ("2", "invalid_field")):
+        bad = httpx.post(url, json={**body, "num_images_per_prompt": n}, headers=headers)
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["field"] == "num_images_per_prompt"
+        assert bad.json()["error"]["code"] == code
+    jobs = url.removesuffix("/invoke") + "/jobs"
+    bad = httpx.post(jobs, json={**body, "num_images_per_prompt": 2}, headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported_field"
+    bad = httpx.post(
+        f"{server.url}/v1/predictions",
+        json={"version": "tiny-sd", "input": {**body, "num_images_per_prompt": 2}},
+        headers=headers,
+    )
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["field"] == "input.num_images_per_prompt"
 
 
 def test_metrics_and_probes(server: ServerProcess, admin: Client, examples: Path) -> None:
