@@ -191,6 +191,8 @@ class Gateway:
             raise
         except Exception as exc:
             fn.status, fn.error = DeployStatus.FAILED, str(getattr(exc, "message", exc))
+            if isinstance(exc, RetouchError):
+                fn.error_field, fn.error_code = exc.field, exc.code
             log.error("deploying %s failed: %s", fn.spec.name, fn.error)
 
     # ---- auth & lookup -----------------------------------------------------------------
