@@ -99,3 +99,11 @@ def test_a_spec_files_relative_adapter_path_is_its_folders(tmp_path: Path) -> No
     parsed, _ = load_spec_file(spec)
     assert parsed.adapters[0].path == str(tmp_path / "loras" / "style.safetensors")
     assert parsed.adapters[0].name == "style"
+
+
+def test_each_familys_lora_modules_are_its_pipelines() -> None:
+    from retouch.functions.families import FAMILY_SPECS
+    from retouch.runtime.families import family
+
+    for name, spec in FAMILY_SPECS.items():
+        assert spec.lora_modules == tuple(family(name).pipeline._lora_loadable_modules), name
