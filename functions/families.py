@@ -49,6 +49,9 @@ class FamilySpec:
     # guidance-distilled Flux models have no such branch, so no negative prompt.
     negative_prompt: bool = True
     strength_rule: StrengthRule = StrengthRule.SKIP_FLOOR
+    # The components a LoRA file may adapt (diffusers' ``_lora_loadable_modules`` of the
+    # pipeline): the denoiser first, then the text encoders.
+    lora_modules: tuple[str, ...] = ("unet", "text_encoder")
 
     def skipped_steps(self, steps: int, strength: float) -> int:
         """The first steps of a ``steps`` schedule that ``strength`` skips: an edit starts
@@ -93,9 +96,16 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             ("FluxImg2ImgPipeline",),
             cuda_dtype="bf16",
             negative_prompt=False,
+            lora_modules=("transformer", "text_encoder"),
         ),
         FamilySpec(
-            "sd3-inpaint", "StableDiffusion3InpaintPipeline", FLOW, 28, 7.0, cuda_dtype="bf16"
+            "sd3-inpaint",
+            "StableDiffusion3InpaintPipeline",
+            FLOW,
+            28,
+            7.0,
+            cuda_dtype="bf16",
+            lora_modules=("transformer", "text_encoder", "text_encoder_2"),
         ),
         FamilySpec(
             "flux-fill",
@@ -105,6 +115,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             30.0,
             cuda_dtype="bf16",
             negative_prompt=False,
+            lora_modules=("transformer", "text_encoder"),
         ),
         FamilySpec(
             "sdxl-inpaint",
@@ -114,6 +125,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             7.5,
             halo=2,
             strength_rule=StrengthRule.KEEP_FLOOR,
+            lora_modules=("unet", "text_encoder", "text_encoder_2"),
         ),
     )
 }

@@ -115,7 +115,7 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
             field="config",
         )
     if path.suffix == ".safetensors":
-        _safetensors_header(path, "model")
+        safetensors_header(path, "model")
     folder = _locate(source.config, source.revision, "config")
     pipeline = _check_pipeline(folder, family, "config")
     _check_components(folder, None, weights=False, field="config")
@@ -215,13 +215,35 @@ def _check_weights(part: Path, library: str, variant: str | None, field: str) ->
     if index.is_file():
         _check_shards(index, field)
     elif single.is_file():
-        _safetensors_header(single, field)
+        safetensors_header(single, field)
     elif not (part / _variant_name(pickled, variant)).is_file():
         others = sorted(p.name for p in part.glob("*.safetensors"))
         hint = f"; it holds {', '.join(others[:3])}" if others else ""
         if variant is None and others:
             hint += " (variant weights: name the variant in the spec)"
         raise InvalidSpec(f"missing {_short(single)} ({single}){hint}", field=field)
+
+
+def weight_shapes(part: Path, variant: str | None) -> dict[str, list[int]]:
+    """The tensors of a checked component folder's safetensors weights (name -> shape),
+    from one file or every shard its index lists; empty when the weights are pickled."""
+    for stem, _ in WEIGHT_NAMES.values():
+        index = part / _variant_name(f"{stem}.safetensors.index.json", variant)
+        single = part / _variant_name(f"{stem}.safetensors", variant)
+        if index.is_file():
+            _check_shards(index, "model")
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            paths = [part / shard for shard in shards]
+        elif single.is_file():
+            paths = [single]
+        else:
+            continue
+        return {
+            name: [int(n) for n in entry["shape"]]
+            for path in paths
+            for name, entry in safetensors_header(path, "model").items()
+        }
+    return {}
 
 
 def _check_shards(index: Path, field: str) -> None:
@@ -236,7 +258,7 @@ def _check_shards(index: Path, field: str) -> None:
         path = index.parent / shard
         if not path.is_file():
             raise InvalidSpec(f"missing {_short(path)}, a shard {_short(index)} lists", field=field)
-        absent = sorted(tensors - set(_safetensors_header(path, field)))
+        absent = sorted(tensors - set(safetensors_header(path, field)))
         if absent:
             raise InvalidSpec(
                 f"{_short(path)} lacks {absent[0]}, which {_short(index)} places there",
@@ -244,7 +266,7 @@ def _check_shards(index: Path, field: str) -> None:
             )
 
 
-def _safetensors_header(path: Path, field: str) -> dict[str, Any]:
+def safetensors_header(path: Path, field: str) -> dict[str, Any]:
     """The tensors a safetensors file declares, once its size is seen to match them (a
     truncated download fails here, not in the loader)."""
     bad = InvalidSpec(

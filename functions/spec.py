@@ -8,6 +8,7 @@ data, stored by the registry and sent to executors.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -247,12 +248,22 @@ def load_spec_file(path: Path) -> tuple[FunctionSpec, dict[str, Path]]:
     except tomllib.TOMLDecodeError as exc:
         raise InvalidSpec(f"{path} is not valid TOML: {exc}") from exc
     spec = parse_spec(raw)
+    if spec.adapters:  # a LoRA file beside the spec, wherever the deploy runs from
+        spec = dataclasses.replace(spec, adapters=_resolved(spec.adapters, path.parent))
     images: dict[str, Path] = {}
     for tid, tpl in spec.templates.items():
         if tpl.image is None:
             raise InvalidSpec("template image path is required", field=f"templates.{tid}.image")
         images[tid] = (path.parent / tpl.image).resolve()
     return spec, images
+
+
+def _resolved(adapters: tuple[AdapterSpec, ...], folder: Path) -> tuple[AdapterSpec, ...]:
+    """Adapter paths relative to the spec file's folder made absolute, as template images'."""
+    return tuple(
+        dataclasses.replace(a, path=str((folder / Path(a.path).expanduser()).resolve()))
+        for a in adapters
+    )
 
 
 def parse_spec(raw: Any) -> FunctionSpec:

@@ -26,6 +26,10 @@ class DeployedFunction:
     generation: int
     status: DeployStatus = DeployStatus.DEPLOYING
     error: str | None = None
+    # The refusal's field and code when an executor refused the deploy with a structured
+    # error (a LoRA that does not fit the loaded model: ``adapters[0].path``).
+    error_field: str | None = None
+    error_code: str | None = None
     sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
     task: asyncio.Task | None = None
     # Template images decoded for crops of them (``padding_mask_crop``), on first need.
@@ -69,6 +73,8 @@ class DeployedFunction:
             **spec.to_dict(),
             "status": self.status.value,
             "error": self.error,
+            "error_field": self.error_field,
+            "error_code": self.error_code,
             "generation": self.generation,
             "templates": {
                 tid: {

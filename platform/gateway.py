@@ -36,6 +36,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from retouch.functions import wire
+from retouch.functions.adaptercheck import check_adapters
 from retouch.functions.errors import (
     BadRequest,
     Forbidden,
@@ -190,6 +191,8 @@ class Gateway:
             raise
         except Exception as exc:
             fn.status, fn.error = DeployStatus.FAILED, str(getattr(exc, "message", exc))
+            if isinstance(exc, RetouchError):
+                fn.error_field, fn.error_code = exc.field, exc.code
             log.error("deploying %s failed: %s", fn.spec.name, fn.error)
 
     # ---- auth & lookup -----------------------------------------------------------------
@@ -255,7 +258,10 @@ class Gateway:
             raise InvalidSpec(
                 f"spec name {spec.name!r} does not match the URL name {name!r}", field="name"
             )
-        await asyncio.to_thread(check_model, spec.source, spec.family)
+        files = await asyncio.to_thread(check_model, spec.source, spec.family)
+        await asyncio.to_thread(
+            check_adapters, spec.adapters, spec.family, spec.model, files, spec.source.variant
+        )
         templates = await asyncio.to_thread(self._templates, spec, body.get("templates"))
         async with self._lock(name):
             await asyncio.to_thread(self.registry.put, spec, templates)

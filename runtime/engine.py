@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
+from retouch.functions.adapters import AdapterSpec
 from retouch.functions.errors import Canceled, Unavailable
 from retouch.functions.imaging import composite, encode_image
 from retouch.runtime.costmodel import LinearFit
@@ -142,6 +143,7 @@ class Work:
     on_step: OnStep | None = None  # progress: must be cheap and never block
     cancel_requested: bool = False  # set by Engine.cancel; honoured before the next step
     feather_px: int | None = None  # composite into the template, this soft edge (None: off)
+    adapters: tuple[AdapterSpec, ...] = ()  # the function's LoRAs (its prompt's encode too)
 
     @property
     def path(self) -> str:

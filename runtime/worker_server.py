@@ -23,11 +23,14 @@ import torch
 from PIL import Image
 
 from retouch.functions import wire
+from retouch.functions.adapters import parse_adapters
+from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import composite, encode_image
 from retouch.runtime import shm
 from retouch.runtime.maskaware.editor import MaskAwareEditor, OutputSize
 from retouch.runtime.maskaware.request import EditRequest
 from retouch.runtime.models import ModelCache
+from retouch.runtime.textadapters import TextAdapters
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,7 @@ class _Server:
         models_dir = Path(spec.models_dir)
         self.models = ModelCache(models_dir, self.device, without=LEFT_OUT[spec.role])
         self.editors: dict[tuple[str, str, str], MaskAwareEditor] = {}
+        self.text: dict[str, TextAdapters] = {}  # per model: its LoRAs' text-encoder parts
 
     def handle(self, message: dict[str, Any]) -> dict[str, Any]:
         """Run one job; a failure becomes an error reply (the worker keeps serving)."""
@@ -92,6 +96,9 @@ class _Server:
             meta, out = handler(message["meta"], items)
             compute = time.perf_counter() - started
             header = shm.put_tensors(out, message["reply"])
+        except RetouchError as exc:  # the caller's input (a LoRA that does not fit): as is
+            log.warning("%s: %s job refused: %s", self.spec.name, message.get("op"), exc)
+            return {"ok": False, **exc.to_wire(), "status": exc.status}
         except Exception as exc:
             log.exception("%s: %s job failed", self.spec.name, message.get("op"))
             return {"ok": False, "kind": type(exc).__name__, "error": str(exc)}
@@ -102,7 +109,9 @@ class _Server:
     def _encode(self, meta: dict[str, Any], items: dict[str, Any]) -> tuple[dict, dict]:
         editor = self._editor(meta["model"], meta["family"], meta["scheduler"])
         request = EditRequest.from_wire(meta["request"], items)
-        encoded = editor.encode(request, items.get("template_latents"))
+        adapters = parse_adapters(meta.get("adapters", []))
+        with self._text(meta["model"], meta["family"]).encoding(adapters):
+            encoded = editor.encode(request, items.get("template_latents"))
         reply = {"family": encoded.family, "height": encoded.height, "width": encoded.width}
         return reply, encoded.tensors
 
@@ -117,12 +126,21 @@ class _Server:
 
     def _load(self, meta: dict[str, Any], items: dict[str, Any]) -> tuple[dict, dict]:
         self.models.get(meta["model"], meta["family"])
+        if self.spec.role == PRE:
+            self._text(meta["model"], meta["family"]).load(parse_adapters(meta.get("adapters", [])))
         return {}, {}
 
     def _echo(self, meta: dict[str, Any], items: dict[str, Any]) -> tuple[dict, dict]:
         return {}, items
 
     # -- models -----------------------------------------------------------------------------
+
+    def _text(self, model: str, family: str) -> TextAdapters:
+        """The text-encoder adapters of ``model`` (shared by its editors' pipelines)."""
+        text = self.text.get(model)
+        if text is None:
+            text = self.text[model] = TextAdapters(self.models.get(model, family).pipe)
+        return text
 
     def _editor(self, model: str, family: str, scheduler: str | None) -> MaskAwareEditor:
         """One editor per (model, scheduler); decode does not depend on the scheduler."""

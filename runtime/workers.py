@@ -39,6 +39,8 @@ from typing import Any
 import torch
 
 from retouch.functions import wire
+from retouch.functions.adapters import AdapterSpec
+from retouch.functions.errors import RetouchError
 from retouch.runtime import shm
 from retouch.runtime.maskaware.editor import Encoded
 from retouch.runtime.maskaware.request import EditRequest
@@ -142,13 +144,16 @@ class PrePostPool:
         scheduler: str,
         request: EditRequest,
         template_latents: torch.Tensor | None = None,
+        adapters: tuple[AdapterSpec, ...] = (),
     ) -> Future[Encoded]:
-        """``editor.encode(request, template_latents)`` in a pre worker."""
+        """``editor.encode(request, template_latents)`` in a pre worker, the prompt encoded
+        with the text-encoder part of ``adapters`` (the function's LoRAs)."""
         meta = {
             "model": model,
             "family": family,
             "scheduler": scheduler,
             "request": request.wire_meta(),
+            "adapters": [a.to_dict() for a in adapters],
         }
         items = functools.partial(_request_items, request, template_latents)
         return self._submit(PRE, _Job("encode", meta, items, _parse_encoded))
@@ -183,11 +188,16 @@ class PrePostPool:
         items = functools.partial(_decode_items, latents, over)
         return self._submit(POST, _Job("decode", meta, items, _parse_image))
 
-    def load(self, model: str, family: str) -> list[Future[None]]:
-        """Load ``model`` in every worker now (deploy time), not on its first job."""
+    def load(
+        self, model: str, family: str, adapters: tuple[AdapterSpec, ...] = ()
+    ) -> list[Future[None]]:
+        """Load ``model`` in every worker now (deploy time), not on its first job, and the
+        text-encoder part of ``adapters`` where prompts are encoded (a LoRA that does not
+        fit fails the deploy here, not an invocation)."""
         futures = []
+        meta = {"model": model, "family": family, "adapters": [a.to_dict() for a in adapters]}
         for worker in self._workers:
-            job = _Job("load", {"model": model, "family": family}, dict, _parse_nothing)
+            job = _Job("load", meta, dict, _parse_nothing)
             futures.append(self._submit(worker.spec.role, job, only=worker))
         return futures
 
@@ -382,6 +392,8 @@ class _Worker:
         try:
             header = shm.put_tensors(job.items(), blocks[0])
             reply = self._exchange(job, header, blocks)
+            if not reply.get("ok") and isinstance(reply.get("error"), dict):
+                raise RetouchError.from_wire(int(reply.get("status", 500)), reply)
             if not reply.get("ok"):
                 raise WorkerError(
                     self.spec.name, reply.get("kind", "Error"), reply.get("error", "")

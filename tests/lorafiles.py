@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
 
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.runtime.models import load_pipeline
@@ -60,3 +61,17 @@ def _randomised(
     a fresh LoRA would change nothing)."""
     state = get_peft_model_state_dict(module)
     return {k: torch.randn(v.shape, generator=generator) * std for k, v in state.items()}
+
+
+def wider_text_lora(lora: Path, target: Path, width: int) -> Path:
+    """``lora`` with its text-encoder part made for a text encoder ``width`` wide (another
+    base model's): each projection's A and B redrawn at that width, the rest kept."""
+    tensors = load_file(str(lora))
+    generator = torch.Generator().manual_seed(width)
+    for key, value in tensors.items():
+        if key.startswith("text_encoder."):
+            rank = min(value.shape)
+            shape = (rank, width) if ".lora_A." in key else (width, rank)
+            tensors[key] = torch.randn(shape, generator=generator) * 0.05
+    save_file(tensors, str(target))
+    return target

@@ -159,7 +159,8 @@ def _deploy(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(doc))
     else:
-        error = f" ({doc['error']})" if doc.get("error") else ""
+        field = f", field {doc['error_field']}" if doc.get("error_field") else ""
+        error = f" ({doc['error']}{field})" if doc.get("error") else ""
         print(f"{doc['name']}: {doc['status']}{baking}{error}")
     if doc["status"] == "failed":
         sys.exit(1)
@@ -168,14 +169,28 @@ def _deploy(args: argparse.Namespace) -> None:
 def _ls(args: argparse.Namespace) -> None:
     with connect(args) as client:
         functions = client.list()
+        executors = [
+            {"name": e["name"], "adapters": (e.get("state") or {}).get("adapters", [])}
+            for e in client.executors()["executors"]
+        ]
     if args.json:
         print(json.dumps(functions))
         return
     rows = []
     for f in functions:
         templates = ", ".join(f"{name} ({t['state']})" for name, t in f["templates"].items())
-        rows.append([f["name"], f["status"], f["family"], f["model"], f["dtype"], templates])
-    print_table(["NAME", "STATUS", "FAMILY", "MODEL", "DTYPE", "TEMPLATES"], rows)
+        adapters = ", ".join(f"{a['name']}@{a['scale']:g}" for a in f.get("adapters", ())) or "-"
+        rows.append(
+            [f["name"], f["status"], f["family"], f["model"], f["dtype"], adapters, templates]
+        )
+    print_table(["NAME", "STATUS", "FAMILY", "MODEL", "DTYPE", "ADAPTERS", "TEMPLATES"], rows)
+    resident = [(e["name"], e["adapters"]) for e in executors if e["adapters"]]
+    if resident:
+        print()
+        print_table(
+            ["EXECUTOR", "RESIDENT ADAPTER SETS (least recently used first)"],
+            [[name, ", ".join(sets)] for name, sets in resident],
+        )
 
 
 def _rm(args: argparse.Namespace) -> None:

@@ -28,16 +28,19 @@ import torch
 from PIL import Image
 
 from retouch.functions import wire
+from retouch.functions.adaptercheck import check_adapters
+from retouch.functions.adapters import AdapterSpec
 from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound
 from retouch.functions.families import check_edit
 from retouch.functions.imaging import encode_image, mask_ratio
+from retouch.functions.modelcheck import ModelFiles, ModelKind
 from retouch.functions.spec import FunctionSpec
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.engine import Engine, OnStep, Output, Work
 from retouch.runtime.executor.changes import ChangeFeed
 from retouch.runtime.maskaware.editor import EditRequest, Encoded, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
-from retouch.runtime.models import ModelCache
+from retouch.runtime.models import LoadedModel, ModelCache
 from retouch.runtime.plan import make_planner
 from retouch.runtime.prediction import plan_table
 from retouch.runtime.profiling import (
@@ -48,6 +51,7 @@ from retouch.runtime.profiling import (
 )
 from retouch.runtime.steprecords import load_step_records, save_step_records
 from retouch.runtime.templates import BakeState, Template, TemplateCache
+from retouch.runtime.textadapters import TextAdapters
 from retouch.runtime.worker_server import POST, PRE
 from retouch.runtime.workers import PrePostPool, WorkerDied
 
@@ -95,15 +99,21 @@ class WorkerStages:
     attempts: int = STAGE_ATTEMPTS
 
     def encode(self, work: Work) -> Future:
-        return self.encode_request((work.model, work.family, work.scheduler), work.request)
+        pipeline = (work.model, work.family, work.scheduler)
+        return self.encode_request(pipeline, work.request, adapters=work.adapters)
 
     def encode_request(
-        self, pipeline: tuple[str, str, str], request: EditRequest, latents: Any = None
+        self,
+        pipeline: tuple[str, str, str],
+        request: EditRequest,
+        latents: Any = None,
+        adapters: tuple[AdapterSpec, ...] = (),
     ) -> Future:
         """``editor.encode`` of any request (an invocation's, a bake's, a profile's) on the
-        ``(model, family, scheduler)`` pipeline; ``latents``: the template's, if cached."""
+        ``(model, family, scheduler)`` pipeline with ``adapters``' text-encoder part;
+        ``latents``: the template's, if cached."""
         return _retrying(
-            lambda: self.pool.encode(*pipeline, request, latents),
+            lambda: self.pool.encode(*pipeline, request, latents, adapters),
             self.attempts,
             "encode",
         )
@@ -189,6 +199,7 @@ class ExecutorCore:
         self.cost_models: dict[str, CostModel] = {}  # per loaded copy (source key), here
         self._profiles: dict[str, Path] = {}  # per loaded model (source key): step records
         self._editors: dict[tuple[str, str], Future[MaskAwareEditor]] = {}
+        self._text: dict[str, TextAdapters] = {}  # per loaded copy: in-process prompt LoRAs
         self._generations: dict[str, int] = {}  # latest control operation per function name
         self._closed = False
         # Invocations by the gateway's id (for cancel), and ids canceled before they came.
@@ -236,8 +247,9 @@ class ExecutorCore:
         (:class:`Superseded`) instead of resurrecting an older version."""
         self._check_generation(spec.name, generation)
         loaded = self.models.get(spec.source.key, spec.family)
+        self._check_adapters(spec, loaded)
         if self.stages is not None:  # load it in the workers now, not on the first request
-            for future in self.stages.pool.load(spec.source.key, spec.family):
+            for future in self.stages.pool.load(spec.source.key, spec.family, spec.adapters):
                 future.result()
         editor = self.editor(spec)
         for other in spec.schedulers:  # the ones requests may choose: built now, not on one
@@ -257,6 +269,28 @@ class ExecutorCore:
         if self.maskaware:
             for template in registered:
                 self._queue_bake(template)
+
+    def _check_adapters(self, spec: FunctionSpec, loaded: LoadedModel) -> None:
+        """The deploy check of the function's LoRA files against the model as loaded here
+        (a built-in model's folder exists only now); where this process encodes prompts,
+        their text-encoder part is loaded now too (a misfit fails the deploy, with the
+        pre workers' load doing the same where they encode)."""
+        if not spec.adapters:
+            return
+        files = ModelFiles(ModelKind.FOLDER, spec.family, folder=loaded.folder)
+        check_adapters(spec.adapters, spec.family, spec.model, files, spec.source.variant)
+        if not self._encodes_elsewhere():
+            self.text_adapters(spec).load(spec.adapters)
+
+    def text_adapters(self, spec: FunctionSpec) -> TextAdapters:
+        """The text-encoder adapters of ``spec``'s model in this process (its own encodes:
+        no pre workers, or ``--inline-prepost``)."""
+        loaded = self.models.get(spec.source.key, spec.family)
+        with self.lock:
+            text = self._text.get(spec.source.key)
+            if text is None:
+                text = self._text[spec.source.key] = TextAdapters(loaded.pipe)
+        return text
 
     def deploy_async(
         self, spec: FunctionSpec, images: dict[str, Image.Image], generation: int
@@ -384,7 +418,7 @@ class ExecutorCore:
     ) -> Future[Encoded]:
         assert self.stages is not None
         return self.stages.encode_request(
-            (spec.source.key, spec.family, spec.scheduler), request, template_latents
+            (spec.source.key, spec.family, spec.scheduler), request, template_latents, spec.adapters
         )
 
     def entry(self, name: str) -> FunctionEntry:
@@ -484,6 +518,7 @@ class ExecutorCore:
             arrived=arrived,
             on_step=on_step,
             feather_px=spec.feather_px if spec.composite else None,
+            adapters=spec.adapters,
         )
         future = self.engine.submit(work)  # raises EngineUnavailable when dead or stopping
         if inv.id:
@@ -591,8 +626,15 @@ class ExecutorCore:
         def unwanted() -> bool:  # a stopping executor, a deleted or redeployed function
             return self.engine.stopping or self.templates.unwanted(template)
 
-        if not self._encodes_elsewhere():
-            self.engine.submit_background(lambda: self.templates.bake(template, record))
+        if not self._encodes_elsewhere():  # encoded here, with the function's prompt LoRAs
+            request = MaskAwareEditor.bake_request(*bake, strength=strength)
+
+            def record_here(writer) -> None:
+                with self.text_adapters(spec).encoding(spec.adapters):
+                    encoded = editor.encode(request)
+                record(writer, encoded)
+
+            self.engine.submit_background(lambda: self.templates.bake(template, record_here))
             return
         # encoded by a pre worker first: the engine thread, which runs the bake, never
         # waits for it (a failed encode fails the bake, as a failed bake does)
