@@ -20,9 +20,10 @@ from PIL import Image
 
 from retouch.functions.demo.images import mask_of_ratio, template_image
 from retouch.functions.demo.models import ensure_demo_model
+from retouch.functions.errors import RetouchError
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import TEMPLATE_STEP, MemoryActivations
-from retouch.runtime.workers import PoolClosed, PrePostPool, WorkerDied, WorkerError
+from retouch.runtime.workers import PoolClosed, PrePostPool, WorkerDied
 
 SHM = Path("/dev/shm")
 SIZE = 128
@@ -195,9 +196,10 @@ def test_a_failing_job_fails_alone(pool: PrePostPool) -> None:
     request = EditRequest(
         template_image((SIZE, SIZE), 1), np.ones((SIZE, SIZE), bool), "x", 1, 1, 4.0, "y", 2
     )
-    with pytest.raises(WorkerError, match="pre worker 0: InvalidSpec") as failed:
+    # A structured refusal reaches the caller as the error it is (status, code, field).
+    with pytest.raises(RetouchError, match="no-such-model") as failed:
         pool.encode("retouch:no-such-model", "sd-inpaint", "ddim", request).result(WAIT)
-    assert failed.value.kind == "InvalidSpec"
+    assert failed.value.status == 422 and failed.value.code == "invalid_spec"
     assert pool.echo({"x": torch.ones(3)}).result(WAIT)["x"].sum() == 3
     assert pool.pids()["pre worker 0"] == pid
     assert _blocks(pool.block_prefix) == []
