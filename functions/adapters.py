@@ -33,6 +33,10 @@ class AdapterSpec:
     scale: float = 1.0
     name: str = ""  # unique within the function; default: the file's stem
 
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", PurePath(self.path).stem)
+
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "scale": self.scale, "name": self.name}
 
