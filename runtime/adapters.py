@@ -247,33 +247,40 @@ class AdapterResidency:
 
     def _evict(self, keep: str) -> None:
         """Drop least recently used unpinned sets while the injected bytes exceed the
-        budget; a file stays while a kept or pinned set uses it."""
+        budget. A file stays while a kept or pinned set uses it, so a set whose files all
+        stay frees nothing and is kept."""
         while True:
             with self._lock:
                 used = sum(f.nbytes for f in self._files.values() if f.injected)
-                victims = [
-                    s
+                if used <= self.budget_bytes:
+                    return
+                freeing = {
+                    s.id: self._freed_by(s)
                     for s in self._sets.values()
                     if s.resident and s.id not in (BARE, keep) and s.pins == 0
-                ]
-                if used <= self.budget_bytes or not victims:
+                }
+                victims = [self._sets[i] for i, paths in freeing.items() if paths]
+                if not victims:
                     return
                 victim = min(victims, key=lambda s: s.last_used)
                 victim.resident = False
-                needed = {
-                    p
-                    for s in self._sets.values()
-                    if s.id != victim.id and (s.resident or s.pins)
-                    for p in s.scales
-                }
-                gone = [self._files.pop(p) for p in victim.scales if p not in needed]
+                gone = [self._files.pop(p) for p in freeing[victim.id]]
                 self.counters.evictions += 1
-            names = [f.name for f in gone if f.injected]
-            if names:
-                self.denoiser.delete_adapters(names)
+            self.denoiser.delete_adapters([f.name for f in gone])
             if victim.id == self._last:
                 self._applied = False
-            log.info("evicted adapter set %s (%d files dropped)", victim.id, len(names))
+            log.info("evicted adapter set %s (%d files unloaded)", victim.id, len(gone))
+
+    def _freed_by(self, victim: AdapterSet) -> list[str]:
+        """(lock held) The files evicting ``victim`` unloads: those no other resident or
+        pinned set uses."""
+        needed = {
+            p
+            for s in self._sets.values()
+            if s.id != victim.id and (s.resident or s.pins)
+            for p in s.scales
+        }
+        return [p for p in victim.scales if p not in needed]
 
 
 @dataclass
