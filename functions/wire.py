@@ -667,6 +667,7 @@ class EngineStats:
     ready: int = 0
     running: int = 0
     background: int = 0
+    adapter_waits: int = 0  # encoded, waiting for their LoRA files to be read from disk
     steps: int = 0
     interruptions: int = 0
     bakes: int = 0
@@ -746,6 +747,30 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True)
+class AdapterStats:
+    """An executor's LoRA adapter figures since it started (``runtime/adapters``): files
+    read from disk (in the background) and injected into a denoiser (between steps),
+    changes of the adapter set a step runs with, sets evicted for the byte budget, and the
+    milliseconds each took in all."""
+
+    reads: int = 0
+    loads: int = 0
+    swaps: int = 0
+    evictions: int = 0
+    read_ms: float = 0.0
+    inject_ms: float = 0.0
+    swap_ms: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> AdapterStats:
+        body = obj if isinstance(obj, dict) else {}
+        return cls(**{f.name: body[f.name] for f in fields(cls) if f.name in body})
+
+
+@dataclass(frozen=True)
 class ExecutorState:
     """What an executor reports on ``GET /state``: the gateway's typed view of it."""
 
@@ -769,6 +794,7 @@ class ExecutorState:
     # Adapter sets (``FunctionSpec.adapter_set``) whose weights are resident on the device,
     # least recently used first: placement adds no load cost for these.
     adapters: tuple[str, ...] = ()
+    adapter_stats: AdapterStats = field(default_factory=AdapterStats)
 
     def template(self, function: str, template: str) -> TemplateStatus | None:
         return self.templates.get(function, {}).get(template)
@@ -796,6 +822,7 @@ class ExecutorState:
             "workers": self.workers,
             "gpu_memory": self.gpu_memory.to_wire(),
             "adapters": list(self.adapters),
+            "adapter_stats": self.adapter_stats.to_wire(),
         }
 
     @classmethod
@@ -823,6 +850,7 @@ class ExecutorState:
             workers={str(k): int(v) for k, v in (body.get("workers") or {}).items()},
             gpu_memory=DeviceMemory.from_wire(body.get("gpu_memory")),
             adapters=tuple(str(a) for a in body.get("adapters") or ()),
+            adapter_stats=AdapterStats.from_wire(body.get("adapter_stats")),
         )
 
 

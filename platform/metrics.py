@@ -131,6 +131,23 @@ class GatewayMetrics:
             ["executor", "quantity"],
             registry=r,
         )
+        self.adapter_events = Counter(
+            "retouch_adapter_events",
+            "LoRA adapter work in the executors: read (a file read and converted, in the "
+            "background), load (a file injected into a denoiser, between steps), swap (a step "
+            "ran another adapter set than the step before), eviction (a set unloaded for the "
+            "adapter byte budget)",
+            ["executor", "event"],
+            registry=r,
+        )
+        self.adapter_seconds = Counter(
+            "retouch_adapter_seconds",
+            "Time the executors spent on LoRA adapters: read (background), inject and swap "
+            "(the engine thread, between steps)",
+            ["executor", "stage"],
+            registry=r,
+        )
+        self._adapters_seen: dict[str, wire.AdapterStats] = {}
         self.executors = Gauge("retouch_executors_healthy", "Healthy executors", registry=r)
         self.functions = Gauge("retouch_functions", "Deployed functions", registry=r)
         self.pool = Gauge(
@@ -241,6 +258,32 @@ class GatewayMetrics:
         for quantity, value in values.items():
             if value is not None:
                 self.engine.labels(state.name, quantity).set(float(value))
+
+    def export_adapters(self, state: wire.ExecutorState) -> None:
+        """The executor's adapter counters, added as they grew since the last scrape (an
+        executor that restarted counts from zero again)."""
+        now = state.adapter_stats
+        seen = self._adapters_seen.get(state.name, wire.AdapterStats())
+        if now.loads < seen.loads or now.reads < seen.reads or now.swaps < seen.swaps:
+            seen = wire.AdapterStats()  # a new executor process under the same name
+        self._adapters_seen[state.name] = now
+        events = {
+            "read": now.reads - seen.reads,
+            "load": now.loads - seen.loads,
+            "swap": now.swaps - seen.swaps,
+            "eviction": now.evictions - seen.evictions,
+        }
+        for event, grew in events.items():
+            if grew > 0:
+                self.adapter_events.labels(state.name, event).inc(grew)
+        stages = {
+            "read": now.read_ms - seen.read_ms,
+            "inject": now.inject_ms - seen.inject_ms,
+            "swap": now.swap_ms - seen.swap_ms,
+        }
+        for stage, grew_ms in stages.items():
+            if grew_ms > 0:
+                self.adapter_seconds.labels(state.name, stage).inc(grew_ms / 1e3)
 
     def export_jobs(self, jobs: Iterable[Job], webhooks: WebhookStats) -> None:
         counts = dict.fromkeys(wire.JobStatus, 0)

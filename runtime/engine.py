@@ -23,6 +23,12 @@ invocations it concerns), or, when the loop itself dies or the engine stops, wit
 :class:`EngineUnavailable` — never left waiting. A dead engine refuses new work and reports
 ``alive = False`` so the executor's health check turns red and the pool restarts it.
 
+Adapters: a work's ``adapters`` (``runtime/adapters``) name the LoRA set its model runs
+with; the key keeps one set per group. A work whose adapter files are still being read
+waits outside the ready queue (other groups keep stepping) and joins once they are in
+memory; before a group's step the engine activates its set (an injection or a swap,
+counted in the group's step overhead).
+
 Cancel and progress: :meth:`Engine.cancel` flags an invocation; it leaves the ready queue at
 once, or the running batch at the top of the next iteration (before the step runs; the
 batch goes on without it), failing with ``Canceled``. A work's ``on_step`` hears each of its
@@ -50,6 +56,7 @@ import torch
 from retouch.functions.adapters import AdapterSpec
 from retouch.functions.errors import Canceled, Unavailable
 from retouch.functions.imaging import composite, encode_image
+from retouch.runtime.adapters import AdapterUse
 from retouch.runtime.costmodel import LinearFit
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
@@ -143,7 +150,12 @@ class Work:
     on_step: OnStep | None = None  # progress: must be cheap and never block
     cancel_requested: bool = False  # set by Engine.cancel; honoured before the next step
     feather_px: int | None = None  # composite into the template, this soft edge (None: off)
-    adapters: tuple[AdapterSpec, ...] = ()  # the function's LoRAs (its prompt's encode too)
+    adapters: AdapterUse | None = None  # the model's adapter set (None: a model without any)
+    # The function's LoRA files, whose text-encoder parts encode its prompt (pre workers).
+    text_adapters: tuple[AdapterSpec, ...] = ()
+    # Pre-processing on the engine thread (no pre workers) when the editor's own encode
+    # would miss the function's text-encoder LoRAs; None: ``editor.encode``.
+    encode_inline: Callable[[EditRequest], Any] | None = None
 
     @property
     def path(self) -> str:
@@ -268,6 +280,7 @@ class Engine:
         self._unfinished: dict[int, Work] = {}  # every accepted invocation not yet answered
         self._ids = itertools.count(1)
         self._pending_pre = 0
+        self._adapter_waits = 0  # encoded, waiting for their adapter files to be read
         self._running_count = 0  # snapshot of the running batch, published by the loop
         self._stopping = False
         self._error: str | None = None  # why the loop died
@@ -331,11 +344,10 @@ class Engine:
             work.future.add_done_callback(lambda _: self._forget(work))
             if self.config.disaggregated:
                 self._pending_pre += 1
-            else:
-                self._ready.append(work)  # encoded on the engine thread at join
-                self._cv.notify()
         if self.config.disaggregated:
             self.stages.encode(work).add_done_callback(lambda f: self._pre_finished(work, f))
+        else:
+            self._when_adapters_read(work)  # encoded on the engine thread at join
         return work.future
 
     def cancel(self, work: Work) -> bool:
@@ -371,6 +383,7 @@ class Engine:
                 "ready": len(self._ready),
                 "running": self._running_count,
                 "background": len(self._background),
+                "adapter_waits": self._adapter_waits,
             }
 
     def _accepting(self) -> bool:
@@ -407,9 +420,39 @@ class Engine:
             self._cancel_now(work)
             return
         work.encoded, work.pre_done = fut.result(), time.perf_counter()
+        self._when_adapters_read(work)
+
+    def _when_adapters_read(self, work: Work) -> None:
+        """Queue the work to join, once its adapter files are in memory (read in the
+        background): it waits there without holding up the running batch."""
+        read = None if work.adapters is None else work.adapters.read
+        if read is None or read.done():
+            self._make_ready(work, read)
+            return
         with self._cv:
-            self._ready.append(work)
-            self._cv.notify()
+            self._adapter_waits += 1
+
+        def read_done(f: Future) -> None:
+            with self._cv:
+                self._adapter_waits -= 1
+            self._make_ready(work, f)
+
+        read.add_done_callback(read_done)
+
+    def _make_ready(self, work: Work, read: Future | None) -> None:
+        if read is not None and read.exception() is not None:
+            self._fail(work, read.exception())
+            return
+        if work.cancel_requested:
+            self._cancel_now(work)
+            return
+        with self._cv:
+            accepting = self._accepting()
+            if accepting:
+                self._ready.append(work)
+                self._cv.notify()
+        if not accepting:  # died or stopped meanwhile
+            self._fail(work, EngineUnavailable(self.error_message(), code="engine_dead"))
 
     def error_message(self) -> str:
         with self._cv:
@@ -493,7 +536,7 @@ class Engine:
         try:
             if work.encoded is None:  # naive mode: pre-processing on the engine thread
                 self._interrupt()
-                work.encoded = work.editor.encode(work.request)
+                work.encoded = (work.encode_inline or work.editor.encode)(work.request)
                 work.pre_done = time.perf_counter()
             work.reader, work.cache = work.acquire()
             work.state = work.editor.assemble(work.request, work.encoded, work.reader)
@@ -526,9 +569,11 @@ class Engine:
         group = self._running[key]
         editor = group[0].editor
         states = [w.state for w in group]
-        modes = editor.plan(states, editor.blocks)
-        t0 = time.perf_counter()
         try:
+            if group[0].adapters is not None:  # its set, injected or swapped in if need be
+                group[0].adapters.activate()
+            modes = editor.plan(states, editor.blocks)
+            t0 = time.perf_counter()
             editor.step(states, modes)
         except Exception as exc:
             log.exception("denoising step failed for a batch of %d", len(group))

@@ -4,7 +4,9 @@ A template's recorded activations are valid only for exactly the inputs that pro
 so the key hashes everything that changes them (DESIGN.md, "Functions and templates"):
 model weights and config, family, resolution, steps, scheduler and its config, guidance,
 template image, prompt and seed, and the cache format version. Functions that share a model
-and a template therefore share its bake.
+and a template therefore share its bake. A function's LoRA adapters change the weights: its
+model's fingerprint is then :func:`weights_fingerprint`, the model's and each adapter
+file's with its scale, so each (template, adapter set) bakes once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from retouch.functions.adapters import AdapterSpec
 
 CACHE_FORMAT_VERSION = 1
 SAMPLE_BYTES = 1 << 20
@@ -45,6 +49,17 @@ def model_fingerprint(folder: Path) -> str:
             f.seek(max(0, size - SAMPLE_BYTES), os.SEEK_SET)
             digest.update(f.read(SAMPLE_BYTES))
     return digest.hexdigest()
+
+
+def weights_fingerprint(model_fp: str, adapters: tuple[AdapterSpec, ...]) -> str:
+    """The fingerprint of a model run with ``adapters`` at their scales: the model's alone
+    without adapters (its bakes keep their keys); with them, the files' contents (as
+    :func:`model_fingerprint` samples them) and scales, whatever their order or names."""
+    if not adapters:
+        return model_fp
+    parts = sorted((model_fingerprint(Path(a.path)), round(a.scale, 6)) for a in adapters)
+    digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+    return f"{model_fp}+lora-{digest}"
 
 
 def template_key(

@@ -35,9 +35,12 @@ from retouch.functions.families import check_edit
 from retouch.functions.imaging import encode_image, mask_ratio
 from retouch.functions.modelcheck import ModelFiles, ModelKind
 from retouch.functions.spec import FunctionSpec
+from retouch.runtime.adapters import AdapterResidency, adapter_stats, resident_sets
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.engine import Engine, OnStep, Output, Work
 from retouch.runtime.executor.changes import ChangeFeed
+from retouch.runtime.executor.options import ADAPTER_BUDGET_BYTES
+from retouch.runtime.fingerprint import weights_fingerprint
 from retouch.runtime.maskaware.editor import EditRequest, Encoded, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.models import LoadedModel, ModelCache
@@ -100,7 +103,7 @@ class WorkerStages:
 
     def encode(self, work: Work) -> Future:
         pipeline = (work.model, work.family, work.scheduler)
-        return self.encode_request(pipeline, work.request, adapters=work.adapters)
+        return self.encode_request(pipeline, work.request, adapters=work.text_adapters)
 
     def encode_request(
         self,
@@ -181,8 +184,10 @@ class ExecutorCore:
         data_dir: Path = Path("."),
         profile_in_background: bool = True,
         cuda_graphs: bool = False,
+        adapter_bytes: int = ADAPTER_BUDGET_BYTES,
     ) -> None:
         self.name = name
+        self.adapter_bytes = adapter_bytes  # LoRA weights kept in each model copy's denoiser
         self.cuda_graphs = cuda_graphs  # steps of device-resident batches from CUDA graphs
         self.models = models
         self.templates = templates
@@ -200,6 +205,7 @@ class ExecutorCore:
         self._profiles: dict[str, Path] = {}  # per loaded model (source key): step records
         self._editors: dict[tuple[str, str], Future[MaskAwareEditor]] = {}
         self._text: dict[str, TextAdapters] = {}  # per loaded copy: in-process prompt LoRAs
+        self._adapters: dict[str, AdapterResidency] = {}  # per loaded copy (source key)
         self._generations: dict[str, int] = {}  # latest control operation per function name
         self._closed = False
         # Invocations by the gateway's id (for cancel), and ids canceled before they came.
@@ -216,6 +222,8 @@ class ExecutorCore:
             return
         self._closed = True
         self.engine.stop()
+        for residency in self._residencies():
+            residency.close()
         self._keep_step_records()
         if self.stages is not None:
             self.stages.pool.close()
@@ -255,7 +263,8 @@ class ExecutorCore:
         for other in spec.schedulers:  # the ones requests may choose: built now, not on one
             self.editor(spec, other)
         sched_config = dict(editor.impl.pipe.scheduler.config)
-        fingerprint = loaded.fingerprint
+        self.residency(spec).register(spec.adapters)  # its files start loading now
+        fingerprint = weights_fingerprint(loaded.fingerprint, spec.adapters)
         # Lock order: core.lock, then the template cache's lock. Registration only looks
         # keys up in the store's tables; the held section does no model work and no scan.
         with self.lock:
@@ -292,6 +301,22 @@ class ExecutorCore:
                 text = self._text[spec.source.key] = TextAdapters(loaded.pipe)
         return text
 
+    def _inline_encoder(
+        self, spec: FunctionSpec, editor: MaskAwareEditor
+    ) -> Callable[[EditRequest], Encoded] | None:
+        """How the engine thread encodes ``spec``'s invocations when this process encodes
+        them (no pre workers): with the function's text-encoder LoRAs active; None where the
+        editor's own encode is right (no adapters, or pre workers encode)."""
+        if not spec.adapters or self._encodes_elsewhere():
+            return None
+        text = self.text_adapters(spec)
+
+        def encode(request: EditRequest) -> Encoded:
+            with text.encoding(spec.adapters):
+                return editor.encode(request)
+
+        return encode
+
     def deploy_async(
         self, spec: FunctionSpec, images: dict[str, Image.Image], generation: int
     ) -> Future[None]:
@@ -320,6 +345,21 @@ class ExecutorCore:
             gone = self.templates.detach(name)
         self.templates.drop_unused(gone)
         return removed
+
+    def residency(self, spec: FunctionSpec) -> AdapterResidency:
+        """The adapters of the model copy ``spec`` runs on (made with the copy's first
+        function: a bare function's steps must switch its copy's adapters off too)."""
+        loaded = self.models.get(spec.source.key, spec.family)
+        with self.lock:
+            residency = self._adapters.get(spec.source.key)
+            if residency is None:
+                residency = AdapterResidency(loaded.pipe, self.adapter_bytes)
+                self._adapters[spec.source.key] = residency
+        return residency
+
+    def _residencies(self) -> list[AdapterResidency]:
+        with self.lock:
+            return list(self._adapters.values())
 
     def _check_generation(self, name: str, generation: int) -> None:
         """Fail early (before loading anything) when a later operation already ran."""
@@ -377,7 +417,8 @@ class ExecutorCore:
         attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
         cost_model = load_or_profile(editor, loaded.fingerprint, self.data_dir, spec.width)
         editor.set_planner(make_planner(cost_model, editor.device))
-        editor.set_graphs(self.cuda_graphs)  # after profiling: it times eager blocks
+        # after profiling (it times eager blocks); a capture is per active adapter set
+        editor.set_graphs(self.cuda_graphs, weights=self.residency(spec).weights_key)
         profile = profile_path(self.data_dir, loaded.fingerprint, loaded.device)
         prior = load_step_records(profile)
         with self.lock:
@@ -506,8 +547,9 @@ class ExecutorCore:
             inv.negative_prompt,
             inv.strength,
         )
+        adapters = self.residency(spec).use(spec.adapter_set)  # read now if not in memory
         work = Work(
-            key=(spec.source.key, scheduler, spec.width, spec.height),
+            key=(spec.source.key, scheduler, spec.width, spec.height, spec.adapter_set),
             model=spec.source.key,
             family=spec.family,
             scheduler=scheduler,
@@ -518,9 +560,16 @@ class ExecutorCore:
             arrived=arrived,
             on_step=on_step,
             feather_px=spec.feather_px if spec.composite else None,
-            adapters=spec.adapters,
+            adapters=adapters,
+            text_adapters=spec.adapters,
+            encode_inline=self._inline_encoder(spec, editor),
         )
-        future = self.engine.submit(work)  # raises EngineUnavailable when dead or stopping
+        try:
+            future = self.engine.submit(work)  # raises EngineUnavailable when dead or stopping
+        except BaseException:
+            adapters.release()
+            raise
+        future.add_done_callback(lambda _: adapters.release())
         if inv.id:
             with self.lock:
                 self._invocations[inv.id] = work
@@ -619,12 +668,25 @@ class ExecutorCore:
         editor = self.editor(spec, template.scheduler)
         bake = (template.image, template.prompt, template.seed, template.steps, template.guidance)
         strength = template.strength
+        adapters = self.residency(spec).use(spec.adapter_set)  # the weights it records
 
         def record(writer, encoded: Encoded | None = None) -> None:
+            adapters.activate()
             editor.bake(*bake, writer, encoded=encoded, cancelled=unwanted, strength=strength)
 
         def unwanted() -> bool:  # a stopping executor, a deleted or redeployed function
             return self.engine.stopping or self.templates.unwanted(template)
+
+        def queue(recorder: Callable[..., None]) -> None:
+            """Onto the engine thread once the adapter files are read (it never waits)."""
+
+            def job() -> None:
+                try:
+                    self.templates.bake(template, recorder)
+                finally:
+                    adapters.release()
+
+            adapters.read.add_done_callback(lambda _: self.engine.submit_background(job))
 
         if not self._encodes_elsewhere():  # encoded here, with the function's prompt LoRAs
             request = MaskAwareEditor.bake_request(*bake, strength=strength)
@@ -634,7 +696,7 @@ class ExecutorCore:
                     encoded = editor.encode(request)
                 record(writer, encoded)
 
-            self.engine.submit_background(lambda: self.templates.bake(template, record_here))
+            queue(record_here)
             return
         # encoded by a pre worker first: the engine thread, which runs the bake, never
         # waits for it (a failed encode fails the bake, as a failed bake does)
@@ -643,11 +705,7 @@ class ExecutorCore:
         def encoded_record(writer) -> None:
             record(writer, encoding.result())
 
-        encoding.add_done_callback(
-            lambda _: self.engine.submit_background(
-                lambda: self.templates.bake(template, encoded_record)
-            )
-        )
+        encoding.add_done_callback(lambda _: queue(encoded_record))
 
     # ---- state (cheap: counters and tables, no disk scan, no waiting on a load) ---------
     def state(self) -> wire.ExecutorState:
@@ -681,6 +739,8 @@ class ExecutorCore:
             if self.stages is None
             else {n: p for n, p in self.stages.pool.pids().items() if p is not None},
             gpu_memory=device_memory(self.models.device),
+            adapters=resident_sets(self._residencies()),
+            adapter_stats=adapter_stats(self._residencies()),
         )
 
     def _engine_stats(self) -> wire.EngineStats:

@@ -103,6 +103,7 @@ def build_core(args: argparse.Namespace) -> ExecutorCore:
         maskaware=options.maskaware,
         data_dir=shared,
         cuda_graphs=options.cuda_graphs and device.type == "cuda",
+        adapter_bytes=options.adapter_cache_bytes,
     )
 
 

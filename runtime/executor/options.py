@@ -16,6 +16,9 @@ from retouch.functions.knobs import knob
 
 ENGINE_MODES = ("continuous", "static")
 CORES_PER_WORKER = 4  # pre and post workers each: one per this many cores, at least one
+# LoRA weights each loaded model copy keeps in its denoiser: a few SD3-sized adapters
+# (~0.9 GiB each), or dozens of SD 1.5 ones
+ADAPTER_BUDGET_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,12 @@ class ExecutorOptions:
         False,
         "replay mask-aware steps whose templates are all device-resident from CUDA graphs "
         "(one capture per batch layout)",
+    )
+    adapter_cache_bytes: int = knob(
+        ADAPTER_BUDGET_BYTES,
+        "LoRA adapter weights kept resident in each loaded model's denoiser, in bytes; "
+        "beyond it the least recently used adapter set is unloaded",
+        shown="2 GiB",
     )
     maskaware: bool = knob(
         True, "mask-aware edits; --no-maskaware computes every token (for comparisons)"
@@ -73,7 +82,13 @@ class ExecutorOptions:
 
     def check(self) -> None:
         """Refuse values that cannot work, naming the knob."""
-        for name in ("host_cache_bytes", "pre_workers", "post_workers", "threads"):
+        for name in (
+            "host_cache_bytes",
+            "adapter_cache_bytes",
+            "pre_workers",
+            "post_workers",
+            "threads",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_batch", "worker_threads"):

@@ -40,7 +40,7 @@ from PIL import Image
 from retouch.runtime import families
 from retouch.runtime.families import Family, FamilyModel
 from retouch.runtime.maskaware.context import ForwardContext, Mode, Slot, activate
-from retouch.runtime.maskaware.graphs import StepGraphs
+from retouch.runtime.maskaware.graphs import StepGraphs, Weights, no_adapters
 from retouch.runtime.maskaware.loader import LoadMode
 from retouch.runtime.maskaware.noise import SeedNoise, compose
 from retouch.runtime.maskaware.request import (
@@ -142,12 +142,14 @@ class MaskAwareEditor:
     def graphs(self) -> StepGraphs | None:
         return self._graphs
 
-    def set_graphs(self, enabled: bool) -> None:
+    def set_graphs(self, enabled: bool, weights: Weights = no_adapters) -> None:
         """Run mask-aware steps whose cached rows are all on the GPU from CUDA graphs
-        (``maskaware.graphs``): one capture per batch layout, replayed. Off by default."""
+        (``maskaware.graphs``): one capture per batch layout, replayed. Off by default.
+        ``weights()`` names what the denoiser computes with (its active LoRA adapters):
+        a capture replays only under the weights it was made with."""
         if self._graphs is not None:
             self._graphs.close()
-        self._graphs = StepGraphs(self.device) if enabled else None
+        self._graphs = StepGraphs(self.device, weights=weights) if enabled else None
 
     @property
     def blocks(self) -> list[str]:

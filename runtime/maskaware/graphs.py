@@ -11,6 +11,10 @@ What a capture bakes in, and how it stays valid:
   keyed by them (token sets by content, ``TokenSet.digest``), so edits with the same masks
   share it; a new layout runs eagerly once (lazy device copies and kernel choices happen
   there), is captured on its second use and replayed from then on.
+* **the weights**: a capture replays the denoiser's LoRA layers as they were (the active
+  adapters, their scales, their tensors' addresses). The layout key holds ``weights()``,
+  the active adapter set and its injections (``runtime/adapters``), so another set, or the
+  same set injected again after an eviction, captures its own graph.
 * **the inputs**: every tensor argument of the call is copied into a static buffer before
   each replay, and the output lives in a static buffer overwritten by the next replay
   (callers use it within the step).
@@ -45,6 +49,13 @@ log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 4  # captured layouts kept (each holds its own memory pool)
 EAGER = "eager"  # a parity whose capture failed: it runs eagerly from then on
+
+Weights = Callable[[], Hashable]  # what the denoiser computes with now (its LoRA adapters)
+
+
+def no_adapters() -> Hashable:
+    """The weights of a denoiser that never has adapters: always the same."""
+    return ""
 
 
 class StaticRows:
@@ -126,8 +137,11 @@ class _Layout:
 class StepGraphs:
     """The captured layouts of one editor (LRU, at most ``limit``)."""
 
-    def __init__(self, device: torch.device, limit: int = MAX_GRAPHS) -> None:
+    def __init__(
+        self, device: torch.device, limit: int = MAX_GRAPHS, weights: Weights = no_adapters
+    ) -> None:
         self.device = device
+        self.weights = weights
         self.cuda = device.type == "cuda"
         self.limit = limit
         self.layouts: OrderedDict[Hashable, _Layout] = OrderedDict()
@@ -159,7 +173,7 @@ class StepGraphs:
     def run(self, ctx: ForwardContext, fn: Callable[..., Any], tensors: dict[str, Any]) -> Any:
         """``fn(**tensors)`` for this step, eagerly, by a capture or by a replay; then the
         next step's rows start copying into the other parity's buffers."""
-        key = _layout_key(ctx, tensors)
+        key = (self.weights(), _layout_key(ctx, tensors))
         layout = self.layouts.get(key)
         if layout is None:
             requests = len(ctx.slots)

@@ -1,0 +1,317 @@
+"""LoRA adapters resident in one loaded model copy's denoiser (issue #34).
+
+Functions of one base model share its loaded copy; what differs between them is their
+*adapter set* (``FunctionSpec.adapter_set``). :class:`AdapterResidency` keeps the sets
+of one copy's functions in its denoiser through diffusers' PEFT integration:
+
+* **read** (a background thread): ``pipe.lora_state_dict`` reads a file and converts it
+  to diffusers' layout (kohya files included) into host tensors. It starts when a function
+  is deployed and when an invocation of a set not resident arrives; the invocation waits for
+  it before joining the running batch (:class:`AdapterUse`), while other batches step.
+* **inject** (the engine thread, between steps): the denoiser's ``load_lora_adapter``
+  adds a file's LoRA layers. This changes modules, so it runs where the modules are used.
+  A file is injected once even when several sets use it (at other scales).
+* **activate** (the engine thread, before a group's step): ``set_adapters(names,
+  weights)`` selects a set's files at its scales; the bare model (set ``""``) disables every
+  LoRA layer (``disable_lora``), which computes exactly the base layers.
+* **evict**: injected files stay up to a byte budget; beyond it the least recently used
+  set is dropped (``delete_adapters`` of the files no other kept set uses), never one an
+  accepted invocation or a bake holds (*pinned*).
+
+The text encoders' part of a LoRA is not applied here: the pre workers encode prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import DiffusionPipeline
+
+from retouch.functions import wire
+from retouch.functions.adapters import AdapterSpec, adapter_set_id
+
+log = logging.getLogger(__name__)
+
+BARE = ""  # the adapter set of the bare base model
+
+
+@dataclass
+class AdapterFile:
+    """One LoRA file's denoiser weights: on the host once read (``weights``), in the
+    denoiser under ``name`` once injected (the host copy is then dropped)."""
+
+    path: str
+    nbytes: int
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    alphas: dict[str, float] | None = None
+    name: str = ""  # the PEFT adapter name, unique per injection ("" until injected)
+
+    @property
+    def injected(self) -> bool:
+        return bool(self.name)
+
+
+@dataclass
+class AdapterSet:
+    """A set's files and scales (one file named twice: its scales summed), pins and age."""
+
+    id: str
+    scales: dict[str, float]  # path -> scale
+    pins: int = 0  # accepted invocations and queued bakes that need it
+    resident: bool = False  # every file injected and counted as this set's
+    last_used: float = 0.0
+
+
+@dataclass
+class AdapterCounters:
+    """Cumulative figures of one residency (``wire.AdapterStats`` sums them)."""
+
+    reads: int = 0  # files read and converted (background)
+    loads: int = 0  # files injected into the denoiser (engine thread)
+    swaps: int = 0  # activations of another set than the previous step's
+    evictions: int = 0  # sets dropped to keep the budget
+    read_ms: float = 0.0
+    inject_ms: float = 0.0
+    swap_ms: float = 0.0
+
+
+def read_lora(pipeline: type[DiffusionPipeline], path: str) -> AdapterFile:
+    """A LoRA file in diffusers' layout, as the pipeline's own ``load_lora_weights`` reads
+    and converts it (kohya and other trainers' layouts included)."""
+    file = Path(path)
+    out = pipeline.lora_state_dict(str(file.parent), weight_name=file.name)
+    weights, alphas = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+    if isinstance(alphas, dict) and not alphas:
+        alphas = None
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    return AdapterFile(path, nbytes, weights, alphas if isinstance(alphas, dict) else None)
+
+
+class AdapterResidency:
+    """The adapters of one loaded model copy (see the module's docstring).
+
+    Threads: :meth:`use`, :meth:`register` and :meth:`resident` from any thread (the lock
+    guards the tables); :meth:`activate` on the engine thread only, which alone changes
+    the denoiser's modules."""
+
+    def __init__(self, pipe: DiffusionPipeline, budget_bytes: int) -> None:
+        self.pipeline = type(pipe)
+        self.prefix = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
+        self.denoiser = getattr(pipe, self.prefix)
+        self.budget_bytes = budget_bytes
+        self.counters = AdapterCounters()
+        self._lock = threading.Lock()
+        self._files: dict[str, AdapterFile] = {}
+        self._sets: dict[str, AdapterSet] = {BARE: AdapterSet(BARE, {}, resident=True)}
+        self._reads: dict[str, Future[None]] = {}  # per set, while its files are read
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="adapter-read")
+        self._names = count(1)
+        self._last = BARE  # the set the previous step ran with (swaps are counted against it)
+        self._applied = True  # whether the denoiser's active LoRA layers are ``_last``'s
+
+    # ---- any thread -----------------------------------------------------------------------
+    def register(self, adapters: tuple[AdapterSpec, ...]) -> str:
+        """Know a function's set and start reading its files (a deploy); its id."""
+        set_id = adapter_set_id(adapters)
+        with self._lock:
+            if set_id not in self._sets:
+                scales: dict[str, float] = {}
+                for a in adapters:
+                    scales[a.path] = scales.get(a.path, 0.0) + a.scale
+                self._sets[set_id] = AdapterSet(set_id, scales)
+            self._start_read(self._sets[set_id])
+        return set_id
+
+    def use(self, set_id: str) -> AdapterUse:
+        """Pin a registered set for one invocation or bake (never evicted while pinned) and
+        start reading what of it is not in memory; ``AdapterUse.read`` says when it is."""
+        with self._lock:
+            entry = self._sets[set_id]
+            entry.pins += 1
+            read = self._start_read(entry)
+        return AdapterUse(self, set_id, read)
+
+    def resident(self) -> list[tuple[float, str]]:
+        """(last used, id) of the sets whose weights are in the denoiser (not the bare)."""
+        with self._lock:
+            return [(s.last_used, s.id) for s in self._sets.values() if s.resident and s.id]
+
+    def weights_key(self) -> Hashable:
+        """What the denoiser computes with now: the active set and the injections it uses
+        (a re-injected file gets a new name). A CUDA graph captured under one key replays
+        only under it: the graph holds the LoRA tensors' addresses and scales."""
+        with self._lock:
+            entry = self._sets[self._last]
+            files = (self._files.get(p) for p in entry.scales)
+            return self._last, tuple(sorted(f.name for f in files if f is not None))
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=False, cancel_futures=True)
+
+    def unpin(self, set_id: str) -> None:
+        """An :class:`AdapterUse` ended (see :meth:`use`)."""
+        with self._lock:
+            self._sets[set_id].pins -= 1
+
+    def _start_read(self, entry: AdapterSet) -> Future[None]:
+        """(lock held) The future of the set's files being in memory, starting their read
+        when some are neither read nor injected."""
+        missing = [p for p in entry.scales if p not in self._files]
+        if not missing:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        running = self._reads.get(entry.id)
+        if running is None or running.done():
+            running = self._reads[entry.id] = self._reader.submit(self._read, entry.id, missing)
+        return running
+
+    def _read(self, set_id: str, paths: list[str]) -> None:
+        """(reader thread) Read the files one after another (one reader: no file twice)."""
+        for path in paths:
+            with self._lock:
+                if path in self._files:
+                    continue
+            started = time.perf_counter()
+            file = read_lora(self.pipeline, path)
+            took = (time.perf_counter() - started) * 1e3
+            with self._lock:
+                self._files.setdefault(path, file)
+                self.counters.reads += 1
+                self.counters.read_ms += took
+            log.info("read LoRA %s (%d bytes) in %.1f ms for %s", path, file.nbytes, took, set_id)
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def activate(self, set_id: str) -> None:
+        """Make the denoiser compute with ``set_id``: inject what of it is not resident,
+        evict beyond the budget, and select its adapters at their scales."""
+        with self._lock:
+            entry = self._sets[set_id]
+            entry.last_used = time.perf_counter()
+        if set_id != BARE and not entry.resident:
+            self._inject(entry)
+            self._evict(keep=set_id)
+        if set_id == self._last and self._applied:
+            return
+        started = time.perf_counter()
+        if set_id == BARE:
+            self.denoiser.disable_lora()
+        else:
+            with self._lock:
+                names = [self._files[p].name for p in entry.scales]
+            self.denoiser.enable_lora()
+            self.denoiser.set_adapters(names, list(entry.scales.values()))
+        if set_id != self._last:
+            self.counters.swaps += 1
+            self.counters.swap_ms += (time.perf_counter() - started) * 1e3
+        self._last, self._applied = set_id, True
+
+    def _inject(self, entry: AdapterSet) -> None:
+        for path in entry.scales:
+            with self._lock:
+                file = self._files.get(path)
+            if file is None:  # evicted after its read (an unpinned prefetch): read it now
+                log.warning("LoRA %s read on the engine thread (it was evicted)", path)
+                self._read(entry.id, [path])
+                with self._lock:
+                    file = self._files[path]
+            if file.injected:
+                continue
+            started = time.perf_counter()
+            name = f"lora{next(self._names)}"
+            self.denoiser.load_lora_adapter(
+                file.weights,
+                prefix=self.prefix,
+                network_alphas=file.alphas,
+                adapter_name=name,
+                low_cpu_mem_usage=True,
+            )
+            took = (time.perf_counter() - started) * 1e3
+            with self._lock:
+                file.name, file.weights, file.alphas = name, {}, None
+                self.counters.loads += 1
+                self.counters.inject_ms += took
+            self._applied = False  # a new adapter may have become active
+            log.info("injected LoRA %s as %s in %.1f ms", path, name, took)
+        with self._lock:
+            entry.resident = True
+
+    def _evict(self, keep: str) -> None:
+        """Drop least recently used unpinned sets while the injected bytes exceed the
+        budget. A file stays while a kept or pinned set uses it, so a set whose files all
+        stay frees nothing and is kept."""
+        while True:
+            with self._lock:
+                used = sum(f.nbytes for f in self._files.values() if f.injected)
+                if used <= self.budget_bytes:
+                    return
+                freeing = {
+                    s.id: self._freed_by(s)
+                    for s in self._sets.values()
+                    if s.resident and s.id not in (BARE, keep) and s.pins == 0
+                }
+                victims = [self._sets[i] for i, paths in freeing.items() if paths]
+                if not victims:
+                    return
+                victim = min(victims, key=lambda s: s.last_used)
+                victim.resident = False
+                gone = [self._files.pop(p) for p in freeing[victim.id]]
+                self.counters.evictions += 1
+            self.denoiser.delete_adapters([f.name for f in gone])
+            if victim.id == self._last:
+                self._applied = False
+            log.info("evicted adapter set %s (%d files unloaded)", victim.id, len(gone))
+
+    def _freed_by(self, victim: AdapterSet) -> list[str]:
+        """(lock held) The files evicting ``victim`` unloads: those no other resident or
+        pinned set uses."""
+        needed = {
+            p
+            for s in self._sets.values()
+            if s.id != victim.id and (s.resident or s.pins)
+            for p in s.scales
+        }
+        return [p for p in victim.scales if p not in needed]
+
+
+@dataclass
+class AdapterUse:
+    """One invocation's (or bake's) hold on its adapter set: ``read`` completes when the
+    set's files are in memory; :meth:`activate` before each step on the engine thread;
+    :meth:`release` once, when it ends."""
+
+    residency: AdapterResidency
+    set_id: str
+    read: Future[None]
+    released: bool = False
+
+    def activate(self) -> None:
+        self.residency.activate(self.set_id)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.residency.unpin(self.set_id)
+
+
+def adapter_stats(residencies: list[AdapterResidency]) -> wire.AdapterStats:
+    """The executor's adapter figures: every loaded copy's counters summed."""
+    total: dict[str, Any] = {}
+    for residency in residencies:
+        for name, value in vars(residency.counters).items():
+            total[name] = total.get(name, 0) + value
+    return wire.AdapterStats(**total)
+
+
+def resident_sets(residencies: list[AdapterResidency]) -> tuple[str, ...]:
+    """Resident set ids of every loaded copy, least recently used first."""
+    return tuple(set_id for _, set_id in sorted(r for x in residencies for r in x.resident()))
