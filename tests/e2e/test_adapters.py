@@ -46,33 +46,38 @@ def _pixels(image: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(image))).astype(np.float32) / 255
 
 
-def test_interleaved_functions_get_their_own_adapters(tmp_path: Path, models_dir: Path) -> None:
+def test_interleaved_functions_get_their_own_adapters(
+    server: ServerProcess, admin: Client, tmp_path: Path, models_dir: Path
+) -> None:
+    """On the session's one-executor server (its counters start at this test's loads)."""
     loras = [write_lora(MODEL, models_dir, tmp_path / f"l{i}", seed=i, std=0.3) for i in (1, 2)]
     mask = np.zeros((SIZE, SIZE), bool)
     mask[8:40, 12:44] = True
-    with ServerProcess(tmp_path / "data", executors=1) as server, Client(server.url) as client:
-        for name, lora in zip(("warm", "cool"), loras, strict=True):
-            client.deploy(*_spec(name, lora))
-            wait_baked(client, name)
 
-        def invoke(name: str) -> np.ndarray:
-            result = client.invoke(name, "street", mask, "a red door", seed=5)
-            assert result.path.value == "maskaware"
-            return _pixels(result.image)
+    before = admin.executors()["executors"][0]["state"]["adapter_stats"]
+    for name, lora in zip(("warm", "cool"), loras, strict=True):
+        admin.deploy(*_spec(name, lora))
+        wait_baked(admin, name)
 
-        alone = {name: invoke(name) for name in ("warm", "cool")}
-        assert psnr(alone["warm"], alone["cool"]) < 40  # the adapters change the image
-        names = ["warm", "cool"] * 3
-        with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
-            together = list(pool.map(invoke, names))
-        for name, image in zip(names, together, strict=True):
-            assert psnr(image, alone[name]) >= 45, name  # no bleed between the batches
+    def invoke(name: str) -> np.ndarray:
+        result = admin.invoke(name, "street", mask, "a red door", seed=5)
+        assert result.path.value == "maskaware"
+        return _pixels(result.image)
 
-        state = client.executors()["executors"][0]["state"]  # its own report
-        sets = {adapter_set_id(parse_adapters([{"path": str(p), "scale": 0.8}])) for p in loras}
-        assert set(state["adapters"]) == sets
-        stats = state["adapter_stats"]
-        assert stats["loads"] == 2 and stats["reads"] == 2  # each file once
-        assert stats["swaps"] >= 2
-        metrics = httpx.get(f"{server.url}/metrics").text
-        assert 'retouch_adapter_events_total{event="swap",executor="exec-0"}' in metrics
+    alone = {name: invoke(name) for name in ("warm", "cool")}
+    assert psnr(alone["warm"], alone["cool"]) < 40  # the adapters change the image
+    names = ["warm", "cool"] * 2
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        together = list(pool.map(invoke, names))
+    for name, image in zip(names, together, strict=True):
+        assert psnr(image, alone[name]) >= 45, name  # no bleed between the batches
+
+    state = admin.executors()["executors"][0]["state"]  # its own report
+    sets = {adapter_set_id(parse_adapters([{"path": str(p), "scale": 0.8}])) for p in loras}
+    assert sets <= set(state["adapters"])
+    stats = state["adapter_stats"]
+    assert stats["loads"] - before["loads"] == 2  # each file once
+    assert stats["reads"] - before["reads"] == 2
+    assert stats["swaps"] - before["swaps"] >= 2
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'retouch_adapter_events_total{event="swap",executor="exec-0"}' in metrics
