@@ -2,18 +2,23 @@
 
 Functions of one base model share its loaded copy; what differs between them is their
 *adapter set* (``FunctionSpec.adapter_set``). :class:`AdapterResidency` keeps the sets
-of one copy's functions in its denoiser through diffusers' PEFT integration:
+of one copy's functions in its denoiser through peft and diffusers' PEFT integration:
 
 * **read** (a background thread): ``pipe.lora_state_dict`` reads a file and converts it
-  to diffusers' layout (kohya files included) into host tensors. It starts when a function
-  is deployed and when an invocation of a set not resident arrives; the invocation waits for
-  it before joining the running batch (:class:`AdapterUse`), while other batches step.
-* **inject** (the engine thread, between steps): the denoiser's ``load_lora_adapter``
-  adds a file's LoRA layers. This changes modules, so it runs where the modules are used.
-  A file is injected once even when several sets use it (at other scales).
+  to diffusers' layout (kohya files included), and ``adapterlayers.build_layers`` builds
+  its peft LoRA layers off the live modules (the costly part of a load: peft creating
+  modules). It starts when a function is deployed and when an invocation of a set not
+  resident arrives; the invocation waits for it (:class:`AdapterUse`) while batches step.
+* **inject** (the engine thread, between steps): the built layers are attached to the
+  denoiser (``adapterlayers.attach_some``), a few at a time: the engine gives each load a
+  share of the last step's time (:meth:`AdapterUse.load_step`), so the running batch's
+  steps never wait for a whole load; the invocation joins once its set is in. The new
+  adapter computes nowhere until it is selected. :meth:`AdapterResidency.activate` attaches
+  whatever is left in one piece (a bake, an idle engine). A file is injected once even when
+  several sets use it (at other scales).
 * **activate** (the engine thread, before a group's step): ``set_adapters(names,
-  weights)`` selects a set's files at its scales; the bare model (set ``""``) disables every
-  LoRA layer (``disable_lora``), which computes exactly the base layers.
+  weights)`` selects a set's files at their scales; the bare model (set ``""``) disables
+  every LoRA layer (``disable_lora``), which computes exactly the base layers.
 * **evict**: injected files stay up to a byte budget; beyond it the least recently used
   set is dropped (``delete_adapters`` of the files no other kept set uses), never one an
   accepted invocation or a bake holds (*pinned*).
@@ -28,7 +33,8 @@ import threading
 import time
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import StrEnum
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -38,26 +44,38 @@ from diffusers import DiffusionPipeline
 
 from retouch.functions import wire
 from retouch.functions.adapters import AdapterSpec, adapter_set_id
+from retouch.runtime.adapterlayers import LoraLayers, attach_some, build_layers
 
 log = logging.getLogger(__name__)
 
 BARE = ""  # the adapter set of the bare base model
 
 
+class FileState(StrEnum):
+    """Where a read file's denoiser layers are."""
+
+    BUILT = "built"  # built in the background, none in the denoiser
+    ATTACHING = "attaching"  # some attached (computing nowhere), between steps
+    INJECTED = "injected"  # all in and registered: ``set_adapters`` may select it
+
+
 @dataclass
 class AdapterFile:
-    """One LoRA file's denoiser weights: on the host once read (``weights``), in the
-    denoiser under ``name`` once injected (the host copy is then dropped)."""
+    """One LoRA file's denoiser layers (``layers.name``: its PEFT adapter name, unique per
+    read) and their host bytes."""
 
     path: str
     nbytes: int
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)
-    alphas: dict[str, float] | None = None
-    name: str = ""  # the PEFT adapter name, unique per injection ("" until injected)
+    layers: LoraLayers
+    state: FileState = FileState.BUILT
+
+    @property
+    def name(self) -> str:
+        return self.layers.name
 
     @property
     def injected(self) -> bool:
-        return bool(self.name)
+        return self.state is FileState.INJECTED
 
 
 @dataclass
@@ -75,33 +93,33 @@ class AdapterSet:
 class AdapterCounters:
     """Cumulative figures of one residency (``wire.AdapterStats`` sums them)."""
 
-    reads: int = 0  # files read and converted (background)
-    loads: int = 0  # files injected into the denoiser (engine thread)
+    reads: int = 0  # files read, converted and their layers built (background)
+    loads: int = 0  # files injected into the denoiser (engine thread, between steps)
     swaps: int = 0  # activations of another set than the previous step's
     evictions: int = 0  # sets dropped to keep the budget
-    read_ms: float = 0.0
-    inject_ms: float = 0.0
+    read_ms: float = 0.0  # reading and building, in the background
+    inject_ms: float = 0.0  # attaching, on the engine thread (every slice summed)
     swap_ms: float = 0.0
 
 
-def read_lora(pipeline: type[DiffusionPipeline], path: str) -> AdapterFile:
-    """A LoRA file in diffusers' layout, as the pipeline's own ``load_lora_weights`` reads
-    and converts it (kohya and other trainers' layouts included)."""
+def read_lora(
+    pipeline: type[DiffusionPipeline], path: str
+) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
+    """A LoRA file's tensors and network alphas in diffusers' layout, as the pipeline's
+    own ``load_lora_weights`` reads and converts them (kohya and other trainers' layouts
+    included)."""
     file = Path(path)
     out = pipeline.lora_state_dict(str(file.parent), weight_name=file.name)
     weights, alphas = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
-    if isinstance(alphas, dict) and not alphas:
-        alphas = None
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    return AdapterFile(path, nbytes, weights, alphas if isinstance(alphas, dict) else None)
+    return weights, alphas if isinstance(alphas, dict) and alphas else None
 
 
 class AdapterResidency:
     """The adapters of one loaded model copy (see the module's docstring).
 
-    Threads: :meth:`use`, :meth:`register` and :meth:`resident` from any thread (the lock
-    guards the tables); :meth:`activate` on the engine thread only, which alone changes
-    the denoiser's modules."""
+    Threads: :meth:`use`, :meth:`register`, :meth:`resident` and :meth:`is_resident` from
+    any thread (the lock guards the tables); :meth:`load_step` and :meth:`activate` on the
+    engine thread only, which alone changes the denoiser's modules."""
 
     def __init__(self, pipe: DiffusionPipeline, budget_bytes: int) -> None:
         self.pipeline = type(pipe)
@@ -152,7 +170,7 @@ class AdapterResidency:
         with self._lock:
             entry = self._sets[self._last]
             files = (self._files.get(p) for p in entry.scales)
-            return self._last, tuple(sorted(f.name for f in files if f is not None))
+            return self._last, tuple(sorted(f.name for f in files if f is not None and f.injected))
 
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)
@@ -176,74 +194,98 @@ class AdapterResidency:
         return running
 
     def _read(self, set_id: str, paths: list[str]) -> None:
-        """(reader thread) Read the files one after another (one reader: no file twice)."""
+        """(reader thread) Read the files one after another and build their layers (one
+        reader: no file twice)."""
         for path in paths:
             with self._lock:
                 if path in self._files:
                     continue
+                name = f"lora{next(self._names)}"
             started = time.perf_counter()
-            file = read_lora(self.pipeline, path)
+            weights, alphas = read_lora(self.pipeline, path)
+            nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+            layers = build_layers(self.denoiser, self.prefix, weights, alphas, name)
             took = (time.perf_counter() - started) * 1e3
             with self._lock:
-                self._files.setdefault(path, file)
+                self._files.setdefault(path, AdapterFile(path, nbytes, layers))
                 self.counters.reads += 1
                 self.counters.read_ms += took
-            log.info("read LoRA %s (%d bytes) in %.1f ms for %s", path, file.nbytes, took, set_id)
+            log.info("read LoRA %s (%d bytes) in %.1f ms for %s", path, nbytes, took, set_id)
+
+    def is_resident(self, set_id: str) -> bool:
+        """Whether every file of the set is in the denoiser (it can step now)."""
+        with self._lock:
+            return self._sets[set_id].resident
 
     # ---- the engine thread ----------------------------------------------------------------
+    def load_step(self, set_id: str, budget_s: float) -> bool:
+        """Attach the set's read layers for about ``budget_s`` (at least one layer), between
+        two steps of other batches; True once the set is resident. Its files must be read
+        (``AdapterUse.read`` done)."""
+        with self._lock:
+            entry = self._sets[set_id]
+        if not entry.resident:
+            self._inject(entry, deadline=time.perf_counter() + budget_s)
+        return entry.resident
+
     def activate(self, set_id: str) -> None:
-        """Make the denoiser compute with ``set_id``: inject what of it is not resident,
-        evict beyond the budget, and select its adapters at their scales."""
+        """Make the denoiser compute with ``set_id``: inject what of it is not resident (in
+        one piece), evict beyond the budget, and select its adapters at their scales."""
         with self._lock:
             entry = self._sets[set_id]
             entry.last_used = time.perf_counter()
-        if set_id != BARE and not entry.resident:
-            self._inject(entry)
-            self._evict(keep=set_id)
+        if not entry.resident:
+            self._inject(entry, deadline=None)
         if set_id == self._last and self._applied:
             return
         started = time.perf_counter()
-        if set_id == BARE:
-            self.denoiser.disable_lora()
-        else:
-            with self._lock:
-                names = [self._files[p].name for p in entry.scales]
+        with self._lock:
+            files = [self._files[p] for p in entry.scales]
+        selected = [
+            (f.name, s)
+            for f, s in zip(files, entry.scales.values(), strict=True)
+            if f.layers.config
+        ]
+        if selected:
             self.denoiser.enable_lora()
-            self.denoiser.set_adapters(names, list(entry.scales.values()))
+            self.denoiser.set_adapters([n for n, _ in selected], [s for _, s in selected])
+        elif self.denoiser._hf_peft_config_loaded:  # the bare model (or no denoiser part)
+            self.denoiser.disable_lora()
         if set_id != self._last:
             self.counters.swaps += 1
             self.counters.swap_ms += (time.perf_counter() - started) * 1e3
         self._last, self._applied = set_id, True
 
-    def _inject(self, entry: AdapterSet) -> None:
+    def _inject(self, entry: AdapterSet, deadline: float | None) -> None:
+        """Attach the set's files' layers until ``deadline`` (None: all); once every file
+        is in, the set is resident and the budget is enforced."""
         for path in entry.scales:
-            with self._lock:
-                file = self._files.get(path)
-            if file is None:  # evicted after its read (an unpinned prefetch): read it now
-                log.warning("LoRA %s read on the engine thread (it was evicted)", path)
-                self._read(entry.id, [path])
-                with self._lock:
-                    file = self._files[path]
+            file = self._file(entry, path)
             if file.injected:
                 continue
             started = time.perf_counter()
-            name = f"lora{next(self._names)}"
-            self.denoiser.load_lora_adapter(
-                file.weights,
-                prefix=self.prefix,
-                network_alphas=file.alphas,
-                adapter_name=name,
-                low_cpu_mem_usage=True,
-            )
+            done = attach_some(self.denoiser, file.layers, deadline)
             took = (time.perf_counter() - started) * 1e3
             with self._lock:
-                file.name, file.weights, file.alphas = name, {}, None
-                self.counters.loads += 1
+                file.state = FileState.INJECTED if done else FileState.ATTACHING
                 self.counters.inject_ms += took
-            self._applied = False  # a new adapter may have become active
-            log.info("injected LoRA %s as %s in %.1f ms", path, name, took)
+                self.counters.loads += done
+            if not done:
+                return
+            log.info("injected LoRA %s as %s", path, file.name)
         with self._lock:
             entry.resident = True
+        self._evict(keep=entry.id)
+
+    def _file(self, entry: AdapterSet, path: str) -> AdapterFile:
+        with self._lock:
+            file = self._files.get(path)
+        if file is None:  # evicted after its read (an unpinned prefetch): read it now
+            log.warning("LoRA %s read on the engine thread (it was evicted)", path)
+            self._read(entry.id, [path])
+            with self._lock:
+                file = self._files[path]
+        return file
 
     def _evict(self, keep: str) -> None:
         """Drop least recently used unpinned sets while the injected bytes exceed the
@@ -286,13 +328,21 @@ class AdapterResidency:
 @dataclass
 class AdapterUse:
     """One invocation's (or bake's) hold on its adapter set: ``read`` completes when the
-    set's files are in memory; :meth:`activate` before each step on the engine thread;
+    set's files are read and built; on the engine thread, :meth:`load_step` between other
+    batches' steps until :attr:`resident`, then :meth:`activate` before each of its steps;
     :meth:`release` once, when it ends."""
 
     residency: AdapterResidency
     set_id: str
     read: Future[None]
     released: bool = False
+
+    @property
+    def resident(self) -> bool:
+        return self.residency.is_resident(self.set_id)
+
+    def load_step(self, budget_s: float) -> bool:
+        return self.residency.load_step(self.set_id, budget_s)
 
     def activate(self) -> None:
         self.residency.activate(self.set_id)

@@ -25,9 +25,12 @@ invocations it concerns), or, when the loop itself dies or the engine stops, wit
 
 Adapters: a work's ``adapters`` (``runtime/adapters``) name the LoRA set its model runs
 with; the key keeps one set per group. A work whose adapter files are still being read
-waits outside the ready queue (other groups keep stepping) and joins once they are in
-memory; before a group's step the engine activates its set (an injection or a swap,
-counted in the group's step overhead).
+waits outside the ready queue (other groups keep stepping); once they are read, while a
+batch runs, it stays in the ready queue and each iteration attaches a slice of its set's
+layers, for ``adapter_load_share`` of the last step's time, before the step (counted in
+the step's overhead); it joins once its set is resident. An idle engine attaches a set in
+one piece. Before a group's step the engine activates its set (a swap, counted in the
+group's step overhead).
 
 Cancel and progress: :meth:`Engine.cancel` flags an invocation; it leaves the ready queue at
 once, or the running batch at the top of the next iteration (before the step runs; the
@@ -94,6 +97,9 @@ class EngineConfig:
     max_batch: int = 8  # FlashPS: throughput plateaus around 8 (4 on small GPUs)
     disaggregated: bool = True
     bake_starvation_s: float = 30.0
+    # engine-thread time an iteration gives to attaching a waiting adapter set's layers, as
+    # a share of the last step's time (at least one layer: a load always progresses)
+    adapter_load_share: float = 0.1
     # added to the engine thread's niceness (Linux, where a thread has its own): on a CPU
     # the steps share cores with request handling, which must not wait behind a step
     nice: int = 0
@@ -288,6 +294,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         # The engine thread's own state: never touched by another thread while it runs.
         self._running: dict[Hashable, list[Work]] = {}
+        self._loading: list[Work] = []  # ready, their adapter sets attached between steps
         self._turn = itertools.count()
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -485,6 +492,7 @@ class Engine:
 
     def _iterate(self) -> None:
         while True:
+            loading_s = self._advance_loads()
             with self._cv:
                 self._running_count = sum(len(v) for v in self._running.values())
                 while not (
@@ -501,7 +509,7 @@ class Engine:
                     return
                 joining = self._admit()
                 starved = self._starved_job()
-            started = time.perf_counter()
+            started = time.perf_counter() - loading_s
             for work in joining:
                 self._join(work)
             if starved is not None:
@@ -525,12 +533,37 @@ class Engine:
                     joining.append(work)
             return joining
         sizes = {k: len(v) for k, v in self._running.items()}
+        self._loading = []
         for work in list(self._ready):
-            if sizes.get(work.key, 0) < cap:
+            if self._running and not (work.adapters is None or work.adapters.resident):
+                self._loading.append(work)  # attached between steps, then it joins
+            elif sizes.get(work.key, 0) < cap:
                 self._ready.remove(work)
                 sizes[work.key] = sizes.get(work.key, 0) + 1
                 joining.append(work)
         return joining
+
+    def _advance_loads(self) -> float:
+        """Attach a slice of the first waiting adapter set's layers; the seconds it took.
+        A failed load fails the ready invocations of that set."""
+        waiting = [w for w in self._loading if not w.adapters.resident]
+        self._loading = []
+        if not waiting:
+            return 0.0
+        use = waiting[0].adapters
+        last_step_s = self.counters.history[-1].step_ms / 1e3 if self.counters.history else 0.0
+        started = time.perf_counter()
+        try:
+            use.load_step(self.config.adapter_load_share * last_step_s)
+        except Exception as exc:
+            log.exception("loading adapter set %s failed", use.set_id)
+            with self._cv:
+                failed = [w for w in self._ready if _same_set(w.adapters, use)]
+                for work in failed:
+                    self._ready.remove(work)
+            for work in failed:
+                self._fail(work, exc)
+        return time.perf_counter() - started
 
     def _join(self, work: Work) -> None:
         try:
@@ -695,6 +728,10 @@ class Engine:
         except Exception:
             log.exception("background job failed")
         self.counters.bakes += 1
+
+
+def _same_set(a: AdapterUse | None, b: AdapterUse) -> bool:
+    return a is not None and a.residency is b.residency and a.set_id == b.set_id
 
 
 def _predicted_ms(editor: MaskAwareEditor) -> float:

@@ -6,6 +6,8 @@ under the LoRA makes mask-aware edits match its stock edits as closely as the ba
 a file is injected once for every set that uses it; sets beyond the byte budget are evicted
 least recently used first, never a pinned one; the engine lets an invocation whose adapter
 files are still being read wait while other batches step, and swaps sets between groups.
+A load attached a layer at a time between another batch's steps equals diffusers' one-piece
+``load_lora_adapter`` exactly and changes nothing the running batch computes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ from PIL import Image
 
 from retouch.functions.adapters import AdapterSpec, adapter_set_id
 from retouch.functions.demo.models import ensure_demo_model
-from retouch.runtime.adapters import BARE, AdapterResidency, AdapterUse, resident_sets
+from retouch.runtime.adapters import (
+    BARE,
+    AdapterResidency,
+    AdapterUse,
+    read_lora,
+    resident_sets,
+)
 from retouch.runtime.engine import Engine, EngineConfig, Work
 from retouch.runtime.fingerprint import weights_fingerprint
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
@@ -40,9 +48,9 @@ STD = 0.3  # LoRA weights that change the tiny model's image clearly
 
 @pytest.fixture(scope="module")
 def loras(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """Three denoiser-only LoRAs of the tiny SD model."""
+    """Four denoiser-only LoRAs of the tiny SD model."""
     root = tmp_path_factory.mktemp("loras")
-    return [str(write_lora(MODEL, models_dir, root / f"l{i}", seed=i, std=STD)) for i in range(3)]
+    return [str(write_lora(MODEL, models_dir, root / f"l{i}", seed=i, std=STD)) for i in range(4)]
 
 
 def _pipe(models_dir: Path):
@@ -211,3 +219,96 @@ def test_the_engine_steps_other_batches_while_an_adapter_is_read(served, loras: 
     for name, out in (("bare", bare_out), ("lora", lora_out)):
         pixels = np.asarray(Image.open(io.BytesIO(out.image))).astype(np.float32) / 255
         assert psnr(pixels, alone[name]) >= 45, name  # its own image, up to 8-bit rounding
+
+
+def _run(editor: MaskAwareEditor, request: EditRequest, between=None) -> np.ndarray:
+    """A whole edit on its own, ``between()`` called before each of its steps."""
+    state = editor.prepare(request, None)
+    while not state.done:
+        if between is not None:
+            between()
+        editor.step([state])
+    return editor.finish(state, "np")
+
+
+def test_a_load_in_slices_between_steps_equals_a_one_piece_load(
+    loras: list[str], models_dir: Path
+) -> None:
+    """A file attached a few layers at a time between the steps of a bare edit (into new wrappers, then into
+    wrappers another file made) leaves that edit exactly the bare one, and its sets give
+    exactly what diffusers' ``load_lora_adapter`` (one piece) gives."""
+    pipe = _pipe(models_dir)
+    editor, residency = MaskAwareEditor(pipe, FAMILY, CPU), AdapterResidency(pipe, BUDGET)
+    reference = _pipe(models_dir)
+    for i, path in enumerate(loras[:2]):
+        weights, alphas = read_lora(type(reference), path)
+        reference.unet.load_lora_adapter(
+            weights, prefix="unet", network_alphas=alphas, adapter_name=f"l{i}"
+        )
+    reference_editor = MaskAwareEditor(reference, FAMILY, CPU)
+    request = _whole(editor)
+    reference.unet.disable_lora()
+    bare = _run(reference_editor, request)
+
+    sets = [
+        (AdapterSpec(loras[0], SCALE),),
+        (AdapterSpec(loras[0], 0.5), AdapterSpec(loras[1], 1.2)),
+    ]
+    uses = [residency.use(residency.register(s)) for s in sets]
+    for use in uses:
+        use.read.result(timeout=60)
+    for use in uses:  # l0 alone into new wrappers, then l1 into l0's wrappers
+        slices = []
+
+        def some_layers(use=use, slices=slices) -> None:
+            for _ in range(16):  # a layer a slice: its ~56 layers in the edit's 4 steps
+                if not use.resident:
+                    slices.append(use.load_step(0.0))
+
+        assert np.array_equal(_run(editor, request, some_layers), bare)
+        assert len(slices) > 1 and slices[-1], "loaded in more than one slice"
+    assert residency.counters.loads == 2
+
+    for use, names in zip(uses, (["l0"], ["l0", "l1"]), strict=True):
+        use.activate()
+        reference.unet.enable_lora()
+        reference.unet.set_adapters(names, list(residency._sets[use.set_id].scales.values()))
+        assert np.array_equal(_run(editor, request), _run(reference_editor, request))
+        use.release()
+
+
+def test_a_running_batch_steps_while_a_read_adapter_is_attached(served, loras: list[str]) -> None:
+    """An invocation whose set is read but not in the denoiser waits in the ready queue
+    while the bare batch steps and its layers attach between those steps (one layer an
+    iteration here); then it joins, and each gets its own image."""
+    editor, residency = served
+    lora = (AdapterSpec(loras[3], SCALE, "late"),)
+    set_id = residency.register(lora)
+    residency.use(set_id).read.result(timeout=60)
+    long = dataclasses.replace(_whole(editor), steps=40)
+    short = _whole(editor)
+    _activate(residency, ())
+    bare_alone = _run(editor, long)
+    loads = residency.counters.loads
+
+    engine = Engine(EngineConfig(disaggregated=False, adapter_load_share=0.0), stages=None)
+    engine.start()
+    stepped: list[float] = []
+    try:
+        bare_work = _work(editor, long, residency.use(BARE))
+        bare_work.on_step = lambda done, total: stepped.append(time.perf_counter())
+        bare = engine.submit(bare_work)
+        while len(stepped) < 2:
+            time.sleep(0.01)
+        waiting = _work(editor, short, residency.use(set_id))
+        submitted = time.perf_counter()
+        lora_out = engine.submit(waiting).result(timeout=120)["output"]
+        bare_out = bare.result(timeout=300)["output"]
+    finally:
+        engine.stop()
+    assert residency.counters.loads == loads + 1
+    assert sum(submitted < t < waiting.joined for t in stepped) >= 2  # it waited, they stepped
+    lora_alone = _run(editor, short)  # its set is active now
+    for name, out, alone in (("bare", bare_out, bare_alone), ("lora", lora_out, lora_alone)):
+        pixels = np.asarray(Image.open(io.BytesIO(out.image))).astype(np.float32) / 255
+        assert psnr(pixels, alone) >= 45, name  # its own image, up to 8-bit rounding

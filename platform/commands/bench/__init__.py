@@ -22,6 +22,7 @@ SUBCOMMANDS = (
     pool.add_sim,
     pool.add_validate,
     engine.add_plan,
+    engine.add_adapters,
     quality.add_edits,
     serving.add_store,
     serving.add_memory,

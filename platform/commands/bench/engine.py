@@ -1,10 +1,12 @@
-"""``retouch bench engine|plan``: the mask-aware engine against stock edits, and the
-bubble-free plan against naive loading, in this process."""
+"""``retouch bench engine|plan|adapters``: the mask-aware engine against stock edits, the
+bubble-free plan against naive loading, and LoRA adapters' memory and load latency."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
+from pathlib import Path
 
 from retouch.platform.commands.bench.options import (
     add_builtin_model,
@@ -125,4 +127,40 @@ def _run_plan(args: argparse.Namespace) -> None:
         link_gbps=args.link_gbps,
         device=args.device,
     )
+    report(result, args.json)
+
+
+def add_adapters(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "adapters",
+        help="LoRA adapters: executor RSS (1 and 4 LoRAs vs 4 model copies), a newcomer's "
+        "load against the running batch's steps, swaps",
+    )
+    add_builtin_model(p, "retouch:tiny-sd")
+    p.add_argument(
+        "--batch", type=positive_int, default=2, help="the running batch's size (default 2)"
+    )
+    add_steps(p, 40)
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="where LoRA files, model copies and the servers' data go (default: a temporary folder)",
+    )
+    add_models_dir(p)
+    add_json(p)
+    p.set_defaults(run=_run_adapters)
+
+
+def _run_adapters(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.adapters import run_adapters_bench
+
+    with tempfile.TemporaryDirectory(prefix="retouch-bench-adapters-") as scratch:
+        result = run_adapters_bench(
+            args.model,
+            models_dir(args),
+            args.work_dir or Path(scratch),
+            batch=args.batch,
+            steps=args.steps,
+        )
     report(result, args.json)
