@@ -45,10 +45,12 @@ from diffusers import DiffusionPipeline
 from retouch.functions import wire
 from retouch.functions.adapters import AdapterSpec, adapter_set_id
 from retouch.runtime.adapterlayers import LoraLayers, attach_some, build_layers
+from retouch.runtime.niceness import renice_this_thread
 
 log = logging.getLogger(__name__)
 
 BARE = ""  # the adapter set of the bare base model
+READER_NICE = 19  # added to the reader thread's niceness (Linux)
 
 
 class FileState(StrEnum):
@@ -131,7 +133,13 @@ class AdapterResidency:
         self._files: dict[str, AdapterFile] = {}
         self._sets: dict[str, AdapterSet] = {BARE: AdapterSet(BARE, {}, resident=True)}
         self._reads: dict[str, Future[None]] = {}  # per set, while its files are read
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="adapter-read")
+        # Reads and builds at the lowest priority: on a CPU they share cores with the steps.
+        self._reader = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="adapter-read",
+            initializer=renice_this_thread,
+            initargs=(READER_NICE, "adapter reader"),
+        )
         self._names = count(1)
         self._last = BARE  # the set the previous step ran with (swaps are counted against it)
         self._applied = True  # whether the denoiser's active LoRA layers are ``_last``'s

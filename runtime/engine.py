@@ -42,9 +42,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import statistics
-import sys
 import threading
 import time
 from collections import deque
@@ -65,6 +63,7 @@ from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
 from retouch.runtime.maskaware.loader import attached
 from retouch.runtime.maskaware.request import EditRequest, RequestState
+from retouch.runtime.niceness import renice_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -475,13 +474,7 @@ class Engine:
 
     # ---- the engine thread --------------------------------------------------------------
     def _loop(self) -> None:
-        if self.config.nice and sys.platform.startswith("linux"):
-            tid = threading.get_native_id()  # Linux: a thread's niceness is its own
-            try:
-                now = os.getpriority(os.PRIO_PROCESS, tid)
-                os.setpriority(os.PRIO_PROCESS, tid, min(19, now + self.config.nice))
-            except OSError as exc:  # a sandbox may forbid it: run at the process's priority
-                log.warning("engine thread not reniced: %s", exc)
+        renice_this_thread(self.config.nice, "engine thread")
         try:
             self._iterate()
         except BaseException as exc:  # a bug in the loop itself: fail everything, never hang
@@ -492,7 +485,6 @@ class Engine:
 
     def _iterate(self) -> None:
         while True:
-            loading_s = self._advance_loads()
             with self._cv:
                 self._running_count = sum(len(v) for v in self._running.values())
                 while not (
@@ -509,6 +501,10 @@ class Engine:
                     return
                 joining = self._admit()
                 starved = self._starved_job()
+            loading_s = self._advance_loads()
+            if loading_s and any(w.adapters.resident for w in self._loading):
+                with self._cv:  # its set just became resident: it joins this step
+                    joining += self._admit(joining)
             started = time.perf_counter() - loading_s
             for work in joining:
                 self._join(work)
@@ -519,8 +515,9 @@ class Engine:
             elif not joining:
                 self._idle_background()
 
-    def _admit(self) -> list[Work]:
-        """Ready invocations that join now (under the lock)."""
+    def _admit(self, admitted: list[Work] | None = None) -> list[Work]:
+        """Ready invocations that join now (under the lock); ``admitted``: those this
+        iteration admitted already (they count towards their group's size)."""
         cap = self.config.max_batch
         joining: list[Work] = []
         if self.config.mode is EngineMode.STATIC:
@@ -533,6 +530,8 @@ class Engine:
                     joining.append(work)
             return joining
         sizes = {k: len(v) for k, v in self._running.items()}
+        for work in admitted or ():
+            sizes[work.key] = sizes.get(work.key, 0) + 1
         self._loading = []
         for work in list(self._ready):
             if self._running and not (work.adapters is None or work.adapters.resident):
@@ -547,7 +546,6 @@ class Engine:
         """Attach a slice of the first waiting adapter set's layers; the seconds it took.
         A failed load fails the ready invocations of that set."""
         waiting = [w for w in self._loading if not w.adapters.resident]
-        self._loading = []
         if not waiting:
             return 0.0
         use = waiting[0].adapters
