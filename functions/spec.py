@@ -73,7 +73,14 @@ SLO_FIELDS = ("latency_ms",)
 # How a bake's rows rest in the activation store (``runtime/maskaware/rowformat.RowFormat``):
 # the model's compute dtype, or attention keys and values in fp8 (half the bytes).
 STORAGES = ("native", "fp8")
-PLACEMENTS = ("maskaware", "least-requests", "round-robin", "least-masked-tokens", "template-hash")
+PLACEMENTS = (
+    "maskaware",
+    "adapter-blind",
+    "least-requests",
+    "round-robin",
+    "least-masked-tokens",
+    "template-hash",
+)
 UPLOADS_FIELDS = ("max_images", "max_bytes", "prompt", "seed")
 SIZE_MULTIPLE = 16  # Flux packs 2x2 latents on top of the VAE factor (8); SD needs 8
 # Example prompts: a menu on the web page, so a short list of short lines.

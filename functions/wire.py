@@ -686,6 +686,10 @@ class EngineStats:
     # (0: pre/post run inline, or an executor that does not say).
     pre_workers: int = 0
     post_workers: int = 0
+    # Adapter sets: the median load of one onto the device and swap between batch groups of
+    # different sets, as this engine measured them (0: none yet): placement's adapter costs.
+    adapter_load_ms_p50: float = 0.0
+    adapter_swap_ms_p50: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,7 +65,21 @@ class DeployedFunction:
             slo,
             optimistic=True,
             copy=spec.source.key,
+            adapter_set=spec.adapter_set,
+            adapter_bytes=self.adapter_bytes,
         )
+
+    @cached_property
+    def adapter_bytes(self) -> int:
+        """The size of its adapter files as the gateway sees them (0 where it cannot read
+        one: an executor on another node): what a load of its set costs, by size."""
+        total = 0
+        for adapter in self.spec.adapters:
+            try:
+                total += Path(adapter.path).expanduser().stat().st_size
+            except OSError:
+                return 0
+        return total
 
     def describe(self, executor_states: list[ExecutorState] | None = None) -> dict[str, Any]:
         """The status document; template states come from the executors when given."""

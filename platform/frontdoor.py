@@ -304,6 +304,8 @@ class FrontDoor:
             canvas.footprint,
             None if spec.slo_ms is None else spec.slo_ms / 1e3,
             copy=spec.source.key,
+            adapter_set=spec.adapter_set,
+            adapter_bytes=fn.adapter_bytes,
         )
         return PreparedInvocation(inv, placement, frame=canvas.frame)
 

@@ -13,14 +13,19 @@ rendezvous-hash home, so equal executors split the templates between them; and a
 stops affinity from piling work onto one executor: when the affine choice would
 finish more than ``imbalance`` later than the fastest, the fastest wins. In a large pool
 only a shortlist (the executors with the least predicted work plus residency cost) gets an
-exact prediction, which keeps a decision sub-millisecond at 64 executors. The baselines stay
-for comparison: ``least-requests``, ``round-robin``, ``least-masked-tokens`` and
-``template-hash`` (consistent hashing on the template).
+exact prediction, which keeps a decision sub-millisecond at 64 executors. A function's
+adapter set is costed like its template: nothing where the device holds it, its load where
+it does not, and the swaps its steps wait for where batches of other sets run
+(``ExecutorView.adapter_load_s`` / ``adapter_swap_s``). The baselines stay for comparison:
+``adapter-blind`` (``maskaware`` without the adapter terms), ``least-requests``,
+``round-robin``, ``least-masked-tokens`` and ``template-hash`` (consistent hashing on the
+template).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import itertools
 import random
@@ -153,6 +158,7 @@ class MaskAware:
     # residency cost: the power-of-k-choices idea of Ray Serve's router, ranked by cost.
     shortlist: int = SHORTLIST
     seed: int | None = None
+    adapters: bool = True  # cost each executor's adapter sets (False: adapter-blind)
     fallback: LeastRequests = field(default_factory=LeastRequests)
     _rng: random.Random = field(init=False)
     _demand: TemplateDemand = field(init=False, default_factory=TemplateDemand)
@@ -165,7 +171,7 @@ class MaskAware:
             self._demand.add((request.function, request.template))
         scored = []
         for c in self._shortlist(candidates, request):
-            prediction = c.view.predict(request)
+            prediction = c.view.predict(request, adapters=self.adapters)
             if prediction is None:  # no profile of its model there yet: count requests
                 return self.fallback.choose(candidates, request)
             finish = prediction.finish_s
@@ -181,7 +187,7 @@ class MaskAware:
     def _shortlist(
         self, candidates: Sequence[Candidate], request: PlacementRequest
     ) -> Sequence[Candidate]:
-        return shortlist(candidates, request, self.shortlist)
+        return shortlist(candidates, request, self.shortlist, adapters=self.adapters)
 
     def _tie_break(
         self, near: list[tuple[float, float, Candidate]], request: PlacementRequest
@@ -213,21 +219,27 @@ class MaskAware:
 
 
 def shortlist(
-    candidates: Sequence[Candidate], request: PlacementRequest, k: int = SHORTLIST
+    candidates: Sequence[Candidate],
+    request: PlacementRequest,
+    k: int = SHORTLIST,
+    *,
+    adapters: bool = True,
 ) -> Sequence[Candidate]:
     """The ``k`` executors with the least remaining work (each invocation's steps left at
-    its solo step cost, memoised per view) plus the template's residency cost: the ones
-    worth an exact prediction (placement and admission both use it)."""
+    its solo step cost, memoised per view) plus the template's residency cost (and, with
+    ``adapters``, the adapter set's): the ones worth an exact prediction (placement and
+    admission both use it)."""
     if len(candidates) <= k:
         return candidates
     # Each cost once, then a stable sort of positions (ties keep the listed order, as
     # sorting the candidates themselves would): this runs on every decision and arrival.
-    costs = [c.view.solo_work_s() + c.view.residency_cost_s(request) for c in candidates]
+    costs = [c.view.solo_work_s() + c.view.residency_cost_s(request, adapters) for c in candidates]
     return [candidates[i] for i in sorted(range(len(costs)), key=costs.__getitem__)[:k]]
 
 
 POLICIES = {
     "maskaware": MaskAware,
+    "adapter-blind": functools.partial(MaskAware, name="adapter-blind", adapters=False),
     "least-requests": LeastRequests,
     "round-robin": RoundRobin,
     "least-masked-tokens": LeastMaskedTokens,

@@ -38,6 +38,16 @@ and in that executor's host tier. Templates are drawn with Zipf popularity. The 
 view learns residency as the real one does: from placements (the prefetch), results
 (``ExecutorView.finish``) and, for bakes, from the executor's report.
 
+Adapters: with ``adapters`` > 0 the invocations belong to functions on the one base model,
+each with an adapter set of its own (Zipf popularity). Each executor's device holds
+``resident_adapters`` sets (LRU; a set in use is not evicted); an invocation whose set it
+lacks has it loaded (``adapter_load_s``) from when it is bound, beside its encode, as the
+executor's asynchronous fetch does. The engine runs one set per batch group: the groups of
+a batch take turns step by step, and each turn to another set than the one applied costs
+``adapter_swap_s``. A template's bake is per set (its name carries the set). The view
+learns the resident sets from placements and from the executor's report of its loads and
+evictions.
+
 SLO admission is the gateway's own (``InvocationQueue.admit_slo`` on the virtual clock,
 told the service queued ahead by the simulation, which owns its queue). With ``autoscale``
 the pool's :class:`~retouch.platform.control.autoscaler.Autoscaler` ticks every
@@ -128,6 +138,7 @@ class Job:
     found: Residency = Residency.HOST  # where its template was when it was bound
     full: bool = False  # its template was not baked: every token computed
     load_s: float = 0.0  # its template's disk -> host load (overlapping its encode)
+    adapter_s: float = 0.0  # what is left of its adapter set's load when it is bound
     masked0: int = 0  # masked tokens of the finest grid as its executor computes them
 
 
@@ -162,6 +173,10 @@ class SimExecutor:
     loads: dict[str, float] = field(default_factory=dict)  # template -> when its load ends
     encoders: WorkerLine = field(default_factory=lambda: WorkerLine(0))  # its pre workers
     decoders: WorkerLine = field(default_factory=lambda: WorkerLine(0))  # its post workers
+    adapters: OrderedDict[str, None] = field(default_factory=OrderedDict)  # on device, LRU first
+    adapter_loads: dict[str, float] = field(default_factory=dict)  # set -> when its load ends
+    adapter_users: dict[str, int] = field(default_factory=dict)  # set -> invocations bound
+    applied: str = ""  # the adapter set whose weights the model runs with ("": none)
 
 
 class Simulation:
@@ -188,6 +203,8 @@ class Simulation:
             step_slope=spec.step_slope,
             pre_workers=spec.pre_workers,  # as an executor reports them: its predictions
             post_workers=spec.post_workers,  # count the wait for a worker
+            adapter_load_ms_p50=spec.adapter_load_s * 1e3,  # as its engine measures them
+            adapter_swap_ms_p50=spec.adapter_swap_s * 1e3,
         )
         self._state = wire.ExecutorState(
             "sim", 0, model.device, engine=engine, cost_models={MODEL: model.to_dict()}
@@ -201,6 +218,8 @@ class Simulation:
         self.disk: set[str] = set() if spec.cold_templates else set(self.templates)
         self.baking: set[str] = set()  # queued or running on some executor
         self.bakes_run = 0
+        self.adapter_loads = 0  # adapter sets loaded from disk, all executors
+        self.adapter_swaps = 0  # turns of an engine to another adapter set
         for _ in range(spec.executors):
             self._add_executor()
         self.coster = self.executors[0].view.costers[MODEL]
@@ -386,11 +405,13 @@ class Simulation:
         job.pre_s = self._drawn(self.spec.pre_samples, self.spec.pre_s)
         job.post_s = self._drawn(self.spec.post_samples, self.spec.post_s)
         self._template_for(ex, job)
+        self._adapter_for(ex, job)
         if self._alone(self.spec.pre_workers):
             job.pre_elapsed = job.pre_s
-            self.at(self.now + max(job.pre_s, job.load_s), lambda: self._encoded(ex, job))
+            lead = max(job.pre_s, job.load_s, job.adapter_s)
+            self.at(self.now + lead, lambda: self._encoded(ex, job))
             return
-        bound, loaded = self.now, self.now + job.load_s
+        bound, loaded = self.now, self.now + max(job.load_s, job.adapter_s)
         self._in_worker(ex.encoders, job.pre_s, lambda: self._encode_done(ex, job, bound, loaded))
 
     def _template_for(self, ex: SimExecutor, job: Job) -> None:
@@ -415,6 +436,28 @@ class Simulation:
             if template not in self.baking:
                 self.baking.add(template)
                 ex.bakes.append((template, self.now))
+
+    def _adapter_for(self, ex: SimExecutor, job: Job) -> None:
+        """``job``'s adapter set on ``ex``: held (its load may still be under way: it waits
+        for the same load) or loaded from disk from now on, the least recently used set not
+        in use evicted to make room; the executor reports its sets when they change."""
+        adapter_set = job.request.adapter_set
+        if not adapter_set:
+            return
+        ex.adapter_users[adapter_set] = ex.adapter_users.get(adapter_set, 0) + 1
+        if adapter_set in ex.adapters:
+            ex.adapters.move_to_end(adapter_set)
+            job.adapter_s = max(0.0, ex.adapter_loads.get(adapter_set, 0.0) - self.now)
+            return
+        self.adapter_loads += 1
+        job.adapter_s = self.spec.adapter_load_s
+        ex.adapters[adapter_set] = None
+        ex.adapter_loads[adapter_set] = self.now + job.adapter_s
+        idle = [s for s in ex.adapters if not ex.adapter_users.get(s)]
+        for gone in idle[: max(0, len(ex.adapters) - self.spec.resident_adapters)]:
+            del ex.adapters[gone]
+            ex.adapter_loads.pop(gone, None)
+        ex.view.observe_adapters(list(ex.adapters))
 
     def _host_insert(self, ex: SimExecutor, template: str) -> None:
         """``template`` into ``ex``'s host tier, evicting its least recently used."""
@@ -483,12 +526,29 @@ class Simulation:
             ex.stepping = False
             return
         ex.stepping = True
-        masked = sum(j.masked0 for j in ex.running)
-        planned = self.coster.step_s0(len(ex.running), masked)
+        group = self._next_group(ex)
+        masked = sum(j.masked0 for j in group)
+        planned = self.coster.step_s0(len(group), masked)
         seconds = fitted_step_s(planned, self.spec.step_intercept_s, self.spec.step_slope)
         seconds *= float(self.rng.lognormal(0.0, self.spec.noise)) if self.spec.noise else 1.0
+        adapter_set = group[0].request.adapter_set
+        if adapter_set != ex.applied:  # the engine turns to another set's weights
+            self.adapter_swaps += 1
+            seconds += self.spec.adapter_swap_s
+            ex.applied = adapter_set
         ex.busy_s += seconds
-        self._compute(seconds, lambda: self._stepped(ex))
+        self._compute(seconds, lambda: self._stepped(ex, group))
+
+    @staticmethod
+    def _next_group(ex: SimExecutor) -> list[Job]:
+        """The batch group that steps next: the running invocations of one adapter set.
+        The sets take turns in the order they joined, from the one after the set applied
+        now (the first, once the applied set's group has left)."""
+        order = list(dict.fromkeys(j.request.adapter_set for j in ex.running))
+        turn = order[0]
+        if len(order) > 1 and ex.applied in order:
+            turn = order[(order.index(ex.applied) + 1) % len(order)]
+        return [j for j in ex.running if j.request.adapter_set == turn]
 
     def _baked(self, ex: SimExecutor, template: str) -> None:
         """A bake committed: the template is on the pool's disk and in ``ex``'s host tier,
@@ -504,20 +564,32 @@ class Simulation:
         ex.view.hosted(key)
         self._step(ex)
 
-    def _stepped(self, ex: SimExecutor) -> None:
+    def _stepped(self, ex: SimExecutor, group: list[Job]) -> None:
+        stepped = set(group)
         still = []
         for job in ex.running:
+            if job not in stepped:
+                still.append(job)
+                continue
             job.steps_left -= 1
             ex.view.progress(job.token, self.spec.steps - job.steps_left, self.spec.steps)
             if job.steps_left > 0:
                 still.append(job)
             else:
+                self._release_adapter(ex, job)
                 self._decode(ex, job)
         leaving = len(still) < len(ex.running) or any(j.steps_left <= 1 for j in still)
         ex.running = still
         if leaving and self.queue:  # the pool's rule: room within a step binds the head
             self._dispatch()
         self._step(ex)
+
+    @staticmethod
+    def _release_adapter(ex: SimExecutor, job: Job) -> None:
+        """Its steps are done: its set may be evicted once no other invocation uses it."""
+        adapter_set = job.request.adapter_set
+        if adapter_set:
+            ex.adapter_users[adapter_set] -= 1
 
     def _decode(self, ex: SimExecutor, job: Job) -> None:
         if self._alone(self.spec.post_workers):
@@ -692,6 +764,12 @@ class Simulation:
             out["template_loads"] = found.count(Residency.DISK)
             out["full_path"] = sum(1 for j in accepted if j.full)
             out["bakes"] = self.bakes_run
+        if self.spec.adapters:
+            minutes = max(1e-9, span / 60.0)
+            out["adapter_loads"] = self.adapter_loads
+            out["adapter_swaps"] = self.adapter_swaps
+            out["adapter_loads_per_min"] = self.adapter_loads / minutes
+            out["adapter_swaps_per_min"] = self.adapter_swaps / minutes
         out["timeline"] = self._timeline()
         return out
 
@@ -785,10 +863,17 @@ def plan_jobs(
     templates = trace.templates if trace is not None else None
     if templates is None:
         templates = draw_templates(spec, draws, len(arrivals))
+    adapter_sets = draw_adapter_sets(spec, draws, len(arrivals))
     jobs = []
-    for i, (at, ratio, template) in enumerate(zip(arrivals, ratios, templates, strict=True)):
+    for i, (at, ratio, template, adapter_set) in enumerate(
+        zip(arrivals, ratios, templates, adapter_sets, strict=True)
+    ):
         fp = footprint(float(ratio), spec.size)
-        request = PlacementRequest(FUNCTION, template, fp.ratio, MODEL, spec.steps, fp, slo_s)
+        if adapter_set:  # a template's bake is per adapter set
+            template = f"{template}@{adapter_set}"
+        request = PlacementRequest(
+            FUNCTION, template, fp.ratio, MODEL, spec.steps, fp, slo_s, adapter_set=adapter_set
+        )
         jobs.append(Job(i, float(at), request))
     return jobs, rate
 
@@ -798,6 +883,13 @@ def draw_templates(spec: SimSpec, draws: Draws, count: int) -> list[str]:
     if spec.templates == 1:
         return [TEMPLATE] * count
     return [f"t{k}" for k in draws.templates(count, spec.templates, spec.zipf)]
+
+
+def draw_adapter_sets(spec: SimSpec, draws: Draws, count: int) -> list[str]:
+    """Each arrival's adapter set: Zipf popularity over ``spec.adapters`` ("" for none)."""
+    if not spec.adapters:
+        return [""] * count
+    return [f"a{k}" for k in draws.adapters(count, spec.adapters, spec.adapter_zipf)]
 
 
 def mask_mix(spec: SimSpec) -> MaskMix:
@@ -864,6 +956,10 @@ def run_simulation(
         raise ValueError("need templates >= 1 and host templates >= 0")
     if not (spec.zipf >= 0 and spec.disk_load_s >= 0):
         raise ValueError("the Zipf exponent and the disk load time must not be negative")
+    if spec.adapters < 0 or spec.resident_adapters < 1:
+        raise ValueError("need adapters >= 0 and resident adapters >= 1")
+    if not (spec.adapter_zipf >= 0 and spec.adapter_load_s >= 0 and spec.adapter_swap_s >= 0):
+        raise ValueError("the adapter Zipf exponent, load and swap must not be negative")
     for name in spec.placements:
         _config(name)  # a typo fails before any run
     if spec.slo_factor is not None and not spec.slo_factor > 0:
@@ -887,6 +983,8 @@ def run_simulation(
         "requests": len(jobs) - spec.warmup,
         "configs": configs,
     }
+    if spec.adapters:
+        out["adapters"] = spec.adapters
     if spec.slo_factor is not None:
         out["slo_ms"] = spec.slo_factor * standalone_s(spec, cost_model) * 1e3
     return out

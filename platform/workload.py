@@ -21,7 +21,9 @@ process with inter-arrival coefficient of variation CV), ``step:F@T`` (Poisson w
 is F x from T s on) and ``diurnal:P:A[:CV]`` (rate x (1 + A sin(2 pi t / P)), Poisson or
 Gamma with that CV); or a CSV trace (:func:`read_trace`).
 
-Templates: Zipf popularity, rank ``k`` (from 1) drawn in proportion to ``k ** -zipf``.
+Templates: Zipf popularity, rank ``k`` (from 1) drawn in proportion to ``k ** -zipf``. The
+adapter sets of functions on one shared base model (each function a LoRA of its own) are
+drawn the same way, from a stream of their own.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ BETA_CONCENTRATION = 10.0
 MIN_RATIO = 0.01  # an empty mask never reaches the model: it is not load
 DEFAULT_TEMPLATE = "t"  # a trace row's template when it names none
 TEMPLATE_STREAM = 13  # the templates' stream: seed + this (see Draws)
+ADAPTER_STREAM = 17  # the adapter sets' stream: seed + this
 ARRIVALS_HELP = "poisson, gamma:CV (CV > 0), step:F@T, diurnal:P:A or trace:FILE"
 
 
@@ -155,8 +158,9 @@ class Workload:
 class Draws:
     """The random streams of one seed's workload, drawn in a fixed order: the masks, then
     the arrival times, from one stream (``rng``, which a caller may go on drawing from);
-    the templates from a stream of their own (``seed + TEMPLATE_STREAM``), so a seed's
-    masks and arrivals stay the same whatever the templates."""
+    the templates and the adapter sets from streams of their own (``seed +
+    TEMPLATE_STREAM``, ``seed + ADAPTER_STREAM``), so a seed's masks and arrivals stay the
+    same whatever the templates and adapters."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -174,11 +178,15 @@ class Draws:
             count, templates, zipf, np.random.default_rng(self.seed + TEMPLATE_STREAM)
         )
 
+    def adapters(self, count: int, adapters: int, zipf: float) -> np.ndarray:
+        """Each arrival's adapter set rank (0 the most popular) of ``adapters``."""
+        return zipf_ranks(count, adapters, zipf, np.random.default_rng(self.seed + ADAPTER_STREAM))
+
 
 def zipf_ranks(count: int, items: int, zipf: float, rng: np.random.Generator) -> np.ndarray:
     """``count`` ranks in ``[0, items)``, rank ``k`` drawn in proportion to ``(k + 1) ** -zipf``."""
     if items < 1:
-        raise ValueError(f"templates must be at least 1, not {items}")
+        raise ValueError(f"need at least 1 item to draw from, not {items}")
     weights = np.arange(1, items + 1, dtype=float) ** -zipf
     return rng.choice(items, size=count, p=weights / weights.sum())
 

@@ -133,6 +133,35 @@ class SimSpec:
         "and queue its bake",
         env=False,
     )
+    # Adapters: functions on the one base model, each with a LoRA of its own (an adapter
+    # set), drawn with Zipf popularity; each executor's device holds ``resident_adapters``
+    # sets (LRU); a set it lacks is loaded from disk while the invocation waits, and its
+    # engine runs one set per batch group, the groups taking turns with a swap between.
+    adapters: int = knob(
+        0,
+        "adapter sets of functions on the shared base model, drawn with Zipf popularity "
+        "(0: every invocation runs the bare model)",
+        parse=non_negative_int,
+        env=False,
+    )
+    adapter_zipf: float = knob(
+        1.1, "Zipf exponent of adapter set popularity", parse=non_negative_float, env=False
+    )
+    resident_adapters: int = knob(
+        8, "adapter sets each executor's device holds, LRU", parse=positive_int, env=False
+    )
+    adapter_load_s: float = knob(
+        0.5,
+        "an adapter set's load from disk (Katz et al.: an SDXL-sized LoRA in ~0.5 s)",
+        parse=non_negative_float,
+        env=False,
+    )
+    adapter_swap_s: float = knob(
+        0.1,
+        "a swap between batch groups of different adapter sets (LegoDiffusion: ~100 ms)",
+        parse=non_negative_float,
+        env=False,
+    )
 
 
 @dataclass(frozen=True)

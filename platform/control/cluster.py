@@ -4,7 +4,7 @@ Per executor it holds what placement, admission and the autoscaler need: its pha
 models (one :class:`~retouch.runtime.prediction.StepCoster` per model, from the profile the
 executor reports), its calibration (time outside the profiled blocks, pre/post, drift), the
 invocations placed on it (mask footprint, steps left, template) and where each template is
-(host tier, disk, baking, absent). It changes when the gateway places an invocation, when
+(host tier, disk, baking, absent) and which adapter sets its device holds. It changes when the gateway places an invocation, when
 a step-progress frame or a result arrives on the invocation's stream, and when the
 executor's state is read after a deploy, a bake or an eviction — never by waiting for a
 periodic scrape. Nothing here does I/O; time is a parameter (the simulator drives the same
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -36,6 +37,11 @@ from retouch.runtime.prediction import (
 STEP_MEMO = 64  # step calibrations an executor view keeps (one per drift and idle)
 MEMO_BUCKETS = 64  # mask resolution of the per-executor prediction memo
 PROFILE_ONLY = StepCalibration()  # the profile alone, no learnt correction (immutable)
+# Adapter costs until an executor reports its own: LegoDiffusion swaps a LoRA in ~100 ms;
+# Katz et al. load an SDXL-sized one (886 MiB) from disk in ~0.5 s, about 1.8 GB/s.
+ADAPTER_SWAP_S = 0.1
+ADAPTER_LOAD_S = 0.5
+ADAPTER_DISK_BPS = 1.8e9
 
 
 class Residency(StrEnum):
@@ -73,12 +79,39 @@ class PlacementRequest:
     slo_s: float | None = None  # its function's latency objective
     optimistic: bool = False  # predict it as if its template were in host memory
     copy: str = ""  # the loaded copy it runs on (ModelSource.key), whose cost model applies
+    adapter_set: str = ""  # its function's adapter set (FunctionSpec.adapter_set; "": none)
+    adapter_bytes: int = 0  # the set's files (0: not known), for a load's cost
 
     @property
     def cost_key(self) -> str:
         """The key of its cost model in an executor's state: its copy (a bf16 copy of a
         model is profiled apart from the fp32 one), else its model."""
         return self.copy or self.model
+
+
+@dataclass
+class AdapterCosts:
+    """What an adapter set costs an executor: a load from disk when its device does not
+    hold the set, and a swap whenever its engine turns from a batch group of one set to
+    another's. The executor's own medians (``EngineStats.adapter_load_ms_p50`` /
+    ``adapter_swap_ms_p50``) replace the defaults once it reports them."""
+
+    swap_s: float = ADAPTER_SWAP_S
+    load_s: float = ADAPTER_LOAD_S  # a load of a set whose size is not known
+    disk_bps: float = ADAPTER_DISK_BPS
+    measured_load_s: float = 0.0  # this executor's median load (0: none measured)
+
+    def load(self, nbytes: int) -> float:
+        """Seconds to load a set of ``nbytes`` here: measured, else by size, else the default."""
+        if self.measured_load_s > 0:
+            return self.measured_load_s
+        return nbytes / self.disk_bps if nbytes > 0 else self.load_s
+
+    def observe(self, engine: wire.EngineStats) -> None:
+        if engine.adapter_load_ms_p50 > 0:
+            self.measured_load_s = engine.adapter_load_ms_p50 / 1e3
+        if engine.adapter_swap_ms_p50 > 0:
+            self.swap_s = engine.adapter_swap_ms_p50 / 1e3
 
 
 @dataclass
@@ -113,6 +146,8 @@ class ExecutorView:
         self.placed: dict[int, Placed] = {}  # in placement order
         self.residency: OrderedDict[tuple[str, str], Residency] = OrderedDict()  # LRU last
         self.host_capacity: int | None = None  # templates the host tier holds (None: unknown)
+        self.adapters: OrderedDict[str, None] = OrderedDict()  # sets on the device, LRU first
+        self.adapter_costs = AdapterCosts()
         self.workers = (0, 0)  # its pre and post worker processes (0: not known)
         self._results: deque[float] = deque(maxlen=16)  # when its latest results came
         self.version = 0
@@ -138,6 +173,13 @@ class ExecutorView:
             self.calibration.step_intercept_s = state.engine.step_intercept_ms / 1e3
             self.calibration.step_slope = state.engine.step_slope
         self._observe_templates(state)
+        self.observe_adapters(state.adapters)
+        self.adapter_costs.observe(state.engine)
+        self._changed()
+
+    def observe_adapters(self, resident: Sequence[str]) -> None:
+        """The adapter sets the executor reports on its device (least recently used first)."""
+        self.adapters = OrderedDict.fromkeys(resident)
         self._changed()
 
     def _observe_templates(self, state: wire.ExecutorState) -> None:
@@ -168,8 +210,9 @@ class ExecutorView:
         return len(self.placed)
 
     # ---- events -------------------------------------------------------------------------
-    def member(self, newcomer: PlacementRequest) -> Member | None:
-        """The newcomer's cost on this executor (None: no profile of its model here yet)."""
+    def member(self, newcomer: PlacementRequest, adapters: bool = True) -> Member | None:
+        """The newcomer's cost on this executor (None: no profile of its model here yet).
+        ``adapters=False``: as if its adapter set were resident (an adapter-blind view)."""
         coster = self.costers.get(newcomer.cost_key)
         if coster is None or newcomer.footprint is None:
             return None
@@ -178,21 +221,61 @@ class ExecutorView:
             if newcomer.optimistic
             else self.tier(newcomer.function, newcomer.template)
         )
+        adapter_s = self.adapter_load_s(newcomer) if adapters else 0.0
         if tier not in BAKED:  # not baked here: every token
-            return Member(coster, newcomer.steps, coster.full_masks())
-        # on disk, its join waits for the load its encode did not hide
+            return Member(coster, newcomer.steps, coster.full_masks(), adapter_s)
+        # Its join waits for what its encode did not hide of the loads it needs: its
+        # template from disk and its adapter set, fetched side by side.
         load_s = self.overheads.disk_load_s if tier is Residency.DISK else 0.0
         masked = newcomer.footprint.on(coster.grids)
-        return Member(coster, newcomer.steps, masked, load_s, tier is Residency.DEVICE)
+        return Member(
+            coster, newcomer.steps, masked, max(load_s, adapter_s), tier is Residency.DEVICE
+        )
 
     def load_s(self, newcomer: PlacementRequest) -> float:
-        """The disk-to-host load the newcomer's template needs here (0: in host memory,
-        or not baked here, which is a bake rather than a load)."""
-        return (
+        """What the newcomer loads here before it can join: its template from disk (0: in
+        host memory, or not baked here, which is a bake rather than a load) and its adapter
+        set when the device lacks it, side by side."""
+        template_s = (
             self.overheads.disk_load_s
             if self.tier(newcomer.function, newcomer.template) is Residency.DISK
             else 0.0
         )
+        return max(template_s, self.adapter_load_s(newcomer))
+
+    def adapter_load_s(self, newcomer: PlacementRequest) -> float:
+        """The load of the newcomer's adapter set here: 0 for the bare model, a set the
+        device holds, or one whose load was already asked for (an optimistic request)."""
+        if newcomer.optimistic or not newcomer.adapter_set or newcomer.adapter_set in self.adapters:
+            return 0.0
+        return self.adapter_costs.load(newcomer.adapter_bytes)
+
+    def adapter_swap_s(self, newcomer: PlacementRequest) -> float:
+        """The swaps the newcomer's steps wait for here. The engine runs one adapter set per
+        batch group, and groups of different sets take turns step by step, one swap per
+        group a round: each other set placed here costs the newcomer a swap a round for as
+        long as it stays (its longest steps left, at most the newcomer's), and its own group
+        one more a round while any other does. 0 where everything here runs its set."""
+        if newcomer.optimistic:
+            return 0.0
+        stays: dict[str, int] = {}
+        for p in self.placed.values():
+            other = p.newcomer.adapter_set
+            if other != newcomer.adapter_set:
+                rounds = min(p.member.steps_left, newcomer.steps)
+                stays[other] = max(stays.get(other, 0), rounds)
+        if not stays:
+            return 0.0
+        return self.adapter_costs.swap_s * (sum(stays.values()) + max(stays.values()))
+
+    def _added_swaps_s(self, newcomer: PlacementRequest) -> float:
+        """What the newcomer adds to every round here in swaps: a set not placed here yet
+        makes one more group to turn to (two swaps a round when it makes the second)."""
+        sets = {p.newcomer.adapter_set for p in self.placed.values()}
+        if not sets or newcomer.adapter_set in sets:
+            return 0.0
+        before = len(sets) if len(sets) > 1 else 0
+        return self.adapter_costs.swap_s * (len(sets) + 1 - before)
 
     def place(
         self, token: int, newcomer: PlacementRequest, now: float, deadline: float | None = None
@@ -214,6 +297,9 @@ class ExecutorView:
         self.placed[token] = placed
         self.arrivals.observe(now, member)
         self._expect_template(newcomer)
+        if newcomer.adapter_set:  # the executor fetches a set it lacks on arrival
+            self.adapters[newcomer.adapter_set] = None
+            self.adapters.move_to_end(newcomer.adapter_set)
         self._changed()
         return placed
 
@@ -317,12 +403,25 @@ class ExecutorView:
 
     # ---- prediction ---------------------------------------------------------------------
     def predict(
-        self, newcomer: PlacementRequest | None, *, learnt: bool = True
+        self, newcomer: PlacementRequest | None, *, learnt: bool = True, adapters: bool = True
     ) -> Prediction | None:
         """Predicted start and finish (seconds from now) of ``newcomer`` here, or of the
         work already here when None; memoised until the view changes. ``learnt=False``:
         from the profile alone, without the corrections learnt from results (admission's
-        half-open probe compares the two)."""
+        half-open probe compares the two). The newcomer's adapter set adds its load (in its
+        lead, beside its encode) and the swaps it waits for; ``adapters=False`` leaves both
+        out (an adapter-blind policy)."""
+        prediction = self._predict(newcomer, learnt, adapters)
+        if prediction is None or newcomer is None or not adapters:
+            return prediction
+        swaps_s = self.adapter_swap_s(newcomer)
+        if swaps_s <= 0:
+            return prediction
+        return Prediction(prediction.start_s, prediction.finish_s + swaps_s)
+
+    def _predict(
+        self, newcomer: PlacementRequest | None, learnt: bool, adapters: bool
+    ) -> Prediction | None:
         # The pool's overheads change with other executors' results: they count too.
         version = (self.version, self.overheads.version)
         if self._memo_version != version:
@@ -330,7 +429,7 @@ class ExecutorView:
             self._memo_version = version
         member = None
         if newcomer is not None:
-            member = self.member(newcomer)
+            member = self.member(newcomer, adapters)
             if member is None:
                 return None
         # Newcomers whose masks differ by under 1/64 of the grid share a prediction.
@@ -426,10 +525,17 @@ class ExecutorView:
         self._solo_version, self._solo_work_s = self.version, total
         return total
 
-    def residency_cost_s(self, newcomer: PlacementRequest) -> float:
+    def residency_cost_s(self, newcomer: PlacementRequest, adapters: bool = True) -> float:
         """What the template's place adds: nothing in host memory, a disk load, or a bake
-        (the engine time of a full-path run) when it is not baked here."""
-        return self.load_s(newcomer) or self.bake_cost_s(newcomer)
+        (the engine time of a full-path run) when it is not baked here; and with
+        ``adapters`` what its adapter set adds: its load where the device lacks it, the
+        swaps where other sets run."""
+        tier = self.tier(newcomer.function, newcomer.template)
+        template_s = self.overheads.disk_load_s if tier is Residency.DISK else 0.0
+        cost = template_s or self.bake_cost_s(newcomer)
+        if adapters:
+            cost += self.adapter_load_s(newcomer) + self.adapter_swap_s(newcomer)
+        return cost
 
     def bake_cost_s(self, newcomer: PlacementRequest) -> float:
         """The engine time a bake of the template here would take (0 where it is baked):
@@ -484,11 +590,14 @@ class ExecutorView:
             return True
         calibration = self.step_calibration()
         step_s = self._joined_step_s(member, calibration)
+        swaps_s = self._added_swaps_s(newcomer)  # a new set's group slows every round
         for p in self.placed.values():
             if p.deadline is None:
                 continue
             before = 0.0 if p.started else calibration.pre_s
-            finish = now + before + p.member.steps_left * step_s + calibration.post_s
+            rounds = p.member.steps_left
+            added = min(rounds, newcomer.steps) * swaps_s
+            finish = now + before + rounds * step_s + added + calibration.post_s
             if finish > p.deadline:
                 return False
         return True
