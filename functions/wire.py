@@ -686,10 +686,6 @@ class EngineStats:
     # (0: pre/post run inline, or an executor that does not say).
     pre_workers: int = 0
     post_workers: int = 0
-    # Adapter sets: the median load of one onto the device and swap between batch groups of
-    # different sets, as this engine measured them (0: none yet): placement's adapter costs.
-    adapter_load_ms_p50: float = 0.0
-    adapter_swap_ms_p50: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -764,6 +760,19 @@ class AdapterStats:
     read_ms: float = 0.0
     inject_ms: float = 0.0
     swap_ms: float = 0.0
+
+    @property
+    def mean_load_ms(self) -> float:
+        """A file's load as measured here: read and built, then attached (0: none yet).
+        Placement's load cost of a set this executor does not hold."""
+        if not self.reads or not self.loads:
+            return 0.0
+        return self.read_ms / self.reads + self.inject_ms / self.loads
+
+    @property
+    def mean_swap_ms(self) -> float:
+        """A change of the active set between steps as measured here (0: none yet)."""
+        return self.swap_ms / self.swaps if self.swaps else 0.0
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

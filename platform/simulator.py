@@ -203,11 +203,21 @@ class Simulation:
             step_slope=spec.step_slope,
             pre_workers=spec.pre_workers,  # as an executor reports them: its predictions
             post_workers=spec.post_workers,  # count the wait for a worker
-            adapter_load_ms_p50=spec.adapter_load_s * 1e3,  # as its engine measures them
-            adapter_swap_ms_p50=spec.adapter_swap_s * 1e3,
+        )
+        adapters = wire.AdapterStats(  # as an executor reports its loads and swaps
+            reads=1,
+            loads=1,
+            swaps=1,
+            read_ms=spec.adapter_load_s * 1e3,
+            swap_ms=spec.adapter_swap_s * 1e3,
         )
         self._state = wire.ExecutorState(
-            "sim", 0, model.device, engine=engine, cost_models={MODEL: model.to_dict()}
+            "sim",
+            0,
+            model.device,
+            engine=engine,
+            cost_models={MODEL: model.to_dict()},
+            adapter_stats=adapters,
         )
         self.executors: list[SimExecutor] = []
         self._names = itertools.count()

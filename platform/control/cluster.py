@@ -93,13 +93,13 @@ class PlacementRequest:
 class AdapterCosts:
     """What an adapter set costs an executor: a load from disk when its device does not
     hold the set, and a swap whenever its engine turns from a batch group of one set to
-    another's. The executor's own medians (``EngineStats.adapter_load_ms_p50`` /
-    ``adapter_swap_ms_p50``) replace the defaults once it reports them."""
+    another's. The executor's own means (``AdapterStats.mean_load_ms`` /
+    ``mean_swap_ms``) replace the defaults once it reports them."""
 
     swap_s: float = ADAPTER_SWAP_S
     load_s: float = ADAPTER_LOAD_S  # a load of a set whose size is not known
     disk_bps: float = ADAPTER_DISK_BPS
-    measured_load_s: float = 0.0  # this executor's median load (0: none measured)
+    measured_load_s: float = 0.0  # this executor's mean load (0: none measured)
 
     def load(self, nbytes: int) -> float:
         """Seconds to load a set of ``nbytes`` here: measured, else by size, else the default."""
@@ -107,11 +107,11 @@ class AdapterCosts:
             return self.measured_load_s
         return nbytes / self.disk_bps if nbytes > 0 else self.load_s
 
-    def observe(self, engine: wire.EngineStats) -> None:
-        if engine.adapter_load_ms_p50 > 0:
-            self.measured_load_s = engine.adapter_load_ms_p50 / 1e3
-        if engine.adapter_swap_ms_p50 > 0:
-            self.swap_s = engine.adapter_swap_ms_p50 / 1e3
+    def observe(self, stats: wire.AdapterStats) -> None:
+        if stats.mean_load_ms > 0:
+            self.measured_load_s = stats.mean_load_ms / 1e3
+        if stats.mean_swap_ms > 0:
+            self.swap_s = stats.mean_swap_ms / 1e3
 
 
 @dataclass
@@ -174,7 +174,7 @@ class ExecutorView:
             self.calibration.step_slope = state.engine.step_slope
         self._observe_templates(state)
         self.observe_adapters(state.adapters)
-        self.adapter_costs.observe(state.engine)
+        self.adapter_costs.observe(state.adapter_stats)
         self._changed()
 
     def observe_adapters(self, resident: Sequence[str]) -> None:

@@ -37,9 +37,11 @@ def test_a_set_the_device_lacks_is_predicted_with_its_load() -> None:
     # its join waits for the load (the encode here takes no time)
     assert without.start_s == pytest.approx(ADAPTER_LOAD_S)
     assert without.finish_s == pytest.approx(with_set.finish_s + ADAPTER_LOAD_S)
-    # by size when the gateway knows it, and the executor's own median once it reports one
+    # by size when the gateway knows it, and the executor's own mean once it reports one
     assert bare.adapter_load_s(lora(0.2, nbytes=360_000_000)) == pytest.approx(0.2)
-    state = wire.ExecutorState("b", 0, "cpu", engine=wire.EngineStats(adapter_load_ms_p50=80.0))
+    state = wire.ExecutorState(
+        "b", 0, "cpu", adapter_stats=wire.AdapterStats(reads=1, loads=1, read_ms=80.0)
+    )
     bare.observe_state(state, cluster.costers)
     assert bare.adapter_load_s(lora(0.2, nbytes=360_000_000)) == pytest.approx(0.08)
     # the bare model and an adapter-blind prediction load nothing
