@@ -888,6 +888,7 @@ class ChangeKind(StrEnum):
     BAKE_FAILED = "bake_failed"
     HOST_TIER = "host_tier"  # a template was loaded into host memory (others may have left)
     LOST = "lost"  # a template's activations were not found (it will be baked again)
+    ADAPTERS = "adapters"  # an adapter set became resident on the device, or was evicted
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
@@ -123,11 +123,19 @@ class AdapterResidency:
     any thread (the lock guards the tables); :meth:`load_step` and :meth:`activate` on the
     engine thread only, which alone changes the denoiser's modules."""
 
-    def __init__(self, pipe: DiffusionPipeline, budget_bytes: int) -> None:
+    def __init__(
+        self,
+        pipe: DiffusionPipeline,
+        budget_bytes: int,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
         self.pipeline = type(pipe)
         self.prefix = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
         self.denoiser = getattr(pipe, self.prefix)
         self.budget_bytes = budget_bytes
+        # Called (engine thread) when a set becomes resident or is evicted: placement
+        # follows the resident sets (the executor's change feed).
+        self.on_change = on_change or (lambda: None)
         self.counters = AdapterCounters()
         self._lock = threading.Lock()
         self._files: dict[str, AdapterFile] = {}
@@ -284,6 +292,7 @@ class AdapterResidency:
         with self._lock:
             entry.resident = True
         self._evict(keep=entry.id)
+        self.on_change()
 
     def _file(self, entry: AdapterSet, path: str) -> AdapterFile:
         with self._lock:
@@ -320,6 +329,7 @@ class AdapterResidency:
             if victim.id == self._last:
                 self._applied = False
             log.info("evicted adapter set %s (%d files unloaded)", victim.id, len(gone))
+            self.on_change()
 
     def _freed_by(self, victim: AdapterSet) -> list[str]:
         """(lock held) The files evicting ``victim`` unloads: those no other resident or

@@ -353,7 +353,11 @@ class ExecutorCore:
         with self.lock:
             residency = self._adapters.get(spec.source.key)
             if residency is None:
-                residency = AdapterResidency(loaded.pipe, self.adapter_bytes)
+                residency = AdapterResidency(
+                    loaded.pipe,
+                    self.adapter_bytes,
+                    on_change=lambda: self.changes.publish(wire.ChangeKind.ADAPTERS),
+                )
                 self._adapters[spec.source.key] = residency
         return residency
 

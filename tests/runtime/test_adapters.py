@@ -137,7 +137,12 @@ def test_a_file_is_injected_once_and_sets_evict_least_recently_used(
     _activate(probe, (AdapterSpec(loras[0], 1.0),))
     one_file = probe.counters.loads and sum(f.nbytes for f in probe._files.values())
 
-    residency = AdapterResidency(_pipe(models_dir), budget_bytes=2 * one_file)
+    changes: list[tuple[str, ...]] = []  # what the executor's change feed is told
+    residency = AdapterResidency(
+        _pipe(models_dir),
+        budget_bytes=2 * one_file,
+        on_change=lambda: changes.append(resident_sets([residency])),
+    )
     a = (AdapterSpec(loras[0], 0.5),)
     a_strong = (AdapterSpec(loras[0], 1.5),)  # the same file at another scale
     b, c = (AdapterSpec(loras[1], 1.0),), (AdapterSpec(loras[2], 1.0),)
@@ -145,10 +150,12 @@ def test_a_file_is_injected_once_and_sets_evict_least_recently_used(
     assert residency.counters.loads == 2  # l0 once for both of its sets, l1
     assert residency.counters.swaps == 3
     assert resident_sets([residency]) == tuple(ids)  # least recently used first
+    assert changes[-1] == tuple(ids) and len(changes) == 3  # each set as it became resident
 
     pinned = residency.use(ids[0])  # an invocation of a holds it
     _activate(residency, c)  # three files over a budget of two: evict, but not a
     assert residency.counters.evictions == 1
+    assert adapter_set_id(b) not in changes[-1]  # the eviction was told too
     assert set(resident_sets([residency])) == {ids[0], ids[1], adapter_set_id(c)}
     pinned.release()
     key = residency.weights_key()
