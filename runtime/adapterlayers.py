@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,8 @@ from diffusers.utils.peft_utils import _create_lora_config
 from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
+
+CHUNK = 8  # targets built per shadow between two calls of a build's ``pace``
 
 
 @dataclass
@@ -51,10 +54,16 @@ def build_layers(
     weights: dict[str, torch.Tensor],
     alphas: dict[str, float] | None,
     name: str,
+    pace: Callable[[float], None] | None = None,
 ) -> LoraLayers:
     """(any thread) The file's LoRA layers for ``denoiser``, as ``load_lora_adapter``
-    would make them, built on a shadow of the targeted layers: the live modules are only
-    read. ``weights`` and ``alphas`` are in diffusers' layout (``lora_state_dict``)."""
+    would make them, built on shadows of the targeted layers: the live modules are only
+    read. ``weights`` and ``alphas`` are in diffusers' layout (``lora_state_dict``).
+
+    The build runs :data:`CHUNK` targets at a time, each chunk on its own shadow (peft's
+    walks stay small), and hands the seconds each took to ``pace`` (which may sleep):
+    building is Python work that holds the interpreter lock, so a build at full speed
+    slows a step that needs it too."""
     state = {
         k.removeprefix(f"{prefix}."): v for k, v in weights.items() if k.startswith(f"{prefix}.")
     }
@@ -71,13 +80,32 @@ def build_layers(
         }
     config = _create_lora_config(state, alphas, None, ranks, adapter_name=name)
     targets = sorted({k.split(".lora")[0] for k in state})
+    built: deque[tuple[str, BaseTunerLayer]] = deque()
+    for start in range(0, len(targets), CHUNK):
+        began = time.perf_counter()
+        chunk = targets[start : start + CHUNK]
+        built.extend(_build_chunk(denoiser, config, state, chunk, name))
+        if pace is not None:
+            pace(time.perf_counter() - began)
+    return LoraLayers(name, config, built)
+
+
+def _build_chunk(
+    denoiser: nn.Module,
+    config: LoraConfig,
+    state: dict[str, torch.Tensor],
+    targets: list[str],
+    name: str,
+) -> list[tuple[str, BaseTunerLayer]]:
+    """The wrappers of ``targets``, built and loaded on a shadow of their base layers."""
     shadow = _shadow(denoiser, targets)
+    mine = {k: v for k, v in state.items() if k.split(".lora")[0] in targets}
     inject_adapter_in_model(config, shadow, adapter_name=name, low_cpu_mem_usage=True)
-    set_peft_model_state_dict(shadow, state, adapter_name=name, low_cpu_mem_usage=True)
-    built = deque((path, shadow.get_submodule(path)) for path in targets)
+    set_peft_model_state_dict(shadow, mine, adapter_name=name, low_cpu_mem_usage=True)
+    built = [(path, shadow.get_submodule(path)) for path in targets]
     for _, wrapper in built:
         wrapper.set_adapter([])  # attached, it computes its base layer until selected
-    return LoraLayers(name, config, built)
+    return built
 
 
 def _shadow(denoiser: nn.Module, targets: list[str]) -> nn.Module:

@@ -128,11 +128,14 @@ class AdapterResidency:
         pipe: DiffusionPipeline,
         budget_bytes: int,
         on_change: Callable[[], None] | None = None,
+        build_share: float = 1.0,
     ) -> None:
         self.pipeline = type(pipe)
         self.prefix = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
         self.denoiser = getattr(pipe, self.prefix)
         self.budget_bytes = budget_bytes
+        # The reader's duty cycle while it builds layers (executors: ``adapter_build_share``).
+        self.build_share = build_share
         # Called (engine thread) when a set becomes resident or is evicted: placement
         # follows the resident sets (the executor's change feed).
         self.on_change = on_change or (lambda: None)
@@ -220,13 +223,19 @@ class AdapterResidency:
             started = time.perf_counter()
             weights, alphas = read_lora(self.pipeline, path)
             nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-            layers = build_layers(self.denoiser, self.prefix, weights, alphas, name)
+            layers = build_layers(
+                self.denoiser, self.prefix, weights, alphas, name, pace=self._pace
+            )
             took = (time.perf_counter() - started) * 1e3
             with self._lock:
                 self._files.setdefault(path, AdapterFile(path, nbytes, layers))
                 self.counters.reads += 1
                 self.counters.read_ms += took
             log.info("read LoRA %s (%d bytes) in %.1f ms for %s", path, nbytes, took, set_id)
+
+    def _pace(self, worked_s: float) -> None:
+        """(reader thread) Sleep so that building takes ``build_share`` of the time."""
+        time.sleep(worked_s * (1.0 / self.build_share - 1.0))
 
     def is_resident(self, set_id: str) -> bool:
         """Whether every file of the set is in the denoiser (it can step now)."""

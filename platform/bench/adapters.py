@@ -41,6 +41,7 @@ from retouch.platform.server import ServerProcess
 from retouch.runtime.adapters import BARE, AdapterResidency, read_lora
 from retouch.runtime.demoloras import write_lora
 from retouch.runtime.engine import Engine, EngineConfig, Work
+from retouch.runtime.executor.options import BUILD_SHARE
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 
 SIZE = 64  # the functions' resolution in the memory runs
@@ -120,7 +121,7 @@ def _latency(
     where = torch.device("cpu")
     family, pipe, size = load_demo(model, models_dir, "adapters", where)
     editor = MaskAwareEditor(pipe, family, where)
-    residency = AdapterResidency(pipe, budget_bytes=1 << 30)
+    residency = AdapterResidency(pipe, budget_bytes=1 << 30, build_share=BUILD_SHARE)
     swaps = _swaps(residency, resident)
     request = EditRequest(
         template_image((size, size), 7), _mask(size), "a red door", 5, steps, 4.0, "street", 3
@@ -153,6 +154,10 @@ def _latency(
     before = [p for t, p in periods if t < arrived]
     loading = [p for t, p in periods if arrived < t <= newcomer.joined]
     counters = residency.counters
+    # Any newcomer, of the running set or none, joins at a step boundary: the first one
+    # after its arrival is the wait a newcomer without an adapter to load would have.
+    boundary = min(t for t in stepped if t > arrived)
+    load_ms = (counters.read_ms - swaps["read_ms"]) + (counters.inject_ms - swaps["inject_ms"])
     return {
         "running_batch": batch,
         "step_period_ms_before": round(statistics.median(before), 1),
@@ -164,6 +169,9 @@ def _latency(
         "newcomer_read_and_build_ms": round(counters.read_ms - swaps["read_ms"], 1),
         "newcomer_attach_engine_ms": round(counters.inject_ms - swaps["inject_ms"], 1),
         "newcomer_read_done_to_join_ms": round((newcomer.joined - read_at[0]) * 1e3, 1),
+        "newcomer_load_ms": round(load_ms, 1),
+        "next_step_boundary_ms": round((boundary - arrived) * 1e3, 1),
+        "newcomer_wait_beyond_boundary_ms": round((newcomer.joined - boundary) * 1e3, 1),
         "one_piece_load_lora_adapter_ms": round(_one_piece_ms(model, models_dir, late), 1),
         "swaps": swaps,
         "counters": dataclasses.asdict(counters),

@@ -39,7 +39,7 @@ from retouch.runtime.adapters import AdapterResidency, adapter_stats, resident_s
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.engine import Engine, OnStep, Output, Work
 from retouch.runtime.executor.changes import ChangeFeed
-from retouch.runtime.executor.options import ADAPTER_BUDGET_BYTES
+from retouch.runtime.executor.options import ADAPTER_BUDGET_BYTES, BUILD_SHARE
 from retouch.runtime.fingerprint import weights_fingerprint
 from retouch.runtime.maskaware.editor import EditRequest, Encoded, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
@@ -185,9 +185,11 @@ class ExecutorCore:
         profile_in_background: bool = True,
         cuda_graphs: bool = False,
         adapter_bytes: int = ADAPTER_BUDGET_BYTES,
+        adapter_build_share: float = BUILD_SHARE,
     ) -> None:
         self.name = name
         self.adapter_bytes = adapter_bytes  # LoRA weights kept in each model copy's denoiser
+        self.adapter_build_share = adapter_build_share  # the LoRA builder's duty cycle
         self.cuda_graphs = cuda_graphs  # steps of device-resident batches from CUDA graphs
         self.models = models
         self.templates = templates
@@ -356,6 +358,7 @@ class ExecutorCore:
                 residency = AdapterResidency(
                     loaded.pipe,
                     self.adapter_bytes,
+                    build_share=self.adapter_build_share,
                     on_change=lambda: self.changes.publish(wire.ChangeKind.ADAPTERS),
                 )
                 self._adapters[spec.source.key] = residency

@@ -104,6 +104,7 @@ def build_core(args: argparse.Namespace) -> ExecutorCore:
         data_dir=shared,
         cuda_graphs=options.cuda_graphs and device.type == "cuda",
         adapter_bytes=options.adapter_cache_bytes,
+        adapter_build_share=options.adapter_build_share,
     )
 
 

@@ -19,6 +19,11 @@ CORES_PER_WORKER = 4  # pre and post workers each: one per this many cores, at l
 # LoRA weights each loaded model copy keeps in its denoiser: a few SD3-sized adapters
 # (~0.9 GiB each), or dozens of SD 1.5 ones
 ADAPTER_BUDGET_BYTES = 2 << 30
+# The adapter reader's duty cycle while it builds a LoRA's layers: building is Python work
+# holding the interpreter lock that a step needs too (on a CPU executor nearly all of a
+# step), so at full speed a build slows the running batch's step by its own length. At 0.1
+# the step slows by about a tenth (#34's bound) and a load takes about ten times its work.
+BUILD_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,13 @@ class ExecutorOptions:
         "LoRA adapter weights kept resident in each loaded model's denoiser, in bytes; "
         "beyond it the least recently used adapter set is unloaded",
         shown="2 GiB",
+    )
+    adapter_build_share: float = knob(
+        BUILD_SHARE,
+        "share of its time the background thread that builds a LoRA's layers may work "
+        "(it sleeps the rest): the build holds the interpreter lock a step needs too, so "
+        "at 0.1 a step slows by about a tenth while a LoRA loads, and the load takes ten "
+        "times its work; in (0, 1]",
     )
     maskaware: bool = knob(
         True, "mask-aware edits; --no-maskaware computes every token (for comparisons)"
@@ -91,6 +103,10 @@ class ExecutorOptions:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.adapter_build_share <= 1:
+            raise ValueError(
+                f"adapter_build_share must be in (0, 1], got {self.adapter_build_share}"
+            )
         for name in ("max_batch", "worker_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
