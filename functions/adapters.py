@@ -66,6 +66,10 @@ def parse_adapters(raw: Any) -> tuple[AdapterSpec, ...]:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise InvalidSpec(f"adapter name {name!r} is used twice", field=f"adapters[{i}].name")
+    paths = [a.path for a in out]
+    for i, path in enumerate(paths):
+        if path in paths[:i]:  # one file, one scale: write the sum
+            raise InvalidSpec(f"adapter file {path!r} is listed twice", field=f"adapters[{i}].path")
     return tuple(out)
 
 

@@ -135,8 +135,9 @@ def attach_some(denoiser: nn.Module, lora: LoraLayers, deadline: float | None) -
     ``perf_counter`` time; at least one layer; None: all of them). True once every layer
     is in and the adapter is registered with the denoiser."""
     while lora.pending:
-        path, wrapper = lora.pending.popleft()
-        _attach(denoiser, path, wrapper, lora.name)
+        path, wrapper = lora.pending[0]
+        _attach(denoiser, path, wrapper, lora.name)  # on failure the layer stays pending
+        lora.pending.popleft()
         if deadline is not None and time.perf_counter() >= deadline and lora.pending:
             return False
     if lora.config is not None:

@@ -61,6 +61,15 @@ class FileState(StrEnum):
     INJECTED = "injected"  # all in and registered: ``set_adapters`` may select it
 
 
+class AdapterReadError(ValueError):
+    """A LoRA file that could not be read or built for this denoiser (``path``): a deploy
+    turns it into the spec's error naming the entry."""
+
+    def __init__(self, path: str, cause: BaseException) -> None:
+        super().__init__(f"{path}: {type(cause).__name__}: {cause}")
+        self.path = path
+
+
 @dataclass
 class AdapterFile:
     """One LoRA file's denoiser layers (``layers.name``: its PEFT adapter name, unique per
@@ -212,7 +221,7 @@ class AdapterResidency:
             running = self._reads[entry.id] = self._reader.submit(self._read, entry.id, missing)
         return running
 
-    def _read(self, set_id: str, paths: list[str]) -> None:
+    def _read(self, set_id: str, paths: list[str], paced: bool = True) -> None:
         """(reader thread) Read the files one after another and build their layers (one
         reader: no file twice)."""
         for path in paths:
@@ -221,17 +230,22 @@ class AdapterResidency:
                     continue
                 name = f"lora{next(self._names)}"
             started = time.perf_counter()
-            weights, alphas = read_lora(self.pipeline, path)
-            nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-            layers = build_layers(
-                self.denoiser, self.prefix, weights, alphas, name, pace=self._pace
-            )
+            try:
+                weights, alphas = read_lora(self.pipeline, path)
+                nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+                layers = build_layers(
+                    self.denoiser, self.prefix, weights, alphas, name, self._pace if paced else None
+                )
+            except Exception as exc:
+                raise AdapterReadError(path, exc) from exc
             took = (time.perf_counter() - started) * 1e3
             with self._lock:
                 self._files.setdefault(path, AdapterFile(path, nbytes, layers))
                 self.counters.reads += 1
                 self.counters.read_ms += took
             log.info("read LoRA %s (%d bytes) in %.1f ms for %s", path, nbytes, took, set_id)
+        if paced:  # the reader thread: built layers count in the budget as soon as they exist
+            self._evict(keep=set_id, engine_thread=False)
 
     def _pace(self, worked_s: float) -> None:
         """(reader thread) Sleep so that building takes ``build_share`` of the time."""
@@ -308,37 +322,54 @@ class AdapterResidency:
             file = self._files.get(path)
         if file is None:  # evicted after its read (an unpinned prefetch): read it now
             log.warning("LoRA %s read on the engine thread (it was evicted)", path)
-            self._read(entry.id, [path])
+            self._read(entry.id, [path], paced=False)  # the engine thread never sleeps
             with self._lock:
                 file = self._files[path]
         return file
 
-    def _evict(self, keep: str) -> None:
-        """Drop least recently used unpinned sets while the injected bytes exceed the
-        budget. A file stays while a kept or pinned set uses it, so a set whose files all
-        stay frees nothing and is kept."""
+    def _evict(self, keep: str, engine_thread: bool = True) -> None:
+        """Drop least recently used unpinned sets while the bytes of the files holding
+        layers — built (they sit on the device, beside the base layers they wrap) or in the
+        denoiser — exceed the budget. A file stays while a kept or pinned set uses it, so a
+        set whose files all stay frees nothing and is kept. Off the engine thread only
+        files not in the denoiser are dropped (unloading changes live modules); a set
+        whose layers are being attached is never a victim."""
         while True:
             with self._lock:
-                used = sum(f.nbytes for f in self._files.values() if f.injected)
+                used = sum(f.nbytes for f in self._files.values())
                 if used <= self.budget_bytes:
                     return
                 freeing = {
                     s.id: self._freed_by(s)
                     for s in self._sets.values()
-                    if s.resident and s.id not in (BARE, keep) and s.pins == 0
+                    if s.id not in (BARE, keep) and s.pins == 0
                 }
-                victims = [self._sets[i] for i, paths in freeing.items() if paths]
+                victims = [
+                    self._sets[i]
+                    for i, paths in freeing.items()
+                    if paths and self._evictable(paths, engine_thread)
+                ]
                 if not victims:
                     return
                 victim = min(victims, key=lambda s: s.last_used)
-                victim.resident = False
+                was_resident, victim.resident = victim.resident, False
                 gone = [self._files.pop(p) for p in freeing[victim.id]]
                 self.counters.evictions += 1
-            self.denoiser.delete_adapters([f.name for f in gone])
+            unloaded = [f.name for f in gone if f.injected]
+            if unloaded:
+                self.denoiser.delete_adapters(unloaded)
             if victim.id == self._last:
                 self._applied = False
-            log.info("evicted adapter set %s (%d files unloaded)", victim.id, len(gone))
-            self.on_change()
+            log.info("evicted adapter set %s (%d files dropped)", victim.id, len(gone))
+            if was_resident:
+                self.on_change()
+
+    def _evictable(self, paths: list[str], engine_thread: bool) -> bool:
+        """(lock held) Whether these read files may be dropped from this thread."""
+        states = {self._files[p].state for p in paths if p in self._files}
+        if FileState.ATTACHING in states or len(states) == 0:
+            return False
+        return engine_thread or states == {FileState.BUILT}
 
     def _freed_by(self, victim: AdapterSet) -> list[str]:
         """(lock held) The files evicting ``victim`` unloads: those no other resident or
@@ -349,7 +380,7 @@ class AdapterResidency:
             if s.id != victim.id and (s.resident or s.pins)
             for p in s.scales
         }
-        return [p for p in victim.scales if p not in needed]
+        return [p for p in victim.scales if p not in needed and p in self._files]
 
 
 @dataclass

@@ -70,10 +70,10 @@ class TextAdapters:
         (none: the base encoders), loading files not seen before. Afterwards the encoders
         are the base model's again: an encode outside this context gets no function's LoRA."""
         with self._lock:
-            for i, adapter in enumerate(adapters):
-                self._load(adapter, f"adapters[{i}].path")
-            self._activate(adapters)
             try:
+                for i, adapter in enumerate(adapters):
+                    self._load(adapter, f"adapters[{i}].path")
+                self._activate(adapters)
                 yield
             finally:
                 self._activate(())
@@ -94,12 +94,19 @@ class TextAdapters:
         if adapter.path in self._files:
             return
         state, alphas = _lora_state(self.pipe, adapter.path, where)
-        adapted = []
-        for prefix, encoder in self.encoders.items():
-            part = _encoder_part(state, prefix, encoder)
-            if part:
-                _inject(encoder, part, _alphas_of(alphas, prefix), adapter, where)
-                adapted.append(prefix)
+        adapted: list[str] = []
+        try:
+            for prefix, encoder in self.encoders.items():
+                part = _encoder_part(state, prefix, encoder)
+                if part:
+                    _inject(encoder, part, _alphas_of(alphas, prefix), adapter, where)
+                    adapted.append(prefix)
+        except BaseException:
+            # A file one encoder refused leaves no layers in the encoders that took it
+            # (peft makes a new adapter active: every later encode would use it).
+            for prefix in adapted:
+                delete_adapter_layers(self.encoders[prefix], adapter_name(adapter.path))
+            raise
         self._files[adapter.path] = tuple(adapted)
         if adapted:
             log.info("loaded the %s part of %s", ", ".join(adapted), adapter.path)
@@ -108,11 +115,14 @@ class TextAdapters:
         for prefix, encoder in self.encoders.items():
             if not any(prefix in adapted for adapted in self._files.values()):
                 continue  # no LoRA layers in this encoder: nothing to switch
-            active = [a for a in adapters if prefix in self._files[a.path]]
-            set_adapter_layers(encoder, enabled=bool(active))
-            if active:
-                names = [adapter_name(a.path) for a in active]
-                set_weights_and_activate_adapters(encoder, names, [a.scale for a in active])
+            scales: dict[str, float] = {}  # one file named twice: its scales summed
+            for a in adapters:
+                if prefix in self._files.get(a.path, ()):
+                    name = adapter_name(a.path)
+                    scales[name] = scales.get(name, 0.0) + a.scale
+            set_adapter_layers(encoder, enabled=bool(scales))
+            if scales:
+                set_weights_and_activate_adapters(encoder, list(scales), list(scales.values()))
 
 
 def _lora_state(

@@ -30,12 +30,17 @@ from PIL import Image
 from retouch.functions import wire
 from retouch.functions.adaptercheck import check_adapters
 from retouch.functions.adapters import AdapterSpec
-from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound
+from retouch.functions.errors import BadRequest, Canceled, Conflict, InvalidSpec, NotFound
 from retouch.functions.families import check_edit
 from retouch.functions.imaging import encode_image, mask_ratio
 from retouch.functions.modelcheck import ModelFiles, ModelKind
 from retouch.functions.spec import FunctionSpec
-from retouch.runtime.adapters import AdapterResidency, adapter_stats, resident_sets
+from retouch.runtime.adapters import (
+    AdapterReadError,
+    AdapterResidency,
+    adapter_stats,
+    resident_sets,
+)
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.engine import Engine, OnStep, Output, Work
 from retouch.runtime.executor.changes import ChangeFeed
@@ -265,7 +270,7 @@ class ExecutorCore:
         for other in spec.schedulers:  # the ones requests may choose: built now, not on one
             self.editor(spec, other)
         sched_config = dict(editor.impl.pipe.scheduler.config)
-        self.residency(spec).register(spec.adapters)  # its files start loading now
+        self._read_adapters(spec)
         fingerprint = weights_fingerprint(loaded.fingerprint, spec.adapters)
         # Lock order: core.lock, then the template cache's lock. Registration only looks
         # keys up in the store's tables; the held section does no model work and no scan.
@@ -293,6 +298,23 @@ class ExecutorCore:
         if not self._encodes_elsewhere():
             self.text_adapters(spec).load(spec.adapters)
 
+    def _read_adapters(self, spec: FunctionSpec) -> None:
+        """Read and build the function's denoiser adapters now (a deploy waits for it): a
+        file that does not fit this denoiser (a kohya file, a single-file model: what the
+        header check cannot see) fails the deploy naming its entry, not every invocation."""
+        residency = self.residency(spec)
+        use = residency.use(residency.register(spec.adapters))
+        try:
+            use.read.result()
+        except AdapterReadError as exc:
+            index = next(i for i, a in enumerate(spec.adapters) if a.path == exc.path)
+            raise InvalidSpec(
+                f"{exc}: it does not fit this model's denoiser (a LoRA for another base model?)",
+                field=f"adapters[{index}].path",
+            ) from exc
+        finally:
+            use.release()
+
     def text_adapters(self, spec: FunctionSpec) -> TextAdapters:
         """The text-encoder adapters of ``spec``'s model in this process (its own encodes:
         no pre workers, or ``--inline-prepost``)."""
@@ -307,11 +329,18 @@ class ExecutorCore:
         self, spec: FunctionSpec, editor: MaskAwareEditor
     ) -> Callable[[EditRequest], Encoded] | None:
         """How the engine thread encodes ``spec``'s invocations when this process encodes
-        them (no pre workers): with the function's text-encoder LoRAs active; None where the
-        editor's own encode is right (no adapters, or pre workers encode)."""
-        if not spec.adapters or self._encodes_elsewhere():
+        them (no pre workers): with the function's text-encoder LoRAs active (a bare
+        function's with none, under the same lock as a deploy's load); None where the
+        editor's own encode is right (no LoRA on the model's encoders, or pre workers)."""
+        if self._encodes_elsewhere():
             return None
-        text = self.text_adapters(spec)
+        if spec.adapters:
+            text = self.text_adapters(spec)
+        else:  # a bare function of a model whose encoders hold others' LoRAs: none active
+            with self.lock:
+                text = self._text.get(spec.source.key)
+            if text is None:
+                return None
 
         def encode(request: EditRequest) -> Encoded:
             with text.encoding(spec.adapters):
@@ -554,6 +583,8 @@ class ExecutorCore:
             inv.negative_prompt,
             inv.strength,
         )
+        encode_inline = self._inline_encoder(spec, editor)
+        # pinned from here: nothing that can fail comes between this and the submit's try
         adapters = self.residency(spec).use(spec.adapter_set)  # read now if not in memory
         work = Work(
             key=(spec.source.key, scheduler, spec.width, spec.height, spec.adapter_set),
@@ -569,7 +600,7 @@ class ExecutorCore:
             feather_px=spec.feather_px if spec.composite else None,
             adapters=adapters,
             text_adapters=spec.adapters,
-            encode_inline=self._inline_encoder(spec, editor),
+            encode_inline=encode_inline,
         )
         try:
             future = self.engine.submit(work)  # raises EngineUnavailable when dead or stopping

@@ -8,6 +8,8 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from retouch.functions.adapters import AdapterSpec
 from retouch.functions.errors import RetouchError
@@ -79,3 +81,27 @@ def _refused_raw(admin: Client, spec_doc: dict, images: dict[str, bytes]) -> Ret
     with pytest.raises(RetouchError) as caught:
         admin.call(Call("PUT", f"/v1/functions/{spec_doc['name']}", body))
     return caught.value
+
+
+def test_a_kohya_lora_that_does_not_fit_fails_the_deploy_on_the_executor(
+    admin: Client, examples: Path, models_dir: Path, tmp_path: Path
+) -> None:
+    """A kohya-layout file (the header check reads no widths from its names): small-sd's
+    LoRA on tiny-sd fails when the executor builds its layers at deploy, naming the entry,
+    rather than failing every invocation later."""
+    peft_file = write_lora("retouch:small-sd", models_dir, tmp_path / "small")
+    tensors = load_file(str(peft_file))
+    kohya: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        module, _, kind = key.removeprefix("unet.").rpartition(".lora_")
+        name = "lora_unet_" + module.replace(".", "_")
+        kohya[f"{name}.lora_{'down' if kind.startswith('A') else 'up'}.weight"] = value
+        kohya[f"{name}.alpha"] = torch.tensor(float(min(value.shape)))
+    path = tmp_path / "kohya.safetensors"
+    save_file(kohya, str(path))
+    spec, images = read_spec_file(examples / "tiny-sd.toml")
+    spec = dataclasses.replace(spec, name="kohya-misfit", adapters=(AdapterSpec(str(path)),))
+    doc = admin.deploy(spec, images)
+    assert doc["status"] == "failed", doc
+    assert doc["error_field"] == "adapters[0].path", doc
+    assert "kohya.safetensors" in doc["error"]

@@ -319,3 +319,23 @@ def test_a_running_batch_steps_while_a_read_adapter_is_attached(served, loras: l
     for name, out, alone in (("bare", bare_out, bare_alone), ("lora", lora_out, lora_alone)):
         pixels = np.asarray(Image.open(io.BytesIO(out.image))).astype(np.float32) / 255
         assert psnr(pixels, alone) >= 45, name  # its own image, up to 8-bit rounding
+
+
+def test_built_layers_count_in_the_budget_before_they_are_attached(
+    loras: list[str], models_dir: Path
+) -> None:
+    """Layers built in the background already hold memory (beside the base layers, on the
+    device): sets read at deploy and never used are dropped beyond the budget, by the reader
+    itself, least recently used first, never a pinned one."""
+    probe = AdapterResidency(_pipe(models_dir), BUDGET)
+    _activate(probe, (AdapterSpec(loras[0], 1.0),))
+    one_file = sum(f.nbytes for f in probe._files.values())
+    residency = AdapterResidency(_pipe(models_dir), budget_bytes=2 * one_file)
+    pinned = residency.use(residency.register((AdapterSpec(loras[0], 1.0),)))
+    for path in loras[1:3]:
+        residency.use(residency.register((AdapterSpec(path, 1.0),))).release()
+    residency.use(residency.register((AdapterSpec(loras[3], 1.0),))).read.result(timeout=60)
+    kept = set(residency._files)
+    assert len(kept) == 2 and loras[0] in kept and loras[3] in kept  # pinned, and the newest
+    assert residency.counters.evictions == 2 and residency.counters.loads == 0
+    pinned.release()

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from retouch.functions.adapters import AdapterSpec
 from retouch.functions.demo.images import mask_of_ratio, template_image
@@ -114,3 +114,31 @@ def test_a_text_lora_for_another_base_model_is_the_specs_error(
     assert caught.value.field == "adapters[0].path"
     with text.encoding((AdapterSpec(str(lora), 1.0, "a"),)):  # the one that fits still does
         pass
+
+
+def test_a_file_one_encoder_refuses_leaves_no_layers_in_the_other(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    """A two-encoder model (tiny-sdxl): a file whose ``text_encoder`` part fits and whose
+    ``text_encoder_2`` part does not is refused, and the first encoder is left exactly as
+    it was: no LoRA of it active in later encodes (a bare function's included)."""
+    fits = write_lora("retouch:tiny-sdxl", models_dir, tmp_path / "fits", text_encoder=True)
+    tensors = load_file(str(fits))
+    for key in [k for k in tensors if k.startswith("text_encoder.")]:  # 2's modules, 1's widths
+        wide = tensors[key].shape[1] * 3 if ".lora_A." in key else tensors[key].shape[0] * 3
+        shape = (
+            (tensors[key].shape[0], wide) if ".lora_A." in key else (wide, tensors[key].shape[1])
+        )
+        tensors["text_encoder_2." + key.removeprefix("text_encoder.")] = torch.ones(shape)
+    broken = tmp_path / "broken.safetensors"
+    save_file(tensors, str(broken))
+    folder = ensure_demo_model("retouch:tiny-sdxl", models_dir)
+    pipe = load_pipeline(folder, "sdxl-inpaint", torch.device("cpu"))
+    before = pipe.encode_prompt(PROMPT, device=torch.device("cpu"))[0]
+    text = TextAdapters(pipe)
+    with pytest.raises(InvalidSpec) as caught:
+        text.load((AdapterSpec(str(broken), 1.0, "broken"),))
+    assert caught.value.field == "adapters[0].path"
+    assert not any(len(getattr(m, "lora_A", ())) for m in pipe.text_encoder.modules())
+    with text.encoding(()):
+        assert torch.equal(pipe.encode_prompt(PROMPT, device=torch.device("cpu"))[0], before)
