@@ -133,8 +133,8 @@ class GatewayMetrics:
         )
         self.adapter_events = Counter(
             "retouch_adapter_events",
-            "LoRA adapter work in the executors: read (a file read and converted, in the "
-            "background), load (a file injected into a denoiser, between steps), swap (a step "
+            "LoRA adapter work in the executors: read (a file read, converted and its layers "
+            "built, in the background), load (a file injected into a denoiser, between steps), swap (a step "
             "ran another adapter set than the step before), eviction (a set unloaded for the "
             "adapter byte budget)",
             ["executor", "event"],
@@ -142,7 +142,7 @@ class GatewayMetrics:
         )
         self.adapter_seconds = Counter(
             "retouch_adapter_seconds",
-            "Time the executors spent on LoRA adapters: read (background), inject and swap "
+            "Time the executors spent on LoRA adapters: read and build (background), inject and swap "
             "(the engine thread, between steps)",
             ["executor", "stage"],
             registry=r,

@@ -22,7 +22,6 @@ import hashlib
 import logging
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from diffusers import DiffusionPipeline
@@ -37,6 +36,7 @@ from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 
 from retouch.functions.adapters import AdapterSpec
 from retouch.functions.errors import InvalidSpec
+from retouch.runtime.adapters import read_lora
 
 log = logging.getLogger(__name__)
 
@@ -128,17 +128,15 @@ class TextAdapters:
 def _lora_state(
     pipe: DiffusionPipeline, path: str, where: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
-    """The file's state dict and network alphas as ``load_lora_weights`` reads them (kohya
-    and older diffusers layouts converted); a file diffusers cannot read is the spec's."""
+    """The file's state dict and network alphas as the denoiser's residency reads them
+    (:func:`read_lora`: kohya and older diffusers layouts converted); a file diffusers
+    cannot read is the spec's."""
     try:
-        out: Any = type(pipe).lora_state_dict(path)
+        return read_lora(type(pipe), path)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise InvalidSpec(
             f"{path}: diffusers cannot read it as a LoRA ({exc})", field=where
         ) from exc
-    if isinstance(out, tuple):
-        return out[0], out[1] if len(out) > 1 else None
-    return out, None
 
 
 def _encoder_part(
