@@ -28,27 +28,20 @@ import torch
 from PIL import Image
 
 from retouch.functions import wire
-from retouch.functions.adaptercheck import check_adapters
 from retouch.functions.adapters import AdapterSpec
-from retouch.functions.errors import BadRequest, Canceled, Conflict, InvalidSpec, NotFound
+from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound
 from retouch.functions.families import check_edit
 from retouch.functions.imaging import encode_image, mask_ratio
-from retouch.functions.modelcheck import ModelFiles, ModelKind
 from retouch.functions.spec import FunctionSpec
-from retouch.runtime.adapters import (
-    AdapterReadError,
-    AdapterResidency,
-    adapter_stats,
-    resident_sets,
-)
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.engine import Engine, OnStep, Output, Work
+from retouch.runtime.executor.adapterhost import AdapterHost
 from retouch.runtime.executor.changes import ChangeFeed
 from retouch.runtime.executor.options import ADAPTER_BUDGET_BYTES, BUILD_SHARE
 from retouch.runtime.fingerprint import weights_fingerprint
 from retouch.runtime.maskaware.editor import EditRequest, Encoded, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
-from retouch.runtime.models import LoadedModel, ModelCache
+from retouch.runtime.models import ModelCache
 from retouch.runtime.plan import make_planner
 from retouch.runtime.prediction import plan_table
 from retouch.runtime.profiling import (
@@ -59,7 +52,6 @@ from retouch.runtime.profiling import (
 )
 from retouch.runtime.steprecords import load_step_records, save_step_records
 from retouch.runtime.templates import BakeState, Template, TemplateCache
-from retouch.runtime.textadapters import TextAdapters
 from retouch.runtime.worker_server import POST, PRE
 from retouch.runtime.workers import PrePostPool, WorkerDied
 
@@ -193,8 +185,6 @@ class ExecutorCore:
         adapter_build_share: float = BUILD_SHARE,
     ) -> None:
         self.name = name
-        self.adapter_bytes = adapter_bytes  # LoRA weights kept in each model copy's denoiser
-        self.adapter_build_share = adapter_build_share  # the LoRA builder's duty cycle
         self.cuda_graphs = cuda_graphs  # steps of device-resident batches from CUDA graphs
         self.models = models
         self.templates = templates
@@ -211,8 +201,13 @@ class ExecutorCore:
         self.cost_models: dict[str, CostModel] = {}  # per loaded copy (source key), here
         self._profiles: dict[str, Path] = {}  # per loaded model (source key): step records
         self._editors: dict[tuple[str, str], Future[MaskAwareEditor]] = {}
-        self._text: dict[str, TextAdapters] = {}  # per loaded copy: in-process prompt LoRAs
-        self._adapters: dict[str, AdapterResidency] = {}  # per loaded copy (source key)
+        self.adapters = AdapterHost(
+            models,
+            adapter_bytes,
+            adapter_build_share,
+            on_change=lambda: self.changes.publish(wire.ChangeKind.ADAPTERS),
+            encodes_here=lambda: not self._encodes_elsewhere(),
+        )
         self._generations: dict[str, int] = {}  # latest control operation per function name
         self._closed = False
         # Invocations by the gateway's id (for cancel), and ids canceled before they came.
@@ -229,8 +224,7 @@ class ExecutorCore:
             return
         self._closed = True
         self.engine.stop()
-        for residency in self._residencies():
-            residency.close()
+        self.adapters.close()
         self._keep_step_records()
         if self.stages is not None:
             self.stages.pool.close()
@@ -262,7 +256,7 @@ class ExecutorCore:
         (:class:`Superseded`) instead of resurrecting an older version."""
         self._check_generation(spec.name, generation)
         loaded = self.models.get(spec.source.key, spec.family)
-        self._check_adapters(spec, loaded)
+        self.adapters.deploy(spec, loaded)
         if self.stages is not None:  # load it in the workers now, not on the first request
             for future in self.stages.pool.load(spec.source.key, spec.family, spec.adapters):
                 future.result()
@@ -270,7 +264,6 @@ class ExecutorCore:
         for other in spec.schedulers:  # the ones requests may choose: built now, not on one
             self.editor(spec, other)
         sched_config = dict(editor.impl.pipe.scheduler.config)
-        self._read_adapters(spec)
         fingerprint = weights_fingerprint(loaded.fingerprint, spec.adapters)
         # Lock order: core.lock, then the template cache's lock. Registration only looks
         # keys up in the store's tables; the held section does no model work and no scan.
@@ -285,68 +278,6 @@ class ExecutorCore:
         if self.maskaware:
             for template in registered:
                 self._queue_bake(template)
-
-    def _check_adapters(self, spec: FunctionSpec, loaded: LoadedModel) -> None:
-        """The deploy check of the function's LoRA files against the model as loaded here
-        (a built-in model's folder exists only now); where this process encodes prompts,
-        their text-encoder part is loaded now too (a misfit fails the deploy, with the
-        pre workers' load doing the same where they encode)."""
-        if not spec.adapters:
-            return
-        files = ModelFiles(ModelKind.FOLDER, spec.family, folder=loaded.folder)
-        check_adapters(spec.adapters, spec.family, spec.model, files, spec.source.variant)
-        if not self._encodes_elsewhere():
-            self.text_adapters(spec).load(spec.adapters)
-
-    def _read_adapters(self, spec: FunctionSpec) -> None:
-        """Read and build the function's denoiser adapters now (a deploy waits for it): a
-        file that does not fit this denoiser (a kohya file, a single-file model: what the
-        header check cannot see) fails the deploy naming its entry, not every invocation."""
-        residency = self.residency(spec)
-        use = residency.use(residency.register(spec.adapters))
-        try:
-            use.read.result()
-        except AdapterReadError as exc:
-            index = next(i for i, a in enumerate(spec.adapters) if a.path == exc.path)
-            raise InvalidSpec(
-                f"{exc}: it does not fit this model's denoiser (a LoRA for another base model?)",
-                field=f"adapters[{index}].path",
-            ) from exc
-        finally:
-            use.release()
-
-    def text_adapters(self, spec: FunctionSpec) -> TextAdapters:
-        """The text-encoder adapters of ``spec``'s model in this process (its own encodes:
-        no pre workers, or ``--inline-prepost``)."""
-        loaded = self.models.get(spec.source.key, spec.family)
-        with self.lock:
-            text = self._text.get(spec.source.key)
-            if text is None:
-                text = self._text[spec.source.key] = TextAdapters(loaded.pipe)
-        return text
-
-    def _inline_encoder(
-        self, spec: FunctionSpec, editor: MaskAwareEditor
-    ) -> Callable[[EditRequest], Encoded] | None:
-        """How the engine thread encodes ``spec``'s invocations when this process encodes
-        them (no pre workers): with the function's text-encoder LoRAs active (a bare
-        function's with none, under the same lock as a deploy's load); None where the
-        editor's own encode is right (no LoRA on the model's encoders, or pre workers)."""
-        if self._encodes_elsewhere():
-            return None
-        if spec.adapters:
-            text = self.text_adapters(spec)
-        else:  # a bare function of a model whose encoders hold others' LoRAs: none active
-            with self.lock:
-                text = self._text.get(spec.source.key)
-            if text is None:
-                return None
-
-        def encode(request: EditRequest) -> Encoded:
-            with text.encoding(spec.adapters):
-                return editor.encode(request)
-
-        return encode
 
     def deploy_async(
         self, spec: FunctionSpec, images: dict[str, Image.Image], generation: int
@@ -376,26 +307,6 @@ class ExecutorCore:
             gone = self.templates.detach(name)
         self.templates.drop_unused(gone)
         return removed
-
-    def residency(self, spec: FunctionSpec) -> AdapterResidency:
-        """The adapters of the model copy ``spec`` runs on (made with the copy's first
-        function: a bare function's steps must switch its copy's adapters off too)."""
-        loaded = self.models.get(spec.source.key, spec.family)
-        with self.lock:
-            residency = self._adapters.get(spec.source.key)
-            if residency is None:
-                residency = AdapterResidency(
-                    loaded.pipe,
-                    self.adapter_bytes,
-                    build_share=self.adapter_build_share,
-                    on_change=lambda: self.changes.publish(wire.ChangeKind.ADAPTERS),
-                )
-                self._adapters[spec.source.key] = residency
-        return residency
-
-    def _residencies(self) -> list[AdapterResidency]:
-        with self.lock:
-            return list(self._adapters.values())
 
     def _check_generation(self, name: str, generation: int) -> None:
         """Fail early (before loading anything) when a later operation already ran."""
@@ -454,7 +365,7 @@ class ExecutorCore:
         cost_model = load_or_profile(editor, loaded.fingerprint, self.data_dir, spec.width)
         editor.set_planner(make_planner(cost_model, editor.device))
         # after profiling (it times eager blocks); a capture is per active adapter set
-        editor.set_graphs(self.cuda_graphs, weights=self.residency(spec).weights_key)
+        editor.set_graphs(self.cuda_graphs, weights=self.adapters.residency(spec).weights_key)
         profile = profile_path(self.data_dir, loaded.fingerprint, loaded.device)
         prior = load_step_records(profile)
         with self.lock:
@@ -583,9 +494,9 @@ class ExecutorCore:
             inv.negative_prompt,
             inv.strength,
         )
-        encode_inline = self._inline_encoder(spec, editor)
+        encode_inline = self.adapters.inline_encoder(spec, editor)
         # pinned from here: nothing that can fail comes between this and the submit's try
-        adapters = self.residency(spec).use(spec.adapter_set)  # read now if not in memory
+        adapters = self.adapters.residency(spec).use(spec.adapter_set)  # read now if not in memory
         work = Work(
             key=(spec.source.key, scheduler, spec.width, spec.height, spec.adapter_set),
             model=spec.source.key,
@@ -706,7 +617,7 @@ class ExecutorCore:
         editor = self.editor(spec, template.scheduler)
         bake = (template.image, template.prompt, template.seed, template.steps, template.guidance)
         strength = template.strength
-        adapters = self.residency(spec).use(spec.adapter_set)  # the weights it records
+        adapters = self.adapters.residency(spec).use(spec.adapter_set)  # the weights it records
 
         def record(writer, encoded: Encoded | None = None) -> None:
             adapters.activate()
@@ -730,7 +641,7 @@ class ExecutorCore:
             request = MaskAwareEditor.bake_request(*bake, strength=strength)
 
             def record_here(writer) -> None:
-                with self.text_adapters(spec).encoding(spec.adapters):
+                with self.adapters.text(spec).encoding(spec.adapters):
                     encoded = editor.encode(request)
                 record(writer, encoded)
 
@@ -757,6 +668,7 @@ class ExecutorCore:
         cache = self.templates.store.live_stats()
         if self.templates.device_tier is not None:
             cache = {**cache, **self.templates.device_tier.usage()}
+        resident, adapter_figures = self.adapters.report()
         return wire.ExecutorState(
             name=self.name,
             pid=os.getpid(),
@@ -777,8 +689,8 @@ class ExecutorCore:
             if self.stages is None
             else {n: p for n, p in self.stages.pool.pids().items() if p is not None},
             gpu_memory=device_memory(self.models.device),
-            adapters=resident_sets(self._residencies()),
-            adapter_stats=adapter_stats(self._residencies()),
+            adapters=resident,
+            adapter_stats=adapter_figures,
         )
 
     def _engine_stats(self) -> wire.EngineStats:
