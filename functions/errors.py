@@ -118,6 +118,14 @@ class Overloaded(RetouchError):
         self.retry_after_s = max(1, int(retry_after_s))
 
 
+class ExecutorFull(Overloaded):
+    """An executor refused an invocation beyond its room (running plus waiting). Internal:
+    the gateway that sent it queues it again and places it when an executor has room; a
+    client never sees it."""
+
+    code = "executor_full"
+
+
 class Unavailable(RetouchError):
     status, code = 503, "unavailable"
 

@@ -1,7 +1,8 @@
 """The ``retouch`` command line: the parser, assembled from one module per command group
 (:mod:`retouch.platform.commands`), and the one place errors are turned into exit codes.
 
-Server side: ``serve``, ``demo``, ``train-demo``, ``cache``, ``bench``. Client side
+Server side: ``serve``, ``executor`` (one executor on its own, for ``--provider attach``),
+``demo``, ``train-demo``, ``cache``, ``bench``. Client side
 (``--url``, default ``$RETOUCH_URL`` or http://127.0.0.1:8000; ``--token``, default
 ``$RETOUCH_TOKEN``; both before or after the subcommand): ``deploy``, ``ls``, ``rm``,
 ``invoke`` (``--async``: submit a job), ``jobs ls|watch|cancel``, ``cache stats --url``. No traceback for a user's mistake: a bad option value, a missing
@@ -18,10 +19,10 @@ import os
 import sys
 
 from retouch.functions.errors import RetouchError
-from retouch.platform.commands import bench, cache, functions, jobs, serve, train
+from retouch.platform.commands import bench, cache, executor, functions, jobs, serve, train
 from retouch.platform.commands.common import Parser, UsageError, client_options, describe
 
-GROUPS = (serve, functions, jobs, cache, train, bench)
+GROUPS = (serve, executor, functions, jobs, cache, train, bench)
 
 
 def main(argv: list[str] | None = None) -> None:

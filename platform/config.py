@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from retouch.functions.knobs import from_env, knob, knobs, to_flags
 from retouch.platform.links import check_public_url
@@ -20,6 +21,7 @@ from retouch.runtime.executor.options import ExecutorOptions
 DEFAULT_PORT = 8000
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_DATA_DIR = Path.home() / ".retouch"
+PROVIDERS = ("local", "ray", "attach")
 
 
 def default_data_dir() -> Path:
@@ -43,10 +45,22 @@ class ServeConfig:
     )
     provider: str = knob(
         "local",
-        "where executors run: local (processes on this machine) or ray (Ray actors on the "
-        "cluster at --ray-address; pip install retouch[ray])",
+        "where executors run: local (processes on this machine), ray (Ray actors on the "
+        "cluster at --ray-address; pip install retouch[ray]) or attach (executors started "
+        "on their own with `retouch executor`, at --executor-urls)",
+        choices=PROVIDERS,
     )
     ray_address: str = knob("auto", "the Ray cluster to join with --provider ray")
+    executor_urls: tuple[str, ...] = knob(
+        (),
+        "comma-separated URLs of the executors --provider attach uses (http://host:port)",
+        shown="none",
+    )
+    executor_token_file: Path | None = knob(
+        None,
+        "file holding the internal token the attached executors were started with",
+        shown="$RETOUCH_EXECUTOR_TOKEN",
+    )
     autoscale: bool = knob(
         False,
         "start and stop executors on load, as the functions' scaling tables say (from zero), "
@@ -210,9 +224,44 @@ class ServeConfig:
             check_public_url(self.public_url)
         from retouch.functions.spec import PLACEMENTS  # torch-free, as this module
 
-        if self.provider not in ("local", "ray"):
-            raise ValueError(f"provider must be local or ray, got {self.provider!r}")
+        self.check_provider()
         if self.placement not in PLACEMENTS:
             raise ValueError(
                 f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
             )
+
+    def check_provider(self) -> None:
+        """The provider knobs agree: attach needs executor URLs and cannot autoscale (its
+        executors are started by someone else); the URLs mean nothing to another provider."""
+        if self.provider not in PROVIDERS:
+            raise ValueError(
+                f"provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}"
+            )
+        if self.provider != "attach":
+            if self.executor_urls:
+                raise ValueError("executor_urls is read only with --provider attach")
+            return
+        if not self.executor_urls:
+            raise ValueError("--provider attach needs --executor-urls URL[,URL...]")
+        if self.autoscale or self.autoscale_dry_run:
+            raise ValueError(
+                "--autoscale cannot start or stop attached executors: use it with --provider "
+                "local or ray"
+            )
+        for url in self.executor_urls:
+            check_executor_url(url)
+        if len(set(self.executor_urls)) != len(self.executor_urls):
+            raise ValueError(f"executor_urls lists a URL twice: {','.join(self.executor_urls)}")
+
+
+def check_executor_url(url: str) -> None:
+    """An executor URL is ``http(s)://host:port`` and nothing more."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        raise ValueError(f"executor URL must be http://host:port, got {url!r}")
+    if parts.path.strip("/") or parts.query or parts.fragment or parts.username:
+        raise ValueError(f"executor URL must be http://host:port, got {url!r}")

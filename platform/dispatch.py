@@ -9,6 +9,11 @@ Nothing accepted is lost: edits are deterministic, so an invocation whose execut
 became unreachable mid-run is queued again (at the head) and re-run on another executor,
 or on the same one once restarted, within a bounded number of attempts and its deadline.
 An invocation with an id can be canceled, in the queue or on its executor.
+
+An executor shared with other gateways may refuse an invocation as full (429
+``executor_full``): that is not an attempt, the invocation was never placed. It goes back
+to the head of the queue and the executor pauses (:meth:`Fleet.refused`); the client never
+sees the refusal.
 """
 
 from __future__ import annotations
@@ -20,11 +25,19 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import httpx
 
 from retouch.functions import wire
-from retouch.functions.errors import Canceled, GatewayTimeout, NotFound, RetouchError, Unavailable
+from retouch.functions.errors import (
+    Canceled,
+    ExecutorFull,
+    GatewayTimeout,
+    NotFound,
+    RetouchError,
+    Unavailable,
+)
 from retouch.functions.spec import FunctionSpec
 from retouch.platform.control.cluster import Placed, PlacementRequest
 from retouch.platform.control.queue import InvocationQueue, QueueLimits, Seat
@@ -37,8 +50,9 @@ log = logging.getLogger(__name__)
 RECALIBRATE_ERROR = 0.15  # a prediction this far off re-reads the executor's step fit
 # Executor answers that mean "this executor lost the invocation; it never finished here".
 LOST_CODES = frozenset({"engine_dead", "engine_unavailable"})
+FULL_CODE = ExecutorFull.code  # "the executor has no room for it; it never started here"
 
-OnStart = Callable[[str, int], None]  # (executor name, attempt): the invocation left the queue
+OnStart = Callable[[str, int], None]  # (executor name, attempt): an executor took the invocation
 OnProgress = Callable[[wire.StepProgress], None]
 
 
@@ -62,6 +76,10 @@ class DispatchStats:
 
 class ExecutorLost(Exception):
     """The executor died, stopped or became unreachable while it held an invocation."""
+
+
+class NotPlaced(Exception):
+    """The executor refused the invocation as full before starting it (429 executor_full)."""
 
 
 class Dispatcher:
@@ -165,7 +183,7 @@ class Dispatcher:
     ) -> wire.InvokeResult:
         """Run one invocation: wait for a slot, send it, and re-place it when its executor
         is lost (up to ``max_attempts`` executors, within ``invoke_timeout_s``).
-        ``on_start`` hears each time it leaves the queue, ``on_progress`` each step;
+        ``on_start`` hears each time an executor takes it, ``on_progress`` each step;
         ``seat``: the place its admission held, which its waiter takes (the front door
         gives back one never taken when the job ends)."""
         if inv.id:
@@ -192,6 +210,7 @@ class Dispatcher:
         deadline = time.monotonic() + self.retry.invoke_timeout_s
         service_s = self.queue.service_s(request)
         lost_on: list[str] = []
+        refused = False  # the last executor it was bound to refused it as full
         queued_s = 0.0
         while True:
             self._check_canceled(inv)
@@ -205,6 +224,7 @@ class Dispatcher:
                 token=token,
                 service_s=service_s,
                 seat=seat,
+                refused=refused,
             )
             bound = time.monotonic()
             placed = handle.view.placed.get(token)
@@ -213,14 +233,22 @@ class Dispatcher:
                 self._check_canceled(inv)  # canceled between binding and this line
                 if inv.id:
                     self._active[inv.id] = handle
-                if on_start is not None:
-                    on_start(handle.name, len(lost_on) + 1)
-                result = await self._send(handle, inv, deadline, on_progress, token)
+                attempt = len(lost_on) + 1
+                started = None if on_start is None else partial(on_start, handle.name, attempt)
+                result = await self._send(handle, inv, deadline, on_progress, token, started)
+            except NotPlaced:
+                self.queue.release(handle, token=token)
+                if inv.id:
+                    self._active[inv.id] = None  # back in the queue
+                self.fleet.refused(handle)
+                refused = True
+                continue
             except ExecutorLost as exc:
                 self.queue.release(handle, token=token)
                 if inv.id:
                     self._active[inv.id] = None  # back in the queue
                 lost_on.append(handle.name)
+                refused = False
                 self.lost += 1
                 if len(lost_on) >= self.retry.max_attempts:
                     raise Unavailable(
@@ -274,11 +302,12 @@ class Dispatcher:
         deadline: float,
         on_progress: OnProgress | None = None,
         token: int = -1,
+        on_accepted: Callable[[], None] | None = None,
     ) -> wire.InvokeResult:
         timeout = max(0.1, deadline - time.monotonic())
         try:
             async with asyncio.timeout(timeout):
-                return await self._stream(handle, inv, on_progress, token)
+                return await self._stream(handle, inv, on_progress, token, on_accepted)
         except (httpx.TimeoutException, TimeoutError):
             raise GatewayTimeout(
                 f"{handle.name} did not answer before the invocation's deadline", code="timeout"
@@ -290,6 +319,9 @@ class Dispatcher:
             if exc.code in LOST_CODES:
                 self.fleet.suspect(handle, exc.message)
                 raise ExecutorLost(exc.message) from exc
+            if exc.code == FULL_CODE:
+                log.debug("%s is full: %s", handle.name, exc.message)
+                raise NotPlaced(exc.message) from exc
             raise
 
     async def _stream(
@@ -298,10 +330,14 @@ class Dispatcher:
         inv: wire.ExecutorInvoke,
         on_progress: OnProgress | None,
         token: int = -1,
+        on_accepted: Callable[[], None] | None = None,
     ) -> wire.InvokeResult:
-        """Step frames, then the result or the error."""
+        """Step frames, then the result or the error; ``on_accepted`` hears that the
+        executor took the invocation (an answer that is no refusal)."""
         reader = wire.FrameReader()
         async with self.link.stream(handle, inv) as resp:
+            if on_accepted is not None:
+                on_accepted()
             async for chunk in resp.aiter_bytes():
                 for frame in reader.feed(chunk):
                     if isinstance(frame, wire.StepProgress):

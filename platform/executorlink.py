@@ -30,6 +30,8 @@ class ExecutorHandle:
     """One executor as the pool sees it (event-loop state, no lock needed)."""
 
     process: Executor
+    # what its provider started it on, and restarts it on: a device, or an attached URL
+    slot: str = ""
     view: ExecutorView = field(init=False)  # the control plane's picture of it
     inflight: int = 0
     slots: int = 1
@@ -43,10 +45,14 @@ class ExecutorHandle:
     refreshing: bool = False  # a state read is under way (reads are coalesced)
     refresh_again: bool = False  # something changed during that read: read once more
     started_at: float = field(default_factory=time.monotonic)
+    # it refused an invocation as full (its room shared with other gateways): nothing is
+    # bound to it before this monotonic time
+    refused_until: float = 0.0
     overheads: InitVar[Overheads | None] = None  # the pool's, learnt from every executor
 
     def __post_init__(self, overheads: Overheads | None) -> None:
         self.view = ExecutorView(self.process.name, overheads=overheads)
+        self.slot = self.slot or self.process.device
 
     @property
     def name(self) -> str:

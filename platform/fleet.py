@@ -5,6 +5,12 @@ autoscaler asks), pushes every deployed function to them, drains and stops the o
 autoscaler retires, and keeps the fleet whole: a health monitor probes every executor with
 its own short timeout and restarts one whose process died, whose engine died or that
 stopped answering, each restart in its own task so a slow one never stalls the monitor.
+"Restart" is the provider's: a new process (local, Ray), or for executors started outside
+the gateway (attach) waiting until the URL answers again and taking it back.
+
+An executor that refuses an invocation as full (its room is shared with other gateways)
+gets nothing bound to it for a moment, its state is re-read, and the queue is woken after
+the pause (:meth:`Fleet.refused`).
 Each executor's change feed is followed, so the control plane's view of it (templates,
 calibration) stays current even when it gets no invocations.
 
@@ -31,8 +37,9 @@ from retouch.functions.spec import FunctionSpec
 from retouch.platform.control.cluster import ClusterView, PlacementRequest, Residency
 from retouch.platform.deployments import Deployments
 from retouch.platform.executorlink import PROBE_TIMEOUT_S, ExecutorHandle, ExecutorLink
-from retouch.platform.providers import Provider
+from retouch.platform.providers import Executor, Provider
 from retouch.platform.scaler import Arrived, Member, ModelLoad, split_load
+from retouch.runtime.executor.options import room
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +47,8 @@ MONITOR_INTERVAL_S = 1.0
 DRAIN_TIMEOUT_S = 600.0  # a draining executor's running invocations get this long to finish
 CHANGES_WAIT_S = 20  # an executor's change-feed long poll answers within this when idle
 PROBE_FAILURES = 3  # consecutive failed probes of a live process before it is restarted
-SLOTS_PER_BATCH = 2  # slots = max_batch x this: the running batch plus a pre-processing buffer
+REFUSED_PAUSE_S = 0.2  # an executor that refused as full gets no binding this long
+JOIN_WAIT_S = 5.0  # a gateway starts serving after this, with the attached executors up by then
 
 Queued = Callable[[], list[tuple[str, float]]]  # waiting invocations: (function, service s)
 
@@ -80,8 +88,17 @@ class Fleet:
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self, *, static: bool) -> None:
         """A static fleet starts one executor per provider device and waits until they are
-        ready; an autoscaled one starts empty (the autoscaler spawns)."""
-        if static:
+        ready; an autoscaled one starts empty (the autoscaler spawns). Executors that run on
+        their own (attach) join as each answers: none waits for another, and one that is
+        down joins when it is up."""
+        if static and not self.provider.owns_processes:
+            for i, slot in enumerate(self.provider.devices()):
+                name = f"exec-{i}"
+                task = asyncio.create_task(self._join(name, slot))
+                self._spawning[name] = (task, None)
+                task.add_done_callback(lambda _, name=name: self._spawning.pop(name, None))
+            await asyncio.wait([task for task, _ in self._spawning.values()], timeout=JOIN_WAIT_S)
+        elif static:
             devices = self.provider.devices()
             threads = self.provider.threads_per_executor(len(devices))
             names = [f"exec-{i}" for i in range(len(devices))]
@@ -89,7 +106,8 @@ class Fleet:
                 *(self.provider.start(n, d, threads) for n, d in zip(names, devices, strict=True))
             )
             self.executors.extend(
-                ExecutorHandle(p, overheads=self.cluster.overheads) for p in procs
+                ExecutorHandle(p, slot=d, overheads=self.cluster.overheads)
+                for p, d in zip(procs, devices, strict=True)
             )
             await asyncio.gather(*(self._become_ready(e) for e in self.executors))
         self._monitor = asyncio.create_task(self._watch())
@@ -194,12 +212,24 @@ class Fleet:
 
     def candidates(self, function: str) -> list[ExecutorHandle]:
         """Executors that can take an invocation of ``function`` now: ready, holding it,
-        and of its model's pool (an autoscaled executor serves one model)."""
+        of its model's pool (an autoscaled executor serves one model), and not pausing
+        after a refusal."""
         stored = self.deploys.functions.get(function)
         model = stored.spec.model if stored is not None else None
+        now = time.monotonic()
         return [
-            e for e in self.executors if e.healthy and function in e.functions and e.serves(model)
+            e
+            for e in self.executors
+            if e.healthy and function in e.functions and e.serves(model) and e.refused_until <= now
         ]
+
+    def refused(self, handle: ExecutorHandle) -> None:
+        """``handle`` refused an invocation as full (other gateways' work fills it): bind
+        nothing to it for :data:`REFUSED_PAUSE_S`, re-read its state, and wake the queue
+        when the pause ends (an invocation of ours finishing there wakes it too)."""
+        handle.refused_until = time.monotonic() + REFUSED_PAUSE_S
+        self.refresh_soon(handle)
+        asyncio.get_running_loop().call_later(REFUSED_PAUSE_S, self.on_capacity)
 
     async def _spawn(self, name: str, device: str, capacity: int, model: str | None) -> None:
         threads = self.provider.threads_per_executor(capacity)
@@ -209,7 +239,7 @@ class Fleet:
         except RetouchError as exc:
             log.error("autoscaler could not start %s: %s", name, exc)
             return
-        handle = ExecutorHandle(proc, model=model, overheads=self.cluster.overheads)
+        handle = ExecutorHandle(proc, device, model=model, overheads=self.cluster.overheads)
         self.executors.append(handle)
         try:
             await self._become_ready(handle)
@@ -220,6 +250,27 @@ class Fleet:
         log.info(
             "%s (%s) ready in %.1f s", name, model or "every model", time.monotonic() - started
         )
+
+    async def _join(self, name: str, slot: str) -> None:
+        """Take in an executor that runs on its own once it answers."""
+        handle = ExecutorHandle(
+            await self._start_until_up(name, slot, 0), slot, overheads=self.cluster.overheads
+        )
+        self.executors.append(handle)
+        try:
+            await self._become_ready(handle)
+        except (RetouchError, httpx.HTTPError) as exc:
+            log.error("attached %s is not ready: %s", name, exc)
+            handle.phase = wire.ExecutorPhase.STARTING  # the monitor keeps probing it
+
+    async def _start_until_up(self, name: str, slot: str, threads: int) -> Executor:
+        """The provider's start of ``name`` on ``slot``, retried until it succeeds."""
+        while True:
+            try:
+                return await self.provider.start(name, slot, threads)
+            except RetouchError as exc:
+                log.error("could not start %s: %s; retrying", name, exc)
+                await asyncio.sleep(MONITOR_INTERVAL_S * 5)
 
     async def _drain(self, handle: ExecutorHandle) -> None:
         deadline = time.monotonic() + self.drain_timeout_s
@@ -316,7 +367,7 @@ class Fleet:
             await self.link.call(handle, "GET", "/state", probe=True)
         )
         handle.state = state
-        handle.slots = max(1, state.engine.max_batch * SLOTS_PER_BATCH)
+        handle.slots = room(state.engine.max_batch)
         handle.view.slots = handle.slots
         handle.view.observe_state(state, self.cluster.costers)
         await self.deploys.push_all(handle)
@@ -381,15 +432,13 @@ class Fleet:
     async def _restart(self, old: ExecutorHandle) -> None:
         await self.provider.stop(old.process)
         threads = self.provider.threads_per_executor(len(self.executors))
-        while True:
-            try:
-                proc = await self.provider.start(old.name, old.process.device, threads)
-                break
-            except RetouchError as exc:
-                log.error("could not restart %s: %s; retrying", old.name, exc)
-                await asyncio.sleep(MONITOR_INTERVAL_S * 5)
+        proc = await self._start_until_up(old.name, old.slot, threads)
         handle = ExecutorHandle(
-            proc, restarts=old.restarts + 1, model=old.model, overheads=self.cluster.overheads
+            proc,
+            old.slot,
+            restarts=old.restarts + 1,
+            model=old.model,
+            overheads=self.cluster.overheads,
         )
         self.executors[self.executors.index(old)] = handle
         try:

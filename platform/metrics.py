@@ -28,6 +28,7 @@ QUEUE_EVENTS = (
     "rejected",
     "timed_out",
     "replaced",
+    "refused",
     "admitted",
     "slo_rejected",
     "slo_dropped",
@@ -171,7 +172,7 @@ class GatewayMetrics:
         )
         self.queue_events = Gauge(
             "retouch_queue_events",
-            "Gateway queue totals since start: admitted, rejected (429 overloaded), slo_rejected (429 slo_unattainable on arrival), slo_dropped (dropped from the queue, SLO out of reach), would_reject (admission dry run), slo_probes (admitted to re-check a learnt refusal on an idle executor), timed_out, replaced (re-placed after an executor was lost)",
+            "Gateway queue totals since start: admitted, rejected (429 overloaded), slo_rejected (429 slo_unattainable on arrival), slo_dropped (dropped from the queue, SLO out of reach), would_reject (admission dry run), slo_probes (admitted to re-check a learnt refusal on an idle executor), timed_out, replaced (re-placed after an executor was lost), refused (queued again after an executor shared with other gateways refused it as full)",
             ["event"],
             registry=r,
         )

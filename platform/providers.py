@@ -3,7 +3,14 @@
 ``LocalProvider`` (the embedded default) runs one executor process per GPU found with NVML,
 or a number of CPU slots when there is no GPU. Each executor binds a free loopback port and
 publishes it in a file; the provider waits for it and for ``/healthz`` before handing the
-executor to the pool. ``platform/rayprovider.py`` runs each executor under a Ray actor.
+executor to the pool; it ends with its gateway (``--exit-with-parent``).
+``platform/rayprovider.py`` runs each executor under a Ray actor.
+
+``AttachProvider`` (``--provider attach --executor-urls ...``) starts nothing: its
+executors run on their own (``retouch executor``, e.g. a Kubernetes StatefulSet), and
+several gateways may share them. Its "devices" are their URLs; "starting" one waits until
+it answers and reads its device from its state, "stopping" one only lets go of it, so the
+fleet's restart of a dead one waits for its URL to answer again.
 """
 
 from __future__ import annotations
@@ -17,11 +24,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import httpx
 
-from retouch.functions.errors import Unavailable
+from retouch.functions import wire
+from retouch.functions.errors import RetouchError, Unavailable
 from retouch.runtime.executor.app import TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -72,6 +80,9 @@ class Provider(Protocol):
     """What the pool needs to start and stop executors (and how many it may run)."""
 
     token: str
+    # False: its executors run on their own (attach); a static fleet takes in those that
+    # answer, and the others when they do, instead of failing to start
+    owns_processes: bool
 
     def devices(self) -> list[str]: ...
 
@@ -120,6 +131,7 @@ def one_gpu(device: str, env: dict[str, str]) -> tuple[dict[str, str], str]:
 
 @dataclass
 class LocalProvider:
+    owns_processes: ClassVar[bool] = True
     data_dir: Path
     token: str
     cpu_slots: int = 1
@@ -143,7 +155,8 @@ class LocalProvider:
         cmd = [
             sys.executable, "-m", "retouch.runtime.executor",
             "--name", name, "--device", own_device, "--data-dir", str(self.data_dir),
-            "--port-file", str(port_file), "--threads", str(threads), *self.executor_args,
+            "--port-file", str(port_file), "--threads", str(threads), "--exit-with-parent",
+            *self.executor_args,
         ]  # fmt: skip
         proc = subprocess.Popen(
             cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -203,3 +216,67 @@ async def wait_healthy(url: str, token: str, exit_code: Callable[[], int | None]
                 pass  # not listening yet: poll again
             await asyncio.sleep(0.05)
     raise Unavailable("executor did not become healthy in time")
+
+
+@dataclass
+class AttachedExecutor:
+    """An executor started outside the gateway, at ``url``: no process here to watch, so
+    it counts as alive and the fleet's probes of ``url`` judge its health."""
+
+    name: str
+    device: str  # as the executor reports it
+    url: str
+    host: str  # the executor's own name (its host name by default: the pod's)
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+    @property
+    def exit_code(self) -> int | None:
+        return None
+
+    @property
+    def node(self) -> str:
+        return self.host
+
+
+@dataclass
+class AttachProvider:
+    """Executors already running at ``urls`` (one fleet member each), never started or
+    stopped here; ``token`` is the internal token they were started with."""
+
+    owns_processes: ClassVar[bool] = False
+    urls: tuple[str, ...]
+    token: str
+
+    def devices(self) -> list[str]:
+        return list(self.urls)
+
+    def threads_per_executor(self, count: int) -> int:
+        return 0  # the executor chose its own at its start
+
+    async def start(self, name: str, device: str, threads: int) -> AttachedExecutor:
+        """Wait until the executor at ``device`` (its URL) answers, and read what it runs on
+        (raises :class:`Unavailable` after :data:`START_TIMEOUT_S`; the fleet retries)."""
+        url = device.rstrip("/")
+        await wait_healthy(url, self.token, lambda: None)
+        headers = {"authorization": f"Bearer {self.token}"}
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            try:
+                resp = await client.get(f"{url}/state", headers=headers)
+            except httpx.TransportError as exc:
+                raise Unavailable(f"executor at {url} stopped answering: {exc!r}") from None
+        if resp.status_code != 200:
+            error = RetouchError.from_wire(resp.status_code, wire.unpack(resp.content or b"\x80"))
+            raise Unavailable(
+                f"executor at {url} refused its state: {error.code}: {error.message}"
+                + (" (is it started with the same token?)" if resp.status_code == 401 else "")
+            )
+        state = wire.ExecutorState.from_wire(wire.unpack(resp.content))
+        log.info("executor %s (%s) on %s at %s, attached", name, state.name, state.device, url)
+        return AttachedExecutor(name, state.device, url, state.name)
+
+    async def stop(self, executor: Executor) -> None:
+        """Nothing to stop: the executor belongs to whoever started it (other gateways may
+        use it); the fleet only lets go of it."""

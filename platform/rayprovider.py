@@ -68,7 +68,7 @@ class ExecutorActor:
             sys.executable, "-m", "retouch.runtime.executor",
             "--name", self.name, "--device", self.device, "--data-dir", str(data_dir),
             "--port-file", str(port_file), "--threads", str(self.threads), "--host", host,
-            *self.args,
+            "--exit-with-parent", *self.args,
         ]  # fmt: skip
         with (run_dir / f"{self.name}.log").open("ab") as log_file:
             self.process = subprocess.Popen(
@@ -149,6 +149,8 @@ class RayExecutor:
 
 class RayProvider:
     """Starts executors as Ray actors on the cluster at ``address``."""
+
+    owns_processes = True  # see providers.Provider
 
     def __init__(
         self,

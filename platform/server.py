@@ -25,10 +25,11 @@ from retouch.platform.gateway import Gateway
 from retouch.platform.links import KEY_FILE, LinkSigner, bind_url, check_public_url, load_keys
 from retouch.platform.placement import make_placement
 from retouch.platform.pool import ExecutorPool
-from retouch.platform.providers import LocalProvider, Provider
+from retouch.platform.providers import AttachProvider, LocalProvider, Provider
 from retouch.platform.registry import Registry
 from retouch.platform.retention import RetentionLimits
 from retouch.platform.webhooks import load_secret
+from retouch.runtime.executor.app import read_token
 from retouch.runtime.httpserver import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,7 @@ def build_gateway(config: ServeConfig) -> Gateway:
             config.host,
             config.port,
         )
-    # Executors only listen on loopback and only accept this per-run internal token.
-    provider = make_provider(config, secrets.token_urlsafe(32))
+    provider = make_provider(config)
     limits = QueueLimits(
         config.max_queued,
         config.max_queued_per_function,
@@ -92,8 +92,13 @@ def build_gateway(config: ServeConfig) -> Gateway:
     )
 
 
-def make_provider(config: ServeConfig, token: str) -> Provider:
-    """The provider ``--provider`` names (Ray is imported only when chosen)."""
+def make_provider(config: ServeConfig) -> Provider:
+    """The provider ``--provider`` names (Ray is imported only when chosen). Executors the
+    gateway starts accept a per-run internal token; attached ones the token they were
+    started with (``--executor-token-file`` or ``$RETOUCH_EXECUTOR_TOKEN``)."""
+    if config.provider == "attach":
+        return AttachProvider(config.executor_urls, read_token(config.executor_token_file))
+    token = secrets.token_urlsafe(32)
     if config.provider == "ray":
         from retouch.platform.rayprovider import RayProvider
 

@@ -97,6 +97,7 @@ from retouch.platform.workload import (
     trace_path,
 )
 from retouch.runtime.costmodel import CostModel
+from retouch.runtime.executor.options import room
 from retouch.runtime.prediction import (
     TOKEN_PX,
     MaskFootprint,
@@ -110,7 +111,6 @@ FUNCTION = "sim"
 TEMPLATE = DEFAULT_TEMPLATE
 STEP_WINDOW_S = 10.0  # the windows of P95 after a step change
 TIMELINE_S = 10.0  # the timeline's windows (arrivals, queue, executors, P95 over time)
-SLOTS_PER_BATCH = 2  # as the pool: the running batch plus a pre-processing buffer
 # the queue's first invocations a dispatch tries (the gateway's queue tries all): with
 # late binding an invocation's room depends on its template's load there, so one that
 # waits must not hold back one behind it that an executor can take now
@@ -268,7 +268,7 @@ class Simulation:
 
     def _add_executor(self) -> SimExecutor:
         view = self.cluster.add(
-            f"exec-{next(self._names)}", self.spec.max_batch, SLOTS_PER_BATCH * self.spec.max_batch
+            f"exec-{next(self._names)}", self.spec.max_batch, room(self.spec.max_batch)
         )
         view.observe_state(self._state, self.cluster.costers)
         view.phase = wire.ExecutorPhase.READY

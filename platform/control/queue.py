@@ -121,6 +121,7 @@ class QueueStats:
     slo_probes: int = 0  # admitted against a learnt prediction to re-check it (see admit_slo)
     timed_out: int = 0
     replaced: int = 0  # invocations re-queued after their executor was lost
+    refused: int = 0  # invocations re-queued after an executor refused them (executor_full)
     canceled: int = 0  # left the queue by cancel
     service_s: float = 1.0  # EWMA of slot holding time (for Retry-After)
     served: int = 0  # invocations whose holding time the EWMA has seen
@@ -333,17 +334,21 @@ class InvocationQueue:
         token: int = -1,
         service_s: float = 0.0,
         seat: Seat | None = None,
+        refused: bool = False,
     ) -> Slotted:
         """Wait until an executor serving ``request.function`` has a free slot (bound to
         it, ``inflight`` counted). Raises :class:`GatewayTimeout` at the invocation's
         deadline, or once *no* executor has been able to serve the function for
         ``wait_timeout_s`` (an executor restarting, a deploy in progress): waiting behind
         other work is bounded by the deadline and the queue limit, not by this timeout.
-        ``seat``: the place its admission held, taken by the waiter now."""
-        waiter = Waiter(request, self._clock(), tag, token, front, service_s)
+        ``seat``: the place its admission held, taken by the waiter now; ``refused``: it
+        comes back (at the head) from an executor that was full, counted as such."""
+        waiter = Waiter(request, self._clock(), tag, token, front or refused, service_s)
         if seat is not None:
             self._seats.discard(seat)
-        if front:
+        if refused:
+            self.stats.refused += 1
+        elif front:
             self.stats.replaced += 1
         else:
             self.stats.admitted += 1

@@ -1,13 +1,18 @@
-"""The executor's internal HTTP API (msgpack, bearer token, loopback only).
+"""The executor's internal HTTP API (msgpack, bearer token).
 
-``GET /healthz`` (503 ``engine_dead`` once the engine thread died, so the pool restarts
-the executor), ``GET /state`` (a :class:`~retouch.functions.wire.ExecutorState`),
+``GET /healthz`` (open, for liveness probes: 200, or 503 ``engine_dead`` and why once the
+engine thread died, so the pool restarts the executor), ``GET /state`` (a :class:`~retouch.functions.wire.ExecutorState`),
 ``PUT /functions/{name}``, ``DELETE /functions/{name}``, ``POST /invoke``,
 ``POST /invoke/stream`` (the same invocation answered as a stream of msgpack frames: one
 :class:`~retouch.functions.wire.StepProgress` per denoising step as the engine takes it,
 then the result or the error), ``POST /invocations/{id}/cancel``, and
 ``GET /changes?after=N&timeout=S`` (a long poll on the change feed: bakes done, templates
-entering host memory; see :mod:`retouch.runtime.executor.changes`).
+entering host memory; see :mod:`retouch.runtime.executor.changes`). Every route but
+``/healthz`` requires the internal token.
+
+An invocation beyond the executor's room (see
+:func:`~retouch.runtime.executor.options.room`) is refused with 429 ``executor_full``: the
+gateway that sent it queues it again, so gateways sharing an executor never overcommit it.
 
 Progress travels on the invocation's own response rather than on a side channel: it needs
 no subscription, ends with the invocation, and a gateway that goes away closes the stream,
@@ -24,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -60,6 +67,18 @@ MAX_CHANGES_WAIT_S = 60
 MAX_GENERATION = 2**62
 
 
+def read_token(token_file: Path | None) -> str:
+    """The internal token gateways and executors share: the first line of ``token_file``,
+    else ``$RETOUCH_EXECUTOR_TOKEN`` (a file keeps it out of the process's environment, e.g.
+    a mounted Kubernetes Secret). Raises :class:`ValueError` when there is none."""
+    text = token_file.read_text() if token_file is not None else os.environ.get(TOKEN_ENV, "")
+    token = text.strip().partition("\n")[0].strip()
+    if not token:
+        where = f"{token_file} is empty" if token_file is not None else f"{TOKEN_ENV} is not set"
+        raise ValueError(f"no internal executor token: {where}")
+    return token
+
+
 def _generation(raw: Any) -> int:
     """The gateway's sequence number of a control operation on a function name."""
     if isinstance(raw, str):
@@ -86,15 +105,18 @@ def _parse_deploy(body: Any) -> tuple[FunctionSpec, dict[str, Image.Image], int]
 
 
 def build_app(core: ExecutorCore, token: str) -> Starlette:
-    """The executor's internal API; every route requires the internal token."""
+    """The executor's internal API; every route but ``/healthz`` requires the token."""
 
     def authorize(request: Request) -> None:
         check_token(request, token)
 
+    def anyone(request: Request) -> None:
+        """A liveness probe (Kubernetes') carries no token; the answer tells it nothing."""
+
     async def healthz(request: Request) -> dict[str, Any]:
         if not core.healthy:
             raise Unavailable(core.engine.error_message(), code="engine_dead")
-        return {"ok": True, "name": core.name}
+        return {"ok": True}
 
     async def state(request: Request) -> dict[str, Any]:
         return core.state().to_wire()
@@ -139,8 +161,8 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
         invocation = request.path_params["id"]
         return {"id": invocation, "canceled": core.cancel(invocation)}
 
-    def route(path: str, handler, method: str = "GET") -> Route:
-        return Route(path, endpoint(handler, authorize), methods=[method])
+    def route(path: str, handler, method: str = "GET", auth=authorize) -> Route:
+        return Route(path, endpoint(handler, auth), methods=[method])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -152,7 +174,7 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
 
     return Starlette(
         routes=[
-            route("/healthz", healthz),
+            route("/healthz", healthz, auth=anyone),
             route("/state", state),
             route("/changes", changes),
             route("/functions/{name}", put_function, "PUT"),

@@ -29,7 +29,7 @@ from PIL import Image
 
 from retouch.functions import wire
 from retouch.functions.adapters import AdapterSpec
-from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound
+from retouch.functions.errors import BadRequest, Canceled, Conflict, ExecutorFull, NotFound
 from retouch.functions.families import check_edit
 from retouch.functions.imaging import encode_image, mask_ratio
 from retouch.functions.spec import FunctionSpec
@@ -37,7 +37,7 @@ from retouch.runtime.costmodel import CostModel
 from retouch.runtime.engine import Engine, OnStep, Output, Work
 from retouch.runtime.executor.adapterhost import AdapterHost
 from retouch.runtime.executor.changes import ChangeFeed
-from retouch.runtime.executor.options import ADAPTER_BUDGET_BYTES, BUILD_SHARE
+from retouch.runtime.executor.options import ADAPTER_BUDGET_BYTES, BUILD_SHARE, room
 from retouch.runtime.fingerprint import weights_fingerprint
 from retouch.runtime.maskaware.editor import EditRequest, Encoded, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
@@ -444,7 +444,9 @@ class ExecutorCore:
     ) -> Awaitable[wire.InvokeResult]:
         """Check and submit an invocation (raises at once on bad input, a dead engine or a
         cancel that came first); the returned awaitable is its result. ``on_step`` hears
-        each denoising step on the engine thread."""
+        each denoising step on the engine thread. Beyond the executor's room (several
+        gateways may send here) it refuses with 429 ``executor_full``."""
+        self._check_room()
         if inv.id:
             with self.lock:
                 if inv.id in self._canceled:
@@ -524,6 +526,16 @@ class ExecutorCore:
                 self._invocations[inv.id] = work
         self.stats.queued += 1
         return self._finish(inv, work, future, mask)
+
+    def _check_room(self) -> None:
+        """Refuse an invocation beyond :func:`room`: each gateway keeps within it for its
+        own invocations, and this keeps several gateways together within it."""
+        limit = room(self.engine.config.max_batch)
+        if self.stats.queued >= limit:
+            raise ExecutorFull(
+                f"executor {self.name} holds {self.stats.queued} invocations, its room",
+                detail={"queued": self.stats.queued, "room": limit},
+            )
 
     def _upload(self, entry: FunctionEntry, inv: wire.ExecutorInvoke) -> Template:
         """The ad-hoc template of an uploaded image (the gateway decoded and checked it)."""

@@ -1,8 +1,10 @@
 """Process entry point: ``python -m retouch.runtime.executor --name N --device D ...``.
 
 The process owns: the uvicorn server (event loop thread), the core (engine thread, worker
-pool, store; started and closed by the app's lifespan) and a parent-watch thread that ends
-the process when its gateway dies.
+pool, store; started and closed by the app's lifespan) and, for an executor a provider
+started (``--exit-with-parent``), a parent-watch thread that ends the process when its
+gateway dies. A standalone executor (``retouch executor``, the attach provider's) outlives
+any gateway: several may use it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 from types import FrameType
 
 import torch
@@ -22,13 +23,16 @@ import uvicorn
 
 from retouch.cachestore.devicetier import DeviceTier
 from retouch.cachestore.store import ActivationStore, StoreConfig
-from retouch.functions.knobs import add_flags, from_flags
 from retouch.runtime import forkserver
 from retouch.runtime.engine import Engine, EngineConfig, EngineMode
-from retouch.runtime.executor.app import TOKEN_ENV, build_app
+from retouch.runtime.executor.app import build_app, read_token
 from retouch.runtime.executor.changes import ChangeFeed
 from retouch.runtime.executor.core import ExecutorCore, WorkerStages
-from retouch.runtime.executor.options import ExecutorOptions
+from retouch.runtime.executor.options import (
+    ExecutorOptions,
+    add_process_flags,
+    check_process_flags,
+)
 from retouch.runtime.httpserver import SERVER_OPTIONS
 from retouch.runtime.models import ModelCache
 from retouch.runtime.templates import TemplateCache, store_path
@@ -41,28 +45,10 @@ DEBUG_HOOKS_ENV = "RETOUCH_DEBUG_HOOKS"  # "1": SIGUSR1 kills the engine loop (f
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="retouch-executor")
-    parser.add_argument("--name", required=True, help="executor name in the gateway's pool")
-    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda:0, ...")
-    parser.add_argument("--data-dir", type=Path, required=True, help="activation store root")
-    parser.add_argument(
-        "--shared-dir",
-        type=Path,
-        default=None,
-        help="built demo models and device profiles (default: the data dir)",
-    )
-    parser.add_argument(
-        "--port-file", type=Path, required=True, help="where the bound port is published"
-    )
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (the node's own address when the gateway is on another node)",
-    )
-    add_flags(parser, ExecutorOptions)
+    add_process_flags(parser)
     args = parser.parse_args(argv)
-    args.options = ExecutorOptions(**from_flags(ExecutorOptions, args))
     try:
-        args.options.check()
+        check_process_flags(args)
     except ValueError as exc:
         parser.error(str(exc))
     return args
@@ -122,17 +108,28 @@ def device_tier(options: ExecutorOptions, device: torch.device) -> DeviceTier | 
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m retouch.runtime.executor``: the providers' child process."""
     args = parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("RETOUCH_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s",
     )
-    token = os.environ.get(TOKEN_ENV)
-    if not token:
-        raise SystemExit(f"{TOKEN_ENV} must be set")
+    try:
+        token = read_token(args.token_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(str(exc)) from None
+    run(args, token)
+
+
+def run(args: argparse.Namespace, token: str) -> None:
+    """Serve one executor until SIGTERM/SIGINT (then the app's lifespan closes the core:
+    unfinished invocations fail with ``engine_unavailable``, which a gateway re-places).
+    ``args``: parsed by :func:`~retouch.runtime.executor.options.add_process_flags` and
+    checked; the one way an executor process starts, child or standalone."""
     if torch.device(args.device).type == "cpu":
         forkserver.fork_from_here()  # before any thread starts (the parent watch is one)
-    _exit_with_parent()
+    if args.exit_with_parent:
+        _exit_with_parent()
     if args.options.threads > 0:
         torch.set_num_threads(args.options.threads)
     core = build_core(args)
@@ -142,11 +139,13 @@ def main(argv: list[str] | None = None) -> None:
     # proto says TCP, and without it every response waits ~40 ms for a delayed ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, 0))
-    # Publish the port only once bound: the pool reads it, then polls /healthz.
-    tmp = args.port_file.with_suffix(".tmp")
-    tmp.write_text(str(sock.getsockname()[1]))
-    tmp.replace(args.port_file)
+    sock.bind((args.host, args.port))
+    if args.port_file is not None:
+        # Publish the port only once bound: the pool reads it, then polls /healthz.
+        tmp = args.port_file.with_suffix(".tmp")
+        tmp.write_text(str(sock.getsockname()[1]))
+        tmp.replace(args.port_file)
+    log.info("executor %s on %s at %s:%d", args.name, args.device, *sock.getsockname()[:2])
     config = uvicorn.Config(
         build_app(core, token),
         log_level="warning",

@@ -1,18 +1,25 @@
-"""The executor's knobs, each defined once (:mod:`retouch.functions.knobs`).
+"""The executor's knobs, each defined once (:mod:`retouch.functions.knobs`), and the flags
+of an executor process.
 
-``retouch serve`` offers every one of them as a flag and a ``RETOUCH_*`` variable
+``retouch serve`` offers every knob as a flag and a ``RETOUCH_*`` variable
 (:class:`retouch.platform.config.ServeConfig` holds an :class:`ExecutorOptions`), passes
 them to each executor process as flags, and the executor parses those flags from the same
-declaration. Torch-free: the gateway and the CLI import it.
+declaration. :func:`add_process_flags` declares the process's own flags (name, device,
+address, token file), which ``python -m retouch.runtime.executor`` (the providers' child)
+and ``retouch executor`` (a standalone executor) share. Torch-free: the gateway and the CLI
+import it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from retouch.cachestore.defaults import HOST_BUDGET_BYTES
-from retouch.functions.knobs import knob
+from retouch.functions.knobs import add_flags, from_flags, knob
 
 ENGINE_MODES = ("continuous", "static")
 CORES_PER_WORKER = 4  # pre and post workers each: one per this many cores, at least one
@@ -24,6 +31,16 @@ ADAPTER_BUDGET_BYTES = 2 << 30
 # step), so at full speed a build slows the running batch's step by its own length. At 0.1
 # the step slows by about a tenth (#34's bound) and a load takes about ten times its work.
 BUILD_SHARE = 0.1
+# An executor's room, in invocations running or waiting there: the running batch plus as
+# many again being pre-processed. The gateway binds at most this many to it (its slots),
+# and the executor refuses beyond it (429 executor_full), so gateways sharing it never
+# overcommit it.
+SLOTS_PER_BATCH = 2
+
+
+def room(max_batch: int) -> int:
+    """Invocations an executor with running batch limit ``max_batch`` holds at once."""
+    return max(1, max_batch * SLOTS_PER_BATCH)
 
 
 @dataclass(frozen=True)
@@ -126,3 +143,55 @@ class ExecutorOptions:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         auto = max(1, cores // CORES_PER_WORKER)
         return self.pre_workers or auto, self.post_workers or auto
+
+
+def add_process_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of one executor process, then every :class:`ExecutorOptions` knob."""
+    parser.add_argument(
+        "--name",
+        default=socket.gethostname(),
+        help="executor name, as logs and the gateway's state report it (default: the host name)",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda:0, ...")
+    parser.add_argument("--data-dir", type=Path, required=True, help="activation store root")
+    parser.add_argument(
+        "--shared-dir",
+        type=Path,
+        default=None,
+        help="built demo models and device profiles (default: the data dir)",
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (0.0.0.0, or the node's own address, when the gateway is on "
+        "another machine)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=0, help="port to bind (0: a free one, see --port-file)"
+    )
+    parser.add_argument(
+        "--port-file", type=Path, default=None, help="where the bound port is published"
+    )
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="file holding the internal token the gateway sends (default: $RETOUCH_EXECUTOR_TOKEN)",
+    )
+    parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="end when the parent process ends (an executor its gateway or Ray actor started)",
+    )
+    add_flags(parser, ExecutorOptions)
+
+
+def check_process_flags(args: argparse.Namespace) -> None:
+    """Set ``args.options`` from the parsed knobs; a value that cannot work raises
+    :class:`ValueError` naming it (the caller prints one line)."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {args.port}")
+    if args.port == 0 and args.port_file is None:
+        raise ValueError("give --port, or --port-file to publish the free port bound")
+    args.options = ExecutorOptions(**from_flags(ExecutorOptions, args))
+    args.options.check()
