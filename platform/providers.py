@@ -30,6 +30,7 @@ import httpx
 
 from retouch.functions import wire
 from retouch.functions.errors import RetouchError, Unavailable
+from retouch.runtime.asgi import MSGPACK
 from retouch.runtime.executor.app import TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -261,14 +262,18 @@ class AttachProvider:
         (raises :class:`Unavailable` after :data:`START_TIMEOUT_S`; the fleet retries)."""
         url = device.rstrip("/")
         await wait_healthy(url, self.token, lambda: None)
-        headers = {"authorization": f"Bearer {self.token}"}
+        headers = {
+            "authorization": f"Bearer {self.token}",
+            "content-type": MSGPACK,
+            "accept": MSGPACK,
+        }
         async with httpx.AsyncClient(timeout=10.0) as client:
             try:
                 resp = await client.get(f"{url}/state", headers=headers)
             except httpx.TransportError as exc:
                 raise Unavailable(f"executor at {url} stopped answering: {exc!r}") from None
         if resp.status_code != 200:
-            error = RetouchError.from_wire(resp.status_code, wire.unpack(resp.content or b"\x80"))
+            error = RetouchError.from_wire(resp.status_code, wire.unpack(resp.content))
             raise Unavailable(
                 f"executor at {url} refused its state: {error.code}: {error.message}"
                 + (" (is it started with the same token?)" if resp.status_code == 401 else "")

@@ -1,0 +1,252 @@
+"""Executors started outside the gateway (``retouch executor``) and ``--provider attach``
+(real processes on loopback).
+
+Two standalone executors on fixed ports (max batch 1: room for 2 invocations each) and a
+gateway attached to both. An executor answers ``/healthz`` without a token and nothing else;
+one sent more invocations than its room refuses the extra with 429 ``executor_full``, and
+through the gateway every invocation still succeeds while another client fills the
+executors (the gateway queues refused ones again). An executor SIGKILLed mid-run: its work
+re-runs on the other, the gateway marks it dead, and takes it back once a new process
+answers on the same port. SIGTERM ends an executor cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from retouch.functions import wire
+from retouch.platform.client import Client
+from retouch.platform.server import ServerProcess, free_port
+from retouch.runtime.executor.app import TOKEN_ENV
+from tests.support import wait_for
+
+pytestmark = pytest.mark.slow
+
+FUNCTION, TEMPLATE = "tiny-sd", "street"
+TOKEN = "attach-test-executor-token"
+AUTH = {"authorization": f"Bearer {TOKEN}", "content-type": "application/msgpack"}
+STEPS = 8
+MASK = np.zeros((128, 128), bool)
+MASK[24:88, 16:80] = True
+ROOM = 2  # max batch 1 x (running batch + as many waiting)
+
+
+@dataclass
+class Executor:
+    """One ``retouch executor`` process on a fixed port (restartable on the same port)."""
+
+    name: str
+    port: int
+    data_dir: Path
+    shared_dir: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Executor:
+        cmd = [
+            sys.executable, "-m", "retouch.platform.cli", "executor", "--name", self.name,
+            "--port", str(self.port), "--data-dir", str(self.data_dir),
+            "--shared-dir", str(self.shared_dir), "--max-batch", "1", "--threads", "1",
+        ]  # fmt: skip
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with (self.data_dir / "executor.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                cmd,
+                env={**os.environ, TOKEN_ENV: TOKEN},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        return self
+
+    def wait_healthy(self) -> None:
+        def healthy() -> bool:
+            assert self.process is not None and self.process.poll() is None, self.log()
+            try:
+                return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(f"executor {self.name} healthy", healthy)
+
+    def state(self) -> wire.ExecutorState:
+        resp = httpx.get(f"{self.url}/state", headers=AUTH, timeout=5)
+        return wire.ExecutorState.from_wire(wire.unpack(resp.content))
+
+    def log(self) -> str:
+        return (self.data_dir / "executor.log").read_text()[-3000:]
+
+    def stop(self) -> int:
+        """SIGTERM; the exit status (SIGKILL and -9 if it hangs)."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+@pytest.fixture(scope="module")
+def executors(
+    tmp_path_factory: pytest.TempPathFactory, shared_dir: Path
+) -> Iterator[list[Executor]]:
+    base = tmp_path_factory.mktemp("attach")
+    started = [
+        Executor(f"standalone-{i}", free_port(), base / f"exec-{i}", shared_dir).start()
+        for i in range(2)
+    ]
+    try:
+        for e in started:
+            e.wait_healthy()
+        yield started
+    finally:
+        for e in started:
+            e.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory, executors: list[Executor], examples: Path
+) -> Iterator[ServerProcess]:
+    urls = ",".join(e.url for e in executors)
+    args = ["--provider", "attach", "--executor-urls", urls]
+    data = tmp_path_factory.mktemp("attach-gateway")
+    with ServerProcess(data, env={TOKEN_ENV: TOKEN}, extra_args=args) as proc:
+        with Client(proc.url) as client:
+            assert client.deploy_file(examples / f"{FUNCTION}.toml")["status"] == "ready"
+        yield proc
+
+
+def invoke(url: str, seed: int) -> wire.InvokeResult:
+    with Client(url, timeout=None) as client:
+        return client.invoke(
+            FUNCTION, TEMPLATE, MASK, "a red door", seed=seed, steps=STEPS, format="raw"
+        )
+
+
+def direct(executor: Executor, seed: int, steps: int = STEPS) -> httpx.Response:
+    """An invocation sent straight to ``executor``, as another gateway would."""
+    inv = wire.ExecutorInvoke(
+        FUNCTION, TEMPLATE, wire.RawArray.of(MASK.astype(np.uint8)), "p", seed, steps, 7.5, "png"
+    )
+    return httpx.post(
+        f"{executor.url}/invoke", content=wire.pack(inv.to_wire()), headers=AUTH, timeout=300
+    )
+
+
+def executor_rows(client: Client) -> dict[str, dict]:
+    return {row["url"]: row for row in client.executors()["executors"]}
+
+
+def queue_event(url: str, event: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    line = next(
+        x for x in text.splitlines() if x.startswith(f'retouch_queue_events{{event="{event}"}}')
+    )
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_attached_executors_are_the_pool(gateway: ServerProcess, executors: list[Executor]) -> None:
+    """The gateway takes both as they are (device and node from their state) and serves."""
+    with Client(gateway.url) as client:
+        rows = executor_rows(client)
+    assert set(rows) == {e.url for e in executors}
+    for e in executors:
+        assert rows[e.url]["healthy"] and rows[e.url]["device"] == "cpu"
+        assert rows[e.url]["node"] == e.name
+        assert FUNCTION in rows[e.url]["functions"]
+    assert invoke(gateway.url, 1).width == 128
+
+
+def test_healthz_is_open_and_nothing_else(
+    gateway: ServerProcess, executors: list[Executor]
+) -> None:
+    url = executors[0].url
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    for path in ("/state", "/changes"):
+        resp = httpx.get(f"{url}{path}")
+        assert resp.status_code == 401
+        assert resp.json()["error"]["code"] == "unauthorized"
+
+
+def test_an_executor_refuses_beyond_its_room(
+    gateway: ServerProcess, executors: list[Executor]
+) -> None:
+    target = executors[1]
+    with ThreadPoolExecutor(ROOM + 3) as pool:
+        answers = list(pool.map(lambda s: direct(target, s, steps=20), range(ROOM + 3)))
+    refused = [r for r in answers if r.status_code == 429]
+    assert refused and all(r.status_code in (200, 429) for r in answers)
+    error = wire.unpack(refused[0].content)["error"]
+    assert error["code"] == "executor_full" and error["detail"]["room"] == ROOM
+    assert sum(r.status_code == 200 for r in answers) >= ROOM
+
+
+def test_a_gateway_sharing_full_executors_queues_again(
+    gateway: ServerProcess, executors: list[Executor]
+) -> None:
+    """Another client fills both executors; the gateway's invocations are refused there,
+    wait in its queue and all succeed, none an extra attempt."""
+    before = queue_event(gateway.url, "refused")
+    with ThreadPoolExecutor(2 * ROOM + 6) as pool:
+        others = [pool.submit(direct, e, 50 + i, 20) for e in executors for i in range(ROOM)]
+        wait_for(
+            "the other client to fill both executors",
+            lambda: all(e.state().queued >= ROOM for e in executors),
+            60,
+            0.02,
+        )
+        ours = [pool.submit(invoke, gateway.url, seed) for seed in range(6)]
+        results = [f.result(timeout=300) for f in ours]
+        assert all(f.result().status_code == 200 for f in others)
+    assert all(r.width == 128 and r.attempts == 1 for r in results)
+    assert queue_event(gateway.url, "refused") > before
+
+
+def test_killed_executor_is_marked_dead_and_taken_back(
+    gateway: ServerProcess, executors: list[Executor]
+) -> None:
+    victim, survivor = executors
+    with Client(gateway.url) as client, ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(invoke, gateway.url, 200 + s) for s in range(4)]
+        wait_for("the victim to run work", lambda: victim.state().queued >= 1, 60, 0.02)
+        victim.process.kill()
+        victim.process.wait()
+        results = [f.result(timeout=300) for f in futures]
+        assert all(r.executor == survivor.name for r in results if r.attempts >= 2)
+        assert max(r.attempts for r in results) >= 2  # the victim's work re-ran
+        wait_for(
+            "the victim marked dead",
+            lambda: executor_rows(client)[victim.url]["phase"] == "dead",
+            30,
+        )
+        victim.start().wait_healthy()  # a new process on the same port
+        wait_for("the victim taken back", lambda: executor_rows(client)[victim.url]["healthy"], 120)
+        assert FUNCTION in victim.state().functions  # the gateway deployed to it again
+    assert invoke(gateway.url, 300).width == 128
+
+
+def test_sigterm_ends_a_standalone_executor_cleanly(executors: list[Executor]) -> None:
+    """Runs last (the module's gateway no longer needs them). uvicorn shuts down (the
+    lifespan closes the core), then re-raises the signal it caught: the status is -SIGTERM,
+    reached within the stop's wait rather than by its SIGKILL."""
+    for e in executors:
+        assert e.stop() == -signal.SIGTERM, e.log()
+        assert "Traceback" not in e.log()
