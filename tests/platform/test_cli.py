@@ -16,6 +16,7 @@ from retouch.platform.cli import build_parser, main
 from retouch.platform.commands.common import print_table
 from retouch.platform.commands.serve import config_of
 from retouch.platform.config import ServeConfig
+from retouch.runtime.executor.app import TOKEN_ENV
 from retouch.runtime.executor.main import parse_args as executor_args
 from retouch.runtime.executor.options import ExecutorOptions
 from tests.support import cli_refusal
@@ -160,3 +161,52 @@ def test_url_and_token_go_before_or_after_the_subcommand(monkeypatch: pytest.Mon
     bare = parse(["jobs", "ls"])
     assert bare.url is None and bare.token == "from-env"
     assert parse(["--token", "t", "cache", "stats", "--url", "http://c"]).token == "t"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--provider", "attach"], "--provider attach needs --executor-urls"),
+        (
+            ["--provider", "attach", "--executor-urls", "http://e0:9000", "--autoscale"],
+            "--autoscale cannot start or stop attached executors",
+        ),
+        (["--provider", "attach", "--executor-urls", "e0:9000"], "must be http://host:port"),
+        (["--provider", "attach", "--executor-urls", "http://e0"], "must be http://host:port"),
+        (
+            ["--provider", "attach", "--executor-urls", "http://e0:9000,http://e0:9000"],
+            "lists a URL twice",
+        ),
+        (["--executor-urls", "http://e0:9000"], "read only with --provider attach"),
+    ],
+)
+def test_attach_provider_knobs_are_checked(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], message: str
+) -> None:
+    """A misconfigured attach provider is one line and exit 2, before anything starts."""
+    code, err = cli_refusal(capsys, "serve", "--data-dir", str(tmp_path), *args)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_attach_without_a_token_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    attach = ["--provider", "attach", "--executor-urls", "http://127.0.0.1:9"]
+    code, err = cli_refusal(capsys, "serve", "--data-dir", str(tmp_path), *attach)
+    assert code == 2 and f"no internal executor token: {TOKEN_ENV} is not set" in err
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    args = ["--data-dir", str(tmp_path), *attach, "--executor-token-file", str(empty)]
+    code, err = cli_refusal(capsys, "serve", *args)
+    assert code == 2 and f"{empty} is empty" in err
+
+
+def test_a_standalone_executor_needs_a_port_and_a_token(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    code, err = cli_refusal(capsys, "executor", "--data-dir", str(tmp_path))
+    assert code == 2 and "give --port, or --port-file" in err
+    code, err = cli_refusal(capsys, "executor", "--data-dir", str(tmp_path), "--port", "9")
+    assert code == 2 and "no internal executor token" in err
