@@ -1,14 +1,13 @@
-"""The deployment files in ``deploy/`` say what retouch relies on (none of them can be run
-on the development machine: no container runtime, no cluster; see docs/deploy.md)."""
+"""The Kubernetes files in ``deploy/`` say what retouch relies on (none of them can be run
+on the development machine: no cluster; see docs/deploy.md). The images' files are
+tests/deploy/test_images.py's."""
 
 from __future__ import annotations
 
-import re
 import shlex
 
 import pytest
 
-from retouch.platform.config import ServeConfig
 from tests.support import REPO
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with the ray extra")
@@ -35,16 +34,6 @@ def _known_flags() -> set[str]:
     return {flag for action in serve._actions for flag in action.option_strings}
 
 
-def test_the_dockerfile_installs_as_make_does() -> None:
-    docker = (DEPLOY / "docker" / "Dockerfile").read_text()
-    make = (REPO / "Makefile").read_text()
-    pin = re.search(r"torch==[\d.]+", make).group(0)  # make's first step
-    steps = [line for line in docker.splitlines() if line.startswith("RUN python -m pip")]
-    assert steps and pin in steps[0], steps  # torch first, pinned as in the Makefile
-    assert '".[ray]"' in steps[1]  # then retouch with the Ray extra
-    assert 'ENTRYPOINT ["retouch"]' in docker
-
-
 def test_the_raycluster_runs_the_gateway_on_the_head_and_executors_on_gpus() -> None:
     docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "raycluster.yaml").read_text()))
     cluster = next(d for d in docs if d["kind"] == "RayCluster")
@@ -66,12 +55,3 @@ def test_the_raycluster_runs_the_gateway_on_the_head_and_executors_on_gpus() -> 
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["RETOUCH_DATA_DIR"].startswith("/nvme")  # the node's store on local NVMe
     assert {d["kind"] for d in docs} == {"RayCluster", "PersistentVolumeClaim", "Service"}
-
-
-def test_the_compose_file_serves_with_known_options() -> None:
-    compose = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())
-    service = compose["services"]["retouch"]
-    flags = [w for w in service["command"] if w.startswith("--")]
-    assert set(flags) <= _known_flags()
-    assert service["ports"] == ["8000:8000"] and service["shm_size"]
-    assert ServeConfig().port == 8000
