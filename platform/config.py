@@ -61,6 +61,19 @@ class ServeConfig:
         "file holding the internal token the attached executors were started with",
         shown="$RETOUCH_EXECUTOR_TOKEN",
     )
+    state_store: str | None = knob(
+        None,
+        "PostgreSQL URL (postgresql://user:pass@host/db) of the store several gateways share: "
+        "registry, jobs, webhook deliveries and generated secrets (pip install "
+        "retouch[postgres])",
+        shown="none: files in the data dir, one gateway",
+    )
+    state_store_ttl_s: float = knob(
+        10.0,
+        "seconds a gateway may go without stamping the state store before the others take "
+        "over its unfinished jobs",
+        flag="--state-store-ttl",
+    )
     autoscale: bool = knob(
         False,
         "start and stop executors on load, as the functions' scaling tables say (from zero), "
@@ -198,6 +211,7 @@ class ServeConfig:
             "invoke_timeout_s": self.invoke_timeout_s,
             "job_retention_s": self.job_retention_s,
             "drain_timeout_s": self.drain_timeout_s,
+            "state_store_ttl_s": self.state_store_ttl_s,
             "max_live_jobs": self.max_live_jobs,
             "max_live_jobs_per_tenant": self.max_live_jobs_per_tenant,
             "max_retained_bytes": self.max_retained_bytes,
@@ -222,6 +236,10 @@ class ServeConfig:
             )
         if self.public_url is not None:
             check_public_url(self.public_url)
+        if self.state_store is not None and not self.state_store.startswith(
+            ("postgresql://", "postgres://")
+        ):
+            raise ValueError("state_store must be a postgresql:// URL")
         from retouch.functions.spec import PLACEMENTS  # torch-free, as this module
 
         self.check_provider()

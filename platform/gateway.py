@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -55,6 +54,7 @@ from retouch.platform.bodybudget import BodyBudget
 from retouch.platform.config import DEFAULT_URL
 from retouch.platform.deliveryjournal import DeliveryJournal
 from retouch.platform.deployed import DeployedFunction
+from retouch.platform.failover import Failover
 from retouch.platform.frontdoor import FrontDoor
 from retouch.platform.httpapi import (
     event_stream,
@@ -75,6 +75,10 @@ from retouch.platform.predictions import Predictions, Read, answers_replicate, r
 from retouch.platform.registry import Registry, StoredFunction
 from retouch.platform.remoteinputs import InputFetcher
 from retouch.platform.retention import RetentionLimits
+from retouch.platform.sharedjournal import SharedDeliveryJournal, SharedJobJournal
+from retouch.platform.sharedregistry import SharedRegistry
+from retouch.platform.statestore import HEARTBEAT_S, StateStore
+from retouch.platform.uploads import KEY_BYTES as UPLOAD_KEY_BYTES
 from retouch.platform.uploads import UploadNames
 from retouch.platform.web import WebUI
 from retouch.platform.webhooks import WebhookSender
@@ -95,7 +99,7 @@ MAX_JOB_LIST = 1000
 
 @dataclass
 class Gateway:
-    registry: Registry
+    registry: Registry | SharedRegistry
     pool: ExecutorPool
     auth: TokenAuth
     max_body: int = DEFAULT_MAX_BODY
@@ -112,18 +116,20 @@ class Gateway:
     decode_memory_bytes: int = 0  # 0: an eighth of the machine's memory
     body_memory_bytes: int = 0  # request bodies held at once; 0: an eighth of the memory
     retention_limits: RetentionLimits = field(default_factory=RetentionLimits)
+    # Several gateways: the shared store their registry, jobs and deliveries are in (the
+    # registry given is then a SharedRegistry on it); None: files in the data dir.
+    state: StateStore | None = None
     _name_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
-    _generations: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+    _seen_revision: int = 0  # the shared registry's changes are followed from here
 
     def __post_init__(self) -> None:
-        # Upload ids are keyed with a secret kept beside the journal (so they, and the
-        # executors' bakes of uploads, outlive a restart); without a data dir, this run's.
-        self.uploads = UploadNames.load(self.data_dir) if self.data_dir else UploadNames.ephemeral()
+        self.uploads = self._upload_names()
         self.bodies = BodyBudget(self.body_memory_bytes or default_budget())
         self.webhooks = WebhookSender(
             self.webhook_secret,
             self.webhook_allow,
-            journal=DeliveryJournal(self.data_dir / "webhooks") if self.data_dir else None,
+            journal=self._delivery_journal(),
             public_url=self.links.base_url,
         )
         self.inputs = InputFetcher(
@@ -133,7 +139,7 @@ class Gateway:
             self.functions,
             self.pool.dispatcher,
             self.metrics,
-            JobJournal(self.data_dir / "jobs") if self.data_dir is not None else None,
+            self._job_journal(),
             ImageGate(
                 self.max_image_pixels or MAX_PIXELS,
                 DecodeBudget(self.decode_memory_bytes or default_budget()),
@@ -147,16 +153,55 @@ class Gateway:
         )
         self.jobs = self.door.jobs
 
+    def _upload_names(self) -> UploadNames:
+        """Upload ids are keyed with a secret kept beside the journal (so they, and the
+        executors' bakes of uploads, outlive a restart), shared by every gateway of a
+        shared store; without either, this run's."""
+        if self.state is not None:
+            return UploadNames(self.state.secret("upload-key", UPLOAD_KEY_BYTES))
+        return UploadNames.load(self.data_dir) if self.data_dir else UploadNames.ephemeral()
+
+    def _delivery_journal(self) -> DeliveryJournal | SharedDeliveryJournal | None:
+        if self.state is not None:
+            return SharedDeliveryJournal(self.state)
+        return DeliveryJournal(self.data_dir / "webhooks") if self.data_dir else None
+
+    def _job_journal(self) -> JobJournal | SharedJobJournal | None:
+        if self.state is not None:
+            return SharedJobJournal(self.state, self.retention_limits, self.job_retention_s)
+        return JobJournal(self.data_dir / "jobs") if self.data_dir is not None else None
+
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         await self.pool.start()
-        for stored in self.registry.load_all().values():
+        if isinstance(self.registry, SharedRegistry):
+            changes = await asyncio.to_thread(self.registry.changes, 0)
+            self._seen_revision = changes.revision
+            stored_now = changes.stored
+        else:
+            stored_now = list(self.registry.load_all().values())
+        for stored in stored_now:
             self._track(stored)
         await self.webhooks.start()
         await self.inputs.start()
         await self.jobs.start()  # resumes unfinished jobs: functions are tracked by now
+        if self.state is not None:
+            failover = Failover(
+                self.state,
+                self.jobs,
+                self.jobs.shared,
+                self.webhooks,
+                self.webhooks.journal,
+            )
+            self._tasks = [
+                asyncio.create_task(failover.run()),
+                asyncio.create_task(self._follow_registry()),
+            ]
 
     async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.jobs.close()
         await self.inputs.close()
         await self.webhooks.close()
@@ -164,6 +209,31 @@ class Gateway:
             if fn.task:
                 fn.task.cancel()
         await self.pool.close()
+        if self.state is not None:  # its unfinished jobs are another gateway's at once
+            await asyncio.to_thread(self.state.leave)
+            await asyncio.to_thread(self.state.close)
+
+    async def _follow_registry(self) -> None:
+        """Deploys and deletes other gateways made, applied here (every heartbeat)."""
+        assert isinstance(self.registry, SharedRegistry)
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                changes = await asyncio.to_thread(self.registry.changes, self._seen_revision)
+            except Exception:
+                log.exception("reading the shared registry's changes failed; retrying")
+                continue
+            self._seen_revision = changes.revision
+            for stored in changes.stored:
+                async with self._lock(stored.spec.name):
+                    known = self.functions.get(stored.spec.name)
+                    if known is None or known.stored.revision < stored.revision:
+                        self._track(stored)
+            for name, revision in changes.deleted:
+                async with self._lock(name):
+                    known = self.functions.get(name)
+                    if known is not None and known.stored.revision < revision:
+                        self._untrack(name)
 
     def _lock(self, name: str) -> asyncio.Lock:
         """The lock that serialises control operations on one function name."""
@@ -172,7 +242,7 @@ class Gateway:
     def _track(self, stored: StoredFunction) -> DeployedFunction:
         fn = DeployedFunction(
             stored,
-            next(self._generations),
+            stored.revision,
             sizes={tid: Image.open(io.BytesIO(png)).size for tid, png in stored.templates.items()},
         )
         previous = self.functions.get(stored.spec.name)
@@ -265,8 +335,8 @@ class Gateway:
         )
         templates = await asyncio.to_thread(self._templates, spec, body.get("templates"))
         async with self._lock(name):
-            await asyncio.to_thread(self.registry.put, spec, templates)
-            return self._track(StoredFunction(spec, templates)).describe()
+            revision = await asyncio.to_thread(self.registry.put, spec, templates)
+            return self._track(StoredFunction(spec, templates, revision)).describe()
 
     def _templates(self, spec: FunctionSpec, raw: Any) -> dict[str, bytes]:
         """Decode every template image, check its size, store it as PNG."""
@@ -312,14 +382,18 @@ class Gateway:
     async def delete_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
         async with self._lock(name):
-            fn = self.function(name)
-            if fn.task:
-                fn.task.cancel()
-            del self.functions[name]
-            self.metrics.functions.set(len(self.functions))
-            await asyncio.to_thread(self.registry.delete, name)
-            await self.pool.unload(name, next(self._generations))
+            self.function(name)  # 404 when unknown
+            self._untrack(name)
+            revision = await asyncio.to_thread(self.registry.delete, name)
+            if revision is not None:  # None: another gateway deleted it (and unloaded it)
+                await self.pool.unload(name, revision)
         return {"deleted": name}
+
+    def _untrack(self, name: str) -> None:
+        fn = self.functions.pop(name)
+        if fn.task:
+            fn.task.cancel()
+        self.metrics.functions.set(len(self.functions))
 
     async def executors(self, request: Request) -> dict[str, Any]:
         viewer = principal(request)
@@ -418,7 +492,7 @@ class Gateway:
         return respond(request, await self.jobs.document(job, is_owner), status, headers)
 
     async def get_job(self, request: Request) -> Response:
-        job = self.jobs.get(request.path_params["id"], principal(request))
+        job = await self.jobs.get(request.path_params["id"], principal(request))
         return await self._job_response(
             request, job, parse_prefer_wait(request.headers.get("prefer"))
         )
@@ -437,7 +511,7 @@ class Gateway:
                 ) from None
         limit = requestparams.integer(query.get("limit"), "limit", 1, MAX_JOB_LIST, default=100)
         viewer = principal(request)
-        jobs = self.jobs.list(
+        jobs = await self.jobs.list(
             viewer, status, query.get("function") or None, limit, tenant_filter(request)
         )
         positions = self.pool.dispatcher.queue_positions()
@@ -448,11 +522,11 @@ class Gateway:
 
     async def cancel_job(self, request: Request) -> dict[str, Any]:
         viewer = principal(request)
-        job = await self.jobs.cancel(self.jobs.get(request.path_params["id"], viewer))
+        job = await self.jobs.cancel(await self.jobs.get(request.path_params["id"], viewer))
         return await self.jobs.document(job, job.owner == viewer.tenant)
 
     async def job_events(self, request: Request) -> StreamingResponse:
-        job = self.jobs.get(request.path_params["id"], principal(request))
+        job = await self.jobs.get(request.path_params["id"], principal(request))
         return event_stream(self.jobs.events(job, last_event_id(request)))
 
     async def output(self, request: Request) -> Response:

@@ -107,6 +107,9 @@ class Job:
     output: str | None = None  # a succeeded job's signed image link (the job store signs it)
     retained_bytes: int = 0  # charged to its owner: payload while live, result once finished
     run: int = 0  # how many times a gateway resumed it from the journal
+    # A copy read from the shared state store: another gateway runs (or ran) it, so this
+    # one shows its record and asks the store, never the pool, to cancel it.
+    mirror: bool = False
     _seq: int = 0  # the last event id given (journaled in the final record)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _first_step: float | None = None  # monotonic time of the first progress frame

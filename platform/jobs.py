@@ -46,6 +46,7 @@ from retouch.platform.retention import (
     retained_bytes,
     slim_request,
 )
+from retouch.platform.sharedjournal import SharedJobJournal, TakenOver
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ DEFAULT_RETENTION_S = 24 * 3600.0
 DEFAULT_PROGRESS_INTERVAL_S = 0.25
 POSITION_POLL_S = 0.25  # how often queue positions are re-read for ``queued`` events
 MAX_EVENTS = 512  # kept per live job for late readers (progress is throttled, so rarely reached)
+MIRROR_POLL_S = 0.5  # how often a job another gateway runs is read again (events, cancel)
 
 OnStart = Callable[[str, int], None]
 OnProgress = Callable[[wire.StepProgress], None]
@@ -70,7 +72,7 @@ class JobStore:
         execute: Execute,
         positions: Callable[[], dict[str, int]],
         cancel: Callable[[str], Awaitable[bool]],
-        journal: JobJournal | None = None,
+        journal: JobJournal | SharedJobJournal | None = None,
         *,
         retention_s: float = DEFAULT_RETENTION_S,
         progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
@@ -83,6 +85,8 @@ class JobStore:
         self._positions = positions  # the gateway queue's positions by invocation id
         self._cancel = cancel  # the pool's cancel of a running invocation
         self.journal = journal
+        # With several gateways: the store every gateway's jobs are in (None: this one's only)
+        self.shared = journal if isinstance(journal, SharedJobJournal) else None
         self.retention_s = retention_s
         self.progress_interval_s = progress_interval_s
         self._notify = notify
@@ -146,15 +150,37 @@ class JobStore:
                 await task
 
     # ---- lookup -------------------------------------------------------------------------
-    def get(self, job_id: str, viewer: Principal) -> Job:
+    async def get(self, job_id: str, viewer: Principal) -> Job:
         """The job, if ``viewer`` may see it: another tenant's job is as unknown as a
-        missing one (the same 404), so ids cannot be probed."""
+        missing one (the same 404), so ids cannot be probed. With several gateways, a job
+        another gateway runs is read from the shared store (a :attr:`Job.mirror`)."""
         job = self.jobs.get(wire.check_job_id(job_id))
+        if job is None and self.shared is not None:
+            job = await self._read_mirror(job_id)
         if job is None or not job.durable or not viewer.owns(job.owner):
             raise NotFound(f"no job {job_id!r}", field="id", code="job_not_found")
         return job
 
-    def list(
+    async def _read_mirror(self, job_id: str) -> Job | None:
+        """The job as the shared store has it now (None: no such job)."""
+        assert self.shared is not None
+        try:
+            record = await asyncio.to_thread(self.shared.read, job_id)
+            job = Job.from_record(record)
+        except FileNotFoundError:
+            return None
+        except (RetouchError, KeyError, TypeError, ValueError) as exc:
+            log.error("job record %s is unreadable: %s", job_id, exc)
+            return None
+        job.mirror = True
+        if job.status.terminal:
+            job.output = self.output_url(job)
+            self._record(job, END_EVENT[job.status], job.describe(False, False), notify=False)
+        else:  # not the ids of a run: a reader of this gateway gets only the end's id
+            job.run, job._seq = int(record.get("run", 0)), 0
+        return job
+
+    async def list(
         self,
         viewer: Principal,
         status: JobStatus | None = None,
@@ -170,6 +196,8 @@ class JobStore:
             tenant = viewer.tenant
         if tenant is not None and not viewer.owns(tenant):
             return []
+        if self.shared is not None:
+            return await self._list_shared(tenant, status, function, limit, before)
         if tenant is None:
             kept = (j for owned in self._owned.values() for j in owned.values())
         else:
@@ -182,6 +210,38 @@ class JobStore:
             and (before is None or listing_key(j) < before)
         )
         return heapq.nlargest(limit, jobs, key=listing_key)
+
+    async def _list_shared(
+        self,
+        tenant: str | None,
+        status: JobStatus | None,
+        function: str | None,
+        limit: int,
+        before: tuple[float, str] | None,
+    ) -> list[Job]:
+        """Every gateway's jobs from the shared store; those this gateway runs as it
+        knows them (with their progress)."""
+        assert self.shared is not None
+        records = await asyncio.to_thread(
+            self.shared.listing,
+            tenant,
+            None if status is None else status.value,
+            function,
+            limit,
+            before,
+        )
+        out = []
+        for record in records:
+            job = self.jobs.get(str(record.get("id")))
+            if job is None:
+                try:
+                    job = Job.from_record(record)
+                except (RetouchError, KeyError, TypeError, ValueError):
+                    continue
+                job.mirror = True
+                job.output = self.output_url(job)
+            out.append(job)
+        return out
 
     def retained_until(self, job: Job) -> float:
         """When a finished job's record and result are removed (``inf`` while it runs)."""
@@ -229,7 +289,9 @@ class JobStore:
             self.retention.take(job)
             try:
                 if self.journal is not None:
-                    await asyncio.to_thread(self.journal.write, job.to_record())
+                    await asyncio.to_thread(
+                        self.journal.accept, job.to_record(), job.retained_bytes
+                    )
             except BaseException:
                 self.retention.release(job)
                 raise
@@ -318,6 +380,10 @@ class JobStore:
                         await asyncio.shield(journaled)
                 await asyncio.to_thread(self.journal.write, job.to_record())
                 self._drop_image(job)
+            except TakenOver:  # this gateway was thought dead: the new runner's end counts
+                log.warning("job %s is run by another gateway now; its end here is dropped", job.id)
+                self._forget_kept(job)
+                return
             except OSError:
                 log.exception("could not record the end of job %s", job.id)
         self._publish(job, event)
@@ -365,6 +431,8 @@ class JobStore:
     async def cancel(self, job: Job, wait_s: float = 10.0) -> Job:
         """Cancel a job: idempotent on a canceled job; a finished one is a 409
         ``job_finished``. Waits (bounded) until the job has left its executor."""
+        if job.mirror:
+            job = await self._cancel_mirror(job, wait_s)
         if job.status is JobStatus.CANCELED:
             return job
         if job.status.terminal:
@@ -383,6 +451,23 @@ class JobStore:
                 field="id",
                 code="job_finished",
             )
+        return job
+
+    async def _cancel_mirror(self, job: Job, wait_s: float) -> Job:
+        """Ask the gateway that runs the job to cancel it (through the shared store) and
+        wait, bounded, until its record ends; the job as the store has it then."""
+        assert self.shared is not None
+        if not await asyncio.to_thread(self.shared.request_cancel, job.id):
+            return await self._read_mirror(job.id) or job
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(MIRROR_POLL_S)
+            now = await self._read_mirror(job.id)
+            if now is None or now.status.terminal:
+                return now or job
+            if job.id in self.jobs:  # taken over by this gateway meanwhile
+                return self.jobs[job.id]
+        job.cancel_requested = True
         return job
 
     async def wait(self, job: Job, timeout_s: float) -> Job:
@@ -410,6 +495,10 @@ class JobStore:
         items mark idle periods (for keep-alives). A stream always ends with the terminal
         event unless the reader says it has it (``after`` is its id): one resuming from an
         id this job never gave still gets it."""
+        if job.mirror:
+            async for event in self._mirror_events(job, after):
+                yield event
+            return
         sent = after
         job._readers += 1
         try:
@@ -429,6 +518,50 @@ class JobStore:
         finally:
             job._readers -= 1
             self._trim(job)
+
+    async def _mirror_events(self, job: Job, after: int):
+        """A job another gateway runs, as read from the shared store now and then: its
+        terminal event once its record ends (with the id it has everywhere), keep-alives
+        until then. Progress is seen on the gateway that runs it."""
+        while not job.ended:
+            yield None
+            await asyncio.sleep(MIRROR_POLL_S)
+            local = self.jobs.get(job.id)  # taken over by this gateway meanwhile
+            if local is not None:
+                async for event in self.events(local, after):
+                    yield event
+                return
+            job = await self._read_mirror(job.id) or job
+        if job.events[-1].seq != after:
+            yield job.events[-1]
+
+    # ---- several gateways ------------------------------------------------------------------
+    async def adopt(self, records: list[dict[str, Any]]) -> int:
+        """Run the unfinished jobs a dead gateway left (claimed from the shared store), as
+        a restart resumes its own: each from the start, with ids above its last run's."""
+        adopted = 0
+        for record in records:
+            if record.get("id") in self.jobs:
+                continue
+            job = await self._load(self.journal, record)
+            if job is None or job.status.terminal:
+                continue
+            job.cancel_requested = bool(record.get("cancel_requested"))
+            self._keep(job)
+            job.task = asyncio.create_task(self._run(job))
+            adopted += 1
+        if adopted:
+            log.info("took over %d jobs of a gateway that stopped answering", adopted)
+        return adopted
+
+    async def cancel_requested(self, job_ids: list[str]) -> None:
+        """Cancels another gateway was asked for, of jobs this one runs."""
+        for job_id in job_ids:
+            job = self.jobs.get(job_id)
+            if job is None or job.status.terminal or job.cancel_requested:
+                continue
+            job.cancel_requested = True
+            await self._cancel(job.id)
 
     # ---- internals ----------------------------------------------------------------------
     def _record(
@@ -499,6 +632,9 @@ class JobStore:
                     await asyncio.to_thread(self.journal.delete, job.id)
                 except OSError:
                     log.exception("could not delete the record of expired job %s", job.id)
+        if self.shared is not None:  # a dead gateway's finished jobs expire too
+            cutoff = self._clock() - self.retention_s
+            return len(expired) + await asyncio.to_thread(self.shared.purge, cutoff)
         return len(expired)
 
     def _keep(self, job: Job) -> None:

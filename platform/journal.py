@@ -82,3 +82,8 @@ class RecordFolder:
 
 class JobJournal(RecordFolder):
     """Job records in ``<data dir>/jobs``."""
+
+    def accept(self, record: dict[str, Any], nbytes: int) -> None:
+        """Record a job just accepted (the shared journal also checks the caps of every
+        gateway's jobs here; one gateway's are checked by its job store beforehand)."""
+        self.write(record)

@@ -37,7 +37,7 @@ async def serve_output(jobs: JobStore, request: Request) -> Response:
     if expires < time.time():
         raise NotFound("this image link has expired", field="expires", code="link_expired")
     try:
-        job = jobs.get(job_id, OPEN)  # the link's signature is the authorization
+        job = await jobs.get(job_id, OPEN)  # the link's signature is the authorization
     except NotFound as exc:
         raise NotFound("the image is gone", field="name", code="image_not_found") from exc
     jobs.links.check_lifetime(expires, jobs.retained_until(job))

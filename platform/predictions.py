@@ -185,7 +185,7 @@ class Predictions:
 
     # ---- read, list, cancel, stream ------------------------------------------------------
     async def get(self, request: Request) -> Response:
-        job = self.jobs.get(request.path_params["id"], request.state.principal)
+        job = await self.jobs.get(request.path_params["id"], request.state.principal)
         return await self._answer(request, job, parse_prefer_wait(request.headers.get("prefer")))
 
     async def list(self, request: Request) -> dict[str, Any]:
@@ -194,7 +194,7 @@ class Predictions:
         query = request.query_params
         limit = requestparams.integer(query.get("limit"), "limit", 1, MAX_PAGE, PAGE_SIZE)
         before = None if query.get("cursor") is None else parse_cursor(query["cursor"])
-        jobs = self.jobs.list(request.state.principal, limit=limit + 1, before=before)
+        jobs = await self.jobs.list(request.state.principal, limit=limit + 1, before=before)
         page, more = jobs[:limit], len(jobs) > limit
         following = None
         if more:
@@ -205,11 +205,11 @@ class Predictions:
         return {"next": following, "previous": None, "results": results}
 
     async def cancel(self, request: Request) -> dict[str, Any]:
-        job = self.jobs.get(request.path_params["id"], request.state.principal)
+        job = await self.jobs.get(request.path_params["id"], request.state.principal)
         return document(await self.jobs.cancel(job), self.base_url)
 
     async def stream(self, request: Request) -> StreamingResponse:
-        job = self.jobs.get(request.path_params["id"], request.state.principal)
+        job = await self.jobs.get(request.path_params["id"], request.state.principal)
         return event_stream(self.jobs.events(job, last_event_id(request)), frames)
 
     async def webhook_secret(self, request: Request) -> Response:

@@ -3,6 +3,12 @@
 Layout under ``<data-dir>/functions/<name>/``: ``spec.json`` and ``templates/<id>.png``.
 A deploy writes a complete new folder next to the live one and swaps it in with renames, so
 a crash leaves either the old function or the new one, never a mix.
+
+Every put and delete gets a revision: the generation the executors order control
+operations on one name by (a later one supersedes an earlier one). Here it is the clock in
+microseconds (kept increasing), so a restarted gateway's operations still supersede those
+its executors saw before; the shared registry (``platform/sharedregistry.py``) numbers them
+from one database sequence, for every gateway.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import logging
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +31,20 @@ log = logging.getLogger(__name__)
 class StoredFunction:
     spec: FunctionSpec
     templates: dict[str, bytes]  # template id -> PNG bytes
+    revision: int = 0  # the put that stored it: its deploy's generation on the executors
+
+
+class Revisions:
+    """Increasing revisions from the clock (microseconds), for one process."""
+
+    def __init__(self) -> None:
+        self._last = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            self._last = max(self._last + 1, time.time_ns() // 1000)
+            return self._last
 
 
 class Registry:
@@ -31,9 +52,11 @@ class Registry:
         self.root = root / "functions"
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._revisions = Revisions()
         self._cleanup()
 
-    def put(self, spec: FunctionSpec, templates: dict[str, bytes]) -> None:
+    def put(self, spec: FunctionSpec, templates: dict[str, bytes]) -> int:
+        """Store the function (replacing one of its name); its revision."""
         staging = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=self.root))
         (staging / "templates").mkdir()
         for tid, png in templates.items():
@@ -47,14 +70,16 @@ class Registry:
             staging.rename(live)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
+        return self._revisions.next()
 
-    def delete(self, name: str) -> bool:
+    def delete(self, name: str) -> int | None:
+        """Remove the function; the delete's revision, or None when there was none."""
         live = self.root / name
         with self._lock:
             if not live.exists():
-                return False
+                return None
             shutil.rmtree(live.rename(self.root / f".{name}.deleted"), ignore_errors=True)
-            return True
+            return self._revisions.next()
 
     def load_all(self) -> dict[str, StoredFunction]:
         out = {}
@@ -72,7 +97,7 @@ class Registry:
         templates = {
             tid: (folder / "templates" / f"{tid}.png").read_bytes() for tid in spec.templates
         }
-        return StoredFunction(spec, templates)
+        return StoredFunction(spec, templates, self._revisions.next())
 
     def _cleanup(self) -> None:
         """Finish or drop swaps a crash interrupted: keep ``.old`` only if the live one is gone."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -140,35 +141,14 @@ class Retention:
         return out
 
     def admit(self, tenant: str, nbytes: int, now: float) -> None:
-        """Refuse (429) a job of ``nbytes`` payload that would pass a cap. A refusal by the
-        gateway-wide caps states no figure: those are every tenant's together."""
-        limits, nbytes = self.limits, nbytes + JOB_OVERHEAD_BYTES
-        scopes = (
-            (None, limits.max_live_jobs, limits.max_retained_bytes),
-            (tenant, limits.max_live_jobs_per_tenant, limits.max_retained_bytes_per_tenant),
+        """Refuse (429) a job of ``nbytes`` payload that would pass a cap."""
+        refuse_beyond_caps(
+            self.limits,
+            tenant,
+            nbytes,
+            self.usage,
+            lambda who, usage, needed: self._until_freed(who, usage, needed, now),
         )
-        for who, max_live, max_bytes in scopes:
-            usage = self.usage(who)
-            if usage.live >= max_live:
-                raise Overloaded(
-                    "the gateway has as many queued or running jobs as it may hold"
-                    if who is None
-                    else f"tenant {who!r} has {usage.live} queued or running jobs, the most "
-                    "it may have",
-                    code="too_many_jobs",
-                    retry_after_s=LIVE_RETRY_AFTER_S,
-                )
-            if usage.retained + nbytes > max_bytes:
-                wait = self._until_freed(who, usage, usage.retained + nbytes - max_bytes, now)
-                raise Overloaded(
-                    f"the gateway retains as many jobs and results as it may; this job's "
-                    f"{nbytes} bytes do not fit"
-                    if who is None
-                    else f"tenant {who!r} retains {usage.retained} bytes of jobs and results; "
-                    f"this job's {nbytes} would pass the {max_bytes} it may retain",
-                    code="retention_full",
-                    retry_after_s=math.ceil(wait),
-                )
 
     def _until_freed(self, tenant: str | None, usage: Usage, needed: int, now: float) -> float:
         """Seconds until finished results of ``tenant`` (None: anyone's) worth ``needed``
@@ -182,3 +162,44 @@ class Retention:
             if freed >= needed:
                 return max(1.0, (job.completed_at or now) + self.retention_s - now)
         return LIVE_RETRY_AFTER_S
+
+
+def refuse_beyond_caps(
+    limits: RetentionLimits,
+    tenant: str,
+    nbytes: int,
+    usage_of: Callable[[str | None], Usage],
+    until_freed: Callable[[str | None, Usage, int], float],
+) -> None:
+    """Refuse (429) a job of ``nbytes`` payload that would pass a cap, given the usage of
+    all tenants (``usage_of(None)``) and of ``tenant``; ``until_freed`` says how long
+    until enough finished results expire. One check for one gateway's counters and for
+    the shared store's (``platform/sharedjournal.py``). A refusal by the gateway-wide caps
+    states no figure: those are every tenant's together."""
+    nbytes += JOB_OVERHEAD_BYTES
+    scopes = (
+        (None, limits.max_live_jobs, limits.max_retained_bytes),
+        (tenant, limits.max_live_jobs_per_tenant, limits.max_retained_bytes_per_tenant),
+    )
+    for who, max_live, max_bytes in scopes:
+        usage = usage_of(who)
+        if usage.live >= max_live:
+            raise Overloaded(
+                "the gateway has as many queued or running jobs as it may hold"
+                if who is None
+                else f"tenant {who!r} has {usage.live} queued or running jobs, the most "
+                "it may have",
+                code="too_many_jobs",
+                retry_after_s=LIVE_RETRY_AFTER_S,
+            )
+        if usage.retained + nbytes > max_bytes:
+            wait = until_freed(who, usage, usage.retained + nbytes - max_bytes)
+            raise Overloaded(
+                f"the gateway retains as many jobs and results as it may; this job's "
+                f"{nbytes} bytes do not fit"
+                if who is None
+                else f"tenant {who!r} retains {usage.retained} bytes of jobs and results; "
+                f"this job's {nbytes} would pass the {max_bytes} it may retain",
+                code="retention_full",
+                retry_after_s=math.ceil(wait),
+            )

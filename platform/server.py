@@ -28,6 +28,8 @@ from retouch.platform.pool import ExecutorPool
 from retouch.platform.providers import AttachProvider, LocalProvider, Provider
 from retouch.platform.registry import Registry
 from retouch.platform.retention import RetentionLimits
+from retouch.platform.sharedregistry import SharedRegistry
+from retouch.platform.statestore import StateStore
 from retouch.platform.webhooks import load_secret
 from retouch.runtime.executor.app import read_token
 from retouch.runtime.httpserver import SERVER_OPTIONS
@@ -63,8 +65,11 @@ def build_gateway(config: ServeConfig) -> Gateway:
         autoscale_dry_run=config.autoscale_dry_run,
         drain_timeout_s=config.drain_timeout_s,
     )
+    state = None
+    if config.state_store is not None:
+        state = StateStore(config.state_store, config.state_store_ttl_s).open()
     return Gateway(
-        Registry(config.data_dir),
+        Registry(config.data_dir) if state is None else SharedRegistry(state),
         pool,
         auth,
         max_body=config.max_body_bytes,
@@ -80,16 +85,34 @@ def build_gateway(config: ServeConfig) -> Gateway:
         data_dir=config.data_dir,
         job_retention_s=config.job_retention_s,
         progress_interval_s=config.progress_interval_s,
-        webhook_secret=load_secret(config.data_dir, config.webhook_secret),
+        webhook_secret=shared_secret(state, "webhook-secret", config.webhook_secret)
+        or load_secret(config.data_dir, config.webhook_secret),
         webhook_allow=AllowList.parse(config.webhook_allow),
         fetch_allow=AllowList.parse(config.fetch_allow, "--fetch-allow", "fetch_not_allowed")
         if config.fetch_allow
         else None,
         links=LinkSigner(
-            load_keys(config.link_key_file or config.data_dir / KEY_FILE),
+            link_keys(config, state),
             check_public_url(config.public_url or bind_url(config.host, config.port)),
         ),
+        state=state,
     )
+
+
+def shared_secret(state: StateStore | None, name: str, given: str | None) -> bytes | None:
+    """A generated secret every gateway of a shared store uses (None: one gateway, or the
+    operator gave it, and the data dir's rule applies)."""
+    if state is None or given:
+        return None
+    return state.secret(name).hex().encode()
+
+
+def link_keys(config: ServeConfig, state: StateStore | None) -> tuple[bytes, ...]:
+    """The link keys: the file given; else the shared store's one key when gateways share
+    one (a link one signs, another verifies); else ``<data dir>/link-keys``."""
+    if config.link_key_file is None and state is not None:
+        return (state.secret("link-key"),)
+    return load_keys(config.link_key_file or config.data_dir / KEY_FILE)
 
 
 def make_provider(config: ServeConfig) -> Provider:

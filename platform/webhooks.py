@@ -56,6 +56,7 @@ from retouch.platform.allowlist import AllowList, host_of, pinned
 from retouch.platform.deliveryjournal import DeliveryJournal
 from retouch.platform.receiverqueue import ReceiverQueue
 from retouch.platform.resolver import Address, Resolver
+from retouch.platform.sharedjournal import SharedDeliveryJournal
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ class WebhookSender:
         master: bytes,
         allow: AllowList | None = None,
         retry: RetryPolicy | None = None,
-        journal: DeliveryJournal | None = None,
+        journal: DeliveryJournal | SharedDeliveryJournal | None = None,
         concurrency: int = RECEIVER_CONCURRENCY,
         backlog: int = RECEIVER_BACKLOG,
         resolver: Resolver | None = None,
@@ -234,14 +235,18 @@ class WebhookSender:
         self._http = httpx.AsyncClient(timeout=self.retry.timeout_s, follow_redirects=False)
         if self.journal is None:
             return
-        records = await asyncio.to_thread(self.journal.load)
+        if self.adopt(await asyncio.to_thread(self.journal.load)):
+            log.info("webhooks: pending deliveries resumed")
+
+    def adopt(self, records: list[dict[str, Any]]) -> int:
+        """Queue journaled deliveries, oldest first: this gateway's own at its start, or
+        those a dead gateway left (claimed from the shared store)."""
         for record in records:
             try:
                 self._enqueue(Delivery.from_record(record, _done()))
             except (KeyError, TypeError, ValueError) as exc:
                 log.error("delivery record %s cannot be resumed: %s", record.get("id"), exc)
-        if records:
-            log.info("webhooks: %d pending deliveries resumed", len(records))
+        return len(records)
 
     async def close(self) -> None:
         """Stop sending; what is pending stays journaled for the next start."""

@@ -6,9 +6,12 @@ into a temporary folder renamed into place, a profile written beside and replace
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.postgres import PostgresServer, bin_dir
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two test processes share the 2-core machine: each server's executors and each test
@@ -38,3 +41,18 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def models_dir(shared_dir: Path) -> Path:
     """Demo models are built into this folder once per session."""
     return shared_dir / "models"
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A real PostgreSQL server for this test process (``make test`` installs Debian's
+    postgresql when it is missing; elsewhere the tests that need it are skipped, saying why)."""
+    programs = bin_dir()
+    if programs is None:
+        pytest.skip("no PostgreSQL server installed (make test installs Debian's postgresql)")
+    pytest.importorskip("psycopg", reason="the postgres extra is not installed")
+    server = PostgresServer(programs).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -147,10 +147,10 @@ async def test_cancel_is_idempotent_and_refused_once_finished() -> None:
 async def test_lookup_errors_name_the_id() -> None:
     jobs = store(FakeRun())
     with pytest.raises(BadRequest) as bad:
-        jobs.get("nope", OPEN)
+        await jobs.get("nope", OPEN)
     assert bad.value.field == "id"
     with pytest.raises(NotFound) as missing:
-        jobs.get("0" * 32, OPEN)
+        await jobs.get("0" * 32, OPEN)
     assert missing.value.code == "job_not_found"
 
 
@@ -224,21 +224,21 @@ async def test_a_job_is_its_owners_and_outlives_a_restart_as_such(tmp_path: Path
     jobs = store(FakeRun(hold=True), JobJournal(tmp_path))
     await jobs.start()
     job = await jobs.submit("f", request(), prepared(), owner="alice")
-    assert jobs.get(job.id, alice) is job and jobs.get(job.id, admin) is job
+    assert await jobs.get(job.id, alice) is job and await jobs.get(job.id, admin) is job
     with pytest.raises(NotFound) as hidden:
-        jobs.get(job.id, bob)
+        await jobs.get(job.id, bob)
     with pytest.raises(NotFound) as missing:
-        jobs.get("0" * 32, bob)
+        await jobs.get("0" * 32, bob)
     assert hidden.value.to_wire()["error"]["code"] == missing.value.to_wire()["error"]["code"]
-    assert [j.id for j in jobs.list(alice)] == [job.id] and jobs.list(bob) == []
-    assert [j.id for j in jobs.list(admin, tenant="alice")] == [job.id]
-    assert jobs.list(admin, tenant="bob") == []
+    assert [j.id for j in await jobs.list(alice)] == [job.id] and await jobs.list(bob) == []
+    assert [j.id for j in await jobs.list(admin, tenant="alice")] == [job.id]
+    assert await jobs.list(admin, tenant="bob") == []
     await jobs.close()
     again = store(FakeRun(), JobJournal(tmp_path))
     await again.start()
-    assert again.get(job.id, alice).owner == "alice"
+    assert (await again.get(job.id, alice)).owner == "alice"
     with pytest.raises(NotFound):
-        again.get(job.id, bob)
+        await again.get(job.id, bob)
     await again.close()
 
 

@@ -1,0 +1,110 @@
+"""Several gateways behind one Service: two ``retouch serve`` processes share a real
+PostgreSQL (started by the test set-up). A function deployed through one is served by
+both; jobs are submitted to either; one gateway is SIGKILLed with jobs queued and
+running, and every accepted job ends exactly once (one terminal record, one ``completed``
+webhook delivery id) and is readable from the survivor, which re-runs the dead one's."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retouch.platform.client import Client, read_spec_file
+from retouch.platform.server import ServerProcess
+from tests.e2e.receiver import Receiver
+from tests.postgres import PostgresServer
+from tests.support import wait_for
+
+from .conftest import ADMIN, INVOKE, TOKENS
+
+pytestmark = pytest.mark.slow
+
+FUNCTION, TEMPLATE, STEPS, JOBS = "shared-sd", "street", 3, 6
+TTL_S = 3  # a gateway silent this long is dead: the survivor takes its jobs
+MASK = np.zeros((128, 128), bool)
+MASK[24:88, 16:80] = True
+
+
+def gateway(data: Path, url: str) -> ServerProcess:
+    args = ["--state-store", url, "--state-store-ttl", str(TTL_S), "--max-batch", "1"]
+    return ServerProcess(data, env=TOKENS, extra_args=args)
+
+
+def ended(hooks: Receiver) -> set[str]:
+    """The jobs whose ``completed`` delivery arrived (signed, answered 200)."""
+    return {a.body["job"]["id"] for a in hooks.accepted(kind="completed")}
+
+
+def test_two_gateways_share_jobs_and_survive_a_sigkill(
+    tmp_path: Path, examples: Path, postgres: PostgresServer
+) -> None:
+    url = postgres.database()
+    first = gateway(tmp_path / "a", url).start()
+    second = gateway(tmp_path / "b", url).start()
+    try:
+        spec, images = read_spec_file(examples / "tiny-sd.toml")
+        spec = dataclasses.replace(
+            spec, name=FUNCTION, steps=STEPS, templates={TEMPLATE: spec.templates[TEMPLATE]}
+        )
+        with Client(first.url, ADMIN) as admin:
+            assert admin.deploy(spec, {TEMPLATE: images[TEMPLATE]})["status"] == "ready"
+        with Client(second.url, ADMIN) as admin:  # deployed through the other one
+            wait_for(
+                "the function ready on the second gateway",
+                lambda: any(f["name"] == FUNCTION and f["status"] == "ready" for f in admin.list()),
+                120,
+                0.2,
+            )
+        with Client(first.url, INVOKE) as a, Client(second.url, INVOKE) as b:
+            secret = a.webhook_secret()
+            assert b.webhook_secret() == secret  # one secret for every gateway
+            with Receiver(secret) as hooks:
+                hook = {"webhook": f"{hooks.url}/done"}
+                ids = [
+                    (a if seed % 2 else b)
+                    .submit(FUNCTION, TEMPLATE, MASK, "a red door", seed=seed, format="raw", **hook)
+                    .id
+                    for seed in range(JOBS)
+                ]
+                on_first = ids[1::2]
+                # each gateway reads the other's jobs
+                assert {b.job(i).doc["id"] for i in on_first} == set(on_first)
+                wait_for(
+                    "a job of the first gateway running",
+                    lambda: any(a.job(i).doc["status"] == "running" for i in on_first),
+                    120,
+                    0.05,
+                )
+                queued = [i for i in on_first if a.job(i).doc["status"] == "queued"]
+                assert queued, "the kill should find jobs still queued on the first gateway"
+                first.process.send_signal(signal.SIGKILL)
+                first.process.wait()
+
+                results = {i: b.job(i).wait(timeout=300) for i in ids}
+                listed = b.jobs(limit=1000)
+                wait_for(
+                    "a completed delivery of every job",
+                    lambda: ended(hooks) >= set(ids),
+                    60,
+                    0.2,
+                    lambda: sorted(set(ids) - ended(hooks)),
+                )
+    finally:
+        for proc in (first, second):
+            if proc.process is not None and proc.process.poll() is None:
+                proc.stop()
+
+    assert all(r.engine.steps == STEPS for r in results.values())
+    assert sorted(j["id"] for j in listed) == sorted(ids)  # none lost, none duplicated
+    assert {j["status"] for j in listed} == {"succeeded"}
+    deliveries = defaultdict(set)
+    for arrival in hooks.accepted(kind="completed"):
+        assert arrival.body["job"]["status"] == "succeeded"
+        deliveries[arrival.body["job"]["id"]].add(arrival.headers["webhook-id"])
+    # exactly one end per job: one delivery id (a retried delivery keeps its id)
+    assert {job_id: len(d) for job_id, d in deliveries.items()} == dict.fromkeys(ids, 1)
