@@ -12,13 +12,9 @@ answers on the same port. SIGTERM ends an executor cleanly.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -29,78 +25,16 @@ from retouch.functions import wire
 from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess, free_port
 from retouch.runtime.executor.app import TOKEN_ENV
+from tests.e2e.standalone import AUTH, TOKEN, Executor
 from tests.support import wait_for
 
 pytestmark = pytest.mark.slow
 
 FUNCTION, TEMPLATE = "tiny-sd", "street"
-TOKEN = "attach-test-executor-token"
-AUTH = {"authorization": f"Bearer {TOKEN}", "content-type": "application/msgpack"}
 STEPS = 8
 MASK = np.zeros((128, 128), bool)
 MASK[24:88, 16:80] = True
 ROOM = 2  # max batch 1 x (running batch + as many waiting)
-
-
-@dataclass
-class Executor:
-    """One ``retouch executor`` process on a fixed port (restartable on the same port)."""
-
-    name: str
-    port: int
-    data_dir: Path
-    shared_dir: Path
-    process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Executor:
-        cmd = [
-            sys.executable, "-m", "retouch.platform.cli", "executor", "--name", self.name,
-            "--port", str(self.port), "--data-dir", str(self.data_dir),
-            "--shared-dir", str(self.shared_dir), "--max-batch", "1", "--threads", "1",
-        ]  # fmt: skip
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        with (self.data_dir / "executor.log").open("ab") as log:
-            self.process = subprocess.Popen(
-                cmd,
-                env={**os.environ, TOKEN_ENV: TOKEN},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        return self
-
-    def wait_healthy(self) -> None:
-        def healthy() -> bool:
-            assert self.process is not None and self.process.poll() is None, self.log()
-            try:
-                return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(f"executor {self.name} healthy", healthy)
-
-    def state(self) -> wire.ExecutorState:
-        resp = httpx.get(f"{self.url}/state", headers=AUTH, timeout=5)
-        return wire.ExecutorState.from_wire(wire.unpack(resp.content))
-
-    def log(self) -> str:
-        return (self.data_dir / "executor.log").read_text()[-3000:]
-
-    def stop(self) -> int:
-        """SIGTERM; the exit status (SIGKILL and -9 if it hangs)."""
-        assert self.process is not None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
 
 
 @pytest.fixture(scope="module")

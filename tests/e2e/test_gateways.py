@@ -1,6 +1,7 @@
 """Several gateways behind one Service: two ``retouch serve`` processes share a real
-PostgreSQL (started by the test set-up). A function deployed through one is served by
-both; jobs are submitted to either; one gateway is SIGKILLed with jobs queued and
+PostgreSQL (started by the test set-up) and place onto the same two executors (``retouch
+executor`` processes, ``--provider attach``). A function deployed through one is served
+by both; jobs are submitted to either; one gateway is SIGKILLed with jobs queued and
 running, and every accepted job ends exactly once (one terminal record, one ``completed``
 webhook delivery id) and is readable from the survivor, which re-runs the dead one's."""
 
@@ -9,14 +10,17 @@ from __future__ import annotations
 import dataclasses
 import signal
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from retouch.platform.client import Client, read_spec_file
-from retouch.platform.server import ServerProcess
+from retouch.platform.server import ServerProcess, free_port
+from retouch.runtime.executor.app import TOKEN_ENV
 from tests.e2e.receiver import Receiver
+from tests.e2e.standalone import TOKEN, Executor
 from tests.postgres import PostgresServer
 from tests.support import wait_for
 
@@ -24,15 +28,32 @@ from .conftest import ADMIN, INVOKE, TOKENS
 
 pytestmark = pytest.mark.slow
 
-FUNCTION, TEMPLATE, STEPS, JOBS = "shared-sd", "street", 3, 6
+FUNCTION, TEMPLATE, STEPS, JOBS = "shared-sd", "street", 3, 8
 TTL_S = 3  # a gateway silent this long is dead: the survivor takes its jobs
 MASK = np.zeros((128, 128), bool)
 MASK[24:88, 16:80] = True
 
 
-def gateway(data: Path, url: str) -> ServerProcess:
-    args = ["--state-store", url, "--state-store-ttl", str(TTL_S), "--max-batch", "1"]
-    return ServerProcess(data, env=TOKENS, extra_args=args)
+def gateway(data: Path, url: str, executors: list[Executor]) -> ServerProcess:
+    args = ["--state-store", url, "--state-store-ttl", str(TTL_S), "--provider", "attach"]
+    args += ["--executor-urls", ",".join(e.url for e in executors)]
+    return ServerProcess(data, env={**TOKENS, TOKEN_ENV: TOKEN}, extra_args=args)
+
+
+@pytest.fixture
+def executors(tmp_path: Path, shared_dir: Path) -> Iterator[list[Executor]]:
+    """Two executors of max batch 1 (room for 2 invocations each) both gateways share."""
+    started = [
+        Executor(f"shared-{i}", free_port(), tmp_path / f"exec-{i}", shared_dir).start()
+        for i in range(2)
+    ]
+    try:
+        for e in started:
+            e.wait_healthy()
+        yield started
+    finally:
+        for e in started:
+            e.stop()
 
 
 def ended(hooks: Receiver) -> set[str]:
@@ -41,11 +62,11 @@ def ended(hooks: Receiver) -> set[str]:
 
 
 def test_two_gateways_share_jobs_and_survive_a_sigkill(
-    tmp_path: Path, examples: Path, postgres: PostgresServer
+    tmp_path: Path, examples: Path, postgres: PostgresServer, executors: list[Executor]
 ) -> None:
     url = postgres.database()
-    first = gateway(tmp_path / "a", url).start()
-    second = gateway(tmp_path / "b", url).start()
+    first = gateway(tmp_path / "a", url, executors).start()
+    second = gateway(tmp_path / "b", url, executors).start()
     try:
         spec, images = read_spec_file(examples / "tiny-sd.toml")
         spec = dataclasses.replace(
