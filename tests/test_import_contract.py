@@ -26,6 +26,7 @@ CONTROL_PLANE = (
     "retouch.platform.control.queue",
     "retouch.platform.placement",
     "retouch.platform.registry",
+    "retouch.platform.catalogue",
     "retouch.platform.client",
     "retouch.platform.cli",
     "retouch.platform.jobs",
