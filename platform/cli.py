@@ -18,10 +18,10 @@ import os
 import sys
 
 from retouch.functions.errors import RetouchError
-from retouch.platform.commands import bench, cache, functions, jobs, models, serve, train
+from retouch.platform.commands import bench, cache, capacity, functions, jobs, models, serve, train
 from retouch.platform.commands.common import Parser, UsageError, client_options, describe
 
-GROUPS = (serve, functions, jobs, cache, models, train, bench)
+GROUPS = (serve, functions, jobs, cache, models, capacity, train, bench)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,6 +27,8 @@ CONTROL_PLANE = (
     "retouch.platform.placement",
     "retouch.platform.registry",
     "retouch.platform.catalogue",
+    "retouch.platform.commands.capacity",
+    "retouch.platform.commands.models",
     "retouch.platform.client",
     "retouch.platform.cli",
     "retouch.platform.jobs",

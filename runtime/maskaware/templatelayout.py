@@ -29,7 +29,7 @@ from retouch.runtime.maskaware.storedrows import EncodingWriter
 Recorded = tuple[int, str, str, torch.dtype, tuple[int, ...]]  # step, block, name, dtype, shape
 
 
-class _EntryList:
+class EntryList:
     """A bake writer that keeps only what each tensor is (meta tensors carry no data)."""
 
     def __init__(self) -> None:
@@ -46,7 +46,7 @@ def template_entries(
     editor: MaskAwareEditor, height: int, width: int, steps: int, storage: RowFormat
 ) -> list[EntrySpec]:
     """Every entry a bake of one ``height`` x ``width`` template at ``steps`` stores."""
-    sink = _EntryList()
+    sink = EntryList()
     writer = EncodingWriter(sink, storage)
     for step, block, name, dtype, shape in recorded_tensors(editor, height, width, steps):
         writer.put(step, block, name, torch.empty(shape, dtype=dtype, device="meta"))

@@ -5,13 +5,11 @@ host bytes for it, equal the prediction from the model's shapes."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from retouch.cachestore.footprint import template_bytes
-from retouch.cachestore.manifest import EntrySpec
 from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.production import build_shape
@@ -19,23 +17,10 @@ from retouch.platform.bench.engine import load_demo
 from retouch.runtime.maskaware.editor import MaskAwareEditor
 from retouch.runtime.maskaware.rowformat import RowFormat
 from retouch.runtime.maskaware.storedrows import EncodingWriter
-from retouch.runtime.maskaware.templatelayout import template_entries
+from retouch.runtime.maskaware.templatelayout import EntryList, template_entries
 
 STEPS = 2
 MODELS = ["tiny-sd", "tiny-sdxl", "tiny-flux", "tiny-flux-fill", "tiny-sd3"]
-
-
-class Entries:
-    """A bake writer that keeps what was stored."""
-
-    def __init__(self) -> None:
-        self.entries: list[EntrySpec] = []
-
-    def put(self, step: int, block: str, name: str, tensor: torch.Tensor) -> None:
-        self.entries.append(EntrySpec.of((step, block, name), tensor))
-
-    def annotate(self, items: dict[str, Any]) -> None:
-        pass
 
 
 def _editor(model: str, models_dir: Path) -> tuple[MaskAwareEditor, int]:
@@ -47,7 +32,7 @@ def _editor(model: str, models_dir: Path) -> tuple[MaskAwareEditor, int]:
 def test_predicted_entries_are_the_baked_ones(model: str, models_dir: Path) -> None:
     editor, size = _editor(model, models_dir)
     for storage in RowFormat:
-        baked = Entries()
+        baked = EntryList()
         image = template_image((size, size), seed=1)
         editor.bake(image, "a quiet street", 1, STEPS, 4.0, EncodingWriter(baked, storage))
         predicted = template_entries(editor, size, size, STEPS, storage)
