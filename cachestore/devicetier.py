@@ -42,11 +42,11 @@ from typing import Any, Protocol
 
 import torch
 
+from retouch.cachestore.footprint import TEMPLATE_STEP, device_bytes
 from retouch.cachestore.layout import Slot
+from retouch.cachestore.manifest import EntrySpec
 
 log = logging.getLogger(__name__)
-
-TEMPLATE_STEP = -1
 
 
 class TemplateSource(Protocol):
@@ -209,7 +209,7 @@ class DeviceTier:
 
     def _copy_in(self, key: str, generation: int, source: TemplateSource) -> None:
         slots = source.slots()
-        nbytes = sum(source.get(*s).nbytes for s in slots if s[0] != TEMPLATE_STEP)
+        nbytes = device_bytes(EntrySpec.of(s, source.get(*s)) for s in slots)
         if not self._make_room(nbytes):
             with self._lock:
                 self.stats.skips += 1

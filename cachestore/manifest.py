@@ -52,6 +52,11 @@ class EntrySpec:
         return cls(step, block, name, tensor.dtype, tuple(tensor.shape))
 
 
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the host buffer's alignment of each tensor."""
+    return -(-nbytes // HOST_ALIGN) * HOST_ALIGN
+
+
 _SUMMARY = struct.Struct("<cQQd")  # status, gen, nbytes, created
 
 
@@ -104,7 +109,7 @@ class Manifest:
         offsets, cursor = [], 0
         for entry in self.entries:
             offsets.append(cursor)
-            cursor += -(-entry.nbytes // HOST_ALIGN) * HOST_ALIGN
+            cursor += aligned(entry.nbytes)
         return offsets, cursor
 
     def pack(self) -> bytes:

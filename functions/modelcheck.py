@@ -40,6 +40,7 @@ class ModelKind(enum.Enum):
     BUILTIN = "builtin"  # built (or copied) on the executor from the catalogue
     FOLDER = "folder"  # a diffusers folder (a local path or a cached hub snapshot)
     SINGLE_FILE = "single-file"  # one checkpoint, configs and tokenizers from ``config``
+    CATALOGUED = "catalogued"  # checked where the weights are; the gateway read its entry
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def check_model(source: ModelSource, family: str) -> ModelFiles:
     if source.config is not None:
         raise InvalidSpec("config is only for single-file checkpoints", field="config")
     folder = _locate(source.model, source.revision, "model")
-    pipeline = _check_pipeline(folder, family, "model")
+    pipeline = check_pipeline(pipeline_class(folder), family, folder)
     _check_components(folder, source.variant, weights=True, field="model")
     return ModelFiles(ModelKind.FOLDER, pipeline, folder=folder)
 
@@ -82,7 +83,23 @@ def model_family(model: str) -> str:
 
 def pipeline_class(folder: Path, field: str = "model") -> str:
     """The pipeline class a diffusers folder declares (its ``model_index.json``)."""
-    return str(_model_index(folder, field).get("_class_name", ""))
+    return str(model_index(folder, field).get("_class_name", ""))
+
+
+def check_pipeline(cls: str, family: str, where: Path | str) -> str:
+    """``cls`` once ``family`` is seen to serve it (``where``: the folder, for the error)."""
+    if cls not in FAMILY_SPECS[family].compatible:
+        raise InvalidSpec(f"{where} holds a {cls}, which cannot serve {family}", field="family")
+    return cls
+
+
+def components(folder: Path, field: str = "model") -> dict[str, str]:
+    """The loaded components ``model_index.json`` lists: name -> class."""
+    return {
+        name: str(entry[1])
+        for name, entry in sorted(model_index(folder, field).items())
+        if _loaded(name, entry)
+    }
 
 
 # -- the three kinds ------------------------------------------------------------------------
@@ -117,7 +134,7 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
     if path.suffix == ".safetensors":
         safetensors_header(path, "model")
     folder = _locate(source.config, source.revision, "config")
-    pipeline = _check_pipeline(folder, family, "config")
+    pipeline = check_pipeline(pipeline_class(folder, "config"), family, folder)
     _check_components(folder, None, weights=False, field="config")
     return ModelFiles(ModelKind.SINGLE_FILE, pipeline, folder=folder, checkpoint=path.resolve())
 
@@ -134,7 +151,8 @@ def _locate(name: str, revision: str | None, field: str) -> Path:
     raise InvalidSpec(f"no such model folder, file or cached hub id: {name}", field=field)
 
 
-def _model_index(folder: Path, field: str) -> dict[str, Any]:
+def model_index(folder: Path, field: str) -> dict[str, Any]:
+    """A diffusers folder's ``model_index.json``, or an :class:`InvalidSpec` naming it."""
     index = folder / "model_index.json"
     try:
         doc = json.loads(index.read_text())
@@ -147,25 +165,16 @@ def _model_index(folder: Path, field: str) -> dict[str, Any]:
     return doc
 
 
-def _check_pipeline(folder: Path, family: str, field: str) -> str:
-    cls = pipeline_class(folder, field)
-    if cls not in FAMILY_SPECS[family].compatible:
-        raise InvalidSpec(f"{folder} holds a {cls}, which cannot serve {family}", field="family")
-    return cls
-
-
 # -- components ------------------------------------------------------------------------------
 
 
 def _check_components(folder: Path, variant: str | None, *, weights: bool, field: str) -> None:
     """Every component ``model_index.json`` lists: its folder, config and weights (unless
     the weights come from elsewhere: a single file), or its tokenizer files."""
-    for name, entry in sorted(_model_index(folder, field).items()):
-        if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
+    for name, entry in sorted(model_index(folder, field).items()):
+        if not _loaded(name, entry):
             continue
         library, cls = entry
-        if library is None or cls is None or name in NEVER_LOADED:
-            continue
         part = folder / name
         if not part.is_dir():
             raise InvalidSpec(f"{folder}: missing component folder {name}/", field=field)
@@ -179,6 +188,13 @@ def _check_components(folder: Path, variant: str | None, *, weights: bool, field
             _need(part / "config.json", field)
             if weights:
                 _check_weights(part, library, variant, field)
+
+
+def _loaded(name: str, entry: Any) -> bool:
+    """Whether a ``model_index.json`` item is a component the pipeline loads."""
+    if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
+        return False
+    return entry[0] is not None and entry[1] is not None and name not in NEVER_LOADED
 
 
 def _need(path: Path, field: str) -> None:

@@ -19,10 +19,20 @@ import os
 import sys
 
 from retouch.functions.errors import RetouchError
-from retouch.platform.commands import bench, cache, executor, functions, jobs, serve, train
+from retouch.platform.commands import (
+    bench,
+    cache,
+    capacity,
+    executor,
+    functions,
+    jobs,
+    models,
+    serve,
+    train,
+)
 from retouch.platform.commands.common import Parser, UsageError, client_options, describe
 
-GROUPS = (serve, executor, functions, jobs, cache, train, bench)
+GROUPS = (serve, executor, functions, jobs, cache, models, capacity, train, bench)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -84,6 +84,12 @@ class ServeConfig:
         600.0, "how long a scaled-down executor's running invocations get to finish"
     )
     token_file: Path | None = knob(None, "a file of '<admin|invoke> <token> [tenant]' lines")
+    model_catalogue: Path | None = knob(
+        None,
+        "a model catalogue (retouch models catalogue): deploys of its models are checked "
+        "against it, for a gateway without the weights on its disk",
+        shown="none: every model is checked on this machine's disk",
+    )
     max_body_bytes: int = knob(32 << 20, "payload limit in bytes", shown="32 MiB")
     max_image_pixels: int = knob(
         0,

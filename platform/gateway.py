@@ -45,12 +45,12 @@ from retouch.functions.errors import (
     Unavailable,
 )
 from retouch.functions.imaging import MAX_PIXELS, declared_size, decode_image, encode_image
-from retouch.functions.modelcheck import check_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire import DeployStatus
 from retouch.platform.allowlist import AllowList
 from retouch.platform.auth import TENANT, TENANT_RULE, Principal, TokenAuth
 from retouch.platform.bodybudget import BodyBudget
+from retouch.platform.catalogue import ModelCatalogue
 from retouch.platform.config import DEFAULT_URL
 from retouch.platform.deliveryjournal import DeliveryJournal
 from retouch.platform.deployed import DeployedFunction
@@ -119,6 +119,7 @@ class Gateway:
     # Several gateways: the shared store their registry, jobs and deliveries are in (the
     # registry given is then a SharedRegistry on it); None: files in the data dir.
     state: StateStore | None = None
+    models: ModelCatalogue = field(default_factory=ModelCatalogue)  # empty: the local check
     _name_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _seen_revision: int = 0  # the shared registry's changes are followed from here
@@ -329,7 +330,7 @@ class Gateway:
             raise InvalidSpec(
                 f"spec name {spec.name!r} does not match the URL name {name!r}", field="name"
             )
-        files = await asyncio.to_thread(check_model, spec.source, spec.family)
+        files = await asyncio.to_thread(self.models.check, spec.source, spec.family)
         await asyncio.to_thread(
             check_adapters, spec.adapters, spec.family, spec.model, files, spec.source.variant
         )

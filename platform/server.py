@@ -18,6 +18,7 @@ import uvicorn
 
 from retouch.platform.allowlist import AllowList
 from retouch.platform.auth import load_auth
+from retouch.platform.catalogue import ModelCatalogue
 from retouch.platform.config import ServeConfig
 from retouch.platform.control.queue import QueueLimits
 from retouch.platform.dispatch import RetryPolicy
@@ -72,6 +73,7 @@ def build_gateway(config: ServeConfig) -> Gateway:
         Registry(config.data_dir) if state is None else SharedRegistry(state),
         pool,
         auth,
+        models=ModelCatalogue.load(config.model_catalogue),
         max_body=config.max_body_bytes,
         max_image_pixels=config.max_image_pixels,
         decode_memory_bytes=config.decode_memory_bytes,
