@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.retouch-installed
 RAY_STAMP := $(VENV)/.retouch-ray
 
-.PHONY: demo test setup browser lint format clean gpu-wheels gpu-bench gpu-served
+.PHONY: demo test setup browser postgres lint format clean gpu-wheels gpu-bench gpu-served
 
 setup: $(STAMP)
 
@@ -33,6 +33,19 @@ browser:
 	    echo "warning: could not install chromium: the web page's browser test will be skipped"; \
 	  else echo "note: no chromium and not root: the web page's browser test will be skipped"; fi; }
 
+# Several gateways share a PostgreSQL state store: its tests start a real server from
+# Debian's postgresql package (initdb + postgres on a free loopback port), installed here
+# when missing (as root, with apt); elsewhere those tests are skipped and say why.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing postgresql (apt) for the shared state store's tests"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q postgresql >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && apt-get install -y -q postgresql >/dev/null; } || \
+	    echo "warning: could not install postgresql: the shared state store's tests will be skipped"; \
+	  else echo "note: no postgresql and not root: the shared state store's tests will be skipped"; fi; }
+
 # The tests also cover the optional Ray provider: install the extra (no torch in it).
 $(RAY_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,ray]"
@@ -41,7 +54,7 @@ $(RAY_STAMP): $(STAMP)
 # Two pytest-xdist workers, a test file each at a time (its module's server is its own);
 # tests/conftest.py gives them one torch thread each. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-test: setup $(RAY_STAMP) browser
+test: setup $(RAY_STAMP) browser postgres
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 lint: setup

@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -29,6 +30,7 @@ from .conftest import ADMIN, INVOKE, TOKENS
 pytestmark = pytest.mark.slow
 
 FUNCTION, TEMPLATE, STEPS, JOBS = "shared-sd", "street", 3, 8
+LONG_STEPS = 60
 TTL_S = 3  # a gateway silent this long is dead: the survivor takes its jobs
 MASK = np.zeros((128, 128), bool)
 MASK[24:88, 16:80] = True
@@ -84,6 +86,10 @@ def test_two_gateways_share_jobs_and_survive_a_sigkill(
         with Client(first.url, INVOKE) as a, Client(second.url, INVOKE) as b:
             secret = a.webhook_secret()
             assert b.webhook_secret() == secret  # one secret for every gateway
+            # a cancel asked of the gateway that does not run the job reaches the one that does
+            long = a.submit(FUNCTION, TEMPLATE, MASK, "a long edit", seed=99, steps=LONG_STEPS)
+            assert b.job(long.id).cancel()["status"] == "canceled"
+            assert a.job(long.id).doc["status"] == "canceled"
             with Receiver(secret) as hooks:
                 hook = {"webhook": f"{hooks.url}/done"}
                 ids = [
@@ -108,6 +114,10 @@ def test_two_gateways_share_jobs_and_survive_a_sigkill(
 
                 results = {i: b.job(i).wait(timeout=300) for i in ids}
                 listed = b.jobs(limit=1000)
+                # a result link the dead gateway signed is served by the survivor
+                link = next(j["output"] for j in listed if j["id"] == on_first[0])
+                image = httpx.get(link, timeout=10)
+                assert image.status_code == 200 and image.content
                 wait_for(
                     "a completed delivery of every job",
                     lambda: ended(hooks) >= set(ids),
@@ -121,6 +131,7 @@ def test_two_gateways_share_jobs_and_survive_a_sigkill(
                 proc.stop()
 
     assert all(r.engine.steps == STEPS for r in results.values())
+    listed = [j for j in listed if j["id"] != long.id]
     assert sorted(j["id"] for j in listed) == sorted(ids)  # none lost, none duplicated
     assert {j["status"] for j in listed} == {"succeeded"}
     deliveries = defaultdict(set)
