@@ -41,7 +41,6 @@ NON_ROOT_UID = 10001  # the images' user
 GPU = "nvidia.com/gpu"
 # Options the other parts of issue 35 add to `retouch serve` (the lead's shared state store,
 # the attach provider): until they are merged the check of the ha gateway's options waits.
-PENDING_FLAGS = {"--state-store", "--executor-urls"}
 TARGET_LABELS = {"job", "instance", "pod", "namespace", "service", "endpoint", "container"}
 
 
@@ -319,7 +318,7 @@ def test_a_user_overlay_moves_every_image_to_its_registry(tmp_path) -> None:
 
 # ---- what the manifests run -----------------------------------------------------------
 def subcommand_flags(name: str) -> set[str] | None:
-    """The option strings of ``retouch NAME`` (None: no such command in this checkout)."""
+    """The option strings of ``retouch NAME`` (None: no such command)."""
     from retouch.platform.cli import build_parser
 
     parser = build_parser()
@@ -369,8 +368,9 @@ def test_the_ha_gateways_share_a_state_store_and_list_the_executors(rendered) ->
     args = container["args"]
     assert option(args, "--provider") == "attach"
     env = {e["name"]: e for e in container["env"]}
-    assert option(args, "--state-store") == "$(STATE_STORE_URL)"
-    assert env["STATE_STORE_URL"]["valueFrom"]["secretKeyRef"]["name"] == "retouch-state-store"
+    assert "--state-store" not in args  # the URL holds a password: not on the command line
+    assert env["RETOUCH_STATE_STORE"]["valueFrom"]["secretKeyRef"]["name"] == "retouch-state-store"
+    assert set(env) <= serve_env_names(), set(env) - serve_env_names()
     executors = named(docs, "StatefulSet", "retouch-executor")
     headless = named(docs, "Service", executors["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
@@ -399,23 +399,26 @@ def test_the_ha_gateways_share_a_state_store_and_list_the_executors(rendered) ->
 )
 def test_the_ha_commands_use_options_retouch_has(command, where_, rendered) -> None:
     known = subcommand_flags(command)
-    if known is None:
-        pytest.skip(f"retouch {command}: built in another part of issue 35")
+    assert known is not None, f"no retouch {command}"
     args = named(rendered["ha"], *where_)["spec"]["template"]["spec"]["containers"][0]["args"]
-    unknown = flags_of(args) - known
-    if unknown and unknown <= PENDING_FLAGS:
-        pytest.skip(f"retouch {command} {' '.join(sorted(unknown))}: another part of issue 35")
-    assert not unknown, unknown
+    assert flags_of(args) <= known, flags_of(args) - known
+
+
+def serve_env_names() -> set[str]:
+    """The variables ``retouch serve`` reads: its settings', and the attached executors'
+    token."""
+    from retouch.functions.knobs import ENV_PREFIX, knobs
+    from retouch.platform.config import ServeConfig
+    from retouch.runtime.executor.app import TOKEN_ENV
+    from retouch.runtime.executor.options import ExecutorOptions
+
+    return {TOKEN_ENV} | {
+        ENV_PREFIX + f.name.upper() for cls in (ServeConfig, ExecutorOptions) for f in knobs(cls)
+    }
 
 
 def test_the_gateway_settings_are_settings_retouch_serve_reads(rendered) -> None:
-    from retouch.functions.knobs import ENV_PREFIX, knobs
-    from retouch.platform.config import ServeConfig
-    from retouch.runtime.executor.options import ExecutorOptions
-
-    env_names = {
-        ENV_PREFIX + f.name.upper() for cls in (ServeConfig, ExecutorOptions) for f in knobs(cls)
-    }
+    env_names = serve_env_names()
     settings = named(rendered["ray"], "ConfigMap", "retouch-gateway")["data"]
     assert set(settings) <= env_names, set(settings) - env_names
     assert "RETOUCH_WEBHOOK_SECRET" in env_names  # set from the retouch-webhook secret
