@@ -234,6 +234,24 @@ def test_every_pod_follows_the_deployment_policy(overlay, rendered) -> None:
     assert policy_problems(rendered[overlay]) == []
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_configmap_a_pod_mounts_is_rendered(overlay, rendered) -> None:
+    """A ConfigMap a pod reads (volume or envFrom) is in the rendering under that name:
+    kustomize does not rewrite a generated name inside a custom resource's pod template."""
+    docs = rendered[overlay]
+    maps = {d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"}
+    wanted = set()
+    for doc in docs:
+        for _, template in pod_templates(doc):
+            spec = template["spec"]
+            wanted |= {v["configMap"]["name"] for v in spec.get("volumes", []) if "configMap" in v}
+            for c in spec.get("containers", []) + spec.get("initContainers", []):
+                wanted |= {
+                    e["configMapRef"]["name"] for e in c.get("envFrom", []) if "configMapRef" in e
+                }
+    assert wanted and wanted <= maps, wanted - maps
+
+
 def _break(docs: list[dict[str, Any]], how: str) -> list[dict[str, Any]]:
     docs = copy.deepcopy(docs)
     if how == "replicas":
