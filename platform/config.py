@@ -47,6 +47,11 @@ class ServeConfig:
         "cluster at --ray-address; pip install retouch[ray])",
     )
     ray_address: str = knob("auto", "the Ray cluster to join with --provider ray")
+    ray_wait_s: float = knob(
+        120.0,
+        "how long --provider ray waits for the Ray head at --ray-address to answer before "
+        "the gateway fails (it may start first, as beside a KubeRay head)",
+    )
     autoscale: bool = knob(
         False,
         "start and stop executors on load, as the functions' scaling tables say (from zero), "
@@ -198,6 +203,7 @@ class ServeConfig:
             "max_image_pixels",
             "decode_memory_bytes",
             "body_memory_bytes",
+            "ray_wait_s",
         )
         for name in nonnegative:
             if getattr(self, name) < 0:
