@@ -11,6 +11,7 @@ pool replaces the lost executor there."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import shutil
 import signal
@@ -36,6 +37,8 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install r
 pytestmark = pytest.mark.slow
 
 SLOTS = 2  # executor slots per worker: room for the whole pool on either one
+START_TRIES = 3
+JOINED = "Ray runtime started"  # what ``ray start`` prints once its node has joined
 OBJECT_STORE_BYTES = 80 << 20  # near Ray's minimum: executors move no objects through it
 # Every port a raylet binds by default to a fixed number; two raylets on one host need
 # their own (the node manager's is how a test knows its node in ``ray.nodes()``).
@@ -56,6 +59,15 @@ class RayNode:
     process: subprocess.Popen
     manager_port: int
 
+    log: Path
+
+    def joined(self) -> bool:
+        return JOINED in self.log.read_text()
+
+    def settled(self) -> bool:
+        """Joined, or its ``ray start`` gave up."""
+        return self.joined() or self.process.poll() is not None
+
     def raylet(self) -> psutil.Process:
         children = psutil.Process(self.process.pid).children(recursive=True)
         return next(p for p in children if p.name() == "raylet")
@@ -70,6 +82,7 @@ class RayNodes:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rr-", dir="/tmp"))
         self.port = free_port()
         self.nodes: list[RayNode] = []
+        self._count = itertools.count()
 
     @property
     def address(self) -> str:
@@ -85,7 +98,16 @@ class RayNodes:
         return head
 
     def add_worker(self, resources: dict[str, int]) -> RayNode:
-        return self._start("--address", self.address, "--resources", json.dumps(resources))
+        """A worker that joined the head. One at a time, and started again when its
+        ``ray start`` gives up (on a loaded machine it times out registering, as a
+        Kubernetes pod's would; KubeRay restarts that pod)."""
+        for _ in range(START_TRIES):
+            node = self._start("--address", self.address, "--resources", json.dumps(resources))
+            wait_for("a Ray worker joined or failed", node.settled)
+            if node.joined():
+                return node
+            self.nodes.remove(node)
+        raise AssertionError(f"no Ray worker joined in {START_TRIES} tries (see {self.log_dir})")
 
     def _start(self, *args: str) -> RayNode:
         manager_port = free_port()
@@ -96,11 +118,12 @@ class RayNodes:
             "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats",
             "--node-manager-port", str(manager_port), *ports, *args,
         ]  # fmt: skip
-        with (self.log_dir / f"ray-node-{len(self.nodes)}.log").open("ab") as log_file:
+        log = self.log_dir / f"ray-node-{next(self._count)}.log"
+        with log.open("ab") as log_file:
             process = subprocess.Popen(
                 cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
-        node = RayNode(process, manager_port)
+        node = RayNode(process, manager_port, log)
         self.nodes.append(node)
         return node
 
@@ -218,5 +241,5 @@ def test_three_nodes_spread_the_pool_and_a_lost_worker_loses_no_invocation(
             detail=pool,
         )
         assert [e["restarts"] for e in pool() if e["name"] == victim["name"]] == [1]
-        assert alive_nodes() == 2
+        wait_for("Ray seeing the lost node dead", lambda: alive_nodes() == 2, detail=ray.nodes)
         assert invoke(200).path in ("stock", "maskaware")
