@@ -51,6 +51,11 @@ class ServeConfig:
         choices=PROVIDERS,
     )
     ray_address: str = knob("auto", "the Ray cluster to join with --provider ray")
+    ray_wait_s: float = knob(
+        120.0,
+        "how long --provider ray waits for the Ray head at --ray-address to answer before "
+        "the gateway fails (it may start first, as beside a KubeRay head)",
+    )
     executor_urls: tuple[str, ...] = knob(
         (),
         "comma-separated URLs of the executors --provider attach uses (http://host:port)",
@@ -232,6 +237,7 @@ class ServeConfig:
             "max_image_pixels",
             "decode_memory_bytes",
             "body_memory_bytes",
+            "ray_wait_s",
         )
         for name in nonnegative:
             if getattr(self, name) < 0:

@@ -5,14 +5,20 @@ on whichever node Ray places it: one GPU each (``num_gpus=1``), or, on CPU clust
 of the custom resource ``retouch_executor`` (a node offers as many executors as it has
 units). The gateway stays the one control plane: it reaches executors over HTTP at the
 address the actor reports, and Ray's own autoscaler adds nodes for actors that cannot be
-placed (two-layer scaling). The executor binds its node's address and keeps its
+placed (two-layer scaling). Executors are placed with Ray's ``SPREAD`` strategy, so the
+executors of one pool land on different nodes while there are nodes with room (a lost node
+then takes one executor, not several). The executor binds its node's address and keeps its
 activation store under ``<data-dir>/nodes/<node id>`` (the node's ``RETOUCH_DATA_DIR`` when
 it sets one, else the gateway's), shared by the executors of that node.
 
 The actor owns its executor process (the process's parent, so the executor's parent watch
 ends it when the actor dies); the provider owns the actors. An actor killed or a node lost
 shows as ``alive == False`` (a ``wait`` call on the actor returns or fails), and the pool
-re-places that executor's invocations as for a local process. Ray is an optional extra
+re-places that executor's invocations as for a local process.
+
+The gateway may start before the Ray head answers (KubeRay starts it as a second container
+of the head pod): :meth:`RayProvider.connect` waits, with backoff and up to a bounded time,
+for the head's port to accept connections, then joins. Ray is an optional extra
 (``pip install retouch[ray]``); nothing imports it unless this provider is chosen.
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +45,7 @@ log = logging.getLogger(__name__)
 RESOURCE = "retouch_executor"  # the custom resource of CPU executor slots
 NAMESPACE = "retouch"
 STOP_TIMEOUT_S = 15.0
+BACKOFF_S = (0.5, 5.0)  # first and longest pause between two looks at the Ray head
 
 
 class ExecutorActor:
@@ -147,6 +155,46 @@ class RayExecutor:
             return -1
 
 
+def head_endpoint(address: str) -> tuple[str, int] | None:
+    """The host and port of a ``host:port`` Ray address; None for ``auto`` (the cluster
+    this machine runs, found from Ray's own files) and other forms Ray resolves itself."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or "/" in address or not port.isdigit():
+        return None
+    return host, int(port)
+
+
+def wait_for_head(address: str, wait_s: float) -> None:
+    """Return once the Ray head at ``address`` accepts connections; raise
+    :class:`Unavailable` after ``wait_s`` seconds.
+
+    ``ray.init`` is not the probe: against an address where nothing listens yet it retries
+    the head inside for minutes (measured: still waiting after 200 s) and cannot be
+    interrupted, so the gateway would neither start nor fail. A TCP connect to the head's
+    port answers at once either way."""
+    endpoint = head_endpoint(address)
+    if endpoint is None:
+        return
+    deadline = time.monotonic() + wait_s
+    pause = BACKOFF_S[0]
+    while True:
+        try:
+            socket.create_connection(endpoint, timeout=min(pause, 2.0)).close()
+            return
+        except OSError as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(
+                    f"the Ray head at {address} did not answer within {wait_s:g} s ({exc})",
+                    code="ray_head_unavailable",
+                ) from exc
+            log.warning(
+                "waiting for the Ray head at %s (%s); next look in %.1f s", address, exc, pause
+            )
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, BACKOFF_S[1])
+
+
 class RayProvider:
     """Starts executors as Ray actors on the cluster at ``address``."""
 
@@ -159,15 +207,25 @@ class RayProvider:
         address: str = "auto",
         executor_args: tuple[str, ...] = (),
         threads: int = 0,
+        *,
+        head_wait_s: float,
     ) -> None:
         self.data_dir, self.token, self.address = data_dir, token, address
         self.executor_args, self.threads = executor_args, threads
+        self.head_wait_s = head_wait_s
         self._connected = False
+
+    def connect(self) -> None:
+        """Join the cluster, first waiting up to ``head_wait_s`` for its head to answer.
+        The gateway calls it before it serves, so it never runs without its executors'
+        cluster (it fails with one line instead)."""
+        self._ray()
 
     def _ray(self) -> Any:
         import ray
 
         if not self._connected:
+            wait_for_head(self.address, self.head_wait_s)
             ray.init(
                 address=self.address,
                 namespace=NAMESPACE,
@@ -200,6 +258,7 @@ class RayProvider:
                 num_cpus=0,
                 max_concurrency=4,
                 max_restarts=0,
+                scheduling_strategy="SPREAD",
                 **placement,
             )
             .remote(name, device, str(self.data_dir), self.token, list(self.executor_args), threads)

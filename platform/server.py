@@ -127,13 +127,16 @@ def make_provider(config: ServeConfig) -> Provider:
     if config.provider == "ray":
         from retouch.platform.rayprovider import RayProvider
 
-        return RayProvider(
+        provider = RayProvider(
             config.data_dir,
             token,
             config.ray_address,
             executor_args=config.executor_args(),
             threads=config.executor.threads,
+            head_wait_s=config.ray_wait_s,
         )
+        provider.connect()  # before serving: the Ray head may start after the gateway
+        return provider
     return LocalProvider(
         config.data_dir,
         token,
