@@ -5,9 +5,11 @@ on whichever node Ray places it: one GPU each (``num_gpus=1``), or, on CPU clust
 of the custom resource ``retouch_executor`` (a node offers as many executors as it has
 units). The gateway stays the one control plane: it reaches executors over HTTP at the
 address the actor reports, and Ray's own autoscaler adds nodes for actors that cannot be
-placed (two-layer scaling). Executors are placed with Ray's ``SPREAD`` strategy, so the
-executors of one pool land on different nodes while there are nodes with room (a lost node
-then takes one executor, not several). The executor binds its node's address and keeps its
+placed (two-layer scaling). Executors spread over the nodes: each new one is sent (a soft
+node affinity) to a node with room where none of this gateway's executors runs or is
+starting, and only when every such node has one, to wherever Ray's ``SPREAD`` puts it; so
+a lost node takes one executor, not several. (``SPREAD`` alone only rotates: an executor
+started again after a failed start, or two started at once, can land beside another.) The executor binds its node's address and keeps its
 activation store under ``<data-dir>/nodes/<node id>`` (the node's ``RETOUCH_DATA_DIR`` when
 it sets one, else the gateway's), shared by the executors of that node.
 
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 RESOURCE = "retouch_executor"  # the custom resource of CPU executor slots
 NAMESPACE = "retouch"
 STOP_TIMEOUT_S = 15.0
+LOST_NODE_S = 120.0  # a node an executor died on is not preferred for this long
 BACKOFF_S = (0.5, 5.0)  # first and longest pause between two looks at the Ray head
 
 
@@ -214,6 +217,11 @@ class RayProvider:
         self.executor_args, self.threads = executor_args, threads
         self.head_wait_s = head_wait_s
         self._connected = False
+        # the node each executor of this provider runs on, or was sent to while it starts
+        self._nodes: dict[str, str] = {}
+        # nodes an executor died on, and when: not chosen again for LOST_NODE_S (Ray may
+        # still list a lost node alive for a while, and a soft affinity to it would wait)
+        self._lost: dict[str, float] = {}
 
     def connect(self) -> None:
         """Join the cluster, first waiting up to ``head_wait_s`` for its head to answer.
@@ -248,9 +256,33 @@ class RayProvider:
     def threads_per_executor(self, count: int) -> int:
         return self.threads or 1
 
+    def _strategy(self, name: str, resource: str) -> Any:
+        """Where the executor ``name`` goes: a node offering ``resource`` where no other
+        executor of this provider runs or starts (soft: Ray places it elsewhere if that node
+        fills meanwhile), else Ray's ``SPREAD``."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ray = self._ray()
+        now = time.monotonic()
+        self._lost = {n: t for n, t in self._lost.items() if now - t < LOST_NODE_S}
+        taken = {node for other, node in self._nodes.items() if other != name} | set(self._lost)
+        free = sorted(
+            n["NodeID"]
+            for n in ray.nodes()
+            if n.get("Alive")
+            and n.get("Resources", {}).get(resource, 0) >= 1
+            and n["NodeID"] not in taken
+        )
+        if not free:
+            self._nodes.pop(name, None)
+            return "SPREAD"
+        self._nodes[name] = free[0]
+        return NodeAffinitySchedulingStrategy(node_id=free[0], soft=True)
+
     async def start(self, name: str, device: str, threads: int) -> Executor:
         ray = self._ray()
-        placement = {"num_gpus": 1} if device.startswith("cuda") else {"resources": {RESOURCE: 1}}
+        gpu = device.startswith("cuda")
+        placement = {"num_gpus": 1} if gpu else {"resources": {RESOURCE: 1}}
         actor = (
             ray.remote(ExecutorActor)
             .options(
@@ -258,7 +290,7 @@ class RayProvider:
                 num_cpus=0,
                 max_concurrency=4,
                 max_restarts=0,
-                scheduling_strategy="SPREAD",
+                scheduling_strategy=self._strategy(name, "GPU" if gpu else RESOURCE),
                 **placement,
             )
             .remote(name, device, str(self.data_dir), self.token, list(self.executor_args), threads)
@@ -267,10 +299,12 @@ class RayProvider:
             url, node, pid = await asyncio.to_thread(
                 ray.get, actor.start.remote(), timeout=START_TIMEOUT_S
             )
+            self._nodes[name] = node  # where it runs (a soft affinity may have moved it)
             ended = actor.wait.remote()
             executor = RayExecutor(name, device, url, actor, ended, node, pid)
             await wait_healthy(url, self.token, lambda: executor.exit_code)
         except Exception as exc:
+            self._nodes.pop(name, None)
             ray.kill(actor)
             if isinstance(exc, Unavailable):
                 raise
@@ -280,6 +314,9 @@ class RayProvider:
 
     async def stop(self, executor: Executor) -> None:
         assert isinstance(executor, RayExecutor)
+        self._nodes.pop(executor.name, None)
+        if not executor.alive:  # it died (its node may be lost): go elsewhere for a while
+            self._lost[executor.node] = time.monotonic()
         ray = self._ray()
         try:
             await asyncio.to_thread(ray.get, executor.actor.stop.remote(), timeout=STOP_TIMEOUT_S)

@@ -80,7 +80,10 @@ class RayNodes:
         self.log_dir = log_dir
         # Short: Ray puts unix sockets under it (a pytest tmp_path is too long for them).
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rr-", dir="/tmp"))
-        self.port = free_port()
+        # Ports handed out: a raylet's, or one a process started meanwhile will bind (the
+        # gateway binds its own only once it has joined the head)
+        self.reserved: set[int] = set()
+        self.port = self.free_port()
         self.nodes: list[RayNode] = []
         self._count = itertools.count()
 
@@ -109,9 +112,16 @@ class RayNodes:
             self.nodes.remove(node)
         raise AssertionError(f"no Ray worker joined in {START_TRIES} tries (see {self.log_dir})")
 
+    def free_port(self) -> int:
+        """A free port no node nor the gateway was given."""
+        while (port := free_port()) in self.reserved:
+            pass
+        self.reserved.add(port)
+        return port
+
     def _start(self, *args: str) -> RayNode:
-        manager_port = free_port()
-        ports = [part for flag in PORT_FLAGS for part in (flag, str(free_port()))]
+        manager_port = self.free_port()
+        ports = [part for flag in PORT_FLAGS for part in (flag, str(self.free_port()))]
         cmd = [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
             "--node-ip-address", "127.0.0.1", "--num-cpus", "0",
@@ -182,6 +192,7 @@ def test_three_nodes_spread_the_pool_and_a_lost_worker_loses_no_invocation(
     mask[24:96, 32:100] = True
     args = ["--provider", "ray", "--ray-address", nodes.address, "--autoscale"]
     server = ServerProcess(tmp_path / "data", extra_args=args)
+    nodes.reserved.add(server.port)
     gateway_log = tmp_path / "data" / "gateway.log"
 
     # The gateway first, then the head: it waits for the head instead of failing.
