@@ -76,7 +76,7 @@ from retouch.platform.registry import Registry, StoredFunction
 from retouch.platform.remoteinputs import InputFetcher
 from retouch.platform.retention import RetentionLimits
 from retouch.platform.sharedjournal import SharedDeliveryJournal, SharedJobJournal
-from retouch.platform.sharedregistry import SharedRegistry
+from retouch.platform.sharedregistry import Changes, SharedRegistry
 from retouch.platform.statestore import HEARTBEAT_S, StateStore
 from retouch.platform.uploads import KEY_BYTES as UPLOAD_KEY_BYTES
 from retouch.platform.uploads import UploadNames
@@ -221,20 +221,24 @@ class Gateway:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 changes = await asyncio.to_thread(self.registry.changes, self._seen_revision)
+                await self._apply(changes)
             except Exception:
-                log.exception("reading the shared registry's changes failed; retrying")
+                log.exception("following the shared registry failed; retrying")
                 continue
             self._seen_revision = changes.revision
-            for stored in changes.stored:
-                async with self._lock(stored.spec.name):
-                    known = self.functions.get(stored.spec.name)
-                    if known is None or known.stored.revision < stored.revision:
-                        self._track(stored)
-            for name, revision in changes.deleted:
-                async with self._lock(name):
-                    known = self.functions.get(name)
-                    if known is not None and known.stored.revision < revision:
-                        self._untrack(name)
+
+    async def _apply(self, changes: Changes) -> None:
+        for stored in changes.stored:
+            async with self._lock(stored.spec.name):
+                known = self.functions.get(stored.spec.name)
+                if known is None or known.stored.revision < stored.revision:
+                    self._track(stored)
+        for name, revision in changes.deleted:
+            async with self._lock(name):
+                known = self.functions.get(name)
+                if known is not None and known.stored.revision < revision:
+                    self._untrack(name)
+                    await self.pool.unload(name, revision)  # idempotent, ordered by revision
 
     def _lock(self, name: str) -> asyncio.Lock:
         """The lock that serialises control operations on one function name."""

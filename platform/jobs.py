@@ -46,7 +46,8 @@ from retouch.platform.retention import (
     retained_bytes,
     slim_request,
 )
-from retouch.platform.sharedjournal import SharedJobJournal, TakenOver
+from retouch.platform.sharedjournal import SharedJobJournal, StoredJob, TakenOver
+from retouch.platform.statestore import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ DEFAULT_RETENTION_S = 24 * 3600.0
 DEFAULT_PROGRESS_INTERVAL_S = 0.25
 POSITION_POLL_S = 0.25  # how often queue positions are re-read for ``queued`` events
 MAX_EVENTS = 512  # kept per live job for late readers (progress is throttled, so rarely reached)
+END_WRITE_TRIES = 30  # a job's final record, into a shared store that does not answer
+END_WRITE_PAUSE_S = 2.0
 MIRROR_POLL_S = 0.5  # how often a job another gateway runs is read again (events, cancel)
 
 OnStart = Callable[[str, int], None]
@@ -95,6 +98,7 @@ class JobStore:
         self.jobs: dict[str, Job] = {}
         self._owned: dict[str, dict[str, Job]] = {}  # durable jobs by owner, for listings
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()  # small store writes in flight
         self.retention = Retention(limits or RetentionLimits(), retention_s)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -135,6 +139,8 @@ class JobStore:
             try:
                 await asyncio.to_thread(journal.write, job.to_record())
             except OSError:
+                if self.shared is not None:  # taken over meanwhile, or the store is down
+                    raise
                 log.exception("could not record the new run of job %s", job.id)
             self._record(job, JobEventKind.QUEUED, {"position": None})
         self._drop_image(job)
@@ -142,7 +148,8 @@ class JobStore:
 
     async def close(self) -> None:
         """Stop without ending any job: unfinished durable jobs resume at the next start."""
-        tasks = self._tasks + [j.task for j in self.jobs.values() if j.task is not None]
+        tasks = [*self._tasks, *self._background]
+        tasks += [j.task for j in self.jobs.values() if j.task is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -164,20 +171,28 @@ class JobStore:
     async def _read_mirror(self, job_id: str) -> Job | None:
         """The job as the shared store has it now (None: no such job)."""
         assert self.shared is not None
-        try:
-            record = await asyncio.to_thread(self.shared.read, job_id)
-            job = Job.from_record(record)
-        except FileNotFoundError:
+        stored = await asyncio.to_thread(self.shared.fetch, job_id)
+        if stored is None:
             return None
+        job = self._mirror(stored)
+        if job is not None and job.status.terminal:
+            self._record(job, END_EVENT[job.status], job.describe(False, False), notify=False)
+        return job
+
+    def _mirror(self, stored: StoredJob) -> Job | None:
+        """A job another gateway runs or ran, from its stored record (None: unreadable)."""
+        try:
+            job = Job.from_record(stored.record)
         except (RetouchError, KeyError, TypeError, ValueError) as exc:
-            log.error("job record %s is unreadable: %s", job_id, exc)
+            log.error("job record %s is unreadable: %s", stored.record.get("id"), exc)
             return None
         job.mirror = True
         if job.status.terminal:
             job.output = self.output_url(job)
-            self._record(job, END_EVENT[job.status], job.describe(False, False), notify=False)
         else:  # not the ids of a run: a reader of this gateway gets only the end's id
-            job.run, job._seq = int(record.get("run", 0)), 0
+            job.run, job._seq = int(stored.record.get("run", 0)), 0
+            if stored.status == JobStatus.RUNNING.value:
+                job.status = JobStatus.RUNNING
         return job
 
     async def list(
@@ -222,7 +237,7 @@ class JobStore:
         """Every gateway's jobs from the shared store; those this gateway runs as it
         knows them (with their progress)."""
         assert self.shared is not None
-        records = await asyncio.to_thread(
+        stored = await asyncio.to_thread(
             self.shared.listing,
             tenant,
             None if status is None else status.value,
@@ -231,16 +246,10 @@ class JobStore:
             before,
         )
         out = []
-        for record in records:
-            job = self.jobs.get(str(record.get("id")))
-            if job is None:
-                try:
-                    job = Job.from_record(record)
-                except (RetouchError, KeyError, TypeError, ValueError):
-                    continue
-                job.mirror = True
-                job.output = self.output_url(job)
-            out.append(job)
+        for row in stored:
+            job = self.jobs.get(str(row.record.get("id"))) or self._mirror(row)
+            if job is not None:
+                out.append(job)
         return out
 
     def retained_until(self, job: Job) -> float:
@@ -333,6 +342,8 @@ class JobStore:
         job.position, job.progress, job._first_step = None, None, None
         if job.started_at is None:
             job.started_at = self._clock()
+        if self.shared is not None and job.durable:
+            self._in_background(self.shared.mark_running, job.id)
         self._record(
             job,
             JobEventKind.STARTED,
@@ -370,6 +381,9 @@ class JobStore:
         event = self._event(
             job, END_EVENT[status], job.describe(with_image=False, with_webhook=False)
         )
+        if job.durable and self.shared is not None and not await self._still_ours(job):
+            self._hand_over(job)
+            return
         # The webhook's delivery is journaled before the job's end: a crash between the two
         # re-runs the job (same delivery id); the other order could lose the delivery.
         journaled = self._notify(job, event) if self._notify and job.durable else None
@@ -378,16 +392,59 @@ class JobStore:
                 if journaled is not None:  # a failed write is the sender's to log
                     with contextlib.suppress(Exception):
                         await asyncio.shield(journaled)
-                await asyncio.to_thread(self.journal.write, job.to_record())
+                await self._write_end(job)
                 self._drop_image(job)
             except TakenOver:  # this gateway was thought dead: the new runner's end counts
-                log.warning("job %s is run by another gateway now; its end here is dropped", job.id)
-                self._forget_kept(job)
+                self._hand_over(job)
                 return
             except OSError:
                 log.exception("could not record the end of job %s", job.id)
         self._publish(job, event)
         self._trim(job)
+
+    async def _write_end(self, job: Job) -> None:
+        """The final record; into a shared store, tried again while the store is down
+        (its row would otherwise stay live, this gateway's, and never claimed)."""
+        assert self.journal is not None
+        for attempt in range(END_WRITE_TRIES):
+            try:
+                await asyncio.to_thread(self.journal.write, job.to_record())
+                return
+            except StoreUnavailable:
+                if attempt == END_WRITE_TRIES - 1:
+                    raise
+                log.warning("the end of job %s not recorded yet; trying again", job.id)
+                await asyncio.sleep(END_WRITE_PAUSE_S)
+
+    async def _still_ours(self, job: Job) -> bool:
+        """Whether this gateway still runs the job (asked before its end is announced); a
+        store that does not answer is no proof of the contrary: the fenced write decides."""
+        assert self.shared is not None
+        try:
+            return await asyncio.to_thread(self.shared.owns, job.id)
+        except StoreUnavailable:
+            return True
+
+    def _hand_over(self, job: Job) -> None:
+        """Another gateway runs the job now (this one was thought dead): forget it here;
+        its readers here follow it in the store (:meth:`events` sees it is a mirror)."""
+        log.warning("job %s is run by another gateway now; its run here is dropped", job.id)
+        self._forget_kept(job)
+        job.mirror = True
+        job._changed.set()
+
+    def _in_background(self, write: Callable[[str], None], job_id: str) -> None:
+        """A small store write nobody waits for (a failure is logged)."""
+
+        async def run() -> None:
+            try:
+                await asyncio.to_thread(write, job_id)
+            except OSError as exc:
+                log.warning("state store: %s of job %s failed: %s", write.__name__, job_id, exc)
+
+        task = asyncio.create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _drop_payload(self, job: Job) -> None:
         """A finished job keeps its result and a small record, not its request's payload
@@ -433,6 +490,8 @@ class JobStore:
         ``job_finished``. Waits (bounded) until the job has left its executor."""
         if job.mirror:
             job = await self._cancel_mirror(job, wait_s)
+            if job.mirror and not job.status.terminal:  # asked; not ended within wait_s
+                return job
         if job.status is JobStatus.CANCELED:
             return job
         if job.status.terminal:
@@ -510,6 +569,10 @@ class JobStore:
                     if sent > job.events[-1].seq:
                         yield job.events[-1]
                     return
+                if job.mirror:  # handed over to another gateway: follow it in the store
+                    async for event in self._mirror_events(job, sent):
+                        yield event
+                    return
                 job._changed.clear()
                 try:
                     await asyncio.wait_for(job._changed.wait(), 1.0)
@@ -539,11 +602,20 @@ class JobStore:
     async def adopt(self, records: list[dict[str, Any]]) -> int:
         """Run the unfinished jobs a dead gateway left (claimed from the shared store), as
         a restart resumes its own: each from the start, with ids above its last run's."""
+        assert self.shared is not None
         adopted = 0
         for record in records:
             if record.get("id") in self.jobs:
                 continue
-            job = await self._load(self.journal, record)
+            try:
+                job = await self._load(self.journal, record)
+            except TakenOver:  # this gateway was thought dead meanwhile: not ours after all
+                continue
+            except OSError as exc:  # the store failed: give it back for the next claim
+                log.warning("could not take up job %s (%s); giving it back", record["id"], exc)
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(self.shared.release, str(record["id"]))
+                continue
             if job is None or job.status.terminal:
                 continue
             job.cancel_requested = bool(record.get("cancel_requested"))
@@ -553,6 +625,24 @@ class JobStore:
         if adopted:
             log.info("took over %d jobs of a gateway that stopped answering", adopted)
         return adopted
+
+    def live_ids(self) -> list[str]:
+        """The durable jobs this gateway runs now."""
+        return [j.id for j in self.jobs.values() if j.durable and not j.status.terminal]
+
+    async def drop(self, job_ids: list[str]) -> None:
+        """Stop running jobs this gateway no longer owns (taken over while it was thought
+        dead, or it lost the store for longer than the TTL): their runs end here, with no
+        end recorded or announced; readers here follow them in the store."""
+        for job_id in job_ids:
+            job = self.jobs.get(job_id)
+            if job is None or job.status.terminal:
+                continue
+            if job.task is not None:
+                job.task.cancel()
+            with contextlib.suppress(Exception):
+                await self._cancel(job.id)  # off its executor (or out of the queue)
+            self._hand_over(job)
 
     async def cancel_requested(self, job_ids: list[str]) -> None:
         """Cancels another gateway was asked for, of jobs this one runs."""

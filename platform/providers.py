@@ -272,13 +272,18 @@ class AttachProvider:
                 resp = await client.get(f"{url}/state", headers=headers)
             except httpx.TransportError as exc:
                 raise Unavailable(f"executor at {url} stopped answering: {exc!r}") from None
-        if resp.status_code != 200:
-            error = RetouchError.from_wire(resp.status_code, wire.unpack(resp.content))
+        try:
+            if resp.status_code != 200:
+                error = RetouchError.from_wire(resp.status_code, wire.unpack(resp.content))
+                raise Unavailable(
+                    f"executor at {url} refused its state: {error.code}: {error.message}"
+                    + (" (is it started with the same token?)" if resp.status_code == 401 else "")
+                )
+            state = wire.ExecutorState.from_wire(wire.unpack(resp.content))
+        except (ValueError, TypeError, KeyError) as exc:  # not an executor's answer (a proxy?)
             raise Unavailable(
-                f"executor at {url} refused its state: {error.code}: {error.message}"
-                + (" (is it started with the same token?)" if resp.status_code == 401 else "")
-            )
-        state = wire.ExecutorState.from_wire(wire.unpack(resp.content))
+                f"executor at {url} answered {resp.status_code} with what is not its state: {exc}"
+            ) from None
         log.info("executor %s (%s) on %s at %s, attached", name, state.name, state.device, url)
         return AttachedExecutor(name, state.device, url, state.name)
 

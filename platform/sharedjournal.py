@@ -15,6 +15,7 @@ advisory lock, so two gateways cannot both admit a tenant's last allowed job.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from retouch.functions import wire
@@ -24,6 +25,7 @@ from retouch.platform.retention import (
     RetentionLimits,
     Usage,
     refuse_beyond_caps,
+    slim_request,
 )
 from retouch.platform.statestore import NOW, StateStore
 
@@ -36,6 +38,26 @@ CLAIM_BATCH = 64
 
 class TakenOver(OSError):
     """This gateway's write was refused: another gateway runs the job now (or it ended)."""
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    """A job's record as the store has it, and its status column: ``running`` once the
+    gateway that runs it started it (the record itself is written at acceptance and end)."""
+
+    record: dict[str, Any]
+    status: str
+
+
+def summary(record: dict[str, Any]) -> dict[str, Any]:
+    """The record without its payload and result image: what listings read (a page of a
+    thousand jobs is a page of small records, whatever their images weigh)."""
+    out = dict(record)
+    request = wire.JobRequest.from_wire(record["request"])
+    out["request"] = slim_request(request, request.invoke.template or "").to_wire()
+    if isinstance(record.get("result"), dict):
+        out["result"] = {**record["result"], "image": b""}
+    return out
 
 
 class SharedJobJournal:
@@ -64,7 +86,8 @@ class SharedJobJournal:
             )
             cur.execute(
                 "INSERT INTO retouch_jobs (id, tenant, function, gateway, status, created_at, "
-                "completed_at, bytes, record) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                "completed_at, bytes, record, summary) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (
                     record["id"],
                     tenant,
@@ -75,6 +98,7 @@ class SharedJobJournal:
                     record.get("completed_at"),
                     nbytes,
                     wire.pack(record),
+                    wire.pack(summary(record)),
                 ),
             )
 
@@ -85,11 +109,13 @@ class SharedJobJournal:
         with self.store.cursor() as cur:
             cur.execute(
                 "UPDATE retouch_jobs SET status = %s, completed_at = %s, record = %s, "
-                "bytes = %s WHERE id = %s AND gateway = %s AND status IN ('queued', 'running')",
+                "summary = %s, bytes = %s "
+                "WHERE id = %s AND gateway = %s AND status IN ('queued', 'running')",
                 (
                     record["status"],
                     record.get("completed_at"),
                     data,
+                    wire.pack(summary(record)),
                     nbytes if nbytes is not None else JOB_OVERHEAD_BYTES + len(data),
                     record["id"],
                     self.store.gateway,
@@ -108,9 +134,61 @@ class SharedJobJournal:
             raise FileNotFoundError(job_id)
         return wire.as_map(wire.unpack(bytes(row[0])))
 
-    def delete(self, job_id: str) -> None:
+    def fetch(self, job_id: str) -> StoredJob | None:
+        """The job's record and status column (None: no such job)."""
         with self.store.cursor() as cur:
-            cur.execute("DELETE FROM retouch_jobs WHERE id = %s", (job_id,))
+            cur.execute("SELECT record, status FROM retouch_jobs WHERE id = %s", (job_id,))
+            row = cur.fetchone()
+        return None if row is None else StoredJob(_unpack(row[0]), row[1])
+
+    def delete(self, job_id: str) -> None:
+        """Remove an ended job (a live one's row stays: another gateway may run it)."""
+        with self.store.cursor() as cur:
+            cur.execute(
+                "DELETE FROM retouch_jobs WHERE id = %s AND status NOT IN ('queued', 'running')",
+                (job_id,),
+            )
+
+    def mark_running(self, job_id: str) -> None:
+        """The job this gateway runs has started (listings filter on it; others show it)."""
+        with self.store.cursor() as cur:
+            cur.execute(
+                "UPDATE retouch_jobs SET status = 'running' "
+                "WHERE id = %s AND gateway = %s AND status = 'queued'",
+                (job_id, self.store.gateway),
+            )
+
+    def owns(self, job_id: str) -> bool:
+        """Whether this gateway still runs the job (nobody took it over, it has not ended)."""
+        with self.store.cursor() as cur:
+            cur.execute(
+                "SELECT 1 FROM retouch_jobs WHERE id = %s AND gateway = %s "
+                "AND status IN ('queued', 'running')",
+                (job_id, self.store.gateway),
+            )
+            return cur.fetchone() is not None
+
+    def taken(self, job_ids: list[str]) -> list[str]:
+        """Of the jobs this gateway runs, those whose rows name another gateway now (taken
+        over while this one was thought dead) or are gone."""
+        if not job_ids:
+            return []
+        with self.store.cursor() as cur:
+            cur.execute(
+                "SELECT id FROM retouch_jobs WHERE id = ANY(%s) AND gateway = %s",
+                (job_ids, self.store.gateway),
+            )
+            still = {r[0] for r in cur.fetchall()}
+        return [i for i in job_ids if i not in still]
+
+    def release(self, job_id: str) -> None:
+        """Give a claimed job back (it could not be taken up here): it names no living
+        gateway, so the next claim, of any gateway, takes it."""
+        with self.store.cursor() as cur:
+            cur.execute(
+                "UPDATE retouch_jobs SET gateway = '' WHERE id = %s AND gateway = %s",
+                (job_id, self.store.gateway),
+            )
 
     def load(self) -> list[dict[str, Any]]:
         """This gateway's records: none at a start (its id is new); its old jobs come back
@@ -166,8 +244,9 @@ class SharedJobJournal:
         function: str | None,
         limit: int,
         before: tuple[float, str] | None,
-    ) -> list[dict[str, Any]]:
-        """Every gateway's records, newest first (``tenant`` None: all tenants')."""
+    ) -> list[StoredJob]:
+        """Every gateway's jobs, newest first (``tenant`` None: all tenants'), as their
+        summaries (:func:`summary`)."""
         where, args = ["true"], []
         for column, value in (("tenant", tenant), ("status", status), ("function", function)):
             if value is not None:
@@ -178,11 +257,11 @@ class SharedJobJournal:
             args += [before[0], before[1]]
         with self.store.cursor() as cur:
             cur.execute(
-                f"SELECT record FROM retouch_jobs WHERE {' AND '.join(where)} "
+                f"SELECT summary, status FROM retouch_jobs WHERE {' AND '.join(where)} "
                 "ORDER BY created_at DESC, id DESC LIMIT %s",
                 (*args, limit),
             )
-            return [wire.as_map(wire.unpack(bytes(r[0]))) for r in cur.fetchall()]
+            return [StoredJob(_unpack(r[0]), r[1]) for r in cur.fetchall()]
 
     def purge(self, cutoff: float) -> int:
         """Remove every gateway's jobs that ended before ``cutoff`` (a dead gateway's
@@ -267,3 +346,7 @@ class SharedDeliveryJournal:
             records = [wire.as_map(wire.unpack(bytes(r[0]))) for r in cur.fetchall()]
         records.sort(key=lambda r: (float(r.get("created_at", 0.0)), str(r["id"])))
         return records
+
+
+def _unpack(data: Any) -> dict[str, Any]:
+    return wire.as_map(wire.unpack(bytes(data)))

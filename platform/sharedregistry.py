@@ -5,17 +5,26 @@ per function name in ``retouch_functions``. Every put and delete takes the next 
 one database sequence as its revision: the generation the executors order operations on
 a name by, the same number whichever gateway made the change. A delete leaves its row as
 a tombstone (``deleted``), so a gateway following the changes (:meth:`changes`) sees it.
+Registry writes hold one advisory lock from taking their revision to their commit, so
+revisions commit in order and a follower that has read revision *n* never later meets a
+smaller one it skipped.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 from retouch.functions import wire
+from retouch.functions.errors import RetouchError
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.platform.registry import StoredFunction
 from retouch.platform.statestore import StateStore
+
+log = logging.getLogger(__name__)
+
+REGISTRY_LOCK = 0x72657432  # serialises registry writes: revisions commit in their order
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,8 @@ class SharedRegistry:
         self.store = store
 
     def put(self, spec: FunctionSpec, templates: dict[str, bytes]) -> int:
-        with self.store.cursor() as cur:
+        with self.store.transaction() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (REGISTRY_LOCK,))
             cur.execute(
                 "INSERT INTO retouch_functions (name, revision, deleted, spec, templates) "
                 "VALUES (%s, nextval('retouch_revision'), false, %s, %s) "
@@ -46,7 +56,8 @@ class SharedRegistry:
             return int(cur.fetchone()[0])
 
     def delete(self, name: str) -> int | None:
-        with self.store.cursor() as cur:
+        with self.store.transaction() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (REGISTRY_LOCK,))
             cur.execute(
                 "UPDATE retouch_functions SET revision = nextval('retouch_revision'), "
                 "deleted = true, spec = NULL, templates = NULL "
@@ -74,6 +85,11 @@ class SharedRegistry:
             if gone:
                 deleted.append((name, int(revision)))
                 continue
-            pngs = {str(k): bytes(v) for k, v in wire.as_map(wire.unpack(bytes(templates))).items()}
-            stored.append(StoredFunction(parse_spec(json.loads(spec)), pngs, int(revision)))
+            try:
+                pngs = {
+                    str(k): bytes(v) for k, v in wire.as_map(wire.unpack(bytes(templates))).items()
+                }
+                stored.append(StoredFunction(parse_spec(json.loads(spec)), pngs, int(revision)))
+            except (ValueError, TypeError, RetouchError) as exc:  # e.g. a newer gateway's spec
+                log.error("function %s (revision %d) is unreadable here: %s", name, revision, exc)
         return Changes(stored, deleted, latest)

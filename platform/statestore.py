@@ -10,7 +10,9 @@ Which gateway runs a job is a column of its row (``gateway``). Every gateway sta
 own row in ``retouch_gateways`` every :data:`HEARTBEAT_S`; a gateway whose stamp is older
 than ``ttl_s`` is dead, and its unfinished jobs and pending deliveries are taken by
 another (``claim``). Times are the database's clock, never a gateway's, so a gateway
-with a skewed clock neither dies early nor lives forever. A gateway id is new at every
+with a skewed clock neither dies early nor lives forever (job times, as on one gateway,
+are the clock of the gateway that records them). A gateway stamps itself on a connection
+of its own, so a burst of requests cannot hold up its heartbeat past the TTL. A gateway id is new at every
 start: a restarted gateway is a new gateway, and takes its old jobs back as any
 survivor would.
 
@@ -31,6 +33,12 @@ if TYPE_CHECKING:
     import psycopg
 
 log = logging.getLogger(__name__)
+
+
+class StoreUnavailable(OSError):
+    """The shared store did not answer (a connection lost, the pool's wait passed): an
+    ``OSError``, as a failed write of the file journal is, so callers handle both alike."""
+
 
 HEARTBEAT_S = 1.0  # how often a gateway stamps its row and looks for orphans
 DEFAULT_TTL_S = 10.0  # a gateway silent this long is dead: its jobs are re-run elsewhere
@@ -53,7 +61,8 @@ CREATE TABLE IF NOT EXISTS retouch_jobs (
     completed_at double precision,
     bytes bigint NOT NULL,
     cancel_requested boolean NOT NULL DEFAULT false,
-    record bytea NOT NULL
+    record bytea NOT NULL,
+    summary bytea NOT NULL
 );
 CREATE INDEX IF NOT EXISTS retouch_jobs_by_tenant ON retouch_jobs (tenant, created_at DESC, id);
 CREATE INDEX IF NOT EXISTS retouch_jobs_live ON retouch_jobs (gateway)
@@ -93,8 +102,13 @@ class StateStore:
             raise ConnectionError(
                 "--state-store needs PostgreSQL's driver: pip install 'retouch[postgres]'"
             ) from None
+        options = {"autocommit": True}
         self._pool = ConnectionPool(
-            url, min_size=1, max_size=pool_size, open=False, kwargs={"autocommit": True}
+            url, min_size=1, max_size=pool_size, open=False, kwargs=options, timeout=ttl_s
+        )
+        # the heartbeat's own connection: never waits behind the others
+        self._beat = ConnectionPool(
+            url, min_size=1, max_size=1, open=False, kwargs=options, timeout=ttl_s
         )
 
     def open(self, timeout_s: float = 30.0) -> StateStore:
@@ -102,6 +116,7 @@ class StateStore:
         gateway needs, and stamp this gateway alive."""
         try:
             self._pool.open(wait=True, timeout=timeout_s)
+            self._beat.open(wait=True, timeout=timeout_s)
         except Exception as exc:  # the pool's own timeout, a refused or unknown host
             raise ConnectionError(
                 f"cannot reach the state store {redact(self.url)}: {exc}"
@@ -115,23 +130,30 @@ class StateStore:
 
     def close(self) -> None:
         self._pool.close()
+        self._beat.close()
 
     @contextmanager
     def cursor(self) -> Iterator[psycopg.Cursor]:
-        """A cursor in autocommit mode: each statement is its own transaction."""
-        with self._pool.connection() as conn, conn.cursor() as cur:
+        """A cursor in autocommit mode: each statement is its own transaction. A database
+        error comes out as :class:`StoreUnavailable`; the caller's own exceptions as they are."""
+        with _unavailable(), self._pool.connection() as conn, conn.cursor() as cur:
             yield cur
 
     @contextmanager
     def transaction(self) -> Iterator[psycopg.Cursor]:
         """A cursor whose statements commit together (or roll back on an exception)."""
-        with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+        with (
+            _unavailable(),
+            self._pool.connection() as conn,
+            conn.transaction(),
+            conn.cursor() as cur,
+        ):
             yield cur
 
     # ---- liveness ------------------------------------------------------------------------
     def heartbeat(self) -> None:
-        """Stamp this gateway alive (the database's clock)."""
-        with self.cursor() as cur:
+        """Stamp this gateway alive (the database's clock), on its own connection."""
+        with _unavailable(), self._beat.connection() as conn, conn.cursor() as cur:
             cur.execute(
                 f"INSERT INTO retouch_gateways (id, seen) VALUES (%s, {NOW}) "
                 f"ON CONFLICT (id) DO UPDATE SET seen = {NOW}",
@@ -149,6 +171,13 @@ class StateStore:
             "gateway <> %(me)s AND gateway NOT IN (SELECT id FROM retouch_gateways "
             f"WHERE seen > {NOW} - %(ttl)s)"
         )
+
+    def renew(self) -> None:
+        """Become a new gateway: after losing the store for longer than the TTL, this
+        gateway's jobs may be another's now, and those still named for it are left to be
+        claimed as a dead gateway's (by any gateway, this one included)."""
+        old, self.gateway = self.gateway, f"gw-{uuid.uuid4().hex[:12]}"
+        log.warning("state store: was %s, lost for longer than the TTL; now %s", old, self.gateway)
 
     def alive_gateways(self) -> list[str]:
         with self.cursor() as cur:
@@ -169,6 +198,17 @@ class StateStore:
             )
             cur.execute("SELECT value FROM retouch_secrets WHERE name = %s", (name,))
             return bytes(cur.fetchone()[0])
+
+
+@contextmanager
+def _unavailable() -> Iterator[None]:
+    """Database errors as :class:`StoreUnavailable` (its cause kept)."""
+    import psycopg
+
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise StoreUnavailable(f"the state store failed: {exc}") from exc
 
 
 def redact(url: str) -> str:

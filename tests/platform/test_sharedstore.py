@@ -8,6 +8,7 @@ deletes to followers; generated secrets are the same for all."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
@@ -15,10 +16,12 @@ import pytest
 
 from retouch.functions.errors import Overloaded
 from retouch.functions.spec import parse_spec
+from retouch.functions.wire import JobEventKind
 from retouch.platform.retention import JOB_OVERHEAD_BYTES, RetentionLimits
 from retouch.platform.sharedjournal import SharedDeliveryJournal, SharedJobJournal, TakenOver
 from retouch.platform.sharedregistry import SharedRegistry
-from retouch.platform.statestore import StateStore, redact
+from retouch.platform.statestore import StateStore, StoreUnavailable, redact
+from tests.platform.test_jobs import FakeRun, prepared, request, result, store, stream, sync
 from tests.postgres import PostgresServer
 
 TTL_S = 0.5
@@ -41,6 +44,7 @@ def record(job_id: str, tenant: str = "alice", status: str = "queued") -> dict:
         "id": job_id,
         "function": "fn",
         "owner": tenant,
+        "request": request().to_wire(),
         "status": status,
         "created_at": time.time(),
         "run": 0,
@@ -82,9 +86,46 @@ def test_caps_hold_over_every_gateways_jobs(stores) -> None:
     jb.accept(record(job_id(4), tenant="bob"), JOB_OVERHEAD_BYTES)  # another tenant's room
     jb.write(record(job_id(2), status="succeeded"))
     ja.accept(record(job_id(3)), JOB_OVERHEAD_BYTES)  # one of alice's ended: room again
-    listed = [r["id"] for r in jb.listing("alice", None, None, 10, None)]
+    listed = [r.record["id"] for r in jb.listing("alice", None, None, 10, None)]
     assert listed == [job_id(3), job_id(2), job_id(1)]  # newest first, every gateway's
-    assert [r["id"] for r in ja.listing("alice", "succeeded", None, 10, None)] == [job_id(2)]
+    done = ja.listing("alice", "succeeded", None, 10, None)
+    assert [r.record["id"] for r in done] == [job_id(2)]
+
+
+def test_listings_read_small_records_and_the_running_status(stores) -> None:
+    ja, jb = (SharedJobJournal(s, LIMITS, 3600.0) for s in stores)
+    big = record(job_id(1))
+    ja.accept(big, 100)
+    ja.mark_running(job_id(1))
+    jb.mark_running(job_id(1))  # not b's job: no effect (fenced), no error
+    [row] = jb.listing("alice", "running", None, 10, None)
+    assert row.status == "running" and row.record["request"]["mask"] == b""  # no payload
+    assert jb.fetch(job_id(1)).record["request"]["mask"] == b"png"  # the record has it
+    assert jb.listing("alice", "queued", None, 10, None) == []
+    jb.delete(job_id(1))  # a live job's row is not removed (its gateway runs it)
+    assert jb.fetch(job_id(1)) is not None
+    ended = {**big, "status": "succeeded", "result": result().to_wire()}
+    ja.write(ended)
+    [row] = jb.listing("alice", None, None, 10, None)
+    assert row.record["result"]["image"] == b"" and jb.fetch(job_id(1)).record["result"]["image"]
+    jb.delete(job_id(1))
+    assert jb.fetch(job_id(1)) is None
+
+
+def test_a_gateway_sees_its_jobs_taken_and_gives_back_what_it_cannot_run(stores) -> None:
+    a, b = stores
+    ja, jb = (SharedJobJournal(s, LIMITS, 3600.0) for s in stores)
+    ja.accept(record(job_id(1)), 100)
+    ja.accept(record(job_id(2)), 100)
+    assert ja.taken([job_id(1), job_id(2)]) == [] and ja.owns(job_id(1))
+    time.sleep(TTL_S * 2)
+    b.heartbeat()
+    assert sorted(r["id"] for r in jb.claim()) == [job_id(1), job_id(2)]
+    assert ja.taken([job_id(1), job_id(2)]) == [job_id(1), job_id(2)]  # a must stop them
+    assert not ja.owns(job_id(1)) and jb.owns(job_id(1))
+    jb.release(job_id(2))  # b could not take it up: any living gateway claims it next
+    a.heartbeat()
+    assert [r["id"] for r in ja.claim()] == [job_id(2)]
 
 
 def test_a_cancel_reaches_the_gateway_that_runs_the_job(stores) -> None:
@@ -150,3 +191,52 @@ def test_an_unreachable_store_is_one_clear_error() -> None:
     with pytest.raises(ConnectionError) as err:
         StateStore("postgresql://nobody:secret@127.0.0.1:1/x").open(timeout_s=1.0)
     assert "secret" not in str(err.value) and "127.0.0.1:1" in str(err.value)
+
+
+@sync
+async def test_a_job_taken_over_mid_run_ends_once_and_its_readers_follow_it(stores) -> None:
+    """Gateway a is thought dead while it runs a job: b claims it; a's run then finds the
+    job is not its own any more and records nothing, and a's reader gets b's end."""
+    a, b = stores
+    run = FakeRun(gated=True)
+    jobs = store(run, SharedJobJournal(a, LIMITS, 3600.0))
+    await jobs.start()
+    job = await jobs.submit("f", request(), prepared(), owner="alice")
+    reader = asyncio.create_task(stream(jobs, job))
+    await asyncio.sleep(TTL_S * 2)  # a's stamp goes stale (no failover loop here)
+    await asyncio.to_thread(b.heartbeat)
+    jb = SharedJobJournal(b, LIMITS, 3600.0)
+    [claimed] = await asyncio.to_thread(jb.claim)
+    run.release.set()  # a's run ends now: its end is not a's to record
+    await asyncio.sleep(0.3)
+    assert job.id not in jobs.jobs and job.mirror  # handed over, nothing recorded by a
+    assert (await asyncio.to_thread(jb.fetch, job.id)).record["status"] == "queued"
+    ended = {**claimed, "status": "succeeded", "result": result().to_wire(), "last_seq": 7}
+    await asyncio.to_thread(jb.write, ended)  # b's run ends
+    events = await asyncio.wait_for(reader, 10)
+    assert events[-1].kind is JobEventKind.SUCCEEDED and events[-1].seq == 7
+    assert [e.kind for e in events].count(JobEventKind.SUCCEEDED) == 1
+    await jobs.close()
+
+
+@sync
+async def test_a_claimed_job_that_cannot_be_taken_up_is_given_back(stores, monkeypatch) -> None:
+    a, b = stores
+    ja, jb = SharedJobJournal(a, LIMITS, 3600.0), SharedJobJournal(b, LIMITS, 3600.0)
+    await asyncio.to_thread(ja.accept, record(job_id(1)), 100)
+    await asyncio.sleep(TTL_S * 2)
+    await asyncio.to_thread(b.heartbeat)
+    jobs = store(FakeRun(), jb)
+    await jobs.start()
+    claimed = await asyncio.to_thread(jb.claim)
+
+    def down(record, nbytes=None):
+        raise StoreUnavailable("the state store failed: connection lost")
+
+    monkeypatch.setattr(jb, "write", down)
+    assert await jobs.adopt(claimed) == 0 and jobs.jobs == {}
+    monkeypatch.undo()
+    await asyncio.to_thread(a.heartbeat)
+    assert [r["id"] for r in await asyncio.to_thread(ja.claim)] == [job_id(1)]  # given back
+    assert await jobs.adopt(claimed) == 0  # a runs it now: b's write is refused, b skips it
+    await jobs.close()
