@@ -9,12 +9,12 @@ any job and a survivor re-runs what a dead gateway had accepted.
 Which gateway runs a job is a column of its row (``gateway``). Every gateway stamps its
 own row in ``retouch_gateways`` every :data:`HEARTBEAT_S`; a gateway whose stamp is older
 than ``ttl_s`` is dead, and its unfinished jobs and pending deliveries are taken by
-another (``claim``). Times are the database's clock, never a gateway's, so a gateway
+another (``claim``). Liveness is the database's clock, never a gateway's, so a gateway
 with a skewed clock neither dies early nor lives forever (job times, as on one gateway,
 are the clock of the gateway that records them). A gateway stamps itself on a connection
-of its own, so a burst of requests cannot hold up its heartbeat past the TTL. A gateway id is new at every
-start: a restarted gateway is a new gateway, and takes its old jobs back as any
-survivor would.
+of its own, so a burst of requests cannot hold up its heartbeat past the TTL. A gateway id
+is new at every start: a restarted gateway is a new gateway, and takes its old jobs back as
+any survivor would.
 
 The generated secrets that every gateway must share (upload ids, webhook signing, result
 links) are kept here too, made once by whichever gateway starts first.
