@@ -241,11 +241,7 @@ class Fleet:
             return
         handle = ExecutorHandle(proc, device, model=model, overheads=self.cluster.overheads)
         self.executors.append(handle)
-        try:
-            await self._become_ready(handle)
-        except (RetouchError, httpx.HTTPError) as exc:
-            log.error("started %s is not ready: %s", name, exc)
-            handle.phase = wire.ExecutorPhase.STARTING  # the monitor keeps probing it
+        await self._make_ready(handle, "started")
         self.startup_s.append(time.monotonic() - started)
         log.info(
             "%s (%s) ready in %.1f s", name, model or "every model", time.monotonic() - started
@@ -257,11 +253,16 @@ class Fleet:
             await self._start_until_up(name, slot, 0), slot, overheads=self.cluster.overheads
         )
         self.executors.append(handle)
+        await self._make_ready(handle, "attached")
+
+    async def _make_ready(self, handle: ExecutorHandle, what: str) -> None:
+        """Bring a started executor to ready; one that is not stays ``starting`` and the
+        monitor keeps probing it."""
         try:
             await self._become_ready(handle)
         except (RetouchError, httpx.HTTPError) as exc:
-            log.error("attached %s is not ready: %s", name, exc)
-            handle.phase = wire.ExecutorPhase.STARTING  # the monitor keeps probing it
+            log.error("%s %s is not ready: %s", what, handle.name, exc)
+            handle.phase = wire.ExecutorPhase.STARTING
 
     async def _start_until_up(self, name: str, slot: str, threads: int) -> Executor:
         """The provider's start of ``name`` on ``slot``, retried until it succeeds."""
@@ -441,8 +442,4 @@ class Fleet:
             overheads=self.cluster.overheads,
         )
         self.executors[self.executors.index(old)] = handle
-        try:
-            await self._become_ready(handle)
-        except (RetouchError, httpx.HTTPError) as exc:
-            log.error("restarted %s is not ready: %s", handle.name, exc)
-            handle.phase = wire.ExecutorPhase.STARTING  # the monitor keeps probing it
+        await self._make_ready(handle, "restarted")

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 from retouch.platform.server import free_port
+from tests.support import reap
 
 
 def bin_dir() -> Path | None:
@@ -105,9 +106,5 @@ class PostgresServer:
                 os.kill(pid, signal.SIGINT)
             except (OSError, ValueError, IndexError):
                 self.process.kill()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            reap(self.process)
         shutil.rmtree(self.root, ignore_errors=True)

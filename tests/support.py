@@ -7,6 +7,7 @@ for bakes is ``retouch.platform.bench.load.wait_baked``, the bench's own wait.""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,3 +62,26 @@ def decodes_run(url: str) -> float:
         if line.startswith('retouch_image_decodes{quantity="decoded"}'):
             return float(line.split()[-1])
     raise AssertionError("no retouch_image_decodes decoded in /metrics")
+
+
+def reap(process: subprocess.Popen, timeout: float = 30.0) -> int:
+    """Wait for a process asked to stop; SIGKILL it if it takes longer than ``timeout``."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+def one_template(examples: Path, name: str, steps: int, template: str):
+    """``tiny-sd.toml`` as function ``name`` with ``steps`` and only ``template``: the spec
+    and its one image, for ``Client.deploy``."""
+    import dataclasses
+
+    from retouch.platform.client import read_spec_file
+
+    spec, images = read_spec_file(examples / "tiny-sd.toml")
+    spec = dataclasses.replace(
+        spec, name=name, steps=steps, templates={template: spec.templates[template]}
+    )
+    return spec, {template: images[template]}

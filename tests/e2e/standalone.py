@@ -7,14 +7,17 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from retouch.functions import wire
+from retouch.platform.server import free_port
 from retouch.runtime.executor.app import TOKEN_ENV
-from tests.support import wait_for
+from tests.support import reap, wait_for
 
 TOKEN = "attach-test-executor-token"
 AUTH = {"authorization": f"Bearer {TOKEN}", "content-type": "application/msgpack"}
@@ -73,9 +76,21 @@ class Executor:
         assert self.process is not None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            reap(self.process)
         return self.process.returncode
+
+
+@contextmanager
+def running(base: Path, prefix: str, shared_dir: Path, count: int = 2) -> Iterator[list[Executor]]:
+    """``count`` healthy executors on free ports, stopped on the way out."""
+    started = [
+        Executor(f"{prefix}-{i}", free_port(), base / f"exec-{i}", shared_dir).start()
+        for i in range(count)
+    ]
+    try:
+        for e in started:
+            e.wait_healthy()
+        yield started
+    finally:
+        for e in started:
+            e.stop()

@@ -23,9 +23,9 @@ import pytest
 
 from retouch.functions import wire
 from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess, free_port
+from retouch.platform.server import ServerProcess
 from retouch.runtime.executor.app import TOKEN_ENV
-from tests.e2e.standalone import AUTH, TOKEN, Executor
+from tests.e2e.standalone import AUTH, TOKEN, Executor, running
 from tests.support import wait_for
 
 pytestmark = pytest.mark.slow
@@ -41,18 +41,8 @@ ROOM = 2  # max batch 1 x (running batch + as many waiting)
 def executors(
     tmp_path_factory: pytest.TempPathFactory, shared_dir: Path
 ) -> Iterator[list[Executor]]:
-    base = tmp_path_factory.mktemp("attach")
-    started = [
-        Executor(f"standalone-{i}", free_port(), base / f"exec-{i}", shared_dir).start()
-        for i in range(2)
-    ]
-    try:
-        for e in started:
-            e.wait_healthy()
+    with running(tmp_path_factory.mktemp("attach"), "standalone", shared_dir) as started:
         yield started
-    finally:
-        for e in started:
-            e.stop()
 
 
 @pytest.fixture(scope="module")

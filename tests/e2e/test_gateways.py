@@ -7,7 +7,6 @@ webhook delivery id) and is readable from the survivor, which re-runs the dead o
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 from collections import defaultdict
 from collections.abc import Iterator
@@ -17,13 +16,13 @@ import httpx
 import numpy as np
 import pytest
 
-from retouch.platform.client import Client, read_spec_file
-from retouch.platform.server import ServerProcess, free_port
+from retouch.platform.client import Client
+from retouch.platform.server import ServerProcess
 from retouch.runtime.executor.app import TOKEN_ENV
 from tests.e2e.receiver import Receiver
-from tests.e2e.standalone import TOKEN, Executor
+from tests.e2e.standalone import TOKEN, Executor, running
 from tests.postgres import PostgresServer
-from tests.support import wait_for
+from tests.support import one_template, wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
 
@@ -45,17 +44,8 @@ def gateway(data: Path, url: str, executors: list[Executor]) -> ServerProcess:
 @pytest.fixture
 def executors(tmp_path: Path, shared_dir: Path) -> Iterator[list[Executor]]:
     """Two executors of max batch 1 (room for 2 invocations each) both gateways share."""
-    started = [
-        Executor(f"shared-{i}", free_port(), tmp_path / f"exec-{i}", shared_dir).start()
-        for i in range(2)
-    ]
-    try:
-        for e in started:
-            e.wait_healthy()
+    with running(tmp_path, "shared", shared_dir) as started:
         yield started
-    finally:
-        for e in started:
-            e.stop()
 
 
 def ended(hooks: Receiver) -> set[str]:
@@ -70,12 +60,9 @@ def test_two_gateways_share_jobs_and_survive_a_sigkill(
     first = gateway(tmp_path / "a", url, executors).start()
     second = gateway(tmp_path / "b", url, executors).start()
     try:
-        spec, images = read_spec_file(examples / "tiny-sd.toml")
-        spec = dataclasses.replace(
-            spec, name=FUNCTION, steps=STEPS, templates={TEMPLATE: spec.templates[TEMPLATE]}
-        )
+        spec, images = one_template(examples, FUNCTION, STEPS, TEMPLATE)
         with Client(first.url, ADMIN) as admin:
-            assert admin.deploy(spec, {TEMPLATE: images[TEMPLATE]})["status"] == "ready"
+            assert admin.deploy(spec, images)["status"] == "ready"
         with Client(second.url, ADMIN) as admin:  # deployed through the other one
             wait_for(
                 "the function ready on the second gateway",

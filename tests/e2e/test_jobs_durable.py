@@ -3,7 +3,6 @@ again on the same data dir, and every accepted job reaches ``succeeded`` exactly
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import time
 from pathlib import Path
@@ -11,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retouch.platform.client import Client, read_spec_file
+from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess
-from tests.support import wait_for
+from tests.support import one_template, wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
 
@@ -29,12 +28,9 @@ def test_jobs_survive_a_gateway_sigkill(tmp_path: Path, examples: Path) -> None:
     args = ["--max-batch", "1"]  # 2 slots: most jobs are still queued at the kill
     first = ServerProcess(data, env=TOKENS, extra_args=args).start()
     try:
-        spec, images = read_spec_file(examples / "tiny-sd.toml")
-        spec = dataclasses.replace(
-            spec, name=FUNCTION, steps=STEPS, templates={TEMPLATE: spec.templates[TEMPLATE]}
-        )
+        spec, images = one_template(examples, FUNCTION, STEPS, TEMPLATE)
         with Client(first.url, ADMIN) as admin:
-            assert admin.deploy(spec, {TEMPLATE: images[TEMPLATE]})["status"] == "ready"
+            assert admin.deploy(spec, images)["status"] == "ready"
         with Client(first.url, INVOKE) as client:
             ids = [
                 client.submit(FUNCTION, TEMPLATE, MASK, "a red door", seed=s, format="raw").id

@@ -30,7 +30,7 @@ from retouch.functions import wire
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.rayprovider import RESOURCE, wait_for_head
 from retouch.platform.server import ServerProcess, free_port
-from tests.support import WAIT_S, cli_refusal, wait_for
+from tests.support import WAIT_S, cli_refusal, reap, wait_for
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install retouch[ray]")
 
@@ -146,11 +146,7 @@ class RayNodes:
         for node in reversed(self.nodes):
             node.process.terminate()
         for node in self.nodes:
-            try:
-                node.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                node.process.kill()
-                node.process.wait()
+            reap(node.process)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
