@@ -28,7 +28,7 @@ from .conftest import ADMIN, INVOKE, TOKENS
 
 pytestmark = pytest.mark.slow
 
-FUNCTION, TEMPLATE, STEPS, JOBS = "shared-sd", "street", 3, 8
+FUNCTION, TEMPLATE, STEPS, JOBS = "shared-sd", "street", 3, 6
 LONG_STEPS = 60
 TTL_S = 3  # a gateway silent this long is dead: the survivor takes its jobs
 MASK = np.zeros((128, 128), bool)
