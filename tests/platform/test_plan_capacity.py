@@ -4,9 +4,7 @@ function's template is baked, and the production shapes' figures scale as a sizi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,34 +13,49 @@ from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.functions.demo.images import template_image
 from retouch.functions.spec import load_spec_file
 from retouch.platform.capacity import spec_editor
+from retouch.platform.cli import main
 from retouch.runtime.maskaware.rowformat import RowFormat
 from retouch.runtime.maskaware.storedrows import EncodingWriter
 from tests.support import EXAMPLES
 
 
-def _plan(*args: str, data_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    if data_dir is not None:
-        env["RETOUCH_DATA_DIR"] = str(data_dir)
-    return subprocess.run(
-        [sys.executable, "-m", "retouch.platform.cli", "plan-capacity", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+@dataclass(frozen=True)
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def plan(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """``retouch plan-capacity ARGS`` in this process (the CLI's own ``main``: no
+    interpreter and torch import per run): its exit code, stdout and stderr."""
+
+    def run(*args: str, data_dir: Path | None = None) -> Done:
+        if data_dir is not None:
+            monkeypatch.setenv("RETOUCH_DATA_DIR", str(data_dir))
+        capsys.readouterr()
+        try:
+            main(["plan-capacity", *args])
+            code = 0
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        out = capsys.readouterr()
+        return Done(code, out.out, out.err)
+
+    return run
 
 
 def test_a_spec_plan_is_what_the_store_holds_after_the_bake(
-    models_dir: Path, tmp_path: Path
+    plan, models_dir: Path, tmp_path: Path
 ) -> None:
     """fp8 rows: codes and scales, and host buffers aligned per tensor, all as planned."""
     spec_file, storage = EXAMPLES / "tiny-sd.toml", "fp8"
-    done = _plan(str(spec_file), "--storage", storage, "--json", data_dir=models_dir.parent)
+    done = plan(str(spec_file), "--storage", storage, "--json", data_dir=models_dir.parent)
     assert done.returncode == 0, done.stderr
-    (plan,) = json.loads(done.stdout)
+    (planned,) = json.loads(done.stdout)
     spec, _ = load_spec_file(spec_file)
-    assert (plan["width"], plan["steps"], plan["storage"]) == (128, spec.steps, storage)
+    assert (planned["width"], planned["steps"], planned["storage"]) == (128, spec.steps, storage)
 
     editor = spec_editor(spec, models_dir)
     with ActivationStore(StoreConfig(path=tmp_path / "cache")) as store:
@@ -50,14 +63,14 @@ def test_a_spec_plan_is_what_the_store_holds_after_the_bake(
             image = template_image((spec.width, spec.height), seed=1)
             rows = EncodingWriter(writer, RowFormat(storage))
             editor.bake(image, "a quiet street", 11, spec.steps, spec.guidance, rows)
-        assert store.nbytes("street") == plan["template"]["disk"]
+        assert store.nbytes("street") == planned["template"]["disk"]
         store.evict("street")
         store.acquire("street").release()
-        assert store.stats()["host_bytes"] == plan["template"]["host"]
+        assert store.stats()["host_bytes"] == planned["template"]["host"]
 
 
-def test_production_shapes_under_a_sizing() -> None:
-    done = _plan(
+def test_production_shapes_under_a_sizing(plan) -> None:
+    done = plan(
         "--shape", "sd2-inpaint,flux-dev", "--resolution", "512,1024", "--templates", "20",
         "--executors", "8", "--resident", "2", "--json",
     )  # fmt: skip
@@ -73,12 +86,12 @@ def test_production_shapes_under_a_sizing() -> None:
     # tokens grow with the pixels: four times the bytes at twice the side
     flux = plans["flux-dev", 1024]["template"]["disk"]
     assert flux == pytest.approx(4 * plans["flux-dev", 512]["template"]["disk"], rel=0.01)
-    fp8 = _plan("--shape", "flux-dev", "--storage", "fp8", "--json")
+    fp8 = plan("--shape", "flux-dev", "--storage", "fp8", "--json")
     assert json.loads(fp8.stdout)[0]["template"]["disk"] < 0.51 * flux
 
 
-def test_usage_errors_are_one_line() -> None:
+def test_usage_errors_are_one_line(plan) -> None:
     for args in ((), ("--shape", "sd9"), (str(EXAMPLES / "tiny-sd.toml"), "--steps", "4")):
-        done = _plan(*args)
+        done = plan(*args)
         assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
         assert "Traceback" not in done.stderr
