@@ -175,14 +175,11 @@ class Gateway:
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         await self.pool.start()
-        if isinstance(self.registry, SharedRegistry):
-            changes = await asyncio.to_thread(self.registry.changes, 0)
-            self._seen_revision = changes.revision
-            stored_now = changes.stored
-        else:
-            stored_now = list(self.registry.load_all().values())
+        stored_now = (await asyncio.to_thread(self.registry.load_all)).values()
         for stored in stored_now:
             self._track(stored)
+        # a shared registry's writes commit in revision order: none below this one is unseen
+        self._seen_revision = max((s.revision for s in stored_now), default=0)
         await self.webhooks.start()
         await self.inputs.start()
         await self.jobs.start()  # resumes unfinished jobs: functions are tracked by now

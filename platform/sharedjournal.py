@@ -127,12 +127,10 @@ class SharedJobJournal:
     def read(self, job_id: str) -> dict[str, Any]:
         """The job's record, whichever gateway runs or ran it (``FileNotFoundError`` when
         there is none, as the file journal)."""
-        with self.store.cursor() as cur:
-            cur.execute("SELECT record FROM retouch_jobs WHERE id = %s", (job_id,))
-            row = cur.fetchone()
-        if row is None:
+        stored = self.fetch(job_id)
+        if stored is None:
             raise FileNotFoundError(job_id)
-        return wire.as_map(wire.unpack(bytes(row[0])))
+        return stored.record
 
     def fetch(self, job_id: str) -> StoredJob | None:
         """The job's record and status column (None: no such job)."""
@@ -195,7 +193,7 @@ class SharedJobJournal:
         through :meth:`claim`, as any dead gateway's."""
         with self.store.cursor() as cur:
             cur.execute("SELECT record FROM retouch_jobs WHERE gateway = %s", (self.store.gateway,))
-            return [wire.as_map(wire.unpack(bytes(r[0]))) for r in cur.fetchall()]
+            return [_unpack(r[0]) for r in cur.fetchall()]
 
     # ---- several gateways ---------------------------------------------------------------
     def claim(self) -> list[dict[str, Any]]:
@@ -212,7 +210,7 @@ class SharedJobJournal:
             rows = cur.fetchall()
         records = []
         for data, cancel in rows:
-            record = wire.as_map(wire.unpack(bytes(data)))
+            record = _unpack(data)
             record["cancel_requested"] = bool(cancel)
             records.append(record)
         return records
@@ -332,7 +330,7 @@ class SharedDeliveryJournal:
                 "SELECT record FROM retouch_deliveries WHERE gateway = %s ORDER BY created_at, id",
                 (self.store.gateway,),
             )
-            return [wire.as_map(wire.unpack(bytes(r[0]))) for r in cur.fetchall()]
+            return [_unpack(r[0]) for r in cur.fetchall()]
 
     def claim(self) -> list[dict[str, Any]]:
         """Take the pending deliveries of dead gateways, oldest first."""
@@ -343,7 +341,7 @@ class SharedDeliveryJournal:
                 "ORDER BY created_at LIMIT %(n)s FOR UPDATE SKIP LOCKED) RETURNING record",
                 {"me": self.store.gateway, "ttl": self.store.ttl_s, "n": CLAIM_BATCH},
             )
-            records = [wire.as_map(wire.unpack(bytes(r[0]))) for r in cur.fetchall()]
+            records = [_unpack(r[0]) for r in cur.fetchall()]
         records.sort(key=lambda r: (float(r.get("created_at", 0.0)), str(r["id"])))
         return records
 
