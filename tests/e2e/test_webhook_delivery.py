@@ -144,6 +144,9 @@ def test_delivery_and_event_ids_survive_a_gateway_sigkill(gateway: Gateway) -> N
         assert live.events[-1].kind.value in ("started", "progress")
 
         url = gateway.proc.url
+        # the job that was running is run again: its new events are read from now on (a
+        # reader that came after its end would get the ended job's short history)
+        after_restart = Reader(url, running, after=last_seen)
         delivered = wait_for("the completed delivery", lambda: down.accepted(hooked), timeout=60)
         time.sleep(2.0)  # time for a duplicate, were there one
         assert len(down.accepted(hooked)) == 1 and delivered[0].body["type"] == "completed"
@@ -160,8 +163,7 @@ def test_delivery_and_event_ids_survive_a_gateway_sigkill(gateway: Gateway) -> N
     (again,) = resumed.events
     assert again.data["output"] and relative(again) == relative(terminal)
     terminal = again  # as the restarted gateway gives it
-    # the job that was running is run again: all of its new events, ids above the last seen
-    after_restart = Reader(url, running, after=last_seen)
+    # the job that was run again: all of its new events, ids above the last seen
     assert after_restart.done.wait(180)
     kinds = [e.kind.value for e in after_restart.events]
     assert kinds[0] == "queued" and kinds[-1] == "succeeded", kinds
