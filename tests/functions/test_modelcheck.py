@@ -16,7 +16,8 @@ from retouch.functions.modelcheck import ModelKind, check_model, model_family
 from retouch.functions.modelsource import ModelSource, from_key
 from retouch.functions.spec import parse_spec
 from retouch.runtime.models import load_pipeline
-from tests.modelfolders import COMMIT, build_sd_folder, into_hub_cache, ldm_checkpoint
+from tests.modelfolders import COMMIT, build_sd_folder, into_hub_cache
+from tests.singlefile import ldm_checkpoint
 
 FAMILY = "sd-inpaint"
 REPO_ID = "retouch-tests/sd-inpaint-hub"

@@ -26,8 +26,8 @@ from tests.modelfolders import (
     build_flux_folder,
     build_sd_folder,
     into_hub_cache,
-    ldm_checkpoint,
 )
+from tests.singlefile import ldm_checkpoint
 
 FAMILY = "sd-inpaint"
 REPO_ID = "retouch-tests/sd-inpaint-hub"
