@@ -274,6 +274,9 @@ class SDXLSize:
     transformer_layers: tuple[int, ...]  # per level
     head_dim: int
     text_hidden: tuple[int, int]  # CLIP-L and CLIP-G widths
+    # SDXL's CLIP-G has 32 blocks; diffusers tells an SGM checkpoint is SDXL by its tenth
+    # (``resblocks.9``), so fewer would make the model's single files read as SD 1.x.
+    clip_g_layers: int = 10
 
 
 TINY_SDXL = SDXLSize((32, 64, 64), (1, 1, 2), head_dim=16, text_hidden=(32, 48))
@@ -322,7 +325,7 @@ def _build_sdxl(folder: Path, size: SDXLSize, resolution: int) -> None:
         lambda tokenizer: StableDiffusionXLInpaintPipeline(
             vae=_vae(vae_channels, 4, scaling_factor=0.13025),
             text_encoder=_clip_text(clip_l),
-            text_encoder_2=CLIPTextModelWithProjection(_clip_config(clip_g)),
+            text_encoder_2=CLIPTextModelWithProjection(_clip_config(clip_g, size.clip_g_layers)),
             tokenizer=tokenizer,
             tokenizer_2=tokenizer,
             unet=unet,
