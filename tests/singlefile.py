@@ -3,12 +3,14 @@ checkpoints (as A1111, ComfyUI and the model authors ship them): the inverse of 
 ``single_file_utils`` conversions, so the loading tests can build such files offline.
 
 * :func:`ldm_checkpoint`: Stable Diffusion (UNet, VAE, CLIP text encoder), LDM layout.
+* :func:`sgm_checkpoint`: SDXL inpainting (UNet with its ``label_emb``, VAE, CLIP-L and
+  OpenCLIP ViT-bigG in its own layout), the SGM layout of ``sd_xl_base_1.0_inpainting_0.1``.
 """
 
 from __future__ import annotations
 
 import torch
-from diffusers import StableDiffusionInpaintPipeline
+from diffusers import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
 
 UNET_RESNET = (
     ("norm1", "in_layers.0"),
@@ -117,4 +119,75 @@ def ldm_checkpoint(pipe: StableDiffusionInpaintPipeline) -> dict[str, torch.Tens
     text = pipe.text_encoder.state_dict()  # transformers 5 names them without text_model.
     prefix = "cond_stage_model.transformer.text_model."
     out |= {prefix + k.removeprefix("text_model."): v for k, v in text.items()}
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# -- SDXL inpainting: the SGM layout --------------------------------------------------------
+
+SGM_CLIP_L = "conditioner.embedders.0.transformer.text_model."
+SGM_OPEN_CLIP = "conditioner.embedders.1.model."
+# SDXL's pooled-text and time-id embedding: ``label_emb.0`` is a Linear, SiLU, Linear.
+UNET_ADDITION = [
+    ("add_embedding.linear_1", "label_emb.0.0"),
+    ("add_embedding.linear_2", "label_emb.0.2"),
+]
+OPEN_CLIP_TOP = {
+    "text_model.embeddings.token_embedding.weight": "token_embedding.weight",
+    "text_model.embeddings.position_embedding.weight": "positional_embedding",
+    "text_model.final_layer_norm.weight": "ln_final.weight",
+    "text_model.final_layer_norm.bias": "ln_final.bias",
+}
+OPEN_CLIP_LAYER = (
+    ("layer_norm1", "ln_1"),
+    ("layer_norm2", "ln_2"),
+    ("mlp.fc1", "mlp.c_fc"),
+    ("mlp.fc2", "mlp.c_proj"),
+    ("self_attn.out_proj", "attn.out_proj"),
+)
+VAE_ATTENTION_WEIGHTS = tuple(f".mid.attn_1.{name}.weight" for name in ("q", "k", "v", "proj_out"))
+
+
+def _sgm_vae(pipe: StableDiffusionXLInpaintPipeline) -> dict[str, torch.Tensor]:
+    """The VAE in the SD layout, its mid attention's projections the 1x1 convolutions the
+    original ``AttnBlock`` has (diffusers flattens them back to linear weights)."""
+    levels = len(pipe.vae.config.block_out_channels)
+    out = {_vae_key(k, levels): v for k, v in pipe.vae.state_dict().items()}
+    return {
+        k: v[..., None, None] if k.endswith(VAE_ATTENTION_WEIGHTS) else v for k, v in out.items()
+    }
+
+
+def _open_clip(text_encoder_2: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """CLIP-G as OpenCLIP names it: fused ``attn.in_proj_*`` (q, k, v stacked), ``mlp.c_fc``,
+    ``ln_final``, and ``text_projection`` as the matrix text features are multiplied by
+    (the transpose of the Linear weight)."""
+    state = text_encoder_2.state_dict()
+    out = {SGM_OPEN_CLIP + "text_projection": state.pop("text_projection.weight").T}
+    out |= {SGM_OPEN_CLIP + new: state.pop(old) for old, new in OPEN_CLIP_TOP.items()}
+    for layer in range(text_encoder_2.config.num_hidden_layers):
+        old = f"text_model.encoder.layers.{layer}."
+        new = f"{SGM_OPEN_CLIP}transformer.resblocks.{layer}."
+        for kind in ("weight", "bias"):
+            qkv = [state.pop(f"{old}self_attn.{p}_proj.{kind}") for p in "qkv"]
+            out[f"{new}attn.in_proj_{kind}"] = torch.cat(qkv)
+        for key in [k for k in state if k.startswith(old)]:
+            out[new + _rename("." + key.removeprefix(old), OPEN_CLIP_LAYER)[1:]] = state.pop(key)
+    if state:
+        raise KeyError(f"CLIP-G weights with no OpenCLIP name: {sorted(state)}")
+    return out
+
+
+def sgm_checkpoint(pipe: StableDiffusionXLInpaintPipeline) -> dict[str, torch.Tensor]:
+    """The pipeline's UNet, VAE and both text encoders in the original SDXL checkpoint
+    layout (Stability's ``sgm``), as ``sd_xl_base_1.0_inpainting_0.1.safetensors`` and the
+    community SDXL inpainting files have it."""
+    prefixes = _unet_prefixes(dict(pipe.unet.config)) + UNET_ADDITION
+    out = {
+        "model.diffusion_model." + _unet_key(k, prefixes): v
+        for k, v in pipe.unet.state_dict().items()
+    }
+    out |= _sgm_vae(pipe)
+    clip_l = pipe.text_encoder.state_dict()  # transformers 5 names them without text_model.
+    out |= {SGM_CLIP_L + k.removeprefix("text_model."): v for k, v in clip_l.items()}
+    out |= _open_clip(pipe.text_encoder_2)
     return {k: v.contiguous() for k, v in out.items()}
