@@ -34,6 +34,21 @@ WEIGHT_NAMES = {
 # Files a tokenizer folder needs by tokenizer class prefix when it has no ``tokenizer.json``.
 TOKENIZER_FILES = {"CLIP": ("vocab.json", "merges.txt"), "T5": ("spiece.model",)}
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one
+# Tensors by which diffusers finds a text encoder in a single file (``single_file_utils``:
+# ``CHECKPOINT_KEY_NAMES``), by encoder class prefix: SD's and SDXL's CLIP and OpenCLIP,
+# SD3's CLIP-L, CLIP-G and T5-XXL.
+SINGLE_FILE_TEXT_KEYS = {
+    "CLIP": (
+        "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight",
+        "conditioner.embedders.0.transformer.text_model.embeddings.position_embedding.weight",
+        "text_encoders.clip_l.transformer.text_model.embeddings.position_embedding.weight",
+        "cond_stage_model.model.token_embedding.weight",
+        "conditioner.embedders.1.model.positional_embedding",
+        "conditioner.embedders.0.model.text_projection",
+        "text_encoders.clip_g.transformer.text_model.embeddings.position_embedding.weight",
+    ),
+    "T5": ("text_encoders.t5xxl.transformer.shared.weight",),
+}
 
 
 class ModelKind(enum.Enum):
@@ -46,12 +61,14 @@ class ModelKind(enum.Enum):
 @dataclass(frozen=True)
 class ModelFiles:
     """Where a checked model's files are: a diffusers ``folder`` (a single file's config
-    folder; None for a built-in) and, for a single file, its ``checkpoint``."""
+    folder; None for a built-in) and, for a single file, its ``checkpoint`` and the
+    components it lacks (``from_config``: loaded from the folder's own weights)."""
 
     kind: ModelKind
     pipeline: str  # the pipeline class its model_index.json (or the family) names
     folder: Path | None = None
     checkpoint: Path | None = None
+    from_config: tuple[str, ...] = ()
 
 
 def check_model(source: ModelSource, family: str) -> ModelFiles:
@@ -131,12 +148,34 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
             "(or cached hub id) with its configs and tokenizers (never fetched)",
             field="config",
         )
-    if path.suffix == ".safetensors":
-        safetensors_header(path, "model")
+    tensors = set(safetensors_header(path, "model")) if path.suffix == ".safetensors" else None
     folder = _locate(source.config, source.revision, "config")
     pipeline = check_pipeline(pipeline_class(folder, "config"), family, folder)
     _check_components(folder, None, weights=False, field="config")
-    return ModelFiles(ModelKind.SINGLE_FILE, pipeline, folder=folder, checkpoint=path.resolve())
+    lacking = () if tensors is None else _text_encoders_lacking(folder, tensors)
+    for name in lacking:
+        library = str(model_index(folder, "config")[name][0])
+        _check_weights(folder / name, library, None, "config")
+    return ModelFiles(
+        ModelKind.SINGLE_FILE,
+        pipeline,
+        folder=folder,
+        checkpoint=path.resolve(),
+        from_config=lacking,
+    )
+
+
+def _text_encoders_lacking(folder: Path, tensors: set[str]) -> tuple[str, ...]:
+    """The text encoders of ``folder``'s pipeline that a single file's ``tensors`` do not
+    hold (SD3's plain ``sd3_medium.safetensors`` has none): they load from ``config``'s
+    weights, as a diffusers user passes them to ``from_single_file``."""
+    lacking = []
+    for name, cls in components(folder, "config").items():
+        kind = next((k for k in SINGLE_FILE_TEXT_KEYS if cls.startswith(k)), None)
+        encoder = cls.endswith(("TextModel", "TextModelWithProjection", "EncoderModel"))
+        if encoder and (kind is None or tensors.isdisjoint(SINGLE_FILE_TEXT_KEYS[kind])):
+            lacking.append(name)
+    return tuple(lacking)
 
 
 def _locate(name: str, revision: str | None, field: str) -> Path:

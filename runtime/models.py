@@ -11,6 +11,7 @@ first, and diffusers is told ``local_files_only``.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
@@ -32,7 +33,7 @@ from diffusers import (
 
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.families import family_spec
-from retouch.functions.modelcheck import ModelFiles, ModelKind, check_model
+from retouch.functions.modelcheck import ModelFiles, ModelKind, check_model, model_index
 from retouch.functions.modelsource import ModelSource, from_key
 from retouch.runtime.families import family as family_of
 from retouch.runtime.fingerprint import model_fingerprint
@@ -103,11 +104,13 @@ def load_pipeline(
     dtype: str = "auto",
     variant: str | None = None,
     checkpoint: Path | None = None,
+    from_config: tuple[str, ...] = (),
 ) -> DiffusionPipeline:
     """The one pipeline loader (executor, pre/post workers, benches): ``family``'s pipeline
     class and load arguments, in ``dtype`` (:func:`compute_dtype`), components ``without``
     left out, in eval mode without gradients or progress bars. ``folder`` is a diffusers
-    folder (its ``variant`` weights), or the configs of a single-file ``checkpoint``."""
+    folder (its ``variant`` weights), or the configs of a single-file ``checkpoint`` and
+    the weights of the components the file lacks (``from_config``, from the model check)."""
     model_family = family_of(family)
     kwargs = {
         **model_family.load_kwargs,
@@ -118,13 +121,27 @@ def load_pipeline(
     if checkpoint is None:
         pipe = model_family.pipeline.from_pretrained(folder, variant=variant, **kwargs)
     else:
-        pipe = model_family.pipeline.from_single_file(checkpoint, config=str(folder), **kwargs)
+        lacking = {
+            n: _component(folder, n, kwargs["dtype"]) for n in from_config if n not in kwargs
+        }
+        pipe = model_family.pipeline.from_single_file(
+            checkpoint, config=str(folder), **kwargs, **lacking
+        )
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.eval().requires_grad_(False)
     return pipe
+
+
+def _component(folder: Path, name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A component from a diffusers folder's own weights, for a single file that lacks it:
+    ``from_single_file`` looks there only for diffusers' weight names, never for the
+    ``model.safetensors`` a transformers text encoder is saved as."""
+    library, cls = model_index(folder, "config")[name]
+    loader = getattr(importlib.import_module(library), cls)
+    return loader.from_pretrained(folder, subfolder=name, dtype=dtype, local_files_only=True)
 
 
 @dataclass
@@ -223,6 +240,7 @@ class ModelCache:
             dtype=source.dtype,
             variant=source.variant,
             checkpoint=files.checkpoint,
+            from_config=files.from_config,
         )
         log.info(
             "loaded %s (%s) on %s%s in %.1f s",

@@ -5,12 +5,18 @@ checkpoints (as A1111, ComfyUI and the model authors ship them): the inverse of 
 * :func:`ldm_checkpoint`: Stable Diffusion (UNet, VAE, CLIP text encoder), LDM layout.
 * :func:`sgm_checkpoint`: SDXL inpainting (UNet with its ``label_emb``, VAE, CLIP-L and
   OpenCLIP ViT-bigG in its own layout), the SGM layout of ``sd_xl_base_1.0_inpainting_0.1``.
+* :func:`sd3_checkpoint`: Stable Diffusion 3 as Stability ships ``sd3_medium*.safetensors``
+  (MMDiT and VAE; optionally its CLIP-L, CLIP-G and T5-XXL text encoders).
 """
 
 from __future__ import annotations
 
 import torch
-from diffusers import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
+from diffusers import (
+    StableDiffusion3InpaintPipeline,
+    StableDiffusionInpaintPipeline,
+    StableDiffusionXLInpaintPipeline,
+)
 
 UNET_RESNET = (
     ("norm1", "in_layers.0"),
@@ -191,3 +197,104 @@ def sgm_checkpoint(pipe: StableDiffusionXLInpaintPipeline) -> dict[str, torch.Te
     out |= {SGM_CLIP_L + k.removeprefix("text_model."): v for k, v in clip_l.items()}
     out |= _open_clip(pipe.text_encoder_2)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+# -- Stable Diffusion 3 -----------------------------------------------------------------------
+
+SD3_TOP = (  # (diffusers, original) outside the joint blocks
+    ("pos_embed.pos_embed", "pos_embed"),
+    ("pos_embed.proj.", "x_embedder.proj."),
+    ("time_text_embed.timestep_embedder.linear_1.", "t_embedder.mlp.0."),
+    ("time_text_embed.timestep_embedder.linear_2.", "t_embedder.mlp.2."),
+    ("time_text_embed.text_embedder.linear_1.", "y_embedder.mlp.0."),
+    ("time_text_embed.text_embedder.linear_2.", "y_embedder.mlp.2."),
+    ("context_embedder.", "context_embedder."),
+    ("proj_out.", "final_layer.linear."),
+    ("norm_out.linear.", "final_layer.adaLN_modulation.1."),
+)
+SD3_BLOCK = (  # (diffusers, original) inside joint block i
+    ("attn.to_out.0.", "x_block.attn.proj."),
+    ("attn.to_add_out.", "context_block.attn.proj."),
+    ("attn.norm_q.", "x_block.attn.ln_q."),
+    ("attn.norm_k.", "x_block.attn.ln_k."),
+    ("attn.norm_added_q.", "context_block.attn.ln_q."),
+    ("attn.norm_added_k.", "context_block.attn.ln_k."),
+    ("attn2.to_out.0.", "x_block.attn2.proj."),
+    ("attn2.norm_q.", "x_block.attn2.ln_q."),
+    ("attn2.norm_k.", "x_block.attn2.ln_k."),
+    ("norm1.linear.", "x_block.adaLN_modulation.1."),
+    ("norm1_context.linear.", "context_block.adaLN_modulation.1."),
+    ("ff.net.0.proj.", "x_block.mlp.fc1."),
+    ("ff.net.2.", "x_block.mlp.fc2."),
+    ("ff_context.net.0.proj.", "context_block.mlp.fc1."),
+    ("ff_context.net.2.", "context_block.mlp.fc2."),
+)
+SD3_QKV = (  # diffusers' separate projections, fused into one original qkv
+    ("attn.to_{}.", "x_block.attn.qkv."),
+    ("attn.add_{}_proj.", "context_block.attn.qkv."),
+    ("attn2.to_{}.", "x_block.attn2.qkv."),
+)
+# The text encoders' names in the original file, in the pipeline's order (CLIP-L, CLIP-G, T5).
+SD3_TEXT = ("clip_l", "clip_g", "t5xxl")
+
+
+def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """The original AdaLN-continuous order (shift, scale) of diffusers' (scale, shift): the
+    swap ``convert_sd3_transformer_checkpoint_to_diffusers`` undoes."""
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat([second, first])
+
+
+def _mmdit_block(i: int, block: dict[str, torch.Tensor], last: bool) -> dict[str, torch.Tensor]:
+    """Joint block ``i`` (its keys without the ``transformer_blocks.i.`` prefix)."""
+    out = {}
+    for new, old in SD3_QKV:
+        for kind in ("weight", "bias"):
+            parts = [block.pop(new.format(x) + kind, None) for x in "qkv"]
+            if parts[0] is not None:
+                out[old + kind] = torch.cat(parts)
+    for key, value in block.items():
+        new, old = next((n, o) for n, o in SD3_BLOCK if key.startswith(n))
+        if last and new == "norm1_context.linear.":  # the context stream's last norm
+            value = _swap_halves(value)
+        out[old + key[len(new) :]] = value
+    return {f"joint_blocks.{i}.{k}": v for k, v in out.items()}
+
+
+def _mmdit(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An ``SD3Transformer2DModel`` state dict in the original MMDiT key layout."""
+    blocks: dict[int, dict[str, torch.Tensor]] = {}
+    out = {}
+    for key, value in state.items():
+        if key.startswith("transformer_blocks."):
+            _, i, rest = key.split(".", 2)
+            blocks.setdefault(int(i), {})[rest] = value
+            continue
+        new, old = next((n, o) for n, o in SD3_TOP if key.startswith(n))
+        out[old + key[len(new) :]] = (
+            _swap_halves(value) if old.startswith("final_layer.ada") else value
+        )
+    for i, block in blocks.items():
+        out |= _mmdit_block(i, block, last=i == max(blocks))
+    return out
+
+
+def sd3_checkpoint(
+    pipe: StableDiffusion3InpaintPipeline, text_encoders: bool = False
+) -> dict[str, torch.Tensor]:
+    """The pipeline's MMDiT and VAE in the layout of Stability's ``sd3_medium.safetensors``;
+    with ``text_encoders``, its CLIP-L, CLIP-G and T5 as in
+    ``sd3_medium_incl_clips_t5xxlfp16.safetensors``. CLIP-L is written without its text
+    projection: the original has none, and diffusers loads it as the identity."""
+    levels = len(pipe.vae.config.block_out_channels)
+    out = {
+        "model.diffusion_model." + k: v for k, v in _mmdit(pipe.transformer.state_dict()).items()
+    }
+    out |= {_vae_key(k, levels): v for k, v in pipe.vae.state_dict().items()}
+    encoders = ("text_encoder", "text_encoder_2", "text_encoder_3") if text_encoders else ()
+    for name, encoder in zip(SD3_TEXT, encoders, strict=False):
+        state = getattr(pipe, encoder).state_dict()
+        if name == "clip_l":
+            state.pop("text_projection.weight")
+        out |= {f"text_encoders.{name}.transformer.{k}": v for k, v in state.items()}
+    return {k: v.contiguous().clone() for k, v in out.items()}  # T5's tied embeddings: twice
