@@ -52,6 +52,10 @@ class FamilySpec:
     # The components a LoRA file may adapt (diffusers' ``_lora_loadable_modules`` of the
     # pipeline): the denoiser first, then the text encoders.
     lora_modules: tuple[str, ...] = ("unet", "text_encoder")
+    # The one component a single-file checkpoint of this family holds, the rest coming from
+    # its ``config`` folder (Black Forest Labs ship the Flux transformer alone, the VAE and
+    # text encoders apart); None: the file holds the whole pipeline (SD's LDM checkpoints).
+    single_file: str | None = None
 
     def skipped_steps(self, steps: int, strength: float) -> int:
         """The first steps of a ``steps`` schedule that ``strength`` skips: an edit starts
@@ -97,6 +101,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             cuda_dtype="bf16",
             negative_prompt=False,
             lora_modules=("transformer", "text_encoder"),
+            single_file="transformer",
         ),
         FamilySpec(
             "sd3-inpaint",
@@ -116,6 +121,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             cuda_dtype="bf16",
             negative_prompt=False,
             lora_modules=("transformer", "text_encoder"),
+            single_file="transformer",
         ),
         FamilySpec(
             "sdxl-inpaint",

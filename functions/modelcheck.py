@@ -39,7 +39,7 @@ MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one
 class ModelKind(enum.Enum):
     BUILTIN = "builtin"  # built (or copied) on the executor from the catalogue
     FOLDER = "folder"  # a diffusers folder (a local path or a cached hub snapshot)
-    SINGLE_FILE = "single-file"  # one checkpoint, configs and tokenizers from ``config``
+    SINGLE_FILE = "single-file"  # one checkpoint, the rest (configs at least) from ``config``
     CATALOGUED = "catalogued"  # checked where the weights are; the gateway read its entry
 
 
@@ -66,7 +66,7 @@ def check_model(source: ModelSource, family: str) -> ModelFiles:
         raise InvalidSpec("config is only for single-file checkpoints", field="config")
     folder = _locate(source.model, source.revision, "model")
     pipeline = check_pipeline(pipeline_class(folder), family, folder)
-    _check_components(folder, source.variant, weights=True, field="model")
+    _check_components(folder, source.variant, field="model")
     return ModelFiles(ModelKind.FOLDER, pipeline, folder=folder)
 
 
@@ -123,19 +123,25 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
         )
     if not path.is_file():
         raise InvalidSpec(f"no such checkpoint file: {path}", field="model")
-    if source.variant is not None:
+    alone = FAMILY_SPECS[family].single_file  # the component the file holds, or None: all
+    if source.variant is not None and alone is None:
         raise InvalidSpec("variant names files of a diffusers folder", field="variant")
     if source.config is None:
+        rest = "configs and tokenizers" if alone is None else f"components but the {alone}"
         raise InvalidSpec(
             f"{path.name} is a single-file checkpoint: config must name the diffusers folder "
-            "(or cached hub id) with its configs and tokenizers (never fetched)",
+            f"(or cached hub id) with its {rest} (never fetched)",
             field="config",
         )
     if path.suffix == ".safetensors":
         safetensors_header(path, "model")
     folder = _locate(source.config, source.revision, "config")
     pipeline = check_pipeline(pipeline_class(folder, "config"), family, folder)
-    _check_components(folder, None, weights=False, field="config")
+    listed = tuple(components(folder, "config"))
+    if alone is not None and alone not in listed:
+        raise InvalidSpec(f"{folder}: model_index.json lists no {alone}", field="config")
+    in_file = listed if alone is None else (alone,)  # the config folder holds the rest
+    _check_components(folder, source.variant, in_file=in_file, field="config")
     return ModelFiles(ModelKind.SINGLE_FILE, pipeline, folder=folder, checkpoint=path.resolve())
 
 
@@ -168,9 +174,11 @@ def model_index(folder: Path, field: str) -> dict[str, Any]:
 # -- components ------------------------------------------------------------------------------
 
 
-def _check_components(folder: Path, variant: str | None, *, weights: bool, field: str) -> None:
-    """Every component ``model_index.json`` lists: its folder, config and weights (unless
-    the weights come from elsewhere: a single file), or its tokenizer files."""
+def _check_components(
+    folder: Path, variant: str | None, *, field: str, in_file: tuple[str, ...] = ()
+) -> None:
+    """Every component ``model_index.json`` lists: its folder, config and weights (but
+    those ``in_file``: a single file's), or its tokenizer files."""
     for name, entry in sorted(model_index(folder, field).items()):
         if not _loaded(name, entry):
             continue
@@ -186,7 +194,7 @@ def _check_components(folder: Path, variant: str | None, *, weights: bool, field
             _need(part / "preprocessor_config.json", field)
         else:
             _need(part / "config.json", field)
-            if weights:
+            if name not in in_file:
                 _check_weights(part, library, variant, field)
 
 
