@@ -18,7 +18,7 @@ from typing import Any
 
 from retouch.functions import hubcache
 from retouch.functions.errors import InvalidSpec
-from retouch.functions.families import FAMILY_SPECS
+from retouch.functions.families import FAMILY_SPECS, ComponentFile
 from retouch.functions.models import is_builtin, known_builtin
 from retouch.functions.modelsource import ModelSource
 
@@ -34,6 +34,8 @@ WEIGHT_NAMES = {
 # Files a tokenizer folder needs by tokenizer class prefix when it has no ``tokenizer.json``.
 TOKENIZER_FILES = {"CLIP": ("vocab.json", "merges.txt"), "T5": ("spiece.model",)}
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one
+# The key prefix of a denoiser in LDM-style files (SD's, and ComfyUI's re-saves of any model).
+WRAPPER_PREFIX = "model.diffusion_model."
 
 
 class ModelKind(enum.Enum):
@@ -127,22 +129,53 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
     if source.variant is not None and alone is None:
         raise InvalidSpec("variant names files of a diffusers folder", field="variant")
     if source.config is None:
-        rest = "configs and tokenizers" if alone is None else f"components but the {alone}"
+        rest = (
+            "configs and tokenizers" if alone is None else f"components but the {alone.component}"
+        )
         raise InvalidSpec(
             f"{path.name} is a single-file checkpoint: config must name the diffusers folder "
             f"(or cached hub id) with its {rest} (never fetched)",
             field="config",
         )
-    if path.suffix == ".safetensors":
-        safetensors_header(path, "model")
+    header = safetensors_header(path, "model") if path.suffix == ".safetensors" else None
     folder = _locate(source.config, source.revision, "config")
     pipeline = check_pipeline(pipeline_class(folder, "config"), family, folder)
     listed = tuple(components(folder, "config"))
-    if alone is not None and alone not in listed:
-        raise InvalidSpec(f"{folder}: model_index.json lists no {alone}", field="config")
-    in_file = listed if alone is None else (alone,)  # the config folder holds the rest
+    if alone is not None and alone.component not in listed:
+        raise InvalidSpec(f"{folder}: model_index.json lists no {alone.component}", field="config")
+    in_file = listed if alone is None else (alone.component,)  # the folder holds the rest
     _check_components(folder, source.variant, in_file=in_file, field="config")
+    if alone is not None and header is not None:
+        _check_component_file(path, header, folder / alone.component, alone)
     return ModelFiles(ModelKind.SINGLE_FILE, pipeline, folder=folder, checkpoint=path.resolve())
+
+
+def _check_component_file(
+    path: Path, header: dict[str, Any], part: Path, alone: ComponentFile
+) -> None:
+    """A file holding one component: its input projection is there (bare or under
+    ComfyUI's prefix) and takes the input channels of the component's config."""
+    entry = header.get(alone.input_weight, header.get(WRAPPER_PREFIX + alone.input_weight))
+    if entry is None:
+        raise InvalidSpec(
+            f"{path.name} holds no {alone.component} in its original layout "
+            f"(no {alone.input_weight})",
+            field="model",
+        )
+    config = part / "config.json"
+    try:
+        expected = json.loads(config.read_text()).get("in_channels")
+    except (OSError, ValueError, AttributeError):
+        raise InvalidSpec(
+            f"{_short(config)} is not a JSON object ({config})", field="config"
+        ) from None
+    shape = entry.get("shape", [])
+    if expected is not None and shape[1:2] != [expected]:
+        raise InvalidSpec(
+            f"{path.name}: its {alone.component} takes {shape[1] if len(shape) > 1 else '?'} input channels, "
+            f"{_short(config)} says {expected} (the checkpoint of another model?)",
+            field="model",
+        )
 
 
 def _locate(name: str, revision: str | None, field: str) -> Path:

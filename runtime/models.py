@@ -119,8 +119,9 @@ def load_pipeline(
         "local_files_only": True,
     }
     alone = model_family.spec.single_file
-    if checkpoint is not None and alone is not None and alone not in without:
-        kwargs[alone] = component_from_file(checkpoint, folder, alone, kwargs["dtype"])
+    if checkpoint is not None and alone is not None and alone.component not in without:
+        name = alone.component
+        kwargs[name] = component_from_file(checkpoint, folder, name, kwargs["dtype"])
     if checkpoint is None or alone is not None:
         pipe = model_family.pipeline.from_pretrained(folder, variant=variant, **kwargs)
     else:
