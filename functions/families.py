@@ -26,6 +26,20 @@ class StrengthRule(StrEnum):
 
 
 @dataclass(frozen=True)
+class ComponentFile:
+    """A single-file checkpoint holding one pipeline component in its original layout:
+    the component, and the key of its input projection's weight (``[out, in_channels,
+    ...]``), by which the model check tells that the file is that component and takes the
+    config's input channels (a FLUX.1-dev file is no FLUX.1-Fill transformer)."""
+
+    component: str
+    input_weight: str
+
+
+FLUX_TRANSFORMER_FILE = ComponentFile("transformer", "img_in.weight")
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """One family: the pipeline class it loads, its schedulers (the first is the default),
     its default steps and guidance, the default ``halo`` of its mask-aware edits, its
@@ -52,6 +66,11 @@ class FamilySpec:
     # The components a LoRA file may adapt (diffusers' ``_lora_loadable_modules`` of the
     # pipeline): the denoiser first, then the text encoders.
     lora_modules: tuple[str, ...] = ("unet", "text_encoder")
+    # What a single-file checkpoint of this family holds when it is one component alone,
+    # the rest coming from its ``config`` folder (Black Forest Labs ship the Flux
+    # transformer alone, the VAE and text encoders apart); None: the whole pipeline (SD's
+    # LDM checkpoints).
+    single_file: ComponentFile | None = None
 
     def skipped_steps(self, steps: int, strength: float) -> int:
         """The first steps of a ``steps`` schedule that ``strength`` skips: an edit starts
@@ -97,6 +116,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             cuda_dtype="bf16",
             negative_prompt=False,
             lora_modules=("transformer", "text_encoder"),
+            single_file=FLUX_TRANSFORMER_FILE,
         ),
         FamilySpec(
             "sd3-inpaint",
@@ -116,6 +136,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             cuda_dtype="bf16",
             negative_prompt=False,
             lora_modules=("transformer", "text_encoder"),
+            single_file=FLUX_TRANSFORMER_FILE,
         ),
         FamilySpec(
             "sdxl-inpaint",

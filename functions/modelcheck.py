@@ -18,7 +18,7 @@ from typing import Any
 
 from retouch.functions import hubcache
 from retouch.functions.errors import InvalidSpec
-from retouch.functions.families import FAMILY_SPECS
+from retouch.functions.families import FAMILY_SPECS, ComponentFile
 from retouch.functions.models import is_builtin, known_builtin
 from retouch.functions.modelsource import ModelSource
 
@@ -49,12 +49,14 @@ SINGLE_FILE_TEXT_KEYS = {
     ),
     "T5": ("text_encoders.t5xxl.transformer.shared.weight",),
 }
+# The key prefix of a denoiser in LDM-style files (SD's, and ComfyUI's re-saves of any model).
+WRAPPER_PREFIX = "model.diffusion_model."
 
 
 class ModelKind(enum.Enum):
     BUILTIN = "builtin"  # built (or copied) on the executor from the catalogue
     FOLDER = "folder"  # a diffusers folder (a local path or a cached hub snapshot)
-    SINGLE_FILE = "single-file"  # one checkpoint, configs and tokenizers from ``config``
+    SINGLE_FILE = "single-file"  # one checkpoint, the rest (configs at least) from ``config``
     CATALOGUED = "catalogued"  # checked where the weights are; the gateway read its entry
 
 
@@ -83,7 +85,7 @@ def check_model(source: ModelSource, family: str) -> ModelFiles:
         raise InvalidSpec("config is only for single-file checkpoints", field="config")
     folder = _locate(source.model, source.revision, "model")
     pipeline = check_pipeline(pipeline_class(folder), family, folder)
-    _check_components(folder, source.variant, weights=True, field="model")
+    _check_components(folder, source.variant, field="model")
     return ModelFiles(ModelKind.FOLDER, pipeline, folder=folder)
 
 
@@ -140,22 +142,32 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
         )
     if not path.is_file():
         raise InvalidSpec(f"no such checkpoint file: {path}", field="model")
-    if source.variant is not None:
+    alone = FAMILY_SPECS[family].single_file  # the component the file holds, or None: all
+    if source.variant is not None and alone is None:
         raise InvalidSpec("variant names files of a diffusers folder", field="variant")
     if source.config is None:
+        rest = (
+            "configs and tokenizers" if alone is None else f"components but the {alone.component}"
+        )
         raise InvalidSpec(
             f"{path.name} is a single-file checkpoint: config must name the diffusers folder "
-            "(or cached hub id) with its configs and tokenizers (never fetched)",
+            f"(or cached hub id) with its {rest} (never fetched)",
             field="config",
         )
-    tensors = set(safetensors_header(path, "model")) if path.suffix == ".safetensors" else None
+    header = safetensors_header(path, "model") if path.suffix == ".safetensors" else None
     folder = _locate(source.config, source.revision, "config")
     pipeline = check_pipeline(pipeline_class(folder, "config"), family, folder)
-    _check_components(folder, None, weights=False, field="config")
-    lacking = () if tensors is None else _text_encoders_lacking(folder, tensors)
-    for name in lacking:
-        library = str(model_index(folder, "config")[name][0])
-        _check_weights(folder / name, library, None, "config")
+    listed = tuple(components(folder, "config"))
+    if alone is not None and alone.component not in listed:
+        raise InvalidSpec(f"{folder}: model_index.json lists no {alone.component}", field="config")
+    # What the file holds: one component, or the pipeline but for the text encoders it lacks
+    lacking = () if alone is not None or header is None else _text_encoders_lacking(folder, header)
+    in_file = (
+        (alone.component,) if alone is not None else tuple(n for n in listed if n not in lacking)
+    )
+    _check_components(folder, source.variant, in_file=in_file, field="config")
+    if alone is not None and header is not None:
+        _check_component_file(path, header, folder / alone.component, alone)
     return ModelFiles(
         ModelKind.SINGLE_FILE,
         pipeline,
@@ -165,7 +177,7 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
     )
 
 
-def _text_encoders_lacking(folder: Path, tensors: set[str]) -> tuple[str, ...]:
+def _text_encoders_lacking(folder: Path, tensors: dict[str, Any]) -> tuple[str, ...]:
     """The text encoders of ``folder``'s pipeline that a single file's ``tensors`` do not
     hold (SD3's plain ``sd3_medium.safetensors`` has none): they load from ``config``'s
     weights, as a diffusers user passes them to ``from_single_file``."""
@@ -173,9 +185,37 @@ def _text_encoders_lacking(folder: Path, tensors: set[str]) -> tuple[str, ...]:
     for name, cls in components(folder, "config").items():
         kind = next((k for k in SINGLE_FILE_TEXT_KEYS if cls.startswith(k)), None)
         encoder = cls.endswith(("TextModel", "TextModelWithProjection", "EncoderModel"))
-        if encoder and (kind is None or tensors.isdisjoint(SINGLE_FILE_TEXT_KEYS[kind])):
+        if encoder and (kind is None or tensors.keys().isdisjoint(SINGLE_FILE_TEXT_KEYS[kind])):
             lacking.append(name)
     return tuple(lacking)
+
+
+def _check_component_file(
+    path: Path, header: dict[str, Any], part: Path, alone: ComponentFile
+) -> None:
+    """A file holding one component: its input projection is there (bare or under
+    ComfyUI's prefix) and takes the input channels of the component's config."""
+    entry = header.get(alone.input_weight, header.get(WRAPPER_PREFIX + alone.input_weight))
+    if entry is None:
+        raise InvalidSpec(
+            f"{path.name} holds no {alone.component} in its original layout "
+            f"(no {alone.input_weight})",
+            field="model",
+        )
+    config = part / "config.json"
+    try:
+        expected = json.loads(config.read_text()).get("in_channels")
+    except (OSError, ValueError, AttributeError):
+        raise InvalidSpec(
+            f"{_short(config)} is not a JSON object ({config})", field="config"
+        ) from None
+    shape = entry.get("shape", [])
+    if expected is not None and shape[1:2] != [expected]:
+        raise InvalidSpec(
+            f"{path.name}: its {alone.component} takes {shape[1] if len(shape) > 1 else '?'} input channels, "
+            f"{_short(config)} says {expected} (the checkpoint of another model?)",
+            field="model",
+        )
 
 
 def _locate(name: str, revision: str | None, field: str) -> Path:
@@ -207,9 +247,11 @@ def model_index(folder: Path, field: str) -> dict[str, Any]:
 # -- components ------------------------------------------------------------------------------
 
 
-def _check_components(folder: Path, variant: str | None, *, weights: bool, field: str) -> None:
-    """Every component ``model_index.json`` lists: its folder, config and weights (unless
-    the weights come from elsewhere: a single file), or its tokenizer files."""
+def _check_components(
+    folder: Path, variant: str | None, *, field: str, in_file: tuple[str, ...] = ()
+) -> None:
+    """Every component ``model_index.json`` lists: its folder, config and weights (but
+    those ``in_file``: a single file's), or its tokenizer files."""
     for name, entry in sorted(model_index(folder, field).items()):
         if not _loaded(name, entry):
             continue
@@ -225,7 +267,7 @@ def _check_components(folder: Path, variant: str | None, *, weights: bool, field
             _need(part / "preprocessor_config.json", field)
         else:
             _need(part / "config.json", field)
-            if weights:
+            if name not in in_file:
                 _check_weights(part, library, variant, field)
 
 

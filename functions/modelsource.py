@@ -6,7 +6,8 @@ them) or a hub id (``org/name``) already in the local Hugging Face cache. The op
 how to load it: ``dtype`` (``auto``: the family's default on the device), ``variant`` (the
 weight files' infix, ``diffusion_pytorch_model.fp16.safetensors``), ``revision`` (of a hub
 id) and ``config`` (a single file's diffusers folder or cached hub id, for its configs and
-tokenizers). Two functions with the same source share one loaded copy; the source's
+tokenizers, and the weights of the components a family's files lack: a Flux file is the
+transformer alone). Two functions with the same source share one loaded copy; the source's
 :attr:`ModelSource.key` names that copy wherever a plain string travels (executor caches,
 worker messages), and is the bare ``model`` when every option is the default.
 """

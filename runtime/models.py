@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import diffusers
 import torch
 from diffusers import (
     DDIMScheduler,
@@ -33,7 +34,13 @@ from diffusers import (
 
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.families import family_spec
-from retouch.functions.modelcheck import ModelFiles, ModelKind, check_model, model_index
+from retouch.functions.modelcheck import (
+    ModelFiles,
+    ModelKind,
+    check_model,
+    components,
+    model_index,
+)
 from retouch.functions.modelsource import ModelSource, from_key
 from retouch.runtime.families import family as family_of
 from retouch.runtime.fingerprint import model_fingerprint
@@ -109,8 +116,10 @@ def load_pipeline(
     """The one pipeline loader (executor, pre/post workers, benches): ``family``'s pipeline
     class and load arguments, in ``dtype`` (:func:`compute_dtype`), components ``without``
     left out, in eval mode without gradients or progress bars. ``folder`` is a diffusers
-    folder (its ``variant`` weights), or the configs of a single-file ``checkpoint`` and
-    the weights of the components the file lacks (``from_config``, from the model check)."""
+    folder (its ``variant`` weights), or the configs of a single-file ``checkpoint``: the
+    whole pipeline's (but for the text encoders it lacks, ``from_config``, from the model
+    check), or the one component the family's files hold alone (its ``single_file``), the
+    other components then loaded from ``folder``."""
     model_family = family_of(family)
     kwargs = {
         **model_family.load_kwargs,
@@ -118,7 +127,11 @@ def load_pipeline(
         "dtype": compute_dtype(dtype, family, device),
         "local_files_only": True,
     }
-    if checkpoint is None:
+    alone = model_family.spec.single_file
+    if checkpoint is not None and alone is not None and alone.component not in without:
+        name = alone.component
+        kwargs[name] = component_from_file(checkpoint, folder, name, kwargs["dtype"])
+    if checkpoint is None or alone is not None:
         pipe = model_family.pipeline.from_pretrained(folder, variant=variant, **kwargs)
     else:
         lacking = {
@@ -142,6 +155,17 @@ def _component(folder: Path, name: str, dtype: torch.dtype) -> torch.nn.Module:
     library, cls = model_index(folder, "config")[name]
     loader = getattr(importlib.import_module(library), cls)
     return loader.from_pretrained(folder, subfolder=name, dtype=dtype, local_files_only=True)
+
+
+def component_from_file(
+    checkpoint: Path, folder: Path, name: str, dtype: torch.dtype
+) -> torch.nn.Module:
+    """Component ``name`` from a single file that holds it alone, in its original layout
+    (BFL's Flux transformer): diffusers' conversion, with ``folder/name``'s config."""
+    cls = getattr(diffusers, components(folder, "config")[name])
+    return cls.from_single_file(
+        str(checkpoint), config=str(folder), subfolder=name, dtype=dtype, local_files_only=True
+    )
 
 
 @dataclass

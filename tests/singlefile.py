@@ -7,6 +7,8 @@ checkpoints (as A1111, ComfyUI and the model authors ship them): the inverse of 
   OpenCLIP ViT-bigG in its own layout), the SGM layout of ``sd_xl_base_1.0_inpainting_0.1``.
 * :func:`sd3_checkpoint`: Stable Diffusion 3 as Stability ships ``sd3_medium*.safetensors``
   (MMDiT and VAE; optionally its CLIP-L, CLIP-G and T5-XXL text encoders).
+* :func:`bfl_flux_checkpoint`: a Flux transformer alone (FLUX.1-dev, FLUX.1-Fill-dev), in
+  Black Forest Labs' layout, bare or with ComfyUI's ``model.diffusion_model.`` prefix.
 """
 
 from __future__ import annotations
@@ -298,3 +300,99 @@ def sd3_checkpoint(
             state.pop("text_projection.weight")
         out |= {f"text_encoders.{name}.transformer.{k}": v for k, v in state.items()}
     return {k: v.contiguous().clone() for k, v in out.items()}  # T5's tied embeddings: twice
+
+
+# -- Flux: the transformer alone, in Black Forest Labs' layout -------------------------------
+
+FLUX_TOP = (
+    ("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+    ("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+    ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
+    ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"),
+    ("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+    ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
+    ("context_embedder", "txt_in"),
+    ("x_embedder", "img_in"),
+    ("proj_out", "final_layer.linear"),
+)
+FLUX_DOUBLE = (  # transformer_blocks.N.<diffusers> -> double_blocks.N.<BFL>
+    ("norm1.linear", "img_mod.lin"),
+    ("norm1_context.linear", "txt_mod.lin"),
+    ("attn.norm_q.weight", "img_attn.norm.query_norm.scale"),
+    ("attn.norm_k.weight", "img_attn.norm.key_norm.scale"),
+    ("attn.norm_added_q.weight", "txt_attn.norm.query_norm.scale"),
+    ("attn.norm_added_k.weight", "txt_attn.norm.key_norm.scale"),
+    ("attn.to_out.0", "img_attn.proj"),
+    ("attn.to_add_out", "txt_attn.proj"),
+    ("ff.net.0.proj", "img_mlp.0"),
+    ("ff.net.2", "img_mlp.2"),
+    ("ff_context.net.0.proj", "txt_mlp.0"),
+    ("ff_context.net.2", "txt_mlp.2"),
+)
+FLUX_SINGLE = (  # single_transformer_blocks.N.<diffusers> -> single_blocks.N.<BFL>
+    ("norm.linear", "modulation.lin"),
+    ("attn.norm_q.weight", "norm.query_norm.scale"),
+    ("attn.norm_k.weight", "norm.key_norm.scale"),
+    ("proj_out", "linear2"),
+)
+# Fused projections: BFL's name, then the diffusers parts concatenated (in that order).
+FLUX_FUSED = {
+    "transformer_blocks": (
+        ("img_attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
+        ("txt_attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
+    ),
+    "single_transformer_blocks": (
+        ("linear1", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")),
+    ),
+}
+FLUX_BLOCKS = {"transformer_blocks": "double_blocks", "single_transformer_blocks": "single_blocks"}
+COMFY_PREFIX = "model.diffusion_model."  # ComfyUI's re-saves keep the LDM wrapper's prefix
+
+
+def _flux_block_key(key: str) -> str:
+    """``transformer_blocks.3.ff.net.2.bias`` -> ``double_blocks.3.img_mlp.2.bias``."""
+    blocks, n, rest = key.split(".", 2)
+    pairs = FLUX_DOUBLE if blocks == "transformer_blocks" else FLUX_SINGLE
+    for new, old in pairs:
+        if rest == new or rest.startswith(new + "."):
+            return f"{FLUX_BLOCKS[blocks]}.{n}.{old}{rest[len(new) :]}"
+    raise KeyError(key)
+
+
+def _flux_key(key: str) -> str:
+    if key.split(".", 1)[0] in FLUX_BLOCKS:
+        return _flux_block_key(key)
+    for new, old in FLUX_TOP:
+        if key.startswith(new + "."):
+            return old + key[len(new) :]
+    raise KeyError(key)
+
+
+def _swap_halves(weight: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``AdaLayerNormContinuous`` projects to (scale, shift), BFL's to (shift,
+    scale): the conversion swaps the halves both ways."""
+    first, second = weight.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def bfl_flux_checkpoint(
+    transformer: dict[str, torch.Tensor], prefix: str = ""
+) -> dict[str, torch.Tensor]:
+    """A Flux transformer's state dict as BFL ship ``flux1-*.safetensors`` (fused q/k/v,
+    the single blocks' fused ``linear1``, ``final_layer.adaLN_modulation`` in (shift, scale)
+    order); ``prefix``: :data:`COMFY_PREFIX` for ComfyUI's re-saves."""
+    state = dict(transformer)
+    out = {}
+    for blocks, fused in FLUX_FUSED.items():
+        for n in sorted({int(k.split(".")[1]) for k in state if k.startswith(blocks + ".")}):
+            for name, parts in fused:
+                for suffix in ("weight", "bias"):
+                    keys = [f"{blocks}.{n}.{part}.{suffix}" for part in parts]
+                    out[f"{FLUX_BLOCKS[blocks]}.{n}.{name}.{suffix}"] = torch.cat(
+                        [state.pop(k) for k in keys]
+                    )
+    for suffix in ("weight", "bias"):
+        modulation = _swap_halves(state.pop(f"norm_out.linear.{suffix}"))
+        out[f"final_layer.adaLN_modulation.1.{suffix}"] = modulation
+    out |= {_flux_key(k): v for k, v in state.items()}
+    return {prefix + k: v.contiguous() for k, v in out.items()}
