@@ -17,6 +17,7 @@ import pytest
 from retouch.functions.errors import Overloaded
 from retouch.functions.spec import parse_spec
 from retouch.functions.wire import JobEventKind
+from retouch.platform.jobpeers import SharedPeers
 from retouch.platform.retention import JOB_OVERHEAD_BYTES, RetentionLimits
 from retouch.platform.sharedjournal import SharedDeliveryJournal, SharedJobJournal, TakenOver
 from retouch.platform.sharedregistry import SharedRegistry
@@ -199,7 +200,8 @@ async def test_a_job_taken_over_mid_run_ends_once_and_its_readers_follow_it(stor
     job is not its own any more and records nothing, and a's reader gets b's end."""
     a, b = stores
     run = FakeRun(gated=True)
-    jobs = store(run, SharedJobJournal(a, LIMITS, 3600.0))
+    ja = SharedJobJournal(a, LIMITS, 3600.0)
+    jobs = store(run, ja, peers=SharedPeers(ja))
     await jobs.start()
     job = await jobs.submit("f", request(), prepared(), owner="alice")
     reader = asyncio.create_task(stream(jobs, job))
@@ -226,7 +228,7 @@ async def test_a_claimed_job_that_cannot_be_taken_up_is_given_back(stores, monke
     await asyncio.to_thread(ja.accept, record(job_id(1)), 100)
     await asyncio.sleep(TTL_S * 2)
     await asyncio.to_thread(b.heartbeat)
-    jobs = store(FakeRun(), jb)
+    jobs = store(FakeRun(), jb, peers=SharedPeers(jb))
     await jobs.start()
     claimed = await asyncio.to_thread(jb.claim)
 
