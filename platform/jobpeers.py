@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import heapq
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +25,8 @@ from retouch.platform.sharedjournal import SharedJobJournal, StoredJob
 from retouch.platform.statestore import StoreUnavailable
 
 log = logging.getLogger(__name__)
+
+RELEASE_PAUSE_S = 2.0  # between tries to give back a claimed job while the store fails
 
 # How this gateway shows a stored job: the one it runs, with its progress, else a mirror
 Known = Callable[[StoredJob], Job | None]
@@ -143,7 +145,7 @@ class SharedPeers:
 
     def __init__(self, journal: SharedJobJournal) -> None:
         self.journal = journal
-        self._writes: set[asyncio.Task] = set()  # small store writes in flight
+        self._writes: set[asyncio.Task] = set()  # store writes in flight
 
     def keep(self, job: Job) -> None:
         pass
@@ -170,18 +172,14 @@ class SharedPeers:
             return True
 
     def started(self, job_id: str) -> None:
-        """Listings filter on the row's status: marked running in the background (a
-        failure is logged)."""
+        """Listings filter on the row's status: marked running in the background."""
+        self._in_background(self._mark_running(job_id))
 
-        async def mark() -> None:
-            try:
-                await asyncio.to_thread(self.journal.mark_running, job_id)
-            except OSError as exc:
-                log.warning("state store: mark_running of job %s failed: %s", job_id, exc)
-
-        task = asyncio.create_task(mark())
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+    async def _mark_running(self, job_id: str) -> None:
+        try:
+            await asyncio.to_thread(self.journal.mark_running, job_id)
+        except OSError as exc:
+            log.warning("state store: mark_running of job %s failed: %s", job_id, exc)
 
     def run_not_recorded(self, job_id: str, exc: OSError) -> None:
         """Taken over meanwhile, or the store is down: not this gateway's to run."""
@@ -191,13 +189,32 @@ class SharedPeers:
         return await asyncio.to_thread(self.journal.request_cancel, job_id)
 
     async def release(self, job_id: str) -> None:
-        """Best effort: a row not given back stays this gateway's."""
-        with contextlib.suppress(OSError):
+        """Tried again in the background while the store fails: a row left naming this
+        gateway, which does not run it, would be claimed by nobody while it lives."""
+        try:
             await asyncio.to_thread(self.journal.release, job_id)
+        except OSError as exc:
+            log.warning("could not give back job %s (%s); trying again", job_id, exc)
+            self._in_background(self._release_later(job_id, self.journal.store.gateway))
+
+    async def _release_later(self, job_id: str, gateway: str) -> None:
+        while True:
+            await asyncio.sleep(RELEASE_PAUSE_S)
+            if self.journal.store.gateway != gateway:
+                return  # a new id: the old one's rows are claimable as a dead gateway's
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self.journal.release, job_id)
+                return
 
     async def purge(self, cutoff: float) -> int:
         """A dead gateway's finished jobs expire too."""
         return await asyncio.to_thread(self.journal.purge, cutoff)
+
+    def _in_background(self, work: Coroutine[None, None, None]) -> None:
+        """A store write nobody waits for (until :meth:`close`)."""
+        task = asyncio.create_task(work)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
 
     async def close(self) -> None:
         tasks = list(self._writes)

@@ -10,7 +10,8 @@ journaled and is forgotten once answered: one machinery for both.
 Accepted jobs survive a gateway restart: :meth:`JobStore.start` reloads the journal and
 re-runs every job that had not ended (edits are deterministic, so a job that was running is
 simply run again; only its final record counts). Finished jobs are kept for ``retention_s``
-and then removed.
+and then removed. Alone or among several gateways the store is the same: what the other
+gateways know of jobs it asks its peers (``platform/jobpeers.py``).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class JobStore:
         self._positions = positions  # the gateway queue's positions by invocation id
         self._cancel = cancel  # the pool's cancel of a running invocation
         self.journal = journal
-        self.peers = peers or NoPeers()  # what the other gateways know (none: alone)
+        self.peers = peers if peers is not None else NoPeers()  # what other gateways know
         self.retention_s = retention_s
         self.progress_interval_s = progress_interval_s
         self._notify = notify

@@ -17,6 +17,7 @@ import pytest
 from retouch.functions.errors import Overloaded
 from retouch.functions.spec import parse_spec
 from retouch.functions.wire import JobEventKind
+from retouch.platform import jobpeers
 from retouch.platform.jobpeers import SharedPeers
 from retouch.platform.retention import JOB_OVERHEAD_BYTES, RetentionLimits
 from retouch.platform.sharedjournal import SharedDeliveryJournal, SharedJobJournal, TakenOver
@@ -241,4 +242,36 @@ async def test_a_claimed_job_that_cannot_be_taken_up_is_given_back(stores, monke
     await asyncio.to_thread(a.heartbeat)
     assert [r["id"] for r in await asyncio.to_thread(ja.claim)] == [job_id(1)]  # given back
     assert await jobs.adopt(claimed) == 0  # a runs it now: b's write is refused, b skips it
+    await jobs.close()
+
+
+@sync
+async def test_a_job_not_given_back_while_the_store_fails_is_given_back_later(
+    stores, monkeypatch
+) -> None:
+    """The store fails while b takes up a job it claimed, and again as b gives it back:
+    b gives it back once the store answers (a row naming b, which does not run it, would
+    not be claimed by anyone while b lives)."""
+    a, b = stores
+    ja, jb = SharedJobJournal(a, LIMITS, 3600.0), SharedJobJournal(b, LIMITS, 3600.0)
+    await asyncio.to_thread(ja.accept, record(job_id(1)), 100)
+    await asyncio.sleep(TTL_S * 2)
+    await asyncio.to_thread(b.heartbeat)
+    jobs = store(FakeRun(), jb, peers=SharedPeers(jb))
+    await jobs.start()
+    claimed = await asyncio.to_thread(jb.claim)
+
+    def down(*args, **kwargs):
+        raise StoreUnavailable("the state store failed: connection lost")
+
+    monkeypatch.setattr(jobpeers, "RELEASE_PAUSE_S", 0.05)
+    monkeypatch.setattr(jb, "write", down)
+    monkeypatch.setattr(jb, "release", down)
+    assert await jobs.adopt(claimed) == 0 and jobs.jobs == {}
+    await asyncio.to_thread(b.heartbeat)
+    assert await asyncio.to_thread(ja.claim) == []  # still b's
+    monkeypatch.delattr(jb, "release")  # the store answers again
+    await asyncio.sleep(0.3)
+    await asyncio.to_thread(b.heartbeat)  # b lives on: the job is a's to claim all the same
+    assert [r["id"] for r in await asyncio.to_thread(ja.claim)] == [job_id(1)]
     await jobs.close()
