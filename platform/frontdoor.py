@@ -46,12 +46,14 @@ from retouch.platform.deployed import DeployedFunction
 from retouch.platform.dispatch import Dispatcher
 from retouch.platform.imagegate import Declared, ImageGate
 from retouch.platform.job import Job, PreparedInvocation, new_job_id
+from retouch.platform.jobpeers import JobPeers
 from retouch.platform.jobs import JobStore, OnProgress, OnStart
 from retouch.platform.journal import JobJournal
 from retouch.platform.links import LinkSigner
 from retouch.platform.metrics import GatewayMetrics
 from retouch.platform.reframe import Frame, Size, resize_mask
 from retouch.platform.retention import RetentionLimits, payload_bytes
+from retouch.platform.sharedjournal import SharedJobJournal
 from retouch.runtime.prediction import MaskFootprint
 
 WEBP_MAX_SIDE = 16383  # libwebp's limit: a larger result could not be encoded
@@ -68,9 +70,10 @@ class FrontDoor:
         functions: Mapping[str, DeployedFunction],
         dispatcher: Dispatcher,
         metrics: GatewayMetrics,
-        journal: JobJournal | None,
+        journal: JobJournal | SharedJobJournal | None,
         images: ImageGate,
         *,
+        peers: JobPeers,
         names: uploads.UploadNames,
         retention_s: float,
         progress_interval_s: float,
@@ -88,6 +91,7 @@ class FrontDoor:
             dispatcher.queue_positions,
             dispatcher.cancel,
             journal,
+            peers=peers,
             retention_s=retention_s,
             progress_interval_s=progress_interval_s,
             notify=notify,

@@ -64,6 +64,7 @@ from retouch.platform.httpapi import (
 )
 from retouch.platform.imagegate import DecodeBudget, ImageGate, default_budget
 from retouch.platform.job import Job
+from retouch.platform.jobpeers import JobPeers, NoPeers, SharedPeers
 from retouch.platform.jobs import DEFAULT_PROGRESS_INTERVAL_S, DEFAULT_RETENTION_S
 from retouch.platform.journal import JobJournal
 from retouch.platform.links import LinkSigner
@@ -125,12 +126,13 @@ class Gateway:
     _seen_revision: int = 0  # the shared registry's changes are followed from here
 
     def __post_init__(self) -> None:
+        journal, peers, deliveries = self._journals()
         self.uploads = self._upload_names()
         self.bodies = BodyBudget(self.body_memory_bytes or default_budget())
         self.webhooks = WebhookSender(
             self.webhook_secret,
             self.webhook_allow,
-            journal=self._delivery_journal(),
+            journal=deliveries,
             public_url=self.links.base_url,
         )
         self.inputs = InputFetcher(
@@ -140,12 +142,13 @@ class Gateway:
             self.functions,
             self.pool.dispatcher,
             self.metrics,
-            self._job_journal(),
+            journal,
             ImageGate(
                 self.max_image_pixels or MAX_PIXELS,
                 DecodeBudget(self.decode_memory_bytes or default_budget()),
             ),
             names=self.uploads,
+            peers=peers,
             retention_s=self.job_retention_s,
             progress_interval_s=self.progress_interval_s,
             notify=self.webhooks.notify,
@@ -162,15 +165,24 @@ class Gateway:
             return UploadNames(self.state.secret("upload-key", UPLOAD_KEY_BYTES))
         return UploadNames.load(self.data_dir) if self.data_dir else UploadNames.ephemeral()
 
-    def _delivery_journal(self) -> DeliveryJournal | SharedDeliveryJournal | None:
+    def _journals(
+        self,
+    ) -> tuple[
+        JobJournal | SharedJobJournal | None,
+        JobPeers,
+        DeliveryJournal | SharedDeliveryJournal | None,
+    ]:
+        """Where jobs and pending webhook deliveries are kept, and who else knows the jobs
+        (the one place that decides): several gateways keep rows in the shared store, and
+        the other gateways are the job store's peers (``Failover`` takes over through the
+        same journals); one gateway keeps files in the data dir (none: memory only)."""
         if self.state is not None:
-            return SharedDeliveryJournal(self.state)
-        return DeliveryJournal(self.data_dir / "webhooks") if self.data_dir else None
-
-    def _job_journal(self) -> JobJournal | SharedJobJournal | None:
-        if self.state is not None:
-            return SharedJobJournal(self.state, self.retention_limits, self.job_retention_s)
-        return JobJournal(self.data_dir / "jobs") if self.data_dir is not None else None
+            journal = SharedJobJournal(self.state, self.retention_limits, self.job_retention_s)
+            return journal, SharedPeers(journal), SharedDeliveryJournal(self.state)
+        if self.data_dir is None:
+            return None, NoPeers(), None
+        folder = self.data_dir
+        return JobJournal(folder / "jobs"), NoPeers(), DeliveryJournal(folder / "webhooks")
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -185,11 +197,7 @@ class Gateway:
         await self.jobs.start()  # resumes unfinished jobs: functions are tracked by now
         if self.state is not None:
             failover = Failover(
-                self.state,
-                self.jobs,
-                self.jobs.shared,
-                self.webhooks,
-                self.webhooks.journal,
+                self.state, self.jobs, self.jobs.journal, self.webhooks, self.webhooks.journal
             )
             self._tasks = [
                 asyncio.create_task(failover.run()),

@@ -10,7 +10,8 @@ journaled and is forgotten once answered: one machinery for both.
 Accepted jobs survive a gateway restart: :meth:`JobStore.start` reloads the journal and
 re-runs every job that had not ended (edits are deterministic, so a job that was running is
 simply run again; only its final record counts). Finished jobs are kept for ``retention_s``
-and then removed.
+and then removed. Alone or among several gateways the store is the same: what the other
+gateways know of jobs it asks its peers (``platform/jobpeers.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import heapq
 import logging
 import math
 import time
@@ -37,6 +37,7 @@ from retouch.platform.job import (
     iso,
     new_job_id,
 )
+from retouch.platform.jobpeers import JobPeers, Listing, NoPeers
 from retouch.platform.journal import JobJournal
 from retouch.platform.links import LinkSigner
 from retouch.platform.retention import (
@@ -77,6 +78,7 @@ class JobStore:
         cancel: Callable[[str], Awaitable[bool]],
         journal: JobJournal | SharedJobJournal | None = None,
         *,
+        peers: JobPeers | None = None,
         retention_s: float = DEFAULT_RETENTION_S,
         progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
         notify: Notify | None = None,
@@ -88,17 +90,14 @@ class JobStore:
         self._positions = positions  # the gateway queue's positions by invocation id
         self._cancel = cancel  # the pool's cancel of a running invocation
         self.journal = journal
-        # With several gateways: the store every gateway's jobs are in (None: this one's only)
-        self.shared = journal if isinstance(journal, SharedJobJournal) else None
+        self.peers = peers if peers is not None else NoPeers()  # what other gateways know
         self.retention_s = retention_s
         self.progress_interval_s = progress_interval_s
         self._notify = notify
         self._clock = clock
         self.links = links  # signs result links (``output``); none: jobs have no ``output``
         self.jobs: dict[str, Job] = {}
-        self._owned: dict[str, dict[str, Job]] = {}  # durable jobs by owner, for listings
         self._tasks: list[asyncio.Task] = []
-        self._background: set[asyncio.Task] = set()  # small store writes in flight
         self.retention = Retention(limits or RetentionLimits(), retention_s)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -138,40 +137,37 @@ class JobStore:
             job.retained_bytes = retained_bytes(job.request)
             try:
                 await asyncio.to_thread(journal.write, job.to_record())
-            except OSError:
-                if self.shared is not None:  # taken over meanwhile, or the store is down
-                    raise
-                log.exception("could not record the new run of job %s", job.id)
+            except OSError as exc:
+                self.peers.run_not_recorded(job.id, exc)
             self._record(job, JobEventKind.QUEUED, {"position": None})
         self._drop_image(job)
         return job
 
     async def close(self) -> None:
         """Stop without ending any job: unfinished durable jobs resume at the next start."""
-        tasks = [*self._tasks, *self._background]
-        tasks += [j.task for j in self.jobs.values() if j.task is not None]
+        tasks = [*self._tasks, *(j.task for j in self.jobs.values() if j.task is not None)]
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await self.peers.close()
 
     # ---- lookup -------------------------------------------------------------------------
     async def get(self, job_id: str, viewer: Principal) -> Job:
         """The job, if ``viewer`` may see it: another tenant's job is as unknown as a
-        missing one (the same 404), so ids cannot be probed. With several gateways, a job
-        another gateway runs is read from the shared store (a :attr:`Job.mirror`)."""
+        missing one (the same 404), so ids cannot be probed. A job another gateway runs
+        is read from the peers (a :attr:`Job.mirror`)."""
         job = self.jobs.get(wire.check_job_id(job_id))
-        if job is None and self.shared is not None:
+        if job is None:
             job = await self._read_mirror(job_id)
         if job is None or not job.durable or not viewer.owns(job.owner):
             raise NotFound(f"no job {job_id!r}", field="id", code="job_not_found")
         return job
 
     async def _read_mirror(self, job_id: str) -> Job | None:
-        """The job as the shared store has it now (None: no such job)."""
-        assert self.shared is not None
-        stored = await asyncio.to_thread(self.shared.fetch, job_id)
+        """The job as the gateway that runs it recorded it (None: no such job)."""
+        stored = await self.peers.fetch(job_id)
         if stored is None:
             return None
         job = self._mirror(stored)
@@ -211,46 +207,12 @@ class JobStore:
             tenant = viewer.tenant
         if tenant is not None and not viewer.owns(tenant):
             return []
-        if self.shared is not None:
-            return await self._list_shared(tenant, status, function, limit, before)
-        if tenant is None:
-            kept = (j for owned in self._owned.values() for j in owned.values())
-        else:
-            kept = iter(self._owned.get(tenant, {}).values())
-        jobs = (
-            j
-            for j in kept
-            if (status is None or j.status is status)
-            and (function is None or j.function == function)
-            and (before is None or listing_key(j) < before)
-        )
-        return heapq.nlargest(limit, jobs, key=listing_key)
+        page = Listing(tenant, status, function, limit, before)
+        return await self.peers.listing(page, self._known)
 
-    async def _list_shared(
-        self,
-        tenant: str | None,
-        status: JobStatus | None,
-        function: str | None,
-        limit: int,
-        before: tuple[float, str] | None,
-    ) -> list[Job]:
-        """Every gateway's jobs from the shared store; those this gateway runs as it
-        knows them (with their progress)."""
-        assert self.shared is not None
-        stored = await asyncio.to_thread(
-            self.shared.listing,
-            tenant,
-            None if status is None else status.value,
-            function,
-            limit,
-            before,
-        )
-        out = []
-        for row in stored:
-            job = self.jobs.get(str(row.record.get("id"))) or self._mirror(row)
-            if job is not None:
-                out.append(job)
-        return out
+    def _known(self, stored: StoredJob) -> Job | None:
+        """A listed job: the one this gateway runs (with its progress), else a mirror."""
+        return self.jobs.get(str(stored.record.get("id"))) or self._mirror(stored)
 
     def retained_until(self, job: Job) -> float:
         """When a finished job's record and result are removed (``inf`` while it runs)."""
@@ -304,7 +266,7 @@ class JobStore:
             except BaseException:
                 self.retention.release(job)
                 raise
-            self._owned.setdefault(owner, {})[job.id] = job
+            self.peers.keep(job)
         self.jobs[job.id] = job
         self._record(job, JobEventKind.QUEUED, {"position": None})
         job.task = asyncio.create_task(self._run(job))
@@ -342,8 +304,8 @@ class JobStore:
         job.position, job.progress, job._first_step = None, None, None
         if job.started_at is None:
             job.started_at = self._clock()
-        if self.shared is not None and job.durable:
-            self._in_background(self.shared.mark_running, job.id)
+        if job.durable:
+            self.peers.started(job.id)
         self._record(
             job,
             JobEventKind.STARTED,
@@ -381,7 +343,7 @@ class JobStore:
         event = self._event(
             job, END_EVENT[status], job.describe(with_image=False, with_webhook=False)
         )
-        if job.durable and self.shared is not None and not await self._still_ours(job):
+        if job.durable and not await self.peers.owns(job.id):
             self._hand_over(job)
             return
         # The webhook's delivery is journaled before the job's end: a crash between the two
@@ -416,15 +378,6 @@ class JobStore:
                 log.warning("the end of job %s not recorded yet; trying again", job.id)
                 await asyncio.sleep(END_WRITE_PAUSE_S)
 
-    async def _still_ours(self, job: Job) -> bool:
-        """Whether this gateway still runs the job (asked before its end is announced); a
-        store that does not answer is no proof of the contrary: the fenced write decides."""
-        assert self.shared is not None
-        try:
-            return await asyncio.to_thread(self.shared.owns, job.id)
-        except StoreUnavailable:
-            return True
-
     def _hand_over(self, job: Job) -> None:
         """Another gateway runs the job now (this one was thought dead): forget it here;
         its readers here follow it in the store (:meth:`events` sees it is a mirror)."""
@@ -432,19 +385,6 @@ class JobStore:
         self._forget_kept(job)
         job.mirror = True
         job._changed.set()
-
-    def _in_background(self, write: Callable[[str], None], job_id: str) -> None:
-        """A small store write nobody waits for (a failure is logged)."""
-
-        async def run() -> None:
-            try:
-                await asyncio.to_thread(write, job_id)
-            except OSError as exc:
-                log.warning("state store: %s of job %s failed: %s", write.__name__, job_id, exc)
-
-        task = asyncio.create_task(run())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def _drop_payload(self, job: Job) -> None:
         """A finished job keeps its result and a small record, not its request's payload
@@ -515,8 +455,7 @@ class JobStore:
     async def _cancel_mirror(self, job: Job, wait_s: float) -> Job:
         """Ask the gateway that runs the job to cancel it (through the shared store) and
         wait, bounded, until its record ends; the job as the store has it then."""
-        assert self.shared is not None
-        if not await asyncio.to_thread(self.shared.request_cancel, job.id):
+        if not await self.peers.request_cancel(job.id):
             return await self._read_mirror(job.id) or job
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
@@ -602,7 +541,6 @@ class JobStore:
     async def adopt(self, records: list[dict[str, Any]]) -> int:
         """Run the unfinished jobs a dead gateway left (claimed from the shared store), as
         a restart resumes its own: each from the start, with ids above its last run's."""
-        assert self.shared is not None
         adopted = 0
         for record in records:
             if record.get("id") in self.jobs:
@@ -613,8 +551,7 @@ class JobStore:
                 continue
             except OSError as exc:  # the store failed: give it back for the next claim
                 log.warning("could not take up job %s (%s); giving it back", record["id"], exc)
-                with contextlib.suppress(OSError):
-                    await asyncio.to_thread(self.shared.release, str(record["id"]))
+                await self.peers.release(str(record["id"]))
                 continue
             if job is None or job.status.terminal:
                 continue
@@ -722,30 +659,19 @@ class JobStore:
                     await asyncio.to_thread(self.journal.delete, job.id)
                 except OSError:
                     log.exception("could not delete the record of expired job %s", job.id)
-        if self.shared is not None:  # a dead gateway's finished jobs expire too
-            cutoff = self._clock() - self.retention_s
-            return len(expired) + await asyncio.to_thread(self.shared.purge, cutoff)
-        return len(expired)
+        return len(expired) + await self.peers.purge(self._clock() - self.retention_s)
 
     def _keep(self, job: Job) -> None:
         """Keep a durable job: by id, by owner, and counted against the caps."""
         self.jobs[job.id] = job
-        self._owned.setdefault(job.owner, {})[job.id] = job
+        self.peers.keep(job)
         self.retention.take(job)
 
     def _forget_kept(self, job: Job) -> None:
         """Undo :meth:`_keep`."""
         self.jobs.pop(job.id, None)
-        owned = self._owned.get(job.owner, {})
-        owned.pop(job.id, None)
-        if not owned:
-            self._owned.pop(job.owner, None)
+        self.peers.forget(job)
         self.retention.release(job)
-
-
-def listing_key(job: Job) -> tuple[float, str]:
-    """The order of listings (newest first): creation time, ties broken by id."""
-    return job.created_at, job.id
 
 
 def _ended_order(job: Job) -> tuple[float, float]:

@@ -32,6 +32,7 @@ CONTROL_PLANE = (
     "retouch.platform.client",
     "retouch.platform.cli",
     "retouch.platform.jobs",
+    "retouch.platform.jobpeers",
     "retouch.platform.journal",
     "retouch.platform.webhooks",
     "retouch.platform.deliveryjournal",

@@ -17,6 +17,9 @@ import pytest
 from retouch.functions.errors import Overloaded
 from retouch.functions.spec import parse_spec
 from retouch.functions.wire import JobEventKind
+from retouch.platform import jobpeers
+from retouch.platform.jobpeers import SharedPeers
+from retouch.platform.jobs import JobStore
 from retouch.platform.retention import JOB_OVERHEAD_BYTES, RetentionLimits
 from retouch.platform.sharedjournal import SharedDeliveryJournal, SharedJobJournal, TakenOver
 from retouch.platform.sharedregistry import SharedRegistry
@@ -199,7 +202,8 @@ async def test_a_job_taken_over_mid_run_ends_once_and_its_readers_follow_it(stor
     job is not its own any more and records nothing, and a's reader gets b's end."""
     a, b = stores
     run = FakeRun(gated=True)
-    jobs = store(run, SharedJobJournal(a, LIMITS, 3600.0))
+    ja = SharedJobJournal(a, LIMITS, 3600.0)
+    jobs = store(run, ja, peers=SharedPeers(ja))
     await jobs.start()
     job = await jobs.submit("f", request(), prepared(), owner="alice")
     reader = asyncio.create_task(stream(jobs, job))
@@ -219,24 +223,53 @@ async def test_a_job_taken_over_mid_run_ends_once_and_its_readers_follow_it(stor
     await jobs.close()
 
 
-@sync
-async def test_a_claimed_job_that_cannot_be_taken_up_is_given_back(stores, monkeypatch) -> None:
+async def claimed_by_b(stores) -> tuple[SharedJobJournal, SharedJobJournal, JobStore, list]:
+    """A job a accepted, claimed by b (a's stamp gone stale), and b's job store."""
     a, b = stores
     ja, jb = SharedJobJournal(a, LIMITS, 3600.0), SharedJobJournal(b, LIMITS, 3600.0)
     await asyncio.to_thread(ja.accept, record(job_id(1)), 100)
     await asyncio.sleep(TTL_S * 2)
     await asyncio.to_thread(b.heartbeat)
-    jobs = store(FakeRun(), jb)
+    jobs = store(FakeRun(), jb, peers=SharedPeers(jb))
     await jobs.start()
-    claimed = await asyncio.to_thread(jb.claim)
+    return ja, jb, jobs, await asyncio.to_thread(jb.claim)
 
-    def down(record, nbytes=None):
-        raise StoreUnavailable("the state store failed: connection lost")
 
+def down(*args, **kwargs) -> None:
+    """A store write while the store is down."""
+    raise StoreUnavailable("the state store failed: connection lost")
+
+
+@sync
+async def test_a_claimed_job_that_cannot_be_taken_up_is_given_back(stores, monkeypatch) -> None:
+    a = stores[0]
+    ja, jb, jobs, claimed = await claimed_by_b(stores)
     monkeypatch.setattr(jb, "write", down)
     assert await jobs.adopt(claimed) == 0 and jobs.jobs == {}
     monkeypatch.undo()
     await asyncio.to_thread(a.heartbeat)
     assert [r["id"] for r in await asyncio.to_thread(ja.claim)] == [job_id(1)]  # given back
     assert await jobs.adopt(claimed) == 0  # a runs it now: b's write is refused, b skips it
+    await jobs.close()
+
+
+@sync
+async def test_a_job_not_given_back_while_the_store_fails_is_given_back_later(
+    stores, monkeypatch
+) -> None:
+    """The store fails while b takes up a job it claimed, and again as b gives it back:
+    b gives it back once the store answers (a row naming b, which does not run it, would
+    not be claimed by anyone while b lives)."""
+    b = stores[1]
+    ja, jb, jobs, claimed = await claimed_by_b(stores)
+    monkeypatch.setattr(jobpeers, "RELEASE_PAUSE_S", 0.05)
+    monkeypatch.setattr(jb, "write", down)
+    monkeypatch.setattr(jb, "release", down)
+    assert await jobs.adopt(claimed) == 0 and jobs.jobs == {}
+    await asyncio.to_thread(b.heartbeat)
+    assert await asyncio.to_thread(ja.claim) == []  # still b's
+    monkeypatch.delattr(jb, "release")  # the store answers again
+    await asyncio.sleep(0.3)
+    await asyncio.to_thread(b.heartbeat)  # b lives on: the job is a's to claim all the same
+    assert [r["id"] for r in await asyncio.to_thread(ja.claim)] == [job_id(1)]
     await jobs.close()
