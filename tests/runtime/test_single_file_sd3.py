@@ -14,6 +14,7 @@ import torch
 from diffusers import SD3Transformer2DModel
 from diffusers.loaders.single_file_utils import (
     CHECKPOINT_KEY_NAMES,
+    LDM_VAE_KEYS,
     convert_sd3_transformer_checkpoint_to_diffusers,
     infer_diffusers_model_type,
     is_t5_in_single_file,
@@ -24,7 +25,7 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.demo.production import build_sd3_medium
 from retouch.functions.errors import InvalidSpec
-from retouch.functions.modelcheck import SINGLE_FILE_TEXT_KEYS, ModelKind, check_model
+from retouch.functions.modelcheck import SINGLE_FILE_KEYS, ModelKind, check_model
 from retouch.functions.modelsource import ModelSource
 from retouch.runtime.maskaware.editor import MaskAwareEditor
 from retouch.runtime.models import ModelCache, load_pipeline
@@ -134,8 +135,9 @@ def test_diffusers_converts_the_layout_back_to_the_same_weights(tiny: Path) -> N
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
-def test_the_checks_text_encoder_keys_are_diffusers_own() -> None:
+def test_the_checks_component_keys_are_diffusers_own() -> None:
     clips = ("clip", "clip_sdxl", "clip_sd3", "open_clip", "open_clip_sdxl")
     clips += ("open_clip_sdxl_refiner", "open_clip_sd3")
-    assert set(SINGLE_FILE_TEXT_KEYS["CLIP"]) == {CHECKPOINT_KEY_NAMES[k] for k in clips}
-    assert is_t5_in_single_file(set(SINGLE_FILE_TEXT_KEYS["T5"]))
+    assert set(SINGLE_FILE_KEYS["CLIP"]) == {CHECKPOINT_KEY_NAMES[k] for k in clips}
+    assert is_t5_in_single_file(set(SINGLE_FILE_KEYS["T5"]))
+    assert set(SINGLE_FILE_KEYS["Autoencoder"]) == set(LDM_VAE_KEYS)
