@@ -1,7 +1,8 @@
 """SD3 single-file checkpoints as Stability ships them (``sd3_medium.safetensors``: the
 MMDiT and VAE; ``..._incl_clips_t5xxlfp16``: also CLIP-L, CLIP-G and T5-XXL) pass the
-model check and give the images of their diffusers folder; the text encoders a file lacks
-load from its ``config`` folder's weights, and a config folder without them is a 422."""
+model check and give the images of their diffusers folder; the text encoders and VAE a
+file lacks (ComfyUI's MMDiT-only save) load from its ``config`` folder's weights, and a
+config folder without them is a 422."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from retouch.functions.modelsource import ModelSource
 from retouch.runtime.maskaware.editor import MaskAwareEditor
 from retouch.runtime.models import ModelCache, load_pipeline
 from tests.runtime.families.cases import CPU, Case
-from tests.singlefile import sd3_checkpoint
+from tests.singlefile import leaving_out, sd3_checkpoint
 
 FAMILY = "sd3-inpaint"
 CASE = Case(FAMILY)
@@ -85,6 +86,17 @@ def test_plain_file_takes_its_text_encoders_from_config(
     single = ModelSource(str(checkpoint), config=str(tiny))
     files = check_model(single, FAMILY)
     assert files.kind is ModelKind.SINGLE_FILE and files.from_config == TEXT_ENCODERS
+    assert np.array_equal(_stock(cache, single), _stock(cache, ModelSource("retouch:tiny-sd3")))
+
+
+def test_an_mmdit_only_file_takes_the_vae_too_from_config(
+    cache: ModelCache, tiny: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "sd3_medium_mmdit_only.safetensors"
+    mmdit = leaving_out(sd3_checkpoint(load_pipeline(tiny, FAMILY, CPU)), "first_stage_model.")
+    save_file(mmdit, str(path))
+    single = ModelSource(str(path), config=str(tiny))
+    assert check_model(single, FAMILY).from_config == (*TEXT_ENCODERS, "vae")
     assert np.array_equal(_stock(cache, single), _stock(cache, ModelSource("retouch:tiny-sd3")))
 
 
