@@ -219,9 +219,10 @@ def _check_denoiser(
         )
     context = _weight_ending(header, prefix, denoiser.context_weight)
     if context is None:
+        under = f" under {prefix}" if prefix else ""
         raise InvalidSpec(
             f"{path.name}: its {denoiser.component} reads no text embeddings "
-            f"(no {prefix}...{denoiser.context_weight})",
+            f"(no {denoiser.context_weight}{under})",
             field="model",
         )
     config_name = _short(config_path)

@@ -23,6 +23,11 @@ from retouch.functions.modelsource import ModelSource
 from retouch.runtime.models import load_pipeline
 from tests.singlefile import ldm_checkpoint, sd3_checkpoint, sgm_checkpoint
 
+UNCONDITIONAL = {
+    "down_block_types": ["DownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "UpBlock2D"],
+    "mid_block_type": None,
+}
 WRITERS = {
     "retouch:tiny-sd": ldm_checkpoint,
     "retouch:tiny-sdxl": sgm_checkpoint,
@@ -37,6 +42,8 @@ FILES: dict[str, tuple[str, dict[str, Any]]] = {  # the model written, its denoi
     # a text-to-image UNet: 4 latent channels, not the inpainting UNet's 9
     "sd-txt2img": ("retouch:tiny-sd", {"in_channels": 4}),
     "sd3-other-text": ("retouch:tiny-sd3", {"joint_attention_dim": 48}),
+    # an unconditional UNet (LDM's CelebA-HQ, LSUN models): no cross-attention at all
+    "sd-unconditional": ("retouch:tiny-sd", UNCONDITIONAL),
 }
 MISMATCHES = {  # file, the built-in model whose folder is its config, what the refusal says
     "sd-file-sdxl-config": (
@@ -72,6 +79,12 @@ MISMATCHES = {  # file, the built-in model whose folder is its config, what the 
         "retouch:tiny-sd3",
         r"its transformer takes text embeddings 48 wide, "
         r"transformer/config\.json says joint_attention_dim 64",
+    ),
+    "unconditional-file-sd-config": (
+        "sd-unconditional",
+        "retouch:tiny-sd",
+        r"its unet reads no text embeddings "
+        r"\(no attn2\.to_k\.weight under model\.diffusion_model\.\)",
     ),
 }
 CPU = torch.device("cpu")
