@@ -187,7 +187,7 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
 def _components_lacking(folder: Path, tensors: dict[str, Any]) -> tuple[str, ...]:
     """The text encoders and VAE of ``folder``'s pipeline that a whole-pipeline file's
     ``tensors`` do not hold (SD3's plain ``sd3_medium.safetensors`` has no text encoder,
-    ComfyUI's "UNet only" saves no VAE): they load from ``config``'s weights, as a
+    a UNet-only file no VAE): they load from ``config``'s weights, as a
     diffusers user passes them to ``from_single_file`` (which fails on a file without
     them, rather than looking in ``config``)."""
     lacking = []

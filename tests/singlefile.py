@@ -134,7 +134,7 @@ def ldm_checkpoint(pipe: StableDiffusionInpaintPipeline) -> dict[str, torch.Tens
 
 def leaving_out(checkpoint: dict[str, torch.Tensor], *prefixes: str) -> dict[str, torch.Tensor]:
     """A checkpoint without the tensors under ``prefixes``: a merge saved without its VAE
-    (``first_stage_model.``), ComfyUI's "UNet only" save (all but ``model.diffusion_model.``
+    (``first_stage_model.``), a UNet-only file (all but ``model.diffusion_model.``
     left out, with the text encoders' prefixes too)."""
     return {k: v for k, v in checkpoint.items() if not k.startswith(prefixes)}
 

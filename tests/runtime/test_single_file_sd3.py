@@ -1,7 +1,7 @@
 """SD3 single-file checkpoints as Stability ships them (``sd3_medium.safetensors``: the
 MMDiT and VAE; ``..._incl_clips_t5xxlfp16``: also CLIP-L, CLIP-G and T5-XXL) pass the
 model check and give the images of their diffusers folder; the text encoders and VAE a
-file lacks (ComfyUI's MMDiT-only save) load from its ``config`` folder's weights, and a
+file lacks (an MMDiT-only file) load from its ``config`` folder's weights, and a
 config folder without them is a 422."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``sd_xl_base_1.0_inpainting_0.1.safetensors`` (UNet, VAE, CLIP-L and OpenCLIP ViT-bigG in
 one file), with ``config`` naming the diffusers folder. Diffusers reads such a file as SDXL
 inpainting, a deploy accepts it, and the executor's loader gives the images of the folder;
-a file without the VAE (a merge saved without it, ComfyUI's UNet-only save) takes it, and
+a file without the VAE (a merge saved without it, a UNet-only file) takes it, and
 the text encoders it lacks, from the folder's weights."""
 
 from __future__ import annotations
