@@ -7,7 +7,7 @@ here, so a family's spec-side facts are written once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from retouch.functions.errors import BadRequest
@@ -25,18 +25,51 @@ class StrengthRule(StrEnum):
     SKIP_FLOOR = "skip-floor"  # SD3, Flux: int(steps - steps * strength) steps skipped
 
 
+# The key prefix of a denoiser in LDM-style files (SD's, SDXL's and SD3's whole-pipeline
+# files, and ComfyUI's re-saves of any model): diffusers' ``LDM_UNET_KEY``.
+LDM_PREFIX = "model.diffusion_model."
+
+
 @dataclass(frozen=True)
 class ComponentFile:
-    """A single-file checkpoint holding one pipeline component in its original layout:
-    the component, and the key of its input projection's weight (``[out, in_channels,
-    ...]``), by which the model check tells that the file is that component and takes the
-    config's input channels (a FLUX.1-dev file is no FLUX.1-Fill transformer)."""
+    """Where a family's denoiser is in a single-file checkpoint in its original layout, so
+    that the model check can tell from the header alone that the file holds the model its
+    ``config`` describes: the ``component``; the key of its input projection's weight
+    (``[out, in_channels, ...]``); a key (or key ending) of a weight ``[out, width, ...]``
+    that reads the text conditioning, and the config entry giving that width; the key
+    prefixes the file may put before them. ``alone``: the family's files hold this
+    component alone, the others coming from ``config`` (Black Forest Labs ship the Flux
+    transformer without its VAE and text encoders); otherwise a file is the whole pipeline,
+    maybe lacking what ``config``'s weights then supply."""
 
     component: str
     input_weight: str
+    context_weight: str
+    context_config: str
+    prefixes: tuple[str, ...] = (LDM_PREFIX,)
+    alone: bool = False
 
 
-FLUX_TRANSFORMER_FILE = ComponentFile("transformer", "img_in.weight")
+# SD's, SDXL's: ``conv_in``, and any cross-attention's key projection.
+UNET_FILE = ComponentFile(
+    "unet", "input_blocks.0.0.weight", "attn2.to_k.weight", "cross_attention_dim"
+)
+# SD3's MMDiT, bare or in the LDM wrapper (diffusers reads both).
+SD3_TRANSFORMER_FILE = ComponentFile(
+    "transformer",
+    "x_embedder.proj.weight",
+    "context_embedder.weight",
+    "joint_attention_dim",
+    prefixes=("", LDM_PREFIX),
+)
+FLUX_TRANSFORMER_FILE = ComponentFile(
+    "transformer",
+    "img_in.weight",
+    "txt_in.weight",
+    "joint_attention_dim",
+    prefixes=("", LDM_PREFIX),
+    alone=True,
+)
 
 
 @dataclass(frozen=True)
@@ -66,11 +99,8 @@ class FamilySpec:
     # The components a LoRA file may adapt (diffusers' ``_lora_loadable_modules`` of the
     # pipeline): the denoiser first, then the text encoders.
     lora_modules: tuple[str, ...] = ("unet", "text_encoder")
-    # What a single-file checkpoint of this family holds when it is one component alone,
-    # the rest coming from its ``config`` folder (Black Forest Labs ship the Flux
-    # transformer alone, the VAE and text encoders apart); None: the whole pipeline (SD's
-    # LDM checkpoints).
-    single_file: ComponentFile | None = None
+    # Where its denoiser is in a single-file checkpoint, and whether the file holds it alone.
+    single_file: ComponentFile = field(kw_only=True)
 
     def skipped_steps(self, steps: int, strength: float) -> int:
         """The first steps of a ``steps`` schedule that ``strength`` skips: an edit starts
@@ -105,6 +135,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             7.5,
             halo=2,
             strength_rule=StrengthRule.KEEP_FLOOR,
+            single_file=UNET_FILE,
         ),
         FamilySpec(
             "flux-inpaint",
@@ -126,6 +157,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             7.0,
             cuda_dtype="bf16",
             lora_modules=("transformer", "text_encoder", "text_encoder_2"),
+            single_file=SD3_TRANSFORMER_FILE,
         ),
         FamilySpec(
             "flux-fill",
@@ -147,6 +179,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             halo=2,
             strength_rule=StrengthRule.KEEP_FLOOR,
             lora_modules=("unet", "text_encoder", "text_encoder_2"),
+            single_file=UNET_FILE,
         ),
     )
 }

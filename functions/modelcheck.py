@@ -34,10 +34,11 @@ WEIGHT_NAMES = {
 # Files a tokenizer folder needs by tokenizer class prefix when it has no ``tokenizer.json``.
 TOKENIZER_FILES = {"CLIP": ("vocab.json", "merges.txt"), "T5": ("spiece.model",)}
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one
-# Tensors by which diffusers finds a text encoder in a single file (``single_file_utils``:
-# ``CHECKPOINT_KEY_NAMES``), by encoder class prefix: SD's and SDXL's CLIP and OpenCLIP,
-# SD3's CLIP-L, CLIP-G and T5-XXL.
-SINGLE_FILE_TEXT_KEYS = {
+# Tensors (or key prefixes) by which diffusers finds a component in a whole-pipeline
+# single file, by the component's class prefix: its text encoders (``single_file_utils``:
+# ``CHECKPOINT_KEY_NAMES``: SD's and SDXL's CLIP and OpenCLIP, SD3's CLIP-L, CLIP-G and
+# T5-XXL) and its VAE (``LDM_VAE_KEYS``). What a file lacks loads from ``config``.
+SINGLE_FILE_KEYS = {
     "CLIP": (
         "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight",
         "conditioner.embedders.0.transformer.text_model.embeddings.position_embedding.weight",
@@ -48,9 +49,10 @@ SINGLE_FILE_TEXT_KEYS = {
         "text_encoders.clip_g.transformer.text_model.embeddings.position_embedding.weight",
     ),
     "T5": ("text_encoders.t5xxl.transformer.shared.weight",),
+    "Autoencoder": ("first_stage_model.", "vae."),
 }
-# The key prefix of a denoiser in LDM-style files (SD's, and ComfyUI's re-saves of any model).
-WRAPPER_PREFIX = "model.diffusion_model."
+# Class name endings of the components a whole-pipeline file may hold beside its denoiser.
+FILE_COMPONENTS = ("TextModel", "TextModelWithProjection", "EncoderModel", "AutoencoderKL")
 
 
 class ModelKind(enum.Enum):
@@ -142,32 +144,37 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
         )
     if not path.is_file():
         raise InvalidSpec(f"no such checkpoint file: {path}", field="model")
-    alone = FAMILY_SPECS[family].single_file  # the component the file holds, or None: all
-    if source.variant is not None and alone is None:
+    denoiser = FAMILY_SPECS[family].single_file
+    if source.variant is not None and not denoiser.alone:
         raise InvalidSpec("variant names files of a diffusers folder", field="variant")
     if source.config is None:
         rest = (
-            "configs and tokenizers" if alone is None else f"components but the {alone.component}"
+            f"components but the {denoiser.component}"
+            if denoiser.alone
+            else "configs and tokenizers"
         )
         raise InvalidSpec(
             f"{path.name} is a single-file checkpoint: config must name the diffusers folder "
             f"(or cached hub id) with its {rest} (never fetched)",
             field="config",
         )
+    # A .ckpt is read by unpickling it: only the loader does that.
     header = safetensors_header(path, "model") if path.suffix == ".safetensors" else None
     folder = _locate(source.config, source.revision, "config")
     pipeline = check_pipeline(pipeline_class(folder, "config"), family, folder)
     listed = tuple(components(folder, "config"))
-    if alone is not None and alone.component not in listed:
-        raise InvalidSpec(f"{folder}: model_index.json lists no {alone.component}", field="config")
-    # What the file holds: one component, or the pipeline but for the text encoders it lacks
-    lacking = () if alone is not None or header is None else _text_encoders_lacking(folder, header)
+    if denoiser.component not in listed:
+        raise InvalidSpec(
+            f"{folder}: model_index.json lists no {denoiser.component}", field="config"
+        )
+    if header is not None:
+        _check_denoiser(path, header, folder / denoiser.component, denoiser)
+    # What the file holds: the denoiser alone, or the pipeline but for what it lacks
+    lacking = () if denoiser.alone or header is None else _components_lacking(folder, header)
     in_file = (
-        (alone.component,) if alone is not None else tuple(n for n in listed if n not in lacking)
+        (denoiser.component,) if denoiser.alone else tuple(n for n in listed if n not in lacking)
     )
-    _check_components(folder, source.variant, in_file=in_file, field="config")
-    if alone is not None and header is not None:
-        _check_component_file(path, header, folder / alone.component, alone)
+    _check_components(folder, source.variant, in_file=in_file, field="config", file=path.name)
     return ModelFiles(
         ModelKind.SINGLE_FILE,
         pipeline,
@@ -177,45 +184,94 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
     )
 
 
-def _text_encoders_lacking(folder: Path, tensors: dict[str, Any]) -> tuple[str, ...]:
-    """The text encoders of ``folder``'s pipeline that a single file's ``tensors`` do not
-    hold (SD3's plain ``sd3_medium.safetensors`` has none): they load from ``config``'s
-    weights, as a diffusers user passes them to ``from_single_file``."""
+def _components_lacking(folder: Path, tensors: dict[str, Any]) -> tuple[str, ...]:
+    """The text encoders and VAE of ``folder``'s pipeline that a whole-pipeline file's
+    ``tensors`` do not hold (SD3's plain ``sd3_medium.safetensors`` has no text encoder,
+    a UNet-only file no VAE): they load from ``config``'s weights, as a
+    diffusers user passes them to ``from_single_file`` (which fails on a file without
+    them, rather than looking in ``config``)."""
     lacking = []
     for name, cls in components(folder, "config").items():
-        kind = next((k for k in SINGLE_FILE_TEXT_KEYS if cls.startswith(k)), None)
-        encoder = cls.endswith(("TextModel", "TextModelWithProjection", "EncoderModel"))
-        if encoder and (kind is None or tensors.keys().isdisjoint(SINGLE_FILE_TEXT_KEYS[kind])):
+        if not cls.endswith(FILE_COMPONENTS):
+            continue
+        kind = next((k for k in SINGLE_FILE_KEYS if cls.startswith(k)), None)
+        keys = SINGLE_FILE_KEYS[kind] if kind else ()
+        if not any(tensor.startswith(keys) for tensor in tensors):
             lacking.append(name)
     return tuple(lacking)
 
 
-def _check_component_file(
-    path: Path, header: dict[str, Any], part: Path, alone: ComponentFile
+def _check_denoiser(
+    path: Path, header: dict[str, Any], part: Path, denoiser: ComponentFile
 ) -> None:
-    """A file holding one component: its input projection is there (bare or under
-    ComfyUI's prefix) and takes the input channels of the component's config."""
-    entry = header.get(alone.input_weight, header.get(WRAPPER_PREFIX + alone.input_weight))
-    if entry is None:
+    """The file's denoiser is the one ``part``'s config describes, from its header alone:
+    its input projection is there (under one of the layout's prefixes) and takes the
+    config's input channels, and it reads text embeddings as wide as the config's (an SD
+    1.5 file is no SDXL UNet, a text-to-image UNet no inpainting one)."""
+    config_path = part / "config.json"
+    config = _json_object(config_path)
+    prefix = next((p for p in denoiser.prefixes if p + denoiser.input_weight in header), None)
+    if prefix is None:
         raise InvalidSpec(
-            f"{path.name} holds no {alone.component} in its original layout "
-            f"(no {alone.input_weight})",
+            f"{path.name} holds no {denoiser.component} in its original layout "
+            f"(no {' or '.join(p + denoiser.input_weight for p in denoiser.prefixes)})",
             field="model",
         )
-    config = part / "config.json"
-    try:
-        expected = json.loads(config.read_text()).get("in_channels")
-    except (OSError, ValueError, AttributeError):
+    context = _weight_ending(header, prefix, denoiser.context_weight)
+    if context is None:
+        under = f" under {prefix}" if prefix else ""
         raise InvalidSpec(
-            f"{_short(config)} is not a JSON object ({config})", field="config"
-        ) from None
+            f"{path.name}: its {denoiser.component} reads no text embeddings "
+            f"(no {denoiser.context_weight}{under})",
+            field="model",
+        )
+    config_name = _short(config_path)
+    where = f"{path.name}: its {denoiser.component} takes"
+    found = _width(header[prefix + denoiser.input_weight])
+    _same_width(f"{where} {found} input channels", found, config_name, config, "in_channels")
+    found = _width(header[context])
+    text = f"{where} text embeddings {found} wide"
+    _same_width(text, found, config_name, config, denoiser.context_config)
+
+
+def _width(entry: dict[str, Any]) -> int | None:
+    """The input width of a weight ``[out, in, ...]`` a safetensors header declares."""
     shape = entry.get("shape", [])
-    if expected is not None and shape[1:2] != [expected]:
-        raise InvalidSpec(
-            f"{path.name}: its {alone.component} takes {shape[1] if len(shape) > 1 else '?'} input channels, "
-            f"{_short(config)} says {expected} (the checkpoint of another model?)",
-            field="model",
-        )
+    return shape[1] if len(shape) > 1 else None
+
+
+def _same_width(
+    what: str, found: int | None, name: str, config: dict[str, Any], entry: str
+) -> None:
+    """A file's weight is as wide as ``entry`` of the config ``name`` (a list: one of its
+    widths, per block); ``what`` the file's weight takes, for the message."""
+    expected = config.get(entry)
+    if expected is None or found in (expected if isinstance(expected, list) else [expected]):
+        return
+    raise InvalidSpec(
+        f"{what}, {name} says {entry} {expected} (the checkpoint of another model?)",
+        field="model",
+    )
+
+
+def _weight_ending(header: dict[str, Any], prefix: str, name: str) -> str | None:
+    """The first key under ``prefix`` that is ``name`` or ends in ``.name``."""
+    keys = (k for k in header if k.startswith(prefix))
+    return min(
+        (k for k in keys if k[len(prefix) :] == name or k.endswith("." + name)), default=None
+    )
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A component's ``config.json``, or an :class:`InvalidSpec` naming it."""
+    _need(path, "config")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        doc = None
+    if not isinstance(doc, dict):
+        raise InvalidSpec(f"{_short(path)} is not a JSON object ({path})", field="config")
+    return doc
 
 
 def _locate(name: str, revision: str | None, field: str) -> Path:
@@ -248,10 +304,16 @@ def model_index(folder: Path, field: str) -> dict[str, Any]:
 
 
 def _check_components(
-    folder: Path, variant: str | None, *, field: str, in_file: tuple[str, ...] = ()
+    folder: Path,
+    variant: str | None,
+    *,
+    field: str,
+    in_file: tuple[str, ...] = (),
+    file: str | None = None,
 ) -> None:
     """Every component ``model_index.json`` lists: its folder, config and weights (but
-    those ``in_file``: a single file's), or its tokenizer files."""
+    those ``in_file``: the single ``file``'s, whose missing weights it names), or its
+    tokenizer files."""
     for name, entry in sorted(model_index(folder, field).items()):
         if not _loaded(name, entry):
             continue
@@ -268,7 +330,8 @@ def _check_components(
         else:
             _need(part / "config.json", field)
             if name not in in_file:
-                _check_weights(part, library, variant, field)
+                why = f": {file} holds no {name}, so config must" if file else ""
+                _check_weights(part, library, variant, field, why)
 
 
 def _loaded(name: str, entry: Any) -> bool:
@@ -304,8 +367,11 @@ def _variant_name(name: str, variant: str | None) -> str:
     return f"{stem}.{variant}.{suffix}"
 
 
-def _check_weights(part: Path, library: str, variant: str | None, field: str) -> None:
-    """One weight file, or a shard index whose shards are all there and hold its tensors."""
+def _check_weights(
+    part: Path, library: str, variant: str | None, field: str, why: str = ""
+) -> None:
+    """One weight file, or a shard index whose shards are all there and hold its tensors;
+    ``why`` they are needed ends the message that finds none."""
     stem, pickled = WEIGHT_NAMES.get(library, WEIGHT_NAMES["diffusers"])
     index = part / _variant_name(f"{stem}.safetensors.index.json", variant)
     single = part / _variant_name(f"{stem}.safetensors", variant)
@@ -318,7 +384,7 @@ def _check_weights(part: Path, library: str, variant: str | None, field: str) ->
         hint = f"; it holds {', '.join(others[:3])}" if others else ""
         if variant is None and others:
             hint += " (variant weights: name the variant in the spec)"
-        raise InvalidSpec(f"missing {_short(single)} ({single}){hint}", field=field)
+        raise InvalidSpec(f"missing {_short(single)} ({single}){hint}{why}", field=field)
 
 
 def weight_shapes(part: Path, variant: str | None) -> dict[str, list[int]]:

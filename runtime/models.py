@@ -117,9 +117,9 @@ def load_pipeline(
     class and load arguments, in ``dtype`` (:func:`compute_dtype`), components ``without``
     left out, in eval mode without gradients or progress bars. ``folder`` is a diffusers
     folder (its ``variant`` weights), or the configs of a single-file ``checkpoint``: the
-    whole pipeline's (but for the text encoders it lacks, ``from_config``, from the model
-    check), or the one component the family's files hold alone (its ``single_file``), the
-    other components then loaded from ``folder``."""
+    whole pipeline's (but for the text encoders and VAE it lacks, ``from_config``, from the
+    model check), or the one component the family's files hold alone (its ``single_file``
+    with ``alone``), the other components then loaded from ``folder``."""
     model_family = family_of(family)
     kwargs = {
         **model_family.load_kwargs,
@@ -127,11 +127,11 @@ def load_pipeline(
         "dtype": compute_dtype(dtype, family, device),
         "local_files_only": True,
     }
-    alone = model_family.spec.single_file
-    if checkpoint is not None and alone is not None and alone.component not in without:
-        name = alone.component
+    denoiser = model_family.spec.single_file
+    if checkpoint is not None and denoiser.alone and denoiser.component not in without:
+        name = denoiser.component
         kwargs[name] = component_from_file(checkpoint, folder, name, kwargs["dtype"])
-    if checkpoint is None or alone is not None:
+    if checkpoint is None or denoiser.alone:
         pipe = model_family.pipeline.from_pretrained(folder, variant=variant, **kwargs)
     else:
         lacking = {
@@ -150,8 +150,9 @@ def load_pipeline(
 
 def _component(folder: Path, name: str, dtype: torch.dtype) -> torch.nn.Module:
     """A component from a diffusers folder's own weights, for a single file that lacks it:
-    ``from_single_file`` looks there only for diffusers' weight names, never for the
-    ``model.safetensors`` a transformers text encoder is saved as."""
+    ``from_single_file`` fails on a file without the VAE, and looks in ``config`` only for
+    diffusers' weight names, never for the ``model.safetensors`` a transformers text
+    encoder is saved as."""
     library, cls = model_index(folder, "config")[name]
     loader = getattr(importlib.import_module(library), cls)
     return loader.from_pretrained(folder, subfolder=name, dtype=dtype, local_files_only=True)

@@ -7,6 +7,8 @@ checkpoints (as A1111, ComfyUI and the model authors ship them): the inverse of 
   OpenCLIP ViT-bigG in its own layout), the SGM layout of ``sd_xl_base_1.0_inpainting_0.1``.
 * :func:`sd3_checkpoint`: Stable Diffusion 3 as Stability ships ``sd3_medium*.safetensors``
   (MMDiT and VAE; optionally its CLIP-L, CLIP-G and T5-XXL text encoders).
+* :func:`leaving_out`: any of them without some components (a VAE-less merge, a UNet-only
+  save).
 * :func:`bfl_flux_checkpoint`: a Flux transformer alone (FLUX.1-dev, FLUX.1-Fill-dev), in
   Black Forest Labs' layout, bare or with ComfyUI's ``model.diffusion_model.`` prefix.
 """
@@ -128,6 +130,13 @@ def ldm_checkpoint(pipe: StableDiffusionInpaintPipeline) -> dict[str, torch.Tens
     prefix = "cond_stage_model.transformer.text_model."
     out |= {prefix + k.removeprefix("text_model."): v for k, v in text.items()}
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def leaving_out(checkpoint: dict[str, torch.Tensor], *prefixes: str) -> dict[str, torch.Tensor]:
+    """A checkpoint without the tensors under ``prefixes``: a merge saved without its VAE
+    (``first_stage_model.``), a UNet-only file (all but ``model.diffusion_model.``
+    left out, with the text encoders' prefixes too)."""
+    return {k: v for k, v in checkpoint.items() if not k.startswith(prefixes)}
 
 
 # -- SDXL inpainting: the SGM layout --------------------------------------------------------

@@ -172,7 +172,9 @@ def test_a_file_of_another_model_is_refused_at_deploy(
 ) -> None:
     fill_config = files("fill")[1]
     flux_dev = files("inpaint")[0]  # a 64-channel transformer, not Fill's
-    with pytest.raises(InvalidSpec, match=r"takes 64 input channels, .* says 192") as dev:
+    with pytest.raises(
+        InvalidSpec, match=r"takes 64 input channels, .* says in_channels 192"
+    ) as dev:
         check_model(ModelSource(str(flux_dev), config=str(fill_config)), "flux-fill")
     assert dev.value.field == "model"
     vae = tmp_path / "ae.safetensors"  # BFL's VAE file, given for the transformer

@@ -1,7 +1,8 @@
 """SD3 single-file checkpoints as Stability ships them (``sd3_medium.safetensors``: the
 MMDiT and VAE; ``..._incl_clips_t5xxlfp16``: also CLIP-L, CLIP-G and T5-XXL) pass the
-model check and give the images of their diffusers folder; the text encoders a file lacks
-load from its ``config`` folder's weights, and a config folder without them is a 422."""
+model check and give the images of their diffusers folder; the text encoders and VAE a
+file lacks (an MMDiT-only file) load from its ``config`` folder's weights, and a
+config folder without them is a 422."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from diffusers import SD3Transformer2DModel
 from diffusers.loaders.single_file_utils import (
     CHECKPOINT_KEY_NAMES,
+    LDM_VAE_KEYS,
     convert_sd3_transformer_checkpoint_to_diffusers,
     infer_diffusers_model_type,
     is_t5_in_single_file,
@@ -24,12 +26,12 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.demo.production import build_sd3_medium
 from retouch.functions.errors import InvalidSpec
-from retouch.functions.modelcheck import SINGLE_FILE_TEXT_KEYS, ModelKind, check_model
+from retouch.functions.modelcheck import SINGLE_FILE_KEYS, ModelKind, check_model
 from retouch.functions.modelsource import ModelSource
 from retouch.runtime.maskaware.editor import MaskAwareEditor
 from retouch.runtime.models import ModelCache, load_pipeline
 from tests.runtime.families.cases import CPU, Case
-from tests.singlefile import sd3_checkpoint
+from tests.singlefile import leaving_out, sd3_checkpoint
 
 FAMILY = "sd3-inpaint"
 CASE = Case(FAMILY)
@@ -87,6 +89,17 @@ def test_plain_file_takes_its_text_encoders_from_config(
     assert np.array_equal(_stock(cache, single), _stock(cache, ModelSource("retouch:tiny-sd3")))
 
 
+def test_an_mmdit_only_file_takes_the_vae_too_from_config(
+    cache: ModelCache, tiny: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "sd3_medium_mmdit_only.safetensors"
+    mmdit = leaving_out(sd3_checkpoint(load_pipeline(tiny, FAMILY, CPU)), "first_stage_model.")
+    save_file(mmdit, str(path))
+    single = ModelSource(str(path), config=str(tiny))
+    assert check_model(single, FAMILY).from_config == (*TEXT_ENCODERS, "vae")
+    assert np.array_equal(_stock(cache, single), _stock(cache, ModelSource("retouch:tiny-sd3")))
+
+
 def test_file_with_all_three_text_encoders_gives_its_folders_images(
     cache: ModelCache, clips_folder: Path, tmp_path: Path
 ) -> None:
@@ -134,8 +147,9 @@ def test_diffusers_converts_the_layout_back_to_the_same_weights(tiny: Path) -> N
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
-def test_the_checks_text_encoder_keys_are_diffusers_own() -> None:
+def test_the_checks_component_keys_are_diffusers_own() -> None:
     clips = ("clip", "clip_sdxl", "clip_sd3", "open_clip", "open_clip_sdxl")
     clips += ("open_clip_sdxl_refiner", "open_clip_sd3")
-    assert set(SINGLE_FILE_TEXT_KEYS["CLIP"]) == {CHECKPOINT_KEY_NAMES[k] for k in clips}
-    assert is_t5_in_single_file(set(SINGLE_FILE_TEXT_KEYS["T5"]))
+    assert set(SINGLE_FILE_KEYS["CLIP"]) == {CHECKPOINT_KEY_NAMES[k] for k in clips}
+    assert is_t5_in_single_file(set(SINGLE_FILE_KEYS["T5"]))
+    assert set(SINGLE_FILE_KEYS["Autoencoder"]) == set(LDM_VAE_KEYS)

@@ -1,10 +1,13 @@
 """SDXL inpainting single-file checkpoints as users have them: the SGM layout of
 ``sd_xl_base_1.0_inpainting_0.1.safetensors`` (UNet, VAE, CLIP-L and OpenCLIP ViT-bigG in
 one file), with ``config`` naming the diffusers folder. Diffusers reads such a file as SDXL
-inpainting, a deploy accepts it, and the executor's loader gives the images of the folder."""
+inpainting, a deploy accepts it, and the executor's loader gives the images of the folder;
+a file without the VAE (a merge saved without it, a UNet-only file) takes it, and
+the text encoders it lacks, from the folder's weights."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,7 @@ from retouch.functions.modelsource import ModelSource
 from retouch.functions.spec import parse_spec
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.models import ModelCache
-from tests.singlefile import sgm_checkpoint
+from tests.singlefile import leaving_out, sgm_checkpoint
 
 FAMILY = "sdxl-inpaint"
 SIZE, STEPS, GUIDANCE = 128, 2, 5.0
@@ -79,3 +82,39 @@ def test_sdxl_single_file_is_servable_at_deploy(
     with pytest.raises(InvalidSpec, match="cannot serve sdxl-inpaint") as wrong:
         check_model(ModelSource(str(checkpoint), config=sd_folder), FAMILY)
     assert wrong.value.field == "family" and wrong.value.status == 422
+
+
+# Key prefixes of the SGM layout's VAE, and of its text encoders.
+SGM_VAE, SGM_TEXT = "first_stage_model.", "conditioner."
+LACKING = {  # what a file leaves out: what the model check then loads from config
+    "merge-without-vae": ((SGM_VAE,), ("vae",)),
+    "unet-only": ((SGM_VAE, SGM_TEXT), ("text_encoder", "text_encoder_2", "vae")),
+}
+
+
+@pytest.mark.parametrize("case", list(LACKING))
+def test_a_file_without_its_vae_takes_it_from_config(
+    case: str, cache: ModelCache, folder: Path, checkpoint: Path, tmp_path: Path
+) -> None:
+    left_out, from_config = LACKING[case]
+    path = tmp_path / f"{case}.safetensors"
+    save_file(leaving_out(load_file(checkpoint), *left_out), str(path))
+    single = ModelSource(str(path), config=str(folder))
+    assert check_model(single, FAMILY).from_config == from_config
+    assert np.array_equal(_stock(cache, single), _stock(cache, ModelSource(str(folder))))
+
+
+def test_a_config_without_the_vae_the_file_lacks_is_refused(
+    folder: Path, checkpoint: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "merge-without-vae.safetensors"
+    save_file(leaving_out(load_file(checkpoint), SGM_VAE), str(path))
+    configs = Path(shutil.copytree(folder, tmp_path / "configs"))
+    (configs / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+    with pytest.raises(InvalidSpec) as err:
+        check_model(ModelSource(str(path), config=str(configs)), FAMILY)
+    assert err.value.field == "config" and err.value.status == 422
+    assert "missing vae/diffusion_pytorch_model.safetensors" in err.value.message
+    assert "merge-without-vae.safetensors holds no vae" in err.value.message
+    full = check_model(ModelSource(str(checkpoint), config=str(configs)), FAMILY)
+    assert full.from_config == ()  # a file with its VAE needs none in config
