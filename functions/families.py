@@ -31,7 +31,7 @@ LDM_PREFIX = "model.diffusion_model."
 
 
 @dataclass(frozen=True)
-class ComponentFile:
+class DenoiserFile:
     """Where a family's denoiser is in a single-file checkpoint in its original layout, so
     that the model check can tell from the header alone that the file holds the model its
     ``config`` describes: the ``component``; the key of its input projection's weight
@@ -51,18 +51,18 @@ class ComponentFile:
 
 
 # SD's, SDXL's: ``conv_in``, and any cross-attention's key projection.
-UNET_FILE = ComponentFile(
+UNET_FILE = DenoiserFile(
     "unet", "input_blocks.0.0.weight", "attn2.to_k.weight", "cross_attention_dim"
 )
 # SD3's MMDiT, bare or in the LDM wrapper (diffusers reads both).
-SD3_TRANSFORMER_FILE = ComponentFile(
+SD3_TRANSFORMER_FILE = DenoiserFile(
     "transformer",
     "x_embedder.proj.weight",
     "context_embedder.weight",
     "joint_attention_dim",
     prefixes=("", LDM_PREFIX),
 )
-FLUX_TRANSFORMER_FILE = ComponentFile(
+FLUX_TRANSFORMER_FILE = DenoiserFile(
     "transformer",
     "img_in.weight",
     "txt_in.weight",
@@ -100,7 +100,7 @@ class FamilySpec:
     # pipeline): the denoiser first, then the text encoders.
     lora_modules: tuple[str, ...] = ("unet", "text_encoder")
     # Where its denoiser is in a single-file checkpoint, and whether the file holds it alone.
-    single_file: ComponentFile = field(kw_only=True)
+    single_file: DenoiserFile = field(kw_only=True)
 
     def skipped_steps(self, steps: int, strength: float) -> int:
         """The first steps of a ``steps`` schedule that ``strength`` skips: an edit starts

@@ -18,7 +18,7 @@ from typing import Any
 
 from retouch.functions import hubcache
 from retouch.functions.errors import InvalidSpec
-from retouch.functions.families import FAMILY_SPECS, ComponentFile
+from retouch.functions.families import FAMILY_SPECS, DenoiserFile
 from retouch.functions.models import is_builtin, known_builtin
 from retouch.functions.modelsource import ModelSource
 
@@ -201,9 +201,7 @@ def _components_lacking(folder: Path, tensors: dict[str, Any]) -> tuple[str, ...
     return tuple(lacking)
 
 
-def _check_denoiser(
-    path: Path, header: dict[str, Any], part: Path, denoiser: ComponentFile
-) -> None:
+def _check_denoiser(path: Path, header: dict[str, Any], part: Path, denoiser: DenoiserFile) -> None:
     """The file's denoiser is the one ``part``'s config describes, from its header alone:
     its input projection is there (under one of the layout's prefixes) and takes the
     config's input channels, and it reads text embeddings as wide as the config's (an SD
