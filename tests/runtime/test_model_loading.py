@@ -46,11 +46,6 @@ def flux_folder(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> P
     return build_flux_folder(tmp_path_factory.mktemp("hub") / "flux", models_dir)
 
 
-@pytest.fixture(scope="module")
-def cache(models_dir: Path) -> ModelCache:
-    return ModelCache(models_dir, CPU)
-
-
 @pytest.fixture
 def offline(
     tmp_path: Path, hub_folder: Path, flux_folder: Path, monkeypatch: pytest.MonkeyPatch

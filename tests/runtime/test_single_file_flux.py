@@ -65,11 +65,6 @@ def converter_at_width(width: int) -> Callable[..., dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def cache(models_dir: Path) -> ModelCache:
-    return ModelCache(models_dir, CPU)
-
-
-@pytest.fixture(scope="module")
 def files(
     tmp_path_factory: pytest.TempPathFactory, models_dir: Path
 ) -> Callable[[str], tuple[Path, Path]]:

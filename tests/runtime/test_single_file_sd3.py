@@ -47,11 +47,6 @@ def tiny(models_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cache(models_dir: Path) -> ModelCache:
-    return ModelCache(models_dir, CPU)
-
-
-@pytest.fixture(scope="module")
 def clips_folder(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-sd3 with SD3's text encoders as its single file can hold them: CLIP-L's
     projection the identity (the original has none; diffusers loads it as the identity) and

@@ -37,11 +37,6 @@ def folder(models_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cache(models_dir: Path) -> ModelCache:
-    return ModelCache(models_dir, CPU)
-
-
-@pytest.fixture(scope="module")
 def checkpoint(cache: ModelCache, folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder's weights in one file, as Stability and the community ship SDXL."""
     path = tmp_path_factory.mktemp("sdxl") / "sd_xl_inpainting.safetensors"
