@@ -12,10 +12,16 @@ RAY_STAMP := $(VENV)/.retouch-ray
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py
+comma := ,
+# The venv, torch first, then the project with the extras in $(1): one pip run.
+define install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[$(1)]"
+endef
+
+$(STAMP): pyproject.toml setup.py
+	$(call install,dev)
 	touch $(STAMP)
 
 demo: setup
@@ -46,15 +52,16 @@ postgres:
 	    echo "warning: could not install postgresql: the shared state store's tests will be skipped"; \
 	  else echo "note: no postgresql and not root: the shared state store's tests will be skipped"; fi; }
 
-# The tests also cover the optional Ray provider: install the extra (no torch in it).
-$(RAY_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[dev,ray]"
-	touch $(RAY_STAMP)
+# The tests also cover the optional Ray provider: its extra (no torch in it) is installed
+# with the rest in the same pip run (a second run would resolve everything again).
+$(RAY_STAMP): pyproject.toml setup.py
+	$(call install,dev$(comma)ray)
+	touch $(STAMP) $(RAY_STAMP)
 
 # Two pytest-xdist workers, a test file each at a time (its module's server is its own);
 # tests/conftest.py gives them one torch thread each. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-test: setup $(RAY_STAMP) browser postgres
+test: $(RAY_STAMP) browser postgres
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 lint: setup
