@@ -31,28 +31,32 @@ WEIGHT_NAMES = {
     "diffusers": ("diffusion_pytorch_model", "diffusion_pytorch_model.bin"),
     "transformers": ("model", "pytorch_model.bin"),
 }
+# The libraries a component the loader builds by its class name may come from.
+LIBRARIES = tuple(WEIGHT_NAMES)
 # Files a tokenizer folder needs by tokenizer class prefix when it has no ``tokenizer.json``.
 TOKENIZER_FILES = {"CLIP": ("vocab.json", "merges.txt"), "T5": ("spiece.model",)}
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one
-# Tensors (or key prefixes) by which diffusers finds a component in a whole-pipeline
-# single file, by the component's class prefix: its text encoders (``single_file_utils``:
-# ``CHECKPOINT_KEY_NAMES``: SD's and SDXL's CLIP and OpenCLIP, SD3's CLIP-L, CLIP-G and
-# T5-XXL) and its VAE (``LDM_VAE_KEYS``). What a file lacks loads from ``config``.
+# Tensors (or key prefixes) by which diffusers finds each component of a whole-pipeline
+# single file, by the component's name in ``model_index.json`` (``single_file_utils``:
+# ``CHECKPOINT_KEY_NAMES`` for the text encoders: SD's CLIP or SD 2's OpenCLIP, SDXL's CLIP-L
+# and OpenCLIP bigG, SD3's CLIP-L, CLIP-G and T5-XXL; ``LDM_VAE_KEYS`` for the VAE). Keyed
+# by component, not by kind: an SDXL file may hold its CLIP-L and not its bigG. What a file
+# lacks loads from ``config``.
 SINGLE_FILE_KEYS = {
-    "CLIP": (
+    "text_encoder": (
         "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight",
+        "cond_stage_model.model.token_embedding.weight",
         "conditioner.embedders.0.transformer.text_model.embeddings.position_embedding.weight",
         "text_encoders.clip_l.transformer.text_model.embeddings.position_embedding.weight",
-        "cond_stage_model.model.token_embedding.weight",
+    ),
+    "text_encoder_2": (
         "conditioner.embedders.1.model.positional_embedding",
         "conditioner.embedders.0.model.text_projection",
         "text_encoders.clip_g.transformer.text_model.embeddings.position_embedding.weight",
     ),
-    "T5": ("text_encoders.t5xxl.transformer.shared.weight",),
-    "Autoencoder": ("first_stage_model.", "vae."),
+    "text_encoder_3": ("text_encoders.t5xxl.transformer.shared.weight",),
+    "vae": ("first_stage_model.", "vae."),
 }
-# Class name endings of the components a whole-pipeline file may hold beside its denoiser.
-FILE_COMPONENTS = ("TextModel", "TextModelWithProjection", "EncoderModel", "AutoencoderKL")
 
 
 class ModelKind(enum.Enum):
@@ -171,9 +175,11 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
         _check_denoiser(path, header, folder / denoiser.component, denoiser)
     # What the file holds: the denoiser alone, or the pipeline but for what it lacks
     lacking = () if denoiser.alone or header is None else _components_lacking(folder, header)
+    _check_clip_pair(path, listed, lacking)
     in_file = (
         (denoiser.component,) if denoiser.alone else tuple(n for n in listed if n not in lacking)
     )
+    _check_libraries(folder, (denoiser.component,) if denoiser.alone else lacking)
     _check_components(folder, source.variant, in_file=in_file, field="config", file=path.name)
     return ModelFiles(
         ModelKind.SINGLE_FILE,
@@ -184,21 +190,50 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
     )
 
 
+CLIP_PAIR = ("text_encoder", "text_encoder_2")  # SDXL's CLIP-L and bigG, SD3's CLIP-L and -G
+
+
+def _check_clip_pair(path: Path, listed: tuple[str, ...], lacking: tuple[str, ...]) -> None:
+    """A file with two CLIP text encoders holds both or neither: diffusers tells the
+    file's model type (and where its CLIP-L is) by the second one, so a file with only one
+    fails in the loader however ``config`` fills the gap."""
+    pair = [name for name in CLIP_PAIR if name in listed]
+    missing = [name for name in pair if name in lacking]
+    if len(pair) == 2 and len(missing) == 1:
+        held = next(name for name in pair if name not in missing)
+        raise InvalidSpec(
+            f"{path.name} holds {held} but not {missing[0]}: a single file holds both of its "
+            "CLIP text encoders or neither (then both load from config)",
+            field="model",
+        )
+
+
+def _check_libraries(folder: Path, names: tuple[str, ...]) -> None:
+    """The components the loader builds by class name (:data:`LIBRARIES`: nothing else
+    from a folder's ``model_index.json`` is imported) come from diffusers or transformers."""
+    index = model_index(folder, "config")
+    for name in names:
+        library = index[name][0]
+        if library not in LIBRARIES:
+            raise InvalidSpec(
+                f"{folder}/model_index.json: {name} comes from {library!r}; a single file's "
+                f"components load from {' or '.join(LIBRARIES)} only",
+                field="config",
+            )
+
+
 def _components_lacking(folder: Path, tensors: dict[str, Any]) -> tuple[str, ...]:
     """The text encoders and VAE of ``folder``'s pipeline that a whole-pipeline file's
     ``tensors`` do not hold (SD3's plain ``sd3_medium.safetensors`` has no text encoder,
-    a UNet-only file no VAE): they load from ``config``'s weights, as a
-    diffusers user passes them to ``from_single_file`` (which fails on a file without
-    them, rather than looking in ``config``)."""
-    lacking = []
-    for name, cls in components(folder, "config").items():
-        if not cls.endswith(FILE_COMPONENTS):
-            continue
-        kind = next((k for k in SINGLE_FILE_KEYS if cls.startswith(k)), None)
-        keys = SINGLE_FILE_KEYS[kind] if kind else ()
-        if not any(tensor.startswith(keys) for tensor in tensors):
-            lacking.append(name)
-    return tuple(lacking)
+    a UNet-only file no VAE): they load from ``config``'s weights, as a diffusers user
+    passes them to ``from_single_file`` (which fails on a file without them, rather than
+    looking in ``config``)."""
+    return tuple(
+        name
+        for name in components(folder, "config")
+        if name in SINGLE_FILE_KEYS
+        and not any(tensor.startswith(SINGLE_FILE_KEYS[name]) for tensor in tensors)
+    )
 
 
 def _check_denoiser(path: Path, header: dict[str, Any], part: Path, denoiser: DenoiserFile) -> None:
@@ -427,6 +462,21 @@ def _check_shards(index: Path, field: str) -> None:
             )
 
 
+def _declared(entry: Any) -> bool:
+    """A header entry as the format defines it: a dtype, a shape of non-negative ints and
+    two data offsets (what the check reads from it later cannot then fail)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        return False
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    return (
+        isinstance(shape, list)
+        and all(type(n) is int and n >= 0 for n in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(type(n) is int and n >= 0 for n in offsets)
+    )
+
+
 def safetensors_header(path: Path, field: str) -> dict[str, Any]:
     """The tensors a safetensors file declares, once its size is seen to match them (a
     truncated download fails here, not in the loader)."""
@@ -440,6 +490,8 @@ def safetensors_header(path: Path, field: str) -> dict[str, Any]:
                 raise bad
             header = json.loads(f.read(length))
         tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        if not all(_declared(v) for v in tensors.values()):
+            raise bad
         end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
         size = path.stat().st_size
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, struct.error):

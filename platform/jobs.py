@@ -37,7 +37,7 @@ from retouch.platform.job import (
     iso,
     new_job_id,
 )
-from retouch.platform.jobpeers import JobPeers, Listing, NoPeers
+from retouch.platform.jobpeers import JobPeers, Listing
 from retouch.platform.journal import JobJournal
 from retouch.platform.links import LinkSigner
 from retouch.platform.retention import (
@@ -78,7 +78,7 @@ class JobStore:
         cancel: Callable[[str], Awaitable[bool]],
         journal: JobJournal | SharedJobJournal | None = None,
         *,
-        peers: JobPeers | None = None,
+        peers: JobPeers,
         retention_s: float = DEFAULT_RETENTION_S,
         progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
         notify: Notify | None = None,
@@ -90,7 +90,10 @@ class JobStore:
         self._positions = positions  # the gateway queue's positions by invocation id
         self._cancel = cancel  # the pool's cancel of a running invocation
         self.journal = journal
-        self.peers = peers if peers is not None else NoPeers()  # what other gateways know
+        # What the other gateways know: chosen with the journal, in one place (the gateway's
+        # ``_journals``), never guessed here (a shared journal without its peers would run
+        # another gateway's jobs).
+        self.peers = peers
         self.retention_s = retention_s
         self.progress_interval_s = progress_interval_s
         self._notify = notify
@@ -662,7 +665,8 @@ class JobStore:
         return len(expired) + await self.peers.purge(self._clock() - self.retention_s)
 
     def _keep(self, job: Job) -> None:
-        """Keep a durable job: by id, by owner, and counted against the caps."""
+        """Keep a durable job: by id, told to the peers (one gateway indexes it by owner for
+        listings), and counted against the caps."""
         self.jobs[job.id] = job
         self.peers.keep(job)
         self.retention.take(job)

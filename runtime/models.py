@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import diffusers
 import torch
 from diffusers import (
     DDIMScheduler,
@@ -33,12 +32,13 @@ from diffusers import (
 )
 
 from retouch.functions.demo.models import ensure_demo_model
+from retouch.functions.errors import InvalidSpec
 from retouch.functions.families import family_spec
 from retouch.functions.modelcheck import (
+    LIBRARIES,
     ModelFiles,
     ModelKind,
     check_model,
-    components,
     model_index,
 )
 from retouch.functions.modelsource import ModelSource, from_key
@@ -148,14 +148,25 @@ def load_pipeline(
     return pipe
 
 
+def component_class(folder: Path, name: str) -> type:
+    """The class ``folder``'s ``model_index.json`` names for component ``name``, imported
+    only from the libraries the model check allows (it refused any other at deploy)."""
+    library, cls = model_index(folder, "config")[name]
+    if library not in LIBRARIES:
+        raise InvalidSpec(f"{name} comes from {library!r}, not a model library", field="config")
+    found = getattr(importlib.import_module(library), str(cls), None)
+    if not isinstance(found, type):
+        raise InvalidSpec(f"{library} has no class {cls} (component {name})", field="config")
+    return found
+
+
 def _component(folder: Path, name: str, dtype: torch.dtype) -> torch.nn.Module:
     """A component from a diffusers folder's own weights, for a single file that lacks it:
-    ``from_single_file`` fails on a file without the VAE, and looks in ``config`` only for
-    diffusers' weight names, never for the ``model.safetensors`` a transformers text
-    encoder is saved as."""
-    library, cls = model_index(folder, "config")[name]
-    loader = getattr(importlib.import_module(library), cls)
-    return loader.from_pretrained(folder, subfolder=name, dtype=dtype, local_files_only=True)
+    ``from_single_file`` looks there only for diffusers' weight names, never for the
+    ``model.safetensors`` a transformers text encoder is saved as."""
+    return component_class(folder, name).from_pretrained(
+        folder, subfolder=name, dtype=dtype, local_files_only=True
+    )
 
 
 def component_from_file(
@@ -163,8 +174,7 @@ def component_from_file(
 ) -> torch.nn.Module:
     """Component ``name`` from a single file that holds it alone, in its original layout
     (BFL's Flux transformer): diffusers' conversion, with ``folder/name``'s config."""
-    cls = getattr(diffusers, components(folder, "config")[name])
-    return cls.from_single_file(
+    return component_class(folder, name).from_single_file(
         str(checkpoint), config=str(folder), subfolder=name, dtype=dtype, local_files_only=True
     )
 

@@ -251,7 +251,7 @@ SD3_TEXT = ("clip_l", "clip_g", "t5xxl")
 
 def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
     """The original AdaLN-continuous order (shift, scale) of diffusers' (scale, shift): the
-    swap ``convert_sd3_transformer_checkpoint_to_diffusers`` undoes."""
+    swap diffusers' SD3 and Flux conversions undo."""
     first, second = tensor.chunk(2, dim=0)
     return torch.cat([second, first])
 
@@ -375,13 +375,6 @@ def _flux_key(key: str) -> str:
         if key.startswith(new + "."):
             return old + key[len(new) :]
     raise KeyError(key)
-
-
-def _swap_halves(weight: torch.Tensor) -> torch.Tensor:
-    """diffusers' ``AdaLayerNormContinuous`` projects to (scale, shift), BFL's to (shift,
-    scale): the conversion swaps the halves both ways."""
-    first, second = weight.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
 
 
 def bfl_flux_checkpoint(

@@ -6,6 +6,9 @@ built-in model (its denoiser rebuilt with another config where the mismatch need
 
 from __future__ import annotations
 
+import json
+import shutil
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -143,3 +146,41 @@ def test_a_file_of_another_model_is_refused_naming_the_difference(
     with pytest.raises(InvalidSpec, match=message) as err:
         check_model(source, known_builtin(config).family)
     assert err.value.field == "model" and err.value.status == 422
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": "F32", "shape": 5, "data_offsets": [0, 4]},  # a shape that is no list
+        {"dtype": "F32", "shape": {"0": 1, "1": 1}, "data_offsets": [0, 4]},
+        {"dtype": "F32", "shape": [1, "4"], "data_offsets": [0, 4]},
+        {"dtype": "F32", "shape": [1, 1], "data_offsets": [0]},
+        {"shape": [1, 1], "data_offsets": [0, 4]},
+    ],
+)
+def test_a_malformed_header_is_a_422_naming_the_file(
+    entry: dict[str, Any], folder: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Every header entry is checked as the format defines it before the check reads its
+    shapes: a hostile or broken file is a 422, never a 500."""
+    path = tmp_path / "broken.safetensors"
+    header = json.dumps({"model.diffusion_model.input_blocks.0.0.weight": entry}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    with pytest.raises(InvalidSpec, match=r"broken\.safetensors is truncated or not") as err:
+        check_model(ModelSource(str(path), config=str(folder("retouch:tiny-sd"))), "sd-inpaint")
+    assert err.value.field == "model" and err.value.status == 422
+
+
+def test_a_component_from_another_library_is_refused(
+    single_file: Callable[[str], Path], folder: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """What a file lacks is built by the class ``config``'s model_index.json names: only
+    from diffusers or transformers (nothing else a folder names is imported)."""
+    config = Path(shutil.copytree(folder("retouch:tiny-sd3"), tmp_path / "config"))
+    index = json.loads((config / "model_index.json").read_text())
+    index["text_encoder_3"] = ["os", "T5EncoderModel"]
+    (config / "model_index.json").write_text(json.dumps(index))
+    plain = single_file("sd3")  # the MMDiT and VAE (sd3_medium's): its encoders from config
+    with pytest.raises(InvalidSpec, match=r"text_encoder_3 comes from 'os'") as err:
+        check_model(ModelSource(str(plain), config=str(config)), "sd3-inpaint")
+    assert err.value.field == "config" and err.value.status == 422

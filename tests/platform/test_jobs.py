@@ -21,6 +21,7 @@ from retouch.platform.auth import OPEN, Principal
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
 from retouch.platform.httpapi import parse_prefer_wait
 from retouch.platform.job import RUN_SEQ_SPAN, Job, PreparedInvocation
+from retouch.platform.jobpeers import NoPeers
 from retouch.platform.jobs import JobStore
 from retouch.platform.journal import JobJournal
 from retouch.platform.placement import LeastRequests, PlacementRequest
@@ -82,6 +83,8 @@ class FakeRun:
 
 
 def store(run: FakeRun, journal: JobJournal | None = None, **kw) -> JobStore:
+    """A job store of one gateway (``peers`` in ``kw`` for several)."""
+    kw.setdefault("peers", NoPeers())
     return JobStore(run.execute, dict, run.cancel, journal, **kw)
 
 

@@ -143,8 +143,10 @@ def test_diffusers_converts_the_layout_back_to_the_same_weights(tiny: Path) -> N
 
 
 def test_the_checks_component_keys_are_diffusers_own() -> None:
-    clips = ("clip", "clip_sdxl", "clip_sd3", "open_clip", "open_clip_sdxl")
-    clips += ("open_clip_sdxl_refiner", "open_clip_sd3")
-    assert set(SINGLE_FILE_KEYS["CLIP"]) == {CHECKPOINT_KEY_NAMES[k] for k in clips}
-    assert is_t5_in_single_file(set(SINGLE_FILE_KEYS["T5"]))
-    assert set(SINGLE_FILE_KEYS["Autoencoder"]) == set(LDM_VAE_KEYS)
+    first = ("clip", "open_clip", "clip_sdxl", "clip_sd3")  # SD 1 / SD 2, SDXL's CLIP-L, SD3's
+    second = ("open_clip_sdxl", "open_clip_sdxl_refiner", "open_clip_sd3")  # bigG, CLIP-G
+    keys = SINGLE_FILE_KEYS
+    assert set(keys["text_encoder"]) == {CHECKPOINT_KEY_NAMES[k] for k in first}
+    assert set(keys["text_encoder_2"]) == {CHECKPOINT_KEY_NAMES[k] for k in second}
+    assert is_t5_in_single_file(set(keys["text_encoder_3"]))
+    assert set(keys["vae"]) == set(LDM_VAE_KEYS)

@@ -24,7 +24,7 @@ from retouch.functions.modelsource import ModelSource
 from retouch.functions.spec import parse_spec
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.models import ModelCache
-from tests.singlefile import leaving_out, sgm_checkpoint
+from tests.singlefile import SGM_OPEN_CLIP, leaving_out, sgm_checkpoint
 
 FAMILY = "sdxl-inpaint"
 SIZE, STEPS, GUIDANCE = 128, 2, 5.0
@@ -88,7 +88,7 @@ LACKING = {  # what a file leaves out: what the model check then loads from conf
 
 
 @pytest.mark.parametrize("case", list(LACKING))
-def test_a_file_without_its_vae_takes_it_from_config(
+def test_what_a_file_lacks_comes_from_config(
     case: str, cache: ModelCache, folder: Path, checkpoint: Path, tmp_path: Path
 ) -> None:
     left_out, from_config = LACKING[case]
@@ -113,3 +113,16 @@ def test_a_config_without_the_vae_the_file_lacks_is_refused(
     assert "merge-without-vae.safetensors holds no vae" in err.value.message
     full = check_model(ModelSource(str(checkpoint), config=str(configs)), FAMILY)
     assert full.from_config == ()  # a file with its VAE needs none in config
+
+
+def test_a_file_with_one_of_its_two_clip_encoders_is_refused(
+    folder: Path, checkpoint: Path, tmp_path: Path
+) -> None:
+    """CLIP-L without the bigG: diffusers reads such a file as SD 1 and fails to load it
+    whatever config holds, so the deploy is refused naming the file."""
+    path = tmp_path / "without-bigg.safetensors"
+    save_file(leaving_out(load_file(checkpoint), SGM_OPEN_CLIP), str(path))
+    with pytest.raises(InvalidSpec, match="holds text_encoder but not text_encoder_2") as err:
+        check_model(ModelSource(str(path), config=str(folder)), FAMILY)
+    assert err.value.field == "model" and err.value.status == 422
+    assert "without-bigg.safetensors" in err.value.message
