@@ -120,7 +120,7 @@ class NoPeers:
         return True
 
     def started(self, job_id: str) -> None:
-        pass
+        """Nobody else shows the job: its status here is the only one."""
 
     def run_not_recorded(self, job_id: str, exc: OSError) -> None:
         """The job runs anyway: only a second crash could repeat its event ids."""
@@ -130,13 +130,13 @@ class NoPeers:
         return False
 
     async def release(self, job_id: str) -> None:
-        pass
+        """Never reached: one gateway claims no other gateway's jobs."""
 
     async def purge(self, cutoff: float) -> int:
-        return 0
+        return 0  # no other gateway's records to expire
 
     async def close(self) -> None:
-        pass
+        """Nothing in flight: one gateway writes no peer state."""
 
 
 class SharedPeers:
@@ -148,10 +148,10 @@ class SharedPeers:
         self._writes: set[asyncio.Task] = set()  # store writes in flight
 
     def keep(self, job: Job) -> None:
-        pass
+        """The store already holds the job's row: listings read it there."""
 
     def forget(self, job: Job) -> None:
-        pass
+        """The row stays in the store (purged by age), for every gateway to read."""
 
     async def fetch(self, job_id: str) -> StoredJob | None:
         return await asyncio.to_thread(self.journal.fetch, job_id)
