@@ -496,7 +496,7 @@ class Gateway:
     async def _job_response(
         self, request: Request, job: Job, wait_s: float | None, status: int = 200
     ) -> Response:
-        await self.jobs.settle(job, wait_s)
+        job = await self.jobs.settle(job, wait_s)
         headers = None if wait_s is None else {"preference-applied": f"wait={wait_s:g}"}
         is_owner = job.owner == principal(request).tenant  # not: an admin reading another's
         return respond(request, await self.jobs.document(job, is_owner), status, headers)

@@ -446,7 +446,7 @@ class JobStore:
             )
         job.cancel_requested = True
         await self._cancel(job.id)
-        await self.wait(job, wait_s)
+        job = await self.wait(job, wait_s)
         if job.status.terminal and job.status is not JobStatus.CANCELED:
             raise Conflict(
                 f"job {job.id} {job.status.value} before the cancel reached it",
@@ -472,24 +472,39 @@ class JobStore:
         return job
 
     async def wait(self, job: Job, timeout_s: float) -> Job:
-        """Until the job ends or ``timeout_s`` passes."""
+        """Until the job ends or ``timeout_s`` passes; the job as it stands then. A job
+        another gateway runs (a mirror, or one handed over meanwhile) sends no event here:
+        its record is read again every ``MIRROR_POLL_S``, and one this gateway takes over
+        meanwhile is waited on here."""
         deadline = time.monotonic() + timeout_s
-        while not job.ended:
+        while not (job.status.terminal if job.mirror else job.ended):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            if job.mirror:
+                await asyncio.sleep(min(MIRROR_POLL_S, left))
+                job = await self._current(job)
+                continue
             job._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(job._changed.wait(), left)
         return job
 
-    async def settle(self, job: Job, wait_s: float | None) -> None:
+    async def _current(self, mirror: Job) -> Job:
+        """A mirrored job now: this gateway's own if it took it over, else its record."""
+        local = self.jobs.get(mirror.id)
+        if local is not None and not local.mirror:
+            return local
+        return await self._read_mirror(mirror.id) or mirror
+
+    async def settle(self, job: Job, wait_s: float | None) -> Job:
         """A job as an answer shows it: once it ended or ``wait_s`` passed (``Prefer:
         wait``; ``None``: at once), a queued one with its position in the queue now."""
         if wait_s is not None:
-            await self.wait(job, wait_s)
+            job = await self.wait(job, wait_s)
         if job.status is JobStatus.QUEUED:
             job.position = self._positions().get(job.id, job.position)
+        return job
 
     async def events(self, job: Job, after: int = 0):
         """The job's events with ``seq > after`` in order, live until it ends; ``None``

@@ -221,7 +221,7 @@ class Predictions:
     async def _answer(
         self, request: Request, job: Job, wait_s: float | None, status: int = 200
     ) -> Response:
-        await self.jobs.settle(job, wait_s)
+        job = await self.jobs.settle(job, wait_s)
         headers = None if wait_s is None else {"preference-applied": f"wait={wait_s:g}"}
         doc = document(job, self.base_url, waited_out=wait_s is not None)
         return respond(request, doc, status, headers)

@@ -16,8 +16,9 @@ import pytest
 
 from retouch.functions.errors import Overloaded
 from retouch.functions.spec import parse_spec
-from retouch.functions.wire import JobEventKind
+from retouch.functions.wire import JobEventKind, JobStatus
 from retouch.platform import jobpeers
+from retouch.platform.auth import OPEN
 from retouch.platform.jobpeers import SharedPeers
 from retouch.platform.jobs import JobStore
 from retouch.platform.retention import JOB_OVERHEAD_BYTES, RetentionLimits
@@ -199,7 +200,8 @@ def test_an_unreachable_store_is_one_clear_error() -> None:
 @sync
 async def test_a_job_taken_over_mid_run_ends_once_and_its_readers_follow_it(stores) -> None:
     """Gateway a is thought dead while it runs a job: b claims it; a's run then finds the
-    job is not its own any more and records nothing, and a's reader gets b's end."""
+    job is not its own any more and records nothing, and a's readers (an event stream, a
+    long poll) get b's end."""
     a, b = stores
     run = FakeRun(gated=True)
     ja = SharedJobJournal(a, LIMITS, 3600.0)
@@ -207,6 +209,7 @@ async def test_a_job_taken_over_mid_run_ends_once_and_its_readers_follow_it(stor
     await jobs.start()
     job = await jobs.submit("f", request(), prepared(), owner="alice")
     reader = asyncio.create_task(stream(jobs, job))
+    poll = asyncio.create_task(jobs.settle(job, 60.0))  # GET /v1/jobs/{id}, Prefer: wait=60
     await asyncio.sleep(TTL_S * 2)  # a's stamp goes stale (no failover loop here)
     await asyncio.to_thread(b.heartbeat)
     jb = SharedJobJournal(b, LIMITS, 3600.0)
@@ -220,7 +223,43 @@ async def test_a_job_taken_over_mid_run_ends_once_and_its_readers_follow_it(stor
     events = await asyncio.wait_for(reader, 10)
     assert events[-1].kind is JobEventKind.SUCCEEDED and events[-1].seq == 7
     assert [e.kind for e in events].count(JobEventKind.SUCCEEDED) == 1
+    polled = await asyncio.wait_for(poll, 10)  # at b's end, not when its 60 s are over
+    assert polled.status is JobStatus.SUCCEEDED and polled.result is not None
     await jobs.close()
+
+
+@sync
+async def test_a_long_poll_on_another_gateway_answers_at_the_jobs_end(stores) -> None:
+    """A job a runs, read and waited on through b (a load balancer sends the poll to
+    either gateway): b's answer comes when the job ends, with the end, not when the wait
+    is over; and one b takes over while it waits is waited on as b runs it."""
+    a, b = stores
+    run = FakeRun(gated=True)
+    ja, jb = SharedJobJournal(a, LIMITS, 3600.0), SharedJobJournal(b, LIMITS, 3600.0)
+    on_a = store(run, ja, peers=SharedPeers(ja))
+    on_b = store(FakeRun(), jb, peers=SharedPeers(jb))
+    await on_a.start()
+    await on_b.start()
+    job = await on_a.submit("f", request(), prepared(), owner="alice")
+    mirror = await on_b.get(job.id, OPEN)
+    assert mirror.mirror and not mirror.status.terminal
+    poll = asyncio.create_task(on_b.settle(mirror, 60.0))
+    await asyncio.sleep(0.3)
+    assert not poll.done()  # still running on a
+    run.release.set()
+    polled = await asyncio.wait_for(poll, 10)
+    assert polled.status is JobStatus.SUCCEEDED and polled.result is not None
+
+    taken = await on_a.submit("f", request(), prepared(), owner="alice")  # a runs no more
+    run.release.clear()
+    poll = asyncio.create_task(on_b.settle(await on_b.get(taken.id, OPEN), 60.0))
+    await asyncio.sleep(TTL_S * 2)  # a's stamp goes stale: b claims and runs the job
+    await asyncio.to_thread(b.heartbeat)
+    assert await on_b.adopt(await asyncio.to_thread(jb.claim)) == 1
+    polled = await asyncio.wait_for(poll, 10)
+    assert polled.status is JobStatus.SUCCEEDED and not polled.mirror  # b's own run
+    await on_a.close()
+    await on_b.close()
 
 
 async def claimed_by_b(stores) -> tuple[SharedJobJournal, SharedJobJournal, JobStore, list]:
