@@ -18,6 +18,9 @@ generation is committed, and a re-bake never overwrites values a reader may be u
 from __future__ import annotations
 
 import struct
+from pathlib import Path
+
+STORE_DIRNAME = "cache"  # under a data directory
 
 META_DB = b"meta"
 MANIFEST_DB = b"manifests"
@@ -35,6 +38,12 @@ _GEN = struct.Struct(">Q")
 _GEN_STEP = struct.Struct(">QI")
 
 Slot = tuple[int, str, str]  # (step, block, name)
+
+
+def store_path(data_dir: Path) -> Path:
+    """Where the executors of one host keep their shared activation store (a path only:
+    the CLI finds it without importing the store, which needs torch)."""
+    return data_dir / STORE_DIRNAME
 
 
 def template_key(key: str) -> bytes:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from retouch.cachestore.layout import store_path
 from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.functions.errors import NotFound
-from retouch.runtime.templates import store_path
 
 
 def run_cache_command(command: str, data_dir: Path) -> Any:

@@ -20,7 +20,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,13 +44,6 @@ from retouch.runtime.maskaware.rowformat import RowFormat
 from retouch.runtime.maskaware.storedrows import DecodedTemplate, EncodingWriter, decoded
 
 log = logging.getLogger(__name__)
-
-STORE_DIRNAME = "cache"
-
-
-def store_path(data_dir: Path) -> Path:
-    """Where the executors of one host keep their shared activation store."""
-    return data_dir / STORE_DIRNAME
 
 
 @dataclass

@@ -210,3 +210,18 @@ def test_every_catalogued_model_has_a_builder() -> None:
     assert set(BUILTIN_MODELS) == set(DEMO_MODELS)
     for name, model in DEMO_MODELS.items():
         assert model.family == BUILTIN_MODELS[name].family
+
+
+def test_commands_that_ask_a_server_load_nothing_heavy() -> None:
+    """``retouch ls`` and ``retouch cache stats --url`` only talk HTTP: they answer in a
+    fraction of a second, not after importing torch (seconds)."""
+    code = (
+        "import sys\nfrom retouch.platform.cli import main\n"
+        "for argv in (['ls'], ['cache', 'stats']):\n"
+        "    try:\n        main([*argv, '--url', 'http://127.0.0.1:9'])\n"
+        "    except SystemExit:\n        pass\n"
+        f"print(','.join(h for h in {list(HEAVY)!r} if h in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert "error: unreachable" in out.stderr, out.stderr
+    assert out.stdout.strip() == ""

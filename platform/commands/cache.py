@@ -39,11 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cache(args: argparse.Namespace) -> None:
-    from retouch.platform.cachecli import run_cache_command
-
     if args.cache == "stats" and args.url is not None:
         _server_stats(args)
         return
+    from retouch.platform.cachecli import run_cache_command  # torch: only for a data dir
+
     data_dir = args.data_dir or default_data_dir()
     result = run_cache_command(args.cache, data_dir)
     if args.json:

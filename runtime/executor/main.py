@@ -22,6 +22,7 @@ import torch
 import uvicorn
 
 from retouch.cachestore.devicetier import DeviceTier
+from retouch.cachestore.layout import store_path
 from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.runtime import forkserver
 from retouch.runtime.engine import Engine, EngineConfig, EngineMode
@@ -35,7 +36,7 @@ from retouch.runtime.executor.options import (
 )
 from retouch.runtime.httpserver import SERVER_OPTIONS
 from retouch.runtime.models import ModelCache
-from retouch.runtime.templates import TemplateCache, store_path
+from retouch.runtime.templates import TemplateCache
 from retouch.runtime.workers import PrePostPool
 
 log = logging.getLogger(__name__)
