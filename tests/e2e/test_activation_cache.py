@@ -28,19 +28,24 @@ def executor_state(client: Client) -> dict:
     return client.executors()["executors"][0]["state"]
 
 
-@pytest.fixture
-def fresh(tmp_path: Path) -> Iterator[tuple[ServerProcess, Path]]:
-    with ServerProcess(tmp_path / "data") as server:
-        yield server, tmp_path / "data"
+@pytest.fixture(scope="module")
+def baked(
+    tmp_path_factory: pytest.TempPathFactory, examples: Path
+) -> Iterator[tuple[ServerProcess, Path]]:
+    """A server with tiny-flux deployed and baked, and its data directory (the corrupt
+    value test stops it and starts another on the same store)."""
+    data = tmp_path_factory.mktemp("baked")
+    with ServerProcess(data) as server, Client(server.url) as client:
+        client.deploy_file(examples / "tiny-flux.toml")
+        wait_baked(client, "tiny-flux")
+        yield server, data
 
 
 def test_baked_template_served_from_disk_after_executor_restart(
-    fresh: tuple[ServerProcess, Path], examples: Path
+    baked: tuple[ServerProcess, Path],
 ) -> None:
-    server, _ = fresh
+    server, _ = baked
     with Client(server.url) as client:
-        client.deploy_file(examples / "tiny-flux.toml")
-        wait_baked(client, "tiny-flux")
         first = client.invoke("tiny-flux", "shirt", MASK, "a green hat", seed=1)
         assert first.path == "maskaware" and first.cache.tier == "host"
         assert first.cache.found == "host"  # a placement hit: nothing to load
@@ -80,14 +85,13 @@ def _corrupt_one_value(path: Path, key: str) -> None:
     env.close()
 
 
-def test_corrupt_value_is_detected_and_rebaked(tmp_path: Path, examples: Path) -> None:
-    data = tmp_path / "data"
-    with ServerProcess(data) as server, Client(server.url) as client:
-        client.deploy_file(examples / "tiny-flux.toml")
-        wait_baked(client, "tiny-flux")
+def test_corrupt_value_is_detected_and_rebaked(baked: tuple[ServerProcess, Path]) -> None:
+    server, data = baked
+    with Client(server.url) as client:
         key = executor_state(client)["templates"]["tiny-flux"]["mug"]["key"]
         reference = client.invoke("tiny-flux", "mug", MASK, "a red mug", seed=3, format="raw")
         assert reference.path == "maskaware"
+    server.stop()
 
     _corrupt_one_value(store_path(data), key)
 
@@ -132,16 +136,31 @@ def test_host_budget_below_two_templates_spills_and_reloads(tmp_path: Path, exam
         assert cache["host_bytes"] <= budget
 
 
-def test_hot_template_served_from_the_device_tier(tmp_path: Path, examples: Path) -> None:
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory: pytest.TempPathFactory, examples: Path) -> Iterator[ServerProcess]:
+    """A server with a device tier (here CPU memory standing for the GPU's), tiny-flux
+    and an fp8 copy of it deployed and baked."""
+    spec = (examples / "tiny-flux.toml").read_text().replace('"tiny-flux"', '"tiny-flux-fp8"')
+    spec = spec.replace("templates/", f"{examples / 'templates'}/")
+    spec_path = tmp_path_factory.mktemp("fp8") / "fp8.toml"
+    spec_path.write_text(spec.replace("[scaling]", 'storage = "fp8"\n\n[scaling]', 1))
+    data = tmp_path_factory.mktemp("tiered")
+    args = ["--device-cache-bytes", "200000000"]
+    with ServerProcess(data, extra_args=args) as server, Client(server.url) as client:
+        client.deploy_file(examples / "tiny-flux.toml")
+        client.deploy_file(spec_path)
+        wait_baked(client, "tiny-flux")
+        wait_baked(client, "tiny-flux-fp8")
+        yield server
+
+
+def test_hot_template_served_from_the_device_tier(tiered: ServerProcess) -> None:
     """An executor with a device tier (here CPU memory standing for the GPU's) promotes a
     template after its first host-tier read; later edits read it device-resident, the same
     edit giving the same pixels each time, and the executor reports the tier's occupancy.
     (A host-tier and a device-tier edit may differ slightly: rows that need a load can make
     the bubble-free plan compute other blocks in full, by the timings profiled at deploy.)"""
-    server = ServerProcess(tmp_path / "data", extra_args=["--device-cache-bytes", "200000000"])
-    with server, Client(server.url) as client:
-        client.deploy_file(examples / "tiny-flux.toml")
-        wait_baked(client, "tiny-flux")
+    with Client(tiered.url) as client:
         first = client.invoke("tiny-flux", "shirt", MASK, "a green hat", seed=1)
         assert first.path == "maskaware" and first.cache.tier == "host"
         wait_for(
@@ -160,18 +179,10 @@ def test_hot_template_served_from_the_device_tier(tmp_path: Path, examples: Path
         assert 0 < cache["device_bytes"] <= 200_000_000
 
 
-def test_an_fp8_function_edits_from_a_smaller_bake(tmp_path: Path, examples: Path) -> None:
+def test_an_fp8_function_edits_from_a_smaller_bake(tiered: ServerProcess) -> None:
     """``storage = "fp8"``: deployed through a real server, baked under its own key, edited
     mask-aware from its encoded rows, its templates' bakes smaller than a native function's."""
-    spec = (examples / "tiny-flux.toml").read_text().replace('"tiny-flux"', '"tiny-flux-fp8"')
-    spec = spec.replace("templates/", f"{examples / 'templates'}/")
-    spec_path = tmp_path / "fp8.toml"
-    spec_path.write_text(spec.replace("[scaling]", 'storage = "fp8"\n\n[scaling]', 1))
-    with ServerProcess(tmp_path / "data") as server, Client(server.url) as client:
-        client.deploy_file(examples / "tiny-flux.toml")
-        client.deploy_file(spec_path)
-        wait_baked(client, "tiny-flux")
-        wait_baked(client, "tiny-flux-fp8")
+    with Client(tiered.url) as client:
         held = executor_state(client)["templates"]
         native, fp8 = held["tiny-flux"], held["tiny-flux-fp8"]
         for tid in ("shirt", "mug"):
