@@ -1,11 +1,12 @@
-"""Placement and admission on real processes: two executors, the default ``maskaware``
-policy, predictions on every result, SLO admission, and bad control-plane input."""
+"""Placement and admission on real processes: one server with two executors, the default
+``maskaware`` policy, predictions on every result, SLO admission, and bad control-plane
+input. The view's test runs first: it needs a function no invocation has touched."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -43,11 +44,38 @@ def mask(ratio: float) -> np.ndarray:
     return m
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with ServerProcess(tmp_path_factory.mktemp("data"), executors=2) as proc:
+        yield proc
+
+
+def test_the_view_learns_of_finished_bakes_without_any_invocation(server: ServerProcess) -> None:
+    """Each executor's change feed tells the gateway when its bakes finish. Without it an
+    executor that got no invocation yet stayed "baking" in the view forever, and the
+    affinity term of ``maskaware`` sent every invocation to the other one."""
+    with Client(server.url) as client:
+        client.deploy(*spec("edit"))  # returns once every executor has baked every template
+
+        def seen_tiers() -> dict[str, dict[str, str]]:
+            return {e["name"]: e["templates"] for e in client.executors()["executors"]}
+
+        def settled() -> dict[str, dict[str, str]] | None:
+            seen = seen_tiers()
+            done = all(t and set(t.values()) <= {"host", "disk"} for t in seen.values())
+            return seen if done else None
+
+        # A generous wait: on a loaded machine the executors answer late, feed or not.
+        views = wait_for("the view of finished bakes", settled, 60, detail=seen_tiers)
+        assert set(views) == {"exec-0", "exec-1"}
+        assert all(len(tiers) == 3 for tiers in views.values())
+
+
 def test_maskaware_places_on_both_executors_and_reports_its_predictions(
-    tmp_path: Path,
+    server: ServerProcess,
 ) -> None:
-    with ServerProcess(tmp_path / "data", executors=2) as server, Client(server.url) as client:
-        client.deploy(*spec("edit"))
+    with Client(server.url) as client:
+        client.deploy(*spec("edit"))  # as the view's test deployed it: unchanged
         # The gateway is ready with one executor; under a loaded suite the second one came
         # up only after the twelve edits were done (all on exec-0), which tests start-up,
         # not placement.
@@ -88,8 +116,8 @@ def test_maskaware_places_on_both_executors_and_reports_its_predictions(
         assert 'retouch_template_reads_total{tier="host"}' in metrics
 
 
-def test_slo_admission_refuses_what_cannot_make_it(tmp_path: Path) -> None:
-    with ServerProcess(tmp_path / "data") as server, Client(server.url) as client:
+def test_slo_admission_refuses_what_cannot_make_it(server: ServerProcess) -> None:
+    with Client(server.url) as client:
         client.deploy(*spec("strict", slo={"latency_ms": 1}))
         client.deploy(*spec("relaxed", slo={"latency_ms": 600000}))
         with pytest.raises(Overloaded) as err:
@@ -106,40 +134,18 @@ def test_slo_admission_refuses_what_cannot_make_it(tmp_path: Path) -> None:
         assert 'retouch_slo_total{function="relaxed",outcome="met"} 1.0' in metrics
 
 
-def test_bad_control_plane_input_is_refused_naming_the_field(tmp_path: Path) -> None:
+def test_bad_control_plane_input_is_refused_naming_the_field(server: ServerProcess) -> None:
     with pytest.raises(InvalidSpec) as err:
         spec("x", placement="nearest")
     assert err.value.field == "placement"
-    with ServerProcess(tmp_path / "data") as server:
-        for doc, field in (
-            ({"placement": "nearest"}, "placement"),
-            ({"slo": {"latency_ms": 0}}, "slo.latency_ms"),
-            ({"slo": {"latency_ms": "fast"}}, "slo.latency_ms"),
-        ):
-            good, _ = spec("f")
-            body = {**good.to_dict(), **doc}
-            response = httpx.put(f"{server.url}/v1/functions/f", json={"spec": body})
-            assert response.status_code == 422, response.text
-            assert response.json()["error"]["field"] == field
-        assert httpx.get(f"{server.url}/healthz").status_code == 200
-
-
-def test_the_view_learns_of_finished_bakes_without_any_invocation(tmp_path: Path) -> None:
-    """Each executor's change feed tells the gateway when its bakes finish. Without it an
-    executor that got no invocation yet stayed "baking" in the view forever, and the
-    affinity term of ``maskaware`` sent every invocation to the other one."""
-    with ServerProcess(tmp_path / "data", executors=2) as server, Client(server.url) as client:
-        client.deploy(*spec("edit"))  # returns once every executor has baked every template
-
-        def seen_tiers() -> dict[str, dict[str, str]]:
-            return {e["name"]: e["templates"] for e in client.executors()["executors"]}
-
-        def settled() -> dict[str, dict[str, str]] | None:
-            seen = seen_tiers()
-            done = all(t and set(t.values()) <= {"host", "disk"} for t in seen.values())
-            return seen if done else None
-
-        # A generous wait: on a loaded machine the executors answer late, feed or not.
-        views = wait_for("the view of finished bakes", settled, 60, detail=seen_tiers)
-        assert set(views) == {"exec-0", "exec-1"}
-        assert all(len(tiers) == 3 for tiers in views.values())
+    for doc, field in (
+        ({"placement": "nearest"}, "placement"),
+        ({"slo": {"latency_ms": 0}}, "slo.latency_ms"),
+        ({"slo": {"latency_ms": "fast"}}, "slo.latency_ms"),
+    ):
+        good, _ = spec("f")
+        body = {**good.to_dict(), **doc}
+        response = httpx.put(f"{server.url}/v1/functions/f", json={"spec": body})
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["field"] == field
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
