@@ -84,7 +84,7 @@ def assert_consistent(client: Client, data: Path) -> dict | None:
 
 
 def test_concurrent_put_and_delete_agree_everywhere(tmp_path: Path, examples: Path) -> None:
-    spec, images = read_spec_file(examples / "tiny-sd.toml")
+    spec, images = read_spec_file(examples / "tiny-flux.toml")  # the model's lightest bakes
     data = tmp_path / "data"
     rng = random.Random(3)
     with ServerProcess(data, executors=2) as server, Client(server.url) as client:
@@ -94,7 +94,9 @@ def test_concurrent_put_and_delete_agree_everywhere(tmp_path: Path, examples: Pa
             ops = []
             for i in range(OPS_PER_ROUND):
                 if rng.random() < 0.5:
-                    version = dataclasses.replace(spec, name=NAME, steps=1 + round_ * 10 + i)
+                    version = dataclasses.replace(
+                        spec, name=NAME, steps=1 + round_ * OPS_PER_ROUND + i
+                    )
                     body = pack({"spec": version.to_dict(), "templates": images})
                     ops.append(lambda b=body: put(server.url, b))
                 else:
