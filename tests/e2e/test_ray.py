@@ -166,7 +166,9 @@ def test_a_lost_worker_node_loses_no_invocation(
             return client.executors()["executors"]
 
         by_id = {w.node_id: w for w in nodes.workers}
-        assert sorted(e["node"] for e in two_ready(client)) == sorted(by_id)  # one on each
+        # both on the workers: one on each, or (the first test's restarted actor placed
+        # beside the other) both on one, which the node's loss then takes together
+        assert {e["node"] for e in two_ready(client)} <= set(by_id)
         restarts = {e["name"]: e["restarts"] for e in pool()}
 
         def invoke(seed: int) -> wire.InvokeResult:
