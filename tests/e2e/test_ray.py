@@ -78,16 +78,6 @@ def serve(nodes: Nodes, data: Path) -> ServerProcess:
     return ServerProcess(data, extra_args=args)
 
 
-@pytest.fixture(scope="module")
-def pooled(nodes: Nodes, tmp_path_factory: pytest.TempPathFactory, examples: Path):
-    """One server whose tiny-flux pool has two executors, for the tests of a pool of two
-    (the lost-node test last: it takes a node away)."""
-    spec, images = pool_of_two(examples, "on-ray", 8)
-    with serve(nodes, tmp_path_factory.mktemp("pooled")) as server, Client(server.url) as client:
-        client.deploy(spec, images)
-        yield server
-
-
 def two_ready(client: Client) -> list[dict]:
     """The pool's two executors, once both are ready (they start after the deploy)."""
     wait_for(
@@ -99,20 +89,21 @@ def two_ready(client: Client) -> list[dict]:
 
 
 def test_executors_spread_and_survive_a_killed_actor(
-    nodes: Nodes, pooled: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+    nodes: Nodes, tmp_path: Path, examples: Path
 ) -> None:
+    spec, images = pool_of_two(examples, "on-ray", 8)
+
     def invoke(client: Client, seed: int) -> object:
         return client.invoke("on-ray", "shirt", MASK, "a red shirt", seed=seed, format="raw")
 
-    server = pooled
-    with Client(server.url) as client:
+    with serve(nodes, tmp_path / "data") as server, Client(server.url) as client:
+        client.deploy(spec, images)
         executors = two_ready(client)
         workers = {w.node_id for w in nodes.workers}
         assert sorted(e["node"] for e in executors) == sorted(workers)  # one on each worker
         # served at normal priority, not at the niceness 15 of Ray's workers
         ours = [psutil.Process(e["state"]["pid"]) for e in executors]
-        base = str(tmp_path_factory.getbasetemp())
-        assert all(base in " ".join(p.cmdline()) for p in ours)  # this cluster's
+        assert all(str(tmp_path) in " ".join(p.cmdline()) for p in ours)  # this cluster's
         assert all(p.nice() == 0 for p in ours)
         assert invoke(client, 0).path in ("stock", "maskaware")
 
@@ -153,23 +144,18 @@ def test_the_autoscaler_adds_and_removes_ray_actors(
 
 
 def test_a_lost_worker_node_loses_no_invocation(
-    nodes: Nodes, pooled: ServerProcess, examples: Path
+    nodes: Nodes, tmp_path: Path, examples: Path
 ) -> None:
-    """Last in the module: it kills a worker node. A second function on the pool's model
-    (longer edits, its own job listing) is served by the same two executors."""
+    """Last in the module: it kills a worker node."""
     spec, images = pool_of_two(examples, "on-workers", 12)
-    server = pooled
-    with Client(server.url) as client:
+    with serve(nodes, tmp_path / "data") as server, Client(server.url) as client:
         client.deploy(spec, images)
 
         def pool() -> list[dict]:
             return client.executors()["executors"]
 
         by_id = {w.node_id: w for w in nodes.workers}
-        # both on the workers: one on each, or (the first test's restarted actor placed
-        # beside the other) both on one, which the node's loss then takes together
-        assert {e["node"] for e in two_ready(client)} <= set(by_id)
-        restarts = {e["name"]: e["restarts"] for e in pool()}
+        assert sorted(e["node"] for e in two_ready(client)) == sorted(by_id)  # one on each
 
         def invoke(seed: int) -> wire.InvokeResult:
             with Client(server.url) as own:
@@ -203,8 +189,7 @@ def test_a_lost_worker_node_loses_no_invocation(
             lambda: [(e["healthy"], e["node"]) for e in pool()] == [(True, survivor)] * 2,
             detail=pool,
         )
-        now = [e["restarts"] for e in pool() if e["name"] == victim["name"]]
-        assert now == [restarts[victim["name"]] + 1]
+        assert [e["restarts"] for e in pool() if e["name"] == victim["name"]] == [1]
         assert invoke(200).path in ("stock", "maskaware")
 
 
