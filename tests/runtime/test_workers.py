@@ -240,8 +240,10 @@ def test_interpreter_exit_closes_the_pool(models_dir: Path, tmp_path: Path) -> N
     script = tmp_path / "exit_without_close.py"
     script.write_text(
         "import torch\n"
+        "from retouch.runtime import forkserver\n"
         "from retouch.runtime.workers import PrePostPool\n"
         "if __name__ == '__main__':\n"
+        "    forkserver.fork_from_here()  # as an executor starts its CPU workers\n"
         f"    pool = PrePostPool({str(models_dir)!r}, 'cpu', threads=1)\n"
         "    assert pool.echo({'x': torch.ones(8)}).result(120)['x'].sum() == 8\n"
         "    print(pool.block_prefix, *pool.pids().values())\n"
