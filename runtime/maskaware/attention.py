@@ -53,6 +53,7 @@ def resident_with_fresh(
     if len(stored) != 1:
         return tokens.scatter_rows(fresh, torch.cat(stored))
     per = tokens.rows_per_request
+    fresh = tokens.dedupe(fresh)
     return stored[0].index_copy(1, tokens.masked_index(0), fresh.view(per, -1, fresh.shape[-1]))
 
 

@@ -39,8 +39,9 @@ from PIL import Image
 
 from retouch.runtime import families
 from retouch.runtime.families import Family, FamilyModel
+from retouch.runtime.maskaware.buckets import BucketBatch, Buckets
 from retouch.runtime.maskaware.context import ForwardContext, Mode, Slot, activate
-from retouch.runtime.maskaware.graphs import StepGraphs, Weights, no_adapters
+from retouch.runtime.maskaware.graphs import MAX_GRAPHS, StepGraphs, Weights, no_adapters
 from retouch.runtime.maskaware.loader import LoadMode
 from retouch.runtime.maskaware.noise import SeedNoise, compose
 from retouch.runtime.maskaware.request import (
@@ -69,6 +70,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 LAYOUTS = 16  # token batches kept for re-use (one per recent set of masks)
+BUCKET_LAYOUTS = 256  # bucketed batches kept (one per grid, batch size, bucket, layout)
 TEMPLATE_BLOCK = "template"  # block name of the per-template tensors (step -1)
 
 Plan = Callable[[list[RequestState], list[str]], dict[str, Mode]]
@@ -113,6 +115,9 @@ class MaskAwareEditor:
         self._encoder: Encoder | None = None
         self._graphs: StepGraphs | None = None
         self._layouts: OrderedDict[tuple, TokenBatch] = OrderedDict()
+        self._buckets: Buckets | None = None
+        self._bucketed: OrderedDict[tuple, BucketBatch] = OrderedDict()
+        self.padded_tokens = 0  # pad slots computed by bucketed steps, all told
 
     @property
     def plan(self) -> Plan:
@@ -142,14 +147,29 @@ class MaskAwareEditor:
     def graphs(self) -> StepGraphs | None:
         return self._graphs
 
-    def set_graphs(self, enabled: bool, weights: Weights = no_adapters) -> None:
+    def set_graphs(
+        self, enabled: bool, weights: Weights = no_adapters, limit: int = MAX_GRAPHS
+    ) -> None:
         """Run mask-aware steps whose cached rows are all on the GPU from CUDA graphs
         (``maskaware.graphs``): one capture per batch layout, replayed. Off by default.
         ``weights()`` names what the denoiser computes with (its active LoRA adapters):
-        a capture replays only under the weights it was made with."""
+        a capture replays only under the weights it was made with; ``limit``: layouts
+        kept (with buckets: levels × batch sizes)."""
         if self._graphs is not None:
             self._graphs.close()
-        self._graphs = StepGraphs(self.device, weights=weights) if enabled else None
+        self._graphs = StepGraphs(self.device, limit, weights) if enabled else None
+
+    @property
+    def buckets(self) -> Buckets | None:
+        return self._buckets
+
+    def set_buckets(self, buckets: Buckets | None) -> None:
+        """Pad every request's masked tokens up to a bucket of ``buckets`` in later steps
+        (``maskaware.buckets``): a step's shapes then depend on the bucket, not the mask,
+        so one captured graph serves every mask of it. ``None``: exact layouts (no padded
+        compute; a graph per set of masks)."""
+        self._buckets = buckets
+        self._bucketed.clear()
 
     @property
     def blocks(self) -> list[str]:
@@ -316,12 +336,8 @@ class MaskAwareEditor:
         sizes = set(states[0].tokens)
         if any(set(s.tokens) != sizes for s in states):
             raise ValueError("requests in one step must share the resolution")
+        grids = self._grids({size: tuple(s.step_tokens[size] for s in states) for size in sizes})
         per = self.impl.rows_per_request
-        packed = self.packed and self.impl.packs
-        grids = {
-            size: self._layout(tuple(s.step_tokens[size] for s in states), per, packed)
-            for size in sizes
-        }
         slots = [Slot(s.index, reader=s.step_reader) for s in states]
         if modes is None:
             modes = self.plan(states, self.blocks)
@@ -336,6 +352,45 @@ class MaskAwareEditor:
         return loader is None or (
             not loader.hooks and loader.mode in (LoadMode.SYNC, LoadMode.OVERLAPPED)
         )
+
+    def _grids(
+        self, sets: dict[tuple[int, int], tuple[TokenSet, ...]]
+    ) -> dict[tuple[int, int], TokenBatch | BucketBatch]:
+        """The step's token layout on every grid: bucketed when buckets are declared and
+        every request has a masked token on every grid (a pad repeats one), else exact."""
+        per = self.impl.rows_per_request
+        packed = self.packed and self.impl.packs
+        if self._buckets is None or not all(BucketBatch.fits(g) for g in sets.values()):
+            return {size: self._layout(group, per, packed) for size, group in sets.items()}
+        counts: dict[int, int] = {}
+        for group in sets.values():
+            n = group[0].n_tokens
+            counts[n] = max(counts.get(n, 0), *(s.count for s in group))
+        level = self._buckets.level(counts)
+        grids = {}
+        for size, group in sets.items():
+            bucket = self._buckets.sizes(group[0].n_tokens)[level]
+            batch = self._bucket_batch(size, group[0].n_tokens, len(group), bucket)
+            grids[size] = batch.fill(group)
+            self.padded_tokens += batch.padded_tokens
+        return grids
+
+    def _bucket_batch(
+        self, size: tuple[int, int], n_tokens: int, requests: int, bucket: int
+    ) -> BucketBatch:
+        """The one bucketed batch of this shape, refilled every step it serves (a graph
+        captured with it replays with its buffers)."""
+        per = self.impl.rows_per_request
+        packed = self.packed and self.impl.packs
+        key = (size, requests, per, packed, bucket)
+        batch = self._bucketed.get(key)
+        if batch is None:
+            batch = BucketBatch(n_tokens, requests, per, bucket, packed, self.device)
+            self._bucketed[key] = batch
+            while len(self._bucketed) > BUCKET_LAYOUTS:
+                self._bucketed.popitem(last=False)
+        self._bucketed.move_to_end(key)
+        return batch
 
     def _layout(self, sets: tuple[TokenSet, ...], per: int, packed: bool) -> TokenBatch:
         """The token batch of these sets, re-used while the batch's masks stay the same (its

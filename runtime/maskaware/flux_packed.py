@@ -319,5 +319,5 @@ def _keys(
     out = flat.new_empty(tokens.rows, text_len + tokens.n_tokens, channels)
     out[:, :text_len] = text
     fill_cached(ctx, tokens, block, name, out[:, text_len:])
-    out.view(-1, channels).index_copy_(0, tokens.joint_index(text_len), fresh)
+    out.view(-1, channels).index_copy_(0, tokens.joint_index(text_len), tokens.dedupe(fresh))
     return out.unflatten(-1, heads)

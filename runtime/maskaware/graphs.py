@@ -330,7 +330,7 @@ def _holds(filled: tuple | None, slots: list, ahead: int) -> bool:
 
 def _layout_key(ctx: ForwardContext, tensors: dict[str, Any]) -> Hashable:
     grids = tuple(
-        (size, batch.rows_per_request, batch.packed, tuple(s.digest for s in batch.sets))
+        (size, batch.rows_per_request, batch.packed, batch.layout_key)
         for size, batch in sorted(ctx.grids.items())
     )
     modes = tuple(sorted((block, mode.value) for block, mode in ctx.modes.items()))

@@ -121,6 +121,16 @@ class TokenBatch:
     def rows(self) -> int:
         return len(self.sets) * self.rows_per_request
 
+    @property
+    def layout_key(self) -> tuple:
+        """What a captured step depends on: the token sets, by content."""
+        return ("sets", tuple(s.digest for s in self.sets))
+
+    def dedupe(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows that may be written back: all of them (no slot repeats another; see
+        ``maskaware.buckets`` for a layout whose do)."""
+        return rows
+
     @cached_property
     def counts(self) -> tuple[int, ...]:
         return tuple(s.count for s in self.sets for _ in range(self.rows_per_request))

@@ -1,0 +1,167 @@
+"""Bucketed token layouts: padding a step's masked tokens up to a bucket changes no real
+token's value, and graphs of bucketed steps depend on the bucket, not on the masks.
+
+Every family runs the same batch of edits with irregular masks, once with exact layouts and
+once padded to buckets, from a device-resident template (rows copied whole) and from the
+host (rows gathered per request), packed and padded; the images agree to 1e-5 (the pad
+slots run other kernel tiles than the exact layout's rows, so rounding may differ there,
+but no pad's value reaches a real token)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from retouch.functions.demo.images import template_image
+from retouch.functions.demo.models import demo_model, ensure_demo_model
+from retouch.functions.families import family_spec
+from retouch.runtime.maskaware.buckets import BucketBatch, Buckets
+from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.store import MemoryActivations
+from retouch.runtime.maskaware.tokens import TokenBatch, TokenSet
+from retouch.runtime.models import load_pipeline
+
+CPU = torch.device("cpu")
+STEPS = 3
+TOLERANCE = 1e-5  # fp32 pixels in [0, 1]: padded and exact layouts, same weights
+MODELS = (
+    "retouch:tiny-sd",
+    "retouch:tiny-sdxl",
+    "retouch:tiny-sd3",
+    "retouch:tiny-flux",
+    "retouch:tiny-flux-fill",
+)
+
+
+def blob_mask(size: int, seed: int, ratio: float) -> np.ndarray:
+    """An irregular mask: random ellipses until about ``ratio`` of the image is covered."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[:size, :size]
+    mask = np.zeros((size, size), dtype=bool)
+    while mask.mean() < ratio:
+        cy, cx = rng.uniform(0, size, 2)
+        ry, rx = rng.uniform(size / 16, size / 5, 2)
+        mask |= ((yy - cy) / ry) ** 2 + ((xx - cx) / rx) ** 2 <= 1
+    return mask
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def baked(request, models_dir):
+    spec = demo_model(request.param)
+    pipe = load_pipeline(ensure_demo_model(request.param, models_dir), spec.family, CPU)
+    size = spec.resolution
+    template = template_image((size, size), 1)
+    editor = MaskAwareEditor(pipe, spec.family, CPU)
+    store = MemoryActivations()
+    guidance = family_spec(spec.family).guidance
+    editor.bake(template, "a quiet street", 1, STEPS, guidance, store)
+    return editor, template, store, guidance
+
+
+def _requests(editor, template, guidance, ratios, seed=0):
+    size = template.height
+    halo = family_spec(editor.family).halo
+    return [
+        EditRequest(
+            template,
+            blob_mask(size, seed + i, r),
+            "a red bicycle",
+            7 + i,
+            STEPS,
+            guidance,
+            "a quiet street",
+            1,
+            0,
+            halo,
+        )
+        for i, r in enumerate(ratios)
+    ]
+
+
+def _edits(editor, requests, store) -> list[np.ndarray]:
+    states = [editor.prepare(r, store) for r in requests]
+    while not states[0].done:
+        editor.step(states)
+    return [editor.finish(s, "np") for s in states]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_padded_steps_give_the_exact_layouts_pixels(baked, packed, tier) -> None:
+    editor, template, store, guidance = baked
+    if tier == "device":
+        store = store.placed(CPU)
+    requests = _requests(editor, template, guidance, [0.08, 0.3, 0.15])
+    editor.packed = packed
+    try:
+        exact = _edits(editor, requests, store)
+        editor.set_buckets(Buckets())
+        padded = _edits(editor, requests, store)
+        assert editor.padded_tokens > 0  # the masks were padded
+        alone = _edits(editor, requests[1:2], store)
+    finally:
+        editor.set_buckets(None)
+        editor.packed = True
+    for want, got in zip(exact, padded, strict=True):
+        assert np.abs(want - got).max() <= TOLERANCE
+    assert np.abs(exact[1] - alone[0]).max() <= 1e-4  # batch of one vs three (rounding)
+
+
+def test_graphs_of_bucketed_steps_do_not_depend_on_the_mask(baked) -> None:
+    """Edits with new masks at batch 1-4 reuse the layouts of their bucket and batch size
+    (the CPU bookkeeping that stands in for capture), and give the eager steps' pixels."""
+    editor, template, store, guidance = baked
+    store = store.placed(CPU)
+    rng = np.random.default_rng(5)
+    batches = [
+        _requests(editor, template, guidance, rng.beta(2, 8, size=n).clip(0.02, 0.9), seed=10 * i)
+        for i, n in enumerate([1, 2, 3, 4, 2, 1, 3, 4])
+    ]
+    buckets = Buckets()
+    editor.set_buckets(buckets)
+    try:
+        eager = [_edits(editor, batch, store) for batch in batches]
+        editor.set_graphs(True, limit=buckets.levels * 4)
+        graphed = [_edits(editor, batch, store) for batch in batches]
+        graphs = editor.graphs
+        assert graphs.replays > 0
+        assert len(graphs.layouts) <= buckets.levels * 4
+        # the layouts are keyed by bucket and batch size: masks of one bucket share one
+        keys = {key[1][0] for key in graphs.layouts}
+        assert all(grid[3][0] == "bucket" for key in keys for grid in key)
+    finally:
+        editor.set_graphs(False)
+        editor.set_buckets(None)
+    for want, got in zip(eager, graphed, strict=True):
+        for a, b in zip(want, got, strict=True):
+            assert np.abs(a - b).max() <= TOLERANCE
+
+
+def test_a_bucket_batch_pads_with_the_rows_last_token() -> None:
+    grid = torch.zeros(4, 4, dtype=torch.bool)
+    grid[1, 1:3] = True
+    one = TokenSet.from_grid(grid)
+    grid[3, 3] = True
+    two = TokenSet.from_grid(grid)
+    batch = BucketBatch(16, 2, 1, 4, packed=False, device=CPU).fill([one, two])
+    assert batch.positions.tolist() == [[5, 6, 6, 6], [5, 6, 15, 15]]
+    assert batch.padded_tokens == 3
+    rows = torch.arange(8.0)[:, None]  # slot r carries the value r
+    full = batch.scatter_rows(rows, torch.full((2, 16, 1), -1.0))
+    exact = TokenBatch((one, two), 1, False, CPU)
+    want = exact.scatter(exact.gather(torch.arange(32.0).view(2, 16, 1)), torch.full_like(full, -1))
+    assert torch.equal(full != -1, want != -1)  # exactly the masked positions written
+    assert full[0, 6, 0] == 1 and full[1, 15, 0] == 6  # by their real slots, not the pads
+
+
+def test_bucket_levels_cover_every_grid() -> None:
+    buckets = Buckets()
+    assert buckets.sizes(64) == (8, 16, 24, 32, 48, 64)
+    assert buckets.sizes(4) == (4, 4, 4, 4, 4, 4)
+    assert buckets.level({64: 9, 16: 2}) == 1
+    assert buckets.level({64: 9, 16: 9}) == 4  # the coarse grid: 9 of 16 needs its 16
+    with pytest.raises(ValueError):
+        Buckets(fractions=(0.5, 0.25, 1.0))
+    with pytest.raises(ValueError):
+        buckets.level({64: 65})
