@@ -41,12 +41,14 @@ from retouch.functions.demo.images import template_image
 from retouch.functions.families import family_spec
 from retouch.platform.bench.engine import EDIT_PROMPT, TEMPLATE_PROMPT, aligned_mask, load_demo
 from retouch.platform.config import default_data_dir
+from retouch.runtime.maskaware.buckets import Buckets
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 
 log = logging.getLogger(__name__)
 
 TOP = 10  # ops listed in ``top_extra``
+LAYOUTS = ("exact", "bucketed")
 
 
 class OpCounter(TorchDispatchMode):
@@ -77,12 +79,15 @@ def run_ops_bench(
     *,
     guidance: float = 4.0,
     tier: str = "device",
+    layout: str = "exact",
 ) -> list[dict[str, Any]]:
     """Ops per step, stock and sparse, for each built-in model (on the CPU).
 
     ``tier``: where the template's rows rest for the sparse steps: ``device`` (resident
     with the model: blocks copy them whole, the path a GPU serves hot templates from) or
-    ``host`` (gathered per request and block, the host tier's path).
+    ``host`` (gathered per request and block, the host tier's path). ``layout``: the
+    sparse steps' token layout, ``exact`` (each mask's own shapes) or ``bucketed`` (masked
+    tokens padded to a bucket: the layout a served GPU step is captured with).
 
     One row per model: ``model, family, mask_ratio, batch, stock_ops, sparse_ops, ratio
     (sparse / stock), top_extra`` (``[(op, sparse - stock), ...]``, the ``TOP`` largest
@@ -95,8 +100,10 @@ def run_ops_bench(
         raise ValueError("batch must be at least 1")
     if tier not in ("device", "host"):
         raise ValueError(f"tier must be device or host, not {tier!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
     folder = models_dir or default_data_dir() / "models"
-    return [_model_row(m, mask_ratio, batch, steps, folder, guidance, tier) for m in models]
+    return [_model_row(m, mask_ratio, batch, steps, folder, guidance, tier, layout) for m in models]
 
 
 def _model_row(
@@ -107,10 +114,13 @@ def _model_row(
     models_dir: Path,
     guidance: float,
     tier: str,
+    layout: str,
 ) -> dict[str, Any]:
     device = torch.device("cpu")
     family, pipe, size = load_demo(model, models_dir, "ops", device)
     editor = MaskAwareEditor(pipe, family, device)
+    if layout == "bucketed":
+        editor.set_buckets(Buckets())
     template = template_image((size, size), seed=1)
     mask = aligned_mask(size, mask_ratio, editor.model_family.token_cell(pipe))
     halo = family_spec(family).halo
@@ -148,6 +158,7 @@ def _model_row(
         "mask_ratio": mask_ratio,
         "batch": batch,
         "tier": tier,
+        "layout": layout,
         "stock_ops": _number(stock_ops),
         "sparse_ops": _number(sparse_ops),
         "first_step_ops": sum(first.values()),

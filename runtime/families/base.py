@@ -183,6 +183,12 @@ class FamilyModel:
         """The request's scheduler step (and whatever the pipeline does after it)."""
         raise NotImplementedError
 
+    def advance_all(self, states: list[RequestState], predictions: list[torch.Tensor]) -> None:
+        """Every request's :meth:`advance`; a family whose step is elementwise per request
+        overrides it with one batched set of ops (``maskaware.flowstep``)."""
+        for state, prediction in zip(states, predictions, strict=True):
+            self.advance(state, prediction)
+
     # -- decode and the stock reference -----------------------------------------------------
 
     def decode(

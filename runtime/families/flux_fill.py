@@ -40,7 +40,7 @@ from retouch.runtime.families.flux_inpaint import (
     FluxInpaintFamily,
     flux_flops,
 )
-from retouch.runtime.maskaware import flux_blocks
+from retouch.runtime.maskaware import flowstep, flux_blocks
 from retouch.runtime.maskaware.attention import assemble
 from retouch.runtime.maskaware.context import current
 from retouch.runtime.maskaware.flops import Flops, linear_flops
@@ -121,6 +121,16 @@ class FluxFill(FluxInpaint):
         """The request's scheduler step (Fill blends nothing back)."""
         step = state.scheduler.step(prediction, state.timestep, state.latents, return_dict=False)
         state.latents = step[0]
+
+    def advance_all(self, states: list[RequestState], predictions: list[torch.Tensor]) -> None:
+        """The batch's scheduler step in one set of ops (``maskaware.flowstep``) where
+        every request steps with the flow-matching Euler scheduler."""
+        if not flowstep.batchable(states):
+            return super().advance_all(states, predictions)
+        latents = flowstep.step(states, torch.cat(predictions))
+        for state, row in zip(states, latents.split(1), strict=True):
+            state.latents = row
+        return None
 
     def stock_batch(
         self, requests: list[EditRequest], noises: list[tuple[SeedNoise, SeedNoise]]

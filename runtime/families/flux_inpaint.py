@@ -29,7 +29,7 @@ from diffusers.pipelines.flux.pipeline_flux_inpaint import calculate_shift, retr
 from PIL import Image
 
 from retouch.runtime.families.base import Family, FamilyModel
-from retouch.runtime.maskaware import flux_blocks, flux_packed, inpaint
+from retouch.runtime.maskaware import flowstep, flux_blocks, flux_packed, inpaint
 from retouch.runtime.maskaware.context import ForwardContext, Mode, current
 from retouch.runtime.maskaware.flops import Flops, linear_flops
 from retouch.runtime.maskaware.flux_packed import PackedInputs
@@ -37,6 +37,7 @@ from retouch.runtime.maskaware.request import (
     EditRequest,
     ImageSize,
     RequestState,
+    batch_timesteps,
     token_sets,
 )
 
@@ -67,6 +68,7 @@ class FluxInpaint(FamilyModel):
     rows_per_request = 1  # guidance is an embedding: no CFG halves
     packs = True
     template_tensors = ("image_latents",)  # the blend needs them every step
+    _blend: flowstep.BlendInputs | None = None  # the running batch's, stacked once
 
     def install(self, transformer: torch.nn.Module) -> list[str]:
         self.channels = transformer.config.in_channels // 4
@@ -233,6 +235,18 @@ class FluxInpaint(FamilyModel):
         )[0]
         state.latents = inpaint.blend(state, latents)
 
+    def advance_all(self, states: list[RequestState], predictions: list[torch.Tensor]) -> None:
+        """The batch's scheduler step and blend in one set of ops (``maskaware.flowstep``)
+        where every request steps with the flow-matching Euler scheduler."""
+        if not flowstep.batchable(states):
+            return super().advance_all(states, predictions)
+        latents = flowstep.step(states, torch.cat(predictions))
+        self._blend = flowstep.BlendInputs.of(states, self._blend)
+        latents = flowstep.blend(states, latents, self._blend)
+        for state, row in zip(states, latents.split(1), strict=True):
+            state.latents = row
+        return None
+
     def decode(
         self, latents: torch.Tensor, size: ImageSize, output_type: str = "pil"
     ) -> Image.Image | np.ndarray:
@@ -250,7 +264,7 @@ def _batched(states: list[RequestState], latents: torch.Tensor) -> PackedInputs:
     """The transformer inputs of all requests (``latents``: their image tokens), as the
     pipeline prepares them for one."""
     inputs = [s.inputs for s in states]
-    timestep = torch.cat([s.timestep.reshape(1).to(latents.dtype) for s in states]) / 1000
+    timestep = batch_timesteps(states, latents.device).to(latents.dtype) / 1000
     return PackedInputs(
         latents=latents,
         timestep=timestep,

@@ -34,7 +34,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3_inpaint 
 )
 
 from retouch.runtime.families.base import Family, FamilyModel, guided
-from retouch.runtime.maskaware import inpaint
+from retouch.runtime.maskaware import flowstep, inpaint
 from retouch.runtime.maskaware.attention import Call, Processor, assemble, sdpa
 from retouch.runtime.maskaware.context import ForwardContext, current
 from retouch.runtime.maskaware.flops import Flops, conv_flops, linear_flops
@@ -47,6 +47,7 @@ from retouch.runtime.maskaware.flux_blocks import (
 from retouch.runtime.maskaware.request import (
     EditRequest,
     RequestState,
+    batch_timesteps,
     token_sets,
 )
 
@@ -69,6 +70,7 @@ class SD3Inpaint(FamilyModel):
     packs = False  # adaLN modulates per model row: the blocks run the padded layout
     template_tensors = ("image_latents",)  # the blend needs them every step
     patch = 2
+    _blend: flowstep.BlendInputs | None = None  # the running batch's, stacked once
 
     def install(self, transformer: torch.nn.Module) -> list[str]:
         if transformer.config.in_channels != 16:
@@ -149,7 +151,7 @@ class SD3Inpaint(FamilyModel):
         out = ctx.call(
             lambda **inputs: transformer(**inputs, return_dict=False)[0],
             hidden_states=torch.cat([torch.cat([s.latents] * 2) for s in states]),
-            timestep=torch.cat([s.timestep.reshape(1).expand(2) for s in states]),
+            timestep=batch_timesteps(states, self.device, repeat=2),
             encoder_hidden_states=torch.cat([s.inputs.prompt_embeds for s in states]),
             pooled_projections=torch.cat([s.inputs.pooled for s in states]),
         )
@@ -162,6 +164,20 @@ class SD3Inpaint(FamilyModel):
         )
         latents = step[0]
         state.latents = inpaint.blend(state, latents)
+
+    def advance_all(self, states: list[RequestState], predictions: list[torch.Tensor]) -> None:
+        """The batch's guidance, scheduler step and blend in one set of ops
+        (``maskaware.flowstep``) where every request steps with the flow-matching Euler
+        scheduler."""
+        if not flowstep.batchable(states):
+            return super().advance_all(states, predictions)
+        velocity = flowstep.guide(states, torch.stack(predictions))
+        latents = flowstep.step(states, velocity)
+        self._blend = flowstep.BlendInputs.of(states, self._blend)
+        latents = flowstep.blend(states, latents, self._blend)
+        for state, row in zip(states, latents.split(1), strict=True):
+            state.latents = row
+        return None
 
 
 # -- blocks -------------------------------------------------------------------------------

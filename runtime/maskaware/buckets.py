@@ -104,12 +104,15 @@ class BucketBatch:
         self.rows_per_request, self.device = rows_per_request, device
         self.serial = next(_SERIAL)  # a graph captured with this object replays only with it
         self.sets: tuple[TokenSet, ...] = ()
+        self._filled: tuple = ()  # the digests of the sets the buffers hold
         self._requests = requests
         rows = requests * rows_per_request
         self._slots = torch.zeros(rows, bucket, dtype=torch.long, device=device)  # positions
         self._gather = torch.zeros(rows * bucket, dtype=torch.long, device=device)
         self._source = torch.zeros(rows * bucket, dtype=torch.long, device=device)
         self._joint: dict[int, torch.Tensor] = {}
+        # each request's slot positions: views of the buffer, made once (refills show)
+        self._masked = [self._slots[r * rows_per_request] for r in range(requests)]
         self._unmasked: dict[int, torch.Tensor] = {}
         self.padded_tokens = 0  # pad slots of the last fill (a figure for /metrics)
 
@@ -119,7 +122,13 @@ class BucketBatch:
         return all(s.count > 0 for s in sets)
 
     def fill(self, sets: Sequence[TokenSet]) -> BucketBatch:
-        """Lay out ``sets`` (one per request) in the buffers; their counts must fit."""
+        """Lay out ``sets`` (one per request) in the buffers; their counts must fit. The
+        sets of the step before (a batch keeps its masks between joins and leaves) are
+        there already: nothing is copied."""
+        digests = tuple(s.digest for s in sets)
+        if digests == self._filled:
+            self.sets = tuple(sets)
+            return self
         if len(sets) != self._requests:
             raise ValueError(f"{len(sets)} token sets for a batch of {self._requests}")
         if any(s.n_tokens != self.n_tokens for s in sets):
@@ -142,7 +151,7 @@ class BucketBatch:
         for text_len, index in self._joint.items():
             index.copy_(self._joint_of(text_len))
         self._unmasked.clear()
-        self.sets = tuple(sets)
+        self.sets, self._filled = tuple(sets), digests
         self.padded_tokens = sum(bucket - s.count for s in sets) * per
         return self
 
@@ -233,7 +242,7 @@ class BucketBatch:
 
     def masked_index(self, request: int) -> torch.Tensor:
         """A request's slot positions on the device (pads repeat a masked position)."""
-        return self._slots[request * self.rows_per_request]
+        return self._masked[request]
 
     def unmasked_index(self, request: int) -> torch.Tensor:
         """A request's unmasked positions on the device (the eager host-row path only: its

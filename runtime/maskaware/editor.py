@@ -436,8 +436,8 @@ class MaskAwareEditor:
             else:
                 with loader.session(ctx):
                     predictions = self.impl.forward(states, ctx)
-        for state, prediction in zip(states, predictions, strict=True):
-            self.impl.advance(state, prediction)
+        self.impl.advance_all(states, predictions)
+        for state in states:
             state.index += 1
 
     def _encode(

@@ -157,6 +157,7 @@ class RequestState:
     writer: ActivationWriter | None = None
     index: int = 0
     _every: dict[tuple[int, int], TokenSet] | None = field(default=None, repr=False)
+    _host_timesteps: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
@@ -165,6 +166,14 @@ class RequestState:
     @property
     def timestep(self) -> torch.Tensor:
         return self.timesteps[self.index]
+
+    @property
+    def timestep_value(self) -> np.float32:
+        """This step's timestep as a host value (the schedule is read once: indexing a
+        device tensor every step dispatches ops and may wait for the device)."""
+        if self._host_timesteps is None:
+            self._host_timesteps = self.timesteps.detach().cpu().to(torch.float32).numpy()
+        return self._host_timesteps[self.index]
 
     @property
     def last(self) -> bool:
@@ -192,6 +201,15 @@ class RequestState:
     def step_reader(self) -> ActivationReader | None:
         """The cache this step reads rows from (none while warming up)."""
         return None if self.warming else self.reader
+
+
+def batch_timesteps(
+    states: list[RequestState], device: torch.device, repeat: int = 1
+) -> torch.Tensor:
+    """Every request's timestep (each ``repeat`` times: CFG halves) as one float32 tensor
+    on ``device``, built on the host: one copy however many requests step together."""
+    values = np.repeat(np.array([s.timestep_value for s in states], dtype=np.float32), repeat)
+    return torch.from_numpy(values).to(device)
 
 
 def _plain(value: Any) -> Any:

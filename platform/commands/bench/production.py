@@ -42,6 +42,13 @@ def add_ops(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     add_tier(p)
     p.add_argument(
+        "--layout",
+        choices=("exact", "bucketed"),
+        default="exact",
+        help="the sparse steps' token layout: exact (each mask's shapes; default) or "
+        "bucketed (masked tokens padded to a bucket, as a served GPU step is captured)",
+    )
+    p.add_argument(
         "--steps",
         type=_checked(int, "an integer >= 3", lambda v: v >= 3),
         default=3,
@@ -57,7 +64,13 @@ def _run_ops(args: argparse.Namespace) -> None:
     from retouch.platform.bench.ops import run_ops_bench
 
     rows = run_ops_bench(
-        args.models, args.mask_ratio, args.batch, args.steps, models_dir(args), tier=args.tier
+        args.models,
+        args.mask_ratio,
+        args.batch,
+        args.steps,
+        models_dir(args),
+        tier=args.tier,
+        layout=args.layout,
     )
     if args.json:
         print(json.dumps(rows))
