@@ -686,6 +686,14 @@ class EngineStats:
     # (0: pre/post run inline, or an executor that does not say).
     pre_workers: int = 0
     post_workers: int = 0
+    # Mask-aware steps from graphs (runtime/maskaware/graphs, buckets), all editors told:
+    # captured layouts kept, captures, replays, steps run eagerly (a layout's first runs,
+    # and steps graphs could not take), and pad slots computed by bucketed layouts.
+    graph_layouts: int = 0
+    graph_captures: int = 0
+    graph_replays: int = 0
+    graph_eager_steps: int = 0
+    padded_tokens: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

@@ -128,7 +128,7 @@ class GatewayMetrics:
         )
         self.engine = Gauge(
             "retouch_engine",
-            "Per-executor engine state at scrape time: batch_overhead_ms_p50, step_ms_p50, batch_mean, plan_sparse_blocks, plan_blocks, load_wait_ms_p50, running, ready, preprocessing, alive",
+            "Per-executor engine state at scrape time: batch_overhead_ms_p50, step_ms_p50, batch_mean, plan_sparse_blocks, plan_blocks, load_wait_ms_p50, running, ready, preprocessing, alive; graph_layouts, graph_captures, graph_replays, graph_eager_steps, padded_tokens (totals since the executor started)",
             ["executor", "quantity"],
             registry=r,
         )
@@ -255,6 +255,12 @@ class GatewayMetrics:
             "ready": engine.ready,
             "preprocessing": engine.preprocessing,
             "alive": float(engine.alive),
+            # mask-aware steps from graphs: totals since the executor started
+            "graph_layouts": engine.graph_layouts,
+            "graph_captures": engine.graph_captures,
+            "graph_replays": engine.graph_replays,
+            "graph_eager_steps": engine.graph_eager_steps,
+            "padded_tokens": engine.padded_tokens,
         }
         for quantity, value in values.items():
             if value is not None:

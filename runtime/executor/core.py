@@ -39,6 +39,7 @@ from retouch.runtime.executor.adapterhost import AdapterHost
 from retouch.runtime.executor.changes import ChangeFeed
 from retouch.runtime.executor.options import ADAPTER_BUDGET_BYTES, BUILD_SHARE, room
 from retouch.runtime.fingerprint import weights_fingerprint
+from retouch.runtime.maskaware.buckets import Buckets
 from retouch.runtime.maskaware.editor import EditRequest, Encoded, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.models import ModelCache
@@ -364,8 +365,15 @@ class ExecutorCore:
         attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
         cost_model = load_or_profile(editor, loaded.fingerprint, self.data_dir, spec.width)
         editor.set_planner(make_planner(cost_model, editor.device))
-        # after profiling (it times eager blocks); a capture is per active adapter set
-        editor.set_graphs(self.cuda_graphs, weights=self.adapters.residency(spec).weights_key)
+        # after profiling (it times eager blocks); a capture is per active adapter set.
+        # Graphs run bucketed layouts: one capture per bucket and batch size serves every mask.
+        if self.cuda_graphs:
+            editor.set_buckets(Buckets())
+        editor.set_graphs(
+            self.cuda_graphs,
+            weights=self.adapters.residency(spec).weights_key,
+            limit=Buckets().levels * self.engine.config.max_batch,
+        )
         profile = profile_path(self.data_dir, loaded.fingerprint, loaded.device)
         prior = load_step_records(profile)
         with self.lock:
@@ -722,7 +730,28 @@ class ExecutorCore:
             plan_blocks=plan.get("blocks"),
             pre_workers=0 if pool is None else pool.workers(PRE),
             post_workers=0 if pool is None else pool.workers(POST),
+            **self._graph_stats(),
         )
+
+    def _graph_stats(self) -> dict[str, int]:
+        """The built editors' graph and bucket counters, summed (read without their lock:
+        plain integers the engine thread increments)."""
+        with self.lock:
+            built = [f.result() for f in self._editors.values() if f.done() and not f.exception()]
+        stats = dict.fromkeys(
+            ("graph_layouts", "graph_captures", "graph_replays", "graph_eager_steps"), 0
+        )
+        stats["padded_tokens"] = 0
+        for editor in built:
+            stats["padded_tokens"] += editor.padded_tokens
+            stats["graph_eager_steps"] += editor.ungraphed_steps
+            graphs = editor.graphs
+            if graphs is not None:
+                stats["graph_layouts"] += len(graphs.layouts)
+                stats["graph_captures"] += graphs.captures
+                stats["graph_replays"] += graphs.replays
+                stats["graph_eager_steps"] += graphs.eager
+        return stats
 
 
 def device_memory(device: torch.device) -> wire.DeviceMemory:

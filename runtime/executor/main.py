@@ -89,7 +89,7 @@ def build_core(args: argparse.Namespace) -> ExecutorCore:
         stages,
         maskaware=options.maskaware,
         data_dir=shared,
-        cuda_graphs=options.cuda_graphs and device.type == "cuda",
+        cuda_graphs=options.cuda_graphs,
         adapter_bytes=options.adapter_cache_bytes,
         adapter_build_share=options.adapter_build_share,
     )

@@ -58,8 +58,9 @@ class ExecutorOptions:
     )
     cuda_graphs: bool = knob(
         False,
-        "replay mask-aware steps whose templates are all device-resident from CUDA graphs "
-        "(one capture per batch layout)",
+        "replay mask-aware steps whose templates are all device-resident from CUDA graphs: "
+        "masked tokens padded to buckets, one capture per bucket and batch size (on a CPU "
+        "the same bookkeeping with eager replays, for tests)",
     )
     adapter_cache_bytes: int = knob(
         ADAPTER_BUDGET_BYTES,

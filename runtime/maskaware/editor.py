@@ -118,6 +118,7 @@ class MaskAwareEditor:
         self._buckets: Buckets | None = None
         self._bucketed: OrderedDict[tuple, BucketBatch] = OrderedDict()
         self.padded_tokens = 0  # pad slots computed by bucketed steps, all told
+        self.ungraphed_steps = 0  # steps with graphs on that could not use them (host rows)
 
     @property
     def plan(self) -> Plan:
@@ -342,8 +343,11 @@ class MaskAwareEditor:
         if modes is None:
             modes = self.plan(states, self.blocks)
         ctx = ForwardContext(slots, per, modes, grids)
-        if self._graphs is not None and self._graphable() and StepGraphs.usable(ctx, self.device):
-            ctx.runner = self._graphs
+        if self._graphs is not None:
+            if self._graphable() and StepGraphs.usable(ctx, self.device):
+                ctx.runner = self._graphs
+            else:
+                self.ungraphed_steps += 1
         self._run(ctx, states)
 
     def _graphable(self) -> bool:

@@ -147,6 +147,7 @@ class StepGraphs:
         self.layouts: OrderedDict[Hashable, _Layout] = OrderedDict()
         self.captures = 0
         self.replays = 0
+        self.eager = 0  # steps run eagerly by the runner: a parity's first run, a failed capture
         self.prefetched = 0  # runs whose rows had been copied in during the run before
         self._copies = torch.cuda.Stream(device) if self.cuda else None
 
@@ -197,6 +198,7 @@ class StepGraphs:
         if layout.fns[parity] is None or layout.graphs[parity] is EAGER:
             # first run of this parity (its static rows are made), or a capture failed
             layout.fns[parity] = fn
+            self.eager += 1
             out = fn(**tensors)
         else:
             if layout.graphs[parity] is None:
@@ -204,6 +206,7 @@ class StepGraphs:
             else:
                 _copy_inputs(layout.inputs, tensors)
             if layout.graphs[parity] is EAGER:
+                self.eager += 1
                 out = fn(**tensors)
             else:
                 self._replay(layout, parity)
