@@ -8,9 +8,10 @@ graph replays the whole call with one launch.
 What a capture bakes in, and how it stays valid:
 
 * **the layout**: token batches (``ctx.grids``), per-block modes, tensor shapes. A graph is
-  keyed by them (token sets by content, ``TokenSet.digest``), so edits with the same masks
-  share it; a new layout runs eagerly once (lazy device copies and kernel choices happen
-  there), is captured on its second use and replayed from then on.
+  keyed by them (``layout_key``: an exact ``TokenBatch`` by its sets' content, so edits
+  with the same masks share it; a bucketed ``BucketBatch`` by its buffers, so every mask
+  of its bucket shares it); a new layout runs eagerly once (lazy device copies and kernel
+  choices happen there), is captured on its second use and replayed from then on.
 * **the weights**: a capture replays the denoiser's LoRA layers as they were (the active
   adapters, their scales, their tensors' addresses). The layout key holds ``weights()``,
   the active adapter set and its injections (``runtime/adapters``), so another set, or the
