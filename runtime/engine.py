@@ -46,7 +46,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -88,6 +88,23 @@ class InjectedFault(RuntimeError):
 class EngineMode(StrEnum):
     CONTINUOUS = "continuous"
     STATIC = "static"
+
+
+class WorkStatus(StrEnum):
+    """Where an invocation is in the engine (set by the engine as it moves it on)."""
+
+    ACCEPTED = "accepted"  # submitted: pre-processing (or waiting to be encoded inline)
+    WAITING_ADAPTERS = "waiting_adapters"  # encoded; its LoRA files are still being read
+    READY = "ready"  # in the ready queue, may join the next step
+    RUNNING = "running"  # in the running batch, one step per iteration
+    POSTPROCESSING = "postprocessing"  # denoised, being decoded
+    DONE = "done"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (WorkStatus.DONE, WorkStatus.FAILED, WorkStatus.CANCELED)
 
 
 @dataclass(frozen=True)
@@ -154,6 +171,7 @@ class Work:
     reader_released: bool = False
     on_step: OnStep | None = None  # progress: must be cheap and never block
     cancel_requested: bool = False  # set by Engine.cancel; honoured before the next step
+    status: WorkStatus = WorkStatus.ACCEPTED
     feather_px: int | None = None  # composite into the template, this soft edge (None: off)
     adapters: AdapterUse | None = None  # the model's adapter set (None: a model without any)
     # The function's LoRA files, whose text-encoder parts encode its prompt (pre workers).
@@ -237,6 +255,49 @@ class EngineCounters:
             else None,
             **step_overhead(recent, [p for pairs in list(self.prior.values()) for p in pairs]),
         }
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What :func:`schedule` decided for the next step: who joins the running batch, and
+    whose adapter set is attached between steps first."""
+
+    joining: tuple[Work, ...] = ()
+    loading: tuple[Work, ...] = ()
+
+
+def schedule(
+    ready: Sequence[Work],
+    running: Mapping[Hashable, int],
+    config: EngineConfig,
+    joined: Sequence[Work] = (),
+) -> Admission:
+    """Which ready invocations join before the next step (pure: the engine applies it).
+
+    ``running``: the size of every running group; ``joined``: invocations this iteration
+    admitted already (they count towards their group's size). Continuous mode: in arrival
+    order, each joins its group while the group has room (``max_batch``); while a batch
+    runs, one whose adapter set is not resident waits for it to be attached between steps
+    instead. Static mode: a batch forms only when nothing runs, from the oldest ready
+    invocation's group, and runs to completion."""
+    cap = config.max_batch
+    if config.mode is EngineMode.STATIC:
+        if running or not ready:
+            return Admission()
+        key = ready[0].key
+        return Admission(tuple([w for w in ready if w.key == key][:cap]))
+    sizes = dict(running)
+    for work in joined:
+        sizes[work.key] = sizes.get(work.key, 0) + 1
+    joining: list[Work] = []
+    loading: list[Work] = []
+    for work in ready:
+        if running and not (work.adapters is None or work.adapters.resident):
+            loading.append(work)  # attached between steps, then it joins
+        elif sizes.get(work.key, 0) < cap:
+            sizes[work.key] = sizes.get(work.key, 0) + 1
+            joining.append(work)
+    return Admission(tuple(joining), tuple(loading))
 
 
 def step_overhead(
@@ -437,6 +498,7 @@ class Engine:
             return
         with self._cv:
             self._adapter_waits += 1
+            work.status = WorkStatus.WAITING_ADAPTERS
 
         def read_done(f: Future) -> None:
             with self._cv:
@@ -455,6 +517,7 @@ class Engine:
         with self._cv:
             accepting = self._accepting()
             if accepting:
+                work.status = WorkStatus.READY
                 self._ready.append(work)
                 self._cv.notify()
         if not accepting:  # died or stopped meanwhile
@@ -516,31 +579,15 @@ class Engine:
                 self._idle_background()
 
     def _admit(self, admitted: list[Work] | None = None) -> list[Work]:
-        """Ready invocations that join now (under the lock); ``admitted``: those this
-        iteration admitted already (they count towards their group's size)."""
-        cap = self.config.max_batch
-        joining: list[Work] = []
-        if self.config.mode is EngineMode.STATIC:
-            if self._running or not self._ready:
-                return []
-            key = self._ready[0].key
-            for work in list(self._ready):
-                if work.key == key and len(joining) < cap:
-                    self._ready.remove(work)
-                    joining.append(work)
-            return joining
-        sizes = {k: len(v) for k, v in self._running.items()}
-        for work in admitted or ():
-            sizes[work.key] = sizes.get(work.key, 0) + 1
-        self._loading = []
-        for work in list(self._ready):
-            if self._running and not (work.adapters is None or work.adapters.resident):
-                self._loading.append(work)  # attached between steps, then it joins
-            elif sizes.get(work.key, 0) < cap:
-                self._ready.remove(work)
-                sizes[work.key] = sizes.get(work.key, 0) + 1
-                joining.append(work)
-        return joining
+        """Ready invocations that join now (under the lock), as :func:`schedule` decides;
+        ``admitted``: those this iteration admitted already."""
+        running = {k: len(v) for k, v in self._running.items()}
+        admission = schedule(list(self._ready), running, self.config, admitted or ())
+        for work in admission.joining:
+            self._ready.remove(work)
+        if self.config.mode is EngineMode.CONTINUOUS:
+            self._loading = list(admission.loading)
+        return list(admission.joining)
 
     def _advance_loads(self) -> float:
         """Attach a slice of the first waiting adapter set's layers; the seconds it took.
@@ -576,6 +623,7 @@ class Engine:
             return
         work.encoded = None
         work.joined = time.perf_counter()
+        work.status = WorkStatus.RUNNING
         self._running.setdefault(work.key, []).append(work)
 
     def _leave_canceled(self) -> None:
@@ -654,6 +702,7 @@ class Engine:
             release()
         work.reader_released = True
         work.state = None
+        work.status = WorkStatus.POSTPROCESSING
         if self.config.disaggregated:
             self.stages.decode(work, latents).add_done_callback(
                 lambda f: self._post_finished(work, f)
@@ -671,6 +720,7 @@ class Engine:
             return
         work.post_done = time.perf_counter()
         if not work.future.done():
+            work.status = WorkStatus.DONE
             work.future.set_result(work.report(output))
 
     def _post_finished(self, work: Work, fut: Future) -> None:
@@ -679,6 +729,7 @@ class Engine:
             return
         work.post_done = time.perf_counter()
         if not work.future.done():
+            work.status = WorkStatus.DONE
             work.future.set_result(work.report(Output(*fut.result())))
 
     def _interrupt(self) -> None:
@@ -695,6 +746,7 @@ class Engine:
             work.reader_released = True
             release()
         if not work.future.done():
+            work.status = WorkStatus.CANCELED if isinstance(exc, Canceled) else WorkStatus.FAILED
             work.future.set_exception(exc)
 
     def _starved_job(self) -> Callable[[], None] | None:

@@ -20,7 +20,14 @@ from diffusers import FluxInpaintPipeline
 from retouch.functions.demo.images import mask_of_ratio, template_image
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import Canceled
-from retouch.runtime.engine import Engine, EngineConfig, EngineMode, EngineUnavailable, Work
+from retouch.runtime.engine import (
+    Engine,
+    EngineConfig,
+    EngineMode,
+    EngineUnavailable,
+    Work,
+    WorkStatus,
+)
 from retouch.runtime.executor.core import WorkerStages
 from retouch.runtime.maskaware.editor import BakeCancelled, EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
@@ -310,6 +317,11 @@ def test_cancel_leaves_the_batch_at_the_next_step_and_others_go_on(editor, baked
     finally:
         engine.stop()
     assert accepted == [True, True]
+    assert [works[s].status for s in (1, 2, 3)] == [
+        WorkStatus.CANCELED,
+        WorkStatus.DONE,
+        WorkStatus.CANCELED,
+    ]
     ran = len(works[1].batch_sizes)
     assert ran == 3 < STEPS  # left at the next step boundary
     assert works[3].batch_sizes == []
