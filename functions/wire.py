@@ -799,6 +799,7 @@ class ExecutorState:
     pid: int
     device: str
     maskaware: bool = True
+    deterministic: bool = False  # runs in deterministic mode (ExecutorOptions.deterministic)
     models: tuple[str, ...] = ()  # loaded
     loading: tuple[str, ...] = ()  # being loaded or profiled
     functions: tuple[str, ...] = ()
@@ -826,6 +827,7 @@ class ExecutorState:
             "pid": self.pid,
             "device": self.device,
             "maskaware": self.maskaware,
+            "deterministic": self.deterministic,
             "models": list(self.models),
             "loading": list(self.loading),
             "functions": list(self.functions),
@@ -854,6 +856,7 @@ class ExecutorState:
             pid=int(body["pid"]),
             device=str(body["device"]),
             maskaware=bool(body.get("maskaware", True)),
+            deterministic=bool(body.get("deterministic", False)),
             models=tuple(body.get("models", ())),
             loading=tuple(body.get("loading", ())),
             functions=tuple(body.get("functions", ())),

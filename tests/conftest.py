@@ -11,8 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from retouch.runtime.reproducibility import set_switches
 from tests.postgres import PostgresServer, bin_dir
 
+# The suite runs with deterministic mode's switches (docs/maskaware.md, "Exactness and
+# reproducibility"), set before anything computes: every test process and the executors it
+# starts (which inherit them) choose kernels independently of the weights' alignment.
+set_switches(os.environ)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two test processes share the 2-core machine: each server's executors and each test
     # process run one torch thread, and OpenMP threads sleep rather than spin while they

@@ -51,6 +51,7 @@ from retouch.runtime.profiling import (
     profile_in_subprocess,
     profile_path,
 )
+from retouch.runtime.reproducibility import in_effect as deterministic_mode
 from retouch.runtime.steprecords import load_step_records, save_step_records
 from retouch.runtime.templates import BakeState, Template, TemplateCache
 from retouch.runtime.worker_server import POST, PRE
@@ -694,6 +695,7 @@ class ExecutorCore:
             pid=os.getpid(),
             device=str(self.models.device),
             maskaware=self.maskaware,
+            deterministic=deterministic_mode(),
             models=tuple(self.models.loaded()),
             loading=tuple(self.models.loading()),
             functions=functions,

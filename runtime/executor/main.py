@@ -36,6 +36,7 @@ from retouch.runtime.executor.options import (
 )
 from retouch.runtime.httpserver import SERVER_OPTIONS
 from retouch.runtime.models import ModelCache
+from retouch.runtime.reproducibility import make_deterministic
 from retouch.runtime.templates import TemplateCache
 from retouch.runtime.workers import PrePostPool
 
@@ -127,6 +128,8 @@ def run(args: argparse.Namespace, token: str) -> None:
     unfinished invocations fail with ``engine_unavailable``, which a gateway re-places).
     ``args``: parsed by :func:`~retouch.runtime.executor.options.add_process_flags` and
     checked; the one way an executor process starts, child or standalone."""
+    if args.options.deterministic:  # before anything computes or forks (MKL reads it then)
+        make_deterministic()
     if torch.device(args.device).type == "cpu":
         forkserver.fork_from_here()  # before any thread starts (the parent watch is one)
     if args.exit_with_parent:

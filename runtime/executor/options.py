@@ -78,6 +78,13 @@ class ExecutorOptions:
     maskaware: bool = knob(
         True, "mask-aware edits; --no-maskaware computes every token (for comparisons)"
     )
+    deterministic: bool = knob(
+        False,
+        "the same request gives the same bits on this machine however the model was "
+        "loaded: MKL's conditional numerical reproducibility, cuBLAS's fixed workspace and "
+        "torch's deterministic algorithms, set before the executor computes anything "
+        "(docs/maskaware.md, exactness and reproducibility)",
+    )
     engine: str = knob(
         "continuous",
         "step-level continuous batching, or static batches (for comparisons)",

@@ -7,10 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -32,6 +33,8 @@ class Executor:
     data_dir: Path
     shared_dir: Path
     process: subprocess.Popen | None = None
+    args: tuple[str, ...] = ()  # more flags
+    env: Mapping[str, str] | None = None  # its environment (default: this process's)
 
     @property
     def url(self) -> str:
@@ -42,12 +45,13 @@ class Executor:
             sys.executable, "-m", "retouch.platform.cli", "executor", "--name", self.name,
             "--port", str(self.port), "--data-dir", str(self.data_dir),
             "--shared-dir", str(self.shared_dir), "--max-batch", "1", "--threads", "1",
+            *self.args,
         ]  # fmt: skip
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with (self.data_dir / "executor.log").open("ab") as log:
             self.process = subprocess.Popen(
                 cmd,
-                env={**os.environ, TOKEN_ENV: TOKEN},
+                env={**(os.environ if self.env is None else self.env), TOKEN_ENV: TOKEN},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -81,10 +85,13 @@ class Executor:
 
 
 @contextmanager
-def running(base: Path, prefix: str, shared_dir: Path, count: int = 2) -> Iterator[list[Executor]]:
-    """``count`` healthy executors on free ports, stopped on the way out."""
+def running(
+    base: Path, prefix: str, shared_dir: Path, count: int = 2, **options: Any
+) -> Iterator[list[Executor]]:
+    """``count`` healthy executors on free ports (``options``: more :class:`Executor`
+    fields), stopped on the way out."""
     started = [
-        Executor(f"{prefix}-{i}", free_port(), base / f"exec-{i}", shared_dir).start()
+        Executor(f"{prefix}-{i}", free_port(), base / f"exec-{i}", shared_dir, **options).start()
         for i in range(count)
     ]
     try:

@@ -7,11 +7,13 @@ one sent more invocations than its room refuses the extra with 429 ``executor_fu
 through the gateway every invocation still succeeds while another client fills the
 executors (the gateway queues refused ones again). An executor SIGKILLed mid-run: its work
 re-runs on the other, the gateway marks it dead, and takes it back once a new process
-answers on the same port. SIGTERM ends an executor cleanly.
+answers on the same port. SIGTERM ends an executor cleanly. Both run with
+``--deterministic`` (set by the executor itself: their environment lacks the switches).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +27,7 @@ from retouch.functions import wire
 from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess
 from retouch.runtime.executor.app import TOKEN_ENV
+from retouch.runtime.reproducibility import SWITCHES
 from tests.e2e.standalone import AUTH, TOKEN, Executor, running
 from tests.support import wait_for
 
@@ -41,7 +44,10 @@ ROOM = 2  # max batch 1 x (running batch + as many waiting)
 def executors(
     tmp_path_factory: pytest.TempPathFactory, shared_dir: Path
 ) -> Iterator[list[Executor]]:
-    with running(tmp_path_factory.mktemp("attach"), "standalone", shared_dir) as started:
+    """In deterministic mode, started without its switches: they set them themselves."""
+    env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    base = tmp_path_factory.mktemp("attach")
+    with running(base, "standalone", shared_dir, args=("--deterministic",), env=env) as started:
         yield started
 
 
@@ -96,6 +102,7 @@ def test_attached_executors_are_the_pool(gateway: ServerProcess, executors: list
         assert rows[e.url]["healthy"] and rows[e.url]["device"] == "cpu"
         assert rows[e.url]["node"] == e.name
         assert FUNCTION in rows[e.url]["functions"]
+        assert e.state().deterministic  # --deterministic
     assert invoke(gateway.url, 1).width == 128
 
 

@@ -110,6 +110,7 @@ def test_the_entry_point_runs_without_a_traceback(capsys: pytest.CaptureFixture[
 def test_every_executor_knob_is_reachable_from_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RETOUCH_THREADS", raising=False)  # tests/conftest.py's, under xdist
     wanted = replace(ExecutorOptions(), maskaware=False, engine="static", max_batch=3)
+    wanted = replace(wanted, deterministic=True)
     wanted = replace(wanted, pre_workers=2, post_workers=3, worker_threads=2, threads=4)
     args = build_parser().parse_args(["serve", *to_flags(wanted)])
     config = config_of(args)
