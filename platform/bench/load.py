@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ class Outcome:
     post_ms: float = 0.0  # and decode
     gateway_queue_ms: float = 0.0  # waiting in the gateway's queue for an executor slot
     run_ms: float = 0.0  # the executor's: from joining the batch to the last step
+    path: str = ""  # how the executor ran it: maskaware or stock (InvokePath)
 
 
 REJECTIONS = ("overloaded", "slo_unattainable")
@@ -102,6 +104,7 @@ class RunStats:
             [(o.predicted_ms - o.placed_ms) / o.placed_ms for o in predicted]
         )
         out["per_executor"] = _per_executor(ok)
+        out["paths"] = dict(Counter(o.path for o in ok))  # invocations per path taken
         # a 429 on arrival is admission's answer; one after queueing was accepted and then
         # missed its SLO, so it counts against the accepted ones' attainment
         refused = [o for o in rejected if not o.dropped]
@@ -194,6 +197,7 @@ async def replay(
                 outcome.predicted_ms = result.timings.predicted_ms
                 outcome.placed_ms = result.timings.placed_ms
                 outcome.executor = result.executor
+                outcome.path = str(result.path.value)
                 outcome.mask_ratio = result.mask_ratio
                 outcome.pre_ms = result.timings.pre_ms
                 outcome.post_ms = result.timings.post_ms
