@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from retouch.runtime.maskaware.graphs import capture
+
 log = logging.getLogger(__name__)
 
 MAX_KEYS = 8  # captured argument layouts kept (batch sizes, resolutions)
@@ -92,17 +94,12 @@ class StockGraphs:
             entry.graph = True
             return
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with torch.cuda.stream(stream):
-                self._forward(*entry.args, **entry.kwargs)  # warm-up on the capture stream
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                entry.output = self._forward(*entry.args, **entry.kwargs)
+            entry.output = capture(
+                graph, lambda: self._forward(*entry.args, **entry.kwargs), self.device, self._pool
+            )
         except RuntimeError:
             log.exception("capturing the stock denoiser call failed: it runs eagerly")
-            torch.cuda.current_stream(self.device).wait_stream(stream)
             entry.graph = False
             return
         entry.graph = graph

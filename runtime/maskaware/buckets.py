@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from retouch.runtime.maskaware.tokens import TokenSet
+from retouch.runtime.maskaware.tokens import TokenSet, gather_feature_map
 
 DEFAULT_FRACTIONS = (0.125, 0.25, 0.375, 0.5, 0.75, 1.0)
 DEFAULT_MULTIPLE = 8
@@ -218,13 +218,8 @@ class BucketBatch:
         return picked.view(self.rows, self.bucket, channels)
 
     def gather_map(self, feature_map: torch.Tensor) -> torch.Tensor:
-        """``[rows, C, H, W]`` → the sparse layout (one request: picked from the
-        channels-first map, only the picked columns copied)."""
-        channels_first = feature_map.flatten(2)
-        if len(self.sets) != 1:
-            return self.gather(channels_first.transpose(1, 2))
-        picked = channels_first.index_select(2, self.masked_index(0)).transpose(1, 2)
-        return picked.reshape(1, -1, picked.shape[-1]) if self.packed else picked
+        """``[rows, C, H, W]`` → the sparse layout (as ``TokenBatch.gather_map``)."""
+        return gather_feature_map(self, feature_map)
 
     def real_rows(self, sparse: torch.Tensor, channel_dims: int = 1) -> torch.Tensor:
         """Every slot's row, ``[rows * bucket, C]`` (pad slots included: the scatter

@@ -279,19 +279,10 @@ class StepGraphs:
             layout.graphs[parity] = True
             return
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with torch.cuda.stream(stream):
-                fn(**layout.inputs)  # warm-up on the capture stream, as torch advises
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            # thread-local: CUDA calls of other threads (a device-tier copy, a pinned
-            # registration) neither break this capture nor are broken by it
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                layout.outputs[parity] = fn(**layout.inputs)
+            layout.outputs[parity] = capture(graph, lambda: fn(**layout.inputs), self.device)
         except RuntimeError:
             log.exception("capturing a mask-aware step failed: this layout runs eagerly")
-            torch.cuda.current_stream(self.device).wait_stream(stream)
             layout.graphs[parity] = EAGER
             return
         layout.graphs[parity] = graph
@@ -304,6 +295,24 @@ class StepGraphs:
             layout.graphs[parity].replay()
         else:
             layout.outputs[parity] = layout.fns[parity](**layout.inputs)
+
+
+def capture(graph: Any, run: Callable[[], Any], device: torch.device, pool: Any = None) -> Any:
+    """``run()`` warmed up on a side stream, as torch advises, then captured into ``graph``
+    on it; the captured call's output. Thread-local capture mode: CUDA calls of other
+    threads (a device-tier copy, a pinned registration) neither break the capture nor are
+    broken by it. On an error the caller's stream has waited for the side stream."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            return run()
+    except RuntimeError:
+        torch.cuda.current_stream(device).wait_stream(stream)
+        raise
 
 
 def streams_to(reader: ActivationReader, device: torch.device) -> bool:

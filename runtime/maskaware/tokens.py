@@ -193,11 +193,7 @@ class TokenBatch:
         """``[rows, C, H, W]`` → the sparse layout, like :meth:`gather` of its tokens. When
         every row shares one token set (one request) the masked columns are picked straight
         from the channels-first map: only the picked rows are ever copied."""
-        channels_first = feature_map.flatten(2)
-        if len(self.sets) != 1:
-            return self.gather(channels_first.transpose(1, 2))
-        picked = channels_first.index_select(2, self.masked_index(0)).transpose(1, 2)
-        return picked.reshape(1, -1, picked.shape[-1]) if self.packed else picked
+        return gather_feature_map(self, feature_map)
 
     def real_rows(self, sparse: torch.Tensor, channel_dims: int = 1) -> torch.Tensor:
         """The sparse layout's real token rows, ``[T, C]`` in ``flat_index`` order; the
@@ -251,6 +247,16 @@ class TokenBatch:
         """Packed layout: the model row of every packed token (to expand per-row tensors)."""
         counts = torch.tensor(self.counts, device=self.device)
         return torch.repeat_interleave(torch.arange(self.rows, device=self.device), counts)
+
+
+def gather_feature_map(batch: TokenBatch, feature_map: torch.Tensor) -> torch.Tensor:
+    """``batch.gather_map``, for any layout with ``sets``, ``gather``, ``masked_index`` and
+    ``packed`` (the exact and the bucketed ones)."""
+    channels_first = feature_map.flatten(2)
+    if len(batch.sets) != 1:
+        return batch.gather(channels_first.transpose(1, 2))
+    picked = channels_first.index_select(2, batch.masked_index(0)).transpose(1, 2)
+    return picked.reshape(1, -1, picked.shape[-1]) if batch.packed else picked
 
 
 def _cat_long(parts: list[torch.Tensor]) -> torch.Tensor:

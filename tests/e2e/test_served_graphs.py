@@ -64,8 +64,10 @@ def test_served_random_masks_share_few_graph_layouts(server: ServerProcess) -> N
             client.invoke("tiny-flux", template, mask_of_ratio((128, 128), 0.2), "a hat")
         wait_for(
             "every template in the device tier",
-            lambda: client.executors()["executors"][0]["state"]["cache"].get("device_templates")
-            == len(TEMPLATES),
+            lambda: (
+                client.executors()["executors"][0]["state"]["cache"].get("device_templates")
+                == len(TEMPLATES)
+            ),
             60,
             detail=lambda: client.executors()["executors"][0]["state"]["cache"],
         )

@@ -21,6 +21,7 @@ from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.maskaware.tokens import TokenBatch, TokenSet
 from retouch.runtime.models import load_pipeline
+from tests.runtime.maskaware.test_graphs import _edits
 
 CPU = torch.device("cpu")
 STEPS = 2
@@ -77,13 +78,6 @@ def _requests(editor, template, guidance, ratios, seed=0):
         )
         for i, r in enumerate(ratios)
     ]
-
-
-def _edits(editor, requests, store) -> list[np.ndarray]:
-    states = [editor.prepare(r, store) for r in requests]
-    while not states[0].done:
-        editor.step(states)
-    return [editor.finish(s, "np") for s in states]
 
 
 @pytest.mark.parametrize(
