@@ -6,9 +6,9 @@ header (no pixel decoded) and refuses it above ``--max-image-pixels`` (``image_t
 Only then is it decoded, and only once it holds a reservation from the
 :class:`DecodeBudget`: ``BYTES_PER_PIXEL`` per declared pixel (or per pixel of the size a
 decode resizes it to, when larger: a mask resized to its image's), out of
-``--decode-memory-bytes`` (by default an eighth of the machine's memory). So however many
-images arrive at once, the decodes in flight together stay within the budget; the rest
-wait their turn in arrival order.
+``--decode-memory-bytes`` (by default room for two decodes at the pixel limit:
+``platform/limits.py``). So however many images arrive at once, the decodes in flight
+together stay within the budget; the rest wait their turn in arrival order.
 
 Small images (``INLINE_PIXELS`` or fewer) are decoded on the event loop without a
 reservation: 256 x 256 decodes in ~0.4 ms on a 2-core machine, less than the hop to a
@@ -20,13 +20,10 @@ the same rule (:meth:`ImageGate.work`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 from retouch.functions.imaging import MAX_PIXELS, declared_size
@@ -38,20 +35,6 @@ T = TypeVar("T")
 # for RGB and RGBA images and masks.
 BYTES_PER_PIXEL = 24
 INLINE_PIXELS = 256 * 256
-MEMORY_SHARE = 8  # the default budget: this fraction of the machine's (or cgroup's) memory
-CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
-
-
-def machine_memory() -> int:
-    """Physical memory in bytes, or the cgroup's limit when it is lower (a container)."""
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    with contextlib.suppress(OSError, ValueError):
-        total = min(total, int(CGROUP_LIMIT.read_text().strip()))  # "max": no limit
-    return total
-
-
-def default_budget() -> int:
-    return machine_memory() // MEMORY_SHARE
 
 
 @dataclass(frozen=True)
