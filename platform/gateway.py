@@ -427,6 +427,7 @@ class Gateway:
             "executors": executors,
             "placement": queue.placement.name,
             "queue": {"waiting": len(queue), **asdict(queue.stats)},
+            "latency": self.metrics.latency_summary(),
             "control": report.placement_summary(),
             "autoscaler": report.describe_autoscaler(),
         }
@@ -582,7 +583,6 @@ class Gateway:
             routes=[
                 route("/healthz", self.healthz),
                 route("/readyz", self.readyz),
-                route("/metrics", self.metrics_text),
                 route("/v1/functions", self.list_functions, scope="invoke"),
                 route("/v1/functions/{name}", self.get_function, scope="invoke"),
                 route("/v1/functions/{name}", self.put_function, "PUT", scope="admin", status=202),
@@ -617,6 +617,16 @@ class Gateway:
             ],
             exception_handlers=structured_http_errors(self.count_error, render_error),
             lifespan=lifespan,
+        )
+
+    def metrics_app(self) -> Starlette:
+        """The metrics listener's app: ``GET /metrics`` without a token, nothing else. It
+        names every function, error count and executor, which no tenant may read, so it is
+        served on a port of its own (``--metrics-port``) and the API's answers it 404."""
+        metrics = endpoint(self.metrics_text, lambda request: None, self.count_error)
+        return Starlette(
+            routes=[Route("/metrics", metrics, methods=["GET"])],
+            exception_handlers=structured_http_errors(self.count_error),
         )
 
 
