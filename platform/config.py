@@ -112,7 +112,7 @@ class ServeConfig:
         0,
         "memory for image decodes in flight (each reserves 24 bytes per declared pixel; "
         "others wait)",
-        shown="an eighth of the machine's memory",
+        shown="two decodes at --max-image-pixels (768 MiB), at most an eighth of the memory",
     )
     body_memory_bytes: int = knob(
         0,

@@ -44,8 +44,11 @@ def default_decode_budget(max_pixels: int, machine_bytes: int) -> int:
 
 
 def size(nbytes: int) -> str:
-    """``nbytes`` as a person reads it: MiB, or GiB from one GiB."""
-    return f"{nbytes / (1 << 30):.1f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
+    """``nbytes`` as a person reads it, in KiB, MiB or GiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"
 
 
 @dataclass(frozen=True)
