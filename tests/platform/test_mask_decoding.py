@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -107,15 +108,27 @@ def test_decodes_in_flight_stay_within_the_budget_in_arrival_order() -> None:
     assert gate.decoded == 8
 
 
-def test_a_canceled_request_keeps_its_reservation_until_its_decode_ends() -> None:
+async def _decode_alone(gate: ImageGate, side: int, blocking: Callable[[], object]) -> None:
+    await gate.decode(Declared(side, side), blocking)
+
+
+async def _work_in_a_run(gate: ImageGate, side: int, blocking: Callable[[], object]) -> None:
+    async with gate.holding(side * side):
+        await gate.work(side * side, blocking)
+
+
+@pytest.mark.parametrize("first_work", [_decode_alone, _work_in_a_run], ids=["decode", "run"])
+def test_a_canceled_request_keeps_its_reservation_until_its_thread_ends(first_work) -> None:
+    """A decode's own reservation, or a run's hold, outlives its caller while the thread
+    it started runs on."""
     side = 512
     gate = ImageGate(4096 * 4096, DecodeBudget(side * side * BYTES_PER_PIXEL))
     release = threading.Event()
 
     async def scenario() -> None:
-        first = asyncio.create_task(gate.decode(Declared(side, side), release.wait, 10))
+        first = asyncio.create_task(first_work(gate, side, lambda: release.wait(10)))
         await asyncio.sleep(0.05)
-        first.cancel()  # the client left; its decode runs on
+        first.cancel()  # the client left; its thread runs on
         second = asyncio.create_task(gate.decode(Declared(side, side), lambda: "second"))
         await asyncio.sleep(0.05)
         assert not second.done() and gate.budget.in_use == gate.budget.capacity
@@ -157,29 +170,6 @@ def test_a_run_of_image_work_holds_one_reservation_from_its_first_step_to_its_la
     assert asyncio.run(scenario()) == [0, 1, 2]
     assert most == 1 and gate.budget.peak == cost and gate.budget.in_use == 0
     assert gate.budget.waited == 2 and gate.decoded == 3
-
-
-def test_a_canceled_run_keeps_its_hold_until_its_thread_ends() -> None:
-    side = 512
-    gate = ImageGate(4096 * 4096, DecodeBudget(side * side * BYTES_PER_PIXEL))
-    release = threading.Event()
-
-    async def run() -> None:
-        async with gate.holding(side * side):
-            await gate.work(side * side, release.wait, 10)
-
-    async def scenario() -> None:
-        first = asyncio.create_task(run())
-        await asyncio.sleep(0.05)
-        first.cancel()  # the client left; its thread runs on
-        second = asyncio.create_task(gate.decode(Declared(side, side), lambda: "second"))
-        await asyncio.sleep(0.05)
-        assert not second.done() and gate.budget.in_use == gate.budget.capacity
-        release.set()
-        assert await asyncio.wait_for(second, 5) == "second"
-        assert gate.budget.in_use == 0
-
-    asyncio.run(scenario())
 
 
 def test_large_work_outside_a_run_takes_a_reservation_as_a_decode_does() -> None:
