@@ -168,7 +168,7 @@ class ImageGate:
         """One reservation for a run of image work on images of up to ``pixels`` pixels,
         held while the block runs (and any thread it started): the decodes and work inside
         take none of their own. Inside another run's hold, the outer one covers it."""
-        if pixels <= INLINE_PIXELS or _HOLD.get() is not None:
+        if pixels <= INLINE_PIXELS or self._hold() is not None:
             yield
             return
         nbytes = pixels * BYTES_PER_PIXEL
@@ -202,7 +202,7 @@ class ImageGate:
         """``fn(*args)`` on a worker thread, within the run's hold or a reservation of its
         own for ``pixels``."""
         loop = asyncio.get_running_loop()
-        hold = _HOLD.get()
+        hold = self._hold()
         if hold is not None:
             work = loop.run_in_executor(None, functools.partial(fn, *args))
             hold.started(work)
@@ -216,6 +216,11 @@ class ImageGate:
             raise
         work.add_done_callback(functools.partial(self._done, nbytes))
         return await asyncio.shield(work)
+
+    def _hold(self) -> Hold | None:
+        """The hold of the run this code is part of, when it is on this gate's budget."""
+        hold = _HOLD.get()
+        return hold if hold is not None and hold.budget is self.budget else None
 
     def _done(self, nbytes: int, work: asyncio.Future) -> None:
         self.budget.release(nbytes)
