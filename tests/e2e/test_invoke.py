@@ -17,10 +17,9 @@ from PIL import Image
 
 from retouch.functions import wire
 from retouch.functions.errors import RetouchError
-from retouch.functions.imaging import MAX_PIXELS, encode_mask
+from retouch.functions.imaging import encode_mask
 from retouch.platform.bench.load import wait_baked
 from retouch.platform.client import Client, read_spec_file
-from retouch.platform.limits import GatewayLimits, logged_decode_budget
 from retouch.platform.server import ServerProcess
 from tests.e2e.conftest import ADMIN
 from tests.modelfolders import build_sd_folder, into_hub_cache
@@ -118,17 +117,6 @@ def test_metrics_and_probes(server: ServerProcess, admin: Client, examples: Path
     # the web page's dashboard reads the latency from the API, not the metrics listener
     latency = doc["latency"]
     assert latency["invocations"] >= 1 and 0 < latency["p50_s"] <= latency["p95_s"]
-
-
-def test_the_start_up_log_states_the_memory_limits(server: ServerProcess) -> None:
-    """The gateway says each limit it derived, with its figure: the decode budget (two
-    decodes at the pixel limit on any machine of 3 GiB or more), the request-body budget and
-    the retention caps."""
-    log = (server.data_dir / "gateway.log").read_text()
-    expected = GatewayLimits.resolve(MAX_PIXELS)  # this machine's, as the gateway resolved
-    assert logged_decode_budget(log) == expected.decode_bytes <= 1 << 30
-    for line in expected.log_lines():
-        assert f"INFO retouch.platform.gateway: {line}\n" in log
 
 
 def test_warmup_steps_reach_the_executor(admin: Client, examples: Path) -> None:

@@ -1,12 +1,16 @@
 """The gateway's memory limits (``platform/limits.py``): the defaults derived from the
-machine and the pixel limit, and the start-up log lines that state them."""
+machine and the pixel limit, and the start-up log lines that state them (read from a real
+``retouch serve``'s log)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from retouch.functions.imaging import MAX_PIXELS
 from retouch.platform.imagegate import BYTES_PER_PIXEL
 from retouch.platform.limits import GatewayLimits, logged_decode_budget
 from retouch.platform.retention import RetentionLimits
+from retouch.platform.server import ServerProcess
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -52,3 +56,22 @@ def test_the_log_lines_state_each_figure_and_where_it_came_from() -> None:
     line = given.log_lines()[0]
     assert line == "decode budget 12.1 KiB (12345 bytes): --decode-memory-bytes"
     assert logged_decode_budget(line) == 12345 and logged_decode_budget("no budget") is None
+
+
+def test_a_gateway_states_the_limits_it_derived_in_its_start_up_log(tmp_path: Path) -> None:
+    """A real ``retouch serve`` (autoscaled: no executor needed) with the default decode
+    budget and a request-body budget given: one INFO line each, with this machine's
+    figures, and the decode budget within 1 GiB."""
+    given_body = 12345678
+    server = ServerProcess(
+        tmp_path / "data",
+        env={"RETOUCH_LOG_LEVEL": "INFO"},  # the suite's default is WARNING
+        extra_args=["--autoscale", "--body-memory-bytes", str(given_body)],
+    )
+    with server:
+        log = (server.data_dir / "gateway.log").read_text()
+    expected = GatewayLimits.resolve(MAX_PIXELS, body_bytes=given_body)  # as it resolved
+    assert logged_decode_budget(log) == expected.decode_bytes <= GiB
+    for line in expected.log_lines():
+        assert f"INFO retouch.platform.gateway: {line}\n" in log
+    assert f"request-body budget 11.8 MiB ({given_body} bytes): --body-memory-bytes\n" in log
