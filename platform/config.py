@@ -19,6 +19,7 @@ from retouch.platform.links import check_public_url
 from retouch.runtime.executor.options import ExecutorOptions
 
 DEFAULT_PORT = 8000
+DEFAULT_METRICS_PORT = 8001
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_DATA_DIR = Path.home() / ".retouch"
 PROVIDERS = ("local", "ray", "attach")
@@ -39,6 +40,11 @@ class ServeConfig:
 
     host: str = knob("127.0.0.1", "bind address")
     port: int = knob(DEFAULT_PORT, "port")
+    metrics_port: int = knob(
+        DEFAULT_METRICS_PORT,
+        "port of the metrics listener, on --host: GET /metrics, which the API port answers "
+        "404 (0: no metrics listener)",
+    )
     data_dir: Path = knob(DEFAULT_DATA_DIR, "registry, models, caches, jobs", shown="~/.retouch")
     executors: int = knob(
         1, "CPU executors when no GPU is found (with GPUs: one per GPU); with --autoscale, the most"
@@ -106,7 +112,7 @@ class ServeConfig:
         0,
         "memory for image decodes in flight (each reserves 24 bytes per declared pixel; "
         "others wait)",
-        shown="an eighth of the machine's memory",
+        shown="two decodes at --max-image-pixels (768 MiB), at most an eighth of the memory",
     )
     body_memory_bytes: int = knob(
         0,
@@ -238,10 +244,13 @@ class ServeConfig:
             "decode_memory_bytes",
             "body_memory_bytes",
             "ray_wait_s",
+            "metrics_port",
         )
         for name in nonnegative:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.metrics_port == self.port:
+            raise ValueError(f"metrics_port must differ from port, both are {self.port}")
         if not 0.5 <= self.admission_quantile < 1:
             raise ValueError(
                 f"admission_quantile must be in [0.5, 1), got {self.admission_quantile}"

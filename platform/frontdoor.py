@@ -251,33 +251,26 @@ class FrontDoor:
         negative = req.negative_prompt or ""
         steps_run = check_edit(spec.family, steps, req.strength, negative)
         scheduler = spec.request_scheduler(req.scheduler)
-        if req.image is not None:
-            upload = upload or await self.upload(fn, req.image)
-            size = upload.size
-        else:
-            size = fn.sizes.get(req.template or "")
-        if size is None:
-            raise NotFound(
-                f"function {spec.name!r} has no template {req.template!r}",
-                field="template",
-                code="template_not_found",
+        size = upload.size if upload is not None else self._input_size(fn, req)
+        async with self.images.holding(_larger(size, self.images.declare(req.mask, "mask"))):
+            if req.image is not None:
+                upload = upload or await self.upload(fn, req.image)
+            mask = await self.decode_mask(req.mask, size)
+            canvas_size = (spec.width, spec.height)
+            output = self._output_size(req.size)
+            frame = Frame.plan(mask, canvas_size, req.padding_mask_crop, output)
+            if req.format == "webp" and max(frame.output) > WEBP_MAX_SIDE:  # before any work
+                raise BadRequest(
+                    f"a WebP image is at most {WEBP_MAX_SIDE} pixels a side; this result would "
+                    f"be {frame.output[0]}x{frame.output[1]}: use png",
+                    field="size" if req.size is not None else "format",
+                    code="invalid_field",
+                )
+            if req.image is None and frame.reshapes:  # a crop of a template: ad-hoc template
+                uploads.check_upload(spec, "padding_mask_crop")
+            canvas = await self.images.work(
+                mask.size, self._canvas, fn, req.template or "", upload, frame, mask, owner
             )
-        mask = await self.decode_mask(req.mask, size)
-        canvas_size = (spec.width, spec.height)
-        output = self._output_size(req.size)
-        frame = Frame.plan(mask, canvas_size, req.padding_mask_crop, output)
-        if req.format == "webp" and max(frame.output) > WEBP_MAX_SIDE:  # before any work
-            raise BadRequest(
-                f"a WebP image is at most {WEBP_MAX_SIDE} pixels a side; this result would be "
-                f"{frame.output[0]}x{frame.output[1]}: use png",
-                field="size" if req.size is not None else "format",
-                code="invalid_field",
-            )
-        if req.image is None and frame.reshapes:  # a crop of a template: an ad-hoc template
-            uploads.check_upload(spec, "padding_mask_crop")
-        canvas = await self.images.work(
-            mask.size, self._canvas, fn, req.template or "", upload, frame, mask, owner
-        )
         inv = wire.ExecutorInvoke(
             function=spec.name,
             template=canvas.template,
@@ -312,6 +305,22 @@ class FrontDoor:
             adapter_bytes=fn.adapter_bytes,
         )
         return PreparedInvocation(inv, placement, frame=canvas.frame)
+
+    def _input_size(self, fn: DeployedFunction, req: wire.InvokeRequest) -> Size:
+        """The size of the image ``req`` edits, checked before a pixel is decoded: an
+        upload's header (the pixel limit; uploads allowed) or the template's."""
+        if req.image is not None:
+            declared = self.images.declare(req.image, "image")
+            uploads.check_upload(fn.spec)
+            return declared.size
+        size = fn.sizes.get(req.template or "")
+        if size is None:
+            raise NotFound(
+                f"function {fn.spec.name!r} has no template {req.template!r}",
+                field="template",
+                code="template_not_found",
+            )
+        return size
 
     def _output_size(self, size: Size | None) -> Size | None:
         """The result's size asked for, within the pixel limit (its memory and encoding
@@ -389,20 +398,24 @@ class FrontDoor:
     ) -> wire.InvokeResult:
         """The executor's edit (raw RGB8 of the function's resolution) pasted back into
         the input, decoded again from the request (with its mask), at the size asked for,
-        encoded as asked (a large one on a worker thread)."""
-        if req.image is not None:
-            source = (await self.upload(fn, req.image)).pixels
-        else:
-            source = fn.template_pixels(req.template or "")
-        mask = await self.decode_mask(req.mask, (source.shape[1], source.shape[0]))
+        encoded as asked (a large one on a worker thread), all within one hold."""
         width, height = frame.output
+        size = self._input_size(fn, req)
+        mask_size = self.images.declare(req.mask, "mask")
+        async with self.images.holding(max(_larger(size, mask_size), width * height)):
+            if req.image is not None:
+                source = (await self.upload(fn, req.image)).pixels
+            else:
+                source = fn.template_pixels(req.template or "")
+            mask = await self.decode_mask(req.mask, size)
 
-        def encoded() -> bytes:
-            edited = np.frombuffer(result.image, np.uint8).reshape(result.height, result.width, 3)
-            pasted = frame.paste(edited, source, mask)
-            return encode_image(Image.fromarray(pasted, "RGB"), req.format)
+            def encoded() -> bytes:
+                edited = np.frombuffer(result.image, np.uint8)
+                edited = edited.reshape(result.height, result.width, 3)
+                pasted = frame.paste(edited, source, mask)
+                return encode_image(Image.fromarray(pasted, "RGB"), req.format)
 
-        image = await self.images.work(width * height, encoded)
+            image = await self.images.work(width * height, encoded)
         return dataclasses.replace(
             result, image=image, format=req.format, width=width, height=height
         )
@@ -419,6 +432,12 @@ class Canvas:
     mask: np.ndarray
     footprint: MaskFootprint
     frame: Frame | None
+
+
+def _larger(size: Size, declared: Declared) -> int:
+    """The pixels of the larger of an image's ``size`` and its mask's declared size: what a
+    run of work on both holds room for (a mask is decoded at its size, then resized)."""
+    return max(size[0] * size[1], declared.pixels)
 
 
 def _decode_mask(data: bytes, size: Size) -> np.ndarray:

@@ -62,11 +62,12 @@ from retouch.platform.httpapi import (
     parse_prefer_wait,
     read_body,
 )
-from retouch.platform.imagegate import DecodeBudget, ImageGate, default_budget
+from retouch.platform.imagegate import DecodeBudget, ImageGate
 from retouch.platform.job import Job
 from retouch.platform.jobpeers import JobPeers, NoPeers, SharedPeers
 from retouch.platform.jobs import DEFAULT_PROGRESS_INTERVAL_S, DEFAULT_RETENTION_S
 from retouch.platform.journal import JobJournal
+from retouch.platform.limits import GatewayLimits
 from retouch.platform.links import LinkSigner
 from retouch.platform.metrics import GatewayMetrics
 from retouch.platform.openai_images import OpenAIImages, answers_openai, openai_error
@@ -114,7 +115,7 @@ class Gateway:
     fetch_allow: AllowList | None = None  # hosts image/mask URLs may name (None: no fetching)
     links: LinkSigner = field(default_factory=lambda: LinkSigner.ephemeral(DEFAULT_URL))
     max_image_pixels: int = 0  # 0: the decoders' ceiling (imaging.MAX_PIXELS)
-    decode_memory_bytes: int = 0  # 0: an eighth of the machine's memory
+    decode_memory_bytes: int = 0  # 0: the default (platform/limits.py)
     body_memory_bytes: int = 0  # request bodies held at once; 0: an eighth of the memory
     retention_limits: RetentionLimits = field(default_factory=RetentionLimits)
     # Several gateways: the shared store their registry, jobs and deliveries are in (the
@@ -128,7 +129,13 @@ class Gateway:
     def __post_init__(self) -> None:
         journal, peers, deliveries = self._journals()
         self.uploads = self._upload_names()
-        self.bodies = BodyBudget(self.body_memory_bytes or default_budget())
+        self.limits = GatewayLimits.resolve(
+            self.max_image_pixels or MAX_PIXELS,
+            self.decode_memory_bytes,
+            self.body_memory_bytes,
+            self.retention_limits,
+        )
+        self.bodies = BodyBudget(self.limits.body_bytes)
         self.webhooks = WebhookSender(
             self.webhook_secret,
             self.webhook_allow,
@@ -143,10 +150,7 @@ class Gateway:
             self.pool.dispatcher,
             self.metrics,
             journal,
-            ImageGate(
-                self.max_image_pixels or MAX_PIXELS,
-                DecodeBudget(self.decode_memory_bytes or default_budget()),
-            ),
+            ImageGate(self.limits.max_pixels, DecodeBudget(self.limits.decode_bytes)),
             names=self.uploads,
             peers=peers,
             retention_s=self.job_retention_s,
@@ -186,6 +190,8 @@ class Gateway:
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        for line in self.limits.log_lines():
+            log.info(line)
         await self.pool.start()
         stored_now = (await asyncio.to_thread(self.registry.load_all)).values()
         for stored in stored_now:
@@ -421,6 +427,7 @@ class Gateway:
             "executors": executors,
             "placement": queue.placement.name,
             "queue": {"waiting": len(queue), **asdict(queue.stats)},
+            "latency": self.metrics.latency_summary(),
             "control": report.placement_summary(),
             "autoscaler": report.describe_autoscaler(),
         }
@@ -576,7 +583,6 @@ class Gateway:
             routes=[
                 route("/healthz", self.healthz),
                 route("/readyz", self.readyz),
-                route("/metrics", self.metrics_text),
                 route("/v1/functions", self.list_functions, scope="invoke"),
                 route("/v1/functions/{name}", self.get_function, scope="invoke"),
                 route("/v1/functions/{name}", self.put_function, "PUT", scope="admin", status=202),
@@ -611,6 +617,16 @@ class Gateway:
             ],
             exception_handlers=structured_http_errors(self.count_error, render_error),
             lifespan=lifespan,
+        )
+
+    def metrics_app(self) -> Starlette:
+        """The metrics listener's app: ``GET /metrics`` without a token, nothing else. It
+        names every function, error count and executor, which no tenant may read, so it is
+        served on a port of its own (``--metrics-port``) and the API's answers it 404."""
+        metrics = endpoint(self.metrics_text, lambda request: None, self.count_error)
+        return Starlette(
+            routes=[Route("/metrics", metrics, methods=["GET"])],
+            exception_handlers=structured_http_errors(self.count_error),
         )
 
 

@@ -6,27 +6,35 @@ header (no pixel decoded) and refuses it above ``--max-image-pixels`` (``image_t
 Only then is it decoded, and only once it holds a reservation from the
 :class:`DecodeBudget`: ``BYTES_PER_PIXEL`` per declared pixel (or per pixel of the size a
 decode resizes it to, when larger: a mask resized to its image's), out of
-``--decode-memory-bytes`` (by default an eighth of the machine's memory). So however many
-images arrive at once, the decodes in flight together stay within the budget; the rest
-wait their turn in arrival order.
+``--decode-memory-bytes`` (by default room for two decodes at the pixel limit:
+``platform/limits.py``). So however many images arrive at once, the decodes in flight
+together stay within the budget; the rest wait their turn in arrival order.
 
 Small images (``INLINE_PIXELS`` or fewer) are decoded on the event loop without a
 reservation: 256 x 256 decodes in ~0.4 ms on a 2-core machine, less than the hop to a
 worker thread costs when the cores are busy, and the loop decodes them one at a time. Other
 work on images (resizing, cropping, pasting an edit back: ``platform/reframe.py``) follows
 the same rule (:meth:`ImageGate.work`).
+
+A request's image work is a run of steps (decode the upload, decode its mask, build the
+canvas; later decode both again, paste the edit back and encode it), and what one step
+leaves for the next (a decoded upload waiting for its mask: 3 bytes a pixel) would sit
+outside the budget while the next step waits for room: six 16-Mpx uploads at once grew a
+gateway by 1.3 GiB within a 768 MiB budget, their pastes and held uploads unbudgeted. So
+such a run holds one reservation, for its largest image, from its first step to its last
+(:meth:`ImageGate.holding`); its steps take none of their own (two runs each holding one
+and waiting for a second could wait forever).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
-import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 from retouch.functions.imaging import MAX_PIXELS, declared_size
@@ -38,20 +46,6 @@ T = TypeVar("T")
 # for RGB and RGBA images and masks.
 BYTES_PER_PIXEL = 24
 INLINE_PIXELS = 256 * 256
-MEMORY_SHARE = 8  # the default budget: this fraction of the machine's (or cgroup's) memory
-CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
-
-
-def machine_memory() -> int:
-    """Physical memory in bytes, or the cgroup's limit when it is lower (a container)."""
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    with contextlib.suppress(OSError, ValueError):
-        total = min(total, int(CGROUP_LIMIT.read_text().strip()))  # "max": no limit
-    return total
-
-
-def default_budget() -> int:
-    return machine_memory() // MEMORY_SHARE
 
 
 @dataclass(frozen=True)
@@ -121,6 +115,39 @@ class DecodeBudget:
             waiter.set_result(None)
 
 
+class Hold:
+    """A reservation a run of image work holds, returned once the run is over and every
+    worker thread it started is done (a thread goes on when its caller is gone)."""
+
+    def __init__(self, budget: DecodeBudget, nbytes: int) -> None:
+        self.budget = budget
+        self.nbytes = nbytes
+        self.running = 0
+        self.over = False
+
+    def started(self, work: asyncio.Future) -> None:
+        self.running += 1
+        work.add_done_callback(self._finished)
+
+    def end(self) -> None:
+        self.over = True
+        self._release()
+
+    def _finished(self, work: asyncio.Future) -> None:
+        self.running -= 1
+        if not work.cancelled():
+            work.exception()  # retrieved: a caller that left does not get it logged as lost
+        self._release()
+
+    def _release(self) -> None:
+        if self.over and self.running == 0 and self.nbytes:
+            self.budget.release(self.nbytes)
+            self.nbytes = 0
+
+
+_HOLD: contextvars.ContextVar[Hold | None] = contextvars.ContextVar("image_hold", default=None)
+
+
 class ImageGate:
     """Header checks and budgeted decodes for every image a request carries."""
 
@@ -136,29 +163,64 @@ class ImageGate:
         above ``max_pixels``; no pixel is decoded."""
         return Declared(*declared_size(data, field, self.max_pixels))
 
+    @contextlib.asynccontextmanager
+    async def holding(self, pixels: int) -> AsyncIterator[None]:
+        """One reservation for a run of image work on images of up to ``pixels`` pixels,
+        held while the block runs (and any thread it started): the decodes and work inside
+        take none of their own. Inside another run's hold, the outer one covers it."""
+        if pixels <= INLINE_PIXELS or self._hold() is not None:
+            yield
+            return
+        nbytes = pixels * BYTES_PER_PIXEL
+        await self.budget.acquire(nbytes)
+        hold = Hold(self.budget, nbytes)
+        token = _HOLD.set(hold)
+        try:
+            yield
+        finally:
+            _HOLD.reset(token)
+            hold.end()
+
     async def decode(self, declared: Declared, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)``, a decode of an image of ``declared`` size: inline when small, else
-        on a worker thread once the budget has room for it. The reservation is held until
-        the thread is done, even when the request that asked for it is gone."""
+        on a worker thread once the budget has room for it (or within the run's hold). The
+        reservation is held until the thread is done, even when the request that asked for
+        it is gone."""
         self.decoded += 1
         if declared.pixels <= INLINE_PIXELS:
             return fn(*args)
-        nbytes = declared.pixels * BYTES_PER_PIXEL
+        return await self._on_thread(declared.pixels, fn, *args)
+
+    async def work(self, pixels: int, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)``, work on images of ``pixels`` pixels that decodes nothing (a
+        resize, a paste): inline when small, else on a worker thread, as a decode."""
+        if pixels <= INLINE_PIXELS:
+            return fn(*args)
+        return await self._on_thread(pixels, fn, *args)
+
+    async def _on_thread(self, pixels: int, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on a worker thread, within the run's hold or a reservation of its
+        own for ``pixels``."""
+        loop = asyncio.get_running_loop()
+        hold = self._hold()
+        if hold is not None:
+            work = loop.run_in_executor(None, functools.partial(fn, *args))
+            hold.started(work)
+            return await asyncio.shield(work)
+        nbytes = pixels * BYTES_PER_PIXEL
         await self.budget.acquire(nbytes)
         try:
-            work = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+            work = loop.run_in_executor(None, functools.partial(fn, *args))
         except BaseException:
             self.budget.release(nbytes)
             raise
         work.add_done_callback(functools.partial(self._done, nbytes))
         return await asyncio.shield(work)
 
-    async def work(self, pixels: int, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)``, work on images of ``pixels`` pixels that decodes nothing (a
-        resize, a paste): inline when small, else on a worker thread."""
-        if pixels <= INLINE_PIXELS:
-            return fn(*args)
-        return await asyncio.to_thread(fn, *args)
+    def _hold(self) -> Hold | None:
+        """The hold of the run this code is part of, when it is on this gate's budget."""
+        hold = _HOLD.get()
+        return hold if hold is not None and hold.budget is self.budget else None
 
     def _done(self, nbytes: int, work: asyncio.Future) -> None:
         self.budget.release(nbytes)

@@ -338,6 +338,26 @@ class GatewayMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def latency_summary(self) -> dict[str, int | float | None]:
+        """Invocations answered and their end-to-end latency p50/p95 (seconds, None before
+        the first), over every function: the web page's dashboard, which reads the API
+        (``/v1/executors``) and not the metrics listener."""
+        buckets: dict[float, float] = {}
+        count = 0.0
+        for family in self.latency.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+        ordered = sorted(buckets.items())
+        return {
+            "invocations": int(count),
+            "p50_s": _histogram_quantile(ordered, 0.5),
+            "p95_s": _histogram_quantile(ordered, 0.95),
+        }
+
 
 class PoolReport:
     """The pool's documents and summaries, read from its parts when asked for."""
@@ -435,6 +455,23 @@ class PoolReport:
             "starting": float(phases.count(wire.ExecutorPhase.STARTING) + len(spawning)),
             "draining": float(phases.count(wire.ExecutorPhase.DRAINING)),
         }
+
+
+def _histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """A quantile from cumulative ``(le, count)`` buckets, interpolated within its bucket
+    as Prometheus' ``histogram_quantile`` does (None: no observation)."""
+    total = buckets[-1][1] if buckets else 0.0
+    if not total:
+        return None
+    rank, low, below = q * total, 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return low
+            width = count - below
+            return low + (le - low) * ((rank - below) / width if width else 1.0)
+        low, below = le, count
+    return low
 
 
 def _quantile(values: Iterable[float], fraction: float, scale: float = 1.0) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -10,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,8 +150,11 @@ def make_provider(config: ServeConfig) -> Provider:
 
 
 def serve(config: ServeConfig) -> None:
+    """The gateway on its API port and, unless ``--metrics-port 0``, its metrics on theirs
+    (that port is bound first: a port in use fails the command before anything starts)."""
+    metrics_socket = listen(config.host, config.metrics_port) if config.metrics_port else None
     gateway = build_gateway(config)
-    uvicorn.run(
+    api = uvicorn.Config(
         gateway.app(),
         host=config.host,
         port=config.port,
@@ -156,6 +162,80 @@ def serve(config: ServeConfig) -> None:
         timeout_graceful_shutdown=10,
         **SERVER_OPTIONS,
     )
+    metrics = None
+    if metrics_socket is not None:
+        metrics = MetricsListener(
+            MetricsServer(
+                uvicorn.Config(
+                    gateway.metrics_app(),
+                    lifespan="off",
+                    log_level="warning",
+                    timeout_graceful_shutdown=2,
+                    **SERVER_OPTIONS,
+                )
+            ),
+            metrics_socket,
+        )
+    GatewayServer(api, metrics).run()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` for the metrics listener, or an error naming
+    the flag (the CLI prints it as one line)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            f"cannot listen for metrics on {host}:{port} (--metrics-port): {exc.strerror}"
+        ) from None
+    return sock
+
+
+class MetricsServer(uvicorn.Server):
+    """uvicorn's server for the metrics listener. It takes no signals: the API's server
+    has them, and stops this one (two servers taking turns at the handlers would leave a
+    SIGTERM to whichever took them last)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class MetricsListener:
+    """The metrics server and the socket it serves on."""
+
+    server: MetricsServer
+    socket: socket.socket
+    task: asyncio.Task | None = None
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server for the API, which runs the metrics listener beside it in its event
+    loop (a scrape reads the pool's state where it lives): started once the API is up (the
+    gateway started), stopped before the API's own shutdown."""
+
+    def __init__(self, config: uvicorn.Config, metrics: MetricsListener | None) -> None:
+        super().__init__(config)
+        self.metrics = metrics
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.metrics is not None and self.started:
+            listener = self.metrics
+            listener.task = asyncio.create_task(listener.server.serve([listener.socket]))
+            host, port = listener.socket.getsockname()[:2]
+            log.info("metrics on http://%s:%d/metrics", host, port)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.metrics is not None and self.metrics.task is not None:
+            self.metrics.server.should_exit = True
+            await self.metrics.task
+        await super().shutdown(sockets)
 
 
 def free_port() -> int:
@@ -171,18 +251,29 @@ class ServerProcess:
     data_dir: Path
     executors: int = 1
     port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        while self.metrics_port == self.port:  # two free ports, not the same one twice
+            self.metrics_port = free_port()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def metrics_url(self) -> str:
+        """Where its metrics are scraped (the API port answers ``/metrics`` 404)."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
     def start(self, timeout: float = 180.0) -> ServerProcess:
         cmd = [
             sys.executable, "-m", "retouch.platform.cli", "serve",
-            "--port", str(self.port), "--data-dir", str(self.data_dir),
+            "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+            "--data-dir", str(self.data_dir),
             "--executors", str(self.executors), *self.extra_args,
         ]  # fmt: skip
         self.data_dir.mkdir(parents=True, exist_ok=True)

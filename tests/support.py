@@ -56,9 +56,9 @@ def cli_refusal(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, st
     return int(exc.value.code or 0), capsys.readouterr().err
 
 
-def decodes_run(url: str) -> float:
-    """The gateway's count of image decodes run since start (``/metrics``)."""
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+def decodes_run(metrics_url: str) -> float:
+    """The gateway's count of image decodes run since start (from its metrics listener)."""
+    for line in httpx.get(metrics_url, timeout=30).text.splitlines():
         if line.startswith('retouch_image_decodes{quantity="decoded"}'):
             return float(line.split()[-1])
     raise AssertionError("no retouch_image_decodes decoded in /metrics")

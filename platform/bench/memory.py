@@ -27,6 +27,7 @@ from retouch.functions import wire
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.demo import find_examples
 from retouch.platform.imagegate import BYTES_PER_PIXEL
+from retouch.platform.limits import logged_decode_budget
 from retouch.platform.server import ServerProcess
 
 
@@ -92,6 +93,22 @@ def padded_empty_mask(size: int, nbytes: int) -> bytes:
     return png[:33] + pad + png[33:]  # after the signature and IHDR
 
 
+def gradient_png(side: int, seed: int) -> bytes:
+    """A genuine 8-bit RGB PNG of ``side``² whose rows repeat one colour gradient (a
+    photo-sized upload that compresses to tens of KB: 4096² in ~57 KiB)."""
+    ramp = np.linspace(0, 255, side).astype(np.uint8)
+    row = np.stack([ramp, np.full_like(ramp, (40 * seed) % 256), 255 - ramp], -1)
+    first = b"\0" + row.tobytes()  # filter byte (none), then the pixels
+    same = b"\2" + bytes(row.nbytes)  # filter "up": the row above again
+    comp = zlib.compressobj(9)
+    idat = comp.compress(first) + b"".join(comp.compress(same) for _ in range(side - 1))
+    idat += comp.flush()
+    ihdr = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
+    )
+
+
 def noise_rgba16(size: int, seed: int) -> bytes:
     """A 16-bit RGBA PNG of random pixels (incompressible: its real bytes are sent)."""
     rng = np.random.default_rng(seed)
@@ -137,6 +154,30 @@ async def _burst(
     return counted
 
 
+async def _jobs_to_the_end(base: str, path: str, bodies: list[dict[str, Any]]) -> Counter:
+    """Submit every body at once as a job and follow each to its end (long polls of 60 s,
+    the most ``Prefer: wait`` allows); the answers counted by (submit status, final
+    status or error code)."""
+    headers = {"authorization": f"Bearer {INVOKE}"}
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as client:
+
+        async def one(body: dict[str, Any]) -> str:
+            resp = await client.post(
+                path,
+                content=wire.pack(body),
+                headers={"content-type": "application/msgpack", "prefer": "wait=60"},
+            )
+            doc = wire.unpack(resp.content)
+            if resp.status_code >= 400:
+                return f"{resp.status_code} {doc['error']['code']}"
+            while doc["status"] in ("queued", "running"):
+                polled = await client.get(f"/v1/jobs/{doc['id']}", headers={"prefer": "wait=60"})
+                doc = polled.json()
+            return f"{resp.status_code} {doc['status']}"
+
+        return Counter(await asyncio.gather(*(one(b) for b in bodies)))
+
+
 def _deploy(url: str, name: str, size: int, steps: int) -> None:
     spec, _ = read_spec_file(find_examples(None) / "tiny-sd.toml")
     template = io.BytesIO()
@@ -171,11 +212,46 @@ def _phase(server: ServerProcess, run: Callable[[], Counter]) -> dict[str, Any]:
     }
 
 
+def run_default_budget_phase(data_dir: Path, uploads: int = 6, side: int = 4096) -> dict[str, Any]:
+    """``uploads`` concurrent uploads of ``side``² (the default pixel limit), highly
+    compressible PNGs, as jobs on a gateway with the default limits: its RSS growth next to
+    the decode budget its start-up log states (acceptance: growth within it)."""
+    server = ServerProcess(
+        data_dir, env={"RETOUCH_ADMIN_TOKEN": ADMIN, "RETOUCH_INVOKE_TOKEN": INVOKE}
+    )
+    with server:
+        budget = logged_decode_budget((data_dir / "gateway.log").read_text())
+        if budget is None:
+            raise RuntimeError(f"the gateway stated no decode budget; see {data_dir}/gateway.log")
+        _deploy(server.url, "small", 128, 2)
+        mask = io.BytesIO()
+        selection = Image.new("L", (128, 128))
+        selection.paste(255, (32, 32, 96, 96))  # the middle, resized to each upload's size
+        selection.save(mask, format="PNG")
+        bodies = [
+            {"image": gradient_png(side, i), "mask": mask.getvalue(), "prompt": "", "seed": i}
+            for i in range(uploads)
+        ]
+        path = "/v1/functions/small/jobs"
+        phase = _phase(server, lambda: asyncio.run(_jobs_to_the_end(server.url, path, bodies)))
+    growth = phase["peak_over_idle_mib"]
+    return {
+        "uploads": uploads,
+        "concurrency": uploads,
+        "image": f"{side}x{side} RGB8 PNG, one gradient per row",
+        "png_kib_total": sum(len(b["image"]) for b in bodies) // 1024,
+        "decode_budget_mib": round(budget / MiB, 1),
+        **phase,
+        "growth_within_decode_budget": growth <= budget / MiB,
+    }
+
+
 def run_memory_bench(
     data_dir: Path, hostile: int = 200, at_limit: int = 20, jobs: int = 1000, side: int = 512
 ) -> dict[str, Any]:
     """The gateway's RSS through hostile uploads, uploads at the pixel limit and a
-    thousand finished jobs with 4 MiB payloads, then the caps' 429s."""
+    thousand finished jobs with 4 MiB payloads, then the caps' 429s; then, on a gateway
+    with the default limits, six concurrent uploads at the default pixel limit."""
     budget = 4 * side * side * BYTES_PER_PIXEL  # room for four decodes at the limit
     server = ServerProcess(
         data_dir,
@@ -238,4 +314,5 @@ def run_memory_bench(
             "caps": "32 live jobs, 256 MiB retained per tenant",
             **_phase(server, lambda: asyncio.run(_burst(base, small, beyond, 64, None))),
         }
+    out["uploads_at_the_default_limits"] = run_default_budget_phase(data_dir / "defaults")
     return out

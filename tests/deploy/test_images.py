@@ -166,7 +166,8 @@ def test_the_compose_file_names_only_files_in_the_repository() -> None:
     assert set(compose) <= {"x-image", "services", "volumes"}
     gateway = compose["services"]["retouch"]
     build_parser().parse_args(gateway["command"])
-    assert gateway["ports"] == ["8000:8000"] and gateway["shm_size"]
+    # the API published; the metrics listener on the host's loopback only
+    assert gateway["ports"] == ["8000:8000", "127.0.0.1:8001:8001"] and gateway["shm_size"]
 
 
 def test_compose_tokens_and_healthcheck_work_against_a_gateway(tmp_path: Path) -> None:

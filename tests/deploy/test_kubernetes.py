@@ -507,9 +507,89 @@ def test_the_dashboard_ships_as_a_grafana_configmap(rendered) -> None:
         assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
         shipped = json.loads(config["data"]["retouch.json"])
         assert shipped["panels"] and shipped["uid"] == "retouch-gateway"
-        monitor = named(rendered[overlay], "ServiceMonitor")
-        service = named(rendered[overlay], "Service", "retouch")
-        assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
-        assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
-        labels = service["metadata"]["labels"]
-        assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def gateway_containers(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The containers that run ``retouch serve`` (the Deployment's, the Ray head's)."""
+    return [
+        c
+        for doc in docs
+        for _, template in pod_templates(doc)
+        for c in template["spec"]["containers"]
+        if c.get("args", [""])[0] == "serve"
+    ]
+
+
+def scraped_port(docs: list[dict[str, Any]]) -> tuple[str, int]:
+    """The path the ServiceMonitor scrapes and the container port it reaches, followed as
+    Prometheus does: its endpoint's port name, on the Services it selects, to their target
+    port, named on every gateway container (the same number on each)."""
+    monitor = named(docs, "ServiceMonitor")
+    endpoint = monitor["spec"]["endpoints"][0]
+    wanted = monitor["spec"]["selector"]["matchLabels"].items()
+    services = [
+        d for d in docs if d["kind"] == "Service" and wanted <= d["metadata"]["labels"].items()
+    ]
+    targets = {
+        p["targetPort"]
+        for service in services
+        for p in service["spec"]["ports"]
+        if p["name"] == endpoint["port"]
+    }
+    assert len(targets) == 1, f"the ServiceMonitor's port {endpoint['port']!r} is {targets}"
+    target = targets.pop()
+    numbers = [
+        [p["containerPort"] for p in c.get("ports", []) if p.get("name") == target]
+        for c in gateway_containers(docs)
+    ]
+    assert numbers and all(n == numbers[0] and len(n) == 1 for n in numbers), numbers
+    return endpoint["path"], numbers[0][0]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_servicemonitor_scrapes_the_metrics_port_not_the_api(overlay, rendered) -> None:
+    """The scraped container port is the one each gateway listens for metrics on (its
+    RETOUCH_METRICS_PORT), not its API port; the public Service has no metrics port."""
+    docs = rendered[overlay]
+    path, port = scraped_port(docs)
+    settings = named(docs, "ConfigMap", "retouch-gateway")["data"]
+    assert path == "/metrics" and port == int(settings["RETOUCH_METRICS_PORT"])
+    assert port != int(settings["RETOUCH_PORT"])
+    for container in gateway_containers(docs):
+        assert "--metrics-port" not in container["args"] and "--port" not in container["args"]
+    public = named(docs, "Service", "retouch")
+    assert [p["name"] for p in public["spec"]["ports"]] == ["http"]
+
+
+def served_sample_names(exposition: str) -> set[str]:
+    """Each sample name a scrape's metric families carry (declared by their TYPE line,
+    whether or not a sample has been fed yet)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    return {
+        family.name + suffix
+        for family in text_string_to_metric_families(exposition)
+        for suffix in suffixes.get(family.type, ("",))
+    }
+
+
+def test_a_gateway_serves_what_the_dashboard_queries_where_the_servicemonitor_scrapes(
+    rendered, tmp_path
+) -> None:
+    """A real ``retouch serve``: its API port answers ``/metrics`` 404 (structured), its
+    metrics listener serves, at the ServiceMonitor's path, every metric the dashboard
+    queries."""
+    import httpx
+
+    from retouch.platform.server import ServerProcess
+
+    path, _ = scraped_port(rendered["ha"])
+    with ServerProcess(tmp_path / "data", extra_args=["--autoscale"]) as server:
+        api = httpx.get(f"{server.url}{path}", timeout=30)
+        scrape = httpx.get(f"http://127.0.0.1:{server.metrics_port}{path}", timeout=30)
+    assert api.status_code == 404 and api.json()["error"]["code"] == "route_not_found"
+    assert scrape.status_code == 200
+    served = served_sample_names(scrape.text)
+    queried = {name for expr in dashboard_queries() for name, _ in SELECTOR.findall(expr)}
+    assert queried and queried <= served, queried - served

@@ -79,5 +79,5 @@ def test_interleaved_functions_get_their_own_adapters(
     assert stats["loads"] - before["loads"] == 2  # each file once
     assert stats["reads"] - before["reads"] == 2
     assert stats["swaps"] - before["swaps"] >= 2
-    metrics = httpx.get(f"{server.url}/metrics").text
+    metrics = httpx.get(server.metrics_url).text
     assert 'retouch_adapter_events_total{event="swap",executor="exec-0"}' in metrics

@@ -85,8 +85,8 @@ def executor_rows(client: Client) -> dict[str, dict]:
     return {row["url"]: row for row in client.executors()["executors"]}
 
 
-def queue_event(url: str, event: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+def queue_event(gateway: ServerProcess, event: str) -> float:
+    text = httpx.get(gateway.metrics_url, timeout=10).text
     line = next(
         x for x in text.splitlines() if x.startswith(f'retouch_queue_events{{event="{event}"}}')
     )
@@ -135,7 +135,7 @@ def test_a_gateway_sharing_full_executors_queues_again(
 ) -> None:
     """Another client fills both executors; the gateway's invocations are refused there,
     wait in its queue and all succeed, none an extra attempt."""
-    before = queue_event(gateway.url, "refused")
+    before = queue_event(gateway, "refused")
     with ThreadPoolExecutor(2 * ROOM + 6) as pool:
         others = [pool.submit(direct, e, 50 + i, 20) for e in executors for i in range(ROOM)]
         wait_for(
@@ -148,7 +148,7 @@ def test_a_gateway_sharing_full_executors_queues_again(
         results = [f.result(timeout=300) for f in ours]
         assert all(f.result().status_code == 200 for f in others)
     assert all(r.width == 128 and r.attempts == 1 for r in results)
-    assert queue_event(gateway.url, "refused") > before
+    assert queue_event(gateway, "refused") > before
 
 
 def test_killed_executor_is_marked_dead_and_taken_back(

@@ -93,7 +93,7 @@ def test_scale_from_zero_up_down_and_back_to_zero(tmp_path: Path, examples: Path
         assert changes[0] > 0 and min(changes) < 0, scaler["events"]
         again = invoke(client, 1)  # and back from zero
         assert again.path in ("stock", "maskaware")
-        metrics = httpx.get(f"{server.url}/metrics").text
+        metrics = httpx.get(server.metrics_url).text
         for line in ('retouch_pool{quantity="scale_ups"}', 'retouch_pool{quantity="scale_downs"}'):
             assert float(metrics.split(line)[1].split()[0]) >= 2  # up twice, down twice
         assert float(metrics.split('retouch_pool{quantity="startup_s_p50"}')[1].split()[0]) > 0
@@ -153,7 +153,7 @@ def test_per_model_pools_scale_apart_and_share_the_devices(tmp_path: Path, examp
             changes = [e["change"] for e in pools[model]["events"] if e["applied"]]
             assert changes and max(changes) == 1 and min(changes) < 0, pools[model]["events"]
             assert pools[model]["no_device"] == 0  # two devices, one each: never short
-        metrics = httpx.get(f"{server.url}/metrics").text
+        metrics = httpx.get(server.metrics_url).text
         for model in (sd_model, flux_model):
             line = f'retouch_model_pool{{model="{model}",quantity="scale_ups"}}'
             assert float(metrics.split(line)[1].split()[0]) == 1, pools

@@ -190,7 +190,7 @@ class Case:
     field: str | None = None
     body: bytes | None = None
     headers: dict[str, str] = default(default_factory=dict)
-    target: str = "gateway"  # or "executor"
+    target: str = "gateway"  # or "executor", or "metrics" (the gateway's metrics listener)
     check: Callable[[httpx.Response], None] | None = None
 
 
@@ -242,7 +242,11 @@ def _routes() -> list[Case]:
         Case("method-get-invoke", "GET", INV, 405, "method_not_allowed", headers=INVOKE, check=_allow("POST")),
         Case("method-post-healthz", "POST", "/healthz", 405, "method_not_allowed", check=_allow("GET")),
         Case("method-delete-readyz", "DELETE", "/readyz", 405, "method_not_allowed"),
-        Case("method-put-metrics", "PUT", "/metrics", 405, "method_not_allowed", body=b"x"),
+        Case("route-metrics-not-on-the-api", "GET", "/metrics", 404, "route_not_found"),
+        Case("route-metrics-not-on-the-api-admin", "GET", "/metrics", 404, "route_not_found", headers=ADMIN),
+        Case("metrics-port-put", "PUT", "/metrics", 405, "method_not_allowed", body=b"x", target="metrics", check=_allow("GET", "HEAD")),
+        Case("metrics-port-serves-no-api", "GET", "/v1/functions", 404, "route_not_found", headers=INVOKE, target="metrics"),
+        Case("metrics-port-serves-no-probe", "GET", "/healthz", 404, "route_not_found", target="metrics"),
         Case("method-post-functions", "POST", "/v1/functions", 405, "method_not_allowed", body=b"{}", headers={**JSON, **ADMIN}),
         Case("method-patch-function", "PATCH", FN, 405, "method_not_allowed", headers=ADMIN, check=_allow("GET", "PUT", "DELETE")),
         Case("method-post-function", "POST", FN, 405, "method_not_allowed", headers=ADMIN, check=_allow("GET", "PUT", "DELETE")),
@@ -276,7 +280,7 @@ def _auth() -> list[Case]:
         Case("auth-delete-invoke-token", "DELETE", FN, 403, "insufficient_scope", headers=INVOKE),
         Case("auth-healthz-needs-none", "GET", "/healthz", 200, headers=wrong),
         Case("auth-readyz-needs-none", "GET", "/readyz", 200, headers=wrong),
-        Case("auth-metrics-needs-none", "GET", "/metrics", 200),
+        Case("auth-metrics-needs-none", "GET", "/metrics", 200, target="metrics"),
     ]  # fmt: skip
 
 
@@ -643,6 +647,13 @@ def gateway(server: ServerProcess, tokens: dict[str, str]) -> Iterator[httpx.Cli
 
 
 @pytest.fixture(scope="module")
+def metrics(server: ServerProcess) -> Iterator[httpx.Client]:
+    """A client of the gateway's metrics listener (``--metrics-port``)."""
+    with httpx.Client(base_url=server.metrics_url.removesuffix("/metrics"), timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
 def executor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     """A standalone executor (real process, real app) with a token of our own."""
     data = tmp_path_factory.mktemp("executor")
@@ -689,7 +700,7 @@ def _body(resp: httpx.Response) -> Any:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case, request: pytest.FixtureRequest) -> None:
     client: httpx.Client = request.getfixturevalue(case.target)
-    if case.target == "executor":
+    if case.target != "gateway":
         request.getfixturevalue("gateway")  # the gateway's health is checked after each case
     resp = client.request(case.method, case.path, content=case.body, headers=case.headers)
     assert resp.status_code == case.status, (resp.status_code, resp.content[:500])
@@ -706,14 +717,16 @@ def test_bad_input(case: Case, request: pytest.FixtureRequest) -> None:
         assert client.get("/healthz", headers=EXEC).status_code == 200
 
 
-def test_a_huge_mask_is_refused_from_its_header(gateway: httpx.Client) -> None:
+def test_a_huge_mask_is_refused_from_its_header(
+    gateway: httpx.Client, server: ServerProcess
+) -> None:
     """A mask above the pixel limit is answered from its header: its pixels are never
     decoded (the gateway's decode counter does not move)."""
     mask = _encode(Image.new("L", (4097, 4096)))  # compresses to ~50 KB, decodes to 16 MB
-    before = decodes_run(str(gateway.base_url))
+    before = decodes_run(server.metrics_url)
     resp = gateway.post(INV, content=inv_body(mask=mask), headers=G)
     assert resp.status_code == 400 and _body(resp)["error"]["code"] == "image_too_large"
-    assert decodes_run(str(gateway.base_url)) == before
+    assert decodes_run(server.metrics_url) == before
 
 
 def test_a_valid_deploy_with_a_lab_template_is_accepted(gateway: httpx.Client) -> None:
@@ -726,10 +739,10 @@ def test_a_valid_deploy_with_a_lab_template_is_accepted(gateway: httpx.Client) -
     assert gateway.delete("/v1/functions/lab-template", headers=ADMIN).status_code == 200
 
 
-def test_no_error_was_a_500(gateway: httpx.Client) -> None:
+def test_no_error_was_a_500(gateway: httpx.Client, metrics: httpx.Client) -> None:
     """Runs last: the gateway counted no 5xx for the whole corpus, and it still serves."""
-    metrics = gateway.get("/metrics").text
-    fives = [line for line in metrics.splitlines() if 'status="5' in line and "_total" in line]
+    text = metrics.get("/metrics").text
+    fives = [line for line in text.splitlines() if 'status="5' in line and "_total" in line]
     assert all(line.rstrip().endswith(" 0.0") for line in fives), fives
     assert gateway.get("/readyz").status_code == 200
     listed = gateway.get("/v1/functions", headers=INVOKE).json()["functions"]

@@ -102,7 +102,7 @@ def test_metrics_and_probes(server: ServerProcess, admin: Client, examples: Path
     assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{server.url}/readyz")
     assert ready.status_code == 200 and ready.json()["executors"] >= 1
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(server.metrics_url).text
     assert 'retouch_invocations_total{function="tiny-flux",path=' in text
     for name in (
         "retouch_invocation_seconds_bucket",
@@ -110,8 +110,13 @@ def test_metrics_and_probes(server: ServerProcess, admin: Client, examples: Path
         "retouch_executors_healthy 1.0",
     ):
         assert name in text
-    executors = admin.executors()["executors"]
+    assert httpx.get(f"{server.url}/metrics").status_code == 404  # not on the API port
+    doc = admin.executors()
+    executors = doc["executors"]
     assert executors[0]["healthy"] and "tiny-flux" in executors[0]["functions"]
+    # the web page's dashboard reads the latency from the API, not the metrics listener
+    latency = doc["latency"]
+    assert latency["invocations"] >= 1 and 0 < latency["p50_s"] <= latency["p95_s"]
 
 
 def test_warmup_steps_reach_the_executor(admin: Client, examples: Path) -> None:

@@ -230,7 +230,7 @@ def test_webhooks_signed_retried_and_allow_listed(server: ServerProcess) -> None
                 code,
                 "webhook",
             ), url
-    metrics = httpx.get(f"{server.url}/metrics").text
+    metrics = httpx.get(server.metrics_url).text
     assert 'retouch_webhook_deliveries{event="completed",outcome="delivered"}' in metrics
     assert 'retouch_webhook_deliveries{event="",outcome="retried"} 2.0' in metrics
 

@@ -159,7 +159,7 @@ def _answer(sock: socket.socket) -> tuple[bytes, dict[str, str], bytes]:
 
 
 def _metric(server: ServerProcess, name: str, quantity: str) -> float:
-    for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
+    for line in httpx.get(server.metrics_url, timeout=30).text.splitlines():
         if line.startswith(f'{name}{{quantity="{quantity}"}}'):
             return float(line.split()[-1])
     raise AssertionError(f"no {name} {quantity} in /metrics")

@@ -101,7 +101,7 @@ def test_an_uploaded_image_is_decoded_once_for_n_edits(
 ) -> None:
     """An edit of an uploaded image with ``n`` = 3 decodes the image once (not once to
     check it and once per image): 1 image + 1 mask conversion + 3 masks, one per job."""
-    before = decodes_run(server.url)
+    before = decodes_run(server.metrics_url)
     resp = client.images.edit(
         model=FUNCTION, image=("p.png", png(photo(11)), "image/png"),
         mask=("m.png", white_mask(), "image/png"), prompt="a red door", n=3,
@@ -109,7 +109,7 @@ def test_an_uploaded_image_is_decoded_once_for_n_edits(
         extra_body={"seed": 2, "num_inference_steps": 1, "mask_mode": "white"},
     )  # fmt: skip
     assert len(resp.data) == 3
-    assert decodes_run(server.url) - before == 1 + 1 + 3
+    assert decodes_run(server.metrics_url) - before == 1 + 1 + 3
 
 
 def test_template_id_n_and_url(client: openai.OpenAI, server: ServerProcess) -> None:

@@ -111,7 +111,7 @@ def test_maskaware_places_on_both_executors_and_reports_its_predictions(
             if tier == "host"
         }
         assert residency  # the templates just read are host-resident
-        metrics = httpx.get(f"{server.url}/metrics").text
+        metrics = httpx.get(server.metrics_url).text
         assert 'retouch_placement{quantity="decision_ms_p99"}' in metrics
         assert 'retouch_template_reads_total{tier="host"}' in metrics
 
@@ -130,7 +130,7 @@ def test_slo_admission_refuses_what_cannot_make_it(server: ServerProcess) -> Non
         doc = client.executors()
         assert doc["queue"]["slo_rejected"] >= 1
         assert doc["control"]["refusal_ms_p99"] > 0  # the gateway timed its 429
-        metrics = httpx.get(f"{server.url}/metrics").text
+        metrics = httpx.get(server.metrics_url).text
         assert 'retouch_slo_total{function="relaxed",outcome="met"} 1.0' in metrics
 
 

@@ -284,7 +284,7 @@ def test_uploads_are_refused_from_their_header_before_any_pixel_is_decoded(
     mask = io.BytesIO()
     Image.fromarray(MASK.astype(np.uint8) * 255).save(mask, format="PNG")
     cases = [(zero_png(8192, 8192), "image_too_large")]
-    before = decodes_run(server.url)
+    before = decodes_run(server.metrics_url)
     auth = {"authorization": f"Bearer {INVOKE}"}
     for image, code in cases:
         request = {"image": image, "mask": mask.getvalue(), "prompt": "p", "seed": 1}
@@ -302,10 +302,10 @@ def test_uploads_are_refused_from_their_header_before_any_pixel_is_decoded(
         )
         assert resp.status_code == 400, resp.text
         assert (resp.json()["error"]["code"], resp.json()["error"]["param"]) == (code, "image")
-    assert decodes_run(server.url) == before
+    assert decodes_run(server.metrics_url) == before
     with Client(server.url, INVOKE) as client:
         edit(client, photo(41))  # a good upload is decoded
-    assert decodes_run(server.url) > before
+    assert decodes_run(server.metrics_url) > before
 
 
 BIG = (2048, 1536)

@@ -1,11 +1,13 @@
 """The gateway's image gate: a large mask is decoded off the event loop (other invocations
 go on meanwhile), and decodes in flight stay within the decode budget, granted in arrival
-order, a canceled request's reservation held until its thread is done."""
+order, a canceled request's reservation held until its thread is done; a request's run of
+image work holds one reservation from its first step to its last."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -106,15 +108,27 @@ def test_decodes_in_flight_stay_within_the_budget_in_arrival_order() -> None:
     assert gate.decoded == 8
 
 
-def test_a_canceled_request_keeps_its_reservation_until_its_decode_ends() -> None:
+async def _decode_alone(gate: ImageGate, side: int, blocking: Callable[[], object]) -> None:
+    await gate.decode(Declared(side, side), blocking)
+
+
+async def _work_in_a_run(gate: ImageGate, side: int, blocking: Callable[[], object]) -> None:
+    async with gate.holding(side * side):
+        await gate.work(side * side, blocking)
+
+
+@pytest.mark.parametrize("first_work", [_decode_alone, _work_in_a_run], ids=["decode", "run"])
+def test_a_canceled_request_keeps_its_reservation_until_its_thread_ends(first_work) -> None:
+    """A decode's own reservation, or a run's hold, outlives its caller while the thread
+    it started runs on."""
     side = 512
     gate = ImageGate(4096 * 4096, DecodeBudget(side * side * BYTES_PER_PIXEL))
     release = threading.Event()
 
     async def scenario() -> None:
-        first = asyncio.create_task(gate.decode(Declared(side, side), release.wait, 10))
+        first = asyncio.create_task(first_work(gate, side, lambda: release.wait(10)))
         await asyncio.sleep(0.05)
-        first.cancel()  # the client left; its decode runs on
+        first.cancel()  # the client left; its thread runs on
         second = asyncio.create_task(gate.decode(Declared(side, side), lambda: "second"))
         await asyncio.sleep(0.05)
         assert not second.done() and gate.budget.in_use == gate.budget.capacity
@@ -123,6 +137,46 @@ def test_a_canceled_request_keeps_its_reservation_until_its_decode_ends() -> Non
         assert gate.budget.in_use == 0
 
     asyncio.run(scenario())
+
+
+def test_a_run_of_image_work_holds_one_reservation_from_its_first_step_to_its_last() -> None:
+    """Three runs (a decode, then work on what it left) with room for one: each runs whole
+    before the next starts, so what a step leaves for the next is within the budget too,
+    and the steps inside take no reservation of their own (none waits for a second)."""
+    side = 512
+    cost = side * side * BYTES_PER_PIXEL
+    gate = ImageGate(4096 * 4096, DecodeBudget(cost))
+    inside: list[int] = []
+    most = 0
+
+    def step(i: int) -> int:
+        threading.Event().wait(0.02)
+        return i
+
+    async def run(i: int) -> int:
+        nonlocal most
+        async with gate.holding(side * side):
+            inside.append(i)
+            most = max(most, len(inside))
+            decoded = await gate.decode(Declared(side, side), step, i)
+            await asyncio.sleep(0.02)  # between steps: another run must not start
+            done = await gate.work(side * side, step, decoded)
+            inside.remove(i)
+        return done
+
+    async def scenario() -> list[int]:
+        return await asyncio.wait_for(asyncio.gather(*(run(i) for i in range(3))), 10)
+
+    assert asyncio.run(scenario()) == [0, 1, 2]
+    assert most == 1 and gate.budget.peak == cost and gate.budget.in_use == 0
+    assert gate.budget.waited == 2 and gate.decoded == 3
+
+
+def test_large_work_outside_a_run_takes_a_reservation_as_a_decode_does() -> None:
+    side = 1024
+    gate = ImageGate(4096 * 4096, DecodeBudget(1 << 30))
+    assert asyncio.run(gate.work(side * side, lambda: "pasted")) == "pasted"
+    assert gate.budget.peak == side * side * BYTES_PER_PIXEL and gate.budget.in_use == 0
 
 
 def test_one_decode_above_the_whole_budget_runs_alone() -> None:

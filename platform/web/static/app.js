@@ -533,50 +533,6 @@ async function copyCurl() {
 
 let dashboardTimer = null;
 
-function parseMetrics(text) {
-  const series = [];
-  for (const line of text.split("\n")) {
-    if (!line || line.startsWith("#")) continue;
-    const m = line.match(/^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)/);
-    if (!m) continue;
-    const labels = {};
-    for (const l of (m[2] || "").matchAll(/(\w+)="((?:[^"\\]|\\.)*)"/g)) labels[l[1]] = l[2];
-    series.push({ name: m[1], labels, value: Number(m[3]) });
-  }
-  return series;
-}
-
-// A quantile from cumulative histogram buckets (as Prometheus' histogram_quantile does).
-function quantile(buckets, q) {
-  const total = buckets.length ? buckets[buckets.length - 1].count : 0;
-  if (!total) return null;
-  const rank = q * total;
-  let prevLe = 0, prevCount = 0;
-  for (const b of buckets) {
-    if (b.count >= rank) {
-      if (!Number.isFinite(b.le)) return prevLe;
-      const width = b.count - prevCount;
-      return prevLe + (b.le - prevLe) * (width ? (rank - prevCount) / width : 1);
-    }
-    prevLe = b.le;
-    prevCount = b.count;
-  }
-  return prevLe;
-}
-
-function latencyFrom(series) {
-  const byLe = new Map();
-  let count = 0;
-  for (const s of series) {
-    if (s.name === "retouch_invocation_seconds_bucket") {
-      const le = s.labels.le === "+Inf" ? Infinity : Number(s.labels.le);
-      byLe.set(le, (byLe.get(le) || 0) + s.value);
-    } else if (s.name === "retouch_invocation_seconds_count") count += s.value;
-  }
-  const buckets = [...byLe.entries()].sort((a, b) => a[0] - b[0]).map(([le, c]) => ({ le, count: c }));
-  return { count, p50: quantile(buckets, 0.5), p95: quantile(buckets, 0.95) };
-}
-
 function fmtSeconds(s) {
   if (s === null || s === undefined) return "–";
   return s < 1 ? `${(s * 1000).toFixed(0)} ms` : `${s.toFixed(2)} s`;
@@ -608,17 +564,14 @@ function templatesCell(st) {
 
 async function refreshDashboard() {
   try {
-    const [doc, metricsText] = await Promise.all([
-      api("/v1/executors"),
-      fetch("/metrics").then((r) => r.text()),
-    ]);
+    const doc = await api("/v1/executors");
     const q = doc.queue || {};
     $("d-queue").textContent = q.waiting ?? "–";
     $("d-admitted").textContent = q.admitted ?? "–";
     $("d-rejected").textContent = q.rejected ?? "–";
-    const lat = latencyFrom(parseMetrics(metricsText));
-    $("d-latency").textContent = `${fmtSeconds(lat.p50)} / ${fmtSeconds(lat.p95)}`;
-    $("d-invocations").textContent = String(lat.count);
+    const lat = doc.latency || {};
+    $("d-latency").textContent = `${fmtSeconds(lat.p50_s)} / ${fmtSeconds(lat.p95_s)}`;
+    $("d-invocations").textContent = String(lat.invocations ?? 0);
     const rows = doc.executors.map((e) => {
       const st = e.state || {};
       const engine = st.engine || {};
