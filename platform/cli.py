@@ -8,7 +8,8 @@ Server side: ``serve``, ``executor`` (one executor on its own, for ``--provider 
 ``invoke`` (``--async``: submit a job), ``jobs ls|watch|cancel``, ``cache stats --url``. No traceback for a user's mistake: a bad option value, a missing
 or invalid local file (a spec with a misspelt field included) prints one line
 (``error: ...``) and exits 2; an error answered by the gateway prints one line
-(``error: <code>: <message>``) and exits 1.
+(``error: <code>: <message>``) and exits 1. SIGTERM and SIGINT stop the servers a command
+started (:mod:`retouch.platform.children`) and unwind it: exit 143 and 130.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import sys
 
 from retouch.functions.errors import RetouchError
+from retouch.platform import children
 from retouch.platform.commands import (
     bench,
     cache,
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     for noisy in ("httpx", "httpcore", "diffusers", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        args.run(args)
+        with children.stop_on_signals():
+            args.run(args)
     except RetouchError as exc:
         print(f"error: {describe(exc)}", file=sys.stderr)
         sys.exit(1)

@@ -191,6 +191,13 @@ class ServeConfig:
         "file of result-link signing keys, hex, one a line (the last signs, all verify)",
         shown="<data dir>/link-keys, created 0600",
     )
+    exit_with_parent: int = knob(
+        0,
+        "the pid of the process that started this server: it stops (its executors too) "
+        "when that process ends, even killed (0: it outlives it)",
+        env=False,  # its children must not inherit it
+        metavar="PID",
+    )
     executor: ExecutorOptions = field(default_factory=ExecutorOptions)
 
     def executor_args(self) -> tuple[str, ...]:
@@ -245,6 +252,7 @@ class ServeConfig:
             "body_memory_bytes",
             "ray_wait_s",
             "metrics_port",
+            "exit_with_parent",
         )
         for name in nonnegative:
             if getattr(self, name) < 0:

@@ -156,7 +156,8 @@ class LocalProvider:
         cmd = [
             sys.executable, "-m", "retouch.runtime.executor",
             "--name", name, "--device", own_device, "--data-dir", str(self.data_dir),
-            "--port-file", str(port_file), "--threads", str(threads), "--exit-with-parent",
+            "--port-file", str(port_file), "--threads", str(threads),
+            "--exit-with-parent", str(os.getpid()),
             *self.executor_args,
         ]  # fmt: skip
         proc = subprocess.Popen(

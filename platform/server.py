@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from retouch.platform import children
 from retouch.platform.allowlist import AllowList
 from retouch.platform.auth import load_auth
 from retouch.platform.catalogue import ModelCatalogue
@@ -37,8 +38,14 @@ from retouch.platform.statestore import StateStore
 from retouch.platform.webhooks import load_secret
 from retouch.runtime.executor.app import read_token
 from retouch.runtime.httpserver import SERVER_OPTIONS
+from retouch.runtime.parentwatch import watch_parent
 
 log = logging.getLogger(__name__)
+
+# How long a gateway whose starter is gone gives its graceful shutdown (open requests,
+# then its executors: SIGTERM, 10 s, SIGKILL) before it exits anyway; its executors, which
+# watch it, then end too.
+ORPHAN_GRACE_S = 30.0
 
 
 def build_gateway(config: ServeConfig) -> Gateway:
@@ -153,6 +160,8 @@ def serve(config: ServeConfig) -> None:
     """The gateway on its API port and, unless ``--metrics-port 0``, its metrics on theirs
     (that port is bound first: a port in use fails the command before anything starts)."""
     metrics_socket = listen(config.host, config.metrics_port) if config.metrics_port else None
+    if config.exit_with_parent:
+        watch_parent(config.exit_with_parent, stop_orphaned)
     gateway = build_gateway(config)
     api = uvicorn.Config(
         gateway.app(),
@@ -238,6 +247,15 @@ class GatewayServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def stop_orphaned() -> None:
+    """The process that started this gateway is gone: stop as on SIGTERM (uvicorn's
+    graceful shutdown, whose lifespan stops the executors); exit if that hangs."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(ORPHAN_GRACE_S)
+    log.error("still running %.0f s after its starter ended; exiting", ORPHAN_GRACE_S)
+    os._exit(1)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -246,7 +264,9 @@ def free_port() -> int:
 
 @dataclass
 class ServerProcess:
-    """``retouch serve`` as a child process: used by ``retouch demo``, benchmarks and tests."""
+    """``retouch serve`` as a child process: used by ``retouch demo``, benchmarks and tests.
+    It stops with this process: on SIGTERM or SIGINT (:mod:`retouch.platform.children`)
+    and, watching it, when this process is killed (``--exit-with-parent``)."""
 
     data_dir: Path
     executors: int = 1
@@ -274,7 +294,8 @@ class ServerProcess:
             sys.executable, "-m", "retouch.platform.cli", "serve",
             "--port", str(self.port), "--metrics-port", str(self.metrics_port),
             "--data-dir", str(self.data_dir),
-            "--executors", str(self.executors), *self.extra_args,
+            "--executors", str(self.executors), "--exit-with-parent", str(os.getpid()),
+            *self.extra_args,
         ]  # fmt: skip
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with (self.data_dir / "gateway.log").open("ab") as log_file:
@@ -285,7 +306,12 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
-        self._wait_ready(timeout)
+        children.track(self.process)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:  # not ready, or this process is stopping: stop it too
+            self.stop()
+            raise
         return self
 
     def _wait_ready(self, timeout: float) -> None:
@@ -301,21 +327,22 @@ class ServerProcess:
             except httpx.TransportError:
                 pass  # not listening yet: poll again
             time.sleep(0.1)
-        self.stop()
         raise RuntimeError(
             f"retouch serve not ready after {timeout:.0f} s; see {self.data_dir / 'gateway.log'}"
         )
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM (graceful: the gateway stops its executors), SIGKILL if it hangs."""
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        children.forget(self.process)
 
     def __enter__(self) -> ServerProcess:
         return self.start()

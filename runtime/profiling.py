@@ -23,6 +23,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor, Reque
 from retouch.runtime.maskaware.loader import FamilyRows, LoadMode, RowLoader, attach, attached
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.maskaware.tokens import TokenBatch
+from retouch.runtime.parentwatch import watch_pipe
 
 log = logging.getLogger(__name__)
 HEX64 = re.compile(r"[0-9a-f]{64}")  # a folder's fingerprint (runtime/fingerprint.py)
@@ -161,18 +163,27 @@ def profile_in_subprocess(
     ]  # fmt: skip
     log.info("profiling %s on %s in a background process", model, device)
     how = "forkserver" if torch.device(device).type == "cpu" else "spawn"
-    child = multiprocessing.get_context(how).Process(
-        target=_profile_child, args=(argv,), name="retouch-profile"
+    context = multiprocessing.get_context(how)
+    lifeline, kept = context.Pipe(duplex=False)  # the child reads; this process never writes
+    # daemon: an executor that exits terminates it (a non-daemon child is waited for, and
+    # a profile can take minutes); the lifeline ends it if the executor is killed instead
+    child = context.Process(
+        target=_profile_child, args=(argv, lifeline), name="retouch-profile", daemon=True
     )
     child.start()
-    child.join()
+    lifeline.close()
+    try:
+        child.join()
+    finally:
+        kept.close()
     if child.exitcode != 0:
         log.error("profiling %s failed (exit %s)", model, child.exitcode)
         return False
     return True
 
 
-def _profile_child(argv: list[str]) -> None:
+def _profile_child(argv: list[str], lifeline: Connection) -> None:
+    watch_pipe(lifeline, lambda: os._exit(1))  # forked from the fork server: not our parent
     _nice()
     main(argv)
 

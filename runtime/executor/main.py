@@ -14,8 +14,6 @@ import logging
 import os
 import signal
 import socket
-import threading
-import time
 from types import FrameType
 
 import torch
@@ -36,6 +34,7 @@ from retouch.runtime.executor.options import (
 )
 from retouch.runtime.httpserver import SERVER_OPTIONS
 from retouch.runtime.models import ModelCache
+from retouch.runtime.parentwatch import watch_parent
 from retouch.runtime.reproducibility import make_deterministic
 from retouch.runtime.templates import TemplateCache
 from retouch.runtime.workers import PrePostPool
@@ -132,8 +131,8 @@ def run(args: argparse.Namespace, token: str) -> None:
         make_deterministic()
     if torch.device(args.device).type == "cpu":
         forkserver.fork_from_here()  # before any thread starts (the parent watch is one)
-    if args.exit_with_parent:
-        _exit_with_parent()
+    if args.exit_with_parent is not None:
+        watch_parent(args.exit_with_parent, _exit_orphaned)
     if args.options.threads > 0:
         torch.set_num_threads(args.options.threads)
     core = build_core(args)
@@ -175,14 +174,6 @@ class ExecutorServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _exit_with_parent() -> None:
+def _exit_orphaned() -> None:
     """Executors are children of one gateway: if it dies (even by SIGKILL), so do they."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        log.warning("gateway (pid %d) is gone; exiting", parent)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    os._exit(0)

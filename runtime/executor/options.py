@@ -188,8 +188,14 @@ def add_process_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--exit-with-parent",
-        action="store_true",
-        help="end when the parent process ends (an executor its gateway or Ray actor started)",
+        nargs="?",
+        type=int,
+        const=0,
+        default=None,
+        metavar="PID",
+        help="end when the parent process ends (an executor its gateway or Ray actor "
+        "started): PID, the parent that started it (seen gone even while this one starts), "
+        "or none given: the parent it has when it starts",
     )
     add_flags(parser, ExecutorOptions)
 

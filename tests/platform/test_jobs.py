@@ -203,7 +203,8 @@ async def test_the_journal_resumes_unfinished_jobs_once(tmp_path: Path) -> None:
     await again.wait(resumed, 5)
     assert resumed.status is JobStatus.SUCCEEDED
     assert again.jobs[finished.id].status is JobStatus.CANCELED
-    ended = await asyncio.wait_for(again.wait(again.jobs[finished.id], 30), 1)  # no waiting
+    # no waiting: well before the wait's own 30 s
+    ended = await asyncio.wait_for(again.wait(again.jobs[finished.id], 30), 5)
     assert [e async for e in again.events(ended) if e is not None] == [terminal]  # same id
     # the resumed run's ids are above every id of the run before: a reader resuming from
     # its last id gets the whole new run, ending with the terminal event

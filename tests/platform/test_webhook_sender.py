@@ -32,7 +32,8 @@ from .test_jobs import request, sync
 
 SECRET = b"sender-secret"  # the server's; receivers verify with their tenant's
 KEY = tenant_secret(SECRET, ANONYMOUS)
-FAST_RETRY = RetryPolicy(attempts=3, base_s=0.05, timeout_s=2.0)
+# a generous attempt timeout: deliveries here succeed however loaded the machine is
+FAST_RETRY = RetryPolicy(attempts=3, base_s=0.05, timeout_s=10.0)
 
 
 def job(url: str, seed: int = 1, owner: str = ANONYMOUS, **extra) -> Job:
@@ -161,7 +162,18 @@ async def test_each_tenant_signs_with_its_own_key_and_reads_only_that() -> None:
 
 @sync
 async def test_a_tenant_flooding_a_shared_receiver_neither_delays_nor_drops_another() -> None:
-    with Receiver(KEY, delay_s=0.6) as shared:
+    bob_arrived = threading.Event()
+
+    def answer(path: str, n: int) -> int:
+        """Alice's deliveries are held until bob's has arrived: behind her backlog, his
+        never would (hers would time out instead)."""
+        if path == "/b":
+            bob_arrived.set()
+        else:
+            bob_arrived.wait(30)
+        return 200
+
+    with Receiver(KEY, answer) as shared:
         sender = WebhookSender(SECRET, retry=FAST_RETRY, concurrency=1, backlog=2)
         await sender.start()
         flood = job(f"{shared.url}/a", 1, "alice", webhook_events=["progress", "completed"])
@@ -170,15 +182,12 @@ async def test_a_tenant_flooding_a_shared_receiver_neither_delays_nor_drops_anot
         for seed in (2, 3, 4):  # the last two progress make room; no completed is dropped
             j = job(f"{shared.url}/a", seed, "alice")
             sender.notify(j, completed(j))
-        started = time.monotonic()
         bob = job(f"{shared.url}/b", 9, "bob")
         sender.notify(bob, completed(bob))
-        await until(lambda: shared.calls("/b"))
-        waited = time.monotonic() - started
         await until(lambda: sum(a.body["type"] == "completed" for a in shared.arrivals) == 4)
         await sender.close()
-    assert waited < 0.5, waited  # not behind alice's backlog (3 deliveries of 0.6 s)
-    assert sender.stats.dropped == 6
+    assert sender.stats.dropped == 6 and not sender.stats.failed and sender.stats.retried == 0
+    assert shared.arrivals[0].path == "/b"  # not behind alice's backlog
     assert [a.body["type"] for a in shared.arrivals if a.path == "/a"] == ["completed"] * 3
 
 
@@ -211,9 +220,11 @@ async def test_lookups_have_their_own_threads_a_deadline_and_a_share_per_tenant(
         with pytest.raises(RetouchError) as error:
             await resolver.resolve("fine.example", "alice")
         assert late(error)
-        # another tenant still gets a thread, and asyncio's own pool was never involved
+        # another tenant still gets a thread, and asyncio's own pool was never involved (the
+        # lookups from here on may take as long as a loaded machine needs)
+        resolver.timeout_s = 30.0
         assert [str(a) for a in await resolver.resolve("fine.example", "bob")] == ["127.0.0.1"]
-        assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 1.0) == "free"
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 30.0) == "free"
         stuck.set()  # the stuck lookups end: alice's share is hers again
         assert await resolver.resolve("fine.example", "alice")
     finally:

@@ -104,13 +104,17 @@ def test_continuous_newcomer_joins_within_one_step(editor, baked, stages) -> Non
     engine = Engine(EngineConfig(EngineMode.CONTINUOUS, max_batch=4), stages).start()
     try:
         first = _work(editor, request, store, seed=1)
+        ended: list[float] = []  # when each of the first's steps ended
+        first.on_step = lambda done, total: ended.append(time.perf_counter())
         f1 = engine.submit(first)
         _wait_steps(first, 3)
         second = _work(editor, request, store, seed=2)
         f2 = engine.submit(second)
         r2, r1 = f2.result(timeout=120), f1.result(timeout=120)
-        step_s = max(r.step_ms for r in engine.counters.history) / 1e3
-        assert second.first_step - second.pre_done <= step_s + 0.005
+        # ready (encoded) during one of the first's steps, it ran in the next: at most the
+        # step under way ended in between, however long a loaded machine made it
+        waited = [t for t in ended if second.pre_done < t < second.first_step]
+        assert len(waited) <= 1, (len(waited), second.pre_done, second.first_step, ended)
         assert second.first_step < first.last_step  # it ran while the first was running
         assert 2 in r2["engine"]["batch_sizes"] and 2 in r1["engine"]["batch_sizes"]
         assert r1["engine"]["interruptions"] == r2["engine"]["interruptions"] == 0

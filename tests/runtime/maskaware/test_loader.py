@@ -177,8 +177,10 @@ def test_load_wait_is_reported(baked) -> None:
         assert stats.load_s >= stats.jobs * 0.01 * 0.9
         if mode is LoadMode.SEQUENTIAL:  # every read happens while a block waits
             assert loader.totals.wait_s >= slow.reads * 0.01 * 0.9
-        else:  # tiny blocks compute in far less than 10 ms: they wait for most loads
-            assert 0 < loader.totals.wait_s <= loader.totals.load_s + 0.1
+        else:  # tiny blocks compute in far less than 10 ms: they wait for loads, which
+            # bound the wait; the slack is a loaded machine's late wake-ups (a wait counted
+            # in ms would still be far over it)
+            assert 0 < loader.totals.wait_s <= loader.totals.load_s + 5.0
 
 
 def test_a_failed_load_fails_the_step_and_the_loader_carries_on(baked) -> None:
