@@ -122,6 +122,9 @@ def test_single_file_checkpoint_gives_the_images_of_its_folder(
     assert cache.get(single.key, FAMILY).fingerprint != cache.get(folder.key, FAMILY).fingerprint
 
 
+BF16_SAME_EDIT_DB = 42.0
+
+
 def test_bf16_runs_mask_aware_on_a_cpu(cache: ModelCache) -> None:
     plain, bf16 = ModelSource("retouch:tiny-sd"), ModelSource("retouch:tiny-sd", "bf16")
     loaded = cache.get(bf16.key, FAMILY)
@@ -132,5 +135,8 @@ def test_bf16_runs_mask_aware_on_a_cpu(cache: ModelCache) -> None:
     request, store = _request(np.ones((small, small), dtype=bool)), MemoryActivations()
     editor.bake(request.image, "a quiet street", 3, STEPS, GUIDANCE, store)
     edited = editor.edit(request, store, "np")
-    assert psnr(edited, editor.stock_edit(request, "np")) >= 60.0  # the served edit is stock's
+    # The served edit is stock's within bf16 rounding: at mask 1 both compute every token,
+    # through other kernels (packed attention vs diffusers' processor), whose bf16 roundings
+    # differ by CPU and thread count (47-54 dB on a 2-core AMD EPYC; bf16 vs fp32: >= 35).
+    assert psnr(edited, editor.stock_edit(request, "np")) >= BF16_SAME_EDIT_DB
     assert psnr(edited, _stock(cache, plain, request)) >= 35.0  # bf16 rounding of fp32's
