@@ -49,7 +49,7 @@ def return_large_frees() -> None:
     so that a decoded image, once freed, leaves the process at once. By default the
     threshold rises to the size of each large block freed (up to 32 MiB), and the blocks
     then come from arenas that keep what is freed: six 16-Mpx uploads at once grew a
-    gateway by 683-738 MiB within its 768 MiB decode budget, 520 MiB with the threshold
+    gateway by 683-738 MiB within its 768 MiB decode budget, 491-507 MiB with the threshold
     fixed (``retouch bench memory --only-default-limits``). Elsewhere than glibc: nothing."""
     try:
         libc = ctypes.CDLL("libc.so.6")
