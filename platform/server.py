@@ -27,6 +27,7 @@ from retouch.platform.config import ServeConfig
 from retouch.platform.control.queue import QueueLimits
 from retouch.platform.dispatch import RetryPolicy
 from retouch.platform.gateway import Gateway
+from retouch.platform.limits import return_large_frees
 from retouch.platform.links import KEY_FILE, LinkSigner, bind_url, check_public_url, load_keys
 from retouch.platform.placement import make_placement
 from retouch.platform.pool import ExecutorPool
@@ -160,6 +161,7 @@ def serve(config: ServeConfig) -> None:
     """The gateway on its API port and, unless ``--metrics-port 0``, its metrics on theirs
     (that port is bound first: a port in use fails the command before anything starts)."""
     metrics_socket = listen(config.host, config.metrics_port) if config.metrics_port else None
+    return_large_frees()  # freed images leave the process: the decode budget bounds its growth
     if config.exit_with_parent:
         watch_parent(config.exit_with_parent, stop_orphaned)
     gateway = build_gateway(config)

@@ -4,7 +4,12 @@ machine and the pixel limit, and the start-up log lines that state them (read fr
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from retouch.functions.imaging import MAX_PIXELS
 from retouch.platform.imagegate import BYTES_PER_PIXEL
@@ -75,3 +80,39 @@ def test_a_gateway_states_the_limits_it_derived_in_its_start_up_log(tmp_path: Pa
     for line in expected.log_lines():
         assert f"INFO retouch.platform.gateway: {line}\n" in log
     assert f"request-body budget 11.8 MiB ({given_body} bytes): --body-memory-bytes\n" in log
+
+
+FREES = """
+import sys
+from retouch.platform.limits import return_large_frees
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+
+if sys.argv[1] == "fixed":
+    return_large_frees()
+before = rss()
+for _ in range(3):  # a decoded image, freed, then the next one
+    block = bytearray(b"\\1") * (24 << 20)
+    del block
+print((rss() - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+def test_a_freed_image_leaves_the_process_once_the_gateway_fixes_the_mmap_threshold() -> None:
+    """Three 24 MiB blocks allocated and freed in turn: by default glibc keeps one in the
+    heap (its mmap threshold rose to the first block's size); with ``return_large_frees``
+    (what ``retouch serve`` calls) nothing stays."""
+
+    def kept_mib(mode: str) -> int:
+        done = subprocess.run(
+            [sys.executable, "-c", FREES, mode], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout)
+
+    assert kept_mib("default") >= 16
+    assert kept_mib("fixed") <= 4
