@@ -113,6 +113,9 @@ class BucketBatch:
         self._joint: dict[int, torch.Tensor] = {}
         # each request's slot positions: views of the buffer, made once (refills show)
         self._masked = [self._slots[r * rows_per_request] for r in range(requests)]
+        # fixed by the shape: read by every sparse block, made once
+        self._counts = (bucket,) * rows
+        self._segments = tuple((row * bucket, bucket) for row in range(rows))
         self._unmasked: dict[int, torch.Tensor] = {}
         self.padded_tokens = 0  # pad slots of the last fill (a figure for /metrics)
 
@@ -168,7 +171,7 @@ class BucketBatch:
 
     @property
     def counts(self) -> tuple[int, ...]:
-        return (self.bucket,) * self.rows
+        return self._counts
 
     @property
     def n_max(self) -> int:
@@ -194,7 +197,7 @@ class BucketBatch:
 
     @property
     def segments(self) -> tuple[tuple[int, int], ...]:
-        return tuple((row * self.bucket, self.bucket) for row in range(self.rows))
+        return self._segments
 
     @property
     def row_of_token(self) -> torch.Tensor:
