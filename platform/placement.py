@@ -28,12 +28,16 @@ import bisect
 import functools
 import hashlib
 import itertools
+import logging
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from retouch.platform.control.cluster import ExecutorView, PlacementRequest, Residency
+
+log = logging.getLogger(__name__)
 
 __all__ = ["POLICIES", "Candidate", "Placement", "PlacementRequest", "make_placement"]
 
@@ -175,7 +179,11 @@ class MaskAware:
             if prediction is None:  # no profile of its model there yet: count requests
                 return self.fallback.choose(candidates, request)
             finish = prediction.finish_s
-            scored.append((finish + c.view.bake_cost_s(request), finish, c))
+            score = finish + c.view.bake_cost_s(request)
+            if not math.isfinite(score):  # a broken profile or fit: trust no prediction
+                log.warning("executor %s predicts %r s: placing by requests", c.name, score)
+                return self.fallback.choose(candidates, request)
+            scored.append((score, finish, c))
         best = min(s for s, _, _ in scored)
         near = [item for item in scored if item[0] <= best * (1 + NEAR_TIE) + 0.01]
         _, finish, chosen = self._tie_break(near, request)

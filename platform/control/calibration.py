@@ -6,6 +6,7 @@ occupancy). Pure values: the cluster view updates them on events, time is a para
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -95,6 +96,8 @@ class Calibration:
 
     def learn(self, occupancy: int, ratio: float) -> None:
         """One result's actual / predicted, into the drift of its occupancy (bounded)."""
+        if not 0.0 < ratio < math.inf:  # a zero or broken prediction teaches nothing
+            return
         bucket = min(occupancy, DRIFT_OCCUPANCIES)
         drift = self.drift.get(bucket, 1.0) * ratio**EWMA
         self.drift[bucket] = min(SCALE_LIMITS[1], max(SCALE_LIMITS[0], drift))

@@ -311,6 +311,21 @@ def test_maskaware_prefers_less_work_not_fewer_requests() -> None:
     assert MaskAware(seed=0).choose([a, b], new) is b
 
 
+def test_a_non_finite_prediction_places_by_requests_instead_of_failing() -> None:
+    """A NaN from a broken profile or fit made every score incomparable: the near-tie band
+    was empty and the invocation answered 500. It is placed as if unprofiled."""
+    from retouch.platform.placement import LeastRequests, MaskAware
+    from retouch.runtime.prediction import Prediction
+
+    cluster = ClusterView()
+    a, b = (Handle(view_with(cluster, n)) for n in "ab")
+    a.view.place(1, request(0.9), 0.0)
+    a.view.predict = lambda *args, **kw: Prediction(float("nan"), float("nan"))
+    for pool in ([a, b], [b, a]):
+        chosen = MaskAware(seed=0).choose(pool, request(0.3))
+        assert chosen is LeastRequests().choose(pool, request(0.3)) is b
+
+
 def test_maskaware_in_a_large_pool_predicts_only_a_shortlist_and_finds_the_idle_one() -> None:
     from retouch.platform.placement import MaskAware
 
