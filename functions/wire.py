@@ -570,6 +570,7 @@ class InvokeResult:
     timings: Timings = field(default_factory=Timings)
     cache: CacheRead = field(default_factory=CacheRead)
     engine: RunStats = field(default_factory=RunStats)
+    path_reason: str = ""  # why this path: the executor's step times, or what was missing
     attempts: int = 1  # executors it was sent to (more than one after an executor was lost)
     template: str = ""  # the template edited (``upload:<hash>`` for an uploaded image)
     seed: int | None = None  # the seed it ran with (the gateway's; drawn when none was sent)
@@ -585,6 +586,7 @@ class InvokeResult:
             "mask_ratio": self.mask_ratio,
             "executor": self.executor,
             "path": self.path.value,
+            "path_reason": self.path_reason,
             "timings": asdict(self.timings),
             "cache": self.cache.to_wire(),
             "engine": self.engine.to_wire(),
@@ -602,6 +604,7 @@ class InvokeResult:
             mask_ratio=float(body["mask_ratio"]),
             executor=str(body["executor"]),
             path=InvokePath(body.get("path", InvokePath.STOCK)),
+            path_reason=str(body.get("path_reason", "")),
             timings=Timings.from_wire(body.get("timings")),
             cache=CacheRead.from_wire(body.get("cache")),
             engine=RunStats.from_wire(body.get("engine")),
@@ -687,12 +690,18 @@ class EngineStats:
     pre_workers: int = 0
     post_workers: int = 0
     # Mask-aware steps from graphs (runtime/maskaware/graphs, buckets), all editors told:
-    # captured layouts kept, captures, replays, steps run eagerly (a layout's first runs,
-    # and steps graphs could not take), and pad slots computed by bucketed layouts.
+    # captured layouts kept, captures (those on the request path: a step that waited for
+    # one; the rest at warm-up), replays, steps run eagerly (a layout's first runs, steps
+    # graphs could not take, layouts the budget left uncaptured), pad slots computed by
+    # bucketed layouts, and the bytes graphs hold against their budget (0: no budget).
     graph_layouts: int = 0
     graph_captures: int = 0
+    graph_request_captures: int = 0
     graph_replays: int = 0
     graph_eager_steps: int = 0
+    graph_over_budget: int = 0
+    graph_bytes: int = 0
+    graph_budget_bytes: int = 0
     padded_tokens: int = 0
 
     def to_wire(self) -> dict[str, Any]:

@@ -201,6 +201,7 @@ class Job:
                 "inference_steps": r.engine.steps,
                 "mask_ratio": r.mask_ratio,
                 "path": r.path.value,
+                "path_reason": r.path_reason,
             }
         return out
 

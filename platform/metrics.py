@@ -128,7 +128,7 @@ class GatewayMetrics:
         )
         self.engine = Gauge(
             "retouch_engine",
-            "Per-executor engine state at scrape time: batch_overhead_ms_p50, step_ms_p50, batch_mean, plan_sparse_blocks, plan_blocks, load_wait_ms_p50, running, ready, preprocessing, alive; graph_layouts, graph_captures, graph_replays, graph_eager_steps, padded_tokens (totals since the executor started)",
+            "Per-executor engine state at scrape time: batch_overhead_ms_p50, step_ms_p50, batch_mean, plan_sparse_blocks, plan_blocks, load_wait_ms_p50, running, ready, preprocessing, alive; graph_layouts, graph_captures, graph_request_captures, graph_replays, graph_eager_steps, graph_over_budget, padded_tokens (totals since the executor started), graph_bytes, graph_budget_bytes",
             ["executor", "quantity"],
             registry=r,
         )
@@ -259,7 +259,11 @@ class GatewayMetrics:
             "graph_layouts": engine.graph_layouts,
             "graph_captures": engine.graph_captures,
             "graph_replays": engine.graph_replays,
+            "graph_request_captures": engine.graph_request_captures,
             "graph_eager_steps": engine.graph_eager_steps,
+            "graph_over_budget": engine.graph_over_budget,
+            "graph_bytes": engine.graph_bytes,
+            "graph_budget_bytes": engine.graph_budget_bytes,
             "padded_tokens": engine.padded_tokens,
         }
         for quantity, value in values.items():

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from retouch.runtime.costmodel import CostModel
+    from retouch.runtime.maskaware.buckets import Buckets
     from retouch.runtime.maskaware.request import RequestState
 
 log = logging.getLogger(__name__)
@@ -161,11 +162,12 @@ class Planner:
 
     cost_model: CostModel
     device: str  # where the rows must rest to be read without a load
+    buckets: Buckets | None = None  # the editor's: steps are costed as padded
     last: Plan | None = None
 
     def __call__(self, states: list[RequestState], blocks: list[str]) -> dict[str, Mode]:
         modes = dict.fromkeys(blocks, Mode.FULL)
-        tokens = batch_tokens(self.cost_model, states, self.device)
+        tokens = batch_tokens(self.cost_model, states, self.device, self.buckets)
         costs = self.cost_model.block_costs(tokens)
         if not any(s.step_reader is not None for s in states):
             # Nothing cached: sparse would compute every token anyway. The all-full plan
@@ -180,23 +182,33 @@ class Planner:
         return modes
 
 
-def make_planner(cost_model: CostModel, device: object) -> Planner:
-    """``editor.set_planner(make_planner(cost_model, editor.device))``; the engine passes its
-    result to ``step``. *device* is the torch device the editor runs on: the cost model's
-    own ``device`` is a label of the hardware profiled (``cuda-NVIDIA-H100…``), not one."""
-    return Planner(cost_model, str(device))
+def make_planner(cost_model: CostModel, device: object, buckets: Buckets | None = None) -> Planner:
+    """``editor.set_planner(make_planner(cost_model, editor.device, editor.buckets))``; the
+    engine passes its result to ``step``. *device* is the torch device the editor runs on:
+    the cost model's own ``device`` is a label of the hardware profiled
+    (``cuda-NVIDIA-H100…``), not one."""
+    return Planner(cost_model, str(device), buckets)
 
 
 def batch_tokens(
-    cost_model: CostModel, states: list[RequestState], device: object
+    cost_model: CostModel,
+    states: list[RequestState],
+    device: object,
+    buckets: Buckets | None = None,
 ) -> list[tuple[int, int, int]]:
     """Per profiled block, the batch's (masked, total, streamed) tokens on the block's token
     grid; *streamed* counts the unmasked tokens whose rows must be loaded: none of a
-    request whose template is resident on *device* (the editor's torch device)."""
+    request whose template is resident on *device* (the editor's torch device). With the
+    editor's ``buckets``, masked counts are the bucket the step is padded to: what it
+    computes, and one plan per bucket (a captured graph's modes do not follow the mask)."""
     import torch  # the executor's planner runs this; the gateway never does (torch-free)
 
     from retouch.runtime.maskaware.store import all_resident
 
+    padding = None
+    if buckets is not None:
+        sizes = {size for s in states for size in s.step_tokens}
+        padding = buckets.padding(tuple(s.step_tokens[size] for s in states) for size in sizes)
     grids = [sorted(s.step_tokens.items(), key=lambda kv: -kv[1].n_tokens) for s in states]
     device = torch.device(device)
     resident = [s.step_reader is not None and all_resident(s.step_reader, device) for s in states]
@@ -207,6 +219,8 @@ def batch_tokens(
             tokens = levels[min(profile.level, len(levels) - 1)][1]
             total += tokens.n_tokens
             count = tokens.count if state.step_reader is not None else tokens.n_tokens
+            if padding is not None:
+                count = padding[tokens.n_tokens]
             masked += count
             streamed += 0 if here else tokens.n_tokens - count
         out.append((masked, total, streamed))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -42,9 +43,11 @@ from retouch.runtime.fingerprint import weights_fingerprint
 from retouch.runtime.maskaware.buckets import Buckets
 from retouch.runtime.maskaware.editor import EditRequest, Encoded, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
+from retouch.runtime.maskaware.warmup import warm_graphs
 from retouch.runtime.models import ModelCache
+from retouch.runtime.pathchoice import PathChoice, StepTimes, choose_path
 from retouch.runtime.plan import make_planner
-from retouch.runtime.prediction import plan_table
+from retouch.runtime.prediction import MaskFootprint, plan_table
 from retouch.runtime.profiling import (
     cached_profile,
     load_or_profile,
@@ -183,11 +186,15 @@ class ExecutorCore:
         data_dir: Path = Path("."),
         profile_in_background: bool = True,
         cuda_graphs: bool = False,
+        graph_budget_bytes: int | None = None,
         adapter_bytes: int = ADAPTER_BUDGET_BYTES,
         adapter_build_share: float = BUILD_SHARE,
     ) -> None:
         self.name = name
         self.cuda_graphs = cuda_graphs  # steps of device-resident batches from CUDA graphs
+        self.graph_budget_bytes = graph_budget_bytes  # per editor (None: no limit)
+        # per loaded copy: the step times the path choice compares (runtime/pathchoice)
+        self.step_times: dict[str, StepTimes | None] = {}
         self.models = models
         self.templates = templates
         self.changes = ChangeFeed()  # what the gateway's cluster view follows
@@ -365,16 +372,23 @@ class ExecutorCore:
             editor.set_encoder(functools.partial(self._encode_in_worker, spec))
         attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
         cost_model = load_or_profile(editor, loaded.fingerprint, self.data_dir, spec.width)
-        editor.set_planner(make_planner(cost_model, editor.device))
         # after profiling (it times eager blocks); a capture is per active adapter set.
         # Graphs run bucketed layouts: one capture per bucket and batch size serves every mask.
         if self.cuda_graphs:
             editor.set_buckets(Buckets())
+        editor.set_planner(make_planner(cost_model, editor.device, editor.buckets))
         editor.set_graphs(
             self.cuda_graphs,
             weights=self.adapters.residency(spec).weights_key,
             limit=Buckets().levels * self.engine.config.max_batch,
+            budget_bytes=self.graph_budget_bytes,
         )
+        times = None
+        if self.cuda_graphs:  # every bucket and batch size captured before it serves
+            size = (spec.width, spec.height)
+            warm = warm_graphs(editor, size, self.engine.config.max_batch, spec.halo)
+            log.info("graphs of %s warmed: %s", spec.model, warm)
+            times = warm.times
         profile = profile_path(self.data_dir, loaded.fingerprint, loaded.device)
         prior = load_step_records(profile)
         with self.lock:
@@ -394,6 +408,10 @@ class ExecutorCore:
                 cost_model.extra["resident_step_table"] = plan_table(
                     cost_model, grids, self.engine.config.max_batch, resident=True
                 )
+        if times is None and grids:  # without graphs: the profile's planned steps
+            times = StepTimes.from_plan(cost_model.extra["step_table"][0])
+        with self.lock:
+            self.step_times[spec.source.key] = times
         return editor, cost_model
 
     def _encodes_elsewhere(self) -> bool:
@@ -484,6 +502,8 @@ class ExecutorCore:
         covered = self.maskaware and template.covers(inv.steps, inv.guidance)
         found = wire.CacheTier.NONE
         editor = self.editor(spec, scheduler)  # built at deploy, before it was registered
+        choice = self._path_choice(spec, template, inv, mask)
+        covered = covered and choice.path is wire.InvokePath.MASKAWARE
         if covered:  # at strength < 1 or another scheduler its variant: that trajectory's bake
             config = dict(editor.impl.pipe.scheduler.config)
             template = self.templates.variant(
@@ -508,8 +528,11 @@ class ExecutorCore:
         encode_inline = self.adapters.inline_encoder(spec, editor)
         # pinned from here: nothing that can fail comes between this and the submit's try
         adapters = self.adapters.residency(spec).use(spec.adapter_set)  # read now if not in memory
+        # Bucketed steps pad every row to the batch's largest mask: a stock edit (every
+        # token) would pad its batch-mates to full, so with buckets the paths batch apart.
+        apart = (covered,) if editor.buckets is not None else ()
         work = Work(
-            key=(spec.source.key, scheduler, spec.width, spec.height, spec.adapter_set),
+            key=(spec.source.key, scheduler, spec.width, spec.height, spec.adapter_set, *apart),
             model=spec.source.key,
             family=spec.family,
             scheduler=scheduler,
@@ -534,7 +557,29 @@ class ExecutorCore:
             with self.lock:
                 self._invocations[inv.id] = work
         self.stats.queued += 1
-        return self._finish(inv, work, future, mask)
+        return self._finish(inv, work, future, mask, choice)
+
+    def _path_choice(
+        self, spec: FunctionSpec, template: Template, inv: wire.ExecutorInvoke, mask: Any
+    ) -> PathChoice:
+        """Mask-aware or stock for this edit, and why (``path_reason`` in the answer)."""
+        if not self.maskaware:
+            return PathChoice(wire.InvokePath.STOCK, "mask-aware steps are off on this executor")
+        if not template.covers(inv.steps, inv.guidance):
+            return PathChoice(
+                wire.InvokePath.STOCK,
+                f"the template is baked for {template.steps} steps at guidance "
+                f"{template.guidance:g}, not {inv.steps} at {inv.guidance:g}: every token computed",
+            )
+        with self.lock:
+            times = self.step_times.get(spec.source.key)
+            cost_model = self.cost_models.get(spec.source.key)
+        grids = cost_model.extra.get("grids") if cost_model is not None else None
+        if not grids:
+            return choose_path(times, mask_ratio(mask))
+        footprint = MaskFootprint.of(np.asarray(mask, dtype=bool), spec.halo)
+        px = round(math.sqrt(mask.size / grids[0]))  # the finest grid's token, in pixels
+        return choose_path(times, footprint.masked.get(px, mask.sum() / px**2) / grids[0])
 
     def _check_room(self) -> None:
         """Refuse an invocation beyond :func:`room`: each gateway keeps within it for its
@@ -570,7 +615,7 @@ class ExecutorCore:
         )
 
     async def _finish(
-        self, inv: wire.ExecutorInvoke, work: Work, future: Future, mask: Any
+        self, inv: wire.ExecutorInvoke, work: Work, future: Future, mask: Any, choice: PathChoice
     ) -> wire.InvokeResult:
         try:
             report = await asyncio.wrap_future(future)
@@ -584,6 +629,10 @@ class ExecutorCore:
                 with self.lock:
                     self._invocations.pop(inv.id, None)
         output: Output = report["output"]
+        path = wire.InvokePath(report["path"])
+        reason = choice.reason
+        if path is not choice.path:  # chosen, but its activations were not there at join
+            reason = "the template's activations were not baked yet: every token computed"
         return wire.InvokeResult(
             image=output.image,
             format=inv.format,
@@ -591,7 +640,8 @@ class ExecutorCore:
             height=output.height,
             mask_ratio=mask_ratio(mask),
             executor=self.name,
-            path=wire.InvokePath(report["path"]),
+            path=path,
+            path_reason=reason,
             timings=wire.Timings(**report["timings"]),
             cache=wire.CacheRead.from_wire(report["cache"]),
             engine=wire.RunStats.from_wire(report["engine"]),
@@ -740,10 +790,11 @@ class ExecutorCore:
         plain integers the engine thread increments)."""
         with self.lock:
             built = [f.result() for f in self._editors.values() if f.done() and not f.exception()]
+        names = ("graph_layouts", "graph_captures", "graph_request_captures", "graph_replays")
         stats = dict.fromkeys(
-            ("graph_layouts", "graph_captures", "graph_replays", "graph_eager_steps"), 0
+            (*names, "graph_eager_steps", "graph_over_budget", "graph_bytes", "padded_tokens"), 0
         )
-        stats["padded_tokens"] = 0
+        stats["graph_budget_bytes"] = self.graph_budget_bytes or 0
         for editor in built:
             stats["padded_tokens"] += editor.padded_tokens
             stats["graph_eager_steps"] += editor.ungraphed_steps
@@ -751,8 +802,11 @@ class ExecutorCore:
             if graphs is not None:
                 stats["graph_layouts"] += len(graphs.layouts)
                 stats["graph_captures"] += graphs.captures
+                stats["graph_request_captures"] += graphs.request_captures
                 stats["graph_replays"] += graphs.replays
                 stats["graph_eager_steps"] += graphs.eager
+                stats["graph_over_budget"] += graphs.over_budget
+                stats["graph_bytes"] += graphs.nbytes
         return stats
 
 

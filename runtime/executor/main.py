@@ -90,6 +90,7 @@ def build_core(args: argparse.Namespace) -> ExecutorCore:
         maskaware=options.maskaware,
         data_dir=shared,
         cuda_graphs=options.cuda_graphs,
+        graph_budget_bytes=graph_budget(options, device),
         adapter_bytes=options.adapter_cache_bytes,
         adapter_build_share=options.adapter_build_share,
     )
@@ -106,6 +107,17 @@ def device_tier(options: ExecutorOptions, device: torch.device) -> DeviceTier | 
             else 0
         )
     return DeviceTier(device, budget) if budget > 0 else None
+
+
+def graph_budget(options: ExecutorOptions, device: torch.device) -> int | None:
+    """What CUDA graphs may hold: ``graph_memory_bytes``, by default (-1) a quarter of the
+    GPU's memory on CUDA and no limit on a CPU (its "graphs" are bookkeeping); 0: none."""
+    budget = options.graph_memory_bytes
+    if budget < 0:
+        if device.type != "cuda":
+            return None
+        budget = torch.cuda.get_device_properties(device).total_memory // 4
+    return budget or None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -62,6 +62,13 @@ class ExecutorOptions:
         "masked tokens padded to buckets, one capture per bucket and batch size (on a CPU "
         "the same bookkeeping with eager replays, for tests)",
     )
+    graph_memory_bytes: int = knob(
+        -1,
+        "device memory CUDA graphs may hold (row buffers, static inputs, captures' pool), "
+        "in bytes; a layout not yet captured beyond it runs eagerly (-1: a quarter of the "
+        "GPU's memory, none on a CPU; 0: no limit)",
+        shown="auto",
+    )
     adapter_cache_bytes: int = knob(
         ADAPTER_BUDGET_BYTES,
         "LoRA adapter weights kept resident in each loaded model's denoiser, in bytes; "
@@ -138,6 +145,10 @@ class ExecutorOptions:
         if self.device_cache_bytes < -1:
             raise ValueError(
                 f"device_cache_bytes must be >= -1 (auto), got {self.device_cache_bytes}"
+            )
+        if self.graph_memory_bytes < -1:
+            raise ValueError(
+                f"graph_memory_bytes must be >= -1 (auto), got {self.graph_memory_bytes}"
             )
         if not 0 <= self.cpu_nice <= 19:
             raise ValueError(f"cpu_nice must be in [0, 19], got {self.cpu_nice}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +71,20 @@ class Buckets:
             if all(self.sizes(n)[level] >= count for n, count in counts.items()):
                 return level
         raise ValueError(f"masked counts {dict(counts)} exceed their grids")
+
+    def padding(self, groups: Iterable[Sequence[TokenSet]]) -> dict[int, int] | None:
+        """The bucket every row of a step is padded to, per grid (``n_tokens`` → size):
+        one level for the batch, the smallest that holds every row on every grid. None
+        when a row has no masked token on some grid (nothing to repeat: exact layout).
+        The editor lays the step out with it and the planner costs what it computes."""
+        counts: dict[int, int] = {}
+        for group in groups:
+            if not BucketBatch.fits(group):
+                return None
+            n = group[0].n_tokens
+            counts[n] = max(counts.get(n, 0), *(s.count for s in group))
+        level = self.level(counts)
+        return {n: self.sizes(n)[level] for n in counts}
 
 
 def _round_up(value: int, multiple: int) -> int:

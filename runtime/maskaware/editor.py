@@ -149,16 +149,20 @@ class MaskAwareEditor:
         return self._graphs
 
     def set_graphs(
-        self, enabled: bool, weights: Weights = no_adapters, limit: int = MAX_GRAPHS
+        self,
+        enabled: bool,
+        weights: Weights = no_adapters,
+        limit: int = MAX_GRAPHS,
+        budget_bytes: int | None = None,
     ) -> None:
         """Run mask-aware steps whose cached rows are all on the GPU from CUDA graphs
         (``maskaware.graphs``): one capture per batch layout, replayed. Off by default.
         ``weights()`` names what the denoiser computes with (its active LoRA adapters):
         a capture replays only under the weights it was made with; ``limit``: layouts
-        kept (with buckets: levels × batch sizes)."""
+        kept (with buckets: levels × batch sizes); ``budget_bytes``: what they may hold."""
         if self._graphs is not None:
             self._graphs.close()
-        self._graphs = StepGraphs(self.device, limit, weights) if enabled else None
+        self._graphs = StepGraphs(self.device, limit, weights, budget_bytes) if enabled else None
 
     @property
     def buckets(self) -> Buckets | None:
@@ -364,17 +368,13 @@ class MaskAwareEditor:
         every request has a masked token on every grid (a pad repeats one), else exact."""
         per = self.impl.rows_per_request
         packed = self.packed and self.impl.packs
-        if self._buckets is None or not all(BucketBatch.fits(g) for g in sets.values()):
+        padding = None if self._buckets is None else self._buckets.padding(sets.values())
+        if padding is None:
             return {size: self._layout(group, per, packed) for size, group in sets.items()}
-        counts: dict[int, int] = {}
-        for group in sets.values():
-            n = group[0].n_tokens
-            counts[n] = max(counts.get(n, 0), *(s.count for s in group))
-        level = self._buckets.level(counts)
         grids = {}
         for size, group in sets.items():
-            bucket = self._buckets.sizes(group[0].n_tokens)[level]
-            batch = self._bucket_batch(size, group[0].n_tokens, len(group), bucket)
+            n_tokens = group[0].n_tokens
+            batch = self._bucket_batch(size, n_tokens, len(group), padding[n_tokens])
             grids[size] = batch.fill(group)
             self.padded_tokens += batch.padded_tokens
         return grids

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -119,37 +119,90 @@ class StaticRows:
 
 
 @dataclass(eq=False)
-class _Layout:
-    """One batch layout. Its runs alternate between two sets of static rows (parity), so
-    the rows of the next step are copied in (on a copy stream) while this step runs; each
-    parity has its own graph and output."""
+class RowBank:
+    """The static rows of a resolution's batch slots, shared by every layout of it.
 
-    rows: tuple[list[StaticRows], list[StaticRows]]
-    runs: int = 0
-    graphs: list[Any] = field(default_factory=lambda: [None, None])  # CUDAGraph or True (CPU)
-    outputs: list[Any] = field(default_factory=lambda: [None, None])
-    fns: list[Any] = field(default_factory=lambda: [None, None])
-    inputs: dict[str, Any] = field(default_factory=dict)
+    Steps alternate between two sets of rows (parity), so the rows of the next step are
+    copied in (on a copy stream) while this step runs. A slot's rows have the shapes of a
+    template's cached rows, not of the mask, so one bank serves every bucket and batch size:
+    graph memory grows with the largest batch, not with the layouts (one set of rows per
+    layout held a step of every template per layout: 24 layouts of a Flux-dev batch of 4
+    would have held hundreds of GB)."""
+
+    device: torch.device
+    rows: tuple[list[StaticRows], list[StaticRows]] = field(default_factory=lambda: ([], []))
+    turns: int = 0
     filled_for: list[Any] = field(default_factory=lambda: [None, None])  # (reader ref, step)s
     ready: list[Any] = field(default_factory=lambda: [None, None])  # rows copied in (event)
     read_done: list[Any] = field(default_factory=lambda: [None, None])  # last reader finished
 
+    def slots(self, parity: int, n: int) -> list[StaticRows]:
+        """The first ``n`` slots' rows of ``parity`` (made as batches grow)."""
+        rows = self.rows[parity]
+        while len(rows) < n:
+            rows.append(StaticRows(self.device))
+        return rows[:n]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            b.numel() * b.element_size()
+            for r in (*self.rows[0], *self.rows[1])
+            for b in r.buffers.values()
+        )
+
+
+@dataclass(eq=False)
+class _Layout:
+    """One batch layout: per parity, its graph (captured reading that parity's rows of the
+    bank), its output, and the static inputs both parities share."""
+
+    bank: RowBank
+    runs: list[int] = field(default_factory=lambda: [0, 0])  # runs per parity
+    graphs: list[Any] = field(default_factory=lambda: [None, None])  # CUDAGraph or True (CPU)
+    outputs: list[Any] = field(default_factory=lambda: [None, None])
+    fns: list[Any] = field(default_factory=lambda: [None, None])
+    inputs: dict[str, Any] = field(default_factory=dict)
+    pool_bytes: int = 0  # what its captures added to the shared pool (CUDA)
+
+    @property
+    def nbytes(self) -> int:
+        """Its static inputs and outputs, and its captures' share of the pool."""
+        return self.pool_bytes + _tensor_bytes(self.inputs.values()) + _tensor_bytes(self.outputs)
+
 
 class StepGraphs:
-    """The captured layouts of one editor (LRU, at most ``limit``)."""
+    """The captured layouts of one editor (LRU, at most ``limit``), their row banks and one
+    memory pool for all their captures.
+
+    ``budget_bytes`` bounds what graphs hold (row banks, static inputs and outputs, the
+    pool's growth): a layout not yet captured when the total has reached it runs eagerly
+    (counted in ``over_budget``). Captures made inside :meth:`warming` (the executor's
+    warm-up, before it serves) are counted apart from those on the request path."""
 
     def __init__(
-        self, device: torch.device, limit: int = MAX_GRAPHS, weights: Weights = no_adapters
+        self,
+        device: torch.device,
+        limit: int = MAX_GRAPHS,
+        weights: Weights = no_adapters,
+        budget_bytes: int | None = None,
     ) -> None:
         self.device = device
         self.weights = weights
         self.cuda = device.type == "cuda"
         self.limit = limit
+        self.budget_bytes = budget_bytes
         self.layouts: OrderedDict[Hashable, _Layout] = OrderedDict()
+        self.banks: dict[Hashable, RowBank] = {}
         self.captures = 0
+        self.warm_captures = 0  # of ``captures``, made while warming up (off the request path)
         self.replays = 0
         self.eager = 0  # steps run eagerly by the runner: a parity's first run, a failed capture
+        self.over_budget = 0  # of ``eager``, runs of a layout the budget left uncaptured
         self.prefetched = 0  # runs whose rows had been copied in during the run before
+        self.pool_bytes = 0  # device memory the captures reserved (CUDA; never given back)
+        self._warming = False
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._copies = torch.cuda.Stream(device) if self.cuda else None
 
     def close(self) -> None:
@@ -157,6 +210,27 @@ class StepGraphs:
         if self._copies is not None:
             self._copies.synchronize()
         self.layouts.clear()
+        self.banks.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """What the graphs hold now: row banks, static inputs and outputs, the pool."""
+        banks = sum(bank.nbytes for bank in self.banks.values())
+        return banks + sum(layout.nbytes for layout in self.layouts.values()) + self.pool_bytes
+
+    @property
+    def request_captures(self) -> int:
+        """Captures made while serving: each one stalled the step that needed it."""
+        return self.captures - self.warm_captures
+
+    @contextlib.contextmanager
+    def warming(self) -> Iterator[None]:
+        """Count the captures made inside as warm-up (the executor's, before it serves)."""
+        self._warming = True
+        try:
+            yield
+        finally:
+            self._warming = False
 
     @staticmethod
     def usable(ctx: ForwardContext, device: torch.device) -> bool:
@@ -176,80 +250,96 @@ class StepGraphs:
         """``fn(**tensors)`` for this step, eagerly, by a capture or by a replay; then the
         next step's rows start copying into the other parity's buffers."""
         key = (self.weights(), _layout_key(ctx, tensors))
-        layout = self.layouts.get(key)
-        if layout is None:
-            requests = len(ctx.slots)
-            layout = _Layout(
-                tuple([StaticRows(self.device) for _ in range(requests)] for _ in "pq")
-            )
-            self.layouts[key] = layout
-            while len(self.layouts) > self.limit:
-                if self._copies is not None:  # its buffers may still be being copied into
-                    self._copies.synchronize()
-                self.layouts.popitem(last=False)
+        layout = self.layouts.get(key) or self._add(key, tuple(sorted(ctx.grids)))
         self.layouts.move_to_end(key)
-        parity = layout.runs % 2
-        layout.runs += 1
+        bank = layout.bank
+        parity = bank.turns % 2
+        bank.turns += 1
         slots = list(ctx.slots)
-        self._rows_for(layout, parity, slots)
+        rows = bank.slots(parity, len(slots))
+        self._rows_for(bank, parity, slots)
         ctx.slots = [
-            slot if slot.reader is None else replace(slot, reader=rows)
-            for slot, rows in zip(slots, layout.rows[parity], strict=True)
+            slot if slot.reader is None else replace(slot, reader=r)
+            for slot, r in zip(slots, rows, strict=True)
         ]
-        if layout.fns[parity] is None or layout.graphs[parity] is EAGER:
-            # first run of this parity (its static rows are made), or a capture failed
-            layout.fns[parity] = fn
-            self.eager += 1
-            out = fn(**tensors)
-        else:
-            if layout.graphs[parity] is None:
-                self._capture(layout, parity, fn, tensors)
-            else:
-                _copy_inputs(layout.inputs, tensors)
-            if layout.graphs[parity] is EAGER:
-                self.eager += 1
-                out = fn(**tensors)
-            else:
-                self._replay(layout, parity)
-                out = layout.outputs[parity]
-        layout.read_done[parity] = self._event()
-        self._prefetch(layout, 1 - parity, slots)
-        for rows in (*layout.rows[0], *layout.rows[1]):
-            rows.source = None  # the buffers are filled: keep no edit's handle alive
+        out = self._call(layout, parity, fn, tensors)
+        bank.read_done[parity] = self._event()
+        self._prefetch(bank, 1 - parity, slots)
+        for r in (*bank.rows[0], *bank.rows[1]):
+            r.source = None  # the buffers are filled: keep no edit's handle alive
         return out
 
-    def _rows_for(self, layout: _Layout, parity: int, slots: list) -> None:
+    def _add(self, key: Hashable, sizes: Hashable) -> _Layout:
+        """A new layout on its resolution's bank; the least recently used beyond ``limit``
+        is dropped (its captures' memory stays in the pool for the next ones)."""
+        bank = self.banks.get(sizes)
+        if bank is None:
+            bank = self.banks[sizes] = RowBank(self.device)
+        layout = self.layouts[key] = _Layout(bank)
+        while len(self.layouts) > self.limit:
+            if self._copies is not None:  # its buffers may still be being copied into
+                self._copies.synchronize()
+            self.layouts.popitem(last=False)
+        return layout
+
+    def _call(
+        self, layout: _Layout, parity: int, fn: Callable[..., Any], tensors: dict[str, Any]
+    ) -> Any:
+        """A parity's first run is eager (its rows' buffers are made, lazy device state
+        settles), the second captures, later ones replay."""
+        layout.runs[parity] += 1
+        if layout.fns[parity] is None or layout.graphs[parity] is EAGER:
+            layout.fns[parity] = fn
+            self.eager += 1
+            return fn(**tensors)
+        if layout.graphs[parity] is None:
+            if self.budget_bytes is not None and self.nbytes >= self.budget_bytes:
+                self.eager += 1
+                self.over_budget += 1
+                return fn(**tensors)
+            self._capture(layout, parity, fn, tensors)
+        else:
+            _copy_inputs(layout.inputs, tensors)
+        if layout.graphs[parity] is EAGER:
+            self.eager += 1
+            return fn(**tensors)
+        self._replay(layout, parity)
+        return layout.outputs[parity]
+
+    def _rows_for(self, bank: RowBank, parity: int, slots: list) -> None:
         """Make this parity's rows hold the slots' steps: wait for their prefetch, or copy
         them now."""
-        ready = layout.ready[parity]
+        ready = bank.ready[parity]
         if self.cuda and ready is not None:  # a prefetch into these buffers may be running
             torch.cuda.current_stream(self.device).wait_event(ready)
-        if ready is not None and _holds(layout.filled_for[parity], slots, 0):
+        for rows, slot in zip(bank.rows[parity], slots, strict=False):
+            if slot.reader is not None:  # a buffer another layout never read is made from it
+                rows.point(slot.reader, slot.step)
+        if ready is not None and _holds(bank.filled_for[parity], slots, 0):
             self.prefetched += 1
             return
-        for rows, slot in zip(layout.rows[parity], slots, strict=True):
+        for rows, slot in zip(bank.rows[parity], slots, strict=False):
             if slot.reader is not None:
-                rows.point(slot.reader, slot.step)
                 rows.fill_all()
-        layout.filled_for[parity], layout.ready[parity] = _wanted(slots, 0), None
+        bank.filled_for[parity], bank.ready[parity] = _wanted(slots, 0), None
 
-    def _prefetch(self, layout: _Layout, parity: int, slots: list) -> None:
+    def _prefetch(self, bank: RowBank, parity: int, slots: list) -> None:
         """Copy every request's next step into ``parity``'s rows (once its last reader has
         finished), on the copy stream: it overlaps the run just launched."""
-        rows = layout.rows[parity]
+        rows = bank.slots(parity, len(slots))
         active = [(r, s) for r, s in zip(rows, slots, strict=True) if s.reader is not None]
         if not active or any(not r.buffers for r, _ in active):
             return  # this parity has not run yet: its buffers are made by its eager run
         for r, s in active:
             r.point(s.reader, s.step + 1)
         if not all(r.has_step(s.step + 1) for r, s in active):
-            layout.filled_for[parity] = None
+            bank.filled_for[parity] = None
             return
-        with self._on_copy_stream(layout.read_done[parity]):
+        with self._on_copy_stream(bank.read_done[parity]):
             for r, _ in active:
                 r.fill_all()
-            layout.ready[parity] = self._event()
-        layout.filled_for[parity] = _wanted(slots, 1)
+            bank.ready[parity] = self._event()
+        bank.filled_for[parity] = _wanted(slots, 1)
 
     def _on_copy_stream(self, after: Any) -> Any:
         if not self.cuda:
@@ -277,17 +367,31 @@ class StepGraphs:
         layout.fns[parity] = fn
         if not self.cuda:
             layout.graphs[parity] = True
+            self._count_capture()
             return
         graph = torch.cuda.CUDAGraph()
+        reserved = torch.cuda.memory_reserved(self.device)
         try:
-            layout.outputs[parity] = capture(graph, lambda: fn(**layout.inputs), self.device)
+            run = lambda: fn(**layout.inputs)  # noqa: E731
+            layout.outputs[parity] = capture(graph, run, self.device, self._pool)
         except RuntimeError:
             log.exception("capturing a mask-aware step failed: this layout runs eagerly")
             layout.graphs[parity] = EAGER
             return
+        finally:
+            self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
         layout.graphs[parity] = graph
-        self.captures += 1
+        self._count_capture()
         log.debug("captured a mask-aware step (%d layouts)", len(self.layouts))
+
+    def _count_capture(self) -> None:
+        """One capture (on a CPU: the bookkeeping that stands in for one)."""
+        self.captures += 1
+        self.warm_captures += self._warming
+        if not self._warming:
+            log.info(
+                "a mask-aware step captured on the request path (%d so far)", self.request_captures
+            )
 
     def _replay(self, layout: _Layout, parity: int) -> None:
         self.replays += 1
@@ -323,22 +427,33 @@ def streams_to(reader: ActivationReader, device: torch.device) -> bool:
 
 
 def _wanted(slots: list, ahead: int) -> tuple:
-    """What a parity's buffers hold: each request's reader (weakly: a finished edit's
-    handle is not kept alive) and step."""
-    return tuple((weakref.ref(s.reader), s.step + ahead) for s in slots if s.reader is not None)
+    """What a parity's buffers hold: each request's bank slot, reader (weakly: a finished
+    edit's handle is not kept alive) and step."""
+    return tuple(
+        (i, weakref.ref(s.reader), s.step + ahead)
+        for i, s in enumerate(slots)
+        if s.reader is not None
+    )
 
 
 def _holds(filled: tuple | None, slots: list, ahead: int) -> bool:
-    """Whether ``filled`` is exactly the slots' readers (the same objects) at their steps."""
-    wanted = [(s.reader, s.step + ahead) for s in slots if s.reader is not None]
+    """Whether ``filled`` is exactly the slots' readers (the same objects, in the same bank
+    slots) at their steps."""
+    wanted = [(i, s.reader, s.step + ahead) for i, s in enumerate(slots) if s.reader is not None]
     return (
         filled is not None
         and len(filled) == len(wanted)
         and all(
-            ref() is reader and step == want_step
-            for (ref, step), (reader, want_step) in zip(filled, wanted, strict=True)
+            slot == want_slot and ref() is reader and step == want_step
+            for (slot, ref, step), (want_slot, reader, want_step) in zip(
+                filled, wanted, strict=True
+            )
         )
     )
+
+
+def _tensor_bytes(values: Iterable[Any]) -> int:
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 def _layout_key(ctx: ForwardContext, tensors: dict[str, Any]) -> Hashable:

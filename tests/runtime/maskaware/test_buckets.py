@@ -20,6 +20,7 @@ from retouch.runtime.maskaware.buckets import BucketBatch, Buckets
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.maskaware.tokens import TokenBatch, TokenSet
+from retouch.runtime.maskaware.warmup import warm_graphs
 from retouch.runtime.models import load_pipeline
 from tests.runtime.maskaware.test_graphs import _edits
 
@@ -157,3 +158,54 @@ def test_bucket_levels_cover_every_grid() -> None:
         Buckets(fractions=(0.5, 0.25, 1.0))
     with pytest.raises(ValueError):
         buckets.level({64: 65})
+
+
+def test_warm_up_captures_every_layout_served_masks_need(baked) -> None:
+    """After the executor's warm-up, edits with new masks at batch 1-2 capture nothing on
+    the request path, share one bank of rows, and give the eager steps' pixels."""
+    editor, template, store, guidance = baked
+    store = store.placed(CPU)
+    rng = np.random.default_rng(9)
+    batches = [
+        _requests(editor, template, guidance, rng.uniform(low, low + 0.2, n), seed=10 * i)
+        for i, (n, low) in enumerate([(1, 0.05), (2, 0.1), (2, 0.5), (1, 0.7), (2, 0.3)])
+    ]
+    buckets = Buckets()
+    editor.set_buckets(buckets)
+    try:
+        eager = [_edits(editor, batch, store) for batch in batches]
+        editor.set_graphs(True, limit=buckets.levels * 2)
+        halo = family_spec(editor.family).halo
+        warm = warm_graphs(editor, (template.width, template.height), 2, halo, guidance)
+        graphs = editor.graphs
+        assert warm.captures == 2 * warm.layouts > 0  # both parities of every layout
+        assert graphs.request_captures == 0 and graphs.warm_captures == warm.captures
+        replays = graphs.replays
+        graphed = [_edits(editor, batch, store) for batch in batches]
+        assert graphs.request_captures == 0 and graphs.replays > replays
+        bank = next(iter(graphs.banks.values()))  # one resolution: one bank of rows
+        assert len(graphs.banks) == 1 and all(len(rows) <= 2 for rows in bank.rows)
+        assert graphs.nbytes >= bank.nbytes > 0
+    finally:
+        editor.set_graphs(False)
+        editor.set_buckets(None)
+    for want, got in zip(eager, graphed, strict=True):
+        for a, b in zip(want, got, strict=True):
+            assert np.abs(a - b).max() <= TOLERANCE
+
+
+def test_layouts_over_the_graph_budget_run_eagerly(baked) -> None:
+    editor, template, store, guidance = baked
+    store = store.placed(CPU)
+    requests = _requests(editor, template, guidance, [0.2])
+    editor.set_buckets(Buckets())
+    try:
+        want = _edits(editor, requests, store)
+        editor.set_graphs(True, budget_bytes=1)
+        got = [_edits(editor, requests, store) for _ in range(2)][-1]
+        graphs = editor.graphs
+        assert graphs.captures == 0 and graphs.over_budget > 0 and graphs.replays == 0
+    finally:
+        editor.set_graphs(False)
+        editor.set_buckets(None)
+    assert np.abs(want[0] - got[0]).max() <= TOLERANCE

@@ -1,0 +1,152 @@
+"""Graph warm-up: every bucketed layout captured before an executor serves.
+
+A layout's first runs are eager and its capture stalls the step that makes it (136-422 ms
+of host time per capture at production shapes, docs/benchmarks.md). With bucketed token
+layouts (``maskaware.buckets``) the layouts a model can need are known in advance: one
+per (bucket level, batch size) at a resolution. Warm-up bakes a synthetic template into
+device memory and runs a few steps of each: masks chosen so every reachable level occurs
+(UNet halos and coarser grids make some levels unreachable: no served mask needs them),
+batches of 1 to ``max_batch`` copies, and stock steps (every token) of each batch size.
+The last steps of batch 1 are timed: the step times the executor's path choice compares
+(``runtime/pathchoice``). Served steps of device-resident templates then only
+replay. What still captures on the request path (``StepGraphs.request_captures``): a
+batch mixing a template that is not device-resident or an edit in its full steps, another
+resolution, another adapter set.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from retouch.functions.demo.images import mask_of_ratio, template_image
+from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.store import MemoryActivations
+from retouch.runtime.pathchoice import StepTimes
+
+log = logging.getLogger(__name__)
+
+PROMPT = "a quiet street"  # the demo tokenizers take 14 characters
+CAPTURED = 4  # a layout's runs until both parities are captured: eager, eager, capture x 2
+TIMED = 5  # replays timed after them: their fastest is the step time the path choice compares
+RUNS = CAPTURED + TIMED
+RATIOS = tuple(np.linspace(0.01, 1.0, 34))  # mask ratios tried to reach every bucket level
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What a warm-up made: the paddings it found (bucket size per grid, one per reachable
+    level), layouts (paddings × batch sizes), captures, and its time."""
+
+    paddings: tuple[tuple[tuple[int, int], ...], ...]
+    layouts: int
+    captures: int
+    seconds: float
+    times: StepTimes | None = None  # batch 1, mask-aware per bucket and stock, replayed
+
+    def __str__(self) -> str:
+        return (
+            f"{self.layouts} layouts ({len(self.paddings)} buckets), {self.captures} captures "
+            f"in {self.seconds:.1f} s"
+        )
+
+
+@torch.inference_mode()
+def warm_graphs(
+    editor: MaskAwareEditor,
+    size: tuple[int, int],
+    max_batch: int,
+    halo: int = 0,
+    guidance: float = 4.0,
+) -> WarmUp:
+    """Run every (bucket level, batch size) layout of ``editor`` at ``size`` (width,
+    height) until its graphs are captured (nothing without graphs and buckets)."""
+    graphs, buckets = editor.graphs, editor.buckets
+    started = time.perf_counter()
+    if graphs is None or buckets is None:
+        return WarmUp((), 0, 0, 0.0)
+    image = template_image(size, seed=0)
+    baked = MemoryActivations()
+    editor.bake(image, PROMPT, 0, RUNS, guidance, baked)
+    reader = baked.placed(editor.device)
+    masks = _mask_per_level(editor, image, reader, halo, guidance)
+    full = np.ones((size[1], size[0]), dtype=bool)
+    before = graphs.captures
+    sparse: dict[float, float] = {}
+    stock = 0.0
+    with graphs.warming():
+        for batch in range(1, max_batch + 1):
+            for key, mask in masks.items():
+                seconds = _run(editor, image, mask, reader, batch, halo, guidance)
+                if batch == 1:
+                    sparse[_finest_fraction(key)] = seconds
+            # stock steps (every token, no cached rows) replay from graphs too
+            seconds = _run(editor, image, full, None, batch, halo, guidance)
+            stock = seconds if batch == 1 else stock
+    fractions = tuple(sorted(sparse))
+    # a step of fewer tokens is no slower than one of more: a bucket whose timed runs all
+    # waited for something else takes the time of a larger one
+    sparse_s = list(itertools.accumulate(reversed([sparse[f] for f in fractions]), min))[::-1]
+    times = StepTimes(fractions, tuple(sparse_s), stock, "graph warm-up")
+    return WarmUp(
+        tuple(masks),
+        (len(masks) + 1) * max_batch,
+        graphs.captures - before,
+        time.perf_counter() - started,
+        times if sparse else None,
+    )
+
+
+def _run(editor, image, mask, reader, batch: int, halo: int, guidance: float) -> float:
+    """Every step of ``batch`` edits with ``mask``: the fastest of the timed ones (what the
+    step costs; slower ones waited for something else on a shared machine)."""
+    states = [
+        editor.prepare(_request(image, mask, i, halo, guidance), reader) for i in range(batch)
+    ]
+    times = []
+    for _ in range(RUNS):
+        _sync(editor.device)
+        started = time.perf_counter()
+        editor.step(states)
+        _sync(editor.device)
+        times.append(time.perf_counter() - started)
+    return min(times[CAPTURED:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _finest_fraction(padding: tuple[tuple[int, int], ...]) -> float:
+    """The padded share of the finest grid (its tokens → bucket size)."""
+    n, bucket = max(padding)
+    return bucket / n
+
+
+def _mask_per_level(
+    editor: MaskAwareEditor, image, reader, halo: int, guidance: float
+) -> dict[tuple[tuple[int, int], ...], np.ndarray]:
+    """One mask for each bucket level a mask can reach, found by trying ratios: its key is
+    the padding the editor itself lays the request's token sets out with."""
+    buckets = editor.buckets
+    assert buckets is not None
+    masks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+    for ratio in RATIOS:
+        mask = np.asarray(mask_of_ratio(image.size, float(ratio), "rect", seed=0)) > 0
+        if not mask.any():
+            continue
+        state = editor.prepare(_request(image, mask, 0, halo, guidance), reader)
+        padding = buckets.padding((tokens,) for tokens in state.step_tokens.values())
+        if padding is not None:
+            masks.setdefault(tuple(sorted(padding.items())), mask)
+    return masks
+
+
+def _request(image, mask: np.ndarray, seed: int, halo: int, guidance: float) -> EditRequest:
+    return EditRequest(image, mask, PROMPT, seed + 1, RUNS, guidance, PROMPT, 0, 0, halo)
