@@ -25,7 +25,7 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint impo
 from PIL import Image
 
 from retouch.runtime.families.base import Encoding, Family, FamilyModel, guided
-from retouch.runtime.maskaware import unet_blocks
+from retouch.runtime.maskaware import ddimstep, flowstep, unet_blocks
 from retouch.runtime.maskaware.context import ForwardContext
 from retouch.runtime.maskaware.flops import Flops, conv_flops, linear_flops
 from retouch.runtime.maskaware.loader import FamilyRows
@@ -33,6 +33,7 @@ from retouch.runtime.maskaware.noise import SeedNoise, vae_sample
 from retouch.runtime.maskaware.request import (
     EditRequest,
     RequestState,
+    batch_timesteps,
     token_sets,
 )
 from retouch.runtime.maskaware.tokens import level_sizes
@@ -56,6 +57,7 @@ class SDInpaint(FamilyModel):
     packs = True
     template_tensors = ()  # the masked-image latents depend on the mask
     levels = 0  # UNet levels (resolutions); known once the UNet is installed
+    _extra: ExtraRows | None = None  # the running batch's extra input channels, stacked once
 
     def install(self, unet: torch.nn.Module) -> list[str]:
         if unet.config.in_channels != 9:
@@ -146,19 +148,21 @@ class SDInpaint(FamilyModel):
 
     def forward(self, states: list[RequestState], ctx: ForwardContext) -> list[torch.Tensor]:
         """One batched UNet call; returns each request's ``[2, 4, h, w]`` noise prediction."""
-        rows, times = [], []
-        for state in states:
-            t = state.timestep
-            latent_in = state.scheduler.scale_model_input(torch.cat([state.latents] * 2), t)
-            extra = [state.inputs.mask, state.inputs.masked_image_latents]
-            rows.append(torch.cat([latent_in, *(torch.cat([x] * 2) for x in extra)], dim=1))
-            times.append(t.reshape(1).expand(2))
-        out = ctx.call(
-            self.denoise,
-            sample=torch.cat(rows),
-            timestep=torch.cat(times).to(self.device),
-            **self.conditions(states),
-        )
+        if ddimstep.batchable(states):  # DDIM scales no model input: the batch at once
+            self._extra = ExtraRows.of(states, self._extra)
+            latents = torch.cat([x for s in states for x in (s.latents, s.latents)])
+            sample = torch.cat([latents, self._extra.rows], dim=1)
+            timestep = batch_timesteps(states, self.device, repeat=2)
+        else:
+            rows, times = [], []
+            for state in states:
+                t = state.timestep
+                latent_in = state.scheduler.scale_model_input(torch.cat([state.latents] * 2), t)
+                extra = [state.inputs.mask, state.inputs.masked_image_latents]
+                rows.append(torch.cat([latent_in, *(torch.cat([x] * 2) for x in extra)], dim=1))
+                times.append(t.reshape(1).expand(2))
+            sample, timestep = torch.cat(rows), torch.cat(times).to(self.device)
+        out = ctx.call(self.denoise, sample=sample, timestep=timestep, **self.conditions(states))
         return list(out.split(2))
 
     def conditions(self, states: list[RequestState]) -> dict[str, torch.Tensor]:
@@ -183,6 +187,16 @@ class SDInpaint(FamilyModel):
         )
         state.latents = step[0]
 
+    def advance_all(self, states: list[RequestState], predictions: list[torch.Tensor]) -> None:
+        """The batch's guidance and DDIM step in one set of ops (``maskaware.ddimstep``)
+        where every request steps with a deterministic DDIM scheduler; else one by one."""
+        if not ddimstep.batchable(states):
+            return super().advance_all(states, predictions)
+        latents = ddimstep.step(states, flowstep.guide(states, torch.stack(predictions)))
+        for state, row in zip(states, latents.split(1), strict=True):
+            state.latents = row
+        return None
+
     def stock_options(self) -> dict[str, Any]:
         return {}
 
@@ -197,6 +211,29 @@ class SDInpaint(FamilyModel):
         if request.strength < 1.0:
             image = self._image_latents(request, noise.vae)
         return noise.latents, image, self._masked_image_latents(request, condition, noise.vae)
+
+
+@dataclass
+class ExtraRows:
+    """The batch's mask and masked-image latents, each request's twice (CFG halves), as
+    the UNet's extra input channels: concatenated once while the batch stays the same."""
+
+    sources: tuple[torch.Tensor, ...]  # every request's (mask, masked image latents)
+    rows: torch.Tensor  # [2B, C_mask + C_image, h, w]
+
+    @classmethod
+    def of(cls, states: list[RequestState], memo: ExtraRows | None) -> ExtraRows:
+        sources = tuple(t for s in states for t in (s.inputs.mask, s.inputs.masked_image_latents))
+        if (
+            memo is not None
+            and len(memo.sources) == len(sources)
+            and all(a is b for a, b in zip(memo.sources, sources, strict=True))
+        ):
+            return memo
+        pairs = [
+            torch.cat([m, x], dim=1) for m, x in zip(sources[0::2], sources[1::2], strict=True)
+        ]
+        return cls(sources, torch.cat([p for p in pairs for _ in range(2)]))
 
 
 # -- UNet ---------------------------------------------------------------------------------

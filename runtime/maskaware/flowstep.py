@@ -52,7 +52,7 @@ def step(states: Sequence[RequestState], velocity: torch.Tensor) -> torch.Tensor
         deltas.append(sigmas[index + 1] - sigmas[index])
         scheduler._step_index += 1
     sample = torch.cat([s.latents for s in states]).to(torch.float32)
-    delta = _per_request(deltas, velocity)
+    delta = per_request(deltas, velocity)
     moved = (velocity.to(torch.float32) * delta).to(velocity.dtype)
     return (sample + moved).to(velocity.dtype)
 
@@ -60,7 +60,7 @@ def step(states: Sequence[RequestState], velocity: torch.Tensor) -> torch.Tensor
 def guide(states: Sequence[RequestState], pairs: torch.Tensor) -> torch.Tensor:
     """Classifier-free guidance of ``[B, 2, ...]`` ``[uncond ; text]`` predictions."""
     uncond, text = pairs[:, 0], pairs[:, 1]
-    scale = _per_request([np.float32(s.request.guidance) for s in states], text)
+    scale = per_request([np.float32(s.request.guidance) for s in states], text)
     return uncond + ((text - uncond).to(torch.float32) * scale).to(text.dtype)
 
 
@@ -97,7 +97,7 @@ def blend(
     sigmas = [
         np.float32(0.0) if s.last else _sigmas(s.scheduler)[s.scheduler.step_index] for s in states
     ]
-    sigma = _per_request(sigmas, latents).to(inputs.template.dtype)
+    sigma = per_request(sigmas, latents).to(inputs.template.dtype)
     template = sigma * inputs.noise + (1.0 - sigma) * inputs.template
     return inputs.keep * template + inputs.mask * latents
 
@@ -114,7 +114,7 @@ def _sigmas(scheduler: Any) -> np.ndarray:
     return sigmas
 
 
-def _per_request(values: list[np.float32], like: torch.Tensor) -> torch.Tensor:
+def per_request(values: list[np.float32], like: torch.Tensor) -> torch.Tensor:
     """``[B, 1, ...]`` float32 values on ``like``'s device, broadcasting over its rows."""
     shape = (len(values),) + (1,) * (like.dim() - 1)
     return torch.from_numpy(np.array(values, dtype=np.float32)).to(like.device).view(shape)

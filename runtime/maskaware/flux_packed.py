@@ -13,6 +13,7 @@ A block planned full runs the same code on every token of every request (no cach
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -170,7 +171,9 @@ def _dual(
     )
     attn = block.attn
     q, k, v = _dual_qkv(attn, normed, normed_text)
-    image_out, text_out = _attention(ctx, name, stream, q, k, v, text.shape)
+    joint = _attention(ctx, name, stream, q, k, v, text.shape)
+    split = text.shape[0] * text.shape[1]
+    image_out, text_out = joint[split:], joint[:split].view(*text.shape[:2], -1)
     image_out = attn.to_out[1](attn.to_out[0](image_out))
     text_out = attn.to_add_out(text_out)
 
@@ -209,9 +212,8 @@ def _single(
     q = attn.norm_q(attn.to_q(normed).unflatten(-1, head))
     k = attn.norm_k(attn.to_k(normed).unflatten(-1, head))
     v = attn.to_v(normed).unflatten(-1, head)
-    image_attn, text_attn = _attention(ctx, name, stream, q, k, v, text.shape)
+    attn_out = _attention(ctx, name, stream, q, k, v, text.shape)
     split = batch * text_len
-    attn_out = torch.cat([text_attn.reshape(split, -1), image_attn])
     x = x + gate * block.proj_out(torch.cat([attn_out, mlp], dim=1))
     if x.dtype == torch.float16:
         x = x.clip(-65504, 65504)
@@ -257,9 +259,9 @@ def _attention(
     k: torch.Tensor,
     v: torch.Tensor,
     text_shape: torch.Size,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of the joint rows ``[B*L text ; T image]`` (``[S, H, D]``): image rows
-    ``[T, H*D]`` and text ``[B, L, H*D]`` outputs (before out-projections).
+) -> torch.Tensor:
+    """Attention of the joint rows ``[B*L text ; T image]`` (``[S, H, D]``): its output
+    ``[S, H*D]`` in the same joint order (before out-projections).
 
     Each request's [text ; masked tokens] queries attend to its [text ; all image] keys,
     the unmasked image keys and values from the cache.
@@ -272,28 +274,43 @@ def _attention(
     keys = _keys(ctx, stream.tokens, name, "k", k, split, text_len)
     values = _keys(ctx, stream.tokens, name, "v", v, split, text_len)
     if stream.single_request:  # [text ; image] already in the request's order
-        out = sdpa(q[None], keys, values)[0]
-        return out[split:], out[:split].view(batch, text_len, -1)
+        return sdpa(q[None], keys, values)[0]
     tokens = stream.tokens
-    if len(set(tokens.counts)) == 1:  # equal masks: one batched call
-        count = tokens.counts[0]
-        query = torch.cat(
-            [
-                q[:split].view(batch, text_len, *q.shape[1:]),
-                q[split:].view(batch, count, *q.shape[1:]),
-            ],
-            dim=1,
-        )
+    if len(set(tokens.counts)) == 1:  # equal masks (and every bucketed batch): one call
+        order, inverse = _request_order(batch, text_len, tokens.counts[0], q.device)
+        query = q.index_select(0, order).view(batch, -1, *q.shape[1:])
         out = sdpa(query, keys, values)
-        return out[:, text_len:].reshape(tokens.total, -1), out[:, :text_len]
-    image_out = q.new_empty(tokens.total, q.shape[1] * q.shape[2])
-    text_out = q.new_empty(batch, text_len, image_out.shape[1])
+        return out.view(-1, out.shape[-1]).index_select(0, inverse)
+    joint = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for row, (start, count) in enumerate(tokens.segments):
-        text_rows = q[row * text_len : (row + 1) * text_len]
-        query = torch.cat([text_rows, q[split + start : split + start + count]])[None]
+        text_rows = slice(row * text_len, (row + 1) * text_len)
+        image_rows = slice(split + start, split + start + count)
+        query = torch.cat([q[text_rows], q[image_rows]])[None]
         out = sdpa(query, keys[row : row + 1], values[row : row + 1])[0]
-        text_out[row], image_out[start : start + count] = out[:text_len], out[text_len:]
-    return image_out, text_out
+        joint[text_rows], joint[image_rows] = out[:text_len], out[text_len:]
+    return joint
+
+
+@functools.lru_cache(maxsize=64)
+def _request_order(
+    batch: int, text_len: int, count: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Joint rows ``[B*L text ; B*count image]`` reordered request by request (each
+    request's text, then its image rows), and the inverse: one gather each way instead of
+    slicing, viewing and concatenating per request."""
+    split = batch * text_len
+    order = torch.cat(
+        [
+            torch.cat(
+                [
+                    torch.arange(r * text_len, (r + 1) * text_len),
+                    torch.arange(split + r * count, split + (r + 1) * count),
+                ]
+            )
+            for r in range(batch)
+        ]
+    )
+    return order.to(device), torch.argsort(order).to(device)
 
 
 def _keys(

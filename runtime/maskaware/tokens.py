@@ -250,10 +250,14 @@ class TokenBatch:
 
 
 def gather_feature_map(batch: TokenBatch, feature_map: torch.Tensor) -> torch.Tensor:
-    """``batch.gather_map``, for any layout with ``sets``, ``gather``, ``masked_index`` and
-    ``packed`` (the exact and the bucketed ones)."""
+    """``batch.gather_map``, for any layout with ``sets``, ``gather``, ``masked_index``,
+    ``positions``, ``row_of_token`` and ``packed`` (the exact and the bucketed ones). The
+    whole map is never transposed into a copy: one request picks its columns from the
+    channels-first map, several packed ones index (row, column) pairs."""
     channels_first = feature_map.flatten(2)
     if len(batch.sets) != 1:
+        if batch.packed:  # each token's (model row, column): one index, the picked copied
+            return channels_first[batch.row_of_token, :, batch.positions].unsqueeze(0)
         return batch.gather(channels_first.transpose(1, 2))
     picked = channels_first.index_select(2, batch.masked_index(0)).transpose(1, 2)
     return picked.reshape(1, -1, picked.shape[-1]) if batch.packed else picked
