@@ -165,9 +165,12 @@ class Planner:
     buckets: Buckets | None = None  # the editor's: steps are costed as padded
     last: Plan | None = None
 
-    def __call__(self, states: list[RequestState], blocks: list[str]) -> dict[str, Mode]:
+    def __call__(
+        self, states: list[RequestState], blocks: list[str], *, resident: bool = False
+    ) -> dict[str, Mode]:
+        """``resident``: plan as if every template rested on the device (no row loads)."""
         modes = dict.fromkeys(blocks, Mode.FULL)
-        tokens = batch_tokens(self.cost_model, states, self.device, self.buckets)
+        tokens = batch_tokens(self.cost_model, states, self.device, self.buckets, resident)
         costs = self.cost_model.block_costs(tokens)
         if not any(s.step_reader is not None for s in states):
             # Nothing cached: sparse would compute every token anyway. The all-full plan
@@ -195,12 +198,14 @@ def batch_tokens(
     states: list[RequestState],
     device: object,
     buckets: Buckets | None = None,
+    resident: bool = False,
 ) -> list[tuple[int, int, int]]:
     """Per profiled block, the batch's (masked, total, streamed) tokens on the block's token
     grid; *streamed* counts the unmasked tokens whose rows must be loaded: none of a
     request whose template is resident on *device* (the editor's torch device). With the
     editor's ``buckets``, masked counts are the bucket the step is padded to: what it
-    computes, and one plan per bucket (a captured graph's modes do not follow the mask)."""
+    computes, and one plan per bucket (a captured graph's modes do not follow the mask).
+    ``resident``: count no row as streamed (a graphed step copies them all in ahead)."""
     import torch  # the executor's planner runs this; the gateway never does (torch-free)
 
     from retouch.runtime.maskaware.store import all_resident
@@ -211,11 +216,14 @@ def batch_tokens(
         padding = buckets.padding(tuple(s.step_tokens[size] for s in states) for size in sizes)
     grids = [sorted(s.step_tokens.items(), key=lambda kv: -kv[1].n_tokens) for s in states]
     device = torch.device(device)
-    resident = [s.step_reader is not None and all_resident(s.step_reader, device) for s in states]
+    held = [
+        s.step_reader is not None and (resident or all_resident(s.step_reader, device))
+        for s in states
+    ]
     out = []
     for profile in cost_model.blocks:
         masked = total = streamed = 0
-        for state, levels, here in zip(states, grids, resident, strict=True):
+        for state, levels, here in zip(states, grids, held, strict=True):
             tokens = levels[min(profile.level, len(levels) - 1)][1]
             total += tokens.n_tokens
             count = tokens.count if state.step_reader is not None else tokens.n_tokens

@@ -380,7 +380,7 @@ class ExecutorCore:
         editor.set_graphs(
             self.cuda_graphs,
             weights=self.adapters.residency(spec).weights_key,
-            limit=Buckets().levels * self.engine.config.max_batch,
+            limit=(Buckets().levels + 1) * self.engine.config.max_batch,  # +1: stock steps
             budget_bytes=self.graph_budget_bytes,
         )
         times = None

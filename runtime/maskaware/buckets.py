@@ -19,7 +19,8 @@ exact layout.
 :class:`Buckets` chooses the sizes: fractions of a grid's tokens, rounded up to a multiple
 (tensor-core tiles on a GPU). A batch takes one bucket *level* for all its grids (UNet
 levels pool the mask coarser, so their ratios are higher; each grid takes its own size of
-the level): layouts are then at most ``levels × batch sizes`` per resolution.
+the level): layouts are then at most ``levels × batch sizes`` per resolution (and the
+stock steps' one per batch size).
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ from retouch.runtime.maskaware.request import (
 )
 from retouch.runtime.maskaware.store import TEMPLATE_STEP, ActivationReader, ActivationWriter
 from retouch.runtime.maskaware.tokens import TokenBatch, TokenSet
+from retouch.runtime.plan import Planner
 
 if TYPE_CHECKING:
     from retouch.runtime.maskaware.loader import RowLoader
@@ -159,7 +160,7 @@ class MaskAwareEditor:
         (``maskaware.graphs``): one capture per batch layout, replayed. Off by default.
         ``weights()`` names what the denoiser computes with (its active LoRA adapters):
         a capture replays only under the weights it was made with; ``limit``: layouts
-        kept (with buckets: levels × batch sizes); ``budget_bytes``: what they may hold."""
+        kept (with buckets: (levels + 1) × batch sizes); ``budget_bytes``: what they may hold."""
         if self._graphs is not None:
             self._graphs.close()
         self._graphs = StepGraphs(self.device, limit, weights, budget_bytes) if enabled else None
@@ -344,15 +345,25 @@ class MaskAwareEditor:
         grids = self._grids({size: tuple(s.step_tokens[size] for s in states) for size in sizes})
         per = self.impl.rows_per_request
         slots = [Slot(s.index, reader=s.step_reader) for s in states]
-        if modes is None:
-            modes = self.plan(states, self.blocks)
-        ctx = ForwardContext(slots, per, modes, grids)
-        if self._graphs is not None:
-            if self._graphable() and StepGraphs.usable(ctx, self.device):
-                ctx.runner = self._graphs
-            else:
-                self.ungraphed_steps += 1
+        ctx = ForwardContext(slots, per, {}, grids)
+        graphed = (
+            self._graphs is not None and self._graphable() and StepGraphs.usable(ctx, self.device)
+        )
+        ctx.modes = self._plan_step(states, graphed) if modes is None else modes
+        if graphed:
+            ctx.runner = self._graphs
+        elif self._graphs is not None:
+            self.ungraphed_steps += 1
         self._run(ctx, states)
+
+    def _plan_step(self, states: list[RequestState], graphed: bool) -> dict[str, Mode]:
+        """The planner's modes. A graphed step's rows are all copied into its static
+        buffers a step ahead, none loaded during its blocks: it is planned as resident, so
+        a template streaming from pinned host memory replays the resident layout's graph
+        instead of capturing one of its own on the request path."""
+        if graphed and isinstance(self._plan, Planner):
+            return self._plan(states, self.blocks, resident=True)
+        return self._plan(states, self.blocks)
 
     def _graphable(self) -> bool:
         """Graphs replay no Python: not with a loader that times or preloads blocks."""

@@ -174,7 +174,7 @@ def test_warm_up_captures_every_layout_served_masks_need(baked) -> None:
     editor.set_buckets(buckets)
     try:
         eager = [_edits(editor, batch, store) for batch in batches]
-        editor.set_graphs(True, limit=buckets.levels * 2)
+        editor.set_graphs(True, limit=(buckets.levels + 1) * 2)  # and the stock steps
         halo = family_spec(editor.family).halo
         warm = warm_graphs(editor, (template.width, template.height), 2, halo, guidance)
         graphs = editor.graphs
