@@ -79,7 +79,7 @@ def test_burst_is_bounded_and_answered(tmp_path: Path, examples: Path) -> None:
     mask = np.zeros((128, 128), bool)
     mask[30:90, 20:100] = True
     body = pack(
-        {"template": "street", "mask": encode_mask(mask), "prompt": "a lamp", "seed": 1, "steps": 8}
+        {"template": "street", "mask": encode_mask(mask), "prompt": "a lamp", "seed": 1, "steps": 4}
     )
     args = ["--max-queued", str(QUEUE_LIMIT), "--max-batch", "4"]
     with ServerProcess(tmp_path / "data", extra_args=args) as server:
