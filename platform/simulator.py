@@ -624,7 +624,12 @@ class Simulation:
             job.request.mask_ratio,
             ex.name,
             wire.InvokePath.STOCK if job.full else wire.InvokePath.MASKAWARE,
-            timings=wire.Timings(pre_ms=job.pre_elapsed * 1e3, post_ms=job.post_elapsed * 1e3),
+            # the executor's whole account (no network here): queue and steps as one
+            timings=wire.Timings(
+                pre_ms=job.pre_elapsed * 1e3,
+                run_ms=(self.now - job.placed_at - job.pre_elapsed - job.post_elapsed) * 1e3,
+                post_ms=job.post_elapsed * 1e3,
+            ),
             cache=self._cache_read(job),
         )
         error = ex.view.finish(job.token, self.now, result)

@@ -39,7 +39,9 @@ class StepCalibration:
     predicted completion the gateway sees on top (drift since that fit); ``pre_s`` and
     ``post_s`` the encode and decode an invocation waits for outside the engine's steps,
     each in one of ``pre_workers`` (``post_workers``) worker processes: more at once queue
-    for them (0: not modelled, as if there were always a free worker)."""
+    for them (0: not modelled, as if there were always a free worker); ``hop_s`` the time
+    outside the executor's own account (the request and the answer between gateway and
+    executor, the executor's admission)."""
 
     step_intercept_s: float = 0.0
     step_slope: float = 1.0
@@ -48,6 +50,7 @@ class StepCalibration:
     post_s: float = 0.0
     pre_workers: int = 0
     post_workers: int = 0
+    hop_s: float = 0.0
 
 
 def queued_share(ahead: int, workers: int) -> float:
@@ -301,7 +304,7 @@ def predict(
                 post_free = max(post_free, now) + post_unit
         # the backlog drains at post_unit per decode; with spare workers it waits less
         now += max(0.0, post_free - now - (post_workers - 1) * post_unit)
-    return Prediction(start if start is not None else now, now + post_s)
+    return Prediction(start if start is not None else now, now + post_s + calibration.hop_s)
 
 
 def _one_coster(

@@ -361,6 +361,9 @@ class ExecutorView:
         )
         if result.cache.tier is wire.CacheTier.DISK:
             self.overheads.observe_disk_load(result.cache.wait_ms / 1e3)
+        executor_s = (t.pre_ms + t.queue_ms + t.run_ms + t.post_ms) / 1e3  # arrived→done there
+        if executor_s > 0:
+            self.overheads.observe_hop(actual - executor_s)
         if predicted > 0 and actual > 0:
             c.learn(placed.occupancy, actual / predicted)
 
@@ -477,7 +480,7 @@ class ExecutorView:
         more than the rest of a memo hit."""
         c, o = self.calibration, self.overheads
         scale = 1.0 if idle else c.scale(len(self.placed) if occupancy is None else occupancy)
-        key = (c.step_intercept_s, c.step_slope, scale, o.pre_s, o.post_s, *self.workers)
+        key = (c.step_intercept_s, c.step_slope, scale, o.pre_s, o.post_s, o.hop_s, *self.workers)
         step = self._steps.get(key)
         if step is None:
             if len(self._steps) >= STEP_MEMO:

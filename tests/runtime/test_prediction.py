@@ -528,6 +528,25 @@ def test_an_idle_executor_expects_no_arrivals_so_admission_cannot_lock_out() -> 
     assert view.predict(request(0.3)).finish_s == pytest.approx(alone)
 
 
+def test_time_outside_the_executors_account_is_learnt_and_predicted() -> None:
+    """What the executor's timings leave out (the request and answer between gateway and
+    executor) is measured from every result and added to later completions: predictions
+    came out ~10 % short at half load without it."""
+    cluster = ClusterView()
+    view, fresh = view_with(cluster, "a"), view_with(cluster, "b")
+    before = fresh.predict(request(0.3)).finish_s
+    timings = wire.Timings(queue_ms=5.0, run_ms=130.0)  # no encode or decode to learn
+    result = wire.InvokeResult(
+        b"", "png", 1, 1, 0.3, "a", wire.InvokePath.MASKAWARE, timings=timings
+    )
+    for token in range(4):  # placed one at a time, each answered 0.045 s after its 0.135 s
+        view.place(token, request(0.3), now=10.0 * token)
+        view.finish(token, 10.0 * token + 0.180, result)
+    assert view.overheads.hop_s == pytest.approx(0.045)
+    # pool-wide, like the encode and decode times
+    assert fresh.predict(request(0.3)).finish_s == pytest.approx(before + 0.045, abs=0.02)
+
+
 def test_drift_learnt_under_load_does_not_apply_to_an_idle_executor() -> None:
     cluster = ClusterView()
     view = view_with(cluster, "a")
