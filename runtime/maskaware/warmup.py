@@ -9,9 +9,9 @@ device memory and runs a few steps of each: masks chosen so every reachable leve
 batches of 1 to ``max_batch`` copies, and stock steps (every token) of each batch size.
 The last steps of batch 1 are timed: the step times the executor's path choice compares
 (``runtime/pathchoice``). Served steps of device-resident templates then only
-replay. What still captures on the request path (``StepGraphs.request_captures``): a
-batch mixing a template that is not device-resident or an edit in its full steps, another
-resolution, another adapter set.
+replay, and so do those of pinned host rows (a graphed step is planned as resident). What
+still captures on the request path (``StepGraphs.request_captures``): a batch with an edit
+in its full steps, another resolution, another adapter set.
 """
 
 from __future__ import annotations
