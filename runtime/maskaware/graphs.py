@@ -158,17 +158,15 @@ class _Layout:
     bank), its output, and the static inputs both parities share."""
 
     bank: RowBank
-    runs: list[int] = field(default_factory=lambda: [0, 0])  # runs per parity
     graphs: list[Any] = field(default_factory=lambda: [None, None])  # CUDAGraph or True (CPU)
     outputs: list[Any] = field(default_factory=lambda: [None, None])
     fns: list[Any] = field(default_factory=lambda: [None, None])
     inputs: dict[str, Any] = field(default_factory=dict)
-    pool_bytes: int = 0  # what its captures added to the shared pool (CUDA)
 
     @property
     def nbytes(self) -> int:
-        """Its static inputs and outputs, and its captures' share of the pool."""
-        return self.pool_bytes + _tensor_bytes(self.inputs.values()) + _tensor_bytes(self.outputs)
+        """Its static inputs and outputs (its captures' memory is the shared pool's)."""
+        return _tensor_bytes(self.inputs.values()) + _tensor_bytes(self.outputs)
 
 
 class StepGraphs:
@@ -287,7 +285,6 @@ class StepGraphs:
     ) -> Any:
         """A parity's first run is eager (its rows' buffers are made, lazy device state
         settles), the second captures, later ones replay."""
-        layout.runs[parity] += 1
         if layout.fns[parity] is None or layout.graphs[parity] is EAGER:
             layout.fns[parity] = fn
             self.eager += 1
