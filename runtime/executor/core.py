@@ -632,7 +632,10 @@ class ExecutorCore:
         path = wire.InvokePath(report["path"])
         reason = choice.reason
         if path is not choice.path:  # chosen, but its activations were not there at join
-            reason = "the template's activations were not baked yet: every token computed"
+            reason = (
+                "the template's activations were not readable when it joined (not baked "
+                "yet, or being baked again): every token computed"
+            )
         return wire.InvokeResult(
             image=output.image,
             format=inv.format,
