@@ -374,13 +374,14 @@ class ExecutorCore:
         cost_model = load_or_profile(editor, loaded.fingerprint, self.data_dir, spec.width)
         # after profiling (it times eager blocks); a capture is per active adapter set.
         # Graphs run bucketed layouts: one capture per bucket and batch size serves every mask.
+        buckets = Buckets.for_batches(self.engine.config.max_batch)
         if self.cuda_graphs:
-            editor.set_buckets(Buckets())
+            editor.set_buckets(buckets)
         editor.set_planner(make_planner(cost_model, editor.device, editor.buckets))
         editor.set_graphs(
             self.cuda_graphs,
             weights=self.adapters.residency(spec).weights_key,
-            limit=(Buckets().levels + 1) * self.engine.config.max_batch,  # +1: stock steps
+            limit=(buckets.levels + 1) * len(buckets.batch_sizes),  # +1: stock steps
             budget_bytes=self.graph_budget_bytes,
         )
         times = None

@@ -45,6 +45,9 @@ class Buckets:
 
     fractions: tuple[float, ...] = DEFAULT_FRACTIONS
     multiple: int = DEFAULT_MULTIPLE
+    # Batch sizes a step is padded up to (its last request repeated, the copy's output
+    # dropped); empty: every batch size is its own.
+    batch_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.fractions or list(self.fractions) != sorted(self.fractions):
@@ -53,10 +56,25 @@ class Buckets:
             raise ValueError(f"bucket fractions must be in (0, 1] and end at 1: {self.fractions}")
         if self.multiple < 1:
             raise ValueError(f"bucket multiple must be >= 1, not {self.multiple}")
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or any(
+            b < 1 for b in self.batch_sizes
+        ):
+            raise ValueError(f"batch sizes must be ascending and >= 1, got {self.batch_sizes}")
+
+    @classmethod
+    def for_batches(cls, max_batch: int) -> Buckets:
+        """The default sizes, and batch sizes 1, 2, 4, ... below ``max_batch``, and it: a
+        batch of 3 replays the graph of 4 instead of capturing its own."""
+        sizes = [b for b in (2**i for i in range(max_batch.bit_length())) if b < max_batch]
+        return cls(batch_sizes=(*sizes, max_batch))
 
     @property
     def levels(self) -> int:
         return len(self.fractions)
+
+    def batch_size(self, requests: int) -> int:
+        """The batch size ``requests`` are run at (padded up; beyond the sizes: as many)."""
+        return next((b for b in self.batch_sizes if b >= requests), requests)
 
     def sizes(self, n_tokens: int) -> tuple[int, ...]:
         """The bucket size of every level on a grid of ``n_tokens``."""

@@ -342,19 +342,28 @@ class MaskAwareEditor:
         sizes = set(states[0].tokens)
         if any(set(s.tokens) != sizes for s in states):
             raise ValueError("requests in one step must share the resolution")
-        grids = self._grids({size: tuple(s.step_tokens[size] for s in states) for size in sizes})
+        run = self._padded_batch(states)
+        grids = self._grids({size: tuple(s.step_tokens[size] for s in run) for size in sizes})
         per = self.impl.rows_per_request
-        slots = [Slot(s.index, reader=s.step_reader) for s in states]
+        slots = [Slot(s.index, reader=s.step_reader) for s in run]
         ctx = ForwardContext(slots, per, {}, grids)
         graphed = (
             self._graphs is not None and self._graphable() and StepGraphs.usable(ctx, self.device)
         )
-        ctx.modes = self._plan_step(states, graphed) if modes is None else modes
+        ctx.modes = self._plan_step(run, graphed) if modes is None else modes
         if graphed:
             ctx.runner = self._graphs
         elif self._graphs is not None:
             self.ungraphed_steps += 1
-        self._run(ctx, states)
+        self._run(ctx, states, run)
+
+    def _padded_batch(self, states: list[RequestState]) -> list[RequestState]:
+        """The batch as it runs: with batch-size buckets, padded up to one by repeating its
+        last request (read-only in the forward; its copy's prediction is dropped and only
+        the real requests advance), so a batch of 3 replays the graph of 4."""
+        if self._buckets is None:
+            return states
+        return states + [states[-1]] * (self._buckets.batch_size(len(states)) - len(states))
 
     def _plan_step(self, states: list[RequestState], graphed: bool) -> dict[str, Mode]:
         """The planner's modes. A graphed step's rows are all copied into its static
@@ -443,15 +452,22 @@ class MaskAwareEditor:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _run(self, ctx: ForwardContext, states: list[RequestState]) -> None:
+    def _run(
+        self,
+        ctx: ForwardContext,
+        states: list[RequestState],
+        run: list[RequestState] | None = None,
+    ) -> None:
+        """The forward of ``run`` (``states``, padded), then ``states`` advance."""
+        run = states if run is None else run
         loader = self._row_loader
         with activate(ctx):
             if loader is None or not ctx.grids or ctx.recording or ctx.runner is not None:
-                predictions = self.impl.forward(states, ctx)
+                predictions = self.impl.forward(run, ctx)
             else:
                 with loader.session(ctx):
-                    predictions = self.impl.forward(states, ctx)
-        self.impl.advance_all(states, predictions)
+                    predictions = self.impl.forward(run, ctx)
+        self.impl.advance_all(states, predictions[: len(states)])
         for state in states:
             state.index += 1
 

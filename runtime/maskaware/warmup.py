@@ -6,7 +6,8 @@ layouts (``maskaware.buckets``) the layouts a model can need are known in advanc
 per (bucket level, batch size) at a resolution. Warm-up bakes a synthetic template into
 device memory and runs a few steps of each: masks chosen so every reachable level occurs
 (UNet halos and coarser grids make some levels unreachable: no served mask needs them),
-batches of 1 to ``max_batch`` copies, and stock steps (every token) of each batch size.
+batches of every batch size the buckets pad to (1 to ``max_batch`` without batch-size
+buckets), and stock steps (every token) of each.
 The last steps of batch 1 are timed: the step times the executor's path choice compares
 (``runtime/pathchoice``). Served steps of device-resident templates then only
 replay, and so do those of pinned host rows (a graphed step is planned as resident). What
@@ -79,8 +80,9 @@ def warm_graphs(
     before = graphs.captures
     sparse: dict[float, float] = {}
     stock = 0.0
+    batches = buckets.batch_sizes or tuple(range(1, max_batch + 1))
     with graphs.warming():
-        for batch in range(1, max_batch + 1):
+        for batch in batches:
             for key, mask in masks.items():
                 seconds = _run(editor, image, mask, reader, batch, halo, guidance)
                 if batch == 1:
@@ -95,7 +97,7 @@ def warm_graphs(
     times = StepTimes(fractions, tuple(sparse_s), stock, "graph warm-up")
     return WarmUp(
         tuple(masks),
-        (len(masks) + 1) * max_batch,
+        (len(masks) + 1) * len(batches),
         graphs.captures - before,
         time.perf_counter() - started,
         times if sparse else None,

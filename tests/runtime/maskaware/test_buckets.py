@@ -206,6 +206,39 @@ def test_warm_up_captures_every_layout_served_masks_need(graph_baked) -> None:
             assert np.abs(a - b).max() <= TOLERANCE
 
 
+def test_a_batch_of_three_replays_the_graph_of_four(graph_baked) -> None:
+    """Batch-size buckets: three requests run as four (the last repeated, its prediction
+    dropped), on the layout warm-up captured for four, with each request's own pixels."""
+    editor, template, store, guidance = graph_baked
+    store = store.placed(CPU)
+    requests = _requests(editor, template, guidance, [0.1, 0.15, 0.2], seed=40)
+    want = _edits(editor, requests, store)  # no buckets: a batch of three, exact layout
+    buckets = Buckets.for_batches(4)
+    editor.set_buckets(buckets)
+    try:
+        editor.set_graphs(True, limit=(buckets.levels + 1) * len(buckets.batch_sizes))
+        halo = family_spec(editor.family).halo
+        warm = warm_graphs(editor, (template.width, template.height), 4, halo, guidance)
+        graphs = editor.graphs
+        assert buckets.batch_sizes == (1, 2, 4) and warm.layouts % 3 == 0
+        got = _edits(editor, requests, store)
+        assert graphs.request_captures == 0 and graphs.replays > warm.captures
+    finally:
+        editor.set_graphs(False)
+        editor.set_buckets(None)
+    for a, b in zip(want, got, strict=True):
+        assert np.abs(a - b).max() <= TOLERANCE
+
+
+def test_batch_size_buckets_pad_up_and_stop_at_the_largest() -> None:
+    buckets = Buckets.for_batches(6)
+    assert buckets.batch_sizes == (1, 2, 4, 6)
+    assert [buckets.batch_size(n) for n in range(1, 8)] == [1, 2, 4, 4, 6, 6, 7]
+    assert Buckets().batch_size(3) == 3  # none declared: every size its own
+    with pytest.raises(ValueError, match="batch sizes"):
+        Buckets(batch_sizes=(4, 2))
+
+
 def test_layouts_over_the_graph_budget_run_eagerly(graph_baked) -> None:
     editor, template, store, guidance = graph_baked
     store = store.placed(CPU)
