@@ -187,12 +187,14 @@ class ExecutorCore:
         profile_in_background: bool = True,
         cuda_graphs: bool = False,
         graph_budget_bytes: int | None = None,
+        path_choice: str = "auto",
         adapter_bytes: int = ADAPTER_BUDGET_BYTES,
         adapter_build_share: float = BUILD_SHARE,
     ) -> None:
         self.name = name
         self.cuda_graphs = cuda_graphs  # steps of device-resident batches from CUDA graphs
         self.graph_budget_bytes = graph_budget_bytes  # per editor (None: no limit)
+        self.path_choice = path_choice  # "auto" or "maskaware" (--path-choice)
         # per loaded copy: the step times the path choice compares (runtime/pathchoice)
         self.step_times: dict[str, StepTimes | None] = {}
         self.models = models
@@ -572,6 +574,8 @@ class ExecutorCore:
                 f"the template is baked for {template.steps} steps at guidance "
                 f"{template.guidance:g}, not {inv.steps} at {inv.guidance:g}: every token computed",
             )
+        if self.path_choice == "maskaware":
+            return PathChoice(wire.InvokePath.MASKAWARE, "mask-aware: --path-choice maskaware")
         with self.lock:
             times = self.step_times.get(spec.source.key)
             cost_model = self.cost_models.get(spec.source.key)

@@ -90,6 +90,7 @@ def build_core(args: argparse.Namespace) -> ExecutorCore:
         maskaware=options.maskaware,
         data_dir=shared,
         cuda_graphs=options.cuda_graphs,
+        path_choice=options.path_choice,
         graph_budget_bytes=graph_budget(options, device),
         adapter_bytes=options.adapter_cache_bytes,
         adapter_build_share=options.adapter_build_share,

@@ -22,6 +22,7 @@ from retouch.cachestore.defaults import HOST_BUDGET_BYTES
 from retouch.functions.knobs import add_flags, from_flags, knob
 
 ENGINE_MODES = ("continuous", "static")
+PATH_CHOICES = ("auto", "maskaware")
 CORES_PER_WORKER = 4  # pre and post workers each: one per this many cores, at least one
 # LoRA weights each loaded model copy keeps in its denoiser: a few SD3-sized adapters
 # (~0.9 GiB each), or dozens of SD 1.5 ones
@@ -61,6 +62,12 @@ class ExecutorOptions:
         "replay mask-aware steps whose templates are all device-resident from CUDA graphs: "
         "masked tokens padded to buckets, one capture per bucket and batch size (on a CPU "
         "the same bookkeeping with eager replays, for tests)",
+    )
+    path_choice: str = knob(
+        "auto",
+        "how an edit whose template is baked runs: auto (mask-aware or stock, whichever the "
+        "model's step times say is faster at its mask) or maskaware (always mask-aware)",
+        choices=PATH_CHOICES,
     )
     graph_memory_bytes: int = knob(
         -1,
@@ -154,6 +161,8 @@ class ExecutorOptions:
             raise ValueError(f"cpu_nice must be in [0, 19], got {self.cpu_nice}")
         if self.engine not in ENGINE_MODES:
             raise ValueError(f"engine must be one of {ENGINE_MODES}, got {self.engine!r}")
+        if self.path_choice not in PATH_CHOICES:
+            raise ValueError(f"path_choice must be one of {PATH_CHOICES}, got {self.path_choice!r}")
 
     def workers(self, cores: int | None = None) -> tuple[int, int]:
         """(pre, post) worker processes for an executor with ``cores`` CPU cores (default:
