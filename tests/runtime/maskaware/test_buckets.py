@@ -138,6 +138,11 @@ def test_graphs_of_bucketed_steps_do_not_depend_on_the_mask(baked) -> None:
     finally:
         editor.set_graphs(False)
         editor.set_buckets(None)
+    _same_images(eager, graphed)
+
+
+def _same_images(eager: list[list[np.ndarray]], graphed: list[list[np.ndarray]]) -> None:
+    """Every batch's images, eager and from graphs, within the padding tolerance."""
     for want, got in zip(eager, graphed, strict=True):
         for a, b in zip(want, got, strict=True):
             assert np.abs(a - b).max() <= TOLERANCE
@@ -201,9 +206,7 @@ def test_warm_up_captures_every_layout_served_masks_need(graph_baked) -> None:
     finally:
         editor.set_graphs(False)
         editor.set_buckets(None)
-    for want, got in zip(eager, graphed, strict=True):
-        for a, b in zip(want, got, strict=True):
-            assert np.abs(a - b).max() <= TOLERANCE
+    _same_images(eager, graphed)
 
 
 def test_a_batch_of_three_replays_the_graph_of_four(graph_baked) -> None:
