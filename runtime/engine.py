@@ -785,7 +785,11 @@ def _same_set(a: AdapterUse | None, b: AdapterUse) -> bool:
 
 
 def _predicted_ms(editor: MaskAwareEditor) -> float:
-    """The planner's predicted latency of the step just run (0 without a cost model)."""
+    """What the step just run was expected to take: its layout's replay time from graph
+    warm-up (the gateway's tables hold the same), else the planner's latency (0 without
+    a cost model)."""
+    if editor.last_expected_s is not None:
+        return editor.last_expected_s * 1e3
     plan = getattr(editor.plan, "last", None)
     return plan.latency * 1e3 if plan is not None else 0.0
 

@@ -54,6 +54,7 @@ from retouch.runtime.profiling import (
     profile_in_subprocess,
     profile_path,
 )
+from retouch.runtime.replaytimes import ReplayTimes
 from retouch.runtime.reproducibility import in_effect as deterministic_mode
 from retouch.runtime.steprecords import load_step_records, save_step_records
 from retouch.runtime.templates import BakeState, Template, TemplateCache
@@ -386,12 +387,13 @@ class ExecutorCore:
             limit=(buckets.levels + 1) * len(buckets.batch_sizes),  # +1: stock steps
             budget_bytes=self.graph_budget_bytes,
         )
-        times = None
+        replays = None
         if self.cuda_graphs:  # every bucket and batch size captured before it serves
             size = (spec.width, spec.height)
             warm = warm_graphs(editor, size, self.engine.config.max_batch, spec.halo)
             log.info("graphs of %s warmed: %s", spec.model, warm)
-            times = warm.times
+            replays = warm.times
+            editor.set_replay_times(replays)
         profile = profile_path(self.data_dir, loaded.fingerprint, loaded.device)
         prior = load_step_records(profile)
         with self.lock:
@@ -400,22 +402,35 @@ class ExecutorCore:
         self.engine.counters.prior = prior_of
         if prior:
             log.info("step fit of %s starts from %d kept steps", spec.model, len(prior))
-        grids = cost_model.extra.get("grids")
-        if grids and "step_table" not in cost_model.extra:
-            # The gateway predicts completions from this table (plans at 17 mask ratios
-            # per batch size), built here once: the gateway never runs the plan itself.
-            cost_model.extra["step_table"] = plan_table(
-                cost_model, grids, self.engine.config.max_batch
-            )
-            if self.templates.device_tier is not None:  # and of batches that load nothing
-                cost_model.extra["resident_step_table"] = plan_table(
-                    cost_model, grids, self.engine.config.max_batch, resident=True
-                )
-        if times is None and grids:  # without graphs: the profile's planned steps
+        self._ship_step_tables(cost_model, replays)
+        times = replays.batch_one() if replays is not None else None
+        if times is None and "step_table" in cost_model.extra:  # the profile's planned steps
             times = StepTimes.from_plan(cost_model.extra["step_table"][0])
         with self.lock:
             self.step_times[spec.source.key] = times
         return editor, cost_model
+
+    def _ship_step_tables(self, cost_model: CostModel, replays: ReplayTimes | None) -> None:
+        """The tables the gateway predicts completions from (step times at 17 mask ratios
+        per batch size), built here once: the gateway never runs the plan itself. With
+        graphs, the layouts' replays timed at warm-up (``step_source``: what ran), else the
+        profile's plans (with a device tier, also of batches that load nothing)."""
+        max_batch = self.engine.config.max_batch
+        if replays is not None:  # a graphed step copies its rows a step ahead: one table
+            table = replays.table(max_batch)
+            cost_model.extra.update(
+                step_table=table, resident_step_table=table, step_source="graph replays"
+            )
+            return
+        grids = cost_model.extra.get("grids")
+        if not grids or "step_table" in cost_model.extra:
+            return
+        cost_model.extra["step_table"] = plan_table(cost_model, grids, max_batch)
+        cost_model.extra["step_source"] = "profiled plan"
+        if self.templates.device_tier is not None:
+            cost_model.extra["resident_step_table"] = plan_table(
+                cost_model, grids, max_batch, resident=True
+            )
 
     def _encodes_elsewhere(self) -> bool:
         """Whether this executor's pipelines lack their text encoders: its pre workers

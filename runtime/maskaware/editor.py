@@ -54,6 +54,7 @@ from retouch.runtime.maskaware.request import (
 from retouch.runtime.maskaware.store import TEMPLATE_STEP, ActivationReader, ActivationWriter
 from retouch.runtime.maskaware.tokens import TokenBatch, TokenSet
 from retouch.runtime.plan import Planner
+from retouch.runtime.replaytimes import ReplayTimes
 
 if TYPE_CHECKING:
     from retouch.runtime.maskaware.loader import RowLoader
@@ -120,6 +121,10 @@ class MaskAwareEditor:
         self._bucketed: OrderedDict[tuple, BucketBatch] = OrderedDict()
         self.padded_tokens = 0  # pad slots computed by bucketed steps, all told
         self.ungraphed_steps = 0  # steps with graphs on that could not use them (host rows)
+        self._replays: ReplayTimes | None = None
+        # the replay time warm-up measured for the layout of the step just run (None when
+        # it ran eagerly or nothing was measured): what the engine's step fit compares
+        self.last_expected_s: float | None = None
 
     @property
     def plan(self) -> Plan:
@@ -129,6 +134,10 @@ class MaskAwareEditor:
     def set_planner(self, plan: Plan) -> None:
         """Declare the planner of every later step (e.g. ``runtime.plan.make_planner``)."""
         self._plan = plan
+
+    def set_replay_times(self, replays: ReplayTimes | None) -> None:
+        """Declare the step times warm-up measured per layout (``runtime/replaytimes``)."""
+        self._replays = replays
 
     def set_encoder(self, encoder: Encoder | None) -> None:
         """Declare where :meth:`encode` (and a bake's encode) runs when this pipeline was
@@ -355,7 +364,19 @@ class MaskAwareEditor:
             ctx.runner = self._graphs
         elif self._graphs is not None:
             self.ungraphed_steps += 1
+        self.last_expected_s = self._replayed_s(states) if graphed else None
         self._run(ctx, states, run)
+
+    def _replayed_s(self, states: list[RequestState]) -> float | None:
+        """The measured replay time of this step's layout: stock when no request reads
+        cached rows, else the bucket of its largest mask on the finest grid."""
+        if self._replays is None:
+            return None
+        if all(s.step_reader is None for s in states):
+            return self._replays.stock_step_s(len(states))
+        finest = max(states[0].step_tokens, key=lambda size: size[0] * size[1])
+        fraction = max(s.step_tokens[finest].ratio for s in states)
+        return self._replays.step_s(len(states), fraction)
 
     def _padded_batch(self, states: list[RequestState]) -> list[RequestState]:
         """The batch as it runs: with batch-size buckets, padded up to one by repeating its

@@ -8,8 +8,8 @@ device memory and runs a few steps of each: masks chosen so every reachable leve
 (UNet halos and coarser grids make some levels unreachable: no served mask needs them),
 batches of every batch size the buckets pad to (1 to ``max_batch`` without batch-size
 buckets), and stock steps (every token) of each.
-The last steps of batch 1 are timed: the step times the executor's path choice compares
-(``runtime/pathchoice``). Served steps of device-resident templates then only
+The last steps of every layout are timed (``runtime/replaytimes``): what the executor's path
+choice compares, and what the gateway's predictions interpolate. Served steps of device-resident templates then only
 replay, and so do those of pinned host rows (a graphed step is planned as resident). What
 still captures on the request path (``StepGraphs.request_captures``): a batch with an edit
 in its full steps, another resolution, another adapter set.
@@ -28,13 +28,13 @@ import torch
 from retouch.functions.demo.images import mask_of_ratio, template_image
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
-from retouch.runtime.pathchoice import StepTimes
+from retouch.runtime.replaytimes import ReplayTimes
 
 log = logging.getLogger(__name__)
 
 PROMPT = "a quiet street"  # the demo tokenizers take 14 characters
 CAPTURED = 4  # a layout's runs until both parities are captured: eager, eager, capture x 2
-TIMED = 5  # replays timed after them: their fastest is the step time the path choice compares
+TIMED = 5  # replays timed after them: their fastest is the layout's step time
 RUNS = CAPTURED + TIMED
 RATIOS = tuple(np.linspace(0.01, 1.0, 34))  # mask ratios tried to reach every bucket level
 
@@ -48,7 +48,7 @@ class WarmUp:
     layouts: int
     captures: int
     seconds: float
-    times: StepTimes | None = None  # batch 1, mask-aware per bucket and stock, replayed
+    times: ReplayTimes | None = None  # per batch size: mask-aware per bucket, and stock
 
     def __str__(self) -> str:
         return (
@@ -78,29 +78,28 @@ def warm_graphs(
     masks = _mask_per_level(editor, image, reader, halo, guidance)
     full = np.ones((size[1], size[0]), dtype=bool)
     before = graphs.captures
-    sparse: dict[float, float] = {}
-    stock = 0.0
+    fractions = sorted({_finest_fraction(key) for key in masks})
     batches = buckets.batch_sizes or tuple(range(1, max_batch + 1))
+    sparse: list[tuple[float, ...]] = []
+    stock: list[float] = []
     with graphs.warming():
         for batch in batches:
+            row = dict.fromkeys(fractions, 0.0)  # levels of one finest bucket: the slowest
             for key, mask in masks.items():
                 seconds = _run(editor, image, mask, reader, batch, halo, guidance)
-                if batch == 1:
-                    sparse[_finest_fraction(key)] = seconds
+                row[_finest_fraction(key)] = max(row[_finest_fraction(key)], seconds)
+            # a step of fewer tokens is no slower than one of more: a bucket whose timed
+            # runs all waited for something else takes the time of a larger one
+            sparse.append(tuple(itertools.accumulate(reversed(row.values()), min))[::-1])
             # stock steps (every token, no cached rows) replay from graphs too
-            seconds = _run(editor, image, full, None, batch, halo, guidance)
-            stock = seconds if batch == 1 else stock
-    fractions = tuple(sorted(sparse))
-    # a step of fewer tokens is no slower than one of more: a bucket whose timed runs all
-    # waited for something else takes the time of a larger one
-    sparse_s = list(itertools.accumulate(reversed([sparse[f] for f in fractions]), min))[::-1]
-    times = StepTimes(fractions, tuple(sparse_s), stock, "graph warm-up")
+            stock.append(_run(editor, image, full, None, batch, halo, guidance))
+    times = ReplayTimes(batches, tuple(fractions), tuple(sparse), tuple(stock)) if masks else None
     return WarmUp(
         tuple(masks),
         (len(masks) + 1) * len(batches),
         graphs.captures - before,
         time.perf_counter() - started,
-        times if sparse else None,
+        times,
     )
 
 

@@ -99,3 +99,17 @@ def test_served_random_masks_share_few_graph_layouts(server: ServerProcess) -> N
     assert after["graph_request_captures"] == before["graph_request_captures"] == 0
     assert after["graph_captures"] > 0 and after["graph_bytes"] > 0
     assert after["padded_tokens"] > before["padded_tokens"]
+
+
+def test_predictions_use_the_replays_warm_up_timed(server: ServerProcess) -> None:
+    """The cost model the gateway predicts from holds the step times warm-up measured per
+    layout (not the profile's plans), one row per batch size up to ``max_batch``."""
+    with Client(server.url) as client:
+        state = client.executors()["executors"][0]["state"]
+    (model,) = state["cost_models"].values()
+    extra = model["extra"]
+    assert extra["step_source"] == "graph replays"
+    table = extra["step_table"]
+    assert len(table) == MAX_BATCH and table[2] == table[3]  # three requests run as four
+    assert all(t > 0 for row in table for t in row)
+    assert extra["resident_step_table"] == table

@@ -224,11 +224,17 @@ def test_a_batch_of_three_replays_the_graph_of_four(graph_baked) -> None:
         warm = warm_graphs(editor, (template.width, template.height), 4, halo, guidance)
         graphs = editor.graphs
         assert buckets.batch_sizes == (1, 2, 4) and warm.layouts % 3 == 0
+        times = warm.times
+        assert times is not None and times.batch_sizes == (1, 2, 4)
+        editor.set_replay_times(times)
         got = _edits(editor, requests, store)
         assert graphs.request_captures == 0 and graphs.replays > warm.captures
+        # the step's expected time is the layout of four's, as warm-up timed it
+        assert editor.last_expected_s in (*times.sparse_s[2], times.stock_s[2])
     finally:
         editor.set_graphs(False)
         editor.set_buckets(None)
+        editor.set_replay_times(None)
     for a, b in zip(want, got, strict=True):
         assert np.abs(a - b).max() <= TOLERANCE
 
