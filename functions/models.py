@@ -18,12 +18,17 @@ PREFIX = "retouch:"
 @dataclass(frozen=True)
 class BuiltinModel:
     """A built-in model: its family and native resolution; ``trained`` ones ship real
-    weights (the others are random, for tests and benchmarks)."""
+    weights (the others are random, for tests and benchmarks). A ``shape`` is built in
+    memory on the executor's device from a production denoiser config
+    (``functions/demo/production.py``, at ``scale``) and never written to disk: a
+    Flux-dev-shaped copy would be 24 GB of files, for benchmarks that serve it on a GPU."""
 
     name: str
     family: str
     resolution: int
     trained: bool = False
+    shape: str | None = None
+    scale: float = 1.0
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -40,6 +45,9 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel("tiny-sdxl", "sdxl-inpaint", 128),
         BuiltinModel("small-sdxl", "sdxl-inpaint", 512),
         BuiltinModel("shapes-sd", "sd-inpaint", 128, trained=True),  # functions/demo/weights
+        BuiltinModel("flux-dev-shaped", "flux-inpaint", 1024, shape="flux-dev"),
+        BuiltinModel("sd3-medium-shaped", "sd3-inpaint", 1024, shape="sd3-medium"),
+        BuiltinModel("sd2-inpaint-shaped", "sd-inpaint", 512, shape="sd2-inpaint"),
     )
 }
 

@@ -11,6 +11,7 @@ first, and diffusers is told ``local_files_only``.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
 import threading
@@ -31,7 +32,8 @@ from diffusers import (
     PNDMScheduler,
 )
 
-from retouch.functions.demo.models import ensure_demo_model
+from retouch.functions.demo.models import BUILD_SEED, ensure_demo_model
+from retouch.functions.demo.production import build_shape
 from retouch.functions.errors import InvalidSpec
 from retouch.functions.families import family_spec
 from retouch.functions.modelcheck import (
@@ -41,6 +43,7 @@ from retouch.functions.modelcheck import (
     check_model,
     model_index,
 )
+from retouch.functions.models import builtin_model
 from retouch.functions.modelsource import ModelSource, from_key
 from retouch.runtime.families import family as family_of
 from retouch.runtime.fingerprint import model_fingerprint
@@ -256,8 +259,7 @@ class ModelCache:
 
     def _load(self, model: str, family: str) -> LoadedModel:
         source = from_key(model)
-        files = model_files(source, family, self.models_dir)
-        assert files.folder is not None  # every kind loads from a folder once resolved
+        files = check_model(source, family)
         kinds = family_of(family)
         left_out = (kinds.denoisers if "denoiser" in self.without else ()) + (
             kinds.text_components
@@ -267,6 +269,28 @@ class ModelCache:
             else ()
         )
         started = time.perf_counter()
+        shaped = files.kind is ModelKind.BUILTIN and builtin_model(source.model).shape
+        if shaped:
+            loaded = self._build_shaped(source, family, left_out)
+        else:
+            loaded = self._load_files(
+                source, family, model_files(source, family, self.models_dir), left_out
+            )
+        log.info(
+            "%s %s (%s) on %s%s in %.1f s",
+            "built" if shaped else "loaded",
+            model,
+            family,
+            self.device,
+            f" without {', '.join(left_out)}" if left_out else "",
+            time.perf_counter() - started,
+        )
+        return loaded
+
+    def _load_files(
+        self, source: ModelSource, family: str, files: ModelFiles, left_out: tuple[str, ...]
+    ) -> LoadedModel:
+        assert files.folder is not None  # every kind loads from a folder once resolved
         pipe = load_pipeline(
             files.folder,
             family,
@@ -277,17 +301,45 @@ class ModelCache:
             checkpoint=files.checkpoint,
             from_config=files.from_config,
         )
-        log.info(
-            "loaded %s (%s) on %s%s in %.1f s",
-            model,
-            family,
-            self.device,
-            f" without {', '.join(left_out)}" if left_out else "",
-            time.perf_counter() - started,
-        )
         fingerprint = source_fingerprint(source, files, pipe)
         return LoadedModel(
-            model, family, pipe, self.device, files.folder, fingerprint, dict(pipe.scheduler.config)
+            source.key,
+            family,
+            pipe,
+            self.device,
+            files.folder,
+            fingerprint,
+            dict(pipe.scheduler.config),
+        )
+
+    def _build_shaped(
+        self, source: ModelSource, family: str, left_out: tuple[str, ...]
+    ) -> LoadedModel:
+        """A production-shaped built-in model, made in memory on the device (random
+        weights, seeded: every process of this executor makes the same parts alike)."""
+        builtin = builtin_model(source.model)
+        assert builtin.shape is not None
+        dtype = compute_dtype(source.dtype, family, self.device)
+        _, pipe = build_shape(
+            builtin.shape,
+            self.device,
+            scale=builtin.scale,
+            dtype=dtype,
+            seed=BUILD_SEED,
+            without=left_out,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        # its bakes' key: what it is built from (the shape, scale, dtype and seed)
+        made = f"{builtin.shape}\0{builtin.scale}\0{dtype}\0{BUILD_SEED}"
+        fingerprint = hashlib.sha256(made.encode()).hexdigest()
+        return LoadedModel(
+            source.key,
+            family,
+            pipe,
+            self.device,
+            self.models_dir / builtin.name,  # nothing on disk: no adapters' configs either
+            fingerprint,
+            dict(pipe.scheduler.config),
         )
 
 

@@ -205,11 +205,16 @@ def test_direction_check_sees_a_forbidden_import(tmp_path: Path) -> None:
 
 def test_every_catalogued_model_has_a_builder() -> None:
     """The gateway checks deploys against the torch-free catalogue (which also gives each
-    builder its family and resolution); every entry must be buildable and vice versa."""
+    builder its family and resolution); every entry must be buildable and vice versa:
+    into a folder, or (production shapes) in memory."""
     from retouch.functions.demo.models import DEMO_MODELS
+    from retouch.functions.demo.production import SHAPES
     from retouch.functions.models import BUILTIN_MODELS
 
-    assert set(BUILTIN_MODELS) == set(DEMO_MODELS)
+    shaped = {name for name, m in BUILTIN_MODELS.items() if m.shape is not None}
+    assert set(BUILTIN_MODELS) == set(DEMO_MODELS) | shaped and not shaped & set(DEMO_MODELS)
+    for name in shaped:
+        assert SHAPES[BUILTIN_MODELS[name].shape].family == BUILTIN_MODELS[name].family
     for name, model in DEMO_MODELS.items():
         assert model.family == BUILTIN_MODELS[name].family
 

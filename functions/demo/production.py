@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import tempfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +28,14 @@ from pathlib import Path
 import torch
 from diffusers import (
     AutoencoderKL,
+    ConfigMixin,
     DDIMScheduler,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     FluxFillPipeline,
     FluxInpaintPipeline,
     FluxTransformer2DModel,
+    ModelMixin,
     SD3Transformer2DModel,
     StableDiffusion3InpaintPipeline,
     StableDiffusionInpaintPipeline,
@@ -348,22 +351,51 @@ def build_shape(
     scale: float = 1.0,
     dtype: torch.dtype | None = None,
     seed: int = 0,
+    without: tuple[str, ...] = (),
 ) -> tuple[Shape, DiffusionPipeline]:
     """Build production shape ``name`` on ``device`` in its dtype (or ``dtype``), in eval
-    mode; ``KeyError`` for an unknown name, ``ValueError`` for a scale outside (0, 1]."""
+    mode, components ``without`` left out (None, as a pipeline loaded without them);
+    ``KeyError`` for an unknown name, ``ValueError`` for a scale outside (0, 1].
+
+    The pipeline is laid out on the meta device first (no memory), then each kept module
+    is made on ``device`` from its config, its random init seeded by ``seed`` and its name:
+    processes that build different parts of one shape (an executor its denoiser, a pre
+    worker its text encoders) get the same weights for the parts they share, and a part
+    left out never takes device memory, even for a moment."""
     shape = SHAPES[name]
     if not 0 < scale <= 1 or not math.isfinite(scale):
         raise ValueError(f"scale must be in (0, 1], not {scale}")
     dtype = dtype or shape.dtype
     device = torch.device(device)
-    torch.manual_seed(seed)
     with (
         tempfile.TemporaryDirectory(prefix="retouch-shape-") as scratch,
-        _building_on(device, dtype),
+        _building_on(torch.device("meta"), dtype),
         torch.no_grad(),
     ):
-        pipe = shape.build(scale, Path(scratch))
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            component.eval().requires_grad_(False)
-    return shape, pipe
+        laid_out = shape.build(scale, Path(scratch))
+    components = {}
+    for part, component in laid_out.components.items():
+        if part in without:
+            components[part] = None
+        elif isinstance(component, torch.nn.Module):
+            components[part] = _made_on(component, part, device, dtype, seed)
+        elif isinstance(component, ConfigMixin):  # a scheduler: its tensors on the host
+            components[part] = type(component).from_config(component.config)
+        else:  # tokenizers, and the None of a pipeline's optional parts
+            components[part] = component
+    _, optional = DiffusionPipeline._get_signature_keys(laid_out)
+    options = {k: v for k, v in laid_out.config.items() if k in optional and k not in components}
+    return shape, type(laid_out)(**components, **options)
+
+
+def _made_on(
+    meta: torch.nn.Module, part: str, device: torch.device, dtype: torch.dtype, seed: int
+) -> torch.nn.Module:
+    """``meta``'s module class and config made on ``device``, seeded by ``part``."""
+    torch.manual_seed(seed + zlib.crc32(part.encode()))
+    with _building_on(device, dtype), torch.no_grad():
+        if isinstance(meta, ModelMixin):  # diffusers
+            made = type(meta).from_config(meta.config)
+        else:  # transformers
+            made = type(meta)(meta.config)
+    return made.eval().requires_grad_(False)

@@ -24,9 +24,9 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 from retouch.functions.demo.images import SHAPES, mask_of_ratio, template_image
-from retouch.functions.demo.models import demo_model
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import encode_image, encode_mask
+from retouch.functions.models import builtin_model
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.platform.bench.specs import LoadSpec
 from retouch.platform.client import AsyncClient, Client
@@ -348,7 +348,7 @@ def bench_function(
     model: str, steps: int, templates: int, slo_ms: float | None = None
 ) -> tuple[FunctionSpec, dict[str, bytes]]:
     """A function on ``model`` with procedurally generated templates."""
-    demo = demo_model(model)
+    demo = builtin_model(model)
     size = demo.resolution
     doc: dict[str, Any] = {
         "name": "bench",
