@@ -381,13 +381,24 @@ def parse_rate(text: str) -> tuple[float | None, float]:
     return (None, value) if auto else (value, 1.0)
 
 
+def parse_rates(text: str) -> dict[str, tuple[float | None, float]]:
+    """``--rate``: one rate or several, comma-separated (``auto:0.5,auto:0.8``), each as
+    :func:`parse_rate` reads it; every configuration replays each on the same server."""
+    items = [item.strip() for item in text.split(",")]
+    if len(set(items)) != len(items):
+        raise ValueError(f"--rate names a rate twice: {text!r}")
+    return {item: parse_rate(item) for item in items}
+
+
 def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
     """Each configuration on its own server, one server at a time (memory: a few GiB per
     executor of a 512-pixel model), each in its own data dir so its bakes survive between
     rounds, models and profiles shared through one ``--shared-dir``. ``rounds`` rounds
     replay the same planned arrivals on each configuration in turn, the order reversed
     every other round (A B, B A, ...), so a machine that gets busier or quieter during the
-    run weighs on all alike."""
+    run weighs on all alike. With several rates, each server replays every rate in turn
+    (its start, profile, graph warm-up and bakes paid once: what a GPU's minutes allow),
+    and results are named ``config@rate``."""
     if not spec.configs:
         raise ValueError("--compare names no configuration")
     for name in spec.configs:
@@ -396,44 +407,57 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
         raise ValueError(f"--slo must be a positive number of milliseconds, not {spec.slo_ms}")
     if spec.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, not {spec.rounds}")
-    rate, factor = parse_rate(spec.rate)
+    rates = parse_rates(spec.rate)
     function, images = bench_function(spec.model, spec.steps, spec.templates, spec.slo_ms)
     size = (function.width, function.height)
-    results = {name: RunStats(slo_ms=spec.slo_ms) for name in spec.configs}
+    runs = [(name, label) for name in spec.configs for label in rates]
+    named = {run: run[0] if len(rates) == 1 else f"{run[0]}@{run[1]}" for run in runs}
+    results = {named[run]: RunStats(slo_ms=spec.slo_ms) for run in runs}
     summaries: dict[str, dict[str, Any]] = {}
+    capacity: float | None = None
+    rps: dict[str, float] = {}
     for r in range(spec.rounds):
         for name in spec.configs if r % 2 == 0 else spec.configs[::-1]:
             with config_server(spec, name, data_dir) as server, Client(server.url) as client:
                 # Capacity is measured without the SLO: admission's refusals are not lost
                 # throughput (with them, a 2x-overload run once measured 4.8/s of 19.6).
-                client.deploy(replace(function, slo_ms=None) if rate is None else function, images)
+                probing = capacity is None and any(rate is None for rate, _ in rates.values())
+                client.deploy(replace(function, slo_ms=None) if probing else function, images)
                 if "stock" not in name.split("+"):
                     wait_baked(client, function.name)
-                if rate is None:
-                    rate = factor * probe_capacity(
-                        server.url, function.name, spec, list(images), size
-                    )
+                if probing:
+                    capacity = probe_capacity(server.url, function.name, spec, list(images), size)
                     if function.slo_ms is not None:
                         client.deploy(function, images)  # same templates: no new bakes
                         wait_baked(client, function.name)
-                plan = plan_requests(
-                    replace(spec.workload, seed=spec.workload.seed + r), rate, list(images), size
-                )
-                stats = asyncio.run(
-                    replay(server.url, None, function.name, plan, spec.workload.warmup)
-                )
-                results[name].outcomes += stats.outcomes
-                results[name].wall_s += stats.wall_s
-                summaries[name] = server_figures(client)  # of its last round
-            # each configuration's figures as soon as it ends: a run cut short keeps them
-            log.info("%s after round %d: %s", name, r + 1, json.dumps(results[name].summary()))
-    for name in spec.configs:
-        summaries[name] = {**results[name].summary(), **summaries[name]}
+                for label, (rate, factor) in rates.items():
+                    rps[label] = rate if rate is not None else factor * (capacity or 0.0)
+                    plan = plan_requests(
+                        replace(spec.workload, seed=spec.workload.seed + r),
+                        rps[label],
+                        list(images),
+                        size,
+                    )
+                    stats = asyncio.run(
+                        replay(server.url, None, function.name, plan, spec.workload.warmup)
+                    )
+                    key = named[(name, label)]
+                    results[key].outcomes += stats.outcomes
+                    results[key].wall_s += stats.wall_s
+                    summaries[key] = server_figures(client)  # of its last round
+                    # each run's figures as soon as it ends: a run cut short keeps them
+                    log.info(
+                        "%s after round %d: %s", key, r + 1, json.dumps(results[key].summary())
+                    )
+    for key, stats in results.items():
+        summaries[key] = {**stats.summary(), **summaries[key]}
     if spec.plot is not None:
         plot_cdfs(results, spec.plot)
     return {
         "model": spec.model,
-        "rate_rps": rate,
+        "rate_rps": next(iter(rps.values())),
+        "rates_rps": rps,
+        "capacity_rps": capacity,
         "requests": spec.workload.requests * spec.rounds,
         "rounds": spec.rounds,
         "executors": spec.executors,

@@ -235,7 +235,8 @@ class LoadSpec:
     )
     rate: str = knob(
         "auto:0.7",
-        "invocations/s, or auto:F = F x measured capacity of the first configuration",
+        "invocations/s, or auto:F = F x measured capacity of the first configuration; "
+        "several comma-separated (auto:0.5,auto:0.8): each replayed on every server",
         env=False,
     )
     workload: Workload = field(default_factory=Workload)

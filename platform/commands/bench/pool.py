@@ -78,8 +78,10 @@ def _run_load(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(result))
         return
+    offered = ", ".join(f"{rps:.3f}/s ({label})" for label, rps in result["rates_rps"].items())
     print(
-        f"model {result['model']}, offered load {result['rate_rps']:.3f} invocations/s, {result['requests']} measured requests per configuration"
+        f"model {result['model']}, offered load {offered}, "
+        f"{result['requests']} measured requests per configuration and rate"
     )
     print(table(result["configs"]))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from retouch.platform.bench.load import config_args, parse_rate, plan_requests
+from retouch.platform.bench.load import config_args, parse_rate, parse_rates, plan_requests
 from retouch.platform.workload import Workload
 from tests.support import cli_refusal
 
@@ -43,7 +43,7 @@ def test_bench_load_compares_configurations_in_one_run(shared_dir: Path, tmp_pat
         "bench",
         "load",
         *("--model", "retouch:tiny-flux", "--placement", "maskaware,least-requests+static"),
-        *("--rate", "auto:0.7", "--requests", "4", "--warmup", "1", "--steps", "2"),
+        *("--rate", "auto:0.7,auto:0.3", "--requests", "4", "--warmup", "1", "--steps", "2"),
         *("--templates", "2", "--max-batch", "2", "--data-dir", str(tmp_path / "data")),
         *("--masks", "bimodal", "--slo", "600000"),
         *("--plot", str(tmp_path / "cdf.png"), "--json"),
@@ -51,10 +51,15 @@ def test_bench_load_compares_configurations_in_one_run(shared_dir: Path, tmp_pat
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
-    assert result["model"] == "retouch:tiny-flux" and result["rate_rps"] > 0
+    assert result["model"] == "retouch:tiny-flux" and result["capacity_rps"] > 0
+    rates = result["rates_rps"]  # both replayed on each configuration's one server
+    assert rates["auto:0.3"] == pytest.approx(result["capacity_rps"] * 0.3)
+    assert rates["auto:0.7"] == pytest.approx(result["capacity_rps"] * 0.7)
     assert result["requests"] == 4 and result["masks"] == "bimodal"
-    for name in ("maskaware", "least-requests+static"):
-        figures = result["configs"][name]
+    assert set(result["configs"]) == {
+        f"{name}@{rate}" for name in ("maskaware", "least-requests+static") for rate in rates
+    }
+    for figures in result["configs"].values():
         assert figures["errors"] == 0 and figures["rejected"] == 0  # a generous SLO
         assert figures["interruptions"] == 0  # pre/post ran in worker processes
         assert 0 < figures["p50_ms"] <= figures["p95_ms"] <= figures["p99_ms"]
@@ -75,6 +80,11 @@ def test_bad_rates_are_rejected(rate: str) -> None:
 def test_rates() -> None:
     assert parse_rate("2.5") == (2.5, 1.0)
     assert parse_rate("auto:0.7") == (None, 0.7)
+    assert parse_rates("auto:0.5, auto:0.8") == {"auto:0.5": (None, 0.5), "auto:0.8": (None, 0.8)}
+    with pytest.raises(ValueError, match="twice"):
+        parse_rates("2,2")
+    with pytest.raises(ValueError, match="positive number"):
+        parse_rates("auto:0.5,")
 
 
 def test_bench_load_rejects_bad_input_without_traceback(
