@@ -66,6 +66,7 @@ class Outcome:
     gateway_queue_ms: float = 0.0  # waiting in the gateway's queue for an executor slot
     run_ms: float = 0.0  # the executor's: from joining the batch to the last step
     path: str = ""  # how the executor ran it: maskaware or stock (InvokePath)
+    path_reason: str = ""  # and why (its step times, or a pinned choice)
 
 
 REJECTIONS = ("overloaded", "slo_unattainable")
@@ -105,6 +106,8 @@ class RunStats:
         )
         out["per_executor"] = _per_executor(ok)
         out["paths"] = dict(Counter(o.path for o in ok))  # invocations per path taken
+        # why, for the last edit of each path (the figures the executor compared)
+        out["path_reasons"] = {o.path: o.path_reason for o in ok}
         # a 429 on arrival is admission's answer; one after queueing was accepted and then
         # missed its SLO, so it counts against the accepted ones' attainment
         refused = [o for o in rejected if not o.dropped]
@@ -198,6 +201,7 @@ async def replay(
                 outcome.placed_ms = result.timings.placed_ms
                 outcome.executor = result.executor
                 outcome.path = str(result.path.value)
+                outcome.path_reason = result.path_reason
                 outcome.mask_ratio = result.mask_ratio
                 outcome.pre_ms = result.timings.pre_ms
                 outcome.post_ms = result.timings.post_ms
@@ -308,6 +312,35 @@ def table(summaries: dict[str, dict[str, Any]]) -> str:
         )
         lines.append(f"{name:<{first}}" + "".join(cells))
     return "\n".join(lines)
+
+
+def markdown(result: dict[str, Any], configs: tuple[str, ...]) -> str:
+    """The figures as a markdown table, each latency also as a ratio to the first
+    configuration's at the same rate (the baseline: name it first in ``--compare``)."""
+    rates = list(result["rates_rps"])
+    rows = [
+        "| config | rate | p50 ms | p95 ms | p50 / base | p95 / base | throughput/s "
+        "| step ms p50 | batch mean | prediction error p50 | paths |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rate in rates:
+        named = [c if len(rates) == 1 else f"{c}@{rate}" for c in configs]
+        base = result["configs"][named[0]]
+        for config, key in zip(configs, named, strict=True):
+            s = result["configs"][key]
+            paths = ", ".join(f"{k} {v}" for k, v in sorted(s.get("paths", {}).items()))
+            rows.append(
+                f"| {config} | {rate} ({result['rates_rps'][rate]:.2f}/s) | {s['p50_ms']:.0f} "
+                f"| {s['p95_ms']:.0f} | {_ratio(s['p50_ms'], base['p50_ms'])} "
+                f"| {_ratio(s['p95_ms'], base['p95_ms'])} | {s['throughput_rps']:.2f} "
+                f"| {s.get('step_ms_p50', 0.0):.1f} | {s.get('batch_mean', 0.0):.2f} "
+                f"| {s['prediction_error_p50']:.2f} | {paths} |"
+            )
+    return "\n".join(rows)
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}" if base > 0 and np.isfinite(value / base) else "n/a"
 
 
 # ---- configurations compared side by side ---------------------------------------------

@@ -270,6 +270,11 @@ class LoadSpec:
         parse=non_negative_int,
         env=False,
     )
+    out: Path | None = knob(
+        None,
+        "also write load.json and load.md (the table, with the command) into this folder",
+        env=False,
+    )
     ray_address: str | None = None  # executors as Ray actors on this cluster (one per slot)
 
 

@@ -14,6 +14,7 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 import tempfile
 from contextlib import ExitStack
 from dataclasses import asdict, replace
@@ -59,7 +60,7 @@ def add_load(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def _run_load(args: argparse.Namespace) -> None:
-    from retouch.platform.bench.load import run_load_bench, table
+    from retouch.platform.bench.load import markdown, run_load_bench, table
 
     spec = LoadSpec(
         args.model, workload=Workload(**from_flags(Workload, args)), **from_flags(LoadSpec, args)
@@ -75,14 +76,22 @@ def _run_load(args: argparse.Namespace) -> None:
 
             spec = replace(spec, ray_address=stack.enter_context(ray_cluster(spec.executors)))
         result = run_load_bench(spec, args.data_dir or Path(tmp))
-    if args.json:
-        print(json.dumps(result))
-        return
     offered = ", ".join(f"{rps:.3f}/s ({label})" for label, rps in result["rates_rps"].items())
-    print(
+    heading = (
         f"model {result['model']}, offered load {offered}, "
         f"{result['requests']} measured requests per configuration and rate"
     )
+    if spec.out is not None:
+        spec.out.mkdir(parents=True, exist_ok=True)
+        (spec.out / "load.json").write_text(json.dumps(result, indent=1))
+        command = "retouch " + " ".join(sys.argv[1:])
+        (spec.out / "load.md").write_text(
+            f"`{command}`\n\n{heading}\n\n{markdown(result, spec.configs)}\n"
+        )
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(heading)
     print(table(result["configs"]))
 
 

@@ -46,7 +46,7 @@ def test_bench_load_compares_configurations_in_one_run(shared_dir: Path, tmp_pat
         *("--rate", "auto:0.7,auto:0.3", "--requests", "4", "--warmup", "1", "--steps", "2"),
         *("--templates", "2", "--max-batch", "2", "--data-dir", str(tmp_path / "data")),
         *("--masks", "bimodal", "--slo", "600000"),
-        *("--plot", str(tmp_path / "cdf.png"), "--json"),
+        *("--plot", str(tmp_path / "cdf.png"), "--out", str(tmp_path / "out"), "--json"),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -69,6 +69,12 @@ def test_bench_load_compares_configurations_in_one_run(shared_dir: Path, tmp_pat
         assert figures["prediction_error_p50"] >= 0  # every result carried a prediction
         assert figures["step_ms_p50"] > 0 and figures["batch_mean"] >= 1
     assert (tmp_path / "cdf.png").stat().st_size > 0
+    assert json.loads((tmp_path / "out" / "load.json").read_text()) == result
+    table = (tmp_path / "out" / "load.md").read_text()
+    # a row per configuration and rate, the first configuration the baseline of its rate
+    assert table.count("| maskaware | auto:") == 2 and "| p50 / base |" in table
+    base_rows = [r for r in table.splitlines() if r.startswith("| maskaware |")]
+    assert all(r.split("|")[5].strip() == "1.00" for r in base_rows)
 
 
 @pytest.mark.parametrize("rate", ["fast", "auto:", "auto:-1", "0"])
