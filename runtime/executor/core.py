@@ -392,8 +392,12 @@ class ExecutorCore:
             size = (spec.width, spec.height)
             warm = warm_graphs(editor, size, self.engine.config.max_batch, spec.halo)
             log.info("graphs of %s warmed: %s", spec.model, warm)
-            replays = warm.times
-            editor.set_replay_times(replays)
+            # Served steps replay when their rows are on the device or stream from pinned
+            # host memory a step ahead (CUDA); on a CPU without a device tier, host rows
+            # go through the row loader eagerly, and the profile's plans say what they cost.
+            if self.templates.device_tier is not None or editor.device.type == "cuda":
+                replays = warm.times
+                editor.set_replay_times(replays)
         profile = profile_path(self.data_dir, loaded.fingerprint, loaded.device)
         prior = load_step_records(profile)
         with self.lock:
