@@ -78,7 +78,9 @@ clean:
 # a machine lacks, and lmdb built for its Python, into .whl/; `make gpu-bench` (there)
 # installs them beside its torch, runs the GPU tests (a failure is reported, the bench still
 # runs), then `retouch bench production` over the production shapes at mask 0.2 (the
-# acceptance's; GPU_MASKS=0.1,0.2,0.35 for the sweep), and writes gpu-bench.json and
+# acceptance's; GPU_MASKS=0.1,0.2,0.35 for the sweep), stock eager, replayed from CUDA graphs
+# and, at batch GPU_COMPILE (empty: skipped), with its repeated blocks compiled (every ratio
+# divides by the fastest), and writes gpu-bench.json and
 # gpu-bench.md into $(GPU_OUT) (default $$OUT when set, else gpu-bench-out). With
 # `make gpu-served` it is sized to about 9 minutes of an H100's or H200's time.
 GPU_PYTHON ?= python3
@@ -87,6 +89,7 @@ GPU_OUT ?= $(if $(OUT),$(OUT),gpu-bench-out)
 GPU_SHAPES ?= flux-dev,sd3-medium,sd2-inpaint
 GPU_MASKS ?= 0.2
 GPU_REPEATS ?= 1
+GPU_COMPILE ?= 1
 GPU_WHEELS := diffusers==0.42.1 lmdb==3.0.0 starlette==1.10.0 uvicorn==0.54.0 \
 	python-multipart==0.0.34 importlib-metadata==8.7.0
 GPU_SITE := /tmp/retouch-gpu/site
@@ -111,7 +114,8 @@ gpu-bench: gpu-site
 	  tests/runtime/maskaware/test_graphs.py tests/runtime/maskaware/test_tiers.py -k "graph or device_tier or gpu"
 	$(GPU_ENV) $(GPU_PYTHON) -m retouch.platform.cli \
 	  bench production --device cuda --shapes $(GPU_SHAPES) --masks $(GPU_MASKS) --batch 1,4 \
-	  --host-masks 0.2 --steps 8 --repeats $(GPU_REPEATS) --out $(GPU_OUT)
+	  --host-masks 0.2 --steps 8 --repeats $(GPU_REPEATS) --out $(GPU_OUT) \
+	  $(if $(GPU_COMPILE),--compile-stock $(GPU_COMPILE))
 
 # Served edits at production shapes on that machine: a real `retouch serve` per
 # configuration, one executor on the GPU with the model made in memory (random weights,

@@ -23,8 +23,9 @@ For every shape, batch and mask ratio it reports whole edits (text encoding, ste
 the denoising steps alone, each the median of ``repeats`` runs timed with CUDA events,
 stock and mask-aware interleaved. Stock work does not depend on the mask, so stock is timed
 once per batch, eagerly and (on a GPU) with its denoiser call replayed from a CUDA graph
-(``stock-graphs``, ``runtime/stockgraphs.py``); every ratio divides by the faster of the
-two, the eager one is kept as a second column. A profiled step of each (torch.profiler) gives the host CPU time and the
+(``stock-graphs``, ``runtime/stockgraphs.py``), and at the batch sizes asked for with its
+repeated blocks under ``torch.compile`` (``stock-compiled``, regional compilation); every
+ratio divides by the fastest stock, the eager one is kept as a second column. A profiled step of each (torch.profiler) gives the host CPU time and the
 kernels launched per step. Steps are fewer than in production (8 by default) so that a
 Flux template's activations fit the GPU beside the model; per-step figures do not depend on
 that.
@@ -32,12 +33,13 @@ that.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,17 +71,18 @@ class Case:
     """One measured configuration of one shape."""
 
     shape: str
-    tier: str  # "stock", "device" or "host"
+    tier: str  # "stock", "stock-graphs", "stock-compiled", "device", "graphs", "host", ...
     batch: int
     mask_ratio: float
     edit_s: float  # whole edit, median
     step_ms: float  # one denoising step of the whole batch, median over steps and repeats
     flop_ratio: float = 1.0
-    edit_ratio: float = 1.0  # against the faster stock (eager or graphs) at the same batch
+    edit_ratio: float = 1.0  # against the fastest stock (eager, graphs, compiled), same batch
     step_ratio: float = 1.0
     step_ratio_eager: float = 1.0  # against the eager stock step
     loaded_gb_per_step: float = 0.0  # host → device bytes per step (host tier)
     host_gathered_bytes: int = 0  # rows the CPU gathered (0 on the GPU data path)
+    compile_s: float = 0.0  # stock-compiled: the first (compiling) edit's seconds
 
 
 @dataclass
@@ -164,6 +167,7 @@ def run_production_bench(
     resolution: int | None = None,
     profile: bool = True,
     host_masks: tuple[float, ...] | None = None,
+    compile_batches: tuple[int, ...] = (),
     on_shape: Callable[[ShapeReport], None] | None = None,
 ) -> list[ShapeReport]:
     """Measure every shape (see the module docstring); ``on_shape`` gets each report as soon
@@ -182,7 +186,7 @@ def run_production_bench(
     for name in shapes:
         report = _bench_shape(
             name, where, masks, batches, steps, repeats, tiers, scale, resolution, profile,
-            tuple(masks) if host_masks is None else host_masks,
+            tuple(masks) if host_masks is None else host_masks, compile_batches,
         )  # fmt: skip
         report.link_gbps = round(link, 1)
         reports.append(report)
@@ -220,6 +224,7 @@ def _bench_shape(
     resolution: int | None,
     profile: bool,
     host_masks: tuple[float, ...],
+    compile_batches: tuple[int, ...] = (),
 ) -> ShapeReport:
     dtype = None if where.type == "cuda" else torch.float32
     start = time.perf_counter()
@@ -261,7 +266,7 @@ def _bench_shape(
             for batch in batches:
                 _bench_batch(
                     editor, report, stores, timer, template, size, cell, halo, batch, masks,
-                    steps, guidance, repeats, bar, host_masks,
+                    steps, guidance, repeats, bar, host_masks, compile_batches,
                 )  # fmt: skip
     finally:
         for handle in handles:
@@ -334,6 +339,7 @@ def _bench_batch(
     repeats: int,
     bar: tqdm,
     host_masks: tuple[float, ...],
+    compile_batches: tuple[int, ...] = (),
 ) -> None:
     where = editor.device
     loaders = {
@@ -348,6 +354,8 @@ def _bench_batch(
     steps_timer = StepTimer(where)
     report.cases.append(Case(report.shape, "stock", batch, 0.0, *stock))
     best = _stock_graphs(editor, report, reference, timer, batch, repeats, bar, stock)
+    if batch in compile_batches:
+        best = _stock_compiled(editor, report, reference, timer, batch, repeats, bar, stock, best)
     warmed: set[str] = set()
     for ratio in masks:
         mask = aligned_mask(size, ratio, cell)
@@ -456,6 +464,76 @@ def _stock_graphs(
         )
     )
     return min(stock[0], graphed[0]), min(stock[1], graphed[1])
+
+
+@contextlib.contextmanager
+def _compiled_blocks(denoiser: torch.nn.Module) -> Iterator[int]:
+    """The denoiser's repeated blocks under ``torch.compile`` while active (regional
+    compilation, as diffusers' ``compile_repeated_blocks``; the whole denoiser when it
+    declares no repeated blocks), uncompiled again on exit, so the mask-aware steps after
+    it run the blocks as written. Yields the number of compiled modules."""
+    names = set(getattr(denoiser, "_repeated_blocks", None) or ())
+    modules = [m for m in denoiser.modules() if type(m).__name__ in names] or [denoiser]
+    for module in modules:
+        module.compile(dynamic=False)
+    try:
+        yield len(modules)
+    finally:
+        for module in modules:
+            module._compiled_call_impl = None  # what ``nn.Module.compile`` set
+        torch._dynamo.reset()
+
+
+def _stock_compiled(
+    editor: MaskAwareEditor,
+    report: ShapeReport,
+    reference: list[EditRequest],
+    timer: StepTimer,
+    batch: int,
+    repeats: int,
+    bar: tqdm,
+    stock: tuple[float, float],
+    best: tuple[float, float],
+) -> tuple[float, float]:
+    """The stock edits again with the denoiser's repeated blocks compiled (``stock-compiled``:
+    the other way a user would serve the stock pipeline well); the faster of ``best`` and
+    it. The compile itself (the warm run) is not timed; its seconds are in the case."""
+    denoiser = getattr(editor.impl.pipe, editor.impl.denoiser)
+    started = time.perf_counter()
+    try:
+        with _compiled_blocks(denoiser):
+            editor.stock_edits(reference)  # compiles
+            compile_s = time.perf_counter() - started
+            compiled = _timed(
+                lambda: editor.stock_edits(reference),
+                timer,
+                editor.device,
+                repeats,
+                bar,
+                warm=False,
+            )
+    except Exception as exc:  # the eager and graphed stock stay the baseline; the run goes on
+        log.exception("%s: compiled stock at batch %d failed", report.shape, batch)
+        report.skipped.append(f"stock-compiled at batch {batch}: {exc!r}"[:300])
+        return best
+    finally:
+        gc.collect()
+        if editor.device.type == "cuda":
+            torch.cuda.empty_cache()
+    report.cases.append(
+        Case(
+            report.shape,
+            "stock-compiled",
+            batch,
+            0.0,
+            *compiled,
+            edit_ratio=round(compiled[0] / stock[0], 4),
+            step_ratio=round(compiled[1] / stock[1], 4),
+            step_ratio_eager=round(compiled[1] / stock[1], 4),
+            compile_s=round(compile_s, 1),
+        )
+    )
+    return min(best[0], compiled[0]), min(best[1], compiled[1])
 
 
 def _room_for_graphs(store: MemoryActivations, batch: int, where: torch.device) -> bool:

@@ -128,6 +128,14 @@ def add_production(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-profile", action="store_true", help="skip the profiled steps")
     p.add_argument(
+        "--compile-stock",
+        type=ints,
+        default=[],
+        help="batch sizes at which stock is also timed with its repeated blocks under "
+        "torch.compile (regional compilation; minutes of compiling per shape on a GPU; "
+        "default none)",
+    )
+    p.add_argument(
         "--out", type=Path, default=None, help="folder for gpu-bench.json and gpu-bench.md"
     )
     add_device(p)
@@ -165,6 +173,7 @@ def _run_production(args: argparse.Namespace) -> None:
         resolution=args.resolution,
         profile=not args.no_profile,
         host_masks=None if args.host_masks is None else tuple(args.host_masks),
+        compile_batches=tuple(args.compile_stock),
         on_shape=keep,
     )
     print(as_json(reports) if args.json else markdown(reports, _device_label(args.device), command))
