@@ -62,6 +62,13 @@ class ServeConfig:
         "how long --provider ray waits for the Ray head at --ray-address to answer before "
         "the gateway fails (it may start first, as beside a KubeRay head)",
     )
+    executor_zygote: Path | None = knob(
+        None,
+        "the Unix socket of an executor zygote on this machine (python -m "
+        "retouch.runtime.executor.zygote --socket PATH): CPU executors fork from it, "
+        "its imports already done, instead of starting afresh (7-8 s of CPU each)",
+        shown="none: fresh processes",
+    )
     executor_urls: tuple[str, ...] = knob(
         (),
         "comma-separated URLs of the executors --provider attach uses (http://host:port)",

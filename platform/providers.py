@@ -30,10 +30,14 @@ import httpx
 
 from retouch.functions import wire
 from retouch.functions.errors import RetouchError, Unavailable
+from retouch.platform.forkedprocess import ForkedProcess, ZygoteRefused
 from retouch.runtime.asgi import MSGPACK
 from retouch.runtime.executor.app import TOKEN_ENV
 
 log = logging.getLogger(__name__)
+
+# An executor process this gateway started: a fresh one, or one the zygote forked (Popen-like)
+Child = subprocess.Popen | ForkedProcess
 
 START_TIMEOUT_S = 120.0
 
@@ -101,7 +105,7 @@ class ExecutorProcess:
     name: str
     device: str
     url: str
-    process: subprocess.Popen
+    process: Child
 
     @property
     def alive(self) -> bool:
@@ -138,6 +142,7 @@ class LocalProvider:
     cpu_slots: int = 1
     executor_args: tuple[str, ...] = ()  # passed to every executor process
     threads: int = 0  # torch threads per executor (0: the machine's cores shared out)
+    zygote: Path | None = None  # an executor zygote's socket: CPU executors fork from it
 
     def devices(self) -> list[str]:
         gpus = gpu_devices()
@@ -151,19 +156,21 @@ class LocalProvider:
         run_dir.mkdir(parents=True, exist_ok=True)
         port_file = run_dir / f"{name}.port"
         port_file.unlink(missing_ok=True)
-        log_file = (run_dir / f"{name}.log").open("ab")
+        log_path = run_dir / f"{name}.log"
         env, own_device = one_gpu(device, {**os.environ, TOKEN_ENV: self.token})
-        cmd = [
-            sys.executable, "-m", "retouch.runtime.executor",
+        argv = [
             "--name", name, "--device", own_device, "--data-dir", str(self.data_dir),
             "--port-file", str(port_file), "--threads", str(threads),
-            "--exit-with-parent", str(os.getpid()),
             *self.executor_args,
         ]  # fmt: skip
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-        log_file.close()
+        proc = self._forked(argv, env, log_path) if own_device == "cpu" else None
+        if proc is None:
+            with log_path.open("ab") as log_file:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "retouch.runtime.executor", *argv,
+                     "--exit-with-parent", str(os.getpid())],
+                    env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                )  # fmt: skip
         try:
             port = await self._wait_port(proc, port_file)
             url = f"http://127.0.0.1:{port}"
@@ -174,17 +181,30 @@ class LocalProvider:
         log.info("executor %s on %s at %s (pid %d)", name, device, url, proc.pid)
         return ExecutorProcess(name, device, url, proc)
 
+    def _forked(self, argv: list[str], env: dict[str, str], log_path: Path) -> Child | None:
+        """The executor forked by the zygote, if one is configured and can fork it; it
+        watches the zygote (its parent), which stops it when this gateway goes."""
+        if self.zygote is None:
+            return None
+        try:
+            return ForkedProcess.start(
+                self.zygote, [*argv, "--exit-with-parent", "0"], env, log_path
+            )
+        except ZygoteRefused as exc:
+            log.warning("%s; starting a fresh executor process", exc)
+            return None
+
     async def stop(self, executor: Executor) -> None:
         assert isinstance(executor, ExecutorProcess)
         await asyncio.get_running_loop().run_in_executor(None, self.stop_now, executor.process)
 
     @staticmethod
-    def stop_now(proc: subprocess.Popen) -> None:
+    def stop_now(proc: Child) -> None:
         if proc.poll() is None:
             proc.terminate()
             try:
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, TimeoutError):
                 proc.kill()
                 proc.wait()
 

@@ -154,6 +154,7 @@ def make_provider(config: ServeConfig) -> Provider:
         cpu_slots=config.executors,
         executor_args=config.executor_args(),
         threads=config.executor.threads,
+        zygote=config.executor_zygote,
     )
 
 

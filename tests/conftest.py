@@ -6,6 +6,8 @@ into a temporary folder renamed into place, a profile written beside and replace
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +42,29 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("RETOUCH_LOG_LEVEL", "WARNING")
     return shared
+
+
+@pytest.fixture(autouse=True, scope="session")
+def executor_zygote(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Iterator[Path]:
+    """The CPU executors of every server the tests start fork from one warm process
+    (``runtime/executor/zygote.py``): each start skips 7-8 s of imports. Started after
+    the environment above is set (the zygote's import-time variables are the tests');
+    servers started before it has imported start fresh executors (``--executor-zygote``
+    falls back when the socket does not answer)."""
+    folder = tmp_path_factory.mktemp("zygote")
+    socket_path = folder / "executors.sock"
+    with (folder / "zygote.log").open("ab") as log:
+        zygote = subprocess.Popen(
+            [sys.executable, "-m", "retouch.runtime.executor.zygote", "--socket", str(socket_path)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    os.environ["RETOUCH_EXECUTOR_ZYGOTE"] = str(socket_path)  # read by `retouch serve`
+    try:
+        yield socket_path
+    finally:
+        os.environ.pop("RETOUCH_EXECUTOR_ZYGOTE", None)
+        zygote.terminate()
+        zygote.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,135 @@
+"""An executor forked by the executor zygote (``runtime/executor/zygote.py``), handled as a
+``subprocess.Popen`` is: ``pid``, ``poll()``, ``wait()``, ``terminate()``, ``kill()``,
+``send_signal()``, ``returncode``.
+
+The zygote, not this process, is the executor's parent, so its end is learnt from the
+zygote: one Unix-socket connection per executor carries the request, the pid, and at the
+end the exit code. Holding the connection open is what keeps the executor alive: closing it
+(this process ends, even by SIGKILL) makes the zygote stop the executor. Torch-free: the
+gateway imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+class ZygoteRefused(Exception):
+    """The zygote cannot fork this executor (it is absent, or an import-time variable of
+    the request differs from its own): start a fresh process instead."""
+
+
+class ForkedProcess:
+    """A Popen-like handle on an executor the zygote forked (see the module docstring)."""
+
+    def __init__(self, conn: socket.socket, pid: int) -> None:
+        self._conn = conn
+        self.pid = pid
+        self.returncode: int | None = None
+        self._buffer = b""
+
+    @classmethod
+    def start(
+        cls, zygote: Path, argv: list[str], env: dict[str, str], log_path: Path
+    ) -> ForkedProcess:
+        """Ask the zygote at ``zygote`` to fork an executor with ``argv`` and ``env``,
+        writing to ``log_path``; :class:`ZygoteRefused` when it cannot."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            conn.connect(str(zygote))
+            request = {"argv": argv, "env": env, "log": str(log_path), "cwd": os.getcwd()}
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            answer = cls._line(conn, b"")[0]
+        except (OSError, ValueError) as exc:
+            conn.close()
+            raise ZygoteRefused(f"executor zygote at {zygote}: {exc}") from exc
+        if "pid" not in answer:
+            conn.close()
+            raise ZygoteRefused(f"executor zygote at {zygote}: {answer.get('error', answer)}")
+        conn.setblocking(False)
+        return cls(conn, int(answer["pid"]))
+
+    @staticmethod
+    def _line(conn: socket.socket, buffer: bytes) -> tuple[dict, bytes]:
+        """One JSON line from ``conn`` (blocking as the socket is), and what follows it."""
+        while b"\n" not in buffer:
+            chunk = conn.recv(4096)
+            if not chunk:
+                raise ValueError("the zygote closed the connection")
+            buffer += chunk
+        line, _, rest = buffer.partition(b"\n")
+        return json.loads(line), rest
+
+    def poll(self) -> int | None:
+        """The exit code once the executor has ended, else None (never blocks)."""
+        if self.returncode is None:
+            self._read(block=False)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code, waiting up to ``timeout`` seconds (``TimeoutError`` after it, as
+        ``subprocess.TimeoutExpired`` is one)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"executor {self.pid} still running after {timeout} s")
+            self._read(block=True, timeout=left)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _read(self, block: bool, timeout: float | None = None) -> None:
+        try:
+            self._conn.settimeout(timeout if block else 0.0)
+            chunk = self._conn.recv(4096)
+        except (BlockingIOError, TimeoutError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # the zygote is gone without a word: the executor's end is unknown
+            self._ended(self._gone_code())
+            return
+        self._buffer += chunk
+        if b"\n" in self._buffer:
+            message, self._buffer = self._line(self._conn, self._buffer)
+            self._ended(int(message.get("exit", 1)))
+
+    def _gone_code(self) -> int:
+        """With the zygote gone, the executor stops by itself (its parent is gone): wait
+        briefly for it, then call it killed."""
+        for _ in range(50):
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return -signal.SIGTERM
+            time.sleep(0.1)
+        log.warning("executor %d outlived its zygote; killing it", self.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        return -signal.SIGKILL
+
+    def _ended(self, code: int) -> None:
+        self.returncode = code
+        self._conn.close()

@@ -1,0 +1,126 @@
+"""Executors forked by the executor zygote (``runtime/executor/zygote.py``): a server's CPU
+executors start from it, its gateway learns their exit codes through it, they end with
+their gateway or their zygote, and a request it cannot fork starts a fresh process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from retouch.platform.bench.load import wait_baked
+from retouch.platform.client import Client
+from retouch.platform.forkedprocess import ForkedProcess, ZygoteRefused
+from retouch.platform.server import ServerProcess
+from retouch.runtime.executor.app import TOKEN_ENV
+from tests.support import wait_for
+
+
+def _ready(zygote: Path, folder: Path | None = None) -> ForkedProcess:
+    """An executor forked by ``zygote`` once it has imported (it refuses until then),
+    serving from ``folder``."""
+    argv_env = _executor_request(folder or zygote.parent / f"exec-{time.monotonic_ns()}")
+
+    def fork() -> ForkedProcess | None:
+        try:
+            return ForkedProcess.start(zygote, *argv_env)
+        except ZygoteRefused:
+            return None
+
+    return wait_for("the zygote to fork an executor", fork, timeout=120)
+
+
+def _executor_request(folder: Path) -> tuple[list[str], dict[str, str], Path]:
+    folder.mkdir(parents=True)
+    argv = [
+        "--name", "z0", "--device", "cpu", "--data-dir", str(folder),
+        "--port-file", str(folder / "port"), "--threads", "1", "--exit-with-parent", "0",
+    ]  # fmt: skip
+    return argv, {**os.environ, TOKEN_ENV: "secret"}, folder / "executor.log"
+
+
+def _is_zygote(pid: int) -> bool:
+    return "retouch.runtime.executor.zygote" in " ".join(psutil.Process(pid).cmdline())
+
+
+def test_a_servers_executors_fork_from_the_zygote_and_end_with_it(
+    tmp_path: Path, examples: Path
+) -> None:
+    mask = np.zeros((128, 128), bool)
+    mask[30:90, 20:100] = True
+    _ready(Path(os.environ["RETOUCH_EXECUTOR_ZYGOTE"])).kill()  # the zygote has imported
+    server = ServerProcess(tmp_path / "data")
+    server.__enter__()
+    try:
+        with Client(server.url) as client:
+            pid = client.executors()["executors"][0]["state"]["pid"]
+            assert _is_zygote(psutil.Process(pid).ppid())  # forked, not started afresh
+            client.deploy_file(examples / "tiny-sd.toml")
+            wait_baked(client, "tiny-sd")
+            assert client.invoke("tiny-sd", "street", mask, "a lamp", seed=1).image
+    finally:
+        os.kill(server.process.pid, signal.SIGKILL)  # no clean-up runs in the gateway
+        server.process.wait()
+    # its connection to the zygote closed with it: the zygote stops its executor
+    wait_for("the executor to end with its gateway", lambda: not _alive(pid), timeout=30)
+
+
+def test_the_gateway_learns_an_executors_exit_code(tmp_path: Path) -> None:
+    zygote = Path(os.environ["RETOUCH_EXECUTOR_ZYGOTE"])
+    executor = _ready(zygote)
+    assert executor.poll() is None and _is_zygote(psutil.Process(executor.pid).ppid())
+    os.kill(executor.pid, signal.SIGKILL)
+    assert executor.wait(timeout=30) == -signal.SIGKILL
+    argv, env, log = _executor_request(tmp_path / "bad")
+    bad = ForkedProcess.start(zygote, [*argv, "--no-such-flag"], env, log)
+    assert bad.wait(timeout=30) == 2  # argparse's usage error, as a fresh process exits
+    assert "--no-such-flag" in log.read_text()  # its stderr went to its log
+
+
+def test_other_import_time_variables_are_refused_and_start_afresh(tmp_path: Path) -> None:
+    zygote = Path(os.environ["RETOUCH_EXECUTOR_ZYGOTE"])
+    _ready(zygote).kill()
+    argv, env, log = _executor_request(tmp_path / "other")
+    other = {**env, "ATEN_CPU_CAPABILITY": "default" if env.get("ATEN_CPU_CAPABILITY") else "avx2"}
+    with pytest.raises(ZygoteRefused, match="ATEN_CPU_CAPABILITY"):
+        ForkedProcess.start(zygote, argv, other, log)
+    # a server with such a variable starts its executor as a fresh process of its own
+    with ServerProcess(
+        tmp_path / "data", env={"ATEN_CPU_CAPABILITY": other["ATEN_CPU_CAPABILITY"]}
+    ) as server:
+        with Client(server.url) as client:
+            pid = client.executors()["executors"][0]["state"]["pid"]
+        assert psutil.Process(pid).ppid() == server.process.pid
+
+
+def test_executors_stop_when_their_zygote_dies(tmp_path: Path) -> None:
+    socket_path = tmp_path / "own.sock"
+    zygote = subprocess.Popen(
+        [sys.executable, "-m", "retouch.runtime.executor.zygote", "--socket", str(socket_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        executor = _ready(socket_path, tmp_path / "executor")
+        wait_for("the executor to serve", (tmp_path / "executor" / "port").exists, timeout=60)
+        zygote.kill()
+        zygote.wait()
+        # its parent is gone: it stops by itself, and its handle reports an end
+        assert executor.wait(timeout=30) in (-signal.SIGTERM, -signal.SIGKILL)
+        wait_for("the executor to stop", lambda: not _alive(executor.pid), timeout=30)
+    finally:
+        if zygote.poll() is None:
+            zygote.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
