@@ -250,8 +250,8 @@ async def test_a_long_poll_on_another_gateway_answers_at_the_jobs_end(stores) ->
     polled = await asyncio.wait_for(poll, 10)
     assert polled.status is JobStatus.SUCCEEDED and polled.result is not None
 
+    run.release.clear()  # before the submit: a's run of it may start at once
     taken = await on_a.submit("f", request(), prepared(), owner="alice")  # a runs no more
-    run.release.clear()
     poll = asyncio.create_task(on_b.settle(await on_b.get(taken.id, OPEN), 60.0))
     await asyncio.sleep(TTL_S * 2)  # a's stamp goes stale: b claims and runs the job
     await asyncio.to_thread(b.heartbeat)
