@@ -32,3 +32,24 @@ def test_compiled_blocks_are_the_repeated_ones_and_uncompiled_after() -> None:
         assert all(b._compiled_call_impl is not None for b in blocks)
         assert denoiser._compiled_call_impl is None
     assert all(b._compiled_call_impl is None for b in blocks)
+
+
+def test_the_engine_bench_times_stock_with_its_denoiser_graphed(models_dir) -> None:
+    """``bench engine``'s graphed stock (run on CUDA; on a CPU the graph bookkeeping
+    replays eagerly): the stock edits through ``StockGraphs``, its forward put back after."""
+    import time
+
+    from retouch.functions.demo.images import template_image
+    from retouch.platform.bench.engine import _graphed_stock_s, load_demo
+    from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+
+    cpu = torch.device("cpu")
+    family, pipe, size = load_demo("retouch:tiny-sd", models_dir, "engine", cpu, "auto")
+    editor = MaskAwareEditor(pipe, family, cpu)
+    template = template_image((size, size), seed=1)
+    mask = torch.zeros(size, size, dtype=torch.bool).numpy()
+    mask[32:64, 32:64] = True
+    requests = [EditRequest(template, mask, "a red bicycle", 1, 2, 4.0, "a quiet street", 1)]
+    seconds = _graphed_stock_s(editor, requests, 2, time.perf_counter, cpu)
+    assert seconds > 0
+    assert "forward" not in vars(pipe.unet)  # the wrapper is gone: later runs are eager
