@@ -22,7 +22,7 @@ import multiprocessing
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -55,10 +55,27 @@ class ProfileConfig:
     batches: tuple[int, ...] = (1, 2)
     repeats: int = 2
     guidance: float = 4.0
+    # A deploy waits for its model's profile: when the bake's steps say the runs above
+    # would take longer than this, the profile keeps the smallest and largest ratio at
+    # batch 1 (a line per block still has three points: two sparse, one full).
+    budget_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or not self.ratios or not self.batches:
             raise ValueError("profiling needs repeats >= 1, mask ratios and batch sizes")
+
+    def steps(self) -> int:
+        """Denoising steps the measurement runs (each run's first step is a warm-up)."""
+        return (len(self.ratios) + 1) * sum(self.batches) * (self.repeats + 1)
+
+    def within(self, step_s: float) -> ProfileConfig:
+        """This config, or its smallest when its steps of ``step_s`` (a batch of one)
+        would take longer than ``budget_s``."""
+        if step_s * self.steps() <= self.budget_s or (
+            self.batches == (1,) and len(self.ratios) <= 2
+        ):
+            return self
+        return replace(self, ratios=(min(self.ratios), max(self.ratios)), batches=(1,))
 
 
 @dataclass
@@ -222,7 +239,9 @@ def profile_editor(
     store = MemoryActivations()
     image = template_image((size, size), seed=0)
     steps = config.repeats + 1  # the first step of every run is a warm-up
+    baking = time.perf_counter()
     editor.bake(image, PROMPT, 0, steps, config.guidance, store)
+    config = config.within((time.perf_counter() - baking) / steps)
     previous = attached(editor)
     attach(editor, loader)
     try:

@@ -111,3 +111,21 @@ def test_a_copy_loaded_in_another_dtype_has_its_own_profile(models_dir: Path) ->
     assert profile_path(data, plain, "cpu").name == f"{plain}-cpu.json"
     assert profile_path(data, bf16, "cpu") != profile_path(data, plain, "cpu")
     assert profile_path(data, bf16, "cpu").parent == data / "profiles"
+
+
+def test_a_profile_of_slow_steps_keeps_to_its_budget() -> None:
+    """A deploy waits for its profile: steps that would overrun the budget are measured
+    at the smallest and largest ratio at batch 1 only; fast ones at every point."""
+    config = ProfileConfig()
+    assert config.steps() == 4 * 3 * 3  # 3 ratios and full, batches 1 + 2, 3 steps a run
+    assert config.within(0.01) is config  # 0.36 s of steps
+    small = config.within(1.0)  # 36 s of steps against 20
+    assert small.ratios == (0.15, 0.7) and small.batches == (1,) and small.steps() == 9
+    assert small.within(10.0) is small  # nothing smaller to go to
+
+
+def test_a_budgeted_profile_still_fits_every_block(models_dir: Path) -> None:
+    editor, _ = _editor("retouch:tiny-sd", models_dir)
+    model = profile_editor(editor, SIZE, ProfileConfig(budget_s=0.0))  # every step "slow"
+    assert model.extra["batches"] == [1] and model.extra["ratios"] == [0.15, 0.7]
+    assert all(b.compute.slope > 0 or b.compute.intercept > 0 for b in model.blocks)
