@@ -246,6 +246,7 @@ def test_interpreter_exit_closes_the_pool(models_dir: Path, tmp_path: Path) -> N
         "    forkserver.fork_from_here()  # as an executor starts its CPU workers\n"
         f"    pool = PrePostPool({str(models_dir)!r}, 'cpu', threads=1)\n"
         "    assert pool.echo({'x': torch.ones(8)}).result(120)['x'].sum() == 8\n"
+        "    pool.wait_ready()  # every worker started (a loaded machine starts them late)\n"
         "    print(pool.block_prefix, *pool.pids().values())\n"
     )
     done = subprocess.run(
