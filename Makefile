@@ -58,11 +58,13 @@ $(RAY_STAMP): pyproject.toml setup.py
 	$(call install,dev$(comma)ray)
 	touch $(STAMP) $(RAY_STAMP)
 
-# Two pytest-xdist workers, a test file each at a time (its module's server is its own);
+# Two pytest-xdist workers, a test file each at a time (its module's server is its own), in
+# the order tests/conftest.py collects them (xdist would put the files with the most tests
+# first: the long end-to-end files, which have few, then ran last, one worker idle);
 # tests/conftest.py gives them one torch thread each. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: $(RAY_STAMP) browser postgres
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
