@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import signal
 import socket
 import time
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -38,6 +35,7 @@ class ForkedProcess:
         self.pid = pid
         self.returncode: int | None = None
         self._buffer = b""
+        self._orphaned = False  # the zygote went away before reporting an exit
 
     @classmethod
     def start(
@@ -73,20 +71,26 @@ class ForkedProcess:
         return json.loads(line), rest
 
     def poll(self) -> int | None:
-        """The exit code once the executor has ended, else None (never blocks)."""
-        if self.returncode is None:
+        """The exit code once the executor has ended, else None (never blocks: the
+        gateway's event loop calls it)."""
+        if self.returncode is None and not self._orphaned:
             self._read(block=False)
+        if self.returncode is None and self._orphaned and not _exists(self.pid):
+            self.returncode = -signal.SIGTERM  # it stopped itself: its parent is gone
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         """The exit code, waiting up to ``timeout`` seconds (``TimeoutError`` after it, as
         ``subprocess.TimeoutExpired`` is one)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
+        while self.poll() is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"executor {self.pid} still running after {timeout} s")
-            self._read(block=True, timeout=left)
+            if self._orphaned:
+                time.sleep(min(0.1, left if left is not None else 0.1))
+            else:
+                self._read(block=True, timeout=left)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -108,28 +112,24 @@ class ForkedProcess:
             return
         except OSError:
             chunk = b""
-        if not chunk:  # the zygote is gone without a word: the executor's end is unknown
-            self._ended(self._gone_code())
+        if not chunk:  # the zygote is gone without a word: its executor stops by itself
+            self._orphaned = True  # (``--exit-with-parent 0``): poll() watches the pid
+            self._conn.close()
             return
         self._buffer += chunk
         if b"\n" in self._buffer:
             message, self._buffer = self._line(self._conn, self._buffer)
             self._ended(int(message.get("exit", 1)))
 
-    def _gone_code(self) -> int:
-        """With the zygote gone, the executor stops by itself (its parent is gone): wait
-        briefly for it, then call it killed."""
-        for _ in range(50):
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return -signal.SIGTERM
-            time.sleep(0.1)
-        log.warning("executor %d outlived its zygote; killing it", self.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        return -signal.SIGKILL
-
     def _ended(self, code: int) -> None:
         self.returncode = code
         self._conn.close()
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` still runs (an orphan's zombie is reaped by init at once)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -170,10 +170,10 @@ class Zygote:
 
             main(request["argv"])
             code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            if exc.code is not None and not isinstance(exc.code, int):
-                print(exc.code, file=sys.stderr)
+        except SystemExit as exc:  # as the interpreter ends on it: a message goes to stderr
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            if isinstance(exc.code, str):
+                sys.stderr.write(f"{exc.code}\n")
         except BaseException:
             traceback.print_exc()
         finally:

@@ -86,8 +86,10 @@ def warm_graphs(
         for batch in batches:
             row = dict.fromkeys(fractions, 0.0)  # levels of one finest bucket: the slowest
             for key, mask in masks.items():
-                seconds = _run(editor, image, mask, reader, batch, halo, guidance)
-                row[_finest_fraction(key)] = max(row[_finest_fraction(key)], seconds)
+                fraction = _finest_fraction(key)
+                row[fraction] = max(
+                    row[fraction], _run(editor, image, mask, reader, batch, halo, guidance)
+                )
             # a step of fewer tokens is no slower than one of more: a bucket whose timed
             # runs all waited for something else takes the time of a larger one
             sparse.append(tuple(itertools.accumulate(reversed(row.values()), min))[::-1])
