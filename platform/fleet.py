@@ -431,7 +431,7 @@ class Fleet:
         task.add_done_callback(lambda _: self._restarts.pop(handle.name, None))
 
     async def _restart(self, old: ExecutorHandle) -> None:
-        await self.provider.stop(old.process)
+        await self.provider.stop(old.process, failed=True)
         threads = self.provider.threads_per_executor(len(self.executors))
         proc = await self._start_until_up(old.name, old.slot, threads)
         handle = ExecutorHandle(

@@ -95,7 +95,10 @@ class Provider(Protocol):
 
     async def start(self, name: str, device: str, threads: int) -> Executor: ...
 
-    async def stop(self, executor: Executor) -> None: ...
+    async def stop(self, executor: Executor, *, failed: bool = False) -> None:
+        """Stop ``executor``; ``failed``: the pool saw it die (a provider may then avoid
+        where it ran, before its own health checks tell it)."""
+        ...
 
 
 @dataclass
@@ -194,7 +197,7 @@ class LocalProvider:
             log.warning("%s; starting a fresh executor process", exc)
             return None
 
-    async def stop(self, executor: Executor) -> None:
+    async def stop(self, executor: Executor, *, failed: bool = False) -> None:
         assert isinstance(executor, ExecutorProcess)
         await asyncio.get_running_loop().run_in_executor(None, self.stop_now, executor.process)
 
@@ -308,6 +311,6 @@ class AttachProvider:
         log.info("executor %s (%s) on %s at %s, attached", name, state.name, state.device, url)
         return AttachedExecutor(name, state.device, url, state.name)
 
-    async def stop(self, executor: Executor) -> None:
+    async def stop(self, executor: Executor, *, failed: bool = False) -> None:
         """Nothing to stop: the executor belongs to whoever started it (other gateways may
         use it); the fleet only lets go of it."""

@@ -6,10 +6,13 @@ of the custom resource ``retouch_executor`` (a node offers as many executors as 
 units). The gateway stays the one control plane: it reaches executors over HTTP at the
 address the actor reports, and Ray's own autoscaler adds nodes for actors that cannot be
 placed (two-layer scaling). Executors spread over the nodes: each new one is sent (a soft
-node affinity) to a node with room where none of this gateway's executors runs or is
-starting, and only when every such node has one, to wherever Ray's ``SPREAD`` puts it; so
-a lost node takes one executor, not several. (``SPREAD`` alone only rotates: an executor
-started again after a failed start, or two started at once, can land beside another.) The executor binds its node's address and keeps its
+node affinity) to the node offering the resource that holds the fewest of this gateway's
+executors (running or starting), so a lost node takes one executor, not several, and never
+to a node an executor just died on (Ray's health checks take seconds to mark a lost node
+dead; a replacement sent there dies with it); only when no node qualifies, wherever Ray's
+``SPREAD`` puts it. (``SPREAD`` alone only rotates: an executor started again after a
+failed start, or two started at once, can land beside another.) The executor binds its
+node's address and keeps its
 activation store under ``<data-dir>/nodes/<node id>`` (the node's ``RETOUCH_DATA_DIR`` when
 it sets one, else the gateway's), shared by the executors of that node.
 
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -258,26 +262,29 @@ class RayProvider:
 
     def _strategy(self, name: str, resource: str) -> Any:
         """Where the executor ``name`` goes: a node offering ``resource`` where no other
-        executor of this provider runs or starts (soft: Ray places it elsewhere if that node
-        fills meanwhile), else Ray's ``SPREAD``."""
+        executor of this provider runs or starts, else the one of the nodes an executor
+        did not just die on that holds the fewest of them (soft: Ray places it elsewhere if
+        that node fills meanwhile), else Ray's ``SPREAD``. A node lost a moment ago still
+        looks alive to Ray, and ``SPREAD`` would place half the replacements there."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         ray = self._ray()
         now = time.monotonic()
         self._lost = {n: t for n, t in self._lost.items() if now - t < LOST_NODE_S}
-        taken = {node for other, node in self._nodes.items() if other != name} | set(self._lost)
-        free = sorted(
+        held = Counter(node for other, node in self._nodes.items() if other != name)
+        usable = sorted(
             n["NodeID"]
             for n in ray.nodes()
             if n.get("Alive")
             and n.get("Resources", {}).get(resource, 0) >= 1
-            and n["NodeID"] not in taken
+            and n["NodeID"] not in self._lost
         )
-        if not free:
+        if not usable:
             self._nodes.pop(name, None)
             return "SPREAD"
-        self._nodes[name] = free[0]
-        return NodeAffinitySchedulingStrategy(node_id=free[0], soft=True)
+        node = min(usable, key=lambda n: held[n])  # sorted: ties go to the first
+        self._nodes[name] = node
+        return NodeAffinitySchedulingStrategy(node_id=node, soft=True)
 
     async def start(self, name: str, device: str, threads: int) -> Executor:
         ray = self._ray()
@@ -312,10 +319,14 @@ class RayProvider:
         log.info("executor %s on node %s at %s (Ray actor)", name, node[:12], url)
         return executor
 
-    async def stop(self, executor: Executor) -> None:
+    async def stop(self, executor: Executor, *, failed: bool = False) -> None:
+        """Stop the actor; an executor that died (the pool's probes saw it, or Ray did)
+        sends its replacement elsewhere for a while: its node may be lost, and Ray's health
+        checks take seconds to say so (12 s on a loaded 2-core machine), during which a
+        replacement placed there dies with the node."""
         assert isinstance(executor, RayExecutor)
         self._nodes.pop(executor.name, None)
-        if not executor.alive:  # it died (its node may be lost): go elsewhere for a while
+        if failed or not executor.alive:
             self._lost[executor.node] = time.monotonic()
         ray = self._ray()
         try:
