@@ -7,10 +7,12 @@ gateway, an executor and the executor's pre/post workers), and stopped mid-run: 
 :data:`STOP_S` no process of it may be left and the ports its servers served must not
 answer.
 
-Leftovers cannot slip past: the process tree is read from ``/proc`` before the signal
-(pid and start time, so a reused pid is not mistaken for a survivor), and every process
-is also found by a mark in its environment, which all descendants inherit, including
-any started after that reading.
+Leftovers cannot slip past: the process trees are read from ``/proc`` before the signal
+(pid and start time, so a reused pid is not mistaken for a survivor): the command's, and
+each executor's with its workers (the suite's executors fork from its zygote, so they are
+the zygote's children, not the gateway's: ``tests/e2e/test_zygote.py``); every process
+the command started itself is also found by a mark in its environment, which all its
+descendants inherit, including any started after that reading.
 """
 
 from __future__ import annotations
@@ -121,21 +123,15 @@ def bench_load(data: Path, mark: str) -> subprocess.Popen:
     with (data / "bench.log").open("wb") as log:
         return subprocess.Popen(
             cmd,
-            env=_fresh_processes({**os.environ, MARK: mark}),
+            env={**os.environ, MARK: mark},
             stdout=log,
             stderr=subprocess.STDOUT,
         )
 
 
-def _fresh_processes(env: dict[str, str]) -> dict[str, str]:
-    """Without the suite's executor zygote: this test reads the command's process tree,
-    and a forked executor is the zygote's child (``tests/e2e/test_zygote.py`` checks that
-    those end with their gateway)."""
-    return {k: v for k, v in env.items() if k != "RETOUCH_EXECUTOR_ZYGOTE"}
-
-
-def serving(bench: subprocess.Popen) -> tuple[int, list[int]] | None:
-    """The gateway's port and its executors' once an executor and its workers run."""
+def serving(bench: subprocess.Popen) -> tuple[int, list[int], list[int]] | None:
+    """The gateway's port, its executors' ports and their pids once an executor and its
+    workers run."""
     if bench.poll() is not None:
         raise AssertionError(f"bench load exited with {bench.returncode} before its servers ran")
     gateway = next((p for p in tree(bench.pid) if " serve " in p.cmdline), None)
@@ -149,7 +145,8 @@ def serving(bench: subprocess.Popen) -> tuple[int, list[int]] | None:
     running = [r for r in rows if r["healthy"] and len((r["state"] or {}).get("workers", {})) >= 2]
     if not running:
         return None
-    return port, [int(r["url"].rsplit(":", 1)[1]) for r in running]
+    ports = [int(r["url"].rsplit(":", 1)[1]) for r in running]
+    return port, ports, [int(r["state"]["pid"]) for r in running]
 
 
 def describe(procs: list[Proc]) -> str:
@@ -168,11 +165,12 @@ class Run:
     ports: list[int] = field(default_factory=list)
 
     def record(self) -> bool:
-        """Once its servers run: its process tree and their ports (False: not yet)."""
+        """Once its servers run: its process tree, its executors' and their ports (False:
+        not yet)."""
         up = serving(self.bench)
         if up is None:
             return False
-        self.before = tree(self.bench.pid)
+        self.before = [p for root in (self.bench.pid, *up[2]) for p in tree(root)]
         self.ports = [up[0], *up[1]]
         return True
 
@@ -186,7 +184,7 @@ class Run:
 
     def kill_all(self) -> None:
         """A failed run leaves nothing either (only processes of this run: its mark)."""
-        for proc in [*tree(self.bench.pid), *marked(self.mark)]:
+        for proc in [*tree(self.bench.pid), *self.before, *marked(self.mark)]:
             if proc.alive():
                 os.kill(proc.pid, signal.SIGKILL)
         self.bench.wait()
