@@ -171,6 +171,17 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             single_file=FLUX_TRANSFORMER_FILE,
         ),
         FamilySpec(
+            "flux-kontext",
+            "FluxKontextInpaintPipeline",
+            FLOW,
+            28,
+            3.5,
+            cuda_dtype="bf16",
+            negative_prompt=False,
+            lora_modules=("transformer", "text_encoder"),
+            single_file=FLUX_TRANSFORMER_FILE,
+        ),
+        FamilySpec(
             "sdxl-inpaint",
             "StableDiffusionXLInpaintPipeline",
             ("euler", "ddim", "euler-a", "dpm++", "pndm"),  # SDXL ships Euler

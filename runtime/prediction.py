@@ -421,12 +421,24 @@ class MaskFootprint:
         return cached
 
     def _tokens_on(self, grids: tuple[int, ...]) -> tuple[int, ...]:
-        out = []
-        for tokens in grids:
-            px = math.sqrt(self.pixels / tokens) if tokens else TOKEN_PX[-1]
-            nearest = min(TOKEN_PX, key=lambda p: abs(p - px))
-            out.append(min(tokens, self.masked[nearest]))
-        return tuple(out)
+        return tuple(min(tokens, self.masked[self._token_px(tokens)]) for tokens in grids)
+
+    def _token_px(self, tokens: int) -> int:
+        """The token size of a grid of ``tokens``: the one whose grid of the image, taken a
+        whole number of times, makes it (fewest copies first: a grid holding a reference
+        image's tokens after the image's, as Kontext's, is twice the image's), else the
+        nearest by area. Only the image's own tokens are ever masked."""
+        if not tokens:
+            return TOKEN_PX[-1]
+        copies = {}
+        for px in TOKEN_PX:
+            times = tokens * px * px / self.pixels
+            if times >= 0.9 and abs(times - round(times)) <= 0.1:
+                copies[px] = round(times)
+        if copies:
+            return min(copies, key=lambda px: (copies[px], px))
+        px = math.sqrt(self.pixels / tokens)
+        return min(TOKEN_PX, key=lambda p: abs(p - px))
 
 
 def _dilate(grid: np.ndarray, pixels: int) -> np.ndarray:

@@ -18,9 +18,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "deploy" / "examples"
-# Production shapes the CPU runs skip: flux-fill-dev runs flux-dev's blocks (its own input
-# layout is covered by the tiny Fill model's tests); a GPU checks every shape.
-CPU_SKIPPED_SHAPES = frozenset({"flux-fill-dev"})
+# Production shapes the CPU runs skip: flux-fill-dev and flux-kontext run flux-dev's blocks
+# (their own input layouts are covered by the tiny Fill and Kontext models' tests); a GPU
+# checks every shape.
+CPU_SKIPPED_SHAPES = frozenset({"flux-fill-dev", "flux-kontext"})
 WAIT_S = 240.0  # a cold start on a loaded 2-core machine: process, imports, model, profile
 
 T = TypeVar("T")

@@ -219,6 +219,14 @@ def test_every_catalogued_model_has_a_builder() -> None:
         assert model.family == BUILTIN_MODELS[name].family
 
 
+def test_the_capacity_planner_knows_every_production_shape() -> None:
+    """``retouch plan-capacity --shape`` checks names without importing torch."""
+    from retouch.functions.demo.production import SHAPES
+    from retouch.platform.commands.capacity import SHAPE_NAMES
+
+    assert sorted(SHAPE_NAMES) == sorted(SHAPES)
+
+
 def test_commands_that_ask_a_server_load_nothing_heavy() -> None:
     """``retouch ls`` and ``retouch cache stats --url`` only talk HTTP: they answer in a
     fraction of a second, not after importing torch (seconds)."""

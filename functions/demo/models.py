@@ -34,6 +34,7 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     FluxFillPipeline,
     FluxInpaintPipeline,
+    FluxKontextInpaintPipeline,
     FluxTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3InpaintPipeline,
@@ -191,9 +192,12 @@ def _build_flux(
     vae_channels: tuple[int, ...],
     text_hidden: int,
     fill: bool = False,
+    kontext: bool = False,
 ) -> None:
     """A Flux DiT in FluxInpaintPipeline, or (``fill``) in FluxFillPipeline with FLUX.1-Fill's
-    input layout: packed latents, packed masked-image latents and the packed mask."""
+    input layout: packed latents, packed masked-image latents and the packed mask, or
+    (``kontext``) in FluxKontextInpaintPipeline (FLUX.1 Kontext's: the reference image's
+    tokens follow the latents' in the image sequence)."""
     rope = (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)
     factor = 2 ** (len(vae_channels) - 1)
     transformer = FluxTransformer2DModel(
@@ -210,7 +214,9 @@ def _build_flux(
         axes_dims_rope=rope,
     )
     t5 = _t5(text_hidden)
-    pipeline = FluxFillPipeline if fill else FluxInpaintPipeline
+    pipeline = (
+        FluxFillPipeline if fill else FluxKontextInpaintPipeline if kontext else FluxInpaintPipeline
+    )
     _save(
         folder,
         lambda tokenizer: pipeline(
@@ -430,6 +436,8 @@ DEMO_MODELS: dict[str, DemoModel] = {
         ),
         DemoModel("tiny-flux-fill", lambda f: _build_flux(f, **TINY_FLUX, fill=True)),
         DemoModel("small-flux-fill", lambda f: _build_flux(f, **SMALL_FLUX, fill=True)),
+        DemoModel("tiny-flux-kontext", lambda f: _build_flux(f, **TINY_FLUX, kontext=True)),
+        DemoModel("small-flux-kontext", lambda f: _build_flux(f, **SMALL_FLUX, kontext=True)),
         DemoModel("tiny-sdxl", lambda f: _build_sdxl(f, TINY_SDXL, resolution=128)),
         DemoModel("small-sdxl", lambda f: _build_sdxl(f, SMALL_SDXL, resolution=512)),
         DemoModel(

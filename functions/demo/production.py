@@ -34,6 +34,7 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     FluxFillPipeline,
     FluxInpaintPipeline,
+    FluxKontextInpaintPipeline,
     FluxTransformer2DModel,
     ModelMixin,
     SD3Transformer2DModel,
@@ -143,12 +144,18 @@ def build_flux_fill_dev(scale: float, scratch: Path) -> FluxFillPipeline:
     return _flux(FluxFillPipeline, 384, scale, scratch)
 
 
+def build_flux_kontext_dev(scale: float, scratch: Path) -> FluxKontextInpaintPipeline:
+    """FLUX.1-Kontext-dev: FLUX.1-dev's transformer (the reference image's tokens follow
+    the edited latents' in its sequence) in ``FluxKontextInpaintPipeline``."""
+    return _flux(FluxKontextInpaintPipeline, 64, scale, scratch)
+
+
 def _flux(
-    pipeline: type[FluxInpaintPipeline | FluxFillPipeline],
+    pipeline: type[FluxInpaintPipeline | FluxFillPipeline | FluxKontextInpaintPipeline],
     in_channels: int,
     scale: float,
     scratch: Path,
-) -> FluxInpaintPipeline | FluxFillPipeline:
+) -> FluxInpaintPipeline | FluxFillPipeline | FluxKontextInpaintPipeline:
     """FLUX.1-dev's transformer with ``in_channels`` in ``pipeline``."""
     text, pooled = _width(4096, scale, 64), _width(768, scale, 64)
     transformer = FluxTransformer2DModel(
@@ -303,6 +310,14 @@ SHAPES: dict[str, Shape] = {
             torch.bfloat16,
             "FLUX.1-Fill-dev (12 B)",
             build_flux_fill_dev,
+        ),
+        Shape(
+            "flux-kontext",
+            "flux-kontext",
+            1024,
+            torch.bfloat16,
+            "FLUX.1-Kontext-dev (12 B)",
+            build_flux_kontext_dev,
         ),
         Shape(
             "sd3-medium",

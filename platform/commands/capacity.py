@@ -19,7 +19,16 @@ from retouch.platform.commands.common import (
     print_table,
 )
 
-SHAPE_NAMES = ("flux-dev", "flux-fill-dev", "sd3-medium", "sd2-inpaint", "sdxl-inpaint")
+# The production shapes' names (``functions/demo/production.SHAPES``, which imports torch:
+# the parser checks names without it; tests/test_import_contract.py keeps the two alike).
+SHAPE_NAMES = (
+    "flux-dev",
+    "flux-fill-dev",
+    "flux-kontext",
+    "sd3-medium",
+    "sd2-inpaint",
+    "sdxl-inpaint",
+)
 GIB, MIB = 1 << 30, 1 << 20
 
 

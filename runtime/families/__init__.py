@@ -25,7 +25,14 @@ from retouch.runtime.families.base import Family, FamilyModel
 __all__ = ["MODULES", "Family", "FamilyModel", "family", "names"]
 
 # Registrations: the modules of this package that define a family (``FAMILY``).
-MODULES = ("sd_inpaint", "sdxl_inpaint", "flux_inpaint", "sd3_inpaint", "flux_fill")
+MODULES = (
+    "sd_inpaint",
+    "sdxl_inpaint",
+    "flux_inpaint",
+    "sd3_inpaint",
+    "flux_fill",
+    "flux_kontext",
+)
 
 
 @functools.cache

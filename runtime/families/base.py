@@ -60,11 +60,14 @@ class FamilyModel:
     and names the blocks activations are recorded under, in execution order.
     ``rows_per_request``: model rows per request (2 with classifier-free guidance halves);
     ``packs``: whether the blocks run the packed layout (else always padded);
+    ``image_sequences``: token grids of the image's size in the denoiser's image sequence
+    (2 where a reference image's tokens follow the edited latents');
     ``template_tensors``: per-template tensors a bake stores besides the noise."""
 
     denoiser: ClassVar[str] = "transformer"
     rows_per_request: ClassVar[int] = 1
     packs: ClassVar[bool] = True
+    image_sequences: ClassVar[int] = 1
     template_tensors: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, pipe: DiffusionPipeline, device: torch.device, spec: FamilySpec) -> None:

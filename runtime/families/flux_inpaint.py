@@ -40,6 +40,7 @@ from retouch.runtime.maskaware.request import (
     batch_timesteps,
     token_sets,
 )
+from retouch.runtime.maskaware.tokens import TokenSet
 
 
 @dataclass
@@ -140,13 +141,17 @@ class FluxInpaint(FamilyModel):
         hard = tensors["mask"][0, 0] > 0.5
         noise = self._pack(tensors["noise"].to(self.device, self.dtype))
         scheduler, timesteps = self._scheduler(request)
-        h, w = hard.shape
         inputs = self.inputs(request, tensors, noise)
-        tokens = token_sets(hard, [(h // 2, w // 2)], every=every)
+        tokens = self.tokens(hard, every=every)
         start = tensors.get("image_latents")  # Fill's only below strength 1
         image = None if start is None else self._pack(start.to(self.device, self.dtype))
         latents = inpaint.initial_latents(request, scheduler, timesteps, noise, image)
         return RequestState(request, latents, scheduler, timesteps, inputs, tokens)
+
+    def tokens(self, hard: torch.Tensor, *, every: bool) -> dict[tuple[int, int], TokenSet]:
+        """The token set of a boolean ``[h, w]`` latent mask: 2×2-packed latents."""
+        h, w = hard.shape
+        return token_sets(hard, [(h // 2, w // 2)], every=every)
 
     def inputs(
         self, request: EditRequest, tensors: dict[str, torch.Tensor], noise: torch.Tensor
@@ -284,7 +289,14 @@ def flux_flops(
 ) -> Flops:
     """One row of a ``FluxTransformer2DModel`` at mask ratio ``ratio`` (2×2-packed tokens)."""
     n_tokens = (latent_size[0] // 2) * (latent_size[1] // 2)
-    masked = ratio * n_tokens
+    return flux_sequence_flops(config, n_tokens, ratio * n_tokens, text_len)
+
+
+def flux_sequence_flops(
+    config: Mapping[str, Any], n_tokens: int, masked: float, text_len: int
+) -> Flops:
+    """One row of a ``FluxTransformer2DModel`` whose image sequence has ``n_tokens`` tokens
+    (every one a key) of which ``masked`` are computed."""
     dim = config["num_attention_heads"] * config["attention_head_dim"]
     cin = config["in_channels"]
     cout = config.get("out_channels") or cin

@@ -91,7 +91,8 @@ def _block_rows(
                 yield name, (impl.rows_per_request, h * w, attn.to_k.out_features)
         return
     denoiser = pipe.transformer
-    tokens = (lh // 2) * (lw // 2)  # Flux packs 2x2 latents, SD3 patches 2x2
+    # Flux packs 2x2 latents, SD3 patches 2x2; a reference image's tokens follow (Kontext)
+    tokens = impl.image_sequences * (lh // 2) * (lw // 2)
     for name in names:
         channels = denoiser.inner_dim if name == "y" else _attention(denoiser, block)
         yield name, (impl.rows_per_request, tokens, channels)

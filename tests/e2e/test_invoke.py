@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from retouch.functions import wire
+from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import encode_mask
 from retouch.platform.bench.load import wait_baked
@@ -216,6 +217,42 @@ def test_deploy_and_invoke_a_flux_fill_function(admin: Client, examples: Path) -
     edit = admin.invoke("fill", "mug", mask, "a red mug", seed=4, format="raw")
     assert edit.path == "maskaware" and (edit.width, edit.height) == (128, 128)
     assert not np.array_equal(np.frombuffer(edit.image, np.uint8).reshape(128, 128, 3), template)
+
+
+def test_deploy_and_invoke_a_flux_kontext_folder(
+    server: ServerProcess, admin: Client, examples: Path, models_dir: Path
+) -> None:
+    """FLUX.1 Kontext from a diffusers folder (as FluxKontextInpaintPipeline saves it): it
+    deploys as flux-kontext, its first edit runs before or after the bake, and once baked
+    its edits are mask-aware, sent as msgpack (the client) and as JSON (base64, as curl
+    sends it) alike; a negative prompt, for which the guidance-distilled model has no
+    branch, is a 400 naming the field."""
+    folder = ensure_demo_model("retouch:tiny-flux-kontext", models_dir)
+    spec, images = read_spec_file(examples / "tiny-flux-kontext.toml")
+    spec = dataclasses.replace(spec, name="kontext", model=str(folder), steps=2)
+    assert admin.deploy(spec, images)["status"] == "ready"
+    assert admin.get("kontext")["family"] == "flux-kontext"
+    template = np.asarray(Image.open(io.BytesIO(images["mug"])).convert("RGB"))
+    mask = np.zeros((128, 128), bool)
+    mask[32:80, 40:96] = True
+
+    first = admin.invoke("kontext", "mug", mask, "a red mug", seed=4, format="raw")
+    assert first.path in ("stock", "maskaware") and first.mask_ratio > 0
+    wait_baked(admin, "kontext", timeout=300)  # templates are baked in the background
+    edit = admin.invoke("kontext", "mug", mask, "a red mug", seed=4, format="raw")
+    assert edit.path == "maskaware" and (edit.width, edit.height) == (128, 128)
+    assert not np.array_equal(np.frombuffer(edit.image, np.uint8).reshape(128, 128, 3), template)
+
+    url, headers = f"{server.url}/v1/functions/kontext/invoke", {"authorization": f"Bearer {ADMIN}"}
+    body = {"template": "mug", "prompt": "a red mug", "seed": 4, "format": "raw"}
+    body["mask"] = base64.b64encode(encode_mask(mask)).decode()
+    answer = httpx.post(url, json=body, headers=headers, timeout=300)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["path"] == "maskaware"
+    assert base64.b64decode(answer.json()["image"]) == edit.image  # one request, one image
+    refused = httpx.post(url, json={**body, "negative_prompt": "blurry"}, headers=headers)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["field"] == "negative_prompt"
 
 
 @pytest.mark.parametrize(

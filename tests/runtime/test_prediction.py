@@ -165,6 +165,18 @@ def test_mask_footprint_counts_tokens_a_pixel_touches() -> None:
     assert fp.ratio == pytest.approx(128 / 4096)
 
 
+def test_a_grid_with_a_reference_images_tokens_counts_the_images_own() -> None:
+    """Kontext's grid is the image's 16-px grid and the reference's after it (2 x 16
+    tokens of a 64-px image): its masked tokens are the 16-px grid's, not those of the
+    8-px grid whose size is nearest by area."""
+    mask = np.zeros((64, 64), dtype=bool)
+    for top, left in ((0, 0), (8, 0), (0, 16), (40, 40)):  # the first two: one 16-px token
+        mask[top : top + 8, left : left + 8] = True
+    fp = MaskFootprint.of(mask)
+    assert (fp.masked[8], fp.masked[16]) == (4, 3)
+    assert fp.on([16]) == (3,) and fp.on([2 * 16]) == (3,)
+
+
 @pytest.mark.parametrize("shape", ["rect", "ellipse", "blob"])
 @pytest.mark.parametrize("ratio", [0.05, 0.2, 0.6])
 @pytest.mark.parametrize("halo", [0, 2])

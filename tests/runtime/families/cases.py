@@ -19,6 +19,7 @@ from retouch.runtime.families import family
 from retouch.runtime.families.stepflops import pipeline_step_flops
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
+from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.maskaware.quality import psnr
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import load_pipeline
@@ -56,6 +57,14 @@ class Case:
         image = template_image((self.size, self.size), 7)
         return EditRequest(image, mask, prompt, seed, self.steps, self.guidance, *template)
 
+    def baked(self, editor: MaskAwareEditor) -> MemoryActivations:
+        """Template 7 baked with its own prompt and seed (``"a quiet street"``, 3), nothing
+        masked: what the requests of ``request(..., ("a quiet street", 3))`` read."""
+        store = MemoryActivations()
+        image = template_image((self.size, self.size), 7)
+        editor.bake(image, "a quiet street", 3, self.steps, self.guidance, store)
+        return store
+
     def exact(
         self, editor: MaskAwareEditor, mask: np.ndarray
     ) -> tuple[EditRequest, MemoryActivations]:
@@ -64,6 +73,26 @@ class Case:
         store = MemoryActivations()
         editor.bake(request.image, "a red door", 11, self.steps, self.guidance, store, mask=mask)
         return request, store
+
+    def assert_plans_and_the_loader_change_nothing(
+        self,
+        editor: MaskAwareEditor,
+        request: EditRequest,
+        store: MemoryActivations,
+        plans: list[dict[str, Mode]],
+    ) -> None:
+        """Each of ``plans`` (a mode per block) gives the all-sparse edit (within 1e-5), and
+        the overlapped row loader gives it to the bit."""
+        reference = editor.edit(request, store, "np")
+        for modes in plans:
+            editor.set_planner(lambda states, blocks, modes=modes: modes)
+            assert np.abs(editor.edit(request, store, "np") - reference).max() <= 1e-5
+        editor.set_planner(lambda states, blocks: dict.fromkeys(blocks, Mode.SPARSE))
+        attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
+        try:
+            assert np.array_equal(editor.edit(request, store, "np"), reference)
+        finally:
+            attach(editor, None)
 
     def assert_batch_gives_solo(self, editor: MaskAwareEditor, store: MemoryActivations) -> None:
         """Two requests stepped in one batch end where each ends alone."""

@@ -17,14 +17,12 @@ import pytest
 import torch
 from diffusers import FluxFillPipeline
 
-from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import InvalidSpec
 from retouch.functions.modelcheck import check_model, model_family
 from retouch.functions.modelsource import ModelSource
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor, RequestState
-from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.maskaware.quality import psnr
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import load_pipeline
@@ -49,11 +47,7 @@ def pipe(folder: Path):
 
 @pytest.fixture(scope="module")
 def baked(pipe) -> MemoryActivations:
-    """A template baked with its own prompt and seed, nothing masked."""
-    store = MemoryActivations()
-    editor = MaskAwareEditor(pipe, FAMILY, CPU)
-    editor.bake(template_image((SIZE, SIZE), 7), "a quiet street", 3, STEPS, GUIDANCE, store)
-    return store
+    return CASE.baked(MaskAwareEditor(pipe, FAMILY, CPU))
 
 
 @pytest.mark.parametrize("mask", [_rect(12, 20, 40, 50), _rect(70, 8, 30, 100)])
@@ -94,20 +88,12 @@ def test_the_unmasked_tokens_follow_the_bake(pipe, baked) -> None:
 def test_mixed_plans_and_the_row_loader_change_nothing(pipe) -> None:
     editor = MaskAwareEditor(pipe, FAMILY, CPU)
     request, store = _exact(editor, _rect(12, 20, 40, 50))
-    reference = editor.edit(request, store, "np")
     last = editor.blocks[-1]
-    for modes in (
+    plans = [
         {b: Mode.FULL if b == last else Mode.SPARSE for b in editor.blocks},
         {b: Mode.SPARSE if b == last else Mode.FULL for b in editor.blocks},
-    ):
-        editor.set_planner(lambda states, blocks, modes=modes: modes)
-        assert np.abs(editor.edit(request, store, "np") - reference).max() <= 1e-5
-    editor.set_planner(lambda states, blocks: dict.fromkeys(blocks, Mode.SPARSE))
-    attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
-    try:
-        assert np.array_equal(editor.edit(request, store, "np"), reference)
-    finally:
-        attach(editor, None)
+    ]
+    CASE.assert_plans_and_the_loader_change_nothing(editor, request, store, plans)
 
 
 def test_a_request_in_a_batch_gives_its_solo_result(pipe, baked) -> None:

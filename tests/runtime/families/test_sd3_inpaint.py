@@ -19,7 +19,6 @@ from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
-from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import load_pipeline
 from tests.runtime.families.cases import CPU, Case
@@ -59,17 +58,9 @@ def test_full_mask_equals_stock_whatever_was_baked(pipe) -> None:
 def test_mixed_plans_and_the_row_loader_change_nothing(pipe) -> None:
     editor = MaskAwareEditor(pipe, FAMILY, CPU)
     request, store = _exact(editor, _rect(12, 20, 40, 50))
-    reference = editor.edit(request, store, "np")
     first, second = editor.blocks
-    for modes in ({first: Mode.SPARSE, second: Mode.FULL}, {first: Mode.FULL, second: Mode.SPARSE}):
-        editor.set_planner(lambda states, blocks, modes=modes: modes)
-        assert np.abs(editor.edit(request, store, "np") - reference).max() <= 1e-5
-    editor.set_planner(lambda states, blocks: dict.fromkeys(blocks, Mode.SPARSE))
-    attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
-    try:
-        assert np.array_equal(editor.edit(request, store, "np"), reference)
-    finally:
-        attach(editor, None)
+    plans = [{first: Mode.SPARSE, second: Mode.FULL}, {first: Mode.FULL, second: Mode.SPARSE}]
+    CASE.assert_plans_and_the_loader_change_nothing(editor, request, store, plans)
 
 
 def test_a_request_in_a_batch_gives_its_solo_result(pipe) -> None:

@@ -22,7 +22,6 @@ from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
-from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import LoadedModel, load_pipeline
 from tests.runtime.families.cases import CPU, Case
@@ -108,18 +107,11 @@ def test_full_mask_equals_the_pipeline_called_directly(pipe, street) -> None:
 def test_mixed_plans_and_the_row_loader_change_nothing(pipe, exact) -> None:
     editor = MaskAwareEditor(pipe, FAMILY, CPU)
     request, store = exact
-    reference = editor.edit(request, store, "np")
-    blocks = editor.blocks
-    for parity in (0, 1):
-        modes = {b: Mode.FULL if i % 2 == parity else Mode.SPARSE for i, b in enumerate(blocks)}
-        editor.set_planner(lambda states, names, modes=modes: modes)
-        assert np.abs(editor.edit(request, store, "np") - reference).max() <= 1e-5
-    editor.set_planner(lambda states, names: dict.fromkeys(names, Mode.SPARSE))
-    attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
-    try:
-        assert np.array_equal(editor.edit(request, store, "np"), reference)
-    finally:
-        attach(editor, None)
+    plans = [
+        {b: Mode.FULL if i % 2 == parity else Mode.SPARSE for i, b in enumerate(editor.blocks)}
+        for parity in (0, 1)
+    ]
+    CASE.assert_plans_and_the_loader_change_nothing(editor, request, store, plans)
 
 
 def test_a_request_in_a_batch_gives_its_solo_result(pipe, street) -> None:
