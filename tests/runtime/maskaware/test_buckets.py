@@ -33,6 +33,7 @@ MODELS = (
     "retouch:tiny-sd3",
     "retouch:tiny-flux",
     "retouch:tiny-flux-fill",
+    "retouch:tiny-flux-kontext",
 )
 
 
