@@ -6,8 +6,9 @@ composed noise, also at mask 1.0; plans mixing full and sparse blocks and the ro
 change nothing; a request inside a batch gives its solo result; a worker's pipeline without
 the transformer encodes and decodes the same; the analytic FLOPs equal what torch counts.
 Kontext's own: the reference tokens follow the edited ones in the sequence and come from the
-bake (their rows are stored with the template's), and a Kontext folder is told apart from
-Flux inpainting.
+bake (their rows are stored with the template's); a Kontext folder is told apart from
+Flux inpainting; a LoRA of its transformer serves what diffusers' ``load_lora_weights``
+gives.
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ import numpy as np
 import pytest
 import torch
 
+from retouch.functions.adapters import AdapterSpec
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import InvalidSpec
 from retouch.functions.modelcheck import check_model, model_family
 from retouch.functions.modelsource import ModelSource
+from retouch.runtime.adapters import AdapterResidency
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.maskaware.templatelayout import recorded_tensors
 from retouch.runtime.models import load_pipeline
+from tests.lorafiles import write_lora
 from tests.runtime.families.cases import CPU, Case
 from tests.runtime.families.cases import close as _close
 
@@ -122,3 +126,29 @@ def test_a_kontext_folder_is_told_apart_from_flux_inpainting(folder: Path) -> No
     check_model(ModelSource(str(folder)), FAMILY)
     with pytest.raises(InvalidSpec, match="cannot serve flux-fill"):
         check_model(ModelSource(str(folder)), "flux-fill")
+
+
+def test_a_lora_on_the_kontext_transformer_serves_what_diffusers_loads(
+    folder: Path, models_dir: Path, tmp_path: Path
+) -> None:
+    """A LoRA of the transformer's attention (diffusers' layout), attached as an executor
+    attaches adapters: the mask-aware edit after a bake under it is the stock pipeline's
+    with ``load_lora_weights`` (exact cache), and the LoRA changes the image."""
+    lora = write_lora("retouch:tiny-flux-kontext", models_dir, tmp_path, family=FAMILY, std=0.3)
+    pipe = load_pipeline(folder, FAMILY, CPU)
+    editor = MaskAwareEditor(pipe, FAMILY, CPU)
+    bare = editor.stock_edit(_exact(editor, _rect(12, 20, 40, 50))[0], "np")
+    residency = AdapterResidency(pipe, 1 << 30)
+    use = residency.use(residency.register((AdapterSpec(str(lora), 0.8, "style"),)))
+    use.read.result(timeout=60)
+    use.activate()
+    use.release()
+    request, store = _exact(editor, _rect(12, 20, 40, 50))
+    ours = editor.edit(request, store, "np")
+
+    reference = load_pipeline(folder, FAMILY, CPU)
+    reference.load_lora_weights(str(lora), adapter_name="style")
+    reference.set_adapters(["style"], [0.8])
+    stock = MaskAwareEditor(reference, FAMILY, CPU).stock_edit(request, "np")
+    _close(ours, stock)
+    assert np.abs(ours - bare).max() > 0.05  # the LoRA reached the transformer
