@@ -101,6 +101,8 @@ class FamilySpec:
     lora_modules: tuple[str, ...] = ("unet", "text_encoder")
     # Where its denoiser is in a single-file checkpoint, and whether the file holds it alone.
     single_file: DenoiserFile = field(kw_only=True)
+    # Whether its pipeline reads a reference image (``image_reference``: FLUX.1 Kontext).
+    image_reference: bool = field(default=False, kw_only=True)
 
     def skipped_steps(self, steps: int, strength: float) -> int:
         """The first steps of a ``steps`` schedule that ``strength`` skips: an edit starts
@@ -180,6 +182,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             negative_prompt=False,
             lora_modules=("transformer", "text_encoder"),
             single_file=FLUX_TRANSFORMER_FILE,
+            image_reference=True,
         ),
         FamilySpec(
             "sdxl-inpaint",
@@ -199,6 +202,16 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
 def family_spec(name: str) -> FamilySpec:
     """The family named ``name``; ``KeyError`` if there is none."""
     return FAMILY_SPECS[name]
+
+
+def check_reference(family: str) -> None:
+    """Refuse an ``image_reference`` for a family whose pipeline reads none (400 naming it)."""
+    if not family_spec(family).image_reference:
+        raise BadRequest(
+            f"{family} reads no reference image: image_reference is for flux-kontext functions",
+            field="image_reference",
+            code="unsupported_field",
+        )
 
 
 def check_edit(family: str, steps: int, strength: float, negative_prompt: str) -> int:

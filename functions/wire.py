@@ -168,6 +168,9 @@ class InvokeRequest:
     # Images of this one request: image i runs with seed ``seed + i`` (so each can be made
     # again alone), as its own invocation (they share denoising steps in the engine).
     num_images_per_prompt: int = 1
+    # The families that read a reference image (FLUX.1 Kontext): another than the template
+    # (encoded bytes, decoded by the gateway); without it the template is the reference.
+    image_reference: bytes | None = None
 
     @classmethod
     def from_wire(cls, obj: Any) -> InvokeRequest:
@@ -201,6 +204,9 @@ class InvokeRequest:
             size=None if body.get("size") is None else parse_size(expect(body, "size", str)),
             scheduler=optional(body, "scheduler", str, None),
             num_images_per_prompt=optional(body, "num_images_per_prompt", int, 1),
+            image_reference=None
+            if body.get("image_reference") is None
+            else decode_bytes(body["image_reference"], "image_reference"),
         )
         req.check(sent)
         return dataclasses.replace(req, strength=float(req.strength))  # in range: converts
@@ -272,6 +278,7 @@ class InvokeRequest:
             "num_images_per_prompt": None
             if self.num_images_per_prompt == 1
             else self.num_images_per_prompt,
+            "image_reference": self.image_reference,
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -280,7 +287,7 @@ class InvokeRequest:
         and mask by their size while the job holds them (a finished job keeps neither: its
         ``template`` names what it edited, an upload by its content id)."""
         out = self.to_wire()
-        for name in ("image", "mask"):
+        for name in ("image", "mask", "image_reference"):
             if out.get(name):
                 out[name] = f"<{len(out[name])} bytes>"
             else:
@@ -304,6 +311,7 @@ INVOKE_FIELDS = frozenset(
         "scheduler",
         "format",
         "num_images_per_prompt",
+        "image_reference",
     )
 )
 ALIASES = {"steps": "num_inference_steps", "guidance": "guidance_scale"}  # retouch's older names
@@ -382,10 +390,15 @@ class ExecutorInvoke:
     negative_prompt: str = ""  # the unconditional branch's prompt ("" as diffusers' default)
     strength: float = 1.0  # < 1: start from the image noised to this fraction of the schedule
     scheduler: str = ""  # one the function allows ("": the function's own)
+    # A reference image other than the template (RGB8 ``[H, W, 3]`` at the function's size;
+    # the families that read one): such an edit computes every token.
+    image_reference: RawArray | None = None
 
     def to_wire(self) -> dict[str, Any]:
         out = {**asdict(self), "mask": self.mask.to_wire()}
-        out["image"] = None if self.image is None else self.image.to_wire()
+        for name in ("image", "image_reference"):
+            value = getattr(self, name)
+            out[name] = None if value is None else value.to_wire()
         return out
 
     @classmethod
@@ -407,6 +420,9 @@ class ExecutorInvoke:
             negative_prompt=optional(body, "negative_prompt", str, ""),
             strength=float(optional(body, "strength", (int, float), 1.0)),
             scheduler=optional(body, "scheduler", str, ""),
+            image_reference=None
+            if body.get("image_reference") is None
+            else RawArray.from_wire(require(body, "image_reference", dict), "image_reference"),
         )
 
 

@@ -37,7 +37,7 @@ from PIL import Image
 
 from retouch.functions import wire
 from retouch.functions.errors import BadRequest, Canceled, NotFound, Overloaded, Unavailable
-from retouch.functions.families import check_edit
+from retouch.functions.families import check_edit, check_reference
 from retouch.functions.imaging import decode_mask, encode_image
 from retouch.functions.wire import DeployStatus
 from retouch.platform import uploads
@@ -251,11 +251,22 @@ class FrontDoor:
         negative = req.negative_prompt or ""
         steps_run = check_edit(spec.family, steps, req.strength, negative)
         scheduler = spec.request_scheduler(req.scheduler)
+        reference = None
+        if req.image_reference is not None:
+            check_reference(spec.family)
+            reference = self.images.declare(req.image_reference, "image_reference")
         size = upload.size if upload is not None else self._input_size(fn, req)
-        async with self.images.holding(_larger(size, self.images.declare(req.mask, "mask"))):
+        hold = _larger(size, self.images.declare(req.mask, "mask"))
+        async with self.images.holding(max(hold, reference.pixels if reference else 0)):
             if req.image is not None:
                 upload = upload or await self.upload(fn, req.image)
             mask = await self.decode_mask(req.mask, size)
+            if reference is not None:
+                edited = (spec.width, spec.height)
+                pixels = await self.images.decode(
+                    reference, _decode_reference, req.image_reference, edited
+                )
+                reference = wire.RawArray.of(pixels)
             canvas_size = (spec.width, spec.height)
             output = self._output_size(req.size)
             frame = Frame.plan(mask, canvas_size, req.padding_mask_crop, output)
@@ -285,6 +296,7 @@ class FrontDoor:
             negative_prompt=negative,
             strength=req.strength,
             scheduler=scheduler,
+            image_reference=reference,
         )
         # Placed by the steps it runs (a strength < 1 skips some) and by the template as the
         # executors bake and report it for that trajectory (a variant, when it has a bake:
@@ -292,6 +304,8 @@ class FrontDoor:
         variant = canvas.template  # other settings run stock: no variant is baked
         if steps == spec.steps and inv.guidance == spec.guidance:  # the executor's covers
             variant = spec.template_variant(canvas.template, req.strength, scheduler)
+        if reference is not None:  # every token computed: placed as a template none holds
+            variant = f"{canvas.template}#image_reference"
         placement = PlacementRequest(
             spec.name,
             variant,
@@ -438,6 +452,16 @@ def _larger(size: Size, declared: Declared) -> int:
     """The pixels of the larger of an image's ``size`` and its mask's declared size: what a
     run of work on both holds room for (a mask is decoded at its size, then resized)."""
     return max(size[0] * size[1], declared.pixels)
+
+
+def _decode_reference(data: bytes, size: Size) -> np.ndarray:
+    """A reference image as RGB8 at ``size`` (the edited image's, which the pipeline reads
+    it at): decoded at the size it was sent (``undecodable_image`` otherwise), resized when
+    other."""
+    pixels = uploads.decode_upload(data, "image_reference").pixels
+    if (pixels.shape[1], pixels.shape[0]) == size:
+        return pixels
+    return np.asarray(Image.fromarray(pixels).resize(size, Image.Resampling.LANCZOS))
 
 
 def _decode_mask(data: bytes, size: Size) -> np.ndarray:

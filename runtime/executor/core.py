@@ -31,7 +31,7 @@ from PIL import Image
 from retouch.functions import wire
 from retouch.functions.adapters import AdapterSpec
 from retouch.functions.errors import BadRequest, Canceled, Conflict, ExecutorFull, NotFound
-from retouch.functions.families import check_edit
+from retouch.functions.families import check_edit, check_reference
 from retouch.functions.imaging import encode_image, mask_ratio
 from retouch.functions.spec import FunctionSpec
 from retouch.runtime.costmodel import CostModel
@@ -546,6 +546,7 @@ class ExecutorCore:
             spec.halo,
             inv.negative_prompt,
             inv.strength,
+            self._reference(spec, inv, template.image.size),
         )
         encode_inline = self.adapters.inline_encoder(spec, editor)
         # pinned from here: nothing that can fail comes between this and the submit's try
@@ -587,6 +588,12 @@ class ExecutorCore:
         """Mask-aware or stock for this edit, and why (``path_reason`` in the answer)."""
         if not self.maskaware:
             return PathChoice(wire.InvokePath.STOCK, "mask-aware steps are off on this executor")
+        if inv.image_reference is not None:
+            return PathChoice(
+                wire.InvokePath.STOCK,
+                "another reference image than the template: every token computed (the "
+                "bake's reference tokens are the template's)",
+            )
         if not template.covers(inv.steps, inv.guidance):
             return PathChoice(
                 wire.InvokePath.STOCK,
@@ -614,6 +621,25 @@ class ExecutorCore:
                 f"executor {self.name} holds {self.stats.queued} invocations, its room",
                 detail={"queued": self.stats.queued, "room": limit},
             )
+
+    @staticmethod
+    def _reference(
+        spec: FunctionSpec, inv: wire.ExecutorInvoke, size: tuple[int, int]
+    ) -> Image.Image | None:
+        """The edit's own reference image (the gateway decoded it at the edited image's
+        ``size``), for the families that read one; None: the template is the reference."""
+        if inv.image_reference is None:
+            return None
+        check_reference(spec.family)
+        pixels = inv.image_reference.to_numpy()
+        if pixels.dtype != "uint8" or pixels.shape != (size[1], size[0], 3):
+            raise BadRequest(
+                f"image_reference must be RGB8 of {size[0]}x{size[1]}, got "
+                f"{inv.image_reference.dtype} {list(pixels.shape)}",
+                field="image_reference",
+                code="image_size_mismatch",
+            )
+        return Image.fromarray(np.ascontiguousarray(pixels), "RGB")
 
     def _upload(self, entry: FunctionEntry, inv: wire.ExecutorInvoke) -> Template:
         """The ad-hoc template of an uploaded image (the gateway decoded and checked it)."""

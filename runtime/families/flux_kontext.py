@@ -27,6 +27,7 @@ behaviour).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,10 +35,12 @@ from diffusers import FluxKontextInpaintPipeline
 from diffusers.pipelines.flux.pipeline_flux_kontext_inpaint import retrieve_latents
 from PIL import Image
 
+from retouch.runtime.families.base import Encoding
 from retouch.runtime.families.flux_inpaint import (
     FluxConditioning,
     FluxInpaint,
     FluxInpaintFamily,
+    FluxInputs,
     flux_sequence_flops,
 )
 from retouch.runtime.maskaware.context import ForwardContext
@@ -47,6 +50,14 @@ from retouch.runtime.maskaware.request import EditRequest, RequestState, token_s
 from retouch.runtime.maskaware.tokens import TokenSet
 
 REFERENCE_AXIS = 1.0  # the first position coordinate of the reference's tokens
+
+
+@dataclass
+class KontextInputs(FluxInputs):
+    """Flux's inputs and the reference's packed latents (the template's, or the edit's own
+    ``image_reference``)."""
+
+    reference: torch.Tensor  # [1, N, 64]
 
 
 class FluxKontext(FluxInpaint):
@@ -63,6 +74,26 @@ class FluxKontext(FluxInpaint):
         encoded = pipe.vae.encode(init.to(self.device, self.dtype))
         latents = retrieve_latents(encoded, sample_mode="argmax")
         return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+
+    def encode_image(self, job: Encoding) -> dict[str, torch.Tensor]:
+        """The template's latents; with the edit's own reference image, its latents too
+        (encoded as the pipeline encodes ``image_reference``: the same mode)."""
+        out = super().encode_image(job)
+        reference = job.request.reference
+        if reference is not None:
+            out["reference_latents"] = self.image_latents(reference, job.template_noise.vae).cpu()
+        return out
+
+    def inputs(
+        self, request: EditRequest, tensors: dict[str, torch.Tensor], noise: torch.Tensor
+    ) -> KontextInputs:
+        """Flux's, and the reference's packed latents: the edit's own, else the template's."""
+        flux = super().inputs(request, tensors, noise)
+        own = tensors.get("reference_latents")
+        reference = (
+            flux.image_latents if own is None else self._pack(own.to(self.device, self.dtype))
+        )
+        return KontextInputs(**vars(flux), reference=reference)
 
     def tokens(self, hard: torch.Tensor, *, every: bool) -> dict[tuple[int, int], TokenSet]:
         """The edited latents' token grid with the reference's stacked below it: 2×2-packed
@@ -84,8 +115,8 @@ class FluxKontext(FluxInpaint):
         return conditioning
 
     def transformer_input(self, state: RequestState) -> torch.Tensor:
-        """[latents ; reference latents]: the reference is the template's packed latents."""
-        return torch.cat((state.latents, state.inputs.image_latents), dim=1)
+        """[latents ; reference latents]."""
+        return torch.cat((state.latents, state.inputs.reference), dim=1)
 
     def forward(self, states: list[RequestState], ctx: ForwardContext) -> list[torch.Tensor]:
         """Flux's batched call; each request's prediction of its edited tokens only."""
@@ -110,7 +141,16 @@ class FluxKontext(FluxInpaint):
             "image": [r.image for r in requests],
             "max_area": size[0] * size[1],  # its own size: no resize warning
             **self.stock_noise(requests, composed, [own for _, own in noises]),
+            **self.stock_reference(requests),
         }
+
+    @staticmethod
+    def stock_reference(requests: list[EditRequest]) -> dict[str, Any]:
+        """``image_reference`` where a request brings its own (the others' is their
+        template, which the pipeline also reads when given none)."""
+        if all(r.reference is None for r in requests):
+            return {}
+        return {"image_reference": [r.reference or r.image for r in requests]}
 
 
 def kontext_flops(

@@ -313,9 +313,12 @@ class MaskAwareEditor:
         With a ``reader`` the template's cached per-template tensors are used (and the
         encoded noise is checked against its noise). ``reader=None`` (template not baked
         yet): every token is computed and no row is read, so :meth:`step` gives the stock
-        pipeline's result while it batches with mask-aware requests.
+        pipeline's result while it batches with mask-aware requests. A request with its own
+        reference image reads nothing either: the bake's reference tokens are the template's.
         """
         self._require_denoiser()
+        if request.reference is not None:
+            reader = None
         if (encoded.family, encoded.height, encoded.width) != (
             self.family,
             request.height,

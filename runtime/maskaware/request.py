@@ -12,7 +12,8 @@ from PIL import Image
 from retouch.runtime.maskaware.store import ActivationReader, ActivationWriter
 from retouch.runtime.maskaware.tokens import TokenSet, dilate, pool_mask
 
-ARRAY_FIELDS = ("image", "mask")  # cross a process boundary as arrays, the rest as plain data
+# cross a process boundary as arrays (``reference`` when there is one), the rest as plain data
+ARRAY_FIELDS = ("image", "mask", "reference")
 ARRAY_MODES = ("RGB", "RGBA", "L")  # image modes whose uint8 array rebuilds the same image
 
 
@@ -24,7 +25,9 @@ class EditRequest:
     ``seed`` drives only the masked region. ``negative_prompt``: the classifier-free
     guidance families' unconditional prompt. ``strength`` < 1 starts from the image noised
     part-way down the schedule and runs only the rest of it (diffusers' ``strength``); a
-    bake for it follows that shorter trajectory.
+    bake for it follows that shorter trajectory. ``reference``: the families that read a
+    reference image (FLUX.1 Kontext) read this one, of the image's size, instead of the
+    template; such an edit computes every token.
     """
 
     image: Image.Image
@@ -39,6 +42,7 @@ class EditRequest:
     halo: int = 0  # latent pixels around the mask computed fresh too (conv families)
     negative_prompt: str = ""
     strength: float = 1.0
+    reference: Image.Image | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.strength <= 1.0:
@@ -51,6 +55,8 @@ class EditRequest:
             raise ValueError(
                 f"mask is {self.mask.shape}, image is {(self.image.height, self.image.width)}"
             )
+        if self.reference is not None and self.reference.size != self.image.size:
+            raise ValueError(f"reference is {self.reference.size}, image is {self.image.size}")
 
     @property
     def mask_ratio(self) -> float:
@@ -81,14 +87,20 @@ class EditRequest:
 
     def wire_arrays(self) -> dict[str, np.ndarray]:
         """The image (an image mode without a faithful array goes as RGB) and the mask."""
-        image = self.image if self.image.mode in ARRAY_MODES else self.image.convert("RGB")
-        return {"image": np.asarray(image), "mask": np.asarray(self.mask, dtype=bool)}
+        out = {"image": _array(self.image), "mask": np.asarray(self.mask, dtype=bool)}
+        if self.reference is not None:
+            out["reference"] = _array(self.reference)
+        return out
 
     @classmethod
     def from_wire(cls, meta: dict[str, Any], arrays: dict[str, Any]) -> EditRequest:
         """The request :meth:`wire_meta` and :meth:`wire_arrays` describe."""
         image = Image.fromarray(np.asarray(arrays["image"]))
-        return cls(image=image, mask=np.asarray(arrays["mask"], dtype=bool), **meta)
+        reference = arrays.get("reference")
+        if reference is not None:
+            reference = Image.fromarray(np.asarray(reference))
+        mask = np.asarray(arrays["mask"], dtype=bool)
+        return cls(image=image, mask=mask, reference=reference, **meta)
 
 
 class ImageSize(Protocol):
@@ -210,6 +222,11 @@ def batch_timesteps(
     on ``device``, built on the host: one copy however many requests step together."""
     values = np.repeat(np.array([s.timestep_value for s in states], dtype=np.float32), repeat)
     return torch.from_numpy(values).to(device)
+
+
+def _array(image: Image.Image) -> np.ndarray:
+    """An image as an array that rebuilds it (a mode without one goes as RGB)."""
+    return np.asarray(image if image.mode in ARRAY_MODES else image.convert("RGB"))
 
 
 def _plain(value: Any) -> Any:

@@ -226,7 +226,8 @@ def test_deploy_and_invoke_a_flux_kontext_folder(
     deploys as flux-kontext, its first edit runs before or after the bake, and once baked
     its edits are mask-aware, sent as msgpack (the client) and as JSON (base64, as curl
     sends it) alike; a negative prompt, for which the guidance-distilled model has no
-    branch, is a 400 naming the field."""
+    branch, is a 400 naming the field. An edit with its own ``image_reference`` computes
+    every token; one that is not an image is a 400 naming the field."""
     folder = ensure_demo_model("retouch:tiny-flux-kontext", models_dir)
     spec, images = read_spec_file(examples / "tiny-flux-kontext.toml")
     spec = dataclasses.replace(spec, name="kontext", model=str(folder), steps=2)
@@ -253,6 +254,17 @@ def test_deploy_and_invoke_a_flux_kontext_folder(
     refused = httpx.post(url, json={**body, "negative_prompt": "blurry"}, headers=headers)
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["field"] == "negative_prompt"
+
+    # another reference image (any size: read at the template's): every token computed
+    shirt = base64.b64encode(images["shirt"]).decode()
+    answer = httpx.post(url, json={**body, "image_reference": shirt}, headers=headers)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["path"] == "stock" and "reference" in answer.json()["path_reason"]
+    assert base64.b64decode(answer.json()["image"]) != edit.image
+    not_an_image = base64.b64encode(b"not an image").decode()
+    refused = httpx.post(url, json={**body, "image_reference": not_an_image}, headers=headers)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["field"] == "image_reference"
 
 
 @pytest.mark.parametrize(

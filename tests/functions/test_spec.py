@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from retouch.functions import wire
 from retouch.functions.demo.shapes import WORDS
 from retouch.functions.errors import BadRequest, InvalidSpec
+from retouch.functions.families import check_reference
 from retouch.functions.spec import STORAGES, FunctionSpec, load_spec_file, parse_spec
 from retouch.platform.httpapi import parse_json
 from retouch.runtime.maskaware.rowformat import RowFormat
@@ -350,3 +351,13 @@ def test_flux_fill_defaults_are_fills_own() -> None:
     doc = {"name": "f", "model": "m", "family": "flux-fill", "resolution": 128}
     spec = parse_spec({**doc, "templates": {"t": {}}})
     assert (spec.steps, spec.guidance, spec.scheduler) == (50, 30.0, "flow-euler")
+
+
+def test_only_a_family_that_reads_a_reference_image_takes_one() -> None:
+    """``image_reference`` is FLUX.1 Kontext's: another family's function refuses it with a
+    400 naming the field (the gateway checks before anything is decoded)."""
+    check_reference("flux-kontext")
+    for family in ("flux-inpaint", "flux-fill", "sd-inpaint"):
+        with pytest.raises(BadRequest) as refused:
+            check_reference(family)
+        assert (refused.value.field, refused.value.code) == ("image_reference", "unsupported_field")

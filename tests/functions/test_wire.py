@@ -75,10 +75,12 @@ def test_invoke_request_takes_diffusers_names_and_json_images() -> None:
             "guidance": 3,
             "strength": 0.6,
             "padding_mask_crop": 32,
+            "image_reference": b64,
         }
     )
     assert (req.mask, req.steps, req.guidance, req.strength) == (png, 7, 3.0, 0.6)
     assert (req.negative_prompt, req.padding_mask_crop) == ("blurry", 32)
+    assert req.image_reference == png and req.echo()["image_reference"] == f"<{len(png)} bytes>"
     assert 0 <= req.seed < 2**63  # no seed: a random one, recorded with the request
     again = wire.InvokeRequest.from_wire(req.to_wire())
     assert again == req

@@ -13,6 +13,7 @@ gives.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from retouch.functions.adapters import AdapterSpec
+from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import InvalidSpec
 from retouch.functions.modelcheck import check_model, model_family
@@ -89,6 +91,24 @@ def test_the_reference_tokens_follow_the_edited_ones_and_come_from_the_bake(pipe
         for step, block, name, _, shape in recorded_tensors(editor, SIZE, SIZE, STEPS)
     }
     assert layout[0, first, "k"] == tuple(baked.get(0, first, "k").shape)
+
+
+def test_an_edit_with_its_own_reference_is_the_stock_pipelines_with_that_reference(
+    pipe, baked
+) -> None:
+    """Another reference image than the template: every token computed (nothing read from
+    the bake, whose reference tokens are the template's), and the edit is the stock
+    pipeline's given that ``image_reference``; the reference reaches the model."""
+    editor = MaskAwareEditor(pipe, FAMILY, CPU)
+    request = _request(_rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3))
+    request = dataclasses.replace(request, reference=template_image((SIZE, SIZE), 3))
+    state = editor.prepare(request, baked)
+    (tokens,) = state.tokens.values()
+    assert state.reader is None and tokens.count == tokens.n_tokens == 2 * TOKENS
+    ours, stock = editor.edit(request, baked, "np"), editor.stock_edit(request, "np")
+    assert np.abs(ours - stock).max() <= 1e-5
+    own_template = editor.stock_edit(dataclasses.replace(request, reference=None), "np")
+    assert np.abs(ours - own_template).max() > 1e-3
 
 
 def test_mixed_plans_and_the_row_loader_change_nothing(pipe) -> None:

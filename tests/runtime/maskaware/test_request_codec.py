@@ -8,7 +8,7 @@ import numpy as np
 from PIL import Image
 
 from retouch.functions import wire
-from retouch.runtime.maskaware.request import EditRequest
+from retouch.runtime.maskaware.request import ARRAY_FIELDS, EditRequest
 
 
 def _request(**overrides: object) -> EditRequest:
@@ -35,15 +35,23 @@ def test_every_field_survives_the_round_trip_full_steps_included() -> None:
     back = EditRequest.from_wire(meta, request.wire_arrays())
     assert back.full_steps == 2
     for f in fields(EditRequest):
-        if f.name not in ("image", "mask"):
+        if f.name not in ARRAY_FIELDS:
             assert getattr(back, f.name) == getattr(request, f.name), f.name
     assert np.array_equal(np.asarray(back.image), np.asarray(request.image))
     assert np.array_equal(back.mask, request.mask)
+    assert back.reference is None
+
+
+def test_a_reference_image_crosses_as_an_array() -> None:
+    reference = Image.fromarray(np.full((4, 4, 3), 9, dtype=np.uint8))
+    request = _request(reference=reference)
+    back = EditRequest.from_wire(request.wire_meta(), request.wire_arrays())
+    assert np.array_equal(np.asarray(back.reference), np.asarray(reference))
 
 
 def test_meta_is_plain_data_and_names_every_scalar_field() -> None:
     meta = _request().wire_meta()
-    assert set(meta) == {f.name for f in fields(EditRequest)} - {"image", "mask"}
+    assert set(meta) == {f.name for f in fields(EditRequest)} - set(ARRAY_FIELDS)
     assert type(meta["seed"]) is int  # numpy scalars become Python ones
 
 
