@@ -51,7 +51,7 @@ from retouch.platform.jobs import JobStore, OnProgress, OnStart
 from retouch.platform.journal import JobJournal
 from retouch.platform.links import LinkSigner
 from retouch.platform.metrics import GatewayMetrics
-from retouch.platform.reframe import Frame, Size, resize_mask
+from retouch.platform.reframe import Frame, Size, resize_mask, resize_pixels
 from retouch.platform.retention import RetentionLimits, payload_bytes
 from retouch.platform.sharedjournal import SharedJobJournal
 from retouch.runtime.prediction import MaskFootprint
@@ -251,20 +251,23 @@ class FrontDoor:
         negative = req.negative_prompt or ""
         steps_run = check_edit(spec.family, steps, req.strength, negative)
         scheduler = spec.request_scheduler(req.scheduler)
-        reference = None
+        declared_reference = None
         if req.image_reference is not None:
             check_reference(spec.family)
-            reference = self.images.declare(req.image_reference, "image_reference")
+            declared_reference = self.images.declare(req.image_reference, "image_reference")
         size = upload.size if upload is not None else self._input_size(fn, req)
         hold = _larger(size, self.images.declare(req.mask, "mask"))
-        async with self.images.holding(max(hold, reference.pixels if reference else 0)):
+        if declared_reference is not None:
+            hold = max(hold, declared_reference.pixels)
+        reference = None
+        async with self.images.holding(hold):
             if req.image is not None:
                 upload = upload or await self.upload(fn, req.image)
             mask = await self.decode_mask(req.mask, size)
-            if reference is not None:
+            if declared_reference is not None:
                 edited = (spec.width, spec.height)
                 pixels = await self.images.decode(
-                    reference, _decode_reference, req.image_reference, edited
+                    declared_reference, _decode_reference, req.image_reference, edited
                 )
                 reference = wire.RawArray.of(pixels)
             canvas_size = (spec.width, spec.height)
@@ -304,8 +307,6 @@ class FrontDoor:
         variant = canvas.template  # other settings run stock: no variant is baked
         if steps == spec.steps and inv.guidance == spec.guidance:  # the executor's covers
             variant = spec.template_variant(canvas.template, req.strength, scheduler)
-        if reference is not None:  # every token computed: placed as a template none holds
-            variant = f"{canvas.template}#image_reference"
         placement = PlacementRequest(
             spec.name,
             variant,
@@ -317,6 +318,7 @@ class FrontDoor:
             copy=spec.source.key,
             adapter_set=spec.adapter_set,
             adapter_bytes=fn.adapter_bytes,
+            full=reference is not None,  # its own reference: every token, no row read
         )
         return PreparedInvocation(inv, placement, frame=canvas.frame)
 
@@ -458,10 +460,7 @@ def _decode_reference(data: bytes, size: Size) -> np.ndarray:
     """A reference image as RGB8 at ``size`` (the edited image's, which the pipeline reads
     it at): decoded at the size it was sent (``undecodable_image`` otherwise), resized when
     other."""
-    pixels = uploads.decode_upload(data, "image_reference").pixels
-    if (pixels.shape[1], pixels.shape[0]) == size:
-        return pixels
-    return np.asarray(Image.fromarray(pixels).resize(size, Image.Resampling.LANCZOS))
+    return resize_pixels(uploads.decode_upload(data, "image_reference").pixels, size)
 
 
 def _decode_mask(data: bytes, size: Size) -> np.ndarray:

@@ -171,7 +171,7 @@ class MaskAware:
         self._rng = random.Random(self.seed)
 
     def choose(self, candidates: Sequence[Candidate], request: PlacementRequest) -> Candidate:
-        if request.template:
+        if request.template and not request.full:
             self._demand.add((request.function, request.template))
         scored = []
         for c in self._shortlist(candidates, request):
@@ -206,10 +206,11 @@ class MaskAware:
         split the templates instead of each pulling every template in. Measured: at
         random, a Zipf mix of 12 templates spread over both executors and maskaware hit
         the host tier less than least-requests; by hash alone, one executor's share could
-        hold more popular templates than its tier. An upload has no template: at random."""
+        hold more popular templates than its tier. An upload has no template, and an edit
+        that reads no row needs none of it: at random."""
         if len(near) == 1:
             return near[0]
-        if not request.template:
+        if not request.template or request.full:
             return self._rng.choice(near)
         template = (request.function, request.template)
         held = [item for item in near if item[2].view.tier(*template) is Residency.DEVICE]

@@ -261,11 +261,11 @@ class RayProvider:
         return self.threads or 1
 
     def _strategy(self, name: str, resource: str) -> Any:
-        """Where the executor ``name`` goes: a node offering ``resource`` where no other
-        executor of this provider runs or starts, else the one of the nodes an executor
-        did not just die on that holds the fewest of them (soft: Ray places it elsewhere if
-        that node fills meanwhile), else Ray's ``SPREAD``. A node lost a moment ago still
-        looks alive to Ray, and ``SPREAD`` would place half the replacements there."""
+        """Where the executor ``name`` goes: of the nodes offering ``resource`` that no
+        executor just died on, the one holding the fewest of this provider's others (soft:
+        Ray places it elsewhere if that node fills meanwhile), else Ray's ``SPREAD``. A node
+        lost a moment ago still looks alive to Ray, and ``SPREAD`` would place half the
+        replacements there."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         ray = self._ray()

@@ -78,6 +78,9 @@ class PlacementRequest:
     footprint: MaskFootprint | None = None
     slo_s: float | None = None  # its function's latency objective
     optimistic: bool = False  # predict it as if its template were in host memory
+    # It computes every token and reads no row (an edit with its own reference image): its
+    # template's residency neither speeds it nor changes by it.
+    full: bool = False
     copy: str = ""  # the loaded copy it runs on (ModelSource.key), whose cost model applies
     adapter_set: str = ""  # its function's adapter set (FunctionSpec.adapter_set; "": none)
     adapter_bytes: int = 0  # the set's files (0: not known), for a load's cost
@@ -216,13 +219,9 @@ class ExecutorView:
         coster = self.costers.get(newcomer.cost_key)
         if coster is None or newcomer.footprint is None:
             return None
-        tier = (
-            Residency.HOST
-            if newcomer.optimistic
-            else self.tier(newcomer.function, newcomer.template)
-        )
+        tier = Residency.HOST if newcomer.optimistic else self.template_tier(newcomer)
         adapter_s = self.adapter_load_s(newcomer) if adapters else 0.0
-        if tier not in BAKED:  # not baked here: every token
+        if tier not in BAKED:  # not baked here (or not read): every token
             return Member(coster, newcomer.steps, coster.full_masks(), adapter_s)
         # Its join waits for what its encode did not hide of the loads it needs: its
         # template from disk and its adapter set, fetched side by side.
@@ -237,9 +236,7 @@ class ExecutorView:
         host memory, or not baked here, which is a bake rather than a load) and its adapter
         set when the device lacks it, side by side."""
         template_s = (
-            self.overheads.disk_load_s
-            if self.tier(newcomer.function, newcomer.template) is Residency.DISK
-            else 0.0
+            self.overheads.disk_load_s if self.template_tier(newcomer) is Residency.DISK else 0.0
         )
         return max(template_s, self.adapter_load_s(newcomer))
 
@@ -308,7 +305,9 @@ class ExecutorView:
         a template on disk into its host tier on arrival, and queues the bake of one it
         lacks. Learning this only from results let every arrival of a popular template
         during the first one's edit look elsewhere (16 simulated executors holding 3 of 48
-        templates each: host hit rate 0.13)."""
+        templates each: host hit rate 0.13). An edit that reads no row moves nothing."""
+        if newcomer.full:
+            return
         key = (newcomer.function, newcomer.template)
         tier = self.residency.get(key, Residency.ABSENT)
         if tier is Residency.DEVICE:
@@ -369,7 +368,10 @@ class ExecutorView:
 
     def _touch(self, newcomer: PlacementRequest, result: wire.InvokeResult) -> None:
         """An edit read its template: now host-resident (most recent); an edit that ran the
-        full path leaves it baking. The host tier's LRU is mirrored to know evictions."""
+        full path leaves it baking. The host tier's LRU is mirrored to know evictions. An
+        edit that reads no row (``full``) tells nothing of it."""
+        if newcomer.full:
+            return
         key = (newcomer.function, newcomer.template)
         if result.path is wire.InvokePath.STOCK:
             self.residency[key] = Residency.BAKING
@@ -392,6 +394,12 @@ class ExecutorView:
 
     def tier(self, function: str, template: str) -> Residency:
         return self.residency.get((function, template), Residency.ABSENT)
+
+    def template_tier(self, newcomer: PlacementRequest) -> Residency:
+        """Where the newcomer's rows rest here; ``ABSENT`` for one that reads none."""
+        if newcomer.full:
+            return Residency.ABSENT
+        return self.tier(newcomer.function, newcomer.template)
 
     def host_victim(self) -> tuple[str, str] | None:
         """The template a load into the host tier would evict (its least recently used),
@@ -533,7 +541,7 @@ class ExecutorView:
         (the engine time of a full-path run) when it is not baked here; and with
         ``adapters`` what its adapter set adds: its load where the device lacks it, the
         swaps where other sets run."""
-        tier = self.tier(newcomer.function, newcomer.template)
+        tier = self.template_tier(newcomer)
         template_s = self.overheads.disk_load_s if tier is Residency.DISK else 0.0
         cost = template_s or self.bake_cost_s(newcomer)
         if adapters:
@@ -542,9 +550,9 @@ class ExecutorView:
 
     def bake_cost_s(self, newcomer: PlacementRequest) -> float:
         """The engine time a bake of the template here would take (0 where it is baked):
-        the part of the residency cost a prediction leaves out (it counts a disk load)."""
-        tier = self.tier(newcomer.function, newcomer.template)
-        if tier in BAKED:
+        the part of the residency cost a prediction leaves out (it counts a disk load). An
+        edit that reads no row queues no bake."""
+        if newcomer.full or self.tier(newcomer.function, newcomer.template) in BAKED:
             return 0.0
         coster = self.costers.get(newcomer.cost_key)
         if coster is None:

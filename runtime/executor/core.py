@@ -631,35 +631,19 @@ class ExecutorCore:
         if inv.image_reference is None:
             return None
         check_reference(spec.family)
-        pixels = inv.image_reference.to_numpy()
-        if pixels.dtype != "uint8" or pixels.shape != (size[1], size[0], 3):
-            raise BadRequest(
-                f"image_reference must be RGB8 of {size[0]}x{size[1]}, got "
-                f"{inv.image_reference.dtype} {list(pixels.shape)}",
-                field="image_reference",
-                code="image_size_mismatch",
-            )
-        return Image.fromarray(np.ascontiguousarray(pixels), "RGB")
+        return _rgb8(inv.image_reference, size, "image_reference")
 
     def _upload(self, entry: FunctionEntry, inv: wire.ExecutorInvoke) -> Template:
         """The ad-hoc template of an uploaded image (the gateway decoded and checked it)."""
         spec = entry.spec
         assert inv.image is not None
-        pixels = inv.image.to_numpy()
-        if pixels.dtype != "uint8" or pixels.shape != (spec.height, spec.width, 3):
-            raise BadRequest(
-                f"image must be RGB8 of {spec.width}x{spec.height}, got {inv.image.dtype} "
-                f"{list(pixels.shape)}",
-                field="image",
-                code="image_size_mismatch",
-            )
+        image = _rgb8(inv.image, (spec.width, spec.height), "image")
         if spec.uploads.max_images == 0:
             raise BadRequest(
                 f"function {spec.name!r} does not accept uploaded images",
                 field="image",
                 code="uploads_disabled",
             )
-        image = Image.fromarray(np.ascontiguousarray(pixels), "RGB")
         return self.templates.upload(
             spec, inv.template, image, entry.fingerprint, entry.scheduler_config
         )
@@ -874,3 +858,16 @@ def device_memory(device: torch.device) -> wire.DeviceMemory:
         allocated=torch.cuda.memory_allocated(device),
         reserved=torch.cuda.memory_reserved(device),
     )
+
+
+def _rgb8(array: wire.RawArray, size: tuple[int, int], field: str) -> Image.Image:
+    """An image the gateway decoded (RGB8 ``[H, W, 3]``) of ``size``, else a 400 naming
+    ``field``."""
+    pixels = array.to_numpy()
+    if pixels.dtype != "uint8" or pixels.shape != (size[1], size[0], 3):
+        raise BadRequest(
+            f"{field} must be RGB8 of {size[0]}x{size[1]}, got {array.dtype} {list(pixels.shape)}",
+            field=field,
+            code="image_size_mismatch",
+        )
+    return Image.fromarray(np.ascontiguousarray(pixels), "RGB")

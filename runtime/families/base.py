@@ -214,9 +214,16 @@ class FamilyModel:
         """One request's stock-call inputs: its composed initial noise, its ``image`` and
         its ``masked_image_latents``. By default the template's latents stand for both (the
         pipelines that blend the unmasked latents back then skip their VAE encodes)."""
-        noise = template_noise.compose(request_noise, self.latent_mask(request)[0, 0] > 0.5)
+        noise = self.composed_noise(request, template_noise, request_noise)
         latents = self.image_latents(request.image, template_noise.vae)
-        return noise.latents, latents, latents
+        return noise, latents, latents
+
+    def composed_noise(
+        self, request: EditRequest, template_noise: SeedNoise, request_noise: SeedNoise
+    ) -> torch.Tensor:
+        """``[1, C, h, w]``: the template's initial noise outside the mask, the request's
+        inside (what :meth:`encode` gives the engine)."""
+        return template_noise.compose(request_noise, self.latent_mask(request)[0, 0] > 0.5).latents
 
     def stock(
         self,

@@ -142,10 +142,7 @@ class FluxFill(FluxInpaint):
         if requests[0].strength < 1.0:
             raise ValueError("the Fill stock reference runs at strength 1 only")
         pairs = list(zip(requests, noises, strict=True))
-        latents = [
-            self._pack(t.compose(own, self.latent_mask(r)[0, 0] > 0.5).latents)
-            for r, (t, own) in pairs
-        ]
+        latents = [self._pack(self.composed_noise(r, t, own)) for r, (t, own) in pairs]
         return {
             "image": [r.image for r in requests],
             "latents": torch.cat(latents).to(self.device, self.dtype),

@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 from diffusers import FluxKontextInpaintPipeline
-from diffusers.pipelines.flux.pipeline_flux_kontext_inpaint import retrieve_latents
 from PIL import Image
 
 from retouch.runtime.families.base import Encoding
@@ -71,9 +70,7 @@ class FluxKontext(FluxInpaint):
         (the posterior's mode, shifted and scaled); ``vae_noise`` is not drawn."""
         pipe = self.pipe
         init = pipe.image_processor.preprocess(image, height=image.height, width=image.width)
-        encoded = pipe.vae.encode(init.to(self.device, self.dtype))
-        latents = retrieve_latents(encoded, sample_mode="argmax")
-        return (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+        return pipe._encode_vae_image(init.to(self.device, self.dtype), generator=None)
 
     def encode_image(self, job: Encoding) -> dict[str, torch.Tensor]:
         """The template's latents; with the edit's own reference image, its latents too
@@ -132,10 +129,8 @@ class FluxKontext(FluxInpaint):
     ) -> dict[str, Any]:
         """The template images (the pipeline encodes them itself, to the latents above:
         it takes no latents for ``image``) and each request's composed initial noise."""
-        pairs = list(zip(requests, noises, strict=True))
-        composed = [
-            t.compose(own, self.latent_mask(r)[0, 0] > 0.5).latents for r, (t, own) in pairs
-        ]
+        pairs = zip(requests, noises, strict=True)
+        composed = [self.composed_noise(r, t, own) for r, (t, own) in pairs]
         size = requests[0].image.size
         return {
             "image": [r.image for r in requests],
@@ -150,7 +145,9 @@ class FluxKontext(FluxInpaint):
         template, which the pipeline also reads when given none)."""
         if all(r.reference is None for r in requests):
             return {}
-        return {"image_reference": [r.reference or r.image for r in requests]}
+        return {
+            "image_reference": [r.image if r.reference is None else r.reference for r in requests]
+        }
 
 
 def kontext_flops(

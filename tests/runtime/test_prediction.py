@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import numpy as np
@@ -290,6 +291,24 @@ def test_view_follows_place_progress_finish_and_learns_drift() -> None:
     assert again is not None
     view.finish(2, 200.0 + 2 * again.predicted.finish_s, result)
     assert view.calibration.scale(0) > 1.0  # learnt: its drift with nothing else placed
+
+
+def test_an_edit_that_reads_no_row_is_predicted_in_full_and_moves_no_template() -> None:
+    """An edit with its own reference image computes every token: on an executor holding
+    its template in host memory it is predicted as where the template is not baked, costs
+    no load or bake there, and neither its placement nor its result changes the mirror."""
+    cluster = ClusterView()
+    view = view_with(cluster, "a")
+    unbaked = view.predict(request(0.2, template="other"))
+    own = dataclasses.replace(request(0.2), full=True)
+    assert view.predict(own).finish_s == pytest.approx(unbaked.finish_s)
+    assert view.predict(own).finish_s > view.predict(request(0.2)).finish_s
+    assert view.residency_cost_s(own) == view.load_s(own) == 0.0
+    placed = view.place(1, own, now=100.0)
+    assert placed is not None and view.tier("fn", "t") is Residency.HOST
+    result = wire.InvokeResult(b"", "png", 1, 1, 0.2, "a", wire.InvokePath.STOCK)
+    view.finish(1, 100.0 + placed.predicted.finish_s, result)
+    assert view.tier("fn", "t") is Residency.HOST  # a stock result would mark it baking
 
 
 def test_pre_and_post_times_are_learnt_pool_wide() -> None:
