@@ -185,6 +185,17 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             image_reference=True,
         ),
         FamilySpec(
+            "flux2-klein",
+            "Flux2KleinInpaintPipeline",
+            FLOW,
+            4,  # the distilled checkpoints' few steps
+            1.0,  # distilled: no guidance (the pipeline reads none)
+            cuda_dtype="bf16",
+            negative_prompt=False,
+            lora_modules=("transformer",),  # Flux2LoraLoaderMixin adapts the transformer only
+            single_file=FLUX_TRANSFORMER_FILE,  # BFL's files name its projections as Flux's
+        ),
+        FamilySpec(
             "sdxl-inpaint",
             "StableDiffusionXLInpaintPipeline",
             ("euler", "ddim", "euler-a", "dpm++", "pndm"),  # SDXL ships Euler

@@ -28,10 +28,13 @@ from typing import Any
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
     DDIMScheduler,
     DiffusionPipeline,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinInpaintPipeline,
+    Flux2Transformer2DModel,
     FluxFillPipeline,
     FluxInpaintPipeline,
     FluxKontextInpaintPipeline,
@@ -46,11 +49,13 @@ from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     T5Config,
     T5EncoderModel,
 )
 
-from retouch.functions.demo.tokenizer import save_tokenizer
+from retouch.functions.demo.tokenizer import qwen_tokenizer, save_tokenizer
 from retouch.functions.models import BUILTIN_MODELS
 
 log = logging.getLogger(__name__)
@@ -58,6 +63,9 @@ log = logging.getLogger(__name__)
 PREFIX = "retouch:"
 BUILD_SEED = 20261121
 TEXT_LEN = 16  # prompt tokens: the hand-written character tokenizer needs few
+# FLUX.2 [klein]'s prompts: its chat template costs about 20 byte tokens of them
+KLEIN_TEXT_LEN = 64
+KLEIN_LATENT_CHANNELS = 32  # FLUX.2's VAE (128 channels once patchified 2x2)
 
 
 @dataclass(frozen=True)
@@ -113,9 +121,14 @@ def _t5(hidden: int) -> T5EncoderModel:
     )
 
 
-def _vae(channels: tuple[int, ...], latent_channels: int, **extra: float) -> AutoencoderKL:
+def _vae(
+    channels: tuple[int, ...],
+    latent_channels: int,
+    kind: type[AutoencoderKL | AutoencoderKLFlux2] = AutoencoderKL,
+    **extra: float,
+) -> AutoencoderKL | AutoencoderKLFlux2:
     n = len(channels)
-    return AutoencoderKL(
+    return kind(
         in_channels=3,
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * n,
@@ -229,6 +242,57 @@ def _build_flux(
             transformer=transformer,
         ),
     )
+
+
+def _build_flux2_klein(folder: Path, size: dict[str, Any]) -> None:
+    """FLUX.2 [klein] (distilled) in Flux2KleinInpaintPipeline: a Flux2 DiT over 2x2-
+    patchified, BatchNorm-normalised latents of FLUX.2's VAE, reading a Qwen3 text
+    encoder's layers 9, 18 and 27 side by side (28 layers keep them intermediate). The
+    VAE's BatchNorm statistics are set away from (0, 1), so that a missing normalisation
+    shows. ``size``: a Flux size (:data:`TINY_KLEIN`)."""
+    head_dim, text_hidden, vae_channels = (
+        size["head_dim"],
+        size["text_hidden"],
+        size["vae_channels"],
+    )
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=4 * KLEIN_LATENT_CHANNELS,
+        num_layers=size["layers"],
+        num_single_layers=size["single_layers"],
+        attention_head_dim=head_dim,
+        num_attention_heads=size["hidden_heads"],
+        joint_attention_dim=3 * text_hidden,
+        axes_dims_rope=(head_dim // 4,) * 4,  # T, H, W, L
+        guidance_embeds=False,  # distilled: neither an embedding nor CFG halves
+    )
+    vae = _vae(vae_channels, KLEIN_LATENT_CHANNELS, kind=AutoencoderKLFlux2)
+    vae.bn.running_mean.normal_(0.0, 0.2)
+    vae.bn.running_var.uniform_(0.5, 2.0)
+    tokenizer = qwen_tokenizer(KLEIN_TEXT_LEN)
+    text_encoder = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=text_hidden,
+            intermediate_size=2 * text_hidden,
+            num_hidden_layers=28,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=text_hidden // 2,
+            max_position_embeddings=2 * KLEIN_TEXT_LEN,
+            tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+    Flux2KleinInpaintPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        is_distilled=True,
+    ).save_pretrained(folder, safe_serialization=True)
 
 
 def _build_sd3(
@@ -376,6 +440,10 @@ SMALL_FLUX: dict[str, Any] = {  # factor-4 VAE: 128x128 latents = 64x64 = 4096 t
     "vae_channels": (16, 32, 32),
     "text_hidden": 64,
 }
+# FLUX.2 [klein]'s sizes: Flux's, its text encoder three layers wide (factor-4 VAE, 2x2
+# patches: 8 px tokens, at 512 px 4096 edited tokens and as many of the template's).
+TINY_KLEIN: dict[str, Any] = {**TINY_FLUX, "text_hidden": 16}
+SMALL_KLEIN: dict[str, Any] = {**SMALL_FLUX, "text_hidden": 64}
 
 DEMO_MODELS: dict[str, DemoModel] = {
     m.name: m
@@ -438,6 +506,8 @@ DEMO_MODELS: dict[str, DemoModel] = {
         DemoModel("small-flux-fill", lambda f: _build_flux(f, **SMALL_FLUX, fill=True)),
         DemoModel("tiny-flux-kontext", lambda f: _build_flux(f, **TINY_FLUX, kontext=True)),
         DemoModel("small-flux-kontext", lambda f: _build_flux(f, **SMALL_FLUX, kontext=True)),
+        DemoModel("tiny-flux2-klein", lambda f: _build_flux2_klein(f, TINY_KLEIN)),
+        DemoModel("small-flux2-klein", lambda f: _build_flux2_klein(f, SMALL_KLEIN)),
         DemoModel("tiny-sdxl", lambda f: _build_sdxl(f, TINY_SDXL, resolution=128)),
         DemoModel("small-sdxl", lambda f: _build_sdxl(f, SMALL_SDXL, resolution=512)),
         DemoModel(

@@ -3,7 +3,8 @@
 Nothing can be downloaded, so the demo models get a character-level CLIP BPE vocabulary
 written here (no merges): every word becomes its characters, the last one marked ``</w>``.
 It is a real ``CLIPTokenizer`` saved with ``save_pretrained``, so the pipelines load it
-exactly as they load a downloaded tokenizer.
+exactly as they load a downloaded tokenizer. FLUX.2 [klein]'s Qwen3 text encoder gets a
+byte-level ``Qwen2Tokenizer`` the same way (:func:`qwen_tokenizer`).
 
 A trained model may also name whole ``words``: BPE merges are added so each of those words
 becomes one token (a small text encoder then learns words instead of spelling), while any
@@ -17,7 +18,8 @@ import json
 import string
 from pathlib import Path
 
-from transformers import CLIPTokenizer
+from transformers import CLIPTokenizer, Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 SPECIALS = ("<|startoftext|>", "<|endoftext|>")
 CHARS = string.ascii_lowercase + string.digits + string.punctuation
@@ -87,3 +89,27 @@ def save_tokenizer(folder: Path, max_length: int, words: tuple[str, ...] = ()) -
     )
     tokenizer.save_pretrained(folder)
     return tokenizer
+
+
+# Qwen's chat markers and thinking tags: the specials FLUX.2 [klein]'s prompt template uses.
+QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
+# Qwen's chat layout, without its thinking branch (``enable_thinking`` is then ignored).
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen_tokenizer(max_length: int) -> Qwen2Tokenizer:
+    """A byte-level Qwen2 BPE built in memory (no merges: one token per byte), with Qwen's
+    chat specials and a chat template, which ``Flux2KleinInpaintPipeline`` applies to every
+    prompt; ``save_pretrained`` writes the ``tokenizer.json`` a downloaded one has."""
+    vocab = {symbol: i for i, symbol in enumerate(bytes_to_unicode().values())}
+    vocab["<|endoftext|>"] = len(vocab)  # Qwen2Tokenizer's default unk, eos and pad
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        extra_special_tokens=list(QWEN_SPECIALS),
+        model_max_length=max_length,
+        chat_template=QWEN_CHAT_TEMPLATE,
+    )

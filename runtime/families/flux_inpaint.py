@@ -48,9 +48,9 @@ class FluxConditioning:
     """What every Flux pipeline hands its transformer besides the image tokens."""
 
     prompt_embeds: torch.Tensor  # [1, L, D]
-    pooled: torch.Tensor  # [1, P]
-    text_ids: torch.Tensor  # [L, 3]
-    image_ids: torch.Tensor  # [N, 3]
+    pooled: torch.Tensor | None  # [1, P] (FLUX.2 reads no pooled text: None)
+    text_ids: torch.Tensor  # [L, 3] (FLUX.2: [L, 4])
+    image_ids: torch.Tensor  # [N, 3] (FLUX.2: [N, 4])
     guidance: torch.Tensor | None  # [1] (guidance-distilled models) or None
 
 
@@ -95,16 +95,20 @@ class FluxInpaint(FamilyModel):
         steps, factor = request.steps, self.pipe.vae_scale_factor
         sigmas = np.linspace(1.0, 1 / steps, steps)
         seq_len = (request.image.height // factor // 2) * (request.image.width // factor // 2)
-        config = scheduler.config
-        mu = calculate_shift(
+        mu = self.shift(scheduler.config, seq_len, steps)
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        return scheduler, self.truncate(scheduler, timesteps, request)
+
+    @staticmethod
+    def shift(config: Mapping[str, Any], seq_len: int, steps: int) -> float:
+        """The schedule's ``mu`` for ``seq_len`` image tokens (Flux's ``calculate_shift``)."""
+        return calculate_shift(
             seq_len,
             config.get("base_image_seq_len", 256),
             config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5),
             config.get("max_shift", 1.15),
         )
-        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        return scheduler, self.truncate(scheduler, timesteps, request)
 
     def refuse_negative(self, negative_prompt: str) -> None:
         """Flux has no unconditional branch: a negative prompt would be silently ignored."""
@@ -218,12 +222,7 @@ class FluxInpaint(FamilyModel):
             latents = t["latents"]
             out = transformer(
                 hidden_states=grid.gather(latents) if first else latents,
-                timestep=t["timestep"],
-                guidance=t["guidance"],
-                pooled_projections=t["pooled"],
-                encoder_hidden_states=t["prompt_embeds"],
-                txt_ids=t["text_ids"],
-                img_ids=t["image_ids"],
+                **self.denoiser_kwargs(t),
                 joint_attention_kwargs={},
                 return_dict=False,
             )[0]
@@ -232,6 +231,18 @@ class FluxInpaint(FamilyModel):
             return out
 
         return list(ctx.call(padded, **vars(inputs)).split(1))
+
+    @staticmethod
+    def denoiser_kwargs(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        """The transformer's arguments besides the image tokens, from ``_batched``'s."""
+        return {
+            "timestep": t["timestep"],
+            "guidance": t["guidance"],
+            "pooled_projections": t["pooled"],
+            "encoder_hidden_states": t["prompt_embeds"],
+            "txt_ids": t["text_ids"],
+            "img_ids": t["image_ids"],
+        }
 
     def advance(self, state: RequestState, prediction: torch.Tensor) -> None:
         """The request's scheduler step, then the pipeline's inpaint blend."""
@@ -274,7 +285,7 @@ def _batched(states: list[RequestState], latents: torch.Tensor) -> PackedInputs:
         latents=latents,
         timestep=timestep,
         guidance=None if inputs[0].guidance is None else torch.cat([i.guidance for i in inputs]),
-        pooled=torch.cat([i.pooled for i in inputs]),
+        pooled=None if inputs[0].pooled is None else torch.cat([i.pooled for i in inputs]),
         prompt_embeds=torch.cat([i.prompt_embeds for i in inputs]),
         text_ids=inputs[0].text_ids,
         image_ids=inputs[0].image_ids,

@@ -42,6 +42,7 @@ from retouch.runtime.families.flux_inpaint import (
     FluxInputs,
     flux_sequence_flops,
 )
+from retouch.runtime.maskaware import inpaint
 from retouch.runtime.maskaware.context import ForwardContext
 from retouch.runtime.maskaware.flops import Flops
 from retouch.runtime.maskaware.noise import SeedNoise
@@ -68,9 +69,7 @@ class FluxKontext(FluxInpaint):
     def image_latents(self, image: Image.Image, vae_noise: torch.Tensor) -> torch.Tensor:
         """``[1, C, h, w]``: the template's latents as the Kontext pipeline encodes them
         (the posterior's mode, shifted and scaled); ``vae_noise`` is not drawn."""
-        pipe = self.pipe
-        init = pipe.image_processor.preprocess(image, height=image.height, width=image.width)
-        return pipe._encode_vae_image(init.to(self.device, self.dtype), generator=None)
+        return inpaint.mode_latents(self.pipe, image, self.device, self.dtype)
 
     def encode_image(self, job: Encoding) -> dict[str, torch.Tensor]:
         """The template's latents; with the edit's own reference image, its latents too

@@ -62,8 +62,11 @@ def install(transformer: nn.Module) -> list[str]:
     return names
 
 
-def switch_layout(name: str, previous: str | None) -> Any:
-    """Pre-hook: the block starts; bring the incoming image hidden states into its layout."""
+def switch_layout(name: str, previous: str | None, *, text_first: bool = False) -> Any:
+    """Pre-hook: the block starts; bring the incoming image hidden states into its layout.
+
+    ``text_first``: the block's ``hidden_states`` are [text ; image] (FLUX.2's single-stream
+    blocks, handed the joint sequence by the model); only the image part changes layout."""
 
     def hook(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         ctx = current()
@@ -76,29 +79,32 @@ def switch_layout(name: str, previous: str | None) -> Any:
         if ctx.scratch[SPARSE_CARRY] == want_sparse:
             return None
         hidden = kwargs["hidden_states"]
+        text_len = ctx.text_len if text_first else 0
+        image = hidden[:, text_len:]
         if want_sparse:
-            kwargs["hidden_states"] = ctx.grid.gather(hidden)
+            image = ctx.grid.gather(image)
         else:
             if previous is None:
                 raise RuntimeError("the first block cannot receive sparse input")
-            kwargs["hidden_states"] = assemble(
-                ctx, ctx.grid, previous, "y", ctx.grid.real_rows(hidden)
-            )
+            image = assemble(ctx, ctx.grid, previous, "y", ctx.grid.real_rows(image))
+        kwargs["hidden_states"] = torch.cat([hidden[:, :text_len], image], 1) if text_len else image
         ctx.scratch[SPARSE_CARRY] = want_sparse
         return args, kwargs
 
     return hook
 
 
-def record_output(name: str) -> Any:
-    """Forward hook: a bake records the block's image output Y; the block has ended."""
+def record_output(name: str, *, text_first: bool = False) -> Any:
+    """Forward hook: a bake records the block's image output Y; the block has ended.
+    ``text_first``: the block returns one [text ; image] tensor (FLUX.2's single-stream
+    blocks), not an ``(encoder, image)`` pair."""
 
-    def hook(block: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def hook(block: nn.Module, args: tuple, output: Any) -> None:
         ctx = current()
         if ctx is None:
             return
         if ctx.recording:
-            ctx.record(name, "y", output[1])
+            ctx.record(name, "y", output[:, ctx.text_len :] if text_first else output[1])
         ctx.exit_block(name)
 
     return hook
@@ -133,11 +139,26 @@ class JointAttention(Processor):
     def run(self, ctx: ForwardContext, call: Call) -> torch.Tensor | tuple[torch.Tensor, ...]:
         attn, encoder_hidden_states = call.attn, call.encoder_hidden_states
         image_rotary_emb = call.rest[0] if call.rest else None
-        sparse = self.sparse(ctx)
         joint = encoder_hidden_states is not None
         text_len = encoder_hidden_states.shape[1] if joint else ctx.text_len
         query, key, value = qkv(attn, call.hidden_states, encoder_hidden_states)
-        rope = sparse_rope(ctx, image_rotary_emb, text_len) if sparse else image_rotary_emb
+        out = self.attend(ctx, (query, key, value), image_rotary_emb, text_len)
+        return finish(attn, out, text_len if joint else None)
+
+    def attend(
+        self,
+        ctx: ForwardContext,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
+        text_len: int,
+    ) -> torch.Tensor:
+        """RoPE and attention of normed ``[B, L + S, H, D]`` Q, K, V (text rows first): a
+        sparse block's K/V completed with the unmasked image rows from the cache, a full
+        one's image rows of K/V recorded (a bake)."""
+        query, key, value = qkv
+        sparse = self.sparse(ctx)
+        if sparse:
+            rope = sparse_rope(ctx, rope, text_len)
         query, key = rotate(query, rope), rotate(key, rope)
         if sparse:
             key = with_cached(ctx, ctx.grid, self.block, "k", key, text_len)
@@ -145,8 +166,7 @@ class JointAttention(Processor):
         else:
             ctx.record(self.block, "k", key[:, text_len:].flatten(2))
             ctx.record(self.block, "v", value[:, text_len:].flatten(2))
-        out = sdpa(query, key, value)
-        return finish(attn, out, text_len if joint else None)
+        return sdpa(query, key, value)
 
 
 def qkv(

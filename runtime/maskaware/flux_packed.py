@@ -63,7 +63,7 @@ class PackedInputs:
     latents: torch.Tensor  # [B, N, C_in]
     timestep: torch.Tensor  # [B], already divided by 1000 as the pipeline does
     guidance: torch.Tensor | None  # [B]
-    pooled: torch.Tensor  # [B, P]
+    pooled: torch.Tensor | None  # [B, P] (FLUX.2: None)
     prompt_embeds: torch.Tensor  # [B, L, D_text]
     text_ids: torch.Tensor  # [L, 3]
     image_ids: torch.Tensor  # [N, 3]

@@ -44,6 +44,16 @@ def template_latents(
     return (sample - vae.config.shift_factor) * vae.config.scaling_factor
 
 
+def mode_latents(
+    pipe: Any, image: Image.Image, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """The template's latents as the pipelines that encode the VAE posterior's mode (no
+    VAE noise) compute them: their own ``_encode_vae_image`` on the preprocessed image
+    (FLUX.1 Kontext: shifted and scaled; FLUX.2: patchified and BatchNorm-normalised)."""
+    init = pipe.image_processor.preprocess(image, height=image.height, width=image.width)
+    return pipe._encode_vae_image(init.to(device, dtype), generator=None)
+
+
 def initial_latents(
     request: EditRequest,
     scheduler: Any,

@@ -99,8 +99,10 @@ def _block_rows(
 
 
 def _attention(denoiser: torch.nn.Module, block: str) -> int:
-    """A DiT block's K/V width."""
-    return denoiser.get_submodule(block).attn.to_k.out_features
+    """A DiT block's K/V width (FLUX.2's single-stream blocks project K fused with Q, V
+    and the MLP input, and have no ``to_k``: their attention's ``inner_dim``)."""
+    attn = denoiser.get_submodule(block).attn
+    return attn.to_k.out_features if hasattr(attn, "to_k") else attn.inner_dim
 
 
 def _unet_level(block: str, levels: int) -> int:
