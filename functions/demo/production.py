@@ -9,7 +9,8 @@ built in memory, directly on the target device in the compute dtype (random init
 takes seconds) and never written to disk.
 
 Text encoders are one layer deep: only their output shapes matter to the denoiser (CLIP's
-77 tokens and pooled width, T5's 512 tokens for Flux and 256 for SD3 at 4096 wide). The VAE
+77 tokens and pooled width, T5's 512 tokens for Flux and 256 for SD3 at 4096 wide; FLUX.2
+[klein] reads Qwen3's layers 9, 18 and 27, so its Qwen3 has 28 narrow-MLP layers). The VAE
 has the real configuration, so an edit's encode and decode cost what they cost in
 production. ``scale`` (0 < scale ≤ 1) keeps every class and block type but shrinks widths
 and depths, for CPU tests of the same code path.
@@ -28,10 +29,13 @@ from pathlib import Path
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
     ConfigMixin,
     DDIMScheduler,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinInpaintPipeline,
+    Flux2Transformer2DModel,
     FluxFillPipeline,
     FluxInpaintPipeline,
     FluxKontextInpaintPipeline,
@@ -48,12 +52,14 @@ from transformers import (
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     T5Config,
     T5EncoderModel,
 )
 
 from retouch.functions.demo.models import sdxl_scheduler
-from retouch.functions.demo.tokenizer import save_tokenizer, vocabulary
+from retouch.functions.demo.tokenizer import qwen_tokenizer, save_tokenizer, vocabulary
 
 CLIP_TOKENS = 77
 
@@ -127,6 +133,18 @@ def _vae(latent_channels: int, scale: float, **extra: float) -> AutoencoderKL:
     )
 
 
+def _shifting_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """FLUX's flow-matching Euler with the resolution-dependent shift (``mu``) it ships."""
+    return FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+
+
 def _tokenizer(folder: Path, name: str, length: int) -> CLIPTokenizer:
     return save_tokenizer(folder / name, length)
 
@@ -172,20 +190,66 @@ def _flux(
         axes_dims_rope=(16, 56, 56),
     )
     return pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        ),
+        scheduler=_shifting_scheduler(),
         vae=_vae(16, scale, scaling_factor=0.3611, shift_factor=0.1159),
         text_encoder=_clip(pooled),
         tokenizer=_tokenizer(scratch, "clip", CLIP_TOKENS),
         text_encoder_2=_t5(text),
         tokenizer_2=_tokenizer(scratch, "t5", 512),
         transformer=transformer,
+    )
+
+
+KLEIN_TEXT_TOKENS = 512  # Flux2KleinInpaintPipeline's max_sequence_length
+
+
+def build_flux2_klein_4b(scale: float, scratch: Path) -> Flux2KleinInpaintPipeline:
+    """FLUX.2 [klein] 4B's transformer (5 double- + 20 single-stream blocks, 24 heads of
+    128, 128 patchified latent channels, no guidance embedding, Qwen3-4B's three layers
+    side by side: 7680 wide) with FLUX.2's VAE (32 latent channels, BatchNorm) in the
+    distilled ``Flux2KleinInpaintPipeline``; 512 text tokens."""
+    text = _width(2560, scale, 64)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=128,
+        num_layers=_depth(5, scale),
+        num_single_layers=_depth(20, scale),
+        attention_head_dim=128,
+        num_attention_heads=_depth(24, scale),
+        joint_attention_dim=3 * text,
+        axes_dims_rope=(32, 32, 32, 32),
+        guidance_embeds=False,
+    )
+    tokenizer = qwen_tokenizer(KLEIN_TEXT_TOKENS)
+    text_encoder = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=text,
+            intermediate_size=256,
+            num_hidden_layers=28,  # layer 27 is read
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            max_position_embeddings=KLEIN_TEXT_TOKENS,
+            tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+    channels = tuple(_width(c, scale, 32) for c in (128, 256, 512, 512))
+    vae = AutoencoderKLFlux2(
+        block_out_channels=channels,
+        layers_per_block=2 if scale >= 1 else 1,
+        latent_channels=32,
+        norm_num_groups=32,
+    )
+    return Flux2KleinInpaintPipeline(
+        scheduler=_shifting_scheduler(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        is_distilled=True,
     )
 
 
@@ -318,6 +382,14 @@ SHAPES: dict[str, Shape] = {
             torch.bfloat16,
             "FLUX.1-Kontext-dev (12 B)",
             build_flux_kontext_dev,
+        ),
+        Shape(
+            "flux2-klein",
+            "flux2-klein",
+            1024,
+            torch.bfloat16,
+            "FLUX.2 [klein] 4B (4 B)",
+            build_flux2_klein_4b,
         ),
         Shape(
             "sd3-medium",
