@@ -219,32 +219,32 @@ def test_deploy_and_invoke_a_flux_fill_function(admin: Client, examples: Path) -
     assert not np.array_equal(np.frombuffer(edit.image, np.uint8).reshape(128, 128, 3), template)
 
 
-def test_deploy_and_invoke_a_flux_kontext_folder(
-    server: ServerProcess, admin: Client, examples: Path, models_dir: Path
-) -> None:
-    """FLUX.1 Kontext from a diffusers folder (as FluxKontextInpaintPipeline saves it): it
-    deploys as flux-kontext, its first edit runs before or after the bake, and once baked
-    its edits are mask-aware, sent as msgpack (the client) and as JSON (base64, as curl
-    sends it) alike; a negative prompt, for which the guidance-distilled model has no
-    branch, is a 400 naming the field. An edit with its own ``image_reference`` computes
-    every token; one that is not an image is a 400 naming the field."""
-    folder = ensure_demo_model("retouch:tiny-flux-kontext", models_dir)
-    spec, images = read_spec_file(examples / "tiny-flux-kontext.toml")
-    spec = dataclasses.replace(spec, name="kontext", model=str(folder), steps=2)
+def _serve_folder_edits(
+    server: ServerProcess, admin: Client, examples: Path, models_dir: Path, model: str, name: str
+) -> tuple[wire.InvokeResult, str, dict[str, str], dict, dict[str, bytes]]:
+    """Deploy built-in ``model``'s diffusers folder as function ``name`` (its example spec,
+    2 steps) and check it as a user sees it: the family is the folder's, the first edit of
+    the mug runs before or after the bake, and once baked its edits are mask-aware and
+    repaint, sent as msgpack (the client) and as JSON (base64, as curl sends it) alike, one
+    request one image. Returns the baked edit, the JSON route, its headers and body, and
+    the spec's images."""
+    folder = ensure_demo_model(f"retouch:{model}", models_dir)
+    spec, images = read_spec_file(examples / f"{model}.toml")
+    spec = dataclasses.replace(spec, name=name, model=str(folder), steps=2)
     assert admin.deploy(spec, images)["status"] == "ready"
-    assert admin.get("kontext")["family"] == "flux-kontext"
+    assert admin.get(name)["family"] == spec.family
     template = np.asarray(Image.open(io.BytesIO(images["mug"])).convert("RGB"))
     mask = np.zeros((128, 128), bool)
     mask[32:80, 40:96] = True
 
-    first = admin.invoke("kontext", "mug", mask, "a red mug", seed=4, format="raw")
+    first = admin.invoke(name, "mug", mask, "a red mug", seed=4, format="raw")
     assert first.path in ("stock", "maskaware") and first.mask_ratio > 0
-    wait_baked(admin, "kontext", timeout=300)  # templates are baked in the background
-    edit = admin.invoke("kontext", "mug", mask, "a red mug", seed=4, format="raw")
+    wait_baked(admin, name, timeout=300)  # templates are baked in the background
+    edit = admin.invoke(name, "mug", mask, "a red mug", seed=4, format="raw")
     assert edit.path == "maskaware" and (edit.width, edit.height) == (128, 128)
     assert not np.array_equal(np.frombuffer(edit.image, np.uint8).reshape(128, 128, 3), template)
 
-    url, headers = f"{server.url}/v1/functions/kontext/invoke", {"authorization": f"Bearer {ADMIN}"}
+    url, headers = f"{server.url}/v1/functions/{name}/invoke", {"authorization": f"Bearer {ADMIN}"}
     body = {"template": "mug", "prompt": "a red mug", "seed": 4, "format": "raw"}
     body["mask"] = base64.b64encode(encode_mask(mask)).decode()
     answer = httpx.post(url, json=body, headers=headers, timeout=300)
@@ -254,6 +254,21 @@ def test_deploy_and_invoke_a_flux_kontext_folder(
     refused = httpx.post(url, json={**body, "negative_prompt": "blurry"}, headers=headers)
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["field"] == "negative_prompt"
+    return edit, url, headers, body, images
+
+
+def test_deploy_and_invoke_a_flux_kontext_folder(
+    server: ServerProcess, admin: Client, examples: Path, models_dir: Path
+) -> None:
+    """FLUX.1 Kontext from a diffusers folder (as FluxKontextInpaintPipeline saves it): it
+    deploys as flux-kontext, its first edit runs before or after the bake, and once baked
+    its edits are mask-aware, sent as msgpack (the client) and as JSON (base64, as curl
+    sends it) alike; a negative prompt, for which the guidance-distilled model has no
+    branch, is a 400 naming the field. An edit with its own ``image_reference`` computes
+    every token; one that is not an image is a 400 naming the field."""
+    edit, url, headers, body, images = _serve_folder_edits(
+        server, admin, examples, models_dir, "tiny-flux-kontext", "kontext"
+    )
 
     # another reference image (any size: read at the template's): every token computed
     shirt = base64.b64encode(images["shirt"]).decode()
@@ -265,6 +280,23 @@ def test_deploy_and_invoke_a_flux_kontext_folder(
     refused = httpx.post(url, json={**body, "image_reference": not_an_image}, headers=headers)
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["field"] == "image_reference"
+
+
+def test_deploy_and_invoke_a_flux2_klein_folder(
+    server: ServerProcess, admin: Client, examples: Path, models_dir: Path
+) -> None:
+    """FLUX.2 [klein] from a diffusers folder (as Flux2KleinInpaintPipeline saves it): it
+    deploys as flux2-klein, and once baked its edits are mask-aware over msgpack and JSON
+    alike (``_serve_folder_edits``); the distilled model's missing negative branch and the
+    reference image this family does not read are 400s naming the field."""
+    _, url, headers, body, images = _serve_folder_edits(
+        server, admin, examples, models_dir, "tiny-flux2-klein", "klein"
+    )
+    shirt = base64.b64encode(images["shirt"]).decode()
+    refused = httpx.post(url, json={**body, "image_reference": shirt}, headers=headers)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["field"] == "image_reference"
+    assert refused.json()["error"]["code"] == "unsupported_field"
 
 
 @pytest.mark.parametrize(
