@@ -103,6 +103,10 @@ class FamilySpec:
     single_file: DenoiserFile = field(kw_only=True)
     # Whether its pipeline reads a reference image (``image_reference``: FLUX.1 Kontext).
     image_reference: bool = field(default=False, kw_only=True)
+    # ``model_index.json`` entries a folder must have (the pipeline's default when absent)
+    # and why: a family serving one variant of a pipeline (FLUX.2 [klein]'s distilled
+    # checkpoints, not its base ones with classifier-free guidance).
+    index_entries: tuple[tuple[str, object, object, str], ...] = field(default=(), kw_only=True)
 
     def skipped_steps(self, steps: int, strength: float) -> int:
         """The first steps of a ``steps`` schedule that ``strength`` skips: an edit starts
@@ -194,6 +198,15 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             negative_prompt=False,
             lora_modules=("transformer",),  # Flux2LoraLoaderMixin adapts the transformer only
             single_file=FLUX_TRANSFORMER_FILE,  # BFL's files name its projections as Flux's
+            index_entries=(
+                (
+                    "is_distilled",
+                    True,
+                    False,
+                    "flux2-klein serves the distilled checkpoints (a base one needs "
+                    "classifier-free guidance)",
+                ),
+            ),
         ),
         FamilySpec(
             "sdxl-inpaint",

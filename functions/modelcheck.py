@@ -91,6 +91,7 @@ def check_model(source: ModelSource, family: str) -> ModelFiles:
         raise InvalidSpec("config is only for single-file checkpoints", field="config")
     folder = _locate(source.model, source.revision, "model")
     pipeline = check_pipeline(pipeline_class(folder), family, folder)
+    _check_index_entries(folder, family, "model")
     _check_components(folder, source.variant, field="model")
     return ModelFiles(ModelKind.FOLDER, pipeline, folder=folder)
 
@@ -116,6 +117,18 @@ def check_pipeline(cls: str, family: str, where: Path | str) -> str:
     if cls not in FAMILY_SPECS[family].compatible:
         raise InvalidSpec(f"{where} holds a {cls}, which cannot serve {family}", field="family")
     return cls
+
+
+def _check_index_entries(folder: Path, family: str, field: str) -> None:
+    """The ``model_index.json`` entries ``family`` requires (``FamilySpec.index_entries``)."""
+    index = model_index(folder, field)
+    for name, wanted, default, why in FAMILY_SPECS[family].index_entries:
+        found = index.get(name, default)
+        if found != wanted:
+            raise InvalidSpec(
+                f"{folder}/model_index.json: {name} is {found!r}, not {wanted!r}: {why}",
+                field=field,
+            )
 
 
 def components(folder: Path, field: str = "model") -> dict[str, str]:
@@ -166,6 +179,7 @@ def _check_single_file(source: ModelSource, path: Path, family: str) -> ModelFil
     header = safetensors_header(path, "model") if path.suffix == ".safetensors" else None
     folder = _locate(source.config, source.revision, "config")
     pipeline = check_pipeline(pipeline_class(folder, "config"), family, folder)
+    _check_index_entries(folder, family, "config")
     listed = tuple(components(folder, "config"))
     if denoiser.component not in listed:
         raise InvalidSpec(

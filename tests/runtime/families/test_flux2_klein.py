@@ -15,6 +15,7 @@ gives.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -161,6 +162,21 @@ def test_a_klein_folder_is_told_apart_and_a_missing_file_is_named(
     with pytest.raises(InvalidSpec, match=r"text_encoder/model\.safetensors") as refused:
         check_model(ModelSource(str(copy)), FAMILY)
     assert refused.value.status == 422 and refused.value.field == "model"
+
+
+def test_a_base_klein_folder_is_refused(folder: Path, tmp_path: Path) -> None:
+    """FLUX.2 [klein] base (``is_distilled`` false, or absent: the pipeline's default)
+    guides with a second, unconditional row, which this family does not run: refused at
+    deploy, naming the entry."""
+    copy = shutil.copytree(folder, tmp_path / "base")
+    index = json.loads((copy / "model_index.json").read_text())
+    assert index["is_distilled"] is True
+    for entry in ({"is_distilled": False}, {}):
+        rest = {k: v for k, v in index.items() if k != "is_distilled"}
+        (copy / "model_index.json").write_text(json.dumps({**rest, **entry}))
+        with pytest.raises(InvalidSpec, match="is_distilled is False") as refused:
+            check_model(ModelSource(str(copy)), FAMILY)
+        assert refused.value.status == 422 and refused.value.field == "model"
 
 
 def test_a_lora_on_the_klein_transformer_serves_what_diffusers_loads(
