@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,10 @@ import torch
 from diffusers import DiffusionPipeline
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from retouch.functions.adapters import AdapterSpec
 from retouch.functions.demo.images import template_image
+from retouch.functions.demo.models import ensure_demo_model
+from retouch.runtime.adapters import AdapterResidency
 from retouch.runtime.families import family
 from retouch.runtime.families.stepflops import pipeline_step_flops
 from retouch.runtime.maskaware.context import Mode
@@ -23,6 +27,7 @@ from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.maskaware.quality import psnr
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import load_pipeline
+from tests.lorafiles import write_lora
 
 EQUAL_DB = 60.0  # the acceptance bound, mask-aware vs stock
 CPU = torch.device("cpu")
@@ -56,6 +61,62 @@ class Case:
     ) -> EditRequest:
         image = template_image((self.size, self.size), 7)
         return EditRequest(image, mask, prompt, seed, self.steps, self.guidance, *template)
+
+    def fixtures(self, model: str) -> tuple[Any, Any, Any]:
+        """Module-scoped fixtures ``folder`` (built-in ``model``'s), ``pipe`` (loaded on the
+        CPU) and ``baked`` (:meth:`baked`), for a test module to bind under those names."""
+
+        @pytest.fixture(scope="module")
+        def folder(models_dir: Path) -> Path:
+            return ensure_demo_model(model, models_dir)
+
+        @pytest.fixture(scope="module")
+        def pipe(folder: Path) -> DiffusionPipeline:
+            return load_pipeline(folder, self.family, CPU)
+
+        @pytest.fixture(scope="module")
+        def baked(pipe: DiffusionPipeline) -> MemoryActivations:
+            return self.baked(MaskAwareEditor(pipe, self.family, CPU))
+
+        return folder, pipe, baked
+
+    def assert_exact_cache_gives_the_stock_edit(
+        self, pipe: DiffusionPipeline, mask: np.ndarray
+    ) -> None:
+        """Baked with the edit's own mask, prompt and seed, the mask-aware edit is the stock
+        pipeline's with the same composed noise: max |Δ| ≤ 1e-5 (fp32)."""
+        editor = MaskAwareEditor(pipe, self.family, CPU)
+        request, store = self.exact(editor, mask)
+        ours, stock = editor.edit(request, store, "np"), editor.stock_edit(request, "np")
+        close(ours, stock)
+        assert np.abs(ours - stock).max() <= 1e-5  # the acceptance bound, fp32
+
+    def assert_lora_serves_what_diffusers_loads(
+        self, model: str, folder: Path, models_dir: Path, tmp_path: Path, std: float
+    ) -> None:
+        """A LoRA of the transformer's attention (diffusers' layout, weights drawn with
+        ``std``), attached as an executor attaches adapters: the mask-aware edit after a
+        bake under it is the stock pipeline's with ``load_lora_weights`` (exact cache), and
+        the LoRA changes the image."""
+        lora = write_lora(model, models_dir, tmp_path, family=self.family, std=std)
+        pipe = load_pipeline(folder, self.family, CPU)
+        editor = MaskAwareEditor(pipe, self.family, CPU)
+        mask = self.rect(12, 20, 40, 50)
+        bare = editor.stock_edit(self.exact(editor, mask)[0], "np")
+        residency = AdapterResidency(pipe, 1 << 30)
+        use = residency.use(residency.register((AdapterSpec(str(lora), 0.8, "style"),)))
+        use.read.result(timeout=60)
+        use.activate()
+        use.release()
+        request, store = self.exact(editor, mask)
+        ours = editor.edit(request, store, "np")
+
+        reference = load_pipeline(folder, self.family, CPU)
+        reference.load_lora_weights(str(lora), adapter_name="style")
+        reference.set_adapters(["style"], [0.8])
+        stock = MaskAwareEditor(reference, self.family, CPU).stock_edit(request, "np")
+        close(ours, stock)
+        assert np.abs(ours - bare).max() > 0.05  # the LoRA reached the transformer
 
     def baked(self, editor: MaskAwareEditor) -> MemoryActivations:
         """Template 7 baked with its own prompt and seed (``"a quiet street"``, 3), nothing

@@ -23,21 +23,14 @@ import numpy as np
 import pytest
 import torch
 
-from retouch.functions.adapters import AdapterSpec
 from retouch.functions.demo.images import template_image
-from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import InvalidSpec
 from retouch.functions.modelcheck import check_model, model_family
 from retouch.functions.modelsource import ModelSource
-from retouch.runtime.adapters import AdapterResidency
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
-from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.maskaware.templatelayout import recorded_tensors
-from retouch.runtime.models import load_pipeline
-from tests.lorafiles import write_lora
 from tests.runtime.families.cases import CPU, Case
-from tests.runtime.families.cases import close as _close
 
 FAMILY = "flux2-klein"
 CASE = Case(FAMILY, guidance=1.0)
@@ -48,19 +41,7 @@ _rect, _request, _exact = CASE.rect, CASE.request, CASE.exact
 TOKENS = (SIZE // 8) ** 2
 
 
-@pytest.fixture(scope="module")
-def folder(models_dir: Path) -> Path:
-    return ensure_demo_model("retouch:tiny-flux2-klein", models_dir)
-
-
-@pytest.fixture(scope="module")
-def pipe(folder: Path):
-    return load_pipeline(folder, FAMILY, CPU)
-
-
-@pytest.fixture(scope="module")
-def baked(pipe) -> MemoryActivations:
-    return CASE.baked(MaskAwareEditor(pipe, FAMILY, CPU))
+folder, pipe, baked = CASE.fixtures("retouch:tiny-flux2-klein")
 
 
 @pytest.mark.parametrize(
@@ -69,11 +50,7 @@ def baked(pipe) -> MemoryActivations:
     ids=["door", "band", "everything"],
 )
 def test_exact_cache_reproduces_the_stock_pipeline(pipe, mask: np.ndarray) -> None:
-    editor = MaskAwareEditor(pipe, FAMILY, CPU)
-    request, store = _exact(editor, mask)
-    ours, stock = editor.edit(request, store, "np"), editor.stock_edit(request, "np")
-    _close(ours, stock)
-    assert np.abs(ours - stock).max() <= 1e-5  # the acceptance bound, fp32
+    CASE.assert_exact_cache_gives_the_stock_edit(pipe, mask)
 
 
 def test_the_condition_tokens_follow_the_edited_ones_and_come_from_the_bake(pipe, baked) -> None:
@@ -182,24 +159,8 @@ def test_a_base_klein_folder_is_refused(folder: Path, tmp_path: Path) -> None:
 def test_a_lora_on_the_klein_transformer_serves_what_diffusers_loads(
     folder: Path, models_dir: Path, tmp_path: Path
 ) -> None:
-    """A LoRA of the transformer's attention (diffusers' layout), attached as an executor
-    attaches adapters: the mask-aware edit after a bake under it is the stock pipeline's
-    with ``load_lora_weights`` (exact cache), and the LoRA changes the image."""
-    lora = write_lora("retouch:tiny-flux2-klein", models_dir, tmp_path, family=FAMILY, std=0.5)
-    pipe = load_pipeline(folder, FAMILY, CPU)
-    editor = MaskAwareEditor(pipe, FAMILY, CPU)
-    bare = editor.stock_edit(_exact(editor, _rect(12, 20, 40, 50))[0], "np")
-    residency = AdapterResidency(pipe, 1 << 30)
-    use = residency.use(residency.register((AdapterSpec(str(lora), 0.8, "style"),)))
-    use.read.result(timeout=60)
-    use.activate()
-    use.release()
-    request, store = _exact(editor, _rect(12, 20, 40, 50))
-    ours = editor.edit(request, store, "np")
-
-    reference = load_pipeline(folder, FAMILY, CPU)
-    reference.load_lora_weights(str(lora), adapter_name="style")
-    reference.set_adapters(["style"], [0.8])
-    stock = MaskAwareEditor(reference, FAMILY, CPU).stock_edit(request, "np")
-    _close(ours, stock)
-    assert np.abs(ours - bare).max() > 0.05  # the LoRA reached the transformer
+    """A LoRA of the double-stream blocks' attention (``to_q/k/v/out``; PEFT finds none in
+    the single-stream blocks' fused projections), attached as an executor attaches
+    adapters, serves what diffusers' ``load_lora_weights`` gives."""
+    model = "retouch:tiny-flux2-klein"
+    CASE.assert_lora_serves_what_diffusers_loads(model, folder, models_dir, tmp_path, std=0.5)
