@@ -129,7 +129,7 @@ def test_a_klein_folder_is_told_apart_and_a_missing_file_is_named(
 ) -> None:
     """A folder saved from Flux2KleinInpaintPipeline is a flux2-klein model; deploying it
     as flux-kontext is refused before anything loads, and so is a copy without its text
-    encoder's weights, naming that file."""
+    encoder's weights or with a VAE file that is no safetensors, naming that file."""
     assert model_family(str(folder)) == FAMILY
     check_model(ModelSource(str(folder)), FAMILY)
     with pytest.raises(InvalidSpec, match="cannot serve flux-kontext"):
@@ -139,6 +139,14 @@ def test_a_klein_folder_is_told_apart_and_a_missing_file_is_named(
     with pytest.raises(InvalidSpec, match=r"text_encoder/model\.safetensors") as refused:
         check_model(ModelSource(str(copy)), FAMILY)
     assert refused.value.status == 422 and refused.value.field == "model"
+    foreign = copy / "vae" / "diffusion_pytorch_model.safetensors"
+    foreign.write_bytes(b"not a safetensors file")
+    (copy / "text_encoder" / "model.safetensors").symlink_to(
+        folder / "text_encoder" / "model.safetensors"
+    )
+    with pytest.raises(InvalidSpec, match=r"vae/diffusion_pytorch_model\.safetensors is") as bad:
+        check_model(ModelSource(str(copy)), FAMILY)
+    assert bad.value.status == 422 and bad.value.field == "model"
 
 
 def test_a_base_klein_folder_is_refused(folder: Path, tmp_path: Path) -> None:
