@@ -96,8 +96,10 @@ class ExecutorOptions:
         False,
         "the same request gives the same bits on this machine however the model was "
         "loaded: MKL's conditional numerical reproducibility, cuBLAS's fixed workspace and "
-        "torch's deterministic algorithms, set before the executor computes anything "
-        "(docs/maskaware.md, exactness and reproducibility)",
+        "torch's deterministic algorithms, set before the executor computes anything; "
+        "mask-aware steps run every block sparse, so an edit's pixels do not follow the "
+        "batch it joins or the timings profiled (docs/maskaware.md, exactness and "
+        "reproducibility)",
     )
     engine: str = knob(
         "continuous",

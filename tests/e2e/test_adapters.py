@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,11 +23,22 @@ from retouch.platform.bench.load import wait_baked
 from retouch.platform.client import Client
 from retouch.platform.server import ServerProcess
 from retouch.runtime.maskaware.quality import psnr
+from tests.e2e.conftest import TOKENS
 from tests.lorafiles import write_lora
 
 pytestmark = pytest.mark.slow
 
 MODEL, SIZE = "retouch:tiny-sd", 64
+
+
+@pytest.fixture(scope="module")
+def server(data_dir: Path) -> Iterator[ServerProcess]:
+    """Deterministic mode: every mask-aware block runs sparse, so an edit batched with
+    others gives the pixels it gets alone, whatever plan the profile (measured on a busy
+    machine or a quiet one) would choose (docs/maskaware.md, "Exactness and
+    reproducibility")."""
+    with ServerProcess(data_dir, env=TOKENS, extra_args=["--deterministic"]) as proc:
+        yield proc
 
 
 def _spec(name: str, lora: Path):
