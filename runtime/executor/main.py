@@ -71,6 +71,7 @@ def build_core(args: argparse.Namespace) -> ExecutorCore:
         options.max_batch,
         disaggregated=not options.inline_prepost,
         nice=nice,
+        mixed_adapters=options.adapter_batching == "mixed",
     )
     stages = None
     if not options.inline_prepost:
