@@ -783,7 +783,8 @@ class DeviceMemory:
 class AdapterStats:
     """An executor's LoRA adapter figures since it started (``runtime/adapters``): files
     read from disk (in the background) and injected into a denoiser (between steps),
-    changes of the adapter set a step runs with, steps whose rows ran several sets, sets
+    changes of the adapter set a step runs with, steps whose rows ran their own sets' updates
+    (mixed batching), sets
     evicted for the byte budget, and the milliseconds each took in all."""
 
     reads: int = 0

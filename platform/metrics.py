@@ -137,7 +137,7 @@ class GatewayMetrics:
             "LoRA adapter work in the executors: read (a file read, converted and its layers "
             "built, in the background), load (a file injected into a denoiser, between steps), swap (a step "
             "ran another adapter set than the step before), mixed_step (a step whose rows ran "
-            "several adapter sets, no swap), eviction (a set unloaded for the "
+            "their own adapter sets' updates, no swap), eviction (a set unloaded for the "
             "adapter byte budget)",
             ["executor", "event"],
             registry=r,

@@ -108,7 +108,7 @@ class AdapterCounters:
     reads: int = 0  # files read, converted and their layers built (background)
     loads: int = 0  # files injected into the denoiser (engine thread, between steps)
     swaps: int = 0  # activations of another set than the previous step's
-    mixed_steps: int = 0  # steps whose rows ran several sets (no swap)
+    mixed_steps: int = 0  # steps whose rows ran their own sets' updates (no swap)
     evictions: int = 0  # sets dropped to keep the budget
     read_ms: float = 0.0  # reading and building, in the background
     inject_ms: float = 0.0  # attaching, on the engine thread (every slice summed)

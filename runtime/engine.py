@@ -57,7 +57,7 @@ import torch
 from retouch.functions.adapters import AdapterSpec
 from retouch.functions.errors import Canceled, Unavailable
 from retouch.functions.imaging import composite, encode_image
-from retouch.runtime.adapters import AdapterUse
+from retouch.runtime.adapters import BARE, AdapterUse
 from retouch.runtime.costmodel import LinearFit
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
@@ -304,11 +304,17 @@ def schedule(
     return Admission(tuple(joining), tuple(loading))
 
 
-def _mixed_rows(group: list[Work], editor: MaskAwareEditor) -> RowAdapters | None:
-    """The per-row adapter plan of a group whose members run different sets (None: one
-    set, or none, for the whole batch)."""
+def _mixed_rows(group: list[Work], editor: MaskAwareEditor, mixed: bool) -> RowAdapters | None:
+    """The per-row adapter plan of a group's step in mixed batching (None: the group runs
+    one set through peft, ``activate``). Every step with an adapter runs the rows' plan,
+    even of one set, so that batching never swaps; a batch of the bare model alone turns
+    peft's layers off instead (they then compute their base only)."""
     uses = [w.adapters for w in group]
-    if any(u is None for u in uses) or len({u.set_id for u in uses}) < 2:
+    if any(u is None for u in uses):
+        return None
+    if not mixed and len({u.set_id for u in uses}) < 2:
+        return None
+    if all(u.set_id == BARE for u in uses):
         return None
     residency = uses[0].residency
     per = editor.impl.rows_per_request
@@ -664,7 +670,7 @@ class Engine:
         editor = group[0].editor
         states = [w.state for w in group]
         try:
-            mixed = _mixed_rows(group, editor)
+            mixed = _mixed_rows(group, editor, self.config.mixed_adapters)
             if mixed is None and group[0].adapters is not None:  # its set, swapped in
                 group[0].adapters.activate()
             modes = editor.plan(states, editor.blocks)
