@@ -794,7 +794,7 @@ class ExecutorCore:
             device=str(self.models.device),
             maskaware=self.maskaware,
             deterministic=deterministic_mode(),
-            mixed_adapters=self.engine.config.mixed_adapters and not self.cuda_graphs,
+            mixed_adapters=self.engine.config.mixed_adapters,
             models=tuple(self.models.loaded()),
             loading=tuple(self.models.loading()),
             functions=functions,
