@@ -174,7 +174,9 @@ def _tables(
     model: ZImageTransformer2DModel, batch: ZImageBatch, n_real: int, grid: TokenBatch | None
 ) -> Tables:
     """RoPE of both streams, as ``patchify_and_embed`` positions them, and the realignment
-    of cached keys (``grid`` given and some row's caption length differs from its bake's)."""
+    of cached keys (``grid`` given and some row's caption length differs from its bake's).
+    Built with device ops from the step's static shapes and the layout's device indices
+    (no host copy: a CUDA graph of the step may replay it for other masks)."""
     device = batch.latents.device
     rows = len(batch.lengths)
     height, width = (s // PATCH for s in batch.latents.shape[-2:])
@@ -185,47 +187,43 @@ def _tables(
         torch.arange(height, device=device), torch.arange(width, device=device), indexing="ij"
     )
     image_ids = torch.zeros(rows, total, 3, dtype=torch.int32, device=device)
+    valid = torch.zeros(rows, longest, dtype=torch.bool, device=device)
     for r, lc in enumerate(caption_lengths):
         image_ids[r, :n_real, 0] = lc + 1
+        valid[r, :lc] = True
     image_ids[:, :n_real, 1] = y.reshape(-1).to(torch.int32)
     image_ids[:, :n_real, 2] = x.reshape(-1).to(torch.int32)
     caption_ids = torch.zeros(rows, longest, 3, dtype=torch.int32, device=device)
     caption_ids[..., 0] = torch.arange(1, longest + 1, dtype=torch.int32, device=device)
-    valid = (
-        torch.arange(longest, device=device)[None]
-        < torch.tensor(caption_lengths, device=device)[:, None]
-    )
     rope = model.rope_embedder
     image = rope(image_ids.view(-1, 3)).view(rows, total, -1)
     caption = rope(caption_ids.view(-1, 3)).view(rows, longest, -1)
     caption = torch.where(valid[..., None], caption, torch.zeros_like(caption))  # as pad_sequence
     realign = None
     if grid is not None and any(batch.shifts):
-        realign = _realign(model, batch.shifts, grid, n_real, image.shape[-1])
+        realign = _realign(model, batch.shifts, grid, n_real)
     ragged = len(set(caption_lengths)) > 1
     return Tables(image, caption, valid, ragged, n_real, realign)
 
 
 def _realign(
-    model: ZImageTransformer2DModel,
-    shifts: tuple[int, ...],
-    grid: TokenBatch,
-    n_real: int,
-    width: int,
+    model: ZImageTransformer2DModel, shifts: tuple[int, ...], grid: TokenBatch, n_real: int
 ) -> torch.Tensor:
     """``[R, P, 1, hd/2]``: per row, the turn by its shift on the first RoPE axis at the
-    cached real image keys (the unmasked ones), 1 elsewhere."""
-    rope = model.rope_embedder
-    axis = rope.freqs_cis[0]  # [len, d0/2] complex64: positions 0, 1, ... on the first axis
-    turn = torch.ones(grid.rows, grid.n_tokens, width, dtype=axis.dtype, device=axis.device)
+    cached real image keys (the tokens the layout does not compute), 1 elsewhere."""
+    axis = model.rope_embedder.freqs_cis[0]  # [len, d0/2] complex64: positions 0, 1, ...
+    width = sum(model.config.axes_dims) // 2
+    turn = torch.ones(grid.rows, width, dtype=axis.dtype, device=axis.device)
     for r, shift in enumerate(shifts):
-        if shift == 0:
-            continue
-        angle = axis[abs(shift)] if shift > 0 else axis[abs(shift)].conj()
-        cached = grid.row_set(r).unmasked
-        cached = cached[cached < n_real].to(axis.device)
-        turn[r, cached, : angle.shape[0]] = angle
-    return turn.unsqueeze(2)
+        if shift:
+            angle = axis[abs(shift)]
+            turn[r, : angle.shape[0]] = angle if shift > 0 else angle.conj()
+    computed = torch.zeros(grid.rows * grid.n_tokens, dtype=torch.bool, device=axis.device)
+    computed[grid.flat_index] = True
+    cached = ~computed.view(grid.rows, grid.n_tokens)
+    cached[:, n_real:] = False  # the pads sit at position 0 in every row
+    out = torch.where(cached[..., None], turn[:, None], torch.ones_like(turn[:, None]))
+    return out.unsqueeze(2)
 
 
 def _caption(
@@ -241,10 +239,9 @@ def _caption(
     if have < longest:
         captions = torch.cat([captions, captions.new_zeros(rows, longest - have, features)], 1)
     embedded = model.cap_embedder(captions[:, :longest])
-    real = (
-        torch.arange(longest, device=captions.device)[None]
-        < torch.tensor(lengths, device=captions.device)[:, None]
-    )
+    real = torch.zeros(rows, longest, dtype=torch.bool, device=captions.device)
+    for r, length in enumerate(lengths):
+        real[r, :length] = True
     hidden = torch.where(real[..., None], embedded, model.cap_pad_token)
     hidden = torch.where(tables.caption_valid[..., None], hidden, torch.zeros_like(hidden))
     mask = tables.caption_valid if tables.ragged else None
