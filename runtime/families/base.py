@@ -98,6 +98,18 @@ class FamilyModel:
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
         return self.latent_grid(self.pipe, height, width)
 
+    def grid_tokens(self, lh: int, lw: int) -> int:
+        """Image tokens a DiT block's cached rows hold at latent size ``(lh, lw)``: Flux
+        packs 2x2 latents, SD3 patches 2x2; a reference image's tokens follow (Kontext)."""
+        return self.image_sequences * (lh // 2) * (lw // 2)
+
+    def row_channels(self, block: str, name: str) -> int:
+        """The width of a DiT block's cached rows ``name`` (its output Y, or its K/V)."""
+        denoiser = getattr(self.pipe, self.denoiser)
+        if name == "y":
+            return denoiser.inner_dim
+        return denoiser.get_submodule(block).attn.to_k.out_features
+
     def noise_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (1, self.channels, *self.latent_size(height, width))
 
