@@ -58,7 +58,9 @@ class FamilyModel:
     ``denoiser`` names the pipeline attribute a pre/post worker's pipeline lacks
     (``has_denoiser`` is then False); with it, :meth:`install` declares the block wrappers
     and names the blocks activations are recorded under, in execution order.
-    ``rows_per_request``: model rows per request (2 with classifier-free guidance halves);
+    ``rows_per_request``: model rows per request (2 with classifier-free guidance halves),
+    consecutive in a batch (request ``i`` owns rows ``i * per`` onwards: mixed-adapter steps
+    give those rows its LoRA set, ``runtime/mixedlora``);
     ``packs``: whether the blocks run the packed layout (else always padded);
     ``image_sequences``: token grids of the image's size in the denoiser's image sequence
     (2 where a reference image's tokens follow the edited latents');
