@@ -34,6 +34,19 @@ class Mode(enum.Enum):
     SPARSE = "sparse"  # masked tokens only, cached K/V/Y for the rest
 
 
+class Policy(enum.Enum):
+    """How a step's modes are chosen. ``BUBBLE_FREE`` finishes each step earliest, so a
+    step's modes follow its batch and the measured timings; and since a full block computes
+    the unmasked tokens afresh (under the edit's prompt and adapters) where a sparse one
+    reads the template's, an edit's pixels then depend on what it was batched with and on
+    the profile (docs/maskaware.md, "Exactness and reproducibility"). ``SPARSE`` runs every
+    block sparse where rows are cached: the pixels depend on the request alone
+    (deterministic mode), at the cost of the bubbles the plan would have avoided."""
+
+    BUBBLE_FREE = "bubble-free"
+    SPARSE = "sparse"
+
+
 @dataclass(frozen=True)
 class BlockCost:
     """Measured or predicted costs of one block for the batch at hand (seconds).
@@ -127,6 +140,17 @@ def greedy_plan(costs: list[BlockCost]) -> Plan:
     return Plan(tuple(modes), comp, load)
 
 
+def all_sparse_plan(costs: list[BlockCost]) -> Plan:
+    """Every block sparse, loads overlapped with compute (``Policy.SPARSE``)."""
+    modes = (Mode.SPARSE,) * len(costs)
+    return Plan(modes, evaluate(costs, modes), sum(c.load_sparse for c in costs))
+
+
+def plan_step(costs: list[BlockCost], policy: Policy = Policy.BUBBLE_FREE) -> Plan:
+    """The plan *policy* gives a step with these block costs."""
+    return all_sparse_plan(costs) if policy is Policy.SPARSE else bubble_free_plan(costs)
+
+
 def sequential_latency(costs: list[BlockCost]) -> float:
     """All blocks sparse with each load *before* its compute and no overlap (naive loading)."""
     return sum(c.load_sparse + c.sparse for c in costs)
@@ -152,7 +176,8 @@ PlanFn = Callable[[list["RequestState"], list[str]], dict[str, Mode]]
 
 @dataclass
 class Planner:
-    """The bubble-free plan of each step from the cost model (``editor.plan`` signature).
+    """The plan of each step from the cost model (``editor.plan`` signature): the
+    bubble-free plan, or every block sparse under ``Policy.SPARSE``.
 
     Each block's (masked, total) tokens are summed over the batch on that block's token
     grid (its ``level``: 0 the finest grid of a request, 1 the next...). A request without
@@ -163,6 +188,7 @@ class Planner:
     cost_model: CostModel
     device: str  # where the rows must rest to be read without a load
     buckets: Buckets | None = None  # the editor's: steps are costed as padded
+    policy: Policy = Policy.BUBBLE_FREE
     last: Plan | None = None
 
     def __call__(
@@ -177,7 +203,7 @@ class Planner:
             # is still kept: its latency is what the step is predicted to take.
             self.last = Plan(tuple(modes.values()), sum(c.full for c in costs), 0.0)
             return modes
-        plan = bubble_free_plan(costs)
+        plan = plan_step(costs, self.policy)
         self.last = plan
         for profile, mode in zip(self.cost_model.blocks, plan.modes, strict=True):
             if profile.name in modes:
@@ -185,12 +211,17 @@ class Planner:
         return modes
 
 
-def make_planner(cost_model: CostModel, device: object, buckets: Buckets | None = None) -> Planner:
+def make_planner(
+    cost_model: CostModel,
+    device: object,
+    buckets: Buckets | None = None,
+    policy: Policy = Policy.BUBBLE_FREE,
+) -> Planner:
     """``editor.set_planner(make_planner(cost_model, editor.device, editor.buckets))``; the
     engine passes its result to ``step``. *device* is the torch device the editor runs on:
     the cost model's own ``device`` is a label of the hardware profiled
     (``cuda-NVIDIA-H100…``), not one."""
-    return Planner(cost_model, str(device), buckets)
+    return Planner(cost_model, str(device), buckets, policy)
 
 
 def batch_tokens(

@@ -4,7 +4,7 @@ forward with the executor's cost model and the bubble-free plan the executor its
 One function, :func:`predict`, used by placement, admission, the autoscaler and the
 simulator. It is torch-free (the gateway imports it) and shares the plan code with the
 executor's :class:`~retouch.runtime.plan.Planner`: each step of a batch is costed by
-``bubble_free_plan(cost_model.block_costs(tokens))``, the very call the planner makes, plus
+``plan_step(cost_model.block_costs(tokens), policy)``, the very call the planner makes, plus
 what the profile leaves out (time outside the profiled blocks, fitted by the executor from
 its own steps: :class:`StepCalibration`).
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from retouch.runtime.costmodel import CostModel
-from retouch.runtime.plan import bubble_free_plan
+from retouch.runtime.plan import Policy, plan_step
 
 
 @dataclass(frozen=True)
@@ -69,19 +69,29 @@ TABLE_POINTS = 17  # masked fractions 0, 1/16, ..., 1 at which a step's plan is 
 
 
 def plan_table(
-    cost_model: CostModel, grids: Sequence[int], max_batch: int, *, resident: bool = False
+    cost_model: CostModel,
+    grids: Sequence[int],
+    max_batch: int,
+    *,
+    resident: bool = False,
+    policy: Policy = Policy.BUBBLE_FREE,
 ) -> list[list[float]]:
     """The bubble-free plan's latency for batches of 1..``max_batch`` requests at masked
     fractions 0, 1/16, ..., 1 (the same fraction on every token grid). The executor builds
     it once per profile (a plan of a 57-block model takes milliseconds, too long for the
     gateway's event loop) and ships it with its cost model; predictions interpolate.
     ``resident``: every template in the device tier, so no row is loaded (the plan is the
-    sparse compute alone)."""
-    return [_plan_row(cost_model, grids, n, resident) for n in range(1, max_batch + 1)]
+    sparse compute alone). ``policy``: the executor's planner's (deterministic mode plans
+    every block sparse)."""
+    return [_plan_row(cost_model, grids, n, resident, policy) for n in range(1, max_batch + 1)]
 
 
 def _plan_row(
-    cost_model: CostModel, grids: Sequence[int], n: int, resident: bool = False
+    cost_model: CostModel,
+    grids: Sequence[int],
+    n: int,
+    resident: bool = False,
+    policy: Policy = Policy.BUBBLE_FREE,
 ) -> list[float]:
     row = []
     for i in range(TABLE_POINTS):
@@ -91,7 +101,7 @@ def _plan_row(
             total = n * grids[min(block.level, len(grids) - 1)]
             masked = round(fraction * total)
             tokens.append((masked, total, 0) if resident else (masked, total))
-        row.append(bubble_free_plan(cost_model.block_costs(tokens)).latency)
+        row.append(plan_step(cost_model.block_costs(tokens), policy).latency)
     return row
 
 

@@ -3,8 +3,7 @@
 Nothing can be downloaded, so the demo models get a character-level CLIP BPE vocabulary
 written here (no merges): every word becomes its characters, the last one marked ``</w>``.
 It is a real ``CLIPTokenizer`` saved with ``save_pretrained``, so the pipelines load it
-exactly as they load a downloaded tokenizer. FLUX.2 [klein]'s Qwen3 text encoder gets a
-byte-level ``Qwen2Tokenizer`` the same way (:func:`qwen_tokenizer`).
+exactly as they load a downloaded tokenizer.
 
 A trained model may also name whole ``words``: BPE merges are added so each of those words
 becomes one token (a small text encoder then learns words instead of spelling), while any
@@ -18,8 +17,7 @@ import json
 import string
 from pathlib import Path
 
-from transformers import CLIPTokenizer, Qwen2Tokenizer
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers import CLIPTokenizer, PreTrainedTokenizerBase
 
 SPECIALS = ("<|startoftext|>", "<|endoftext|>")
 CHARS = string.ascii_lowercase + string.digits + string.punctuation
@@ -91,25 +89,27 @@ def save_tokenizer(folder: Path, max_length: int, words: tuple[str, ...] = ()) -
     return tokenizer
 
 
-# Qwen's chat markers and thinking tags: the specials FLUX.2 [klein]'s prompt template uses.
-QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
-# Qwen's chat layout, without its thinking branch (``enable_thinking`` is then ignored).
+# Qwen's chat markers and end of text; Z-Image's pipeline wraps every prompt in the chat
+# template before tokenizing it.
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
-def qwen_tokenizer(max_length: int) -> Qwen2Tokenizer:
-    """A byte-level Qwen2 BPE built in memory (no merges: one token per byte), with Qwen's
-    chat specials and a chat template, which ``Flux2KleinInpaintPipeline`` applies to every
-    prompt; ``save_pretrained`` writes the ``tokenizer.json`` a downloaded one has."""
-    vocab = {symbol: i for i, symbol in enumerate(bytes_to_unicode().values())}
-    vocab["<|endoftext|>"] = len(vocab)  # Qwen2Tokenizer's default unk, eos and pad
-    return Qwen2Tokenizer(
-        vocab=vocab,
-        merges=[],
-        extra_special_tokens=list(QWEN_SPECIALS),
-        model_max_length=max_length,
-        chat_template=QWEN_CHAT_TEMPLATE,
-    )
+def qwen_tokenizer(max_length: int) -> PreTrainedTokenizerBase:
+    """A byte-level ``Qwen2Tokenizer`` built in memory (no merges: every byte is a token),
+    with Qwen's specials and the chat template Qwen3's renders for one user turn (what
+    ``enable_thinking=True`` gives). Saved with its pipeline, it loads as a downloaded one."""
+    from tokenizers import AddedToken
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    alphabet = sorted(ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate([*alphabet, *QWEN_SPECIALS])}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=max_length)
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in QWEN_SPECIALS[1:]])
+    tokenizer.padding_side = "right"
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer

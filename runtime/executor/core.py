@@ -46,7 +46,7 @@ from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.maskaware.warmup import warm_graphs
 from retouch.runtime.models import ModelCache
 from retouch.runtime.pathchoice import PathChoice, StepTimes, choose_path
-from retouch.runtime.plan import make_planner
+from retouch.runtime.plan import Policy, make_planner
 from retouch.runtime.prediction import MaskFootprint, plan_table
 from retouch.runtime.profiling import (
     cached_profile,
@@ -65,6 +65,12 @@ log = logging.getLogger(__name__)
 
 STAGE_ATTEMPTS = 3  # a pre/post job whose worker died is re-run on the restarted worker
 CANCELED_IDS = 4096  # cancels that arrived before their invocation, remembered (bounded)
+
+
+def plan_policy() -> Policy:
+    """Deterministic mode plans every block sparse: an edit's pixels then follow the
+    request alone, not the batch it joined or the timings profiled (``runtime/plan.py``)."""
+    return Policy.SPARSE if deterministic_mode() else Policy.BUBBLE_FREE
 
 
 def _retrying(submit: Callable[[], Future], attempts: int, what: str) -> Future:
@@ -380,7 +386,7 @@ class ExecutorCore:
         buckets = Buckets.for_batches(self.engine.config.max_batch)
         if self.cuda_graphs:
             editor.set_buckets(buckets)
-        editor.set_planner(make_planner(cost_model, editor.device, editor.buckets))
+        editor.set_planner(make_planner(cost_model, editor.device, editor.buckets, plan_policy()))
         editor.set_graphs(
             self.cuda_graphs,
             weights=self.adapters.residency(spec).weights_key,
@@ -427,13 +433,14 @@ class ExecutorCore:
             )
             return
         grids = cost_model.extra.get("grids")
-        if not grids or "step_table" in cost_model.extra:
+        policy = plan_policy()
+        if not grids or cost_model.extra.get("step_source") == f"profiled plan ({policy.value})":
             return
-        cost_model.extra["step_table"] = plan_table(cost_model, grids, max_batch)
-        cost_model.extra["step_source"] = "profiled plan"
+        cost_model.extra["step_table"] = plan_table(cost_model, grids, max_batch, policy=policy)
+        cost_model.extra["step_source"] = f"profiled plan ({policy.value})"
         if self.templates.device_tier is not None:
             cost_model.extra["resident_step_table"] = plan_table(
-                cost_model, grids, max_batch, resident=True
+                cost_model, grids, max_batch, resident=True, policy=policy
             )
 
     def _encodes_elsewhere(self) -> bool:
@@ -554,8 +561,12 @@ class ExecutorCore:
         # Bucketed steps pad every row to the batch's largest mask: a stock edit (every
         # token) would pad its batch-mates to full, so with buckets the paths batch apart.
         apart = (covered,) if editor.buckets is not None else ()
+        # Adapter sets batch together in mixed steps; a CUDA graph holds one set's weights
+        # (and pads batches by repeating a row), so with graphs sets batch apart.
+        if not self.engine.config.mixed_adapters or editor.buckets is not None:
+            apart = (spec.adapter_set, *apart)
         work = Work(
-            key=(spec.source.key, scheduler, spec.width, spec.height, spec.adapter_set, *apart),
+            key=(spec.source.key, scheduler, spec.width, spec.height, *apart),
             model=spec.source.key,
             family=spec.family,
             scheduler=scheduler,
@@ -783,6 +794,7 @@ class ExecutorCore:
             device=str(self.models.device),
             maskaware=self.maskaware,
             deterministic=deterministic_mode(),
+            mixed_adapters=self.engine.config.mixed_adapters,
             models=tuple(self.models.loaded()),
             loading=tuple(self.models.loading()),
             functions=functions,

@@ -71,6 +71,14 @@ class Flux2Klein(FluxInpaint):
     def install(self, transformer: torch.nn.Module) -> list[str]:
         return flux2_blocks.install(transformer)
 
+    def row_channels(self, block: str, name: str) -> int:
+        """K/V as wide as the attention's ``inner_dim`` (the single-stream blocks project K
+        fused with Q, V and the MLP input: no ``to_k``); Y the model's width."""
+        transformer = self.pipe.transformer
+        if name == "y":
+            return transformer.inner_dim
+        return transformer.get_submodule(block).attn.inner_dim
+
     @staticmethod
     def text_length(pipe: Flux2KleinInpaintPipeline) -> int:
         return min(pipe.tokenizer_max_length, pipe.tokenizer.model_max_length)

@@ -14,7 +14,8 @@ from retouch.runtime.costmodel import BlockProfile, CostModel, LinearFit
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.request import EditRequest, RequestState
 from retouch.runtime.maskaware.tokens import TokenSet
-from retouch.runtime.plan import batch_tokens, make_planner
+from retouch.runtime.plan import Policy, batch_tokens, make_planner
+from retouch.runtime.prediction import plan_table
 
 BLOCKS = ["b0", "b1", "b2", "b3"]
 
@@ -65,6 +66,21 @@ def test_free_loads_make_every_block_sparse() -> None:
 def test_prohibitive_loads_make_every_block_full() -> None:
     modes = make_planner(_model(load_slope=1.0), "cpu")([_state(0.25)], BLOCKS)
     assert modes == dict.fromkeys(BLOCKS, Mode.FULL)
+
+
+def test_the_sparse_policy_ignores_loads_and_batch() -> None:
+    """Deterministic mode's plan: every block sparse however slow the loads were profiled
+    and whatever the batch (the pixels of an edit follow its plan), and the latency the
+    planner reports and the gateway's table are those of that plan, bubbles included."""
+    model = _model(load_slope=1.0)  # the bubble-free plan runs all full here
+    planner = make_planner(model, "cpu", policy=Policy.SPARSE)
+    for batch in ([_state(0.25)], [_state(0.25), _state(0.5)]):
+        assert planner(batch, BLOCKS) == dict.fromkeys(BLOCKS, Mode.SPARSE)
+    assert planner.last is not None and planner.last.load_time > planner.last.latency / 2
+    sparse = plan_table(model, [256, 64], 2, policy=Policy.SPARSE)[0][:-1]  # mask 1: equal
+    bubble_free = plan_table(model, [256, 64], 2)[0][:-1]
+    assert all(a > b for a, b in zip(sparse, bubble_free, strict=True))
+    assert planner([_state(0.25, reader=None)], BLOCKS) == dict.fromkeys(BLOCKS, Mode.FULL)
 
 
 def test_requests_without_cache_compute_everything() -> None:
