@@ -71,6 +71,10 @@ FLUX_TRANSFORMER_FILE = DenoiserFile(
     alone=True,
 )
 
+# Qwen-Image's MMDiT keeps diffusers' key names in its original files (ComfyUI's re-saves
+# put them under the LDM prefix): the same input and text projections as Flux's.
+QWEN_IMAGE_TRANSFORMER_FILE = FLUX_TRANSFORMER_FILE
+
 
 @dataclass(frozen=True)
 class FamilySpec:
@@ -183,6 +187,16 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             lora_modules=("transformer", "text_encoder"),
             single_file=FLUX_TRANSFORMER_FILE,
             image_reference=True,
+        ),
+        FamilySpec(
+            "qwen-image",
+            "QwenImageInpaintPipeline",
+            FLOW,
+            50,
+            4.0,  # true_cfg_scale: classifier-free guidance with a negative prompt
+            cuda_dtype="bf16",
+            lora_modules=("transformer",),
+            single_file=QWEN_IMAGE_TRANSFORMER_FILE,
         ),
         FamilySpec(
             "sdxl-inpaint",

@@ -50,6 +50,7 @@ from transformers import (
     T5EncoderModel,
 )
 
+from retouch.functions.demo.qwen_image import SMALL_QWEN_IMAGE, TINY_QWEN_IMAGE, build_qwen_image
 from retouch.functions.demo.tokenizer import save_tokenizer
 from retouch.functions.models import BUILTIN_MODELS
 
@@ -438,6 +439,8 @@ DEMO_MODELS: dict[str, DemoModel] = {
         DemoModel("small-flux-fill", lambda f: _build_flux(f, **SMALL_FLUX, fill=True)),
         DemoModel("tiny-flux-kontext", lambda f: _build_flux(f, **TINY_FLUX, kontext=True)),
         DemoModel("small-flux-kontext", lambda f: _build_flux(f, **SMALL_FLUX, kontext=True)),
+        DemoModel("tiny-qwen-image", lambda f: build_qwen_image(f, TINY_QWEN_IMAGE)),
+        DemoModel("small-qwen-image", lambda f: build_qwen_image(f, SMALL_QWEN_IMAGE)),
         DemoModel("tiny-sdxl", lambda f: _build_sdxl(f, TINY_SDXL, resolution=128)),
         DemoModel("small-sdxl", lambda f: _build_sdxl(f, SMALL_SDXL, resolution=512)),
         DemoModel(

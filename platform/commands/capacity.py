@@ -25,6 +25,7 @@ SHAPE_NAMES = (
     "flux-dev",
     "flux-fill-dev",
     "flux-kontext",
+    "qwen-image",
     "sd3-medium",
     "sd2-inpaint",
     "sdxl-inpaint",

@@ -32,6 +32,7 @@ MODULES = (
     "sd3_inpaint",
     "flux_fill",
     "flux_kontext",
+    "qwen_image",
 )
 
 
