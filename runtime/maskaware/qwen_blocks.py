@@ -25,7 +25,7 @@ from torch import nn
 
 from retouch.runtime.maskaware.attention import Processor, assemble
 from retouch.runtime.maskaware.context import ForwardContext, current
-from retouch.runtime.maskaware.flux_blocks import INSTALLED, record_output, switch_layout
+from retouch.runtime.maskaware.flux_blocks import declare
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (image [N, D/2], text [L, D/2]) complex
 
@@ -39,11 +39,7 @@ def install(transformer: nn.Module) -> list[str]:
         block = transformer.get_submodule(name)
         if not isinstance(block, QwenImageTransformerBlock) or block.zero_cond_t:
             raise ValueError(f"{name}: unsupported Qwen-Image block (zero_cond_t: Edit-2511)")
-        if getattr(block, INSTALLED, None) is None:
-            block.attn.set_processor(JointAttention(name, block.attn.processor))
-            block.register_forward_pre_hook(switch_layout(name, previous), with_kwargs=True)
-            block.register_forward_hook(record_output(name))
-            setattr(block, INSTALLED, name)
+        declare(block, name, previous, JointAttention)
         previous = name
     return names
 

@@ -14,7 +14,9 @@ import torch
 from diffusers import DiffusionPipeline
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from retouch.functions.adapters import AdapterSpec
 from retouch.functions.demo.images import template_image
+from retouch.runtime.adapters import AdapterResidency
 from retouch.runtime.families import family
 from retouch.runtime.families.stepflops import pipeline_step_flops
 from retouch.runtime.maskaware.context import Mode
@@ -23,6 +25,7 @@ from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.maskaware.quality import psnr
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.models import load_pipeline
+from tests.lorafiles import write_lora
 
 EQUAL_DB = 60.0  # the acceptance bound, mask-aware vs stock
 CPU = torch.device("cpu")
@@ -150,3 +153,29 @@ class Case:
         )
         assert counted(full_plan) == pytest.approx(analytic.full.total, rel=1e-9)
         return analytic.ratio
+
+    def assert_lora_serves_what_diffusers_loads(
+        self, model: str, folder: Path, models_dir: Path, tmp_path: Path, moved: float
+    ) -> None:
+        """A LoRA of the transformer's attention (diffusers' layout), attached as an
+        executor attaches adapters: the mask-aware edit after a bake under it is the stock
+        pipeline's with ``load_lora_weights`` (exact cache), and the LoRA moves the image
+        by more than ``moved``."""
+        lora = write_lora(model, models_dir, tmp_path, family=self.family, std=0.3)
+        pipe = load_pipeline(folder, self.family, CPU)
+        editor = MaskAwareEditor(pipe, self.family, CPU)
+        bare = editor.stock_edit(self.exact(editor, self.rect(12, 20, 40, 50))[0], "np")
+        residency = AdapterResidency(pipe, 1 << 30)
+        use = residency.use(residency.register((AdapterSpec(str(lora), 0.8, "style"),)))
+        use.read.result(timeout=60)
+        use.activate()
+        use.release()
+        request, store = self.exact(editor, self.rect(12, 20, 40, 50))
+        ours = editor.edit(request, store, "np")
+
+        reference = load_pipeline(folder, self.family, CPU)
+        reference.load_lora_weights(str(lora), adapter_name="style")
+        reference.set_adapters(["style"], [0.8])
+        stock = MaskAwareEditor(reference, self.family, CPU).stock_edit(request, "np")
+        close(ours, stock)
+        assert np.abs(ours - bare).max() > moved  # the LoRA reached the transformer

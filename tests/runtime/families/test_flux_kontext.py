@@ -20,19 +20,16 @@ import numpy as np
 import pytest
 import torch
 
-from retouch.functions.adapters import AdapterSpec
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import InvalidSpec
 from retouch.functions.modelcheck import check_model, model_family
 from retouch.functions.modelsource import ModelSource
-from retouch.runtime.adapters import AdapterResidency
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.maskaware.templatelayout import recorded_tensors
 from retouch.runtime.models import load_pipeline
-from tests.lorafiles import write_lora
 from tests.runtime.families.cases import CPU, Case
 from tests.runtime.families.cases import close as _close
 
@@ -151,24 +148,7 @@ def test_a_kontext_folder_is_told_apart_from_flux_inpainting(folder: Path) -> No
 def test_a_lora_on_the_kontext_transformer_serves_what_diffusers_loads(
     folder: Path, models_dir: Path, tmp_path: Path
 ) -> None:
-    """A LoRA of the transformer's attention (diffusers' layout), attached as an executor
-    attaches adapters: the mask-aware edit after a bake under it is the stock pipeline's
-    with ``load_lora_weights`` (exact cache), and the LoRA changes the image."""
-    lora = write_lora("retouch:tiny-flux-kontext", models_dir, tmp_path, family=FAMILY, std=0.3)
-    pipe = load_pipeline(folder, FAMILY, CPU)
-    editor = MaskAwareEditor(pipe, FAMILY, CPU)
-    bare = editor.stock_edit(_exact(editor, _rect(12, 20, 40, 50))[0], "np")
-    residency = AdapterResidency(pipe, 1 << 30)
-    use = residency.use(residency.register((AdapterSpec(str(lora), 0.8, "style"),)))
-    use.read.result(timeout=60)
-    use.activate()
-    use.release()
-    request, store = _exact(editor, _rect(12, 20, 40, 50))
-    ours = editor.edit(request, store, "np")
-
-    reference = load_pipeline(folder, FAMILY, CPU)
-    reference.load_lora_weights(str(lora), adapter_name="style")
-    reference.set_adapters(["style"], [0.8])
-    stock = MaskAwareEditor(reference, FAMILY, CPU).stock_edit(request, "np")
-    _close(ours, stock)
-    assert np.abs(ours - bare).max() > 0.05  # the LoRA reached the transformer
+    """A LoRA of its transformer serves what diffusers' ``load_lora_weights`` gives."""
+    CASE.assert_lora_serves_what_diffusers_loads(
+        "retouch:tiny-flux-kontext", folder, models_dir, tmp_path, moved=0.05
+    )

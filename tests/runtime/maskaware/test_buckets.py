@@ -34,6 +34,7 @@ MODELS = (
     "retouch:tiny-flux",
     "retouch:tiny-flux-fill",
     "retouch:tiny-flux-kontext",
+    "retouch:tiny-qwen-image",
 )
 
 
