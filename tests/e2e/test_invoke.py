@@ -251,13 +251,14 @@ def test_deploy_and_invoke_a_flux_kontext_folder(
 
 
 def test_deploy_and_invoke_a_qwen_image_function(
-    server: ServerProcess, admin: Client, examples: Path
+    server: ServerProcess, admin: Client, examples: Path, models_dir: Path, tmp_path: Path
 ) -> None:
     """Qwen-Image (an MMDiT with true classifier-free guidance): its first edit runs before
     or after the bake, and once baked its edits are mask-aware, sent as msgpack (the
     client) and as JSON (base64, as curl sends it) alike; a negative prompt and a guidance
     of the request's own reach the image; a reference image, which the pipeline does not
-    read, is a 400 naming the field."""
+    read, is a 400 naming the field. A Qwen-Image folder without its VAE weights is a 422
+    naming the file, before anything loads."""
     spec, images = read_spec_file(examples / "tiny-qwen-image.toml")
     spec = dataclasses.replace(spec, name="qwen", steps=2)  # the suite's time
     edit, url, body = _served_mask_aware(server, admin, spec, images, "qwen-image")
@@ -270,6 +271,14 @@ def test_deploy_and_invoke_a_qwen_image_function(
     refused = httpx.post(url, json={**body, "image_reference": shirt}, headers=headers)
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["field"] == "image_reference"
+
+    folder = ensure_demo_model("retouch:tiny-qwen-image", models_dir)
+    broken = Path(shutil.copytree(folder, tmp_path / "broken"))
+    (broken / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+    with pytest.raises(RetouchError) as bad:
+        admin.deploy(dataclasses.replace(spec, name="qwen-broken", model=str(broken)), images)
+    assert bad.value.status == 422 and bad.value.field == "model"
+    assert "vae/diffusion_pytorch_model.safetensors" in bad.value.message
 
 
 def _served_mask_aware(
