@@ -60,6 +60,7 @@ class QwenInputs:
 
     prompt_embeds: torch.Tensor  # [2, L, D]: negative prompt, then the prompt
     prompt_mask: torch.Tensor  # [2, L] bool: the real tokens of each (the shorter is padded)
+    unpadded: bool  # no padding in either row (known on the host: no device sync per step)
     mask: torch.Tensor  # [1, N, 64] packed latent mask (the blend weight)
     image_latents: torch.Tensor  # [1, N, 64] packed template latents
     noise: torch.Tensor  # [1, N, 64] packed initial noise (re-noises the template)
@@ -139,6 +140,7 @@ class QwenImageInpaint(FluxInpaint):
         return QwenInputs(
             prompt_embeds=tensors["prompt_embeds"].to(self.device, self.dtype),
             prompt_mask=tensors["prompt_mask"].to(self.device),
+            unpadded=bool(tensors["prompt_mask"].all()),
             mask=self._pack(mask.repeat(1, self.channels, 1, 1)),
             image_latents=self._pack(tensors["image_latents"].to(self.device, self.dtype)),
             noise=noise,
@@ -151,6 +153,9 @@ class QwenImageInpaint(FluxInpaint):
             [s.inputs.prompt_embeds for s in states], [s.inputs.prompt_mask for s in states]
         )
         ctx.text_len = text.shape[1]
+        unpadded = all(
+            s.inputs.unpadded and s.inputs.prompt_embeds.shape[1] == text.shape[1] for s in states
+        )
         sparse = (
             grid is not None
             and any(s.step_reader is not None for s in states)
@@ -186,7 +191,7 @@ class QwenImageInpaint(FluxInpaint):
             latents=torch.cat([torch.cat([s.latents] * 2) for s in states]),
             timestep=batch_timesteps(states, self.device, repeat=2).to(dtype) / 1000,
             text=text,
-            text_mask=None if bool(text_mask.all()) else text_mask,
+            text_mask=None if unpadded else text_mask,  # as the pipeline: none when unpadded
         )
         return list(out.split(2))
 
