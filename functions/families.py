@@ -48,6 +48,8 @@ class DenoiserFile:
     context_config: str
     prefixes: tuple[str, ...] = (LDM_PREFIX,)
     alone: bool = False
+    # Input channels per config ``in_channels`` (Z-Image embeds 2x2 patches of latents)
+    input_factor: int = 1
 
 
 # SD's, SDXL's: ``conv_in``, and any cross-attention's key projection.
@@ -69,6 +71,16 @@ FLUX_TRANSFORMER_FILE = DenoiserFile(
     "joint_attention_dim",
     prefixes=("", LDM_PREFIX),
     alone=True,
+)
+# Z-Image's single-stream DiT, bare or in the LDM wrapper (``x_embedder`` takes 2x2 patches).
+Z_IMAGE_TRANSFORMER_FILE = DenoiserFile(
+    "transformer",
+    "x_embedder.weight",
+    "cap_embedder.1.weight",
+    "cap_feat_dim",
+    prefixes=("", LDM_PREFIX),
+    alone=True,
+    input_factor=4,
 )
 
 # Qwen-Image's MMDiT keeps diffusers' key names in its original files (ComfyUI's re-saves
@@ -197,6 +209,16 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             cuda_dtype="bf16",
             lora_modules=("transformer",),
             single_file=QWEN_IMAGE_TRANSFORMER_FILE,
+        ),
+        FamilySpec(
+            "z-image",
+            "ZImageInpaintPipeline",
+            FLOW,
+            28,
+            4.0,  # Z-Image's; Z-Image-Turbo runs 9 steps at 0 (no guidance)
+            cuda_dtype="bf16",  # its RoPE is complex64: no fp16
+            lora_modules=("transformer",),  # diffusers' ZImageLoraLoaderMixin
+            single_file=Z_IMAGE_TRANSFORMER_FILE,
         ),
         FamilySpec(
             "sdxl-inpaint",

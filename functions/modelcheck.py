@@ -34,7 +34,11 @@ WEIGHT_NAMES = {
 # The libraries a component the loader builds by its class name may come from.
 LIBRARIES = tuple(WEIGHT_NAMES)
 # Files a tokenizer folder needs by tokenizer class prefix when it has no ``tokenizer.json``.
-TOKENIZER_FILES = {"CLIP": ("vocab.json", "merges.txt"), "T5": ("spiece.model",)}
+TOKENIZER_FILES = {
+    "CLIP": ("vocab.json", "merges.txt"),
+    "T5": ("spiece.model",),
+    "Qwen2": ("vocab.json", "merges.txt"),  # Z-Image's Qwen3 tokenizer
+}
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one
 # Tensors (or key prefixes) by which diffusers finds each component of a whole-pipeline
 # single file, by the component's name in ``model_index.json`` (``single_file_utils``:
@@ -261,6 +265,9 @@ def _check_denoiser(path: Path, header: dict[str, Any], part: Path, denoiser: De
     config_name = _short(config_path)
     where = f"{path.name}: its {denoiser.component} takes"
     found = _width(header[prefix + denoiser.input_weight])
+    if found is not None and denoiser.input_factor > 1:  # patches of latents: per channel
+        found = found / denoiser.input_factor
+        found = int(found) if found.is_integer() else found
     _same_width(f"{where} {found} input channels", found, config_name, config, "in_channels")
     found = _width(header[context])
     text = f"{where} text embeddings {found} wide"

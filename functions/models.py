@@ -46,6 +46,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel("small-flux-kontext", "flux-kontext", 512),
         BuiltinModel("tiny-qwen-image", "qwen-image", 128),
         BuiltinModel("small-qwen-image", "qwen-image", 512),
+        BuiltinModel("tiny-z-image", "z-image", 128),
+        BuiltinModel("small-z-image", "z-image", 512),
         BuiltinModel("tiny-sdxl", "sdxl-inpaint", 128),
         BuiltinModel("small-sdxl", "sdxl-inpaint", 512),
         BuiltinModel("shapes-sd", "sd-inpaint", 128, trained=True),  # functions/demo/weights

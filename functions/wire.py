@@ -783,12 +783,14 @@ class DeviceMemory:
 class AdapterStats:
     """An executor's LoRA adapter figures since it started (``runtime/adapters``): files
     read from disk (in the background) and injected into a denoiser (between steps),
-    changes of the adapter set a step runs with, sets evicted for the byte budget, and the
-    milliseconds each took in all."""
+    changes of the adapter set a step runs with, steps whose rows ran their own sets' updates
+    (mixed batching), sets
+    evicted for the byte budget, and the milliseconds each took in all."""
 
     reads: int = 0
     loads: int = 0
     swaps: int = 0
+    mixed_steps: int = 0
     evictions: int = 0
     read_ms: float = 0.0
     inject_ms: float = 0.0
@@ -825,6 +827,8 @@ class ExecutorState:
     device: str
     maskaware: bool = True
     deterministic: bool = False  # runs in deterministic mode (ExecutorOptions.deterministic)
+    # batches mix adapter sets, each row its own LoRA updates (no swaps between sets)
+    mixed_adapters: bool = False
     models: tuple[str, ...] = ()  # loaded
     loading: tuple[str, ...] = ()  # being loaded or profiled
     functions: tuple[str, ...] = ()
@@ -853,6 +857,7 @@ class ExecutorState:
             "device": self.device,
             "maskaware": self.maskaware,
             "deterministic": self.deterministic,
+            "mixed_adapters": self.mixed_adapters,
             "models": list(self.models),
             "loading": list(self.loading),
             "functions": list(self.functions),
@@ -882,6 +887,7 @@ class ExecutorState:
             device=str(body["device"]),
             maskaware=bool(body.get("maskaware", True)),
             deterministic=bool(body.get("deterministic", False)),
+            mixed_adapters=bool(body.get("mixed_adapters", False)),
             models=tuple(body.get("models", ())),
             loading=tuple(body.get("loading", ())),
             functions=tuple(body.get("functions", ())),

@@ -136,7 +136,8 @@ class GatewayMetrics:
             "retouch_adapter_events",
             "LoRA adapter work in the executors: read (a file read, converted and its layers "
             "built, in the background), load (a file injected into a denoiser, between steps), swap (a step "
-            "ran another adapter set than the step before), eviction (a set unloaded for the "
+            "ran another adapter set than the step before), mixed_step (a step whose rows ran "
+            "their own adapter sets' updates, no swap), eviction (a set unloaded for the "
             "adapter byte budget)",
             ["executor", "event"],
             registry=r,
@@ -282,6 +283,7 @@ class GatewayMetrics:
             "read": now.reads - seen.reads,
             "load": now.loads - seen.loads,
             "swap": now.swaps - seen.swaps,
+            "mixed_step": now.mixed_steps - seen.mixed_steps,
             "eviction": now.evictions - seen.evictions,
         }
         for event, grew in events.items():

@@ -42,9 +42,10 @@ Adapters: with ``adapters`` > 0 the invocations belong to functions on the one b
 each with an adapter set of its own (Zipf popularity). Each executor's device holds
 ``resident_adapters`` sets (LRU; a set in use is not evicted); an invocation whose set it
 lacks has it loaded (``adapter_load_s``) from when it is bound, beside its encode, as the
-executor's asynchronous fetch does. The engine runs one set per batch group: the groups of
-a batch take turns step by step, and each turn to another set than the one applied costs
-``adapter_swap_s``. A template's bake is per set (its name carries the set). The view
+executor's asynchronous fetch does. With ``adapter_batching`` ``turns`` the engine runs one
+set per batch group: the groups of a batch take turns step by step, and each turn to
+another set than the one applied costs ``adapter_swap_s``; with ``mixed`` the whole batch
+steps at once, a step with adapters ``mixed_step_overhead`` longer, and no swaps. A template's bake is per set (its name carries the set). The view
 learns the resident sets from placements and from the executor's report of its loads and
 evictions.
 
@@ -215,6 +216,7 @@ class Simulation:
             "sim",
             0,
             model.device,
+            mixed_adapters=spec.adapter_batching == "mixed",
             engine=engine,
             cost_models={MODEL: model.to_dict()},
             adapter_stats=adapters,
@@ -230,6 +232,7 @@ class Simulation:
         self.bakes_run = 0
         self.adapter_loads = 0  # adapter sets loaded from disk, all executors
         self.adapter_swaps = 0  # turns of an engine to another adapter set
+        self.mixed_steps = 0  # steps whose rows ran their own adapter sets' updates
         for _ in range(spec.executors):
             self._add_executor()
         self.coster = self.executors[0].view.costers[MODEL]
@@ -541,19 +544,24 @@ class Simulation:
         planned = self.coster.step_s0(len(group), masked)
         seconds = fitted_step_s(planned, self.spec.step_intercept_s, self.spec.step_slope)
         seconds *= float(self.rng.lognormal(0.0, self.spec.noise)) if self.spec.noise else 1.0
-        adapter_set = group[0].request.adapter_set
-        if adapter_set != ex.applied:  # the engine turns to another set's weights
-            self.adapter_swaps += 1
+        sets = {j.request.adapter_set for j in group}
+        if self.spec.adapter_batching == "mixed" and sets != {""}:  # each row its updates
+            seconds *= 1.0 + self.spec.mixed_step_overhead
+            self.mixed_steps += 1
+        elif (adapter_set := group[0].request.adapter_set) != ex.applied:
+            self.adapter_swaps += 1  # the engine turns to another set's weights
             seconds += self.spec.adapter_swap_s
             ex.applied = adapter_set
         ex.busy_s += seconds
         self._compute(seconds, lambda: self._stepped(ex, group))
 
-    @staticmethod
-    def _next_group(ex: SimExecutor) -> list[Job]:
-        """The batch group that steps next: the running invocations of one adapter set.
-        The sets take turns in the order they joined, from the one after the set applied
-        now (the first, once the applied set's group has left)."""
+    def _next_group(self, ex: SimExecutor) -> list[Job]:
+        """The batch group that steps next: every running invocation in mixed batching,
+        else the running invocations of one adapter set. The sets take turns in the order
+        they joined, from the one after the set applied now (the first, once the applied
+        set's group has left)."""
+        if self.spec.adapter_batching == "mixed":
+            return list(ex.running)
         order = list(dict.fromkeys(j.request.adapter_set for j in ex.running))
         turn = order[0]
         if len(order) > 1 and ex.applied in order:
@@ -785,6 +793,7 @@ class Simulation:
             out["adapter_swaps"] = self.adapter_swaps
             out["adapter_loads_per_min"] = self.adapter_loads / minutes
             out["adapter_swaps_per_min"] = self.adapter_swaps / minutes
+            out["mixed_steps"] = self.mixed_steps
         out["timeline"] = self._timeline()
         return out
 

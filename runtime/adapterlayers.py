@@ -34,6 +34,8 @@ from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from retouch.runtime.mixedlora import hook
+
 CHUNK = 8  # targets built per shadow between two calls of a build's ``pace``
 
 
@@ -158,6 +160,7 @@ def _attach(denoiser: nn.Module, path: str, wrapper: BaseTunerLayer, name: str) 
         if live is not wrapper.get_base_layer():
             raise RuntimeError(f"{path} changed since adapter {name} was built for it")
         parent._modules[attr] = wrapper
+        hook(wrapper)  # a mixed-adapter step's per-row updates (runtime/mixedlora)
         return
     if live.get_base_layer() is not wrapper.get_base_layer():
         raise RuntimeError(f"{path} changed since adapter {name} was built for it")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
@@ -45,6 +45,7 @@ from diffusers import DiffusionPipeline
 from retouch.functions import wire
 from retouch.functions.adapters import AdapterSpec, adapter_set_id
 from retouch.runtime.adapterlayers import LoraLayers, attach_some, build_layers
+from retouch.runtime.mixedlora import RowAdapters, row_adapters
 from retouch.runtime.niceness import renice_this_thread
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class AdapterCounters:
     reads: int = 0  # files read, converted and their layers built (background)
     loads: int = 0  # files injected into the denoiser (engine thread, between steps)
     swaps: int = 0  # activations of another set than the previous step's
+    mixed_steps: int = 0  # steps whose rows ran their own sets' updates (no swap)
     evictions: int = 0  # sets dropped to keep the budget
     read_ms: float = 0.0  # reading and building, in the background
     inject_ms: float = 0.0  # attaching, on the engine thread (every slice summed)
@@ -162,6 +164,10 @@ class AdapterResidency:
         )
         self._names = count(1)
         self._last = BARE  # the set the previous step ran with (swaps are counted against it)
+        # Mixed steps' slots (runtime/mixedlora): injected files by slot, slot 0 the bare
+        # model's zeros; the generation changes with the assignment (layers restack then).
+        self._slot_names: list[str | None] = [None]
+        self._generation = 0
         self._applied = True  # whether the denoiser's active LoRA layers are ``_last``'s
 
     # ---- any thread -----------------------------------------------------------------------
@@ -295,6 +301,48 @@ class AdapterResidency:
             self.counters.swap_ms += (time.perf_counter() - started) * 1e3
         self._last, self._applied = set_id, True
 
+    def rows(self, set_ids: Sequence[str], rows_per_request: int, device: object) -> RowAdapters:
+        """A mixed step's plan (``runtime/mixedlora``): request ``i`` runs ``set_ids[i]``,
+        each set injected first where it is not (in one piece). The step itself leaves
+        peft's adapters off, so the next single-set step selects its set again (a swap
+        is counted against the set the previous single-set step ran)."""
+        sets = []
+        for set_id in set_ids:
+            with self._lock:
+                entry = self._sets[set_id]
+                entry.last_used = time.perf_counter()
+            if not entry.resident:
+                self._inject(entry, deadline=None)
+            with self._lock:
+                files = [(self._files[p], s) for p, s in entry.scales.items()]
+            sets.append({f.name: s for f, s in files if f.layers.config})
+        for name in {name for adapters in sets for name in adapters}:
+            self._slot(name)
+        self._applied = False
+        self.counters.mixed_steps += 1
+        names = tuple(self._slot_names)
+        slots = {name: i for i, name in enumerate(names) if name is not None}
+        return row_adapters(sets, rows_per_request, slots, names, self._generation, device)
+
+    def _slot(self, name: str) -> None:
+        """(engine thread) Give an injected file a slot in the layers' stacks (a free one,
+        else a new one): the stacks are rebuilt once for the new assignment."""
+        if name in self._slot_names:
+            return
+        free = [i for i, held in enumerate(self._slot_names) if i and held is None]
+        if free:
+            self._slot_names[free[0]] = name
+        else:
+            self._slot_names.append(name)
+        self._generation += 1
+
+    def _unslot(self, names: list[str]) -> None:
+        """(engine thread) Free the slots of unloaded files."""
+        for i, held in enumerate(self._slot_names):
+            if held in names:
+                self._slot_names[i] = None
+                self._generation += 1
+
     def _inject(self, entry: AdapterSet, deadline: float | None) -> None:
         """Attach the set's files' layers until ``deadline`` (None: all); once every file
         is in, the set is resident and the budget is enforced."""
@@ -358,6 +406,7 @@ class AdapterResidency:
             unloaded = [f.name for f in gone if f.injected]
             if unloaded:
                 self.denoiser.delete_adapters(unloaded)
+                self._unslot(unloaded)
             if victim.id == self._last:
                 self._applied = False
             log.info("evicted adapter set %s (%d files dropped)", victim.id, len(gone))
@@ -404,6 +453,10 @@ class AdapterUse:
 
     def activate(self) -> None:
         self.residency.activate(self.set_id)
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return self.residency.denoiser
 
     def release(self) -> None:
         if not self.released:

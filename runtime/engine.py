@@ -57,12 +57,13 @@ import torch
 from retouch.functions.adapters import AdapterSpec
 from retouch.functions.errors import Canceled, Unavailable
 from retouch.functions.imaging import composite, encode_image
-from retouch.runtime.adapters import AdapterUse
+from retouch.runtime.adapters import BARE, AdapterUse
 from retouch.runtime.costmodel import LinearFit
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
 from retouch.runtime.maskaware.loader import attached
 from retouch.runtime.maskaware.request import EditRequest, RequestState
+from retouch.runtime.mixedlora import RowAdapters, rows_with
 from retouch.runtime.niceness import renice_this_thread
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,9 @@ class EngineConfig:
     # engine-thread time an iteration gives to attaching a waiting adapter set's layers, as
     # a share of the last step's time (at least one layer: a load always progresses)
     adapter_load_share: float = 0.1
+    # batches mix adapter sets (each row its own LoRA updates, runtime/mixedlora) instead
+    # of one set per batch, the sets taking turns; the executor's keys then omit the set
+    mixed_adapters: bool = False
     # added to the engine thread's niceness (Linux, where a thread has its own): on a CPU
     # the steps share cores with request handling, which must not wait behind a step
     nice: int = 0
@@ -298,6 +302,23 @@ def schedule(
             sizes[work.key] = sizes.get(work.key, 0) + 1
             joining.append(work)
     return Admission(tuple(joining), tuple(loading))
+
+
+def _mixed_rows(group: list[Work], editor: MaskAwareEditor, mixed: bool) -> RowAdapters | None:
+    """The per-row adapter plan of a group's step in mixed batching (None: the group runs
+    one set through peft, ``activate``). Every step with an adapter runs the rows' plan,
+    even of one set, so that batching never swaps; a batch of the bare model alone turns
+    peft's layers off instead (they then compute their base only)."""
+    uses = [w.adapters for w in group]
+    if any(u is None for u in uses):
+        return None
+    if not mixed and len({u.set_id for u in uses}) < 2:
+        return None
+    if all(u.set_id == BARE for u in uses):
+        return None
+    residency = uses[0].residency
+    per = editor.impl.rows_per_request
+    return residency.rows([u.set_id for u in uses], per, editor.device)
 
 
 def step_overhead(
@@ -649,11 +670,16 @@ class Engine:
         editor = group[0].editor
         states = [w.state for w in group]
         try:
-            if group[0].adapters is not None:  # its set, injected or swapped in if need be
+            mixed = _mixed_rows(group, editor, self.config.mixed_adapters)
+            if mixed is None and group[0].adapters is not None:  # its set, swapped in
                 group[0].adapters.activate()
             modes = editor.plan(states, editor.blocks)
             t0 = time.perf_counter()
-            editor.step(states, modes)
+            if mixed is None:
+                editor.step(states, modes)
+            else:  # each row its set's updates; the padded layout keeps a request per row
+                with rows_with(group[0].adapters.denoiser, mixed):
+                    editor.step(states, modes, packed=False)
         except Exception as exc:
             log.exception("denoising step failed for a batch of %d", len(group))
             for work in group:

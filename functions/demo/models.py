@@ -41,17 +41,21 @@ from diffusers import (
     StableDiffusionInpaintPipeline,
     StableDiffusionXLInpaintPipeline,
     UNet2DConditionModel,
+    ZImageInpaintPipeline,
+    ZImageTransformer2DModel,
 )
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
+    Qwen3Config,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
 )
 
 from retouch.functions.demo.qwen_image import SMALL_QWEN_IMAGE, TINY_QWEN_IMAGE, build_qwen_image
-from retouch.functions.demo.tokenizer import save_tokenizer
+from retouch.functions.demo.tokenizer import qwen_tokenizer, save_tokenizer
 from retouch.functions.models import BUILTIN_MODELS
 
 log = logging.getLogger(__name__)
@@ -59,6 +63,8 @@ log = logging.getLogger(__name__)
 PREFIX = "retouch:"
 BUILD_SEED = 20261121
 TEXT_LEN = 16  # prompt tokens: the hand-written character tokenizer needs few
+# Z-Image prompts go through a chat template (19 byte tokens around the prompt)
+Z_IMAGE_TEXT_LEN = 64
 
 
 @dataclass(frozen=True)
@@ -360,6 +366,67 @@ def _copy_trained(source: Path, folder: Path) -> None:
         shutil.copyfile(source / "training.json", folder / "training.json")
 
 
+def _qwen3_text(hidden: int, pad_token_id: int, max_length: int) -> Qwen3Model:
+    """A two-layer Qwen3 base model (Z-Image reads its penultimate hidden states)."""
+    return Qwen3Model(
+        Qwen3Config(
+            vocab_size=pad_token_id + 3,  # the byte alphabet, then Qwen's three specials
+            hidden_size=hidden,
+            intermediate_size=hidden * 2,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=hidden // 2,
+            max_position_embeddings=max_length,
+            pad_token_id=pad_token_id,
+            use_cache=False,
+        )
+    )
+
+
+def _build_z_image(
+    folder: Path,
+    *,
+    dim: int,
+    heads: int,
+    layers: int,
+    refiner_layers: int,
+    vae_channels: tuple[int, ...],
+    text_hidden: int,
+    grid: int,
+) -> None:
+    """A Z-Image single-stream DiT in ZImageInpaintPipeline: a Qwen3 text encoder with
+    Qwen's byte-level tokenizer and chat template, the FLUX.1 VAE's layout (16 channels,
+    its scale and shift), a flow-matching scheduler with Z-Image-Turbo's shift. The pad
+    tokens are drawn at random (zeros would hide a pad token put where it does not go);
+    ``grid``: the longest side of the token grid the RoPE tables cover."""
+    head = dim // heads
+    axes = (head // 2, head // 4, head // 4)
+    tokenizer = qwen_tokenizer(Z_IMAGE_TEXT_LEN)
+    transformer = ZImageTransformer2DModel(
+        in_channels=16,
+        dim=dim,
+        n_layers=layers,
+        n_refiner_layers=refiner_layers,
+        n_heads=heads,
+        n_kv_heads=heads,
+        cap_feat_dim=text_hidden,
+        axes_dims=list(axes),
+        axes_lens=[2 * Z_IMAGE_TEXT_LEN, grid, grid],
+    )
+    with torch.no_grad():
+        transformer.x_pad_token.normal_()
+        transformer.cap_pad_token.normal_()
+    pipe = ZImageInpaintPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(vae_channels, 16, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=_qwen3_text(text_hidden, tokenizer.pad_token_id, Z_IMAGE_TEXT_LEN),
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
 # The Flux DiT sizes, shared by flux-inpaint and flux-fill models.
 TINY_FLUX: dict[str, Any] = {
     "hidden_heads": 2,
@@ -374,6 +441,23 @@ SMALL_FLUX: dict[str, Any] = {  # factor-4 VAE: 128x128 latents = 64x64 = 4096 t
     "head_dim": 64,
     "layers": 2,
     "single_layers": 4,
+    "vae_channels": (16, 32, 32),
+    "text_hidden": 64,
+}
+# The Z-Image DiT sizes (factor-4 VAE: small's 512 px is a 64x64 token grid).
+TINY_Z_IMAGE: dict[str, Any] = {
+    "dim": 32,
+    "heads": 2,
+    "layers": 2,
+    "refiner_layers": 2,
+    "vae_channels": (16, 32, 32),
+    "text_hidden": 32,
+}
+SMALL_Z_IMAGE: dict[str, Any] = {
+    "dim": 384,
+    "heads": 6,
+    "layers": 4,
+    "refiner_layers": 2,
     "vae_channels": (16, 32, 32),
     "text_hidden": 64,
 }
@@ -441,6 +525,8 @@ DEMO_MODELS: dict[str, DemoModel] = {
         DemoModel("small-flux-kontext", lambda f: _build_flux(f, **SMALL_FLUX, kontext=True)),
         DemoModel("tiny-qwen-image", lambda f: build_qwen_image(f, TINY_QWEN_IMAGE)),
         DemoModel("small-qwen-image", lambda f: build_qwen_image(f, SMALL_QWEN_IMAGE)),
+        DemoModel("tiny-z-image", lambda f: _build_z_image(f, **TINY_Z_IMAGE, grid=64)),
+        DemoModel("small-z-image", lambda f: _build_z_image(f, **SMALL_Z_IMAGE, grid=128)),
         DemoModel("tiny-sdxl", lambda f: _build_sdxl(f, TINY_SDXL, resolution=128)),
         DemoModel("small-sdxl", lambda f: _build_sdxl(f, SMALL_SDXL, resolution=512)),
         DemoModel(

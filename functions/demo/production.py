@@ -1,8 +1,8 @@
 """Production-shaped pipelines for benchmarks: the real denoiser configs, random weights.
 
 Benchmarks of the GPU data path need the shapes users serve (FLUX.1-dev's 19 + 38 blocks at
-3072 wide, and FLUX.1-Fill-dev's on 384 input channels, SD3-medium's 24 MMDiT blocks, the
-SD2- and SDXL-inpainting UNets), not the small demo models, whose steps are launch-bound.
+3072 wide, and FLUX.1-Fill-dev's on 384 input channels, SD3-medium's 24 MMDiT blocks,
+Z-Image's 30 single-stream blocks at 3840 wide, the SD2- and SDXL-inpainting UNets), not the small demo models, whose steps are launch-bound.
 No weights can be downloaded, and an fp32 CPU init of
 12 B parameters followed by a save and a load would take minutes, so these pipelines are
 built in memory, directly on the target device in the compute dtype (random init there
@@ -45,12 +45,16 @@ from diffusers import (
     StableDiffusionInpaintPipeline,
     StableDiffusionXLInpaintPipeline,
     UNet2DConditionModel,
+    ZImageInpaintPipeline,
+    ZImageTransformer2DModel,
 )
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Qwen3Config,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
 )
@@ -62,7 +66,7 @@ from retouch.functions.demo.qwen_image import (
     qwen_image_text_encoder,
     qwen_image_tokenizer,
 )
-from retouch.functions.demo.tokenizer import save_tokenizer, vocabulary
+from retouch.functions.demo.tokenizer import qwen_tokenizer, save_tokenizer, vocabulary
 
 CLIP_TOKENS = 77
 
@@ -227,6 +231,47 @@ def build_qwen_image(scale: float, scratch: Path) -> QwenImageInpaintPipeline:
     )
 
 
+def build_z_image(scale: float, scratch: Path) -> ZImageInpaintPipeline:
+    """Z-Image's single-stream DiT (6 B: 30 blocks and 2 + 2 refiner blocks, 30 heads of
+    128, RoPE axes 32/48/48) reading a 2560-wide Qwen3-4B caption of up to 512 tokens, with
+    the FLUX.1 VAE, in ``ZImageInpaintPipeline`` (Z-Image-Turbo's scheduler)."""
+    heads = _depth(30, scale)
+    text = _width(2560, scale, 64)
+    tokenizer = qwen_tokenizer(512)
+    transformer = ZImageTransformer2DModel(
+        in_channels=16,
+        dim=heads * 128,
+        n_layers=_depth(30, scale),
+        n_refiner_layers=2,
+        n_heads=heads,
+        n_kv_heads=heads,
+        cap_feat_dim=text,
+        axes_dims=[32, 48, 48],
+        axes_lens=[1024, 512, 512],
+    )
+    text_encoder = Qwen3Model(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=text,
+            intermediate_size=256,
+            num_hidden_layers=1,  # its hidden states [-2] are then the embeddings: a shape
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=512,
+            pad_token_id=tokenizer.pad_token_id,
+            use_cache=False,
+        )
+    )
+    return ZImageInpaintPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(16, scale, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+
+
 def build_sd3_medium(scale: float, scratch: Path) -> StableDiffusion3InpaintPipeline:
     """SD3-medium's MMDiT (24 blocks, 24 heads of 64, patch 2) with CLIP-L, CLIP-G and T5
     context shapes (2048-wide pooled, 77 + 256 text tokens at 4096 wide)."""
@@ -364,6 +409,14 @@ SHAPES: dict[str, Shape] = {
             torch.bfloat16,
             "Qwen-Image (20 B)",
             build_qwen_image,
+        ),
+        Shape(
+            "z-image",
+            "z-image",
+            1024,
+            torch.bfloat16,
+            "Z-Image / Z-Image-Turbo (6 B)",
+            build_z_image,
         ),
         Shape(
             "sd3-medium",

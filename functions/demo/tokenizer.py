@@ -17,7 +17,7 @@ import json
 import string
 from pathlib import Path
 
-from transformers import CLIPTokenizer
+from transformers import CLIPTokenizer, PreTrainedTokenizerBase
 
 SPECIALS = ("<|startoftext|>", "<|endoftext|>")
 CHARS = string.ascii_lowercase + string.digits + string.punctuation
@@ -86,4 +86,30 @@ def save_tokenizer(folder: Path, max_length: int, words: tuple[str, ...] = ()) -
         vocab=str(vocab_file), merges=str(merges_file), model_max_length=max_length
     )
     tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+# Qwen's chat markers and end of text; Z-Image's pipeline wraps every prompt in the chat
+# template before tokenizing it.
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen_tokenizer(max_length: int) -> PreTrainedTokenizerBase:
+    """A byte-level ``Qwen2Tokenizer`` built in memory (no merges: every byte is a token),
+    with Qwen's specials and the chat template Qwen3's renders for one user turn (what
+    ``enable_thinking=True`` gives). Saved with its pipeline, it loads as a downloaded one."""
+    from tokenizers import AddedToken
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    alphabet = sorted(ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate([*alphabet, *QWEN_SPECIALS])}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=max_length)
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in QWEN_SPECIALS[1:]])
+    tokenizer.padding_side = "right"
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     return tokenizer

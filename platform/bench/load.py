@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
+from retouch.functions.adapters import AdapterSpec
 from retouch.functions.demo.images import SHAPES, mask_of_ratio, template_image
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import encode_image, encode_mask
@@ -43,6 +45,7 @@ class PlannedRequest:
     mask: bytes
     ratio: float
     seed: int
+    function: int = 0  # which of the replayed functions (one per adapter set)
 
 
 @dataclass
@@ -147,17 +150,24 @@ def _median(values: list[float]) -> float:
 
 
 def plan_requests(
-    workload: Workload, rate: float, templates: list[str], size: tuple[int, int]
+    workload: Workload,
+    rate: float,
+    templates: list[str],
+    size: tuple[int, int],
+    functions: int = 1,
+    function_zipf: float = 1.1,
 ) -> list[PlannedRequest]:
     """The request sequence every configuration replays: the workload's draws
     (:class:`~retouch.platform.workload.Draws`, as the simulator draws them), the first
-    arrival at 0, and each mask's shape."""
+    arrival at 0, and each mask's shape; with several ``functions`` (one per adapter set),
+    each request's function drawn with Zipf popularity as the simulator draws sets."""
     draws = Draws(workload.seed)
     n = workload.requests + workload.warmup
     ratios = draws.masks(workload.mix, n)
     at = draws.arrivals(workload.process, n, rate)
     chosen = draws.templates(n, len(templates), workload.zipf)
     shapes = draws.rng.choice(SHAPES, n)
+    owners = draws.adapters(n, functions, function_zipf) if functions > 1 else np.zeros(n, int)
     return [
         PlannedRequest(
             float(at[i] - at[0]),
@@ -165,22 +175,29 @@ def plan_requests(
             encode_mask(mask_of_ratio(size, float(ratios[i]), str(shapes[i]), seed=i)),
             float(ratios[i]),
             i,
+            int(owners[i]),
         )
         for i in range(n)
     ]
 
 
+def _names(functions: str | Sequence[str]) -> list[str]:
+    """The replayed functions, indexed by ``PlannedRequest.function``."""
+    return [functions] if isinstance(functions, str) else list(functions)
+
+
 async def replay(
     url: str,
     token: str | None,
-    function: str,
+    functions: str | Sequence[str],
     plan: list[PlannedRequest],
     warmup: int,
     prompt: str = "a small red bird",
 ) -> RunStats:
     """Send each planned request at its time (open loop) and wait for all answers."""
+    names = _names(functions)
     stats = RunStats(outcomes=[Outcome(warmup=i < warmup) for i in range(len(plan))])
-    bar = tqdm(total=len(plan), desc=f"load {function}", unit="req", leave=False)
+    bar = tqdm(total=len(plan), desc=f"load {names[0]}", unit="req", leave=False)
     async with AsyncClient(url, token) as client:
         start = time.perf_counter()
 
@@ -192,7 +209,7 @@ async def replay(
             outcome.template = req.template or ""
             try:
                 result = await client.invoke(
-                    function, req.template, req.mask, prompt, seed=req.seed
+                    names[req.function], req.template, req.mask, prompt, seed=req.seed
                 )
                 outcome.queue_ms = result.timings.queue_ms
                 outcome.interruptions = result.engine.interruptions
@@ -222,9 +239,14 @@ async def replay(
 
 
 async def measure_capacity(
-    url: str, token: str | None, function: str, plan: list[PlannedRequest], concurrency: int
+    url: str,
+    token: str | None,
+    functions: str | Sequence[str],
+    plan: list[PlannedRequest],
+    concurrency: int,
 ) -> float:
     """Closed-loop throughput (invocations/s) with ``concurrency`` requests always in flight."""
+    names = _names(functions)
     async with AsyncClient(url, token) as client:
         queue = list(plan)
         done = 0
@@ -235,7 +257,9 @@ async def measure_capacity(
             while queue:
                 req = queue.pop()
                 try:
-                    await client.invoke(function, req.template, req.mask, "capacity", seed=req.seed)
+                    await client.invoke(
+                        names[req.function], req.template, req.mask, "capacity", seed=req.seed
+                    )
                 except RetouchError as exc:  # refused by admission: it is not throughput
                     if exc.code not in REJECTIONS:
                         raise
@@ -360,6 +384,9 @@ CONFIG_TOKENS = {
     "round-robin": ("--placement", "round-robin"),
     "least-masked-tokens": ("--placement", "least-masked-tokens"),
     "template-hash": ("--placement", "template-hash"),
+    # adapter batching (``--adapters N``): mixed is the default
+    "mixed": (),
+    "turns": ("--adapter-batching", "turns"),
 }
 
 
@@ -442,6 +469,8 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
         raise ValueError(f"--rounds must be >= 1, not {spec.rounds}")
     rates = parse_rates(spec.rate)
     function, images = bench_function(spec.model, spec.steps, spec.templates, spec.slo_ms)
+    functions = adapter_functions(function, spec.adapters, data_dir)
+    names = [f.name for f in functions]
     size = (function.width, function.height)
     runs = [(name, label) for name in spec.configs for label in rates]
     named = {run: run[0] if len(rates) == 1 else f"{run[0]}@{run[1]}" for run in runs}
@@ -455,14 +484,12 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
                 # Capacity is measured without the SLO: admission's refusals are not lost
                 # throughput (with them, a 2x-overload run once measured 4.8/s of 19.6).
                 probing = capacity is None and any(rate is None for rate, _ in rates.values())
-                client.deploy(replace(function, slo_ms=None) if probing else function, images)
-                if "stock" not in name.split("+"):
-                    wait_baked(client, function.name)
+                baked = "stock" not in name.split("+")
+                _deploy(client, functions, images, slo=not probing, baked=baked)
                 if probing:
-                    capacity = probe_capacity(server.url, function.name, spec, list(images), size)
-                    if function.slo_ms is not None:
-                        client.deploy(function, images)  # same templates: no new bakes
-                        wait_baked(client, function.name)
+                    capacity = probe_capacity(server.url, names, spec, list(images), size)
+                    if function.slo_ms is not None:  # same templates: no new bakes
+                        _deploy(client, functions, images, slo=True, baked=baked)
                 for label, (rate, factor) in rates.items():
                     rps[label] = rate if rate is not None else factor * (capacity or 0.0)
                     plan = plan_requests(
@@ -470,10 +497,10 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
                         rps[label],
                         list(images),
                         size,
+                        len(functions),
+                        spec.adapter_zipf,
                     )
-                    stats = asyncio.run(
-                        replay(server.url, None, function.name, plan, spec.workload.warmup)
-                    )
+                    stats = asyncio.run(replay(server.url, None, names, plan, spec.workload.warmup))
                     key = named[(name, label)]
                     results[key].outcomes += stats.outcomes
                     results[key].wall_s += stats.wall_s
@@ -502,6 +529,44 @@ def run_load_bench(spec: LoadSpec, data_dir: Path) -> dict[str, Any]:
     }
 
 
+def adapter_functions(function: FunctionSpec, count: int, data_dir: Path) -> list[FunctionSpec]:
+    """``function`` alone (``count`` 0), or ``count`` copies on its model, each with a LoRA
+    of its own (rank 4, written under ``data_dir/loras``): a template marketplace's long
+    tail of styles."""
+    if count == 0:
+        return [function]
+    from retouch.runtime.demoloras import write_lora  # torch: only where adapters are asked
+
+    models = data_dir / "shared" / "models"
+    loras = [
+        write_lora(
+            function.model, models, data_dir / "loras" / f"l{i}", family=function.family, seed=i
+        )
+        for i in tqdm(range(count), desc="LoRA files", unit="file")
+    ]
+    return [
+        replace(function, name=f"{function.name}-a{i}", adapters=(AdapterSpec(str(lora), 0.8),))
+        for i, lora in enumerate(loras)
+    ]
+
+
+def _deploy(
+    client: Client,
+    functions: list[FunctionSpec],
+    images: dict[str, bytes],
+    *,
+    slo: bool,
+    baked: bool,
+) -> None:
+    """Deploy every function (without its SLO while the capacity is probed: admission's
+    refusals are not lost throughput) and wait for their bakes."""
+    for function in functions:
+        client.deploy(function if slo else replace(function, slo_ms=None), images)
+    if baked:
+        for function in functions:
+            wait_baked(client, function.name)
+
+
 def config_server(spec: LoadSpec, name: str, data_dir: Path) -> ServerProcess:
     extra = [
         *config_args(name),
@@ -518,7 +583,11 @@ def config_server(spec: LoadSpec, name: str, data_dir: Path) -> ServerProcess:
 
 
 def probe_capacity(
-    url: str, function: str, spec: LoadSpec, templates: list[str], size: tuple[int, int]
+    url: str,
+    functions: str | Sequence[str],
+    spec: LoadSpec,
+    templates: list[str],
+    size: tuple[int, int],
 ) -> float:
     """Closed-loop throughput of the first configuration: the unit of ``auto:F`` rates."""
     probe = plan_requests(
@@ -532,9 +601,11 @@ def probe_capacity(
         1.0,
         templates,
         size,
+        len(_names(functions)),
+        spec.adapter_zipf,
     )
     capacity = asyncio.run(
-        measure_capacity(url, None, function, probe, spec.max_batch * spec.executors)
+        measure_capacity(url, None, functions, probe, spec.max_batch * spec.executors)
     )
     log.info("capacity: %.3f invocations/s", capacity)
     return capacity

@@ -136,7 +136,8 @@ class SimSpec:
     # Adapters: functions on the one base model, each with a LoRA of its own (an adapter
     # set), drawn with Zipf popularity; each executor's device holds ``resident_adapters``
     # sets (LRU); a set it lacks is loaded from disk while the invocation waits, and its
-    # engine runs one set per batch group, the groups taking turns with a swap between.
+    # engine runs one set per batch group, the groups taking turns with a swap between
+    # (``turns``), or every set in one batch, each row its own updates (``mixed``).
     adapters: int = knob(
         0,
         "adapter sets of functions on the shared base model, drawn with Zipf popularity "
@@ -159,6 +160,20 @@ class SimSpec:
     adapter_swap_s: float = knob(
         0.1,
         "a swap between batch groups of different adapter sets (LegoDiffusion: ~100 ms)",
+        parse=non_negative_float,
+        env=False,
+    )
+    adapter_batching: str = knob(
+        "turns",
+        "how an engine batches invocations of different adapter sets: turns (a batch group "
+        "per set, a swap between groups) or mixed (one batch, each row its own set's "
+        "updates, no swaps)",
+        choices=("turns", "mixed"),
+        env=False,
+    )
+    mixed_step_overhead: float = knob(
+        0.05,
+        "a mixed step's time over a one-set step's, as a fraction (`retouch bench mixed-adapters`)",
         parse=non_negative_float,
         env=False,
     )
@@ -228,7 +243,7 @@ class LoadSpec:
     configs: tuple[str, ...] = knob(
         ("continuous", "static"),
         "configurations: +-joined tokens of continuous|static, maskaware|stock, "
-        "disaggregated|naive",
+        "disaggregated|naive, mixed|turns",
         flag="--compare",
         metavar="COMPARE",
         env=False,
@@ -273,6 +288,20 @@ class LoadSpec:
     out: Path | None = knob(
         None,
         "also write load.json and load.md (the table, with the command) into this folder",
+        env=False,
+    )
+    adapters: int = knob(
+        0,
+        "functions on the model, each with a LoRA of its own, invocations spread over them "
+        "with Zipf popularity (--adapter-zipf); compare turns and mixed adapter batching "
+        "(0: one function without adapters)",
+        parse=non_negative_int,
+        env=False,
+    )
+    adapter_zipf: float = knob(
+        1.1,
+        "Zipf exponent of the adapter functions' popularity",
+        parse=non_negative_float,
         env=False,
     )
     ray_address: str | None = None  # executors as Ray actors on this cluster (one per slot)

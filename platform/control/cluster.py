@@ -151,6 +151,7 @@ class ExecutorView:
         self.host_capacity: int | None = None  # templates the host tier holds (None: unknown)
         self.adapters: OrderedDict[str, None] = OrderedDict()  # sets on the device, LRU first
         self.adapter_costs = AdapterCosts()
+        self.mixed_adapters = False  # its batches mix adapter sets: no swaps between them
         self.workers = (0, 0)  # its pre and post worker processes (0: not known)
         self._results: deque[float] = deque(maxlen=16)  # when its latest results came
         self.version = 0
@@ -177,6 +178,7 @@ class ExecutorView:
             self.calibration.step_slope = state.engine.step_slope
         self._observe_templates(state)
         self.observe_adapters(state.adapters)
+        self.mixed_adapters = state.mixed_adapters
         self.adapter_costs.observe(state.adapter_stats)
         self._changed()
 
@@ -252,8 +254,9 @@ class ExecutorView:
         batch group, and groups of different sets take turns step by step, one swap per
         group a round: each other set placed here costs the newcomer a swap a round for as
         long as it stays (its longest steps left, at most the newcomer's), and its own group
-        one more a round while any other does. 0 where everything here runs its set."""
-        if newcomer.optimistic:
+        one more a round while any other does. 0 where everything here runs its set, or
+        where the executor's batches mix sets (each row its own updates, no turns)."""
+        if newcomer.optimistic or self.mixed_adapters:
             return 0.0
         stays: dict[str, int] = {}
         for p in self.placed.values():
@@ -269,7 +272,7 @@ class ExecutorView:
         """What the newcomer adds to every round here in swaps: a set not placed here yet
         makes one more group to turn to (two swaps a round when it makes the second)."""
         sets = {p.newcomer.adapter_set for p in self.placed.values()}
-        if not sets or newcomer.adapter_set in sets:
+        if not sets or newcomer.adapter_set in sets or self.mixed_adapters:
             return 0.0
         before = len(sets) if len(sets) > 1 else 0
         return self.adapter_costs.swap_s * (len(sets) + 1 - before)

@@ -561,8 +561,12 @@ class ExecutorCore:
         # Bucketed steps pad every row to the batch's largest mask: a stock edit (every
         # token) would pad its batch-mates to full, so with buckets the paths batch apart.
         apart = (covered,) if editor.buckets is not None else ()
+        # Adapter sets batch together in mixed steps; a CUDA graph holds one set's weights
+        # (and pads batches by repeating a row), so with graphs sets batch apart.
+        if not self.engine.config.mixed_adapters or editor.buckets is not None:
+            apart = (spec.adapter_set, *apart)
         work = Work(
-            key=(spec.source.key, scheduler, spec.width, spec.height, spec.adapter_set, *apart),
+            key=(spec.source.key, scheduler, spec.width, spec.height, *apart),
             model=spec.source.key,
             family=spec.family,
             scheduler=scheduler,
@@ -790,6 +794,7 @@ class ExecutorCore:
             device=str(self.models.device),
             maskaware=self.maskaware,
             deterministic=deterministic_mode(),
+            mixed_adapters=self.engine.config.mixed_adapters,
             models=tuple(self.models.loaded()),
             loading=tuple(self.models.loading()),
             functions=functions,

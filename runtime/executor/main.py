@@ -71,6 +71,8 @@ def build_core(args: argparse.Namespace) -> ExecutorCore:
         options.max_batch,
         disaggregated=not options.inline_prepost,
         nice=nice,
+        # a CUDA graph holds one set's weights: with graphs, sets take turns
+        mixed_adapters=options.adapter_batching == "mixed" and not options.cuda_graphs,
     )
     stages = None
     if not options.inline_prepost:

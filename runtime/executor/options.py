@@ -23,6 +23,7 @@ from retouch.functions.knobs import add_flags, from_flags, knob
 
 ENGINE_MODES = ("continuous", "static")
 PATH_CHOICES = ("auto", "maskaware")
+ADAPTER_BATCHING = ("mixed", "turns")
 CORES_PER_WORKER = 4  # pre and post workers each: one per this many cores, at least one
 # LoRA weights each loaded model copy keeps in its denoiser: a few SD3-sized adapters
 # (~0.9 GiB each), or dozens of SD 1.5 ones
@@ -88,6 +89,14 @@ class ExecutorOptions:
         "(it sleeps the rest): the build holds the interpreter lock a step needs too, so "
         "at 0.1 a step slows by about a tenth while a LoRA loads, and the load takes ten "
         "times its work; in (0, 1]",
+    )
+    adapter_batching: str = knob(
+        "mixed",
+        "how invocations of one model with different LoRA sets share steps: mixed (one "
+        "batch, each row adding its own set's low-rank updates) or turns (a batch per set, "
+        "the sets taking turns, each turn a swap; for comparisons). With CUDA graphs sets "
+        "take turns",
+        choices=ADAPTER_BATCHING,
     )
     maskaware: bool = knob(
         True, "mask-aware edits; --no-maskaware computes every token (for comparisons)"

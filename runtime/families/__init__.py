@@ -33,6 +33,7 @@ MODULES = (
     "flux_fill",
     "flux_kontext",
     "qwen_image",
+    "z_image",
 )
 
 

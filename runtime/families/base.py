@@ -58,7 +58,9 @@ class FamilyModel:
     ``denoiser`` names the pipeline attribute a pre/post worker's pipeline lacks
     (``has_denoiser`` is then False); with it, :meth:`install` declares the block wrappers
     and names the blocks activations are recorded under, in execution order.
-    ``rows_per_request``: model rows per request (2 with classifier-free guidance halves);
+    ``rows_per_request``: model rows per request (2 with classifier-free guidance halves),
+    consecutive in a batch (request ``i`` owns rows ``i * per`` onwards: mixed-adapter steps
+    give those rows its LoRA set, ``runtime/mixedlora``);
     ``packs``: whether the blocks run the packed layout (else always padded);
     ``image_sequences``: token grids of the image's size in the denoiser's image sequence
     (2 where a reference image's tokens follow the edited latents');
@@ -102,6 +104,18 @@ class FamilyModel:
 
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
         return self.latent_grid(self.pipe, height, width)
+
+    def grid_tokens(self, lh: int, lw: int) -> int:
+        """Image tokens a DiT block's cached rows hold at latent size ``(lh, lw)``: Flux
+        packs 2x2 latents, SD3 patches 2x2; a reference image's tokens follow (Kontext)."""
+        return self.image_sequences * (lh // 2) * (lw // 2)
+
+    def row_channels(self, block: str, name: str) -> int:
+        """The width of a DiT block's cached rows ``name`` (its output Y, or its K/V)."""
+        denoiser = getattr(self.pipe, self.denoiser)
+        if name == "y":
+            return denoiser.inner_dim
+        return denoiser.get_submodule(block).attn.to_k.out_features
 
     def noise_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (1, self.channels, *self.latent_size(height, width))

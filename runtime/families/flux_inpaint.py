@@ -245,24 +245,18 @@ class FluxInpaint(FamilyModel):
         where every request steps with the flow-matching Euler scheduler."""
         if not flowstep.batchable(states):
             return super().advance_all(states, predictions)
-        latents = flowstep.step(states, torch.cat(predictions))
-        self._blend = flowstep.BlendInputs.of(states, self._blend)
-        latents = flowstep.blend(states, latents, self._blend)
-        for state, row in zip(states, latents.split(1), strict=True):
-            state.latents = row
+        self._blend = flowstep.advance(states, torch.cat(predictions), self._blend)
         return None
 
     def decode(
         self, latents: torch.Tensor, size: ImageSize, output_type: str = "pil"
     ) -> Image.Image | np.ndarray:
         """Unpack ``[1, N, 4C]`` final latents to ``size``, VAE decode, postprocess."""
-        pipe, vae = self.pipe, self.pipe.vae
+        pipe = self.pipe
         latents = pipe._unpack_latents(
-            latents.to(self.device, vae.dtype), size.height, size.width, pipe.vae_scale_factor
+            latents.to(self.device, pipe.vae.dtype), size.height, size.width, pipe.vae_scale_factor
         )
-        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-        decoded = vae.decode(latents, return_dict=False)[0]
-        return pipe.image_processor.postprocess(decoded, output_type=output_type)[0]
+        return inpaint.shifted_decode(pipe, latents, self.device, output_type)
 
 
 def _batched(states: list[RequestState], latents: torch.Tensor) -> PackedInputs:

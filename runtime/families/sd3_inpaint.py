@@ -172,11 +172,7 @@ class SD3Inpaint(FamilyModel):
         if not flowstep.batchable(states):
             return super().advance_all(states, predictions)
         velocity = flowstep.guide(states, torch.stack(predictions))
-        latents = flowstep.step(states, velocity)
-        self._blend = flowstep.BlendInputs.of(states, self._blend)
-        latents = flowstep.blend(states, latents, self._blend)
-        for state, row in zip(states, latents.split(1), strict=True):
-            state.latents = row
+        self._blend = flowstep.advance(states, velocity, self._blend)
         return None
 
 

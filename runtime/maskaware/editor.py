@@ -341,10 +341,19 @@ class MaskAwareEditor:
         return self.assemble(request, self.encode(request, self._cached_latents(reader)), reader)
 
     @torch.inference_mode()
-    def step(self, states: list[RequestState], modes: dict[str, Mode] | None = None) -> None:
+    def step(
+        self,
+        states: list[RequestState],
+        modes: dict[str, Mode] | None = None,
+        *,
+        packed: bool = True,
+    ) -> None:
         """One denoising step for every state (each at its own timestep), one batched forward.
 
-        ``modes`` (per block) defaults to the editor's plan for these states.
+        ``modes`` (per block) defaults to the editor's plan for these states. ``packed``:
+        False keeps every layer's input in the batch's model rows (the padded layout, where
+        the family would pack the masked tokens of every request into one row): what a
+        computation per row needs (``runtime/mixedlora``).
         """
         if not states:
             return
@@ -355,7 +364,8 @@ class MaskAwareEditor:
         if any(set(s.tokens) != sizes for s in states):
             raise ValueError("requests in one step must share the resolution")
         run = self._padded_batch(states)
-        grids = self._grids({size: tuple(s.step_tokens[size] for s in run) for size in sizes})
+        step_tokens = {size: tuple(s.step_tokens[size] for s in run) for size in sizes}
+        grids = self._grids(step_tokens, packed)
         per = self.impl.rows_per_request
         slots = [Slot(s.index, reader=s.step_reader) for s in run]
         ctx = ForwardContext(slots, per, {}, grids)
@@ -406,30 +416,29 @@ class MaskAwareEditor:
         )
 
     def _grids(
-        self, sets: dict[tuple[int, int], tuple[TokenSet, ...]]
+        self, sets: dict[tuple[int, int], tuple[TokenSet, ...]], packed: bool = True
     ) -> dict[tuple[int, int], TokenBatch | BucketBatch]:
         """The step's token layout on every grid: bucketed when buckets are declared and
         every request has a masked token on every grid (a pad repeats one), else exact."""
         per = self.impl.rows_per_request
-        packed = self.packed and self.impl.packs
+        packed = packed and self.packed and self.impl.packs
         padding = None if self._buckets is None else self._buckets.padding(sets.values())
         if padding is None:
             return {size: self._layout(group, per, packed) for size, group in sets.items()}
         grids = {}
         for size, group in sets.items():
             n_tokens = group[0].n_tokens
-            batch = self._bucket_batch(size, n_tokens, len(group), padding[n_tokens])
+            batch = self._bucket_batch(size, n_tokens, len(group), padding[n_tokens], packed)
             grids[size] = batch.fill(group)
             self.padded_tokens += batch.padded_tokens
         return grids
 
     def _bucket_batch(
-        self, size: tuple[int, int], n_tokens: int, requests: int, bucket: int
+        self, size: tuple[int, int], n_tokens: int, requests: int, bucket: int, packed: bool
     ) -> BucketBatch:
         """The one bucketed batch of this shape, refilled every step it serves (a graph
         captured with it replays with its buffers)."""
         per = self.impl.rows_per_request
-        packed = self.packed and self.impl.packs
         key = (size, requests, per, packed, bucket)
         batch = self._bucketed.get(key)
         if batch is None:

@@ -102,6 +102,18 @@ def blend(
     return inputs.keep * template + inputs.mask * latents
 
 
+def advance(
+    states: Sequence[RequestState], velocity: torch.Tensor, memo: BlendInputs | None
+) -> BlendInputs:
+    """:func:`step` then :func:`blend`, each request's latents replaced by its row; the
+    blend's stacked tensors, for the next call to re-use while the batch stays the same."""
+    inputs = BlendInputs.of(states, memo)
+    latents = blend(states, step(states, velocity), inputs)
+    for state, row in zip(states, latents.split(1), strict=True):
+        state.latents = row
+    return inputs
+
+
 _SIGMAS: weakref.WeakKeyDictionary[Any, np.ndarray] = weakref.WeakKeyDictionary()
 
 

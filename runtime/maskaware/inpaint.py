@@ -3,7 +3,7 @@
 Flux and SD3 inpainting (16-channel denoisers) blend the unmasked latents back to the
 template re-noised to the next timestep after every step and take the template's latents
 as ``image`` (then skip their VAE encode: the stock call of ``families/base.py``); SD and SD3
-decode with ``latents / scaling``.
+decode with ``latents / scaling``, Flux and Z-Image with ``latents / scaling + shift``.
 Each function does exactly what those pipelines do, so a family built on them stays equal
 to its stock pipeline.
 """
@@ -81,3 +81,14 @@ def scaled_decode(
     return pipe.image_processor.postprocess(
         image[0], output_type=output_type, do_denormalize=[True]
     )[0]
+
+
+def shifted_decode(
+    pipe: Any, latents: torch.Tensor, device: torch.device, output_type: str
+) -> Image.Image | np.ndarray:
+    """VAE decode of ``latents / scaling_factor + shift_factor`` ``[1, C, h, w]`` (the
+    FLUX.1 VAE's) and the pipeline's postprocess."""
+    vae = pipe.vae
+    latents = latents.to(device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+    decoded = vae.decode(latents, return_dict=False)[0]
+    return pipe.image_processor.postprocess(decoded, output_type=output_type)[0]

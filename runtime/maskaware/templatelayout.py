@@ -90,17 +90,9 @@ def _block_rows(
                 attn = module.transformer_blocks[int(name[1:])].attn1
                 yield name, (impl.rows_per_request, h * w, attn.to_k.out_features)
         return
-    denoiser = pipe.transformer
-    # Flux packs 2x2 latents, SD3 patches 2x2; a reference image's tokens follow (Kontext)
-    tokens = impl.image_sequences * (lh // 2) * (lw // 2)
+    tokens = impl.grid_tokens(lh, lw)
     for name in names:
-        channels = denoiser.inner_dim if name == "y" else _attention(denoiser, block)
-        yield name, (impl.rows_per_request, tokens, channels)
-
-
-def _attention(denoiser: torch.nn.Module, block: str) -> int:
-    """A DiT block's K/V width."""
-    return denoiser.get_submodule(block).attn.to_k.out_features
+        yield name, (impl.rows_per_request, tokens, impl.row_channels(block, name))
 
 
 def _unet_level(block: str, levels: int) -> int:

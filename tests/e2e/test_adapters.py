@@ -1,7 +1,7 @@
 """Two functions on one base model with different LoRA adapters, served by one executor
 (real processes): invoked interleaved, each gets its own adapter's image (the one it gets
-alone), the executor reports both sets resident and counts its loads and swaps, and the
-gateway's ``/metrics`` exports them as counters."""
+alone, batched together in mixed steps), the executor reports both sets resident and counts
+its loads, swaps and mixed steps, and the gateway's ``/metrics`` exports them as counters."""
 
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ MODEL, SIZE = "retouch:tiny-sd", 64
 def server(data_dir: Path) -> Iterator[ServerProcess]:
     """Deterministic mode: every mask-aware block runs sparse, so an edit batched with
     others gives the pixels it gets alone, whatever plan the profile (measured on a busy
-    machine or a quiet one) would choose (docs/maskaware.md, "Exactness and
-    reproducibility")."""
-    with ServerProcess(data_dir, env=TOKENS, extra_args=["--deterministic"]) as proc:
+    machine or a quiet one) would choose; and every baked edit mask-aware, whatever the
+    profile says of stock (docs/maskaware.md, "Exactness and reproducibility")."""
+    args = ["--deterministic", "--path-choice", "maskaware"]
+    with ServerProcess(data_dir, env=TOKENS, extra_args=args) as proc:
         yield proc
 
 
@@ -90,6 +91,9 @@ def test_interleaved_functions_get_their_own_adapters(
     stats = state["adapter_stats"]
     assert stats["loads"] - before["loads"] == 2  # each file once
     assert stats["reads"] - before["reads"] == 2
-    assert stats["swaps"] - before["swaps"] >= 2
+    assert stats["swaps"] - before["swaps"] >= 1  # alone, one function after the other
+    assert stats["mixed_steps"] - before["mixed_steps"] >= 1  # together: one batch
+    assert state["mixed_adapters"]
     metrics = httpx.get(server.metrics_url).text
-    assert 'retouch_adapter_events_total{event="swap",executor="exec-0"}' in metrics
+    for event in ("swap", "mixed_step"):
+        assert f'retouch_adapter_events_total{{event="{event}",executor="exec-0"}}' in metrics

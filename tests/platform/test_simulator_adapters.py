@@ -99,3 +99,19 @@ def test_bench_sim_compares_adapter_aware_and_blind_placement(capsys) -> None:
     assert out["adapters"] == 5
     for name in ("maskaware", "adapter-blind"):
         assert out["configs"][name]["adapter_loads"] >= 2
+
+
+def test_mixed_batching_never_swaps_and_keeps_adapter_blind_placement_serving() -> None:
+    """Mixed steps batch every set at once: no swap however the sets are placed, each step
+    with adapters ``mixed_step_overhead`` longer; placement blind to adapters, which
+    overloads a pool whose sets take turns, then serves about as well as aware placement."""
+    blind = replace(POOL, requests=300, warmup=30, placements=("adapter-blind",))
+    mixed = replace(blind, adapter_batching="mixed")
+    turns_got = run_simulation(blind, flux_like_cost_model())["configs"]["adapter-blind"]
+    mixed_got = run_simulation(mixed, flux_like_cost_model())["configs"]["adapter-blind"]
+    assert mixed_got["adapter_swaps"] == 0 and mixed_got["mixed_steps"] > 0
+    assert turns_got["adapter_swaps"] > 0 and turns_got["mixed_steps"] == 0
+    assert mixed_got["p95_ms"] < 0.8 * turns_got["p95_ms"]
+    free = replace(mixed, mixed_step_overhead=0.0)
+    free_got = run_simulation(free, flux_like_cost_model())["configs"]["adapter-blind"]
+    assert free_got["mean_ms"] < mixed_got["mean_ms"]  # the overhead is charged

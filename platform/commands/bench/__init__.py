@@ -23,6 +23,7 @@ SUBCOMMANDS = (
     pool.add_validate,
     engine.add_plan,
     engine.add_adapters,
+    engine.add_mixed_adapters,
     quality.add_edits,
     serving.add_store,
     serving.add_memory,

@@ -164,3 +164,35 @@ def _run_adapters(args: argparse.Namespace) -> None:
             steps=args.steps,
         )
     report(result, args.json)
+
+
+def add_mixed_adapters(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "mixed-adapters",
+        help="a step whose rows run different LoRA sets against one set and the bare model "
+        "(CPU time, wall time, ops; side by side in one run)",
+    )
+    add_builtin_model(p, "retouch:small-sd")
+    p.add_argument(
+        "--batch", type=positive_int, default=4, help="requests, each its own LoRA (default 4)"
+    )
+    p.add_argument("--rank", type=positive_int, default=16, help="the LoRAs' rank (default 16)")
+    p.add_argument("--rounds", type=positive_int, default=7, help="timed rounds (default 7)")
+    add_models_dir(p)
+    add_json(p)
+    p.set_defaults(run=_run_mixed_adapters)
+
+
+def _run_mixed_adapters(args: argparse.Namespace) -> None:
+    from retouch.platform.bench.mixedadapters import run_mixed_bench
+
+    with tempfile.TemporaryDirectory(prefix="retouch-bench-mixed-") as scratch:
+        result = run_mixed_bench(
+            args.model,
+            models_dir(args),
+            Path(scratch),
+            batch=args.batch,
+            rank=args.rank,
+            rounds=args.rounds,
+        )
+    report(result, args.json)

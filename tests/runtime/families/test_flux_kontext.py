@@ -148,7 +148,11 @@ def test_a_kontext_folder_is_told_apart_from_flux_inpainting(folder: Path) -> No
 def test_a_lora_on_the_kontext_transformer_serves_what_diffusers_loads(
     folder: Path, models_dir: Path, tmp_path: Path
 ) -> None:
-    """A LoRA of its transformer serves what diffusers' ``load_lora_weights`` gives."""
-    CASE.assert_lora_serves_what_diffusers_loads(
-        "retouch:tiny-flux-kontext", folder, models_dir, tmp_path, moved=0.05
+    """A LoRA of the transformer's attention (diffusers' layout), attached as an executor
+    attaches adapters: the mask-aware edit after a bake under it is the stock pipeline's
+    with ``load_lora_weights`` (exact cache), and the LoRA changes the image."""
+    ours, stock, bare = CASE.lora_edit_and_stock(
+        "retouch:tiny-flux-kontext", folder, models_dir, tmp_path
     )
+    _close(ours, stock)
+    assert np.abs(ours - bare).max() > 0.05  # the LoRA reached the transformer

@@ -22,6 +22,7 @@ from diffusers import (
     StableDiffusion3InpaintPipeline,
     StableDiffusionInpaintPipeline,
     StableDiffusionXLInpaintPipeline,
+    ZImageInpaintPipeline,
 )
 
 from retouch.functions.demo.images import template_image
@@ -46,6 +47,7 @@ PIPELINES = {
     "sdxl-inpaint": StableDiffusionXLInpaintPipeline,
     "sd3-inpaint": StableDiffusion3InpaintPipeline,
     "flux-inpaint": FluxInpaintPipeline,
+    "z-image": ZImageInpaintPipeline,
 }
 
 

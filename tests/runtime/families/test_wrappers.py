@@ -22,6 +22,7 @@ MODELS = {
     "sd3-inpaint": "retouch:tiny-sd3",
     "flux-fill": "retouch:tiny-flux-fill",
     "sdxl-inpaint": "retouch:tiny-sdxl",
+    "z-image": "retouch:tiny-z-image",
 }
 
 

@@ -60,6 +60,9 @@ def test_production_shapes_keep_their_real_block_structure() -> None:
     _, fill = build_shape("flux-fill-dev", "meta")
     assert fill.transformer.config.in_channels == 384  # 64 latents + 64 masked image + 256 mask
     assert len(fill.transformer.single_transformer_blocks) == 38
+    _, z_image = build_shape("z-image", "meta")
+    assert (len(z_image.transformer.layers), z_image.transformer.config.dim) == (30, 3840)
+    assert 6.15e9 < sum(p.numel() for p in z_image.transformer.parameters()) < 6.16e9  # 6.15 B
     _, sd3 = build_shape("sd3-medium", "meta")
     assert len(sd3.transformer.transformer_blocks) == 24
     _, sd2 = build_shape("sd2-inpaint", "meta")

@@ -1,0 +1,184 @@
+"""Mixed-adapter steps: the rows of one batch each compute with their own LoRA set.
+
+Why: peft selects adapters per model (``set_adapters``), so a batch could run one adapter
+set and the sets of a long tail took turns, each turn a swap, batches of one. Here a step
+of several sets runs every LoRA layer's base projection once for the whole batch (peft's
+layers with their adapters disabled compute exactly their base layer) and a forward hook
+adds each row's low-rank updates (S-LoRA's and Punica's gathered update, in plain torch
+ops): every resident file has a *slot* in a per-layer stack of its A and B matrices (rank
+padded with zeros to the layer's largest; slot 0 is all zeros, the bare model's), a step's
+rows gather their slots' matrices and two batched matmuls compute every row's update at
+once. The dispatched ops per layer do not grow with the number of sets in the batch.
+
+The arithmetic per row is peft's, ``base(x) + B(A(dropout(x))) * scale * alpha / r``
+(``LoraLayer.set_scale``; dropout is the identity at inference), with ``alpha / r`` folded
+into the stacked B, zero-padded ranks (which add exact zeros) and other GEMM shapes: equal
+within float tolerance, not to the bit. A row whose set holds several files
+takes one update per file (a second, general path: gathered pairs added with
+``index_add``).
+
+The hook is a no-op outside :func:`rows_with`; it is registered on each LoRA wrapper when
+the residency puts it into the denoiser (``adapterlayers``). A layer's input must be laid
+out with the batch's model rows first (``[rows, ...]``): the editor's padded layout and the
+stock step are; a packed mask-aware layout (every request's tokens in one row) is not, and
+mixed steps run padded (``MaskAwareEditor.step(packed=False)``). Plain LoRA on linear
+layers only: a DoRA file or a LoRA of a convolution is refused when a step mixes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+ZERO_SLOT = 0  # the bare model's slot: zero matrices
+
+
+@dataclass(frozen=True)
+class RowAdapters:
+    """Which slot updates which row in one step, at which scale.
+
+    ``slots``: the residency's files by slot (``slots[0]`` is the zero slot, None), and
+    ``generation`` identifies that assignment (a layer restacks when it changes). Each
+    (row, slot, scale) triple is one update; ``dense`` when the triples are exactly the
+    rows in order (every row one file or none), the common case the fast path serves.
+    """
+
+    slots: tuple[str | None, ...]
+    generation: int
+    rows: int  # the batch's model rows
+    pair_rows: torch.Tensor  # int64 [P]
+    pair_slots: torch.Tensor  # int64 [P]
+    pair_scales: torch.Tensor  # float32 [P, 1, 1]
+    dense: bool
+
+
+_current: RowAdapters | None = None  # engine thread only: set for one step by rows_with
+
+
+def row_adapters(
+    sets: Sequence[Mapping[str, float]],
+    rows_per_request: int,
+    slots: Mapping[str, int],
+    names: tuple[str | None, ...],
+    generation: int,
+    device: torch.device | str,
+) -> RowAdapters:
+    """The step's plan: ``sets[i]`` maps the PEFT adapter names of request ``i``'s files to
+    their scales (empty: the bare model); request ``i`` owns model rows ``i * per`` to
+    ``(i + 1) * per - 1`` (its guidance halves), as every family lays its batch out.
+    ``slots`` maps each name to its slot, ``names`` lists them by slot."""
+    triples: list[tuple[int, int, float]] = []
+    for i, adapters in enumerate(sets):
+        pairs = [(slots[name], float(scale)) for name, scale in adapters.items()] or [
+            (ZERO_SLOT, 0.0)
+        ]
+        for row in range(i * rows_per_request, (i + 1) * rows_per_request):
+            triples.extend((row, slot, scale) for slot, scale in pairs)
+    rows = len(sets) * rows_per_request
+    dense = [r for r, _, _ in triples] == list(range(rows))
+    return RowAdapters(
+        names,
+        generation,
+        rows,
+        torch.tensor([r for r, _, _ in triples], dtype=torch.int64, device=device),
+        torch.tensor([s for _, s, _ in triples], dtype=torch.int64, device=device),
+        torch.tensor([c for _, _, c in triples], dtype=torch.float32, device=device).view(-1, 1, 1),
+        dense,
+    )
+
+
+@contextmanager
+def rows_with(denoiser: nn.Module, plan: RowAdapters) -> Iterator[None]:
+    """Run the block of code (one step's forward) with ``plan``'s per-row updates: peft's
+    own adapters off (every LoRA layer computes its base), the hooks adding the updates."""
+    global _current
+    if _current is not None:
+        raise RuntimeError("mixed-adapter steps do not nest")
+    if getattr(denoiser, "_hf_peft_config_loaded", False):
+        denoiser.disable_lora()
+    _current = plan
+    try:
+        yield
+    finally:
+        _current = None
+
+
+def hook(layer: nn.Module) -> None:
+    """Register the per-row update on a LoRA wrapper (once)."""
+    if isinstance(layer, LoraLayer) and not getattr(layer, "_retouch_rows_hooked", False):
+        layer.register_forward_hook(_add_rows)
+        layer._retouch_rows_hooked = True
+        layer._retouch_stack = None
+
+
+@dataclass(frozen=True)
+class _Stack:
+    """One layer's slots, laid out for the batched matmuls: A transposed ``[S, in, r]``
+    and B transposed and scaled by its file's ``alpha / r`` ``[S, r, out]`` (zero where a
+    slot's file does not target this layer, and beyond a file's rank)."""
+
+    generation: int
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def _stack(layer: LoraLayer, plan: RowAdapters) -> _Stack:
+    stack = layer._retouch_stack
+    if stack is not None and stack.generation == plan.generation:
+        return stack
+    files = [name for name in plan.slots if name is not None and name in layer.lora_A]
+    for name in files:
+        if name in layer.lora_variant:
+            raise ValueError(f"adapter {name}: mixed steps take plain LoRA (no DoRA)")
+        if not isinstance(layer.lora_A[name], nn.Linear):
+            raise ValueError(f"adapter {name}: mixed steps take LoRAs of linear layers")
+    rank = max((layer.r[name] for name in files), default=1)
+    weight = layer.get_base_layer().weight
+    dtype = layer.lora_A[files[0]].weight.dtype if files else weight.dtype
+    slots = len(plan.slots)
+    a = torch.zeros(slots, weight.shape[1], rank, dtype=dtype, device=weight.device)
+    b = torch.zeros(slots, rank, weight.shape[0], dtype=dtype, device=weight.device)
+    for slot, name in enumerate(plan.slots):
+        if name is None or name not in layer.lora_A:
+            continue
+        r = layer.r[name]
+        root = math.sqrt(r) if layer.use_rslora.get(name, False) else r
+        a[slot, :, :r] = layer.lora_A[name].weight.t()
+        b[slot, :r] = layer.lora_B[name].weight.t() * (layer.lora_alpha[name] / root)
+    layer._retouch_stack = _Stack(plan.generation, a, b)
+    return layer._retouch_stack
+
+
+def _add_rows(layer: LoraLayer, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+    """Every row's updates: two batched matmuls over the rows' gathered slots, scaled by
+    each row's scale, added in place (six ops a layer on the dense path)."""
+    plan = _current
+    if plan is None:
+        return None
+    x = args[0]
+    if x.shape[0] != plan.rows:
+        raise RuntimeError(
+            f"a mixed-adapter step's layer got {x.shape[0]} rows, its batch has {plan.rows}"
+        )
+    stack = _stack(layer, plan)
+    pairs = x if plan.dense else x.index_select(0, plan.pair_rows)
+    if pairs.dtype != stack.a.dtype:
+        pairs = pairs.to(stack.a.dtype)
+    flat = pairs if pairs.ndim == 3 else pairs.reshape(pairs.shape[0], -1, pairs.shape[-1])
+    hidden = torch.bmm(flat, stack.a.index_select(0, plan.pair_slots))
+    update = torch.bmm(hidden, stack.b.index_select(0, plan.pair_slots)).mul_(plan.pair_scales)
+    if update.dtype != output.dtype:
+        update = update.to(output.dtype)
+    if pairs.ndim != 3:
+        update = update.view(*pairs.shape[:-1], update.shape[-1])
+    if plan.dense:
+        output.add_(update)
+    else:
+        output.index_add_(0, plan.pair_rows, update)
+    return output
