@@ -83,6 +83,10 @@ Z_IMAGE_TRANSFORMER_FILE = DenoiserFile(
     input_factor=4,
 )
 
+# Qwen-Image's MMDiT keeps diffusers' key names in its original files (ComfyUI's re-saves
+# put them under the LDM prefix): the same input and text projections as Flux's.
+QWEN_IMAGE_TRANSFORMER_FILE = FLUX_TRANSFORMER_FILE
+
 
 @dataclass(frozen=True)
 class FamilySpec:
@@ -219,6 +223,16 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
                     "classifier-free guidance)",
                 ),
             ),
+        ),
+        FamilySpec(
+            "qwen-image",
+            "QwenImageInpaintPipeline",
+            FLOW,
+            50,
+            4.0,  # true_cfg_scale: classifier-free guidance with a negative prompt
+            cuda_dtype="bf16",
+            lora_modules=("transformer",),
+            single_file=QWEN_IMAGE_TRANSFORMER_FILE,
         ),
         FamilySpec(
             "z-image",

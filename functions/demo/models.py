@@ -58,6 +58,7 @@ from transformers import (
     T5EncoderModel,
 )
 
+from retouch.functions.demo.qwen_image import SMALL_QWEN_IMAGE, TINY_QWEN_IMAGE, build_qwen_image
 from retouch.functions.demo.tokenizer import qwen_tokenizer, save_tokenizer
 from retouch.functions.models import BUILTIN_MODELS
 
@@ -591,6 +592,8 @@ DEMO_MODELS: dict[str, DemoModel] = {
         DemoModel("small-flux-kontext", lambda f: _build_flux(f, **SMALL_FLUX, kontext=True)),
         DemoModel("tiny-flux2-klein", lambda f: _build_flux2_klein(f, TINY_KLEIN)),
         DemoModel("small-flux2-klein", lambda f: _build_flux2_klein(f, SMALL_KLEIN)),
+        DemoModel("tiny-qwen-image", lambda f: build_qwen_image(f, TINY_QWEN_IMAGE)),
+        DemoModel("small-qwen-image", lambda f: build_qwen_image(f, SMALL_QWEN_IMAGE)),
         DemoModel("tiny-z-image", lambda f: _build_z_image(f, **TINY_Z_IMAGE, grid=64)),
         DemoModel("small-z-image", lambda f: _build_z_image(f, **SMALL_Z_IMAGE, grid=128)),
         DemoModel("tiny-sdxl", lambda f: _build_sdxl(f, TINY_SDXL, resolution=128)),

@@ -30,6 +30,7 @@ import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
+    AutoencoderKLQwenImage,
     ConfigMixin,
     DDIMScheduler,
     DiffusionPipeline,
@@ -41,6 +42,8 @@ from diffusers import (
     FluxKontextInpaintPipeline,
     FluxTransformer2DModel,
     ModelMixin,
+    QwenImageInpaintPipeline,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3InpaintPipeline,
     StableDiffusionInpaintPipeline,
@@ -62,6 +65,12 @@ from transformers import (
 )
 
 from retouch.functions.demo.models import sdxl_scheduler
+from retouch.functions.demo.qwen_image import (
+    PROMPT_TEMPLATES,
+    qwen_image_scheduler,
+    qwen_image_text_encoder,
+    qwen_image_tokenizer,
+)
 from retouch.functions.demo.tokenizer import qwen_tokenizer, save_tokenizer, vocabulary
 
 CLIP_TOKENS = 77
@@ -199,6 +208,35 @@ def _flux(
         tokenizer=_tokenizer(scratch, "clip", CLIP_TOKENS),
         text_encoder_2=_t5(text),
         tokenizer_2=_tokenizer(scratch, "t5", 512),
+        transformer=transformer,
+    )
+
+
+def build_qwen_image(scale: float, scratch: Path) -> QwenImageInpaintPipeline:
+    """Qwen-Image's MMDiT (20 B: 60 blocks, 24 heads of 128, patch 2, 3584-wide Qwen2.5-VL
+    context) with its VAE (a frame axis, factor 8: 64x64 tokens at 1024²); ``scratch`` is
+    not needed (the tokenizer is built in memory)."""
+    text = _width(3584, scale, 64)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=_depth(60, scale),
+        attention_head_dim=128,
+        num_attention_heads=_depth(24, scale),
+        joint_attention_dim=text,
+        axes_dims_rope=(16, 56, 56),
+    )
+    tokenizer = qwen_image_tokenizer(PROMPT_TEMPLATES)
+    with torch.device("cpu"):  # the scheduler's sigmas live on the host (not on "meta")
+        scheduler = qwen_image_scheduler()
+    return QwenImageInpaintPipeline(
+        scheduler=scheduler,
+        vae=AutoencoderKLQwenImage(
+            base_dim=_width(96, scale, 8), num_res_blocks=2 if scale >= 1 else 1
+        ),
+        text_encoder=qwen_image_text_encoder(tokenizer, text, layers=1),
+        tokenizer=tokenizer,
         transformer=transformer,
     )
 
@@ -426,6 +464,14 @@ SHAPES: dict[str, Shape] = {
             torch.bfloat16,
             "FLUX.1-Kontext-dev (12 B)",
             build_flux_kontext_dev,
+        ),
+        Shape(
+            "qwen-image",
+            "qwen-image",
+            1024,
+            torch.bfloat16,
+            "Qwen-Image (20 B)",
+            build_qwen_image,
         ),
         Shape(
             "z-image",

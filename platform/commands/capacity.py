@@ -26,6 +26,7 @@ SHAPE_NAMES = (
     "flux-fill-dev",
     "flux-kontext",
     "flux2-klein",
+    "qwen-image",
     "z-image",
     "sd3-medium",
     "sd2-inpaint",

@@ -33,6 +33,7 @@ MODULES = (
     "flux_fill",
     "flux_kontext",
     "flux2_klein",
+    "qwen_image",
     "z_image",
 )
 

@@ -76,9 +76,14 @@ class FamilyModel:
         self.pipe, self.device, self.spec = pipe, device, spec
         denoiser = getattr(pipe, self.denoiser)
         self.has_denoiser = denoiser is not None
-        self.channels = pipe.vae.config.latent_channels
+        self.channels = self.vae_channels(pipe.vae)
         self.blocks: list[str] = self.install(denoiser) if self.has_denoiser else []
         self.dtype = (denoiser if self.has_denoiser else pipe.vae).dtype
+
+    @staticmethod
+    def vae_channels(vae: torch.nn.Module) -> int:
+        """The VAE's latent channels (Qwen-Image's calls them ``z_dim``)."""
+        return vae.config.latent_channels
 
     def install(self, denoiser: torch.nn.Module) -> list[str]:
         """Check the denoiser, declare the mask-aware wrappers on it; its block names."""

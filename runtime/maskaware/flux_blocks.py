@@ -53,13 +53,20 @@ def install(transformer: nn.Module) -> list[str]:
             raise ValueError(f"{name}: unsupported Flux block {type(block).__name__}")
         if block.attn.fused_projections:
             raise ValueError(f"{name}: fused QKV projections are not supported")
-        if getattr(block, INSTALLED, None) is None:
-            block.attn.set_processor(JointAttention(name, block.attn.processor))
-            block.register_forward_pre_hook(switch_layout(name, previous), with_kwargs=True)
-            block.register_forward_hook(record_output(name))
-            setattr(block, INSTALLED, name)
+        declare(block, name, previous, JointAttention)
         previous = name
     return names
+
+
+def declare(block: nn.Module, name: str, previous: str | None, processor: type[Processor]) -> None:
+    """Declare a DiT block's mask-aware attention ``processor`` (wrapping the one it has)
+    and its layout hooks, once; ``previous``: the block before it (None for the first)."""
+    if getattr(block, INSTALLED, None) is not None:
+        return
+    block.attn.set_processor(processor(name, block.attn.processor))
+    block.register_forward_pre_hook(switch_layout(name, previous), with_kwargs=True)
+    block.register_forward_hook(record_output(name))
+    setattr(block, INSTALLED, name)
 
 
 def switch_layout(name: str, previous: str | None, *, text_first: bool = False) -> Any:

@@ -19,6 +19,7 @@ from retouch.functions import wire
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import encode_mask
+from retouch.functions.spec import FunctionSpec
 from retouch.platform.bench.load import wait_baked
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
@@ -220,14 +221,22 @@ def test_deploy_and_invoke_a_flux_fill_function(admin: Client, examples: Path) -
 
 
 def _serve_folder_edits(
-    server: ServerProcess, admin: Client, examples: Path, models_dir: Path, model: str, name: str
+    server: ServerProcess,
+    admin: Client,
+    examples: Path,
+    models_dir: Path,
+    model: str,
+    name: str,
+    *,
+    refuses_negative: bool = True,
 ) -> tuple[wire.InvokeResult, str, dict[str, str], dict, dict[str, bytes]]:
     """Deploy built-in ``model``'s diffusers folder as function ``name`` (its example spec,
     2 steps) and check it as a user sees it: the family is the folder's, the first edit of
     the mug runs before or after the bake, and once baked its edits are mask-aware and
     repaint, sent as msgpack (the client) and as JSON (base64, as curl sends it) alike, one
-    request one image. Returns the baked edit, the JSON route, its headers and body, and
-    the spec's images."""
+    request one image; ``refuses_negative``: a negative prompt is a 400 naming the field (a
+    guidance-distilled family). Returns the baked edit, the JSON route, its headers and
+    body, and the spec's images."""
     folder = ensure_demo_model(f"retouch:{model}", models_dir)
     spec, images = read_spec_file(examples / f"{model}.toml")
     spec = dataclasses.replace(spec, name=name, model=str(folder), steps=2)
@@ -251,9 +260,10 @@ def _serve_folder_edits(
     assert answer.status_code == 200, answer.text
     assert answer.json()["path"] == "maskaware"
     assert base64.b64decode(answer.json()["image"]) == edit.image  # one request, one image
-    refused = httpx.post(url, json={**body, "negative_prompt": "blurry"}, headers=headers)
-    assert refused.status_code == 400, refused.text
-    assert refused.json()["error"]["field"] == "negative_prompt"
+    if refuses_negative:
+        refused = httpx.post(url, json={**body, "negative_prompt": "blurry"}, headers=headers)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["field"] == "negative_prompt"
     return edit, url, headers, body, images
 
 
@@ -292,6 +302,38 @@ def test_deploy_and_invoke_a_flux2_klein_folder(
     _, url, headers, body, images = _serve_folder_edits(
         server, admin, examples, models_dir, "tiny-flux2-klein", "klein"
     )
+    _refuses_a_reference(url, headers, body, images)
+
+
+def test_deploy_and_invoke_a_qwen_image_folder(
+    server: ServerProcess, admin: Client, examples: Path, models_dir: Path, tmp_path: Path
+) -> None:
+    """Qwen-Image (an MMDiT with true classifier-free guidance) from a diffusers folder:
+    once baked its edits are mask-aware over msgpack and JSON alike; a negative prompt and
+    a guidance of the request's own reach the image; a reference image, which the pipeline
+    does not read, is a 400 naming the field. A Qwen-Image folder without its VAE weights
+    is a 422 naming the file, before anything loads."""
+    edit, url, headers, body, images = _serve_folder_edits(
+        server, admin, examples, models_dir, "tiny-qwen-image", "qwen", refuses_negative=False
+    )
+    for change in ({"negative_prompt": "blurry"}, {"guidance_scale": 1.0}):
+        answer = httpx.post(url, json={**body, **change}, headers=headers, timeout=300)
+        assert answer.status_code == 200, answer.text
+        assert base64.b64decode(answer.json()["image"]) != edit.image, change
+    _refuses_a_reference(url, headers, body, images)
+
+    spec, _ = read_spec_file(examples / "tiny-qwen-image.toml")
+    folder = ensure_demo_model("retouch:tiny-qwen-image", models_dir)
+    broken = Path(shutil.copytree(folder, tmp_path / "broken"))
+    (broken / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+    with pytest.raises(RetouchError) as bad:
+        admin.deploy(dataclasses.replace(spec, name="qwen-broken", model=str(broken)), images)
+    assert bad.value.status == 422 and bad.value.field == "model"
+    assert "vae/diffusion_pytorch_model.safetensors" in bad.value.message
+
+
+def _refuses_a_reference(url: str, headers: dict, body: dict, images: dict[str, bytes]) -> None:
+    """A family that reads no reference image refuses one: a 400 naming the field."""
     shirt = base64.b64encode(images["shirt"]).decode()
     refused = httpx.post(url, json={**body, "image_reference": shirt}, headers=headers)
     assert refused.status_code == 400, refused.text

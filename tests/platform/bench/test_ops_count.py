@@ -19,6 +19,7 @@ MODELS = {
     "sd-inpaint": "retouch:tiny-sd",
     "sd3-inpaint": "retouch:tiny-sd3",
     "z-image": "retouch:tiny-z-image",
+    "qwen-image": "retouch:tiny-qwen-image",
 }
 
 
@@ -55,7 +56,7 @@ def test_a_stock_step_dispatches_as_many_ops_at_batch_4_as_at_batch_1(
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize(
     "family",
-    ["flux-inpaint", "sd-inpaint", "sd3-inpaint", "z-image"],
+    ["flux-inpaint", "sd-inpaint", "sd3-inpaint", "z-image", "qwen-image"],
 )
 def test_sparse_step_dispatches_at_most_1_25x_stock(
     family: str, batch: int, flux_rows: list[dict[str, Any]], models_dir: Path

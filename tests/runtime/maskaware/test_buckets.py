@@ -35,6 +35,7 @@ MODELS = (
     "retouch:tiny-flux-fill",
     "retouch:tiny-flux-kontext",
     "retouch:tiny-flux2-klein",
+    "retouch:tiny-qwen-image",
     "retouch:tiny-z-image",
 )
 

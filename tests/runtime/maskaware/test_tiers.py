@@ -72,6 +72,10 @@ def test_production_shapes_keep_their_real_block_structure() -> None:
     _, sdxl = build_shape("sdxl-inpaint", "meta")
     assert sdxl.unet.config.transformer_layers_per_block == (1, 2, 10)
     assert 2.56e9 < sum(p.numel() for p in sdxl.unet.parameters()) < 2.58e9  # 2.567 B
+    _, qwen = build_shape("qwen-image", "meta")
+    assert len(qwen.transformer.transformer_blocks) == 60
+    assert 20.4e9 < sum(p.numel() for p in qwen.transformer.parameters()) < 20.5e9  # 20.43 B
+    assert qwen.vae_scale_factor == 8 and qwen.vae.config.base_dim == 96
     with pytest.raises(ValueError, match="scale"):
         build_shape("flux-dev", "meta", scale=1.5)
 
