@@ -19,7 +19,6 @@ from retouch.functions import wire
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import encode_mask
-from retouch.functions.spec import FunctionSpec
 from retouch.platform.bench.load import wait_baked
 from retouch.platform.client import Client, read_spec_file
 from retouch.platform.server import ServerProcess
