@@ -51,6 +51,7 @@ from retouch.runtime.niceness import renice_this_thread
 log = logging.getLogger(__name__)
 
 BARE = ""  # the adapter set of the bare base model
+PLANS_KEPT = 64  # mixed steps' plans memoised per residency (batches of distinct sets)
 READER_NICE = 19  # added to the reader thread's niceness (Linux)
 
 
@@ -168,6 +169,7 @@ class AdapterResidency:
         # model's zeros; the generation changes with the assignment (layers restack then).
         self._slot_names: list[str | None] = [None]
         self._generation = 0
+        self._plans: dict[tuple, RowAdapters] = {}  # mixed steps' plans, by batch
         self._applied = True  # whether the denoiser's active LoRA layers are ``_last``'s
 
     # ---- any thread -----------------------------------------------------------------------
@@ -320,9 +322,18 @@ class AdapterResidency:
             self._slot(name)
         self._applied = False
         self.counters.mixed_steps += 1
-        names = tuple(self._slot_names)
-        slots = {name: i for i, name in enumerate(names) if name is not None}
-        return row_adapters(sets, rows_per_request, slots, names, self._generation, device)
+        # A batch keeps its members for many steps: its plan (device index tensors) is
+        # built once per membership and slot assignment, not every step.
+        key = (tuple(set_ids), rows_per_request, str(device), self._generation)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= PLANS_KEPT:
+                self._plans.clear()
+            names = tuple(self._slot_names)
+            slots = {name: i for i, name in enumerate(names) if name is not None}
+            plan = row_adapters(sets, rows_per_request, slots, names, self._generation, device)
+            self._plans[key] = plan
+        return plan
 
     def _slot(self, name: str) -> None:
         """(engine thread) Give an injected file a slot in the layers' stacks (a free one,
