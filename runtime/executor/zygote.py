@@ -47,12 +47,15 @@ log = logging.getLogger(__name__)
 IMPORT_ENV = ("ATEN_", "MKL_", "OMP_", "KMP_", "DNNL_", "ONEDNN_", "PYTORCH_", "TORCH_",
               "PYTHON", "LD_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_", "XDG_",
               "HOME")  # fmt: skip
+# ...except those read on each use, which the forked executor takes from its request's env
+# (Ray's driver sets PYTHONBREAKPOINT in every process that calls ``ray.init``).
+READ_ON_USE = frozenset({"PYTHONBREAKPOINT"})
 REAP_S = 0.1  # how often ended executors are reaped and reported
 
 
 def import_env(env: dict[str, str]) -> dict[str, str]:
     """The part of ``env`` that is fixed once torch is imported (``IMPORT_ENV``)."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV)}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV) and k not in READ_ON_USE}
 
 
 @dataclass

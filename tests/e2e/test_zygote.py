@@ -27,14 +27,16 @@ def _ready(zygote: Path, folder: Path | None = None) -> ForkedProcess:
     """An executor forked by ``zygote`` once it has imported (it refuses until then),
     serving from ``folder``."""
     argv_env = _executor_request(folder or zygote.parent / f"exec-{time.monotonic_ns()}")
+    refusals: list[str] = []
 
     def fork() -> ForkedProcess | None:
         try:
             return ForkedProcess.start(zygote, *argv_env)
-        except ZygoteRefused:
+        except ZygoteRefused as exc:
+            refusals[:] = [str(exc)]
             return None
 
-    return wait_for("the zygote to fork an executor", fork, timeout=120)
+    return wait_for("the zygote to fork an executor", fork, timeout=120, detail=lambda: refusals)
 
 
 def _executor_request(folder: Path) -> tuple[list[str], dict[str, str], Path]:
@@ -88,6 +90,9 @@ def test_other_import_time_variables_are_refused_and_start_afresh(tmp_path: Path
     zygote = Path(os.environ["RETOUCH_EXECUTOR_ZYGOTE"])
     _ready(zygote).kill()
     argv, env, log = _executor_request(tmp_path / "other")
+    # a variable read on each use, as Ray's driver sets in its process, is no refusal
+    read_on_use = {**env, "PYTHONBREAKPOINT": "ray.util.rpdb._driver_set_trace"}
+    ForkedProcess.start(zygote, argv, read_on_use, log).kill()
     other = {**env, "ATEN_CPU_CAPABILITY": "default" if env.get("ATEN_CPU_CAPABILITY") else "avx2"}
     with pytest.raises(ZygoteRefused, match="ATEN_CPU_CAPABILITY"):
         ForkedProcess.start(zygote, argv, other, log)
