@@ -381,6 +381,8 @@ def _check_components(
             _need(part / "scheduler_config.json", field)
         elif "ImageProcessor" in cls or "FeatureExtractor" in cls:
             _need(part / "preprocessor_config.json", field)
+        elif cls.endswith("Processor"):  # an image processor and a tokenizer (Qwen2-VL's)
+            _check_processor(part, cls, field)
         else:
             _need(part / "config.json", field)
             if name not in in_file:
@@ -411,6 +413,15 @@ def _check_tokenizer(part: Path, cls: str, field: str) -> None:
     kind = next((k for k in TOKENIZER_FILES if cls.startswith(k)), None)
     for name in TOKENIZER_FILES[kind] if kind else ("tokenizer_config.json",):
         _need(part / name, field)
+
+
+def _check_processor(part: Path, cls: str, field: str) -> None:
+    """A multimodal processor's folder: its image processor's config (as published,
+    ``preprocessor_config.json``, or as transformers saves a processor,
+    ``processor_config.json``) and its tokenizer's files."""
+    if not (part / "processor_config.json").is_file():
+        _need(part / "preprocessor_config.json", field)
+    _check_tokenizer(part, cls, field)
 
 
 def _variant_name(name: str, variant: str | None) -> str:
