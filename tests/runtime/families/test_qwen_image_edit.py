@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_inpaint as edit_pipeline
-from torch.utils.flop_counter import FlopCounterMode
 
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.models import ensure_demo_model
@@ -28,12 +27,10 @@ from retouch.functions.errors import InvalidSpec
 from retouch.functions.modelcheck import check_model, model_family
 from retouch.functions.modelsource import ModelSource
 from retouch.functions.qwenvl import image_tokens
-from retouch.runtime import families
 from retouch.runtime.families.qwen_image_edit import edit_size
-from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.templatelayout import recorded_tensors
-from tests.runtime.families.cases import CPU, CPU_ATTENTION, Case
+from tests.runtime.families.cases import CPU, Case
 
 FAMILY = "qwen-image-edit"
 CASE = Case(FAMILY, guidance=4.0)
@@ -96,13 +93,7 @@ def test_an_edit_without_a_cache_is_the_stock_pipelines_with_the_composed_noise(
     """Another seed than the template's: the template's noise outside the mask and the
     request's inside, as the stock reference is given it (the pipeline samples the
     template's VAE with the template's seed, first, then takes the composed noise)."""
-    editor = MaskAwareEditor(pipe, FAMILY, CPU)
-    request = _request(_rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3))
-    state = editor.prepare(request, None)
-    while not state.done:
-        editor.step([state])
-    ours = editor.finish(state, "np")
-    assert np.abs(ours - editor.stock_edit(request, "np")).max() <= 1e-5
+    CASE.assert_uncached_edit_gives_the_stock_edit(pipe)
 
 
 def test_the_reference_tokens_follow_the_edited_ones_and_come_from_the_bake(pipe, baked) -> None:
@@ -132,29 +123,10 @@ def test_the_reference_tokens_follow_the_edited_ones_and_come_from_the_bake(pipe
 
 def test_analytic_flops_equal_the_counted_step(pipe, baked) -> None:
     """One step of two requests counts the family's formula (a sequence of twice the edited
-    tokens; the text at the padded length), mask-aware and with every block full."""
+    tokens; the text at the padded length), mask-aware and with every block full: the
+    reference's tokens are keys, never queries."""
     mask = _rect(16, 32, 64, 32)  # aligned to the 16 px tokens: ratio 0.125
-    requests = [_request(mask, "xyz", 2 + i, ("a quiet street", 3)) for i in range(2)]
-    model = families.family(FAMILY)
-    latent = model.model.latent_grid(pipe, SIZE, SIZE)
-    config = pipe.transformer.config
-
-    def counted(editor: MaskAwareEditor) -> tuple[int, int]:
-        states = [editor.prepare(r, baked) for r in requests]
-        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
-            editor.step(states)
-        return counter.get_total_flops(), max(s.inputs.prompt_embeds.shape[1] for s in states)
-
-    def every_block_full(step: object, blocks: list[str]) -> dict[str, Mode]:
-        return dict.fromkeys(blocks, Mode.FULL)
-
-    rows = 2 * len(requests)
-    sparse, text_len = counted(MaskAwareEditor(pipe, FAMILY, CPU))
-    full, _ = counted(MaskAwareEditor(pipe, FAMILY, CPU, plan=every_block_full))
-    assert sparse == pytest.approx(model.step_flops(config, latent, text_len, 0.125).total * rows,
-                                   rel=1e-9)  # fmt: skip
-    assert full == pytest.approx(model.step_flops(config, latent, text_len, 1.0).total * rows,
-                                 rel=1e-9)  # fmt: skip
+    assert 0.05 < CASE.assert_counted_flops_at_the_padded_text(pipe, baked, mask) < 0.5
 
 
 def test_a_qwen_image_edit_folder_is_told_apart_and_its_missing_files_named(
