@@ -31,6 +31,7 @@ from retouch.runtime.families.qwen_image_edit import edit_size
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.templatelayout import recorded_tensors
 from tests.runtime.families.cases import CPU, Case
+from tests.runtime.families.cases import close as _close
 
 FAMILY = "qwen-image-edit"
 CASE = Case(FAMILY, guidance=4.0)
@@ -155,3 +156,16 @@ def test_a_qwen_image_edit_folder_is_told_apart_and_its_missing_files_named(
             check_model(ModelSource(str(broken)), FAMILY)
         assert refused.value.field == "model"
         shutil.copy(folder / missing, broken / missing)
+
+
+def test_a_lora_on_the_transformer_serves_what_diffusers_loads(
+    folder: Path, models_dir: Path, tmp_path: Path
+) -> None:
+    """A LoRA of the transformer's attention (diffusers' layout), attached as an executor
+    attaches adapters: the mask-aware edit after a bake under it is the stock pipeline's
+    with ``load_lora_weights`` (exact cache), and the LoRA changes the image."""
+    ours, stock, bare = CASE.lora_edit_and_stock(
+        "retouch:tiny-qwen-image-edit", folder, models_dir, tmp_path
+    )
+    _close(ours, stock)
+    assert np.abs(ours - bare).max() > 1e-3  # the LoRA reached the transformer
