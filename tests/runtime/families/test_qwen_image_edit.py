@@ -136,7 +136,8 @@ def test_a_qwen_image_edit_folder_is_told_apart_and_its_missing_files_named(
     """A folder saved from QwenImageEditInpaintPipeline (its processor as published) is a
     qwen-image-edit model; deploying it as qwen-image, or a qwen-image folder as
     qwen-image-edit, is refused before anything loads; a folder missing a file, the
-    processor's included, is refused naming that file."""
+    processor's included, is refused naming that file, and so is a processor that cuts other
+    patches than the text encoder's vision tower reads."""
     assert model_family(str(folder)) == FAMILY
     check_model(ModelSource(str(folder)), FAMILY)
     with pytest.raises(InvalidSpec, match=r"cannot serve qwen-image$"):
@@ -156,6 +157,11 @@ def test_a_qwen_image_edit_folder_is_told_apart_and_its_missing_files_named(
             check_model(ModelSource(str(broken)), FAMILY)
         assert refused.value.field == "model"
         shutil.copy(folder / missing, broken / missing)
+    check_model(ModelSource(str(broken)), FAMILY)
+    images = broken / "processor" / "preprocessor_config.json"
+    images.write_text(images.read_text().replace('"patch_size": 14', '"patch_size": 16'))
+    with pytest.raises(InvalidSpec, match=r"patch_size 16.*vision_config says patch_size 14"):
+        check_model(ModelSource(str(broken)), FAMILY)
 
 
 def test_a_lora_on_the_transformer_serves_what_diffusers_loads(
