@@ -122,6 +122,15 @@ def test_the_reference_tokens_follow_the_edited_ones_and_come_from_the_bake(pipe
     assert state.inputs.prompt_embeds.shape[1] == kept - 1 + vision  # <|image_pad|> expanded
 
 
+def test_a_worker_pipeline_without_the_transformer_encodes_and_decodes_the_same(
+    pipe, folder: Path
+) -> None:
+    """A pre/post worker's pipeline (its processor read as the executor's is) encodes the
+    prompts with the image, the template's latents and the noise as the whole one does."""
+    names = CASE.assert_worker_encodes_and_decodes_alike(pipe, folder, torch.randn(1, TOKENS, 64))
+    assert {"prompt_embeds", "prompt_mask", "image_latents"} <= names
+
+
 def test_analytic_flops_equal_the_counted_step(pipe, baked) -> None:
     """One step of two requests counts the family's formula (a sequence of twice the edited
     tokens; the text at the padded length), mask-aware and with every block full: the
