@@ -59,7 +59,7 @@ from retouch.runtime.maskaware.request import EditRequest, RequestState, token_s
 from retouch.runtime.maskaware.tokens import TokenSet
 
 EDIT_AREA = 1024 * 1024  # the area the pipeline resizes every image to
-_SIZE_RULE = threading.Lock()  # edit_size replaces a module function: one stock call at a time
+_SIZE_RULE = threading.Lock()  # edit_size may replace a module function: one stock call at a time
 
 
 class QwenImageEditInpaint(QwenImageInpaint):
@@ -140,11 +140,11 @@ class QwenImageEditInpaint(QwenImageInpaint):
 def edit_size(width: int, height: int) -> Iterator[None]:
     """Within: the edit pipeline's size rule answers ``width`` x ``height`` (the template's
     size), unless that is its own size for the aspect already (then nothing is replaced)."""
-    original = edit_pipeline.calculate_dimensions
-    if original(EDIT_AREA, width / height)[:2] == (width, height):
-        yield
-        return
-    with _SIZE_RULE:
+    with _SIZE_RULE:  # another thread's stock call must not see this one's rule
+        original = edit_pipeline.calculate_dimensions
+        if original(EDIT_AREA, width / height)[:2] == (width, height):
+            yield
+            return
         edit_pipeline.calculate_dimensions = lambda area, ratio: (width, height, None)
         try:
             yield
