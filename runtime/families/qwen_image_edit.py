@@ -22,9 +22,9 @@ Size. The pipeline takes no size: it resizes its image to ``calculate_dimensions
 edit runs at the template's own size, as every family does (the mask, the bake's rows and
 the output are the template's): a template deployed at the pipeline's size (1024x1024,
 1184x896, ... for its aspect) gets exactly the pipeline's edit, unmodified; a template of
-another size is edited by the same model at its own size, with no resize in or out (as
-``QwenImageEditPipeline`` does with ``height`` and ``width``, and ``flux-kontext`` with its
-own resolutions). Resizing every edit to one megapixel would make a 512 px template cost
+another size is edited by the same model at its own size, with no resize in or out (the
+same model's ``QwenImageEditPipeline`` takes an output ``height`` and ``width``;
+``flux-kontext`` serves other sizes than Kontext's alike). Resizing every edit to one megapixel would make a 512 px template cost
 four times its tokens, twice over with the reference, for an output the user did not ask
 for. The stock reference (:meth:`QwenImageEditInpaint.stock`) is the pipeline; at another
 size its size rule alone answers the template's size (:func:`edit_size`), everything else
