@@ -235,6 +235,16 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             single_file=QWEN_IMAGE_TRANSFORMER_FILE,
         ),
         FamilySpec(
+            "qwen-image-edit",
+            "QwenImageEditInpaintPipeline",
+            FLOW,
+            50,
+            4.0,  # true_cfg_scale, as qwen-image
+            cuda_dtype="bf16",
+            lora_modules=("transformer",),  # QwenImageLoraLoaderMixin adapts the transformer
+            single_file=QWEN_IMAGE_TRANSFORMER_FILE,  # the same MMDiT as Qwen-Image
+        ),
+        FamilySpec(
             "z-image",
             "ZImageInpaintPipeline",
             FLOW,

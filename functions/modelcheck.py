@@ -97,6 +97,7 @@ def check_model(source: ModelSource, family: str) -> ModelFiles:
     pipeline = check_pipeline(pipeline_class(folder), family, folder)
     _check_index_entries(folder, family, "model")
     _check_components(folder, source.variant, field="model")
+    _check_vision_geometry(folder, "model")
     return ModelFiles(ModelKind.FOLDER, pipeline, folder=folder)
 
 
@@ -381,6 +382,8 @@ def _check_components(
             _need(part / "scheduler_config.json", field)
         elif "ImageProcessor" in cls or "FeatureExtractor" in cls:
             _need(part / "preprocessor_config.json", field)
+        elif cls.endswith("Processor"):  # an image processor and a tokenizer (Qwen2-VL's)
+            _check_processor(part, cls, field)
         else:
             _need(part / "config.json", field)
             if name not in in_file:
@@ -411,6 +414,49 @@ def _check_tokenizer(part: Path, cls: str, field: str) -> None:
     kind = next((k for k in TOKENIZER_FILES if cls.startswith(k)), None)
     for name in TOKENIZER_FILES[kind] if kind else ("tokenizer_config.json",):
         _need(part / name, field)
+
+
+def _check_processor(part: Path, cls: str, field: str) -> None:
+    """A multimodal processor's folder: its image processor's config (as published,
+    ``preprocessor_config.json``, or as transformers saves a processor,
+    ``processor_config.json``) and its tokenizer's files."""
+    if not (part / "processor_config.json").is_file():
+        _need(part / "preprocessor_config.json", field)
+    _check_tokenizer(part, cls, field)
+
+
+# How a multimodal processor cuts an image (its image processor's config) and how the text
+# encoder's vision tower reads the patches (its ``vision_config``): Qwen2.5-VL's names.
+VISION_GEOMETRY = (
+    ("patch_size", "patch_size"),
+    ("merge_size", "spatial_merge_size"),
+    ("temporal_patch_size", "temporal_patch_size"),
+)
+
+
+def _check_vision_geometry(folder: Path, field: str) -> None:
+    """A ``processor`` that cuts images into patches for the text encoder's vision tower
+    (Qwen-Image-Edit's) cuts them as the tower reads them; otherwise the first edit fails
+    deep inside the text encoder."""
+    index = model_index(folder, field)
+    if not (_loaded("processor", index.get("processor")) and "text_encoder" in index):
+        return
+    part = folder / "processor"
+    published = part / "preprocessor_config.json"
+    config_path = published if published.is_file() else part / "processor_config.json"
+    images = _json_object(config_path)
+    images = images if published.is_file() else images.get("image_processor", {})
+    vision = _json_object(folder / "text_encoder" / "config.json").get("vision_config")
+    if not isinstance(vision, dict) or not isinstance(images, dict):
+        return
+    for cut, read in VISION_GEOMETRY:
+        if cut in images and read in vision and images[cut] != vision[read]:
+            raise InvalidSpec(
+                f"{_short(config_path)} says {cut} {images[cut]}, but "
+                f"text_encoder/config.json's vision_config says {read} {vision[read]}: the "
+                "vision tower would read other patches than the processor cuts",
+                field=field,
+            )
 
 
 def _variant_name(name: str, variant: str | None) -> str:

@@ -48,6 +48,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel("small-flux2-klein", "flux2-klein", 512),
         BuiltinModel("tiny-qwen-image", "qwen-image", 128),
         BuiltinModel("small-qwen-image", "qwen-image", 512),
+        BuiltinModel("tiny-qwen-image-edit", "qwen-image-edit", 128),
+        BuiltinModel("small-qwen-image-edit", "qwen-image-edit", 512),
         BuiltinModel("tiny-z-image", "z-image", 128),
         BuiltinModel("small-z-image", "z-image", 512),
         BuiltinModel("tiny-sdxl", "sdxl-inpaint", 128),

@@ -135,7 +135,8 @@ def load_pipeline(
         name = denoiser.component
         kwargs[name] = component_from_file(checkpoint, folder, name, kwargs["dtype"])
     if checkpoint is None or denoiser.alone:
-        pipe = model_family.pipeline.from_pretrained(folder, variant=variant, **kwargs)
+        own = model_family.own_components(folder, tuple(kwargs))
+        pipe = model_family.pipeline.from_pretrained(folder, variant=variant, **kwargs, **own)
     else:
         lacking = {
             n: _component(folder, n, kwargs["dtype"]) for n in from_config if n not in kwargs

@@ -19,10 +19,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "deploy" / "examples"
 # Production shapes the CPU runs skip: flux-fill-dev and flux-kontext run flux-dev's blocks
-# (their own input layouts are covered by the tiny Fill and Kontext models' tests), and
-# flux2-klein's blocks, layout and row loader are covered by the tiny Klein model's tests
-# (its shape's tier tests took about 2 min on a 2-core CPU); a GPU checks every shape.
-CPU_SKIPPED_SHAPES = frozenset({"flux-fill-dev", "flux-kontext", "flux2-klein"})
+# and qwen-image-edit qwen-image's (their own input layouts are covered by the tiny Fill,
+# Kontext and Qwen-Image-Edit models' tests), and flux2-klein's blocks, layout and row
+# loader are covered by the tiny Klein model's tests (its shape's tier tests took about
+# 2 min on a 2-core CPU); a GPU checks every shape.
+CPU_SKIPPED_SHAPES = frozenset({"flux-fill-dev", "flux-kontext", "flux2-klein", "qwen-image-edit"})
 WAIT_S = 240.0  # a cold start on a loaded 2-core machine: process, imports, model, profile
 
 T = TypeVar("T")

@@ -58,7 +58,14 @@ from transformers import (
     T5EncoderModel,
 )
 
-from retouch.functions.demo.qwen_image import SMALL_QWEN_IMAGE, TINY_QWEN_IMAGE, build_qwen_image
+from retouch.functions.demo.qwen_image import (
+    SMALL_QWEN_IMAGE,
+    SMALL_QWEN_IMAGE_EDIT,
+    TINY_QWEN_IMAGE,
+    TINY_QWEN_IMAGE_EDIT,
+    build_qwen_image,
+    build_qwen_image_edit,
+)
 from retouch.functions.demo.tokenizer import qwen_tokenizer, save_tokenizer
 from retouch.functions.models import BUILTIN_MODELS
 
@@ -594,6 +601,10 @@ DEMO_MODELS: dict[str, DemoModel] = {
         DemoModel("small-flux2-klein", lambda f: _build_flux2_klein(f, SMALL_KLEIN)),
         DemoModel("tiny-qwen-image", lambda f: build_qwen_image(f, TINY_QWEN_IMAGE)),
         DemoModel("small-qwen-image", lambda f: build_qwen_image(f, SMALL_QWEN_IMAGE)),
+        DemoModel("tiny-qwen-image-edit", lambda f: build_qwen_image_edit(f, TINY_QWEN_IMAGE_EDIT)),
+        DemoModel(
+            "small-qwen-image-edit", lambda f: build_qwen_image_edit(f, SMALL_QWEN_IMAGE_EDIT)
+        ),
         DemoModel("tiny-z-image", lambda f: _build_z_image(f, **TINY_Z_IMAGE, grid=64)),
         DemoModel("small-z-image", lambda f: _build_z_image(f, **SMALL_Z_IMAGE, grid=128)),
         DemoModel("tiny-sdxl", lambda f: _build_sdxl(f, TINY_SDXL, resolution=128)),

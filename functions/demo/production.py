@@ -42,6 +42,7 @@ from diffusers import (
     FluxKontextInpaintPipeline,
     FluxTransformer2DModel,
     ModelMixin,
+    QwenImageEditInpaintPipeline,
     QwenImageInpaintPipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -72,6 +73,7 @@ from retouch.functions.demo.qwen_image import (
     qwen_image_tokenizer,
 )
 from retouch.functions.demo.tokenizer import qwen_tokenizer, save_tokenizer, vocabulary
+from retouch.functions.qwenvl import ImageTextProcessor, new_image_processor
 
 CLIP_TOKENS = 77
 
@@ -239,6 +241,15 @@ def build_qwen_image(scale: float, scratch: Path) -> QwenImageInpaintPipeline:
         tokenizer=tokenizer,
         transformer=transformer,
     )
+
+
+def build_qwen_image_edit(scale: float, scratch: Path) -> QwenImageEditInpaintPipeline:
+    """Qwen-Image-Edit (20 B): Qwen-Image's MMDiT, VAE, Qwen2.5-VL and tokenizer (the same
+    configs: :func:`build_qwen_image`) with Qwen2.5-VL's image processor, in
+    ``QwenImageEditInpaintPipeline``."""
+    qwen = build_qwen_image(scale, scratch)
+    processor = ImageTextProcessor(image_processor=new_image_processor(), tokenizer=qwen.tokenizer)
+    return QwenImageEditInpaintPipeline(**qwen.components, processor=processor)
 
 
 def build_z_image(scale: float, scratch: Path) -> ZImageInpaintPipeline:
@@ -472,6 +483,14 @@ SHAPES: dict[str, Shape] = {
             torch.bfloat16,
             "Qwen-Image (20 B)",
             build_qwen_image,
+        ),
+        Shape(
+            "qwen-image-edit",
+            "qwen-image-edit",
+            1024,
+            torch.bfloat16,
+            "Qwen-Image-Edit (20 B)",
+            build_qwen_image_edit,
         ),
         Shape(
             "z-image",

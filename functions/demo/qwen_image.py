@@ -1,7 +1,9 @@
-"""The built-in Qwen-Image models (``retouch:tiny-qwen-image``, ``small-qwen-image``):
-``QwenImageInpaintPipeline`` with random weights, its text side built in memory (a
-byte-level ``Qwen2Tokenizer`` and a tiny ``Qwen2_5_VLForConditionalGeneration``: nothing is
-downloaded).
+"""The built-in Qwen-Image models (``retouch:tiny-qwen-image``, ``small-qwen-image``, and
+the edit model's ``tiny-qwen-image-edit``, ``small-qwen-image-edit``):
+``QwenImageInpaintPipeline`` and ``QwenImageEditInpaintPipeline`` with random weights, their
+text side built in memory (a byte-level ``Qwen2Tokenizer``, a tiny
+``Qwen2_5_VLForConditionalGeneration`` and, for the edit model, Qwen2.5-VL's image processor:
+nothing is downloaded).
 
 Qwen-Image's pipelines wrap every prompt in a chat template whose system prefix they drop
 by count (``prompt_template_encode_start_idx``: 34 tokens of Qwen's own BPE). The tokenizer
@@ -13,6 +15,8 @@ chat and vision markers, so the edit pipeline's vision template tokenizes as the
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +24,7 @@ import torch
 from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
+    QwenImageEditInpaintPipeline,
     QwenImageInpaintPipeline,
     QwenImageTransformer2DModel,
 )
@@ -27,6 +32,14 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Q
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from retouch.functions.demo.tokenizer import _bpe
+from retouch.functions.qwenvl import (
+    INDEX_ENTRY,
+    MERGE,
+    PATCH,
+    TEMPORAL_PATCH,
+    ImageTextProcessor,
+    new_image_processor,
+)
 
 # Qwen2.5-VL's chat and vision markers (``<|endoftext|>`` is Qwen2Tokenizer's unk/eos/pad).
 QWEN_VL_SPECIALS = (
@@ -135,6 +148,10 @@ def qwen_image_text_encoder(
             "num_heads": 2,
             "out_hidden_size": hidden,
             "fullatt_block_indexes": [0],
+            # the image processor's patch geometry (``functions/qwenvl``)
+            "patch_size": PATCH,
+            "spatial_merge_size": MERGE,
+            "temporal_patch_size": TEMPORAL_PATCH,
         },
         image_token_id=ids("<|image_pad|>"),
         video_token_id=ids("<|video_pad|>"),
@@ -156,14 +173,15 @@ def _mrope(head_dim: int) -> list[int]:
 @dataclass(frozen=True)
 class QwenImageSize:
     """A demo size of Qwen-Image: the MMDiT's heads, head width and blocks, the text
-    encoder's width (the DiT's ``joint_attention_dim``) and the VAE's base width; the VAE
-    downsamples 4x (two stages), as the 8x real one does twice as often."""
+    encoder's width (the DiT's ``joint_attention_dim``), the VAE's base width and its 2x
+    stages (Qwen-Image's VAE has three: 8x)."""
 
     heads: int
     head_dim: int
     layers: int
     text_hidden: int
     vae_base: int
+    vae_stages: int = 2
 
 
 # The VAE's causal 3D convolutions cost a CPU much more than a 2D VAE of the same widths:
@@ -171,6 +189,17 @@ class QwenImageSize:
 TINY_QWEN_IMAGE = QwenImageSize(heads=2, head_dim=16, layers=2, text_hidden=16, vae_base=8)
 # At 512 px: 128x128 latents, 64x64 = 4096 tokens (Qwen-Image's grid at 1024 px).
 SMALL_QWEN_IMAGE = QwenImageSize(heads=6, head_dim=64, layers=3, text_hidden=64, vae_base=4)
+# The edit pipeline edits at about 1024x1024 whatever the image's size (the served family
+# edits at the template's: ``runtime/families/qwen_image_edit``), so its tiny model keeps
+# a 1024x1024 edit affordable on a CPU: the real VAE's three stages (8x: 64x64 tokens per
+# image) at a base width of 4 (5 s to encode 1024x1024, 8 s to decode, on a 2-core VM; at 2
+# its 2-channel RMS norms magnify float rounding 50x), a 2-block MMDiT.
+TINY_QWEN_IMAGE_EDIT = QwenImageSize(
+    heads=2, head_dim=16, layers=2, text_hidden=16, vae_base=4, vae_stages=3
+)
+SMALL_QWEN_IMAGE_EDIT = QwenImageSize(
+    heads=6, head_dim=64, layers=3, text_hidden=64, vae_base=8, vae_stages=3
+)
 LATENT_CHANNELS = 16  # Qwen-Image's VAE: 64 channels once packed 2x2
 
 
@@ -188,25 +217,25 @@ def qwen_image_scheduler() -> FlowMatchEulerDiscreteScheduler:
     )
 
 
-def qwen_image_vae(base: int) -> AutoencoderKLQwenImage:
-    """Qwen-Image's video-style VAE (a frame axis) with two 2x stages and latent statistics
-    away from (0, 1), so that a missing normalisation shows."""
+def qwen_image_vae(base: int, stages: int = 2) -> AutoencoderKLQwenImage:
+    """Qwen-Image's video-style VAE (a frame axis) with ``stages`` 2x stages (the real one's
+    widths and time downsampling, cut to them) and latent statistics away from (0, 1), so
+    that a missing normalisation shows."""
     return AutoencoderKLQwenImage(
         base_dim=base,
         z_dim=LATENT_CHANNELS,
-        dim_mult=[1, 2, 4],
+        dim_mult=[1, 2, 4, 4][: stages + 1],
         num_res_blocks=1,
-        temperal_downsample=[False, True],
+        temperal_downsample=[False, True, True][:stages],
         latents_mean=torch.empty(LATENT_CHANNELS).uniform_(-0.5, 0.5).tolist(),
         latents_std=torch.empty(LATENT_CHANNELS).uniform_(0.5, 2.0).tolist(),
     )
 
 
-def build_qwen_image(folder: Path, size: QwenImageSize) -> None:
-    """Qwen-Image (an MMDiT over 2x2-packed latents reading a Qwen2.5-VL's last hidden
-    states) in QwenImageInpaintPipeline, saved to ``folder``."""
+def qwen_image_transformer(size: QwenImageSize) -> QwenImageTransformer2DModel:
+    """Qwen-Image's MMDiT at a demo size."""
     head = size.head_dim
-    transformer = QwenImageTransformer2DModel(
+    return QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=4 * LATENT_CHANNELS,
         out_channels=LATENT_CHANNELS,
@@ -216,11 +245,53 @@ def build_qwen_image(folder: Path, size: QwenImageSize) -> None:
         joint_attention_dim=size.text_hidden,
         axes_dims_rope=(head // 4, 3 * head // 8, 3 * head // 8),
     )
+
+
+def build_qwen_image(folder: Path, size: QwenImageSize) -> None:
+    """Qwen-Image (an MMDiT over 2x2-packed latents reading a Qwen2.5-VL's last hidden
+    states) in QwenImageInpaintPipeline, saved to ``folder``."""
+    transformer = qwen_image_transformer(size)  # first: the built-in's weights stay its own
     tokenizer = qwen_image_tokenizer(PROMPT_TEMPLATES)
     QwenImageInpaintPipeline(
         scheduler=qwen_image_scheduler(),
-        vae=qwen_image_vae(size.vae_base),
+        vae=qwen_image_vae(size.vae_base, size.vae_stages),
         text_encoder=qwen_image_text_encoder(tokenizer, size.text_hidden),
         tokenizer=tokenizer,
         transformer=transformer,
     ).save_pretrained(folder, safe_serialization=True)
+
+
+def qwen_image_edit_pipeline(
+    transformer: QwenImageTransformer2DModel,
+    vae: AutoencoderKLQwenImage,
+    text_hidden: int,
+    text_layers: int = 2,
+) -> QwenImageEditInpaintPipeline:
+    """Qwen-Image-Edit's pipeline around ``transformer`` and ``vae``: Qwen-Image's tokenizer
+    (its merges cover the edit template's prefix too), a Qwen2.5-VL ``text_hidden`` wide
+    whose vision tower reads what Qwen2.5-VL's image processor makes of the image."""
+    tokenizer = qwen_image_tokenizer(PROMPT_TEMPLATES)
+    return QwenImageEditInpaintPipeline(
+        scheduler=qwen_image_scheduler(),
+        vae=vae,
+        text_encoder=qwen_image_text_encoder(tokenizer, text_hidden, text_layers),
+        tokenizer=tokenizer,
+        processor=ImageTextProcessor(image_processor=new_image_processor(), tokenizer=tokenizer),
+        transformer=transformer,
+    )
+
+
+def build_qwen_image_edit(folder: Path, size: QwenImageSize) -> None:
+    """Qwen-Image-Edit (Qwen-Image's MMDiT reading the image's latents after the edited
+    ones, and its Qwen2.5-VL reading the image with the prompt) in
+    QwenImageEditInpaintPipeline, saved to ``folder`` with the published layout: its
+    ``model_index.json`` names transformers' ``Qwen2VLProcessor``, whose ``processor``
+    folder holds the image processor's ``preprocessor_config.json`` and the tokenizer."""
+    vae = qwen_image_vae(size.vae_base, size.vae_stages)
+    pipe = qwen_image_edit_pipeline(qwen_image_transformer(size), vae, size.text_hidden)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    shutil.rmtree(folder / "processor")
+    pipe.processor.save(folder / "processor")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["processor"] = INDEX_ENTRY
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))

@@ -27,6 +27,7 @@ SHAPE_NAMES = (
     "flux-kontext",
     "flux2-klein",
     "qwen-image",
+    "qwen-image-edit",
     "z-image",
     "sd3-medium",
     "sd2-inpaint",

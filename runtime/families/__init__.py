@@ -34,6 +34,7 @@ MODULES = (
     "flux_kontext",
     "flux2_klein",
     "qwen_image",
+    "qwen_image_edit",
     "z_image",
 )
 

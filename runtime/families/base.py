@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -64,13 +65,16 @@ class FamilyModel:
     ``packs``: whether the blocks run the packed layout (else always padded);
     ``image_sequences``: token grids of the image's size in the denoiser's image sequence
     (2 where a reference image's tokens follow the edited latents');
-    ``template_tensors``: per-template tensors a bake stores besides the noise."""
+    ``template_tensors``: per-template tensors a bake stores besides the noise;
+    ``vae_noise_first``: a seed's VAE noise is its first draw, its initial noise the second
+    (the order of the pipeline's own draws: ``SeedNoise.draw``)."""
 
     denoiser: ClassVar[str] = "transformer"
     rows_per_request: ClassVar[int] = 1
     packs: ClassVar[bool] = True
     image_sequences: ClassVar[int] = 1
     template_tensors: ClassVar[tuple[str, ...]] = ()
+    vae_noise_first: ClassVar[bool] = False
 
     def __init__(self, pipe: DiffusionPipeline, device: torch.device, spec: FamilySpec) -> None:
         self.pipe, self.device, self.spec = pipe, device, spec
@@ -166,9 +170,14 @@ class FamilyModel:
         return {
             "mask": mask,  # [1, 1, h, w] float32
             "noise": noise.latents,  # [1, C, h, w] float32
-            **self.encode_prompt(request.prompt, request.negative_prompt),
+            **self.encode_text(request),
             **self.encode_image(image),
         }
+
+    def encode_text(self, request: EditRequest) -> dict[str, torch.Tensor]:
+        """The request's text encoding: :meth:`encode_prompt` of its prompts (a family whose
+        text encoder also reads the image overrides this)."""
+        return self.encode_prompt(request.prompt, request.negative_prompt)
 
     def encode_prompt(self, prompt: str, negative_prompt: str) -> dict[str, torch.Tensor]:
         """The text encoding; ``negative_prompt`` ("" for none) is the unconditional
@@ -331,6 +340,11 @@ class Family:
         # engine reads text lengths from them)
         self.text_encoders = tuple(c for c in self.text_components if c.startswith("text_"))
         self.rows_per_request = self.model.rows_per_request
+
+    def own_components(self, folder: Path, without: tuple[str, ...]) -> dict[str, Any]:
+        """Components of a diffusers ``folder`` the family loads itself and hands the
+        pipeline's ``from_pretrained`` (but those ``without``): none by default."""
+        return {}
 
     def bind(self, pipe: DiffusionPipeline, device: torch.device) -> FamilyModel:
         return self.model(pipe, device, self.spec)

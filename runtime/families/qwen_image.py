@@ -106,16 +106,24 @@ class QwenImageInpaint(FluxInpaint):
     def encode_prompt(self, prompt: str, negative_prompt: str) -> dict[str, torch.Tensor]:
         """Each prompt encoded alone, as the pipeline encodes them (its CFG calls are two),
         padded to the longer with their masks: ``[2, L, D]``, negative first."""
-        encoded = [self._encode_text(text) for text in (negative_prompt, prompt)]
+        return self.encoded_pair(negative_prompt, prompt)
+
+    def encoded_pair(
+        self, negative_prompt: str, prompt: str, **image: Any
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`encode_prompt`'s tensors (``image``: what else the pipeline's
+        ``encode_prompt`` reads, Qwen-Image-Edit's image)."""
+        encoded = [self._encode_text(text, **image) for text in (negative_prompt, prompt)]
         embeds, masks = padded([e for e, _ in encoded], [m for _, m in encoded])
         return {"prompt_embeds": embeds.cpu(), "prompt_mask": masks.cpu()}
 
-    def _encode_text(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode_text(self, text: str, **image: Any) -> tuple[torch.Tensor, torch.Tensor]:
         embeds, mask = self.pipe.encode_prompt(
             prompt=text,
             device=self.device,
             num_images_per_prompt=1,
             max_sequence_length=self.max_sequence_length(),
+            **image,
         )
         if mask is None:  # every token real (the pipeline's None)
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
@@ -165,7 +173,7 @@ class QwenImageInpaint(FluxInpaint):
             ctx.grid = grid = None  # the blocks' processors stay inert: the stock forward
         # the first block sparse: only the masked tokens enter the model (img_in is token-wise)
         first = sparse and ctx.mode(self.blocks[0]) is Mode.SPARSE
-        h, w = self._token_grid(states[0])
+        img_shapes = self.img_shapes(states[0])
         transformer = self.pipe.transformer
 
         def run(**t: torch.Tensor) -> torch.Tensor:
@@ -177,7 +185,7 @@ class QwenImageInpaint(FluxInpaint):
                 timestep=t["timestep"],
                 encoder_hidden_states=t["text"],
                 encoder_hidden_states_mask=t["text_mask"],
-                img_shapes=[[(1, h, w)]] * latents.shape[0],
+                img_shapes=[img_shapes] * latents.shape[0],
                 attention_kwargs={},
                 return_dict=False,
             )[0]
@@ -188,16 +196,18 @@ class QwenImageInpaint(FluxInpaint):
         dtype = states[0].latents.dtype
         out = ctx.call(
             run,
-            latents=torch.cat([torch.cat([s.latents] * 2) for s in states]),
+            latents=torch.cat([torch.cat([self.transformer_input(s)] * 2) for s in states]),
             timestep=batch_timesteps(states, self.device, repeat=2).to(dtype) / 1000,
             text=text,
             text_mask=None if unpadded else text_mask,  # as the pipeline: none when unpadded
         )
         return list(out.split(2))
 
-    def _token_grid(self, state: RequestState) -> tuple[int, int]:
+    def img_shapes(self, state: RequestState) -> list[tuple[int, int, int]]:
+        """The transformer's ``img_shapes`` of one row: (frames, token rows, token columns)
+        of each image in its image sequence (RoPE's frame index is the image's place)."""
         h, w = self.latent_size(state.request.height, state.request.width)
-        return h // 2, w // 2
+        return [(1, h // 2, w // 2)]
 
     def advance(self, state: RequestState, prediction: torch.Tensor) -> None:
         """True CFG with the norm rescale, the scheduler step, the inpaint blend."""
@@ -330,7 +340,14 @@ def qwen_image_flops(
     tokens): the masked tokens' image stream, the whole text stream, their joint attention
     against every image key."""
     n_tokens = (latent_size[0] // 2) * (latent_size[1] // 2)
-    masked = ratio * n_tokens
+    return qwen_sequence_flops(config, n_tokens, ratio * n_tokens, text_len)
+
+
+def qwen_sequence_flops(
+    config: Mapping[str, Any], n_tokens: int, masked: float, text_len: int
+) -> Flops:
+    """One row of a ``QwenImageTransformer2DModel`` whose image sequence has ``n_tokens``
+    tokens (every one a key) of which ``masked`` are computed."""
     dim = config["num_attention_heads"] * config["attention_head_dim"]
     cout = (config.get("out_channels") or config["in_channels"]) * config["patch_size"] ** 2
     queries, keys = text_len + masked, text_len + n_tokens

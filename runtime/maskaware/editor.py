@@ -225,9 +225,7 @@ class MaskAwareEditor:
         """
         self._require_denoiser()
         request = self.bake_request(image, prompt, seed, steps, guidance, mask, strength)
-        noise = SeedNoise.draw(
-            seed, self.impl.noise_shape(image.height, image.width), torch.float32
-        )
+        noise = self._draw(seed, image.height, image.width)
         writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "noise", noise.latents)
         writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "vae_noise", noise.vae)
         if encoded is None:  # its own seed is the template's: both noises are ``noise``
@@ -515,11 +513,15 @@ class MaskAwareEditor:
         return Encoded(self.family, request.height, request.width, tensors)
 
     def _noises(self, request: EditRequest) -> tuple[SeedNoise, SeedNoise]:
-        shape = self.impl.noise_shape(request.image.height, request.image.width)
-        return (
-            SeedNoise.draw(request.template_seed, shape, torch.float32),
-            SeedNoise.draw(request.seed, shape, torch.float32),
+        height, width = request.image.height, request.image.width
+        return self._draw(request.template_seed, height, width), self._draw(
+            request.seed, height, width
         )
+
+    def _draw(self, seed: int, height: int, width: int) -> SeedNoise:
+        """A seed's noises at an image size, in the family's order of draws."""
+        shape = self.impl.noise_shape(height, width)
+        return SeedNoise.draw(seed, shape, torch.float32, vae_first=self.impl.vae_noise_first)
 
     def _cached_latents(self, reader: ActivationReader | None) -> torch.Tensor | None:
         """The template's image latents from its cache, for a family that stores them

@@ -3,7 +3,8 @@
 Two random tensors shape an inpainting run: the initial latent noise and the noise with
 which the VAE samples its posterior when it encodes an image. Both are drawn per seed from
 one CPU generator (noise first, then VAE noise), so a seed gives the same tensors on every
-device. An edit composes them position-wise with the latent mask: the unmasked region keeps
+device (Qwen-Image-Edit's pipeline draws them the other way round, and so does its family).
+An edit composes them position-wise with the latent mask: the unmasked region keeps
 the template's (its bake follows exactly that trajectory, so the cached rows stay valid),
 the masked region takes the request's. With the template's own seed nothing changes; with
 mask ratio 1.0 everything comes from the request.
@@ -25,11 +26,16 @@ class SeedNoise:
     vae: torch.Tensor  # VAE posterior sampling noise
 
     @classmethod
-    def draw(cls, seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> SeedNoise:
+    def draw(
+        cls, seed: int, shape: tuple[int, ...], dtype: torch.dtype, *, vae_first: bool = False
+    ) -> SeedNoise:
+        """Both tensors of ``seed``: the initial noise first, then the VAE noise, or the
+        other way round (``vae_first``: a pipeline that encodes its image with the
+        generator before it draws the noise, as Qwen-Image-Edit's does)."""
         generator = torch.Generator(device="cpu").manual_seed(seed)
-        latents = randn_tensor(shape, generator=generator, dtype=dtype)
-        vae = randn_tensor(shape, generator=generator, dtype=dtype)
-        return cls(latents, vae)
+        first = randn_tensor(shape, generator=generator, dtype=dtype)
+        second = randn_tensor(shape, generator=generator, dtype=dtype)
+        return cls(second, first) if vae_first else cls(first, second)
 
     def compose(self, request: SeedNoise, latent_mask: torch.Tensor) -> SeedNoise:
         """This (template) noise outside ``latent_mask``, ``request``'s inside it."""

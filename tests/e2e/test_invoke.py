@@ -331,6 +331,24 @@ def test_deploy_and_invoke_a_qwen_image_folder(
     assert "vae/diffusion_pytorch_model.safetensors" in bad.value.message
 
 
+def test_deploy_and_invoke_a_qwen_image_edit_folder(
+    server: ServerProcess, admin: Client, examples: Path, models_dir: Path
+) -> None:
+    """Qwen-Image-Edit from a diffusers folder (its processor folder as published): once
+    baked its edits are mask-aware over msgpack and JSON alike, at the template's size; a
+    negative prompt reaches the image; a reference image (the pipeline reads the template
+    itself) is a 400 naming the field."""
+    edit, url, headers, body, images = _serve_folder_edits(
+        server, admin, examples, models_dir, "tiny-qwen-image-edit", "qwen-edit",
+        refuses_negative=False,
+    )  # fmt: skip
+    answer = httpx.post(url, json={**body, "negative_prompt": "blurry"}, headers=headers,
+                        timeout=300)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    assert base64.b64decode(answer.json()["image"]) != edit.image
+    _refuses_a_reference(url, headers, body, images)
+
+
 def _refuses_a_reference(url: str, headers: dict, body: dict, images: dict[str, bytes]) -> None:
     """A family that reads no reference image refuses one: a 400 naming the field."""
     shirt = base64.b64encode(images["shirt"]).decode()

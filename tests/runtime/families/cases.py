@@ -91,6 +91,18 @@ class Case:
         close(ours, stock)
         assert np.abs(ours - stock).max() <= 1e-5  # the acceptance bound, fp32
 
+    def assert_uncached_edit_gives_the_stock_edit(self, pipe: DiffusionPipeline) -> None:
+        """A template not baked yet (every token computed), the request's seed not the
+        template's: the edit is the stock pipeline's with the same composed noise (the
+        template's outside the mask, the request's inside), max |Δ| ≤ 1e-5."""
+        editor = MaskAwareEditor(pipe, self.family, CPU)
+        request = self.request(self.rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3))
+        state = editor.prepare(request, None)
+        while not state.done:
+            editor.step([state])
+        ours = editor.finish(state, "np")
+        assert np.abs(ours - editor.stock_edit(request, "np")).max() <= 1e-5
+
     def baked(self, editor: MaskAwareEditor) -> MemoryActivations:
         """Template 7 baked with its own prompt and seed (``"a quiet street"``, 3), nothing
         masked: what the requests of ``request(..., ("a quiet street", 3))`` read."""
@@ -184,6 +196,38 @@ class Case:
         )
         assert counted(full_plan) == pytest.approx(analytic.full.total, rel=1e-9)
         return analytic.ratio
+
+    def assert_counted_flops_at_the_padded_text(
+        self, pipe: DiffusionPipeline, store: MemoryActivations, mask: np.ndarray
+    ) -> float:
+        """One step of two requests with ``mask`` (of ratio ``mask.mean()``, aligned to the
+        tokens) counts the family's formula at their text length (prompts vary in length:
+        the formula takes the padded one), mask-aware and with every block full; returns
+        the counted ratio of the two (the Qwen families' text varies with the prompt)."""
+        requests = [self.request(mask, "xyz", 2 + i, ("a quiet street", 3)) for i in range(2)]
+        model = family(self.family)
+        latent = model.model.latent_grid(pipe, self.size, self.size)
+        config = pipe.transformer.config
+
+        def counted(editor: MaskAwareEditor) -> tuple[int, int]:
+            states = [editor.prepare(r, store) for r in requests]
+            with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
+                editor.step(states)
+            text = max(s.inputs.prompt_embeds.shape[1] for s in states)
+            return counter.get_total_flops(), text
+
+        def every_block_full(step: object, blocks: list[str]) -> dict[str, Mode]:
+            return dict.fromkeys(blocks, Mode.FULL)
+
+        rows = model.rows_per_request * len(requests)
+        sparse, text_len = counted(MaskAwareEditor(pipe, self.family, CPU))
+        full, _ = counted(MaskAwareEditor(pipe, self.family, CPU, plan=every_block_full))
+        ratio = float(mask.mean())
+        analytic = model.step_flops(config, latent, text_len, ratio).total * rows
+        assert sparse == pytest.approx(analytic, rel=1e-9)
+        analytic_full = model.step_flops(config, latent, text_len, 1.0).total * rows
+        assert full == pytest.approx(analytic_full, rel=1e-9)
+        return sparse / full
 
     def lora_edit_and_stock(
         self, model: str, folder: Path, models_dir: Path, tmp_path: Path, std: float = 0.3

@@ -21,20 +21,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.demo.qwen_image import PROMPT_TEMPLATES
 from retouch.functions.errors import InvalidSpec
 from retouch.functions.modelcheck import check_model, model_family
 from retouch.functions.modelsource import ModelSource
-from retouch.runtime import families
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.editor import MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.maskaware.templatelayout import recorded_tensors
 from retouch.runtime.models import load_pipeline
-from tests.runtime.families.cases import CPU, CPU_ATTENTION, Case
+from tests.runtime.families.cases import CPU, Case
 from tests.runtime.families.cases import close as _close
 
 FAMILY = "qwen-image"
@@ -124,13 +122,7 @@ def test_an_edit_without_a_cache_is_the_stock_pipelines_with_the_composed_noise(
     """A template not baked yet: every token computed, the template's noise outside the
     mask and the request's inside, as the stock reference is given it (the pipeline takes
     no ``latents``: :func:`given_noise`)."""
-    editor = MaskAwareEditor(pipe, FAMILY, CPU)
-    request = _request(_rect(12, 20, 40, 50), "a red door", 5, ("a quiet street", 3))
-    state = editor.prepare(request, None)
-    while not state.done:
-        editor.step([state])
-    ours = editor.finish(state, "np")
-    assert np.abs(ours - editor.stock_edit(request, "np")).max() <= 1e-5
+    CASE.assert_uncached_edit_gives_the_stock_edit(pipe)
 
 
 def test_mixed_plans_and_the_row_loader_change_nothing(pipe) -> None:
@@ -178,28 +170,7 @@ def test_analytic_flops_equal_the_counted_step(pipe, baked) -> None:
     vary in length: the formula takes the padded one), mask-aware and with every block
     full; the mask-aware step costs a fraction of the full one."""
     mask = _rect(16, 32, 64, 32)  # aligned to the 2x2-packed tokens: ratio 0.125
-    requests = [_request(mask, "xyz", 2 + i, ("a quiet street", 3)) for i in range(2)]
-    model = families.family(FAMILY)
-    latent = model.model.latent_grid(pipe, SIZE, SIZE)
-    config = pipe.transformer.config
-
-    def counted(editor: MaskAwareEditor) -> tuple[int, int]:
-        states = [editor.prepare(r, baked) for r in requests]
-        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
-            editor.step(states)
-        return counter.get_total_flops(), max(s.inputs.prompt_embeds.shape[1] for s in states)
-
-    def every_block_full(step: object, blocks: list[str]) -> dict[str, Mode]:
-        return dict.fromkeys(blocks, Mode.FULL)
-
-    rows = 2 * len(requests)
-    sparse, text_len = counted(MaskAwareEditor(pipe, FAMILY, CPU))
-    full, _ = counted(MaskAwareEditor(pipe, FAMILY, CPU, plan=every_block_full))
-    analytic = model.step_flops(config, latent, text_len, 0.125).total * rows
-    assert sparse == pytest.approx(analytic, rel=1e-9)
-    assert full == pytest.approx(model.step_flops(config, latent, text_len, 1.0).total * rows,
-                                 rel=1e-9)  # fmt: skip
-    assert 0.05 < sparse / full < 0.5
+    assert 0.05 < CASE.assert_counted_flops_at_the_padded_text(pipe, baked, mask) < 0.5
 
 
 def test_the_tokenizer_drops_the_templates_prefix_and_nothing_else(pipe) -> None:

@@ -76,6 +76,11 @@ def test_production_shapes_keep_their_real_block_structure() -> None:
     assert len(qwen.transformer.transformer_blocks) == 60
     assert 20.4e9 < sum(p.numel() for p in qwen.transformer.parameters()) < 20.5e9  # 20.43 B
     assert qwen.vae_scale_factor == 8 and qwen.vae.config.base_dim == 96
+    _, edit = build_shape("qwen-image-edit", "meta")  # Qwen-Image's MMDiT, reading an image
+    assert dict(edit.transformer.config) == dict(qwen.transformer.config)
+    vision, images = edit.text_encoder.config.vision_config, edit.processor.image_processor
+    assert (vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size) == (
+        images.patch_size, images.merge_size, images.temporal_patch_size)  # fmt: skip
     with pytest.raises(ValueError, match="scale"):
         build_shape("flux-dev", "meta", scale=1.5)
 
