@@ -121,7 +121,7 @@ gpu-site:
 gpu-bench: gpu-site
 	-$(GPU_ENV) timeout 120 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider \
 	  tests/runtime/maskaware/test_graphs.py tests/runtime/maskaware/test_tiers.py -k "graph or device_tier or gpu"
-	$(GPU_ENV) $(GPU_PYTHON) -m retouch.platform.cli \
+	$(GPU_ENV) $(GPU_PYTHON) -m retouch.platform.cli.main \
 	  bench production --device cuda --shapes $(GPU_SHAPES) --masks $(GPU_MASKS) --batch 1,4 \
 	  --host-masks 0.2 --steps 8 --repeats $(GPU_REPEATS) --out $(GPU_OUT) \
 	  $(if $(GPU_COMPILE),--compile-stock $(GPU_COMPILE))
@@ -140,7 +140,7 @@ GPU_SERVED_MODELS ?= retouch:flux-dev-shaped
 GPU_SERVED_STEPS ?= 6
 gpu-served: gpu-site
 	for m in $(GPU_SERVED_MODELS); do \
-	  $(GPU_ENV) $(GPU_PYTHON) -m retouch.platform.cli bench load --model $$m \
+	  $(GPU_ENV) $(GPU_PYTHON) -m retouch.platform.cli.main bench load --model $$m \
 	    --compare continuous+stock+graphs,continuous+graphs --rate auto:0.5,auto:0.8 \
 	    --requests 16 --warmup 2 --steps $(GPU_SERVED_STEPS) --templates 1 --max-batch 2 \
 	    --mask-mean 0.2 --host-cache-bytes 40000000000 --out $(GPU_OUT)/served-$${m#retouch:} \

@@ -42,8 +42,8 @@ package_data = {name: ["*.json", "*.txt", "*.toml", "*.png"] for name in package
 if "retouch.functions.demo" in package_data:
     package_data["retouch.functions.demo"] += WEIGHTS
 # The web page (plain HTML, CSS and JavaScript; no build step).
-if "retouch.platform.web" in package_data:
-    package_data["retouch.platform.web"] += ["static/*.html", "static/*.js", "static/*.css"]
+if "retouch.platform.api.web" in package_data:
+    package_data["retouch.platform.api.web"] += ["static/*.html", "static/*.js", "static/*.css"]
 
 setup(
     packages=list(package_dir),

@@ -116,7 +116,7 @@ def _to_rgb(img: Image.Image) -> Image.Image:
 
 def decode_mask(data: bytes, field: str = "mask") -> np.ndarray:
     """A boolean ``[H, W]`` array (True = edit) from an encoded mask, at the size it was
-    sent (the gateway resizes it to its image's: ``platform/reframe.py``); see the module
+    sent (the gateway resizes it to its image's: ``platform/jobs/reframe.py``); see the module
     docstring for which pixels count as selected."""
     colour, alpha = _mask_channels(data, field)
     if alpha is None:

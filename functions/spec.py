@@ -68,7 +68,7 @@ SCALING_FIELDS = (
     "headroom_sigmas",
 )
 SLO_FIELDS = ("latency_ms",)
-# The placement policies a function may ask for (the gateway's ``platform/placement.py``
+# The placement policies a function may ask for (the gateway's ``platform/control/placement.py``
 # implements each; a test keeps the two lists equal).
 # How a bake's rows rest in the activation store (``runtime/maskaware/rowformat.RowFormat``):
 # the model's compute dtype, or attention keys and values in fp8 (half the bytes).

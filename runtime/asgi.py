@@ -4,7 +4,7 @@ Bodies are msgpack (``application/msgpack``); the response uses the request's co
 (or, without a body, its ``Accept``) so a JSON caller gets JSON errors. Every
 :class:`RetouchError` becomes a structured error response; nothing else leaks a traceback
 to a caller. What only the public API speaks (JSON bodies, its headers, event streams) is
-the gateway's: ``platform/httpapi.py``.
+the gateway's: ``platform/api/httpapi.py``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from retouch.platform.server import free_port
+from retouch.platform.api.server import free_port
 from tests.support import reap
 
 

@@ -3,7 +3,7 @@
 Tests that start real processes wait for states they are not told about (an executor
 restarted, a pool back to zero, a job running); they all poll the same way, so a slow
 machine shows up as one message with one budget, not a different loop per file. Waiting
-for bakes is ``retouch.platform.bench.load.wait_baked``, the bench's own wait."""
+for bakes is ``retouch.platform.lab.bench.load.wait_baked``, the bench's own wait."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def wait_for(
 def cli_refusal(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     """``retouch ARGS`` run in this process (no interpreter and torch import per case): its
     exit code and stderr. A traceback would escape as an exception other than SystemExit."""
-    from retouch.platform.cli import main
+    from retouch.platform.cli.main import main
 
     with pytest.raises(SystemExit) as exc:
         main(list(args))
@@ -81,7 +81,7 @@ def one_template(examples: Path, name: str, steps: int, template: str):
     and its one image, for ``Client.deploy``."""
     import dataclasses
 
-    from retouch.platform.client import read_spec_file
+    from retouch.platform.api.client import read_spec_file
 
     spec, images = read_spec_file(examples / "tiny-sd.toml")
     spec = dataclasses.replace(

@@ -11,37 +11,37 @@ from pathlib import Path
 from tests.support import REPO
 
 CONTROL_PLANE = (
-    "retouch.platform.gateway",
-    "retouch.platform.frontdoor",
-    "retouch.platform.httpapi",
-    "retouch.platform.deployed",
-    "retouch.platform.pool",
-    "retouch.platform.fleet",
-    "retouch.platform.deployments",
-    "retouch.platform.dispatch",
-    "retouch.platform.executorlink",
-    "retouch.platform.metrics",
-    "retouch.platform.providers",
-    "retouch.platform.server",
+    "retouch.platform.api.gateway",
+    "retouch.platform.api.frontdoor",
+    "retouch.platform.api.httpapi",
+    "retouch.platform.fleet.deployed",
+    "retouch.platform.fleet.pool",
+    "retouch.platform.fleet.fleet",
+    "retouch.platform.fleet.deployments",
+    "retouch.platform.fleet.dispatch",
+    "retouch.platform.fleet.executorlink",
+    "retouch.platform.api.metrics",
+    "retouch.platform.fleet.providers",
+    "retouch.platform.api.server",
     "retouch.platform.control.queue",
-    "retouch.platform.placement",
-    "retouch.platform.registry",
-    "retouch.platform.catalogue",
-    "retouch.platform.commands.capacity",
-    "retouch.platform.commands.models",
-    "retouch.platform.client",
-    "retouch.platform.cli",
-    "retouch.platform.jobs",
-    "retouch.platform.jobpeers",
-    "retouch.platform.journal",
-    "retouch.platform.webhooks",
-    "retouch.platform.deliveryjournal",
-    "retouch.platform.receiverqueue",
-    "retouch.platform.resolver",
-    "retouch.platform.sse",
-    "retouch.platform.uploads",
-    "retouch.platform.openai_images",
-    "retouch.platform.web",
+    "retouch.platform.control.placement",
+    "retouch.platform.state.registry",
+    "retouch.platform.state.catalogue",
+    "retouch.platform.cli.capacity",
+    "retouch.platform.cli.models",
+    "retouch.platform.api.client",
+    "retouch.platform.cli.main",
+    "retouch.platform.jobs.store",
+    "retouch.platform.jobs.peers",
+    "retouch.platform.jobs.journal",
+    "retouch.platform.jobs.webhooks",
+    "retouch.platform.jobs.deliveryjournal",
+    "retouch.platform.jobs.receiverqueue",
+    "retouch.platform.jobs.resolver",
+    "retouch.platform.jobs.sse",
+    "retouch.platform.api.uploads",
+    "retouch.platform.api.openai_images",
+    "retouch.platform.api.web",
     "retouch.runtime.executor.app",
 )
 HEAVY = ("torch", "diffusers", "lmdb", "transformers")
@@ -90,6 +90,54 @@ def forbidden_imports(root: Path = REPO) -> list[str]:
                         rel = path.relative_to(root)
                         problems.append(f"{rel}:{node.lineno} imports {name}")
     return problems
+
+
+# platform's rooms, lowest first: a room imports only the rooms below it (docs/architecture.md)
+ROOMS = ("state", "control", "fleet", "jobs", "api", "lab", "cli")
+# the only rooms of the platform that may import torch, diffusers or transformers, even
+# inside a function (the server's rooms never load them)
+HEAVY_ROOMS = ("lab",)
+
+
+def room_of(module: str) -> str | None:
+    """The room of a ``retouch.platform.<room>...`` module (None outside the platform)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "platform" else None
+
+
+def every_import(root: Path = REPO, folder: str = "platform") -> list[tuple[Path, int, str]]:
+    """``(file, line, module)`` for every absolute import of ``folder``'s modules, at any depth
+    (a function's import counts: it runs on some request), ``TYPE_CHECKING`` ones included."""
+    found = []
+    for path in sorted((root / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found += [(path, node.lineno, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.count(".") >= 2 or not node.module.startswith("retouch"):
+                    found.append((path, node.lineno, node.module))
+                else:  # from retouch.platform import <room or module>
+                    found += [(path, node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return found
+
+
+def room_violations(root: Path = REPO) -> list[str]:
+    """Imports from a lower room into a higher one, modules outside a room, and heavy
+    imports outside the lab."""
+    problems = []
+    for path, line, name in every_import(root):
+        rel = path.relative_to(root)
+        room = rel.parts[1] if len(rel.parts) > 2 else None
+        where = f"{rel}:{line}"
+        if room not in ROOMS:
+            problems.append(f"{where}: {rel} is in no room")
+            continue
+        target = room_of(name)
+        if target in ROOMS and ROOMS.index(target) > ROOMS.index(room):
+            problems.append(f"{where}: the {room} room imports {name} (room {target}, above it)")
+        if name.split(".")[0] in HEAVY and room not in HEAVY_ROOMS:
+            problems.append(f"{where}: the {room} room imports {name}")
+    return sorted(set(problems))
 
 
 def module_imports(root: Path = REPO) -> dict[str, set[str]]:
@@ -195,11 +243,13 @@ def test_direction_check_sees_a_forbidden_import(tmp_path: Path) -> None:
     """A runtime module that imports the platform is reported."""
     for folder in ALLOWED:
         (tmp_path / folder).mkdir()
-    (tmp_path / "runtime" / "bad.py").write_text("from retouch.platform.gateway import Gateway\n")
+    (tmp_path / "runtime" / "bad.py").write_text(
+        "from retouch.platform.api.gateway import Gateway\n"
+    )
     (tmp_path / "cachestore" / "bad.py").write_text("import retouch.functions.wire\n")
     assert forbidden_imports(tmp_path) == [
         "cachestore/bad.py:1 imports retouch.functions.wire",
-        "runtime/bad.py:1 imports retouch.platform.gateway",
+        "runtime/bad.py:1 imports retouch.platform.api.gateway",
     ]
 
 
@@ -222,7 +272,7 @@ def test_every_catalogued_model_has_a_builder() -> None:
 def test_the_capacity_planner_knows_every_production_shape() -> None:
     """``retouch plan-capacity --shape`` checks names without importing torch."""
     from retouch.functions.demo.production import SHAPES
-    from retouch.platform.commands.capacity import SHAPE_NAMES
+    from retouch.platform.cli.capacity import SHAPE_NAMES
 
     assert sorted(SHAPE_NAMES) == sorted(SHAPES)
 
@@ -231,10 +281,32 @@ def test_commands_that_ask_a_server_load_nothing_heavy() -> None:
     """``retouch ls`` and ``retouch cache stats --url`` only talk HTTP: they answer in a
     fraction of a second, not after importing torch (seconds)."""
     heavy, stderr = heavy_modules_after(
-        "from retouch.platform.cli import main\n"
+        "from retouch.platform.cli.main import main\n"
         "for argv in (['ls'], ['cache', 'stats']):\n"
         "    try:\n        main([*argv, '--url', 'http://127.0.0.1:9'])\n"
         "    except SystemExit:\n        pass"
     )
     assert stderr.count("error: unreachable") == 2, stderr
     assert heavy == []
+
+
+def test_platform_rooms_import_only_the_rooms_below() -> None:
+    assert room_violations() == []
+
+
+def test_room_check_sees_an_upward_and_a_heavy_import(tmp_path: Path) -> None:
+    """The check can fail: a job that imports the gateway, a fleet module that imports
+    torch on a request, and a module left outside the rooms are each reported."""
+    for room in ("jobs", "fleet", "api"):
+        (tmp_path / "platform" / room).mkdir(parents=True)
+    (tmp_path / "platform" / "jobs" / "job.py").write_text(
+        "from retouch.platform.api.gateway import Gateway\nfrom retouch.platform.state import auth\n"
+    )
+    (tmp_path / "platform" / "fleet" / "pool.py").write_text("def f():\n    import torch\n")
+    (tmp_path / "platform" / "loose.py").write_text("import json\n")
+    assert room_violations(tmp_path) == [
+        "platform/fleet/pool.py:2: the fleet room imports torch",
+        "platform/jobs/job.py:1: the jobs room imports retouch.platform.api.gateway"
+        " (room api, above it)",
+        "platform/loose.py:1: platform/loose.py is in no room",
+    ]

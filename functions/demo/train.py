@@ -193,14 +193,14 @@ class Trainer:
         config: TrainConfig,
         ckpt_dir: Path,
         out: Path,
-        device: torch.device,
+        device: torch.device | str,
         progress: bool = True,
         warm_start: Path | None = None,
     ) -> None:
         self.cfg = config
         self.ckpt_dir = ckpt_dir
         self.out = out
-        self.device = device
+        self.device = torch.device(device)
         self.progress = progress
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.tokenizer = make_tokenizer(ckpt_dir / "tokenizer")

@@ -42,7 +42,7 @@ from typing import Protocol, TypeVar
 
 from retouch.functions.errors import Canceled, GatewayTimeout, Overloaded
 from retouch.platform.control.cluster import ExecutorView
-from retouch.platform.placement import Placement, PlacementRequest, shortlist
+from retouch.platform.control.placement import Placement, PlacementRequest, shortlist
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 of an executor process.
 
 ``retouch serve`` offers every knob as a flag and a ``RETOUCH_*`` variable
-(:class:`retouch.platform.config.ServeConfig` holds an :class:`ExecutorOptions`), passes
+(:class:`retouch.platform.api.config.ServeConfig` holds an :class:`ExecutorOptions`), passes
 them to each executor process as flags, and the executor parses those flags from the same
 declaration. :func:`add_process_flags` declares the process's own flags (name, device,
 address, token file), which ``python -m retouch.runtime.executor`` (the providers' child)

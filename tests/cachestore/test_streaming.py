@@ -12,7 +12,7 @@ from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.cachestore.streaming import StreamedTemplate
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.production import build_shape
-from retouch.platform.bench.engine import aligned_mask
+from retouch.platform.lab.bench.engine import aligned_mask
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader
 from retouch.runtime.maskaware.store import MemoryActivations

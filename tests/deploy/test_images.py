@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from retouch.platform.auth import parse_token_file
-from retouch.platform.cli import build_parser
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.server import ServerProcess
+from retouch.platform.cli.main import build_parser
+from retouch.platform.state.auth import parse_token_file
 from tests.support import REPO
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with the ray extra")

@@ -337,7 +337,7 @@ def test_a_user_overlay_moves_every_image_to_its_registry(tmp_path) -> None:
 # ---- what the manifests run -----------------------------------------------------------
 def subcommand_flags(name: str) -> set[str] | None:
     """The option strings of ``retouch NAME`` (None: no such command)."""
-    from retouch.platform.cli import build_parser
+    from retouch.platform.cli.main import build_parser
 
     parser = build_parser()
     commands = next(
@@ -426,7 +426,7 @@ def serve_env_names() -> set[str]:
     """The variables ``retouch serve`` reads: its settings', and the attached executors'
     token."""
     from retouch.functions.knobs import ENV_PREFIX, knobs
-    from retouch.platform.config import ServeConfig
+    from retouch.platform.api.config import ServeConfig
     from retouch.runtime.executor.app import TOKEN_ENV
     from retouch.runtime.executor.options import ExecutorOptions
 
@@ -448,7 +448,7 @@ def exported() -> dict[str, set[str]]:
     metrics GatewayMetrics declares, so a sample no invocation has fed yet counts too)."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from retouch.platform.metrics import GatewayMetrics
+    from retouch.platform.api.metrics import GatewayMetrics
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
     names: dict[str, set[str]] = {}
@@ -471,9 +471,10 @@ MATCHER = re.compile(r'([a-z_]+)\s*(=~|!=|!~|=)\s*"([^"]*)"')
 
 def test_the_dashboard_queries_only_metrics_the_gateway_exports() -> None:
     names = exported()
-    source = (REPO / "platform" / "metrics.py").read_text() + (
-        REPO / "functions" / "wire.py"
-    ).read_text()
+    source = "".join(
+        (REPO / path).read_text()
+        for path in ("platform/api/metrics.py", "platform/fleet/report.py", "functions/wire.py")
+    )
     queries = dashboard_queries()
     assert queries
     used = set()
@@ -582,7 +583,7 @@ def test_a_gateway_serves_what_the_dashboard_queries_where_the_servicemonitor_sc
     queries."""
     import httpx
 
-    from retouch.platform.server import ServerProcess
+    from retouch.platform.api.server import ServerProcess
 
     path, _ = scraped_port(rendered["ha"])
     with ServerProcess(tmp_path / "data", extra_args=["--autoscale"]) as server:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
-from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
 from tests.support import REPO
 
 MARK = "<!-- quickstart -->"

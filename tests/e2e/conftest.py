@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
 from tests.support import EXAMPLES
 
 ADMIN = "admin-secret-token"

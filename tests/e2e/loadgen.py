@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from retouch.platform.client import Client
+from retouch.platform.api.client import Client
 from tests.support import WAIT_S
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from retouch.platform import webhooks
+from retouch.platform.jobs import webhooks
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from retouch.functions import wire
-from retouch.platform.server import free_port
+from retouch.platform.api.server import free_port
 from retouch.runtime.executor.app import TOKEN_ENV
 from tests.support import reap, wait_for
 
@@ -42,7 +42,7 @@ class Executor:
 
     def start(self) -> Executor:
         cmd = [
-            sys.executable, "-m", "retouch.platform.cli", "executor", "--name", self.name,
+            sys.executable, "-m", "retouch.platform.cli.main", "executor", "--name", self.name,
             "--port", str(self.port), "--data-dir", str(self.data_dir),
             "--shared-dir", str(self.shared_dir), "--max-batch", "1", "--threads", "1",
             *self.args,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from retouch.platform.client import Client, read_spec_file
+from retouch.platform.api.client import Client, read_spec_file
 from tests.support import EXAMPLES
 
 from .conftest import ADMIN

@@ -16,9 +16,9 @@ import pytest
 from retouch.cachestore.layout import MANIFEST_DB, VALUES_DB, store_path, value_key
 from retouch.cachestore.manifest import Manifest
 from retouch.functions.demo.images import mask_of_ratio
-from retouch.platform.bench.load import wait_baked
-from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
+from retouch.platform.lab.bench.load import wait_baked
 from tests.support import wait_for
 
 MASK = mask_of_ratio((128, 128), 0.2, "ellipse", seed=4)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from retouch.functions.adapters import AdapterSpec
 from retouch.functions.errors import RetouchError
-from retouch.platform.client import Call, Client, read_spec_file
+from retouch.platform.api.client import Call, Client, read_spec_file
 from tests.lorafiles import write_lora
 
 

@@ -19,9 +19,9 @@ from retouch.functions.adapters import adapter_set_id, parse_adapters
 from retouch.functions.demo.images import template_image
 from retouch.functions.imaging import encode_image
 from retouch.functions.spec import parse_spec
-from retouch.platform.bench.load import wait_baked
-from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
+from retouch.platform.lab.bench.load import wait_baked
 from retouch.runtime.maskaware.quality import psnr
 from tests.e2e.conftest import TOKENS
 from tests.lorafiles import write_lora

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from retouch.functions import wire
-from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
 from retouch.runtime.executor.app import TOKEN_ENV
 from retouch.runtime.reproducibility import SWITCHES
 from tests.e2e.standalone import AUTH, TOKEN, Executor, running
@@ -177,7 +177,7 @@ def test_killed_executor_is_marked_dead_and_taken_back(
 def test_sigterm_ends_a_standalone_executor_cleanly(executors: list[Executor]) -> None:
     """Runs last (the module's gateway no longer needs them). uvicorn shuts down (the
     lifespan closes the core) and the ``retouch`` command exits as it does on SIGTERM
-    (``platform/cli.py``: status 143), within the stop's wait rather than by its SIGKILL."""
+    (``platform/cli/main.py``: status 143), within the stop's wait rather than by its SIGKILL."""
     for e in executors:
         assert e.stop() == 128 + signal.SIGTERM, e.log()
         assert "Traceback" not in e.log()

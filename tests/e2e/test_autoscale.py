@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from retouch.functions.spec import ScalingSpec
-from retouch.platform.client import Client, read_spec_file
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client, read_spec_file
+from retouch.platform.api.server import ServerProcess
 from tests.e2e.loadgen import Load
 from tests.support import WAIT_S, wait_for
 

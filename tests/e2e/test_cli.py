@@ -13,13 +13,13 @@ import pytest
 from PIL import Image
 
 from retouch.functions.imaging import encode_mask
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.server import ServerProcess
 
 
 def _cli(
     *args: str, token: str | None = None, url: str | None = None
 ) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "retouch.platform.cli", *args]
+    cmd = [sys.executable, "-m", "retouch.platform.cli.main", *args]
     if url:
         cmd += ["--url", url]
     if token:

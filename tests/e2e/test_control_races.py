@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from retouch.functions.wire import pack
-from retouch.platform.client import Client, read_spec_file
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client, read_spec_file
+from retouch.platform.api.server import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from retouch.functions.demo.shapes import make_scene
-from retouch.platform.cli import build_parser
-from retouch.platform.client import read_spec_file
-from retouch.platform.demo import (
+from retouch.platform.api.client import read_spec_file
+from retouch.platform.cli.main import build_parser
+from retouch.platform.lab.demo import (
     LABEL_H,
     LABEL_W,
     SHAPE_EDITS,

@@ -13,8 +13,8 @@ from PIL import Image
 
 from retouch.functions import wire
 from retouch.functions.imaging import encode_mask
-from retouch.platform.client import Client, read_spec_file
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client, read_spec_file
+from retouch.platform.api.server import ServerProcess
 
 MSGPACK = {"content-type": "application/msgpack"}
 

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from retouch.functions.wire import InvokeResult
-from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
 from tests.support import WAIT_S, wait_for
 
 pytestmark = pytest.mark.slow

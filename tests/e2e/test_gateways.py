@@ -16,8 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
-from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
 from retouch.runtime.executor.app import TOKEN_ENV
 from tests.e2e.receiver import Receiver
 from tests.e2e.standalone import TOKEN, Executor, running

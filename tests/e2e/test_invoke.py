@@ -19,9 +19,9 @@ from retouch.functions import wire
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import encode_mask
-from retouch.platform.bench.load import wait_baked
-from retouch.platform.client import Client, read_spec_file
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client, read_spec_file
+from retouch.platform.api.server import ServerProcess
+from retouch.platform.lab.bench.load import wait_baked
 from tests.e2e.conftest import ADMIN
 from tests.modelfolders import build_sd_folder, into_hub_cache
 

@@ -37,10 +37,10 @@ from replicate.webhook import InvalidSignatureError, Webhooks
 from retouch.functions.errors import Canceled, RetouchError
 from retouch.functions.imaging import encode_mask
 from retouch.functions.wire import InvokeResult, JobEvent, JobEventKind
-from retouch.platform import webhooks
-from retouch.platform.bench.load import wait_baked
-from retouch.platform.client import AsyncClient, Call, Client, read_spec_file
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import AsyncClient, Call, Client, read_spec_file
+from retouch.platform.api.server import ServerProcess
+from retouch.platform.jobs import webhooks
+from retouch.platform.lab.bench.load import wait_baked
 from tests.support import wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
@@ -287,7 +287,7 @@ def test_cli_async_watch_ls_cancel(server: ServerProcess, tmp_path: Path) -> Non
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "retouch.platform.cli", *args],
+            [sys.executable, "-m", "retouch.platform.cli.main", *args],
             capture_output=True,
             text=True,
             env={**os.environ, **env},
@@ -341,7 +341,7 @@ def test_cli_deploy_waits_until_templates_are_baked(
     path = tmp_path / "baked-sd.toml"
     path.write_text(spec)
     env = {**os.environ, "RETOUCH_URL": server.url, "RETOUCH_TOKEN": ADMIN}
-    run = [sys.executable, "-m", "retouch.platform.cli"]
+    run = [sys.executable, "-m", "retouch.platform.cli.main"]
     out = subprocess.run([*run, "deploy", str(path)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert "baked-sd: ready, 2/2 templates baked" in out.stdout

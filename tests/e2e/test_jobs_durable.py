@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
 from tests.support import one_template, wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS

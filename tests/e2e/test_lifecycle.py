@@ -9,8 +9,8 @@ import httpx
 from PIL import Image
 
 from retouch.functions.demo.images import mask_of_ratio
-from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
 
 
 def test_deploy_invoke_delete_restart(

@@ -24,9 +24,9 @@ import pytest
 from PIL import Image
 
 from retouch.functions import wire
-from retouch.platform.client import Client
-from retouch.platform.links import KEY_FILE, load_keys
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
+from retouch.platform.jobs.links import KEY_FILE, load_keys
 from tests.support import wait_for
 
 from .conftest import INVOKE, TOKENS

@@ -16,8 +16,8 @@ import pytest
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import RetouchError
 from retouch.functions.spec import ScalingSpec
-from retouch.platform.client import Client, read_spec_file
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client, read_spec_file
+from retouch.platform.api.server import ServerProcess
 
 # From zero executors: nothing on this machine reads the (removed) folder at deploy.
 ARGS = ["--autoscale", "--threads", "1"]
@@ -30,7 +30,7 @@ def test_deploys_are_checked_against_the_catalogue(
     shutil.copytree(ensure_demo_model("retouch:tiny-sd", models_dir), weights)
     catalogue = tmp_path / "catalogue.json"
     made = subprocess.run(
-        [sys.executable, "-m", "retouch.platform.cli", "models", "catalogue", str(weights),
+        [sys.executable, "-m", "retouch.platform.cli.main", "models", "catalogue", str(weights),
          "-o", str(catalogue)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -114,7 +114,7 @@ def flag(command: str, name: str) -> str:
 def bench_load(data: Path, mark: str) -> subprocess.Popen:
     """The smallest ``bench load`` (its own log beside ``data``), carrying ``mark``."""
     cmd = [
-        sys.executable, "-m", "retouch.platform.cli", "bench", "load",
+        sys.executable, "-m", "retouch.platform.cli.main", "bench", "load",
         "--model", "retouch:tiny-sd", "--compare", "continuous", "--rate", "1",
         "--requests", "2", "--warmup", "0", "--steps", "2", "--templates", "1",
         "--max-batch", "1", "--data-dir", str(data),

@@ -18,8 +18,8 @@ from PIL import Image
 
 from retouch.functions import wire
 from retouch.functions.errors import Overloaded
-from retouch.platform.client import Client, read_spec_file
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client, read_spec_file
+from retouch.platform.api.server import ServerProcess
 from tests.support import decodes_run
 
 from .conftest import ADMIN, INVOKE, TOKENS

@@ -21,9 +21,9 @@ import pytest
 
 from retouch.functions.imaging import encode_mask
 from retouch.functions.wire import pack, unpack
-from retouch.platform.bench.load import wait_baked
-from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
+from retouch.platform.lab.bench.load import wait_baked
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ from retouch.functions.demo.images import template_image
 from retouch.functions.errors import InvalidSpec, Overloaded
 from retouch.functions.imaging import encode_image
 from retouch.functions.spec import parse_spec
-from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
 from tests.support import wait_for
 
 pytestmark = pytest.mark.slow

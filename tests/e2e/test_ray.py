@@ -27,9 +27,9 @@ import pytest
 
 from retouch.functions import wire
 from retouch.functions.spec import ScalingSpec
-from retouch.platform.client import Client, read_spec_file
-from retouch.platform.rayprovider import NAMESPACE, RESOURCE, wait_for_head
-from retouch.platform.server import ServerProcess, free_port
+from retouch.platform.api.client import Client, read_spec_file
+from retouch.platform.api.server import ServerProcess, free_port
+from retouch.platform.fleet.rayprovider import NAMESPACE, RESOURCE, wait_for_head
 from tests.e2e.loadgen import Load
 from tests.support import WAIT_S, cli_refusal, wait_for
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from retouch.functions.demo.images import mask_of_ratio
-from retouch.platform.bench.load import wait_baked
-from retouch.platform.client import Client
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
+from retouch.platform.lab.bench.load import wait_baked
 from retouch.runtime.maskaware.buckets import Buckets
 from tests.support import wait_for
 

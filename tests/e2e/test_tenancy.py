@@ -32,8 +32,8 @@ import pytest
 from PIL import Image
 
 from retouch.functions import wire
-from retouch.platform.client import Call, Client, read_spec_file
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Call, Client, read_spec_file
+from retouch.platform.api.server import ServerProcess
 from tests.support import wait_for
 
 FUNCTION, TEMPLATE, STEPS, SIZE = "tenancy-sd", "street", 2, 128

@@ -30,11 +30,11 @@ from retouch.functions import wire
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import encode_mask
 from retouch.functions.spec import UploadsSpec
-from retouch.platform.bench.memory import zero_png
-from retouch.platform.cachecli import run_cache_command
-from retouch.platform.client import Client, read_spec_file
-from retouch.platform.reframe import crop_region, resize_mask
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client, read_spec_file
+from retouch.platform.api.server import ServerProcess
+from retouch.platform.jobs.reframe import crop_region, resize_mask
+from retouch.platform.lab.bench.memory import zero_png
+from retouch.platform.lab.cachecli import run_cache_command
 from tests.support import decodes_run, wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
@@ -259,7 +259,7 @@ def test_cli_edits_an_image_file(server: ServerProcess, tmp_path: Path) -> None:
     Image.fromarray(MASK.astype(np.uint8) * 255).save(mask, format="PNG")
     (tmp_path / "mask.png").write_bytes(mask.getvalue())
     out = subprocess.run(
-        [sys.executable, "-m", "retouch.platform.cli", "invoke", FUNCTION,
+        [sys.executable, "-m", "retouch.platform.cli.main", "invoke", FUNCTION,
          "--image", str(tmp_path / "photo.png"), "--mask", str(tmp_path / "mask.png"),
          "--prompt", "a red door", "-o", str(tmp_path / "out.png"),
          "--url", server.url, "--token", INVOKE],
@@ -268,7 +268,7 @@ def test_cli_edits_an_image_file(server: ServerProcess, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "path=stock" in out.stdout and Image.open(tmp_path / "out.png").size == (SIZE, SIZE)
     both = subprocess.run(
-        [sys.executable, "-m", "retouch.platform.cli", "invoke", FUNCTION, "--template", "street",
+        [sys.executable, "-m", "retouch.platform.cli.main", "invoke", FUNCTION, "--template", "street",
          "--image", str(tmp_path / "photo.png"), "--mask", str(tmp_path / "mask.png"),
          "--prompt", "x", "--url", server.url, "--token", INVOKE],
         capture_output=True, text=True, timeout=60,

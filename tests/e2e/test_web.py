@@ -25,8 +25,8 @@ import pytest
 from PIL import Image
 
 from retouch.functions import wire
-from retouch.platform.client import Client, read_spec_file
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client, read_spec_file
+from retouch.platform.api.server import ServerProcess
 from tests.support import EXAMPLES, wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS

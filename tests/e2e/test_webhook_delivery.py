@@ -28,10 +28,10 @@ import pytest
 
 from retouch.functions.errors import RetouchError, Unavailable
 from retouch.functions.wire import JobEvent
-from retouch.platform.auth import token_tenant
-from retouch.platform.client import Client, read_spec_file
-from retouch.platform.server import ServerProcess
-from retouch.platform.webhooks import tenant_secret, verify
+from retouch.platform.api.client import Client, read_spec_file
+from retouch.platform.api.server import ServerProcess
+from retouch.platform.jobs.webhooks import tenant_secret, verify
+from retouch.platform.state.auth import token_tenant
 from tests.support import wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS

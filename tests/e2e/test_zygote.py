@@ -15,10 +15,10 @@ import numpy as np
 import psutil
 import pytest
 
-from retouch.platform.bench.load import wait_baked
-from retouch.platform.client import Client
-from retouch.platform.forkedprocess import ForkedProcess, ZygoteRefused
-from retouch.platform.server import ServerProcess
+from retouch.platform.api.client import Client
+from retouch.platform.api.server import ServerProcess
+from retouch.platform.fleet.forkedprocess import ForkedProcess, ZygoteRefused
+from retouch.platform.lab.bench.load import wait_baked
 from retouch.runtime.executor.app import TOKEN_ENV
 from tests.support import wait_for
 

@@ -88,9 +88,9 @@ def test_a_command_may_give_a_knob_its_own_default() -> None:
 def test_bench_sim_flags_build_the_simulators_spec() -> None:
     """``bench sim`` registers SimSpec's knobs and reads them back: its defaults are the
     spec's, and each flag lands in its field."""
-    from retouch.platform.bench.specs import SimScaling, SimSpec
-    from retouch.platform.cli import build_parser
+    from retouch.platform.cli.main import build_parser
     from retouch.platform.control.autoscaler import AutoscalingConfig
+    from retouch.platform.lab.bench.specs import SimScaling, SimSpec
 
     def spec(*flags: str) -> SimSpec:
         args = build_parser().parse_args(["bench", "sim", *flags])

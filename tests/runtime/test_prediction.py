@@ -329,7 +329,7 @@ def test_pre_and_post_times_are_learnt_pool_wide() -> None:
 
 
 def test_maskaware_prefers_less_work_not_fewer_requests() -> None:
-    from retouch.platform.placement import LeastRequests, MaskAware
+    from retouch.platform.control.placement import LeastRequests, MaskAware
 
     cluster = ClusterView()
 
@@ -345,7 +345,7 @@ def test_maskaware_prefers_less_work_not_fewer_requests() -> None:
 def test_a_non_finite_prediction_places_by_requests_instead_of_failing() -> None:
     """A NaN from a broken profile or fit made every score incomparable: the near-tie band
     was empty and the invocation answered 500. It is placed as if unprofiled."""
-    from retouch.platform.placement import LeastRequests, MaskAware
+    from retouch.platform.control.placement import LeastRequests, MaskAware
     from retouch.runtime.prediction import Prediction
 
     cluster = ClusterView()
@@ -358,7 +358,7 @@ def test_a_non_finite_prediction_places_by_requests_instead_of_failing() -> None
 
 
 def test_maskaware_in_a_large_pool_predicts_only_a_shortlist_and_finds_the_idle_one() -> None:
-    from retouch.platform.placement import MaskAware
+    from retouch.platform.control.placement import MaskAware
 
     cluster = ClusterView()
 
@@ -387,7 +387,7 @@ def test_maskaware_in_a_large_pool_predicts_only_a_shortlist_and_finds_the_idle_
 
 
 def test_maskaware_follows_the_template_unless_it_piles_up() -> None:
-    from retouch.platform.placement import MaskAware
+    from retouch.platform.control.placement import MaskAware
 
     cluster = ClusterView()
 
@@ -404,7 +404,7 @@ def test_maskaware_splits_templates_between_equal_executors() -> None:
     """Near-ties go to the template's rendezvous-hash home: each template keeps to one of two
     equal executors, and the templates are split between them (each host tier then holds
     its share instead of every template); an upload has no template to keep."""
-    from retouch.platform.placement import MaskAware
+    from retouch.platform.control.placement import MaskAware
 
     cluster = ClusterView()
     a, b = (Handle(view_with(cluster, n)) for n in "ab")
@@ -423,7 +423,7 @@ def test_maskaware_keeps_host_tiers_apart_by_what_a_load_would_evict() -> None:
     """Among equal executors a template stays where the host tier holds it, and one held
     nowhere goes where loading it evicts nothing, else the least popular template: the
     hash home alone could crowd one tier with popular templates while the other had room."""
-    from retouch.platform.placement import MaskAware
+    from retouch.platform.control.placement import MaskAware
 
     cluster = ClusterView()
     a, b = (Handle(view_with(cluster, n, host=False)) for n in "ab")
@@ -450,7 +450,7 @@ def test_maskaware_keeps_host_tiers_apart_by_what_a_load_would_evict() -> None:
 
 
 def test_template_hash_is_consistent_and_moves_little() -> None:
-    from retouch.platform.placement import TemplateHash
+    from retouch.platform.control.placement import TemplateHash
 
     class Named:  # consistent hashing reads names only
         def __init__(self, name: str) -> None:
@@ -471,8 +471,8 @@ def test_slo_admission_refuses_with_retry_after_and_drops_the_infeasible() -> No
     import asyncio
 
     from retouch.functions.errors import Overloaded
+    from retouch.platform.control.placement import MaskAware
     from retouch.platform.control.queue import InvocationQueue, QueueLimits
-    from retouch.platform.placement import MaskAware
 
     cluster = ClusterView()
 
@@ -514,7 +514,7 @@ def test_slo_admission_refuses_with_retry_after_and_drops_the_infeasible() -> No
 def test_every_placement_a_spec_may_name_exists_and_bad_ones_are_refused() -> None:
     from retouch.functions.errors import InvalidSpec
     from retouch.functions.spec import PLACEMENTS, parse_spec
-    from retouch.platform.placement import POLICIES
+    from retouch.platform.control.placement import POLICIES
 
     assert set(PLACEMENTS) == set(POLICIES)
     doc = {"name": "f", "model": "retouch:tiny-flux", "family": "flux-inpaint", "resolution": 128}
@@ -619,8 +619,8 @@ def test_admission_probes_a_learnt_refusal_once_per_interval_on_an_idle_executor
     the half-open probe lets one through per interval when the profile alone says the SLO
     can be met, and never when the executor is busy or the profile itself misses it."""
     from retouch.functions.errors import Overloaded
+    from retouch.platform.control.placement import MaskAware
     from retouch.platform.control.queue import PROBE_INTERVAL_S, InvocationQueue, QueueLimits
-    from retouch.platform.placement import MaskAware
 
     cluster = ClusterView()
 
@@ -654,8 +654,8 @@ def test_admission_probes_a_learnt_refusal_once_per_interval_on_an_idle_executor
 
 def test_admission_margin_follows_how_late_admitted_invocations_ran() -> None:
     from retouch.functions.errors import Overloaded
+    from retouch.platform.control.placement import MaskAware
     from retouch.platform.control.queue import InvocationQueue, QueueLimits
-    from retouch.platform.placement import MaskAware
 
     cluster = ClusterView()
 
@@ -847,7 +847,7 @@ def test_a_device_resident_template_is_predicted_faster_and_placed_first() -> No
     on_gpu, on_host = (views[n].predict(request(0.2)) for n in ("gpu", "host"))
     assert on_gpu.finish_s < 0.5 * on_host.finish_s
     assert views["gpu"].load_s(request(0.2)) == 0.0
-    from retouch.platform.placement import MaskAware
+    from retouch.platform.control.placement import MaskAware
 
     policy = MaskAware(seed=0)
     handles = [Handle(views["host"]), Handle(views["gpu"])]

@@ -11,7 +11,7 @@ from diffusers import FluxInpaintPipeline, StableDiffusionInpaintPipeline
 
 from retouch.functions.demo.images import mask_of_ratio, template_image
 from retouch.functions.demo.models import ensure_demo_model
-from retouch.platform.bench.plan import LinkReader
+from retouch.platform.lab.bench.plan import LinkReader
 from retouch.runtime import profiling
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.fingerprint import model_fingerprint

@@ -25,8 +25,8 @@ from retouch.functions.demo.train import (
     finetune_decoder,
     make_tokenizer,
 )
-from retouch.platform.bench.edits import most_visible, recolour_mask, replace_mask
-from retouch.platform.cli import main
+from retouch.platform.cli.main import main
+from retouch.platform.lab.bench.edits import most_visible, recolour_mask, replace_mask
 
 
 def test_samples_are_deterministic_from_the_seed() -> None:

@@ -95,7 +95,7 @@ def test_goes_to_zero_when_ticks_land_late():
 
 def test_the_pool_merges_its_functions_scaling_tables():
     from retouch.functions.spec import ScalingSpec
-    from retouch.platform.scaler import pool_config
+    from retouch.platform.fleet.scaler import pool_config
 
     eager = ScalingSpec(0, 3, target_s=5.0, upscale_delay_s=2.0, downscale_delay_s=60.0)
     patient = ScalingSpec(

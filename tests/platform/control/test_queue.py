@@ -12,8 +12,8 @@ import pytest
 
 from retouch.functions.errors import GatewayTimeout, NotFound, Overloaded
 from retouch.platform.control.cluster import ExecutorView
+from retouch.platform.control.placement import LeastRequests, PlacementRequest
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
-from retouch.platform.placement import LeastRequests, PlacementRequest
 
 
 @dataclass

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from retouch.functions.wire import ChangeKind, ExecutorChanges
-from retouch.platform.providers import gpu_devices
+from retouch.platform.fleet.providers import gpu_devices
 from retouch.runtime.executor.changes import ChangeFeed
 
 

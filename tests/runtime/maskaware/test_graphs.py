@@ -13,7 +13,7 @@ import torch
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.production import SHAPES, build_shape
 from retouch.functions.families import family_spec
-from retouch.platform.bench.engine import aligned_mask
+from retouch.platform.lab.bench.engine import aligned_mask
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 from tests.support import CPU_SKIPPED_SHAPES

@@ -1,6 +1,6 @@
 """The template layout a capacity plan predicts is the one a bake stores: every entry of a
 real bake of each family's tiny model (native and fp8 rows) equals the prediction from the
-model's shapes (a real store's bytes for it: ``tests/platform/test_plan_capacity.py``)."""
+model's shapes (a real store's bytes for it: ``tests/platform/lab/test_plan_capacity.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from retouch.functions.demo.images import template_image
 from retouch.functions.demo.production import build_shape
-from retouch.platform.bench.engine import load_demo
+from retouch.platform.lab.bench.engine import load_demo
 from retouch.runtime.maskaware.editor import MaskAwareEditor
 from retouch.runtime.maskaware.rowformat import RowFormat
 from retouch.runtime.maskaware.storedrows import EncodingWriter

@@ -1,0 +1,354 @@
+"""``retouch serve``: the gateway, its registry and its local executors in one command."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from retouch.platform.api.config import ServeConfig
+from retouch.platform.api.gateway import Gateway
+from retouch.platform.api.limits import return_large_frees
+from retouch.platform.control.placement import make_placement
+from retouch.platform.control.queue import QueueLimits
+from retouch.platform.fleet import children
+from retouch.platform.fleet.dispatch import RetryPolicy
+from retouch.platform.fleet.pool import ExecutorPool
+from retouch.platform.fleet.providers import AttachProvider, LocalProvider, Provider
+from retouch.platform.jobs.allowlist import AllowList
+from retouch.platform.jobs.links import KEY_FILE, LinkSigner, bind_url, check_public_url, load_keys
+from retouch.platform.jobs.retention import RetentionLimits
+from retouch.platform.jobs.webhooks import load_secret
+from retouch.platform.state.auth import load_auth
+from retouch.platform.state.catalogue import ModelCatalogue
+from retouch.platform.state.registry import Registry
+from retouch.platform.state.sharedregistry import SharedRegistry
+from retouch.platform.state.statestore import StateStore
+from retouch.runtime.executor.app import read_token
+from retouch.runtime.httpserver import SERVER_OPTIONS
+from retouch.runtime.parentwatch import watch_parent
+
+log = logging.getLogger(__name__)
+
+# How long a gateway whose starter is gone gives its graceful shutdown (open requests,
+# then its executors: SIGTERM, 10 s, SIGKILL) before it exits anyway; its executors, which
+# watch it, then end too.
+ORPHAN_GRACE_S = 30.0
+
+
+def build_gateway(config: ServeConfig) -> Gateway:
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    auth = load_auth(config.token_file)
+    if not auth.enabled:
+        log.warning(
+            "no tokens configured: the API is open to anyone who can reach %s:%d",
+            config.host,
+            config.port,
+        )
+    provider = make_provider(config)
+    limits = QueueLimits(
+        config.max_queued,
+        config.max_queued_per_function,
+        config.queue_timeout_s,
+        admission=config.admission,
+        dry_run=config.admission_dry_run,
+        margin_quantile=config.admission_quantile,
+    )
+    retry = RetryPolicy(config.max_attempts, config.invoke_timeout_s)
+    pool = ExecutorPool(
+        provider,
+        make_placement(config.placement),
+        limits,
+        retry,
+        autoscale=config.autoscale or config.autoscale_dry_run,
+        autoscale_dry_run=config.autoscale_dry_run,
+        drain_timeout_s=config.drain_timeout_s,
+    )
+    state = None
+    if config.state_store is not None:
+        state = StateStore(config.state_store, config.state_store_ttl_s).open()
+    return Gateway(
+        Registry(config.data_dir) if state is None else SharedRegistry(state),
+        pool,
+        auth,
+        models=ModelCatalogue.load(config.model_catalogue),
+        max_body=config.max_body_bytes,
+        max_image_pixels=config.max_image_pixels,
+        decode_memory_bytes=config.decode_memory_bytes,
+        body_memory_bytes=config.body_memory_bytes,
+        retention_limits=RetentionLimits(
+            config.max_live_jobs,
+            config.max_live_jobs_per_tenant,
+            config.max_retained_bytes,
+            config.max_retained_bytes_per_tenant,
+        ),
+        data_dir=config.data_dir,
+        job_retention_s=config.job_retention_s,
+        progress_interval_s=config.progress_interval_s,
+        webhook_secret=shared_secret(state, "webhook-secret", config.webhook_secret)
+        or load_secret(config.data_dir, config.webhook_secret),
+        webhook_allow=AllowList.parse(config.webhook_allow),
+        fetch_allow=AllowList.parse(config.fetch_allow, "--fetch-allow", "fetch_not_allowed")
+        if config.fetch_allow
+        else None,
+        links=LinkSigner(
+            link_keys(config, state),
+            check_public_url(config.public_url or bind_url(config.host, config.port)),
+        ),
+        state=state,
+    )
+
+
+def shared_secret(state: StateStore | None, name: str, given: str | None) -> bytes | None:
+    """A generated secret every gateway of a shared store uses (None: one gateway, or the
+    operator gave it, and the data dir's rule applies)."""
+    if state is None or given:
+        return None
+    return state.secret(name).hex().encode()
+
+
+def link_keys(config: ServeConfig, state: StateStore | None) -> tuple[bytes, ...]:
+    """The link keys: the file given; else the shared store's one key when gateways share
+    one (a link one signs, another verifies); else ``<data dir>/link-keys``."""
+    if config.link_key_file is None and state is not None:
+        return (state.secret("link-key"),)
+    return load_keys(config.link_key_file or config.data_dir / KEY_FILE)
+
+
+def make_provider(config: ServeConfig) -> Provider:
+    """The provider ``--provider`` names (Ray is imported only when chosen). Executors the
+    gateway starts accept a per-run internal token; attached ones the token they were
+    started with (``--executor-token-file`` or ``$RETOUCH_EXECUTOR_TOKEN``)."""
+    if config.provider == "attach":
+        return AttachProvider(config.executor_urls, read_token(config.executor_token_file))
+    token = secrets.token_urlsafe(32)
+    if config.provider == "ray":
+        from retouch.platform.fleet.rayprovider import RayProvider
+
+        provider = RayProvider(
+            config.data_dir,
+            token,
+            config.ray_address,
+            executor_args=config.executor_args(),
+            threads=config.executor.threads,
+            head_wait_s=config.ray_wait_s,
+        )
+        provider.connect()  # before serving: the Ray head may start after the gateway
+        return provider
+    return LocalProvider(
+        config.data_dir,
+        token,
+        cpu_slots=config.executors,
+        executor_args=config.executor_args(),
+        threads=config.executor.threads,
+        zygote=config.executor_zygote,
+    )
+
+
+def serve(config: ServeConfig) -> None:
+    """The gateway on its API port and, unless ``--metrics-port 0``, its metrics on theirs
+    (that port is bound first: a port in use fails the command before anything starts)."""
+    metrics_socket = listen(config.host, config.metrics_port) if config.metrics_port else None
+    return_large_frees()  # freed images leave the process: the decode budget bounds its growth
+    if config.exit_with_parent:
+        watch_parent(config.exit_with_parent, stop_orphaned)
+    gateway = build_gateway(config)
+    api = uvicorn.Config(
+        gateway.app(),
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        timeout_graceful_shutdown=10,
+        **SERVER_OPTIONS,
+    )
+    metrics = None
+    if metrics_socket is not None:
+        metrics = MetricsListener(
+            MetricsServer(
+                uvicorn.Config(
+                    gateway.metrics_app(),
+                    lifespan="off",
+                    log_level="warning",
+                    timeout_graceful_shutdown=2,
+                    **SERVER_OPTIONS,
+                )
+            ),
+            metrics_socket,
+        )
+    GatewayServer(api, metrics).run()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` for the metrics listener, or an error naming
+    the flag (the CLI prints it as one line)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            f"cannot listen for metrics on {host}:{port} (--metrics-port): {exc.strerror}"
+        ) from None
+    return sock
+
+
+class MetricsServer(uvicorn.Server):
+    """uvicorn's server for the metrics listener. It takes no signals: the API's server
+    has them, and stops this one (two servers taking turns at the handlers would leave a
+    SIGTERM to whichever took them last)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class MetricsListener:
+    """The metrics server and the socket it serves on."""
+
+    server: MetricsServer
+    socket: socket.socket
+    task: asyncio.Task | None = None
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server for the API, which runs the metrics listener beside it in its event
+    loop (a scrape reads the pool's state where it lives): started once the API is up (the
+    gateway started), stopped before the API's own shutdown."""
+
+    def __init__(self, config: uvicorn.Config, metrics: MetricsListener | None) -> None:
+        super().__init__(config)
+        self.metrics = metrics
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.metrics is not None and self.started:
+            listener = self.metrics
+            listener.task = asyncio.create_task(listener.server.serve([listener.socket]))
+            host, port = listener.socket.getsockname()[:2]
+            log.info("metrics on http://%s:%d/metrics", host, port)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.metrics is not None and self.metrics.task is not None:
+            self.metrics.server.should_exit = True
+            await self.metrics.task
+        await super().shutdown(sockets)
+
+
+def stop_orphaned() -> None:
+    """The process that started this gateway is gone: stop as on SIGTERM (uvicorn's
+    graceful shutdown, whose lifespan stops the executors); exit if that hangs."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(ORPHAN_GRACE_S)
+    log.error("still running %.0f s after its starter ended; exiting", ORPHAN_GRACE_S)
+    os._exit(1)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """``retouch serve`` as a child process: used by ``retouch demo``, benchmarks and tests.
+    It stops with this process: on SIGTERM or SIGINT (:mod:`retouch.platform.fleet.children`)
+    and, watching it, when this process is killed (``--exit-with-parent``)."""
+
+    data_dir: Path
+    executors: int = 1
+    port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    process: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        while self.metrics_port == self.port:  # two free ports, not the same one twice
+            self.metrics_port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Where its metrics are scraped (the API port answers ``/metrics`` 404)."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        cmd = [
+            sys.executable, "-m", "retouch.platform.cli.main", "serve",
+            "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+            "--data-dir", str(self.data_dir),
+            "--executors", str(self.executors), "--exit-with-parent", str(os.getpid()),
+            *self.extra_args,
+        ]  # fmt: skip
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with (self.data_dir / "gateway.log").open("ab") as log_file:
+            self.process = subprocess.Popen(
+                cmd,
+                env={**os.environ, **self.env},
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        children.track(self.process)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:  # not ready, or this process is stopping: stop it too
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"retouch serve exited with {self.process.returncode}; see {self.data_dir / 'gateway.log'}"
+                )
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet: poll again
+            time.sleep(0.1)
+        raise RuntimeError(
+            f"retouch serve not ready after {timeout:.0f} s; see {self.data_dir / 'gateway.log'}"
+        )
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM (graceful: the gateway stops its executors), SIGKILL if it hangs."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        children.forget(self.process)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
