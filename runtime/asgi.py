@@ -1,10 +1,11 @@
 """The small HTTP layer shared by the executor's internal API and the public gateway.
 
-Bodies are msgpack (``application/msgpack``); the response uses the request's content type
-(or, without a body, its ``Accept``) so a JSON caller gets JSON errors. Every
+Bodies are read in one place (:func:`read_body`): msgpack (``application/msgpack``) for
+both, strict JSON too where the public API takes it; the response uses the request's
+content type (or, without a body, its ``Accept``) so a JSON caller gets JSON errors. Every
 :class:`RetouchError` becomes a structured error response; nothing else leaks a traceback
-to a caller. What only the public API speaks (JSON bodies, its headers, event streams) is
-the gateway's: ``platform/api/httpapi.py``.
+to a caller. What only the public API speaks (its headers, event streams) is the
+gateway's: ``platform/api/httpapi.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.routing import Match
 
 from retouch.functions import wire
 from retouch.functions.errors import (
+    BadRequest,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
@@ -30,6 +32,7 @@ from retouch.functions.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
+from retouch.functions.strictmaps import StrictMaps
 from retouch.runtime import requestparams
 
 log = logging.getLogger(__name__)
@@ -82,13 +85,39 @@ async def read_raw_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_msgpack(request: Request, limit: int) -> Any:
-    """Read at most ``limit`` bytes of a msgpack body; any other content type is a 415."""
+async def read_body(request: Request, limit: int, json_ok: bool = False) -> Any:
+    """A request body of at most ``limit`` bytes: msgpack (the fast path), or, where
+    ``json_ok`` (the public API: ``curl`` and scripts, images as base64 or ``data:`` URIs),
+    strict JSON. Any other content type is a 415."""
     data = await read_raw_body(request, limit)
     ctype = request.headers.get("content-type", MSGPACK)
+    if json_ok and ctype.startswith(JSON):
+        return parse_json(data)
     if not _is_msgpack(ctype):
-        raise UnsupportedMediaType(f"content type {ctype!r} is not supported; use {MSGPACK}")
+        accepted = f"{MSGPACK} or {JSON}" if json_ok else MSGPACK
+        raise UnsupportedMediaType(f"content type {ctype!r} is not supported; use {accepted}")
     return wire.unpack(data)
+
+
+def parse_json(data: bytes) -> Any:
+    """Strict JSON: a duplicate key is refused (the last one would silently win), and so are
+    the non-standard NaN/Infinity constants; nesting too deep for the parser or an integer
+    too long to convert is ``malformed_body`` (a 400, not a 500)."""
+    maps = StrictMaps()
+    try:
+        doc = json.loads(data, object_pairs_hook=maps.hook, parse_constant=_refuse_constant)
+    except RecursionError as exc:
+        raise BadRequest(
+            "body is not valid JSON: nested too deeply", code="malformed_body"
+        ) from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, huge integers
+        raise BadRequest(f"body is not valid JSON: {exc}", code="malformed_body") from exc
+    maps.check(doc)
+    return doc
+
+
+def _refuse_constant(name: str) -> Any:
+    raise BadRequest(f"body is not valid JSON: {name} is not a JSON number", code="malformed_body")
 
 
 RenderError = Callable[[Request, RetouchError, dict[str, str] | None], Response]

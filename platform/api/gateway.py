@@ -50,12 +50,7 @@ from retouch.functions.wire import DeployStatus
 from retouch.platform.api.bodybudget import BodyBudget
 from retouch.platform.api.config import DEFAULT_URL
 from retouch.platform.api.frontdoor import FrontDoor
-from retouch.platform.api.httpapi import (
-    event_stream,
-    last_event_id,
-    parse_prefer_wait,
-    read_body,
-)
+from retouch.platform.api.httpapi import event_stream, last_event_id, parse_prefer_wait
 from retouch.platform.api.imagegate import DecodeBudget, ImageGate
 from retouch.platform.api.limits import GatewayLimits
 from retouch.platform.api.metrics import GatewayMetrics
@@ -89,6 +84,7 @@ from retouch.runtime.asgi import (
     bearer,
     endpoint,
     error_response,
+    read_body,
     respond,
     structured_http_errors,
 )
@@ -336,7 +332,7 @@ class Gateway:
 
     async def put_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
-        body = wire.as_map(await read_body(request, self.max_body))
+        body = wire.as_map(await read_body(request, self.max_body, json_ok=True))
         raw_spec = body.get("spec")
         if isinstance(raw_spec, dict):
             raw_spec = {"name": name, **raw_spec}
@@ -456,7 +452,7 @@ class Gateway:
         with self.bodies.hold(request, self.max_body), contextlib.ExitStack() as held:
             with self.door.arrival(fn, received):  # a 429 comes before the body is read
                 owner = principal(request).tenant
-                raw = await read_body(request, self.max_body)
+                raw = await read_body(request, self.max_body, json_ok=True)
                 body = await self.inputs.inline(raw, owner, held)
                 req = wire.InvokeRequest.from_wire(body)
                 jobs = await self.door.accept_images(fn, req, durable=False, owner=owner)
@@ -491,7 +487,7 @@ class Gateway:
             if fn is not None:
                 admitted.enter_context(self.door.arrival(fn, received))
             admitted.enter_context(self.bodies.hold(request, self.max_body))
-            raw = await read_body(request, self.max_body)
+            raw = await read_body(request, self.max_body, json_ok=True)
             body = await self.inputs.inline(raw, owner, admitted)
             named, req = read(body)
             if fn is None:  # named by the body: admitted once it is read

@@ -1,59 +1,25 @@
 """The gateway's own HTTP conventions, on top of the layer it shares with the executors
-(``runtime/asgi.py``: msgpack bodies, structured errors, auth).
+(``runtime/asgi.py``: bodies, msgpack or strict JSON, structured errors, auth).
 
-Only the public API has them: msgpack or strict JSON bodies on every endpoint, the ``Prefer:
-wait=N`` and ``Last-Event-ID`` headers, and job events as a server-sent event stream.
+Only the public API has them: the ``Prefer: wait=N`` and ``Last-Event-ID`` headers, and job
+events as a server-sent event stream.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from retouch.functions import wire
-from retouch.functions.errors import BadRequest
-from retouch.functions.strictmaps import StrictMaps
 from retouch.platform.jobs import sse
 from retouch.runtime import requestparams
-from retouch.runtime.asgi import JSON, read_msgpack, read_raw_body
 
 MAX_WAIT_S = 60.0  # the longest ``Prefer: wait=N`` honoured
 KEEPALIVE_S = 15.0  # a comment line on an idle event stream
 MAX_EVENT_ID = 2**53 - 1  # event ids are counters; this is any client's safe integer
-
-
-async def read_body(request: Request, limit: int) -> Any:
-    """A request body: msgpack (the fast path), or strict JSON (``curl`` and scripts; its
-    images base64 or ``data:`` URIs). Any other content type is a 415."""
-    if request.headers.get("content-type", "").startswith(JSON):
-        return parse_json(await read_raw_body(request, limit))
-    return await read_msgpack(request, limit)
-
-
-def parse_json(data: bytes) -> Any:
-    """Strict JSON: a duplicate key is refused (the last one would silently win), and so are
-    the non-standard NaN/Infinity constants; nesting too deep for the parser or an integer
-    too long to convert is ``malformed_body`` (a 400, not a 500)."""
-    maps = StrictMaps()
-    try:
-        doc = json.loads(data, object_pairs_hook=maps.hook, parse_constant=_refuse_constant)
-    except RecursionError as exc:
-        raise BadRequest(
-            "body is not valid JSON: nested too deeply", code="malformed_body"
-        ) from exc
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, huge integers
-        raise BadRequest(f"body is not valid JSON: {exc}", code="malformed_body") from exc
-    maps.check(doc)
-    return doc
-
-
-def _refuse_constant(name: str) -> Any:
-    raise BadRequest(f"body is not valid JSON: {name} is not a JSON number", code="malformed_body")
 
 
 def parse_prefer_wait(header: str | None) -> float | None:

@@ -47,7 +47,7 @@ from retouch.runtime import requestparams
 from retouch.runtime.asgi import (
     check_token,
     endpoint,
-    read_msgpack,
+    read_body,
     structured_http_errors,
 )
 
@@ -131,7 +131,7 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
         return (await core.changes.wait(after, timeout_s)).to_wire()
 
     async def put_function(request: Request) -> dict[str, Any]:
-        body = await read_msgpack(request, MAX_BODY)
+        body = await read_body(request, MAX_BODY)
         spec, images, generation = await asyncio.to_thread(_parse_deploy, body)
         await asyncio.wrap_future(core.deploy_async(spec, images, generation))
         return {"name": spec.name, "loaded": True, "generation": generation}
@@ -142,11 +142,11 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
         return {"removed": removed, "generation": generation}
 
     async def invoke(request: Request) -> dict[str, Any]:
-        inv = wire.ExecutorInvoke.from_wire(await read_msgpack(request, MAX_BODY))
+        inv = wire.ExecutorInvoke.from_wire(await read_body(request, MAX_BODY))
         return (await core.invoke(inv)).to_wire()
 
     async def invoke_stream(request: Request) -> StreamingResponse:
-        inv = wire.ExecutorInvoke.from_wire(await read_msgpack(request, MAX_BODY))
+        inv = wire.ExecutorInvoke.from_wire(await read_body(request, MAX_BODY))
         loop = asyncio.get_running_loop()
         frames: asyncio.Queue[wire.StepProgress | None] = asyncio.Queue()
 

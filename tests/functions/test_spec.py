@@ -12,7 +12,7 @@ from retouch.functions.demo.shapes import WORDS
 from retouch.functions.errors import BadRequest, InvalidSpec
 from retouch.functions.families import check_reference
 from retouch.functions.spec import STORAGES, FunctionSpec, load_spec_file, parse_spec
-from retouch.platform.api.httpapi import parse_json
+from retouch.runtime.asgi import parse_json
 from retouch.runtime.maskaware.rowformat import RowFormat
 from tests.support import EXAMPLES
 
