@@ -69,42 +69,6 @@ def heavy_modules_after_import(modules: tuple[str, ...]) -> list[str]:
     return heavy_modules_after(code)[0]
 
 
-def forbidden_imports(root: Path = REPO) -> list[str]:
-    """Every ``import retouch.<folder>`` that breaks the folder directions."""
-    problems = []
-    for folder, allowed in ALLOWED.items():
-        for path in sorted((root / folder).rglob("*.py")):
-            tree = ast.parse(path.read_text(), str(path))
-            for node in ast.walk(tree):
-                names = []
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    names = [node.module]
-                for name in names:
-                    parts = name.split(".")
-                    if parts[0] != "retouch" or len(parts) < 2:
-                        continue
-                    target = parts[1]
-                    if target != folder and target not in allowed:
-                        rel = path.relative_to(root)
-                        problems.append(f"{rel}:{node.lineno} imports {name}")
-    return problems
-
-
-# platform's rooms, lowest first: a room imports only the rooms below it (docs/architecture.md)
-ROOMS = ("state", "control", "fleet", "jobs", "api", "lab", "cli")
-# the only rooms of the platform that may import torch, diffusers or transformers, even
-# inside a function (the server's rooms never load them)
-HEAVY_ROOMS = ("lab",)
-
-
-def room_of(module: str) -> str | None:
-    """The room of a ``retouch.platform.<room>...`` module (None outside the platform)."""
-    parts = module.split(".")
-    return parts[2] if len(parts) > 2 and parts[1] == "platform" else None
-
-
 def every_import(root: Path = REPO, folder: str = "platform") -> list[tuple[Path, int, str]]:
     """``(file, line, module)`` for every absolute import of ``folder``'s modules, at any depth
     (a function's import counts: it runs on some request), ``TYPE_CHECKING`` ones included."""
@@ -119,6 +83,32 @@ def every_import(root: Path = REPO, folder: str = "platform") -> list[tuple[Path
                 else:  # from retouch.platform import <room or module>
                     found += [(path, node.lineno, f"{node.module}.{a.name}") for a in node.names]
     return found
+
+
+def forbidden_imports(root: Path = REPO) -> list[str]:
+    """Every ``import retouch.<folder>`` that breaks the folder directions."""
+    problems = []
+    for folder, allowed in ALLOWED.items():
+        for path, line, name in every_import(root, folder):
+            parts = name.split(".")
+            if parts[0] == "retouch" and len(parts) > 1:
+                target = parts[1]
+                if target != folder and target not in allowed:
+                    problems.append(f"{path.relative_to(root)}:{line} imports {name}")
+    return problems
+
+
+# platform's rooms, lowest first: a room imports only the rooms below it (docs/architecture.md)
+ROOMS = ("state", "control", "fleet", "jobs", "api", "lab", "cli")
+# the only rooms of the platform that may import torch, diffusers or transformers, even
+# inside a function (the server's rooms never load them)
+HEAVY_ROOMS = ("lab",)
+
+
+def room_of(module: str) -> str | None:
+    """The room of a ``retouch.platform.<room>...`` module (None outside the platform)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "platform" else None
 
 
 def room_violations(root: Path = REPO) -> list[str]:

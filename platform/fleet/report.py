@@ -44,14 +44,14 @@ class PoolReport:
         """Decision and admission times and the prediction error (recent invocations)."""
         queue, stats = self.dispatcher.queue, self.dispatcher.stats
         return {
-            "decision_ms_p50": quantile(queue.decision_s, 0.5, 1e3),
-            "decision_ms_p99": quantile(queue.decision_s, 0.99, 1e3),
-            "admission_ms_p50": quantile(stats.admission_s, 0.5, 1e3),
-            "admission_ms_p99": quantile(stats.admission_s, 0.99, 1e3),
-            "refusal_ms_p50": quantile(stats.refusal_s, 0.5, 1e3),
-            "refusal_ms_p99": quantile(stats.refusal_s, 0.99, 1e3),
-            "prediction_error_p50": quantile(stats.prediction_error, 0.5),
-            "prediction_error_p90": quantile(stats.prediction_error, 0.9),
+            "decision_ms_p50": _quantile(queue.decision_s, 0.5, 1e3),
+            "decision_ms_p99": _quantile(queue.decision_s, 0.99, 1e3),
+            "admission_ms_p50": _quantile(stats.admission_s, 0.5, 1e3),
+            "admission_ms_p99": _quantile(stats.admission_s, 0.99, 1e3),
+            "refusal_ms_p50": _quantile(stats.refusal_s, 0.5, 1e3),
+            "refusal_ms_p99": _quantile(stats.refusal_s, 0.99, 1e3),
+            "prediction_error_p50": _quantile(stats.prediction_error, 0.5),
+            "prediction_error_p90": _quantile(stats.prediction_error, 0.9),
             "admission_margin": round(queue.margin, 3),
         }
 
@@ -112,7 +112,7 @@ class PoolReport:
         }
 
 
-def quantile(values: Iterable[float], fraction: float, scale: float = 1.0) -> float:
+def _quantile(values: Iterable[float], fraction: float, scale: float = 1.0) -> float:
     """The ``fraction`` quantile of ``values`` (nearest rank, 0 when empty), times ``scale``."""
     ordered = sorted(values)
     if not ordered:
