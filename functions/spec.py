@@ -15,11 +15,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retouch.functions import wire
 from retouch.functions.adapters import AdapterSpec, adapter_set_id, parse_adapters
 from retouch.functions.errors import BadRequest, InvalidSpec, unknown_field_message
 from retouch.functions.families import FAMILY_SPECS
 from retouch.functions.modelsource import OPTIONS, ModelSource, parse_source
+from retouch.functions.wire.executor import template_variant
+from retouch.functions.wire.invoke import MAX_PROMPT_CHARS
 
 FAMILIES = tuple(FAMILY_SPECS)
 SCHEDULERS: dict[str, tuple[str, ...]] = {n: f.schedulers for n, f in FAMILY_SPECS.items()}
@@ -188,7 +189,7 @@ class FunctionSpec:
         the executor (the variant it serves and bakes) both follow."""
         skipped = FAMILY_SPECS[self.family].skipped_steps(self.steps, strength)
         other = "" if scheduler == self.scheduler else scheduler
-        return wire.template_variant(template, skipped, other)
+        return template_variant(template, skipped, other)
 
     def request_scheduler(self, name: str | None) -> str:
         """The scheduler an invocation asking for ``name`` (None: none) runs with; a name
@@ -412,9 +413,9 @@ def _templates(raw: Any) -> dict[str, TemplateSpec]:
         if image is not None and not isinstance(image, str):
             raise InvalidSpec("image must be a path", field=f"{where}.image")
         prompt = _str(tpl, "prompt", "", where=where)
-        if len(prompt) > wire.MAX_PROMPT_CHARS:  # the limit of an invocation's prompt
+        if len(prompt) > MAX_PROMPT_CHARS:  # the limit of an invocation's prompt
             raise InvalidSpec(
-                f"prompt longer than {wire.MAX_PROMPT_CHARS} characters", field=f"{where}.prompt"
+                f"prompt longer than {MAX_PROMPT_CHARS} characters", field=f"{where}.prompt"
             )
         out[tid] = TemplateSpec(
             prompt=prompt,
@@ -456,9 +457,9 @@ def _uploads(raw: Any) -> UploadsSpec:
     _known(raw, UPLOADS_FIELDS, "uploads")
     default = UploadsSpec()
     prompt = _str(raw, "prompt", default.prompt, where="uploads")
-    if len(prompt) > wire.MAX_PROMPT_CHARS:
+    if len(prompt) > MAX_PROMPT_CHARS:
         raise InvalidSpec(
-            f"prompt longer than {wire.MAX_PROMPT_CHARS} characters", field="uploads.prompt"
+            f"prompt longer than {MAX_PROMPT_CHARS} characters", field="uploads.prompt"
         )
     return UploadsSpec(
         max_images=_int(raw, "max_images", default.max_images, 0, 4096, where="uploads"),

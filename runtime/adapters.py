@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from diffusers import DiffusionPipeline
 
-from retouch.functions import wire
 from retouch.functions.adapters import AdapterSpec, adapter_set_id
+from retouch.functions.wire.executor import AdapterStats
 from retouch.runtime.adapterlayers import LoraLayers, attach_some, build_layers
 from retouch.runtime.mixedlora import RowAdapters, row_adapters
 from retouch.runtime.niceness import renice_this_thread
@@ -104,7 +104,7 @@ class AdapterSet:
 
 @dataclass
 class AdapterCounters:
-    """Cumulative figures of one residency (``wire.AdapterStats`` sums them)."""
+    """Cumulative figures of one residency (``AdapterStats`` sums them)."""
 
     reads: int = 0  # files read, converted and their layers built (background)
     loads: int = 0  # files injected into the denoiser (engine thread, between steps)
@@ -475,13 +475,13 @@ class AdapterUse:
             self.residency.unpin(self.set_id)
 
 
-def adapter_stats(residencies: list[AdapterResidency]) -> wire.AdapterStats:
+def adapter_stats(residencies: list[AdapterResidency]) -> AdapterStats:
     """The executor's adapter figures: every loaded copy's counters summed."""
     total: dict[str, Any] = {}
     for residency in residencies:
         for name, value in vars(residency.counters).items():
             total[name] = total.get(name, 0) + value
-    return wire.AdapterStats(**total)
+    return AdapterStats(**total)
 
 
 def resident_sets(residencies: list[AdapterResidency]) -> tuple[str, ...]:

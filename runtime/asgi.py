@@ -22,7 +22,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Match
 
-from retouch.functions import wire
 from retouch.functions.errors import (
     BadRequest,
     MethodNotAllowed,
@@ -33,6 +32,7 @@ from retouch.functions.errors import (
     UnsupportedMediaType,
 )
 from retouch.functions.strictmaps import StrictMaps
+from retouch.functions.wire.codec import pack, unpack
 from retouch.runtime import requestparams
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def respond(
     request: Request, payload: Any, status: int = 200, headers: dict[str, str] | None = None
 ) -> Response:
     if wants_msgpack(request):
-        return Response(wire.pack(payload), status, headers, media_type=MSGPACK)
+        return Response(pack(payload), status, headers, media_type=MSGPACK)
     return Response(json.dumps(payload, default=_json_bytes), status, headers, media_type=JSON)
 
 
@@ -96,7 +96,7 @@ async def read_body(request: Request, limit: int, json_ok: bool = False) -> Any:
     if not _is_msgpack(ctype):
         accepted = f"{MSGPACK} or {JSON}" if json_ok else MSGPACK
         raise UnsupportedMediaType(f"content type {ctype!r} is not supported; use {accepted}")
-    return wire.unpack(data)
+    return unpack(data)
 
 
 def parse_json(data: bytes) -> Any:

@@ -14,7 +14,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from retouch.functions.wire import InvokePath
+from retouch.functions.wire.invoke import InvokePath
 
 MARGIN = 0.05  # stock only when it is faster by more than the step times' noise
 

@@ -32,12 +32,8 @@ from retouch.cachestore.store import ActivationStore, HostTemplate, Tier
 from retouch.cachestore.streaming import StreamedTemplate
 from retouch.functions.families import family_spec
 from retouch.functions.spec import FunctionSpec, UploadsSpec
-from retouch.functions.wire import (
-    BakeState,
-    CacheTier,
-    ChangeKind,
-    TemplateStatus,
-)
+from retouch.functions.wire.executor import BakeState, ChangeKind, TemplateStatus
+from retouch.functions.wire.invoke import CacheTier
 from retouch.runtime.fingerprint import template_key
 from retouch.runtime.maskaware.editor import BakeCancelled
 from retouch.runtime.maskaware.rowformat import RowFormat

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from retouch.functions import wire
 from retouch.functions.adapters import parse_adapters
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import composite, encode_image
+from retouch.functions.wire.codec import pack, unpack
 from retouch.runtime import shm
 from retouch.runtime.maskaware.editor import MaskAwareEditor, OutputSize
 from retouch.runtime.maskaware.request import EditRequest
@@ -67,9 +67,9 @@ def serve(spec: WorkerSpec, conn: Connection) -> None:
         torch.set_num_threads(spec.threads)
     worker = _Server(spec)
     try:
-        conn.send_bytes(wire.pack({"op": "ready", "pid": os.getpid()}))
-        while (message := wire.unpack(conn.recv_bytes())).get("op") != "stop":
-            conn.send_bytes(wire.pack(worker.handle(message)))
+        conn.send_bytes(pack({"op": "ready", "pid": os.getpid()}))
+        while (message := unpack(conn.recv_bytes())).get("op") != "stop":
+            conn.send_bytes(pack(worker.handle(message)))
     except (EOFError, OSError):
         log.info("%s: the pool's process is gone; exiting", spec.name)
 

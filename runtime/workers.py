@@ -38,9 +38,10 @@ from typing import Any
 
 import torch
 
-from retouch.functions import wire
 from retouch.functions.adapters import AdapterSpec
 from retouch.functions.errors import RetouchError
+from retouch.functions.wire.codec import pack, unpack
+from retouch.functions.wire.invoke import OUTPUT_FORMATS
 from retouch.runtime import shm
 from retouch.runtime.maskaware.editor import Encoded
 from retouch.runtime.maskaware.request import EditRequest
@@ -174,7 +175,7 @@ class PrePostPool:
         "webp" or "raw"), in a post worker; resolves to ``(data, width, height)``. With
         ``over``, the decoded image is composited into that request's template inside its
         mask (``imaging.composite`` with ``feather_px``)."""
-        if fmt not in wire.OUTPUT_FORMATS:
+        if fmt not in OUTPUT_FORMATS:
             raise ValueError(f"unknown output format {fmt!r}")
         meta: dict[str, Any] = {
             "model": model,
@@ -413,8 +414,8 @@ class _Worker:
         """Send the job's header and wait for the reply; a broken pipe is a dead worker."""
         message = {"op": job.op, "meta": job.meta, "items": header, "reply": blocks[1]}
         try:
-            self.conn.send_bytes(wire.pack(message))
-            return wire.unpack(self.conn.recv_bytes())
+            self.conn.send_bytes(pack(message))
+            return unpack(self.conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise WorkerDied(self._death(f"while running its {job.op} job")) from exc
 
@@ -425,7 +426,7 @@ class _Worker:
         if not self._alive():
             self._restart("found dead" if self.ready.is_set() else "did not start")
         try:
-            message = wire.unpack(self.conn.recv_bytes())
+            message = unpack(self.conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise WorkerDied(self._death("while starting")) from exc
         if message.get("op") != "ready":
@@ -469,7 +470,7 @@ class _Worker:
             return
         if self.process.is_alive():
             with contextlib.suppress(OSError):  # it may have died meanwhile
-                self.conn.send_bytes(wire.pack({"op": "stop"}))
+                self.conn.send_bytes(pack({"op": "stop"}))
             self.process.join(5.0)
         if self.process.is_alive():
             self.process.terminate()

@@ -18,10 +18,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from retouch.functions import wire
 from retouch.functions.errors import Canceled, GatewayTimeout, RetouchError, Unavailable
 from retouch.functions.imaging import encode_mask
 from retouch.functions.spec import FunctionSpec, load_spec_file
+from retouch.functions.wire.codec import pack, unpack
+from retouch.functions.wire.invoke import InvokeRequest, InvokeResult
+from retouch.functions.wire.jobs import JobEvent, JobStatus
 from retouch.platform.api.config import default_url
 from retouch.platform.jobs import sse
 
@@ -71,18 +73,21 @@ def invoke_call(
     """``template=None, image=<encoded image bytes>`` edits an uploaded image instead;
     ``seed=None``: the gateway draws one (the result says which)."""
     mask_bytes = encode_mask(mask) if isinstance(mask, np.ndarray) else mask
-    req = wire.InvokeRequest(
-        template=template, mask=mask_bytes, prompt=prompt, seed=seed, **options
+    req = InvokeRequest(
+        template=template, mask=mask_bytes, prompt=prompt, seed=seed or 0, **options
     )
-    return Call("POST", f"/v1/functions/{name}/invoke", req.to_wire())
+    body = req.to_wire()
+    if seed is None:
+        del body["seed"]
+    return Call("POST", f"/v1/functions/{name}/invoke", body)
 
 
-def invoke_results(body: Any) -> list[wire.InvokeResult]:
+def invoke_results(body: Any) -> list[InvokeResult]:
     """An invoke's answer as its list of results: one result, or (for
     ``num_images_per_prompt`` > 1) ``{"results": [...]}``."""
     if isinstance(body, dict) and "results" in body:
-        return [wire.InvokeResult.from_wire(r) for r in body["results"]]
-    return [wire.InvokeResult.from_wire(body)]
+        return [InvokeResult.from_wire(r) for r in body["results"]]
+    return [InvokeResult.from_wire(body)]
 
 
 def _one_image(options: dict[str, Any]) -> None:
@@ -113,12 +118,12 @@ def job_status_call(job_id: str, wait_s: float | None = None) -> Call:
     return Call("GET", f"/v1/jobs/{job_id}", headers=headers)
 
 
-def job_outcome(doc: dict[str, Any]) -> wire.InvokeResult:
+def job_outcome(doc: dict[str, Any]) -> InvokeResult:
     """The result of a finished job document, or the error it ended with."""
     status = doc["status"]
-    if status == wire.JobStatus.SUCCEEDED:
-        return wire.InvokeResult.from_wire(doc["result"])
-    if status == wire.JobStatus.CANCELED:
+    if status == JobStatus.SUCCEEDED:
+        return InvokeResult.from_wire(doc["result"])
+    if status == JobStatus.CANCELED:
         raise Canceled(f"job {doc['id']} was canceled", field="id")
     error = doc.get("error") or {}
     raise RetouchError.from_wire(int(error.get("status", 500)), {"error": error})
@@ -146,15 +151,15 @@ class Job:
         self.doc = self.client.call(job_status_call(self.id))
         return self.doc
 
-    def wait(self, timeout: float | None = None) -> wire.InvokeResult:
+    def wait(self, timeout: float | None = None) -> InvokeResult:
         """Block until the job ends; its result, or the error it failed with
         (:class:`~retouch.functions.errors.Canceled` when canceled)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not wire.JobStatus(self.doc["status"]).terminal:
+        while not JobStatus(self.doc["status"]).terminal:
             self.doc = self.client.call(job_status_call(self.id, _wait_chunk(deadline)))
         return job_outcome(self.doc)
 
-    def events(self, after: int = 0) -> Iterator[wire.JobEvent]:
+    def events(self, after: int = 0) -> Iterator[JobEvent]:
         """The job's server-sent events from ``after`` on, until it ends."""
         return self.client.job_events(self.id, after)
 
@@ -175,13 +180,13 @@ class AsyncJob:
         self.doc = await self.client.call(job_status_call(self.id))
         return self.doc
 
-    async def wait(self, timeout: float | None = None) -> wire.InvokeResult:
+    async def wait(self, timeout: float | None = None) -> InvokeResult:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not wire.JobStatus(self.doc["status"]).terminal:
+        while not JobStatus(self.doc["status"]).terminal:
             self.doc = await self.client.call(job_status_call(self.id, _wait_chunk(deadline)))
         return job_outcome(self.doc)
 
-    def events(self, after: int = 0) -> AsyncIterator[wire.JobEvent]:
+    def events(self, after: int = 0) -> AsyncIterator[JobEvent]:
         return self.client.job_events(self.id, after)
 
     async def cancel(self) -> dict[str, Any]:
@@ -209,7 +214,7 @@ def _headers(token: str | None) -> dict[str, str]:
 
 
 def _result(resp: httpx.Response) -> Any:
-    payload = wire.unpack(resp.content) if resp.content else {}
+    payload = unpack(resp.content) if resp.content else {}
     if resp.status_code >= 400:
         raise RetouchError.from_wire(resp.status_code, payload)
     return payload
@@ -234,7 +239,7 @@ class Client:
         self.close()
 
     def call(self, call: Call) -> Any:
-        content = wire.pack(call.body) if call.body is not None else None
+        content = pack(call.body) if call.body is not None else None
         try:
             resp = self._http.request(call.method, call.path, content=content, headers=call.headers)
         except httpx.TransportError as exc:
@@ -266,7 +271,7 @@ class Client:
         """This token's tenant's webhook signing key (for ``webhooks.verify``)."""
         return self.call(WEBHOOK_SECRET_CALL)["secret"].encode()
 
-    def job_events(self, job_id: str, after: int = 0) -> Iterator[wire.JobEvent]:
+    def job_events(self, job_id: str, after: int = 0) -> Iterator[JobEvent]:
         headers = {"accept": sse.MEDIA_TYPE, "last-event-id": str(after)}
         try:
             with self._http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as resp:
@@ -350,10 +355,10 @@ class Client:
         prompt: str,
         seed: int | None = 0,
         **options: Any,
-    ) -> wire.InvokeResult:
+    ) -> InvokeResult:
         """Edit ``template``, or an uploaded image: ``template=None, image=<bytes>``."""
         _one_image(options)
-        return wire.InvokeResult.from_wire(
+        return InvokeResult.from_wire(
             self.call(invoke_call(name, template, mask, prompt, seed, **options))
         )
 
@@ -366,7 +371,7 @@ class Client:
         seed: int | None = 0,
         num_images_per_prompt: int = 1,
         **options: Any,
-    ) -> list[wire.InvokeResult]:
+    ) -> list[InvokeResult]:
         """``num_images_per_prompt`` edits of one request (image i with seed ``seed + i``)."""
         call = invoke_call(
             name, template, mask, prompt, seed, num_images_per_prompt=num_images_per_prompt,
@@ -399,7 +404,7 @@ class AsyncClient:
         await self.aclose()
 
     async def call(self, call: Call) -> Any:
-        content = wire.pack(call.body) if call.body is not None else None
+        content = pack(call.body) if call.body is not None else None
         try:
             resp = await self._http.request(
                 call.method, call.path, content=content, headers=call.headers
@@ -433,7 +438,7 @@ class AsyncClient:
         """This token's tenant's webhook signing key (for ``webhooks.verify``)."""
         return (await self.call(WEBHOOK_SECRET_CALL))["secret"].encode()
 
-    async def job_events(self, job_id: str, after: int = 0) -> AsyncIterator[wire.JobEvent]:
+    async def job_events(self, job_id: str, after: int = 0) -> AsyncIterator[JobEvent]:
         headers = {"accept": sse.MEDIA_TYPE, "last-event-id": str(after)}
         parser = sse.Parser()
         try:
@@ -487,8 +492,8 @@ class AsyncClient:
         prompt: str,
         seed: int | None = 0,
         **options: Any,
-    ) -> wire.InvokeResult:
+    ) -> InvokeResult:
         _one_image(options)
-        return wire.InvokeResult.from_wire(
+        return InvokeResult.from_wire(
             await self.call(invoke_call(name, template, mask, prompt, seed, **options))
         )

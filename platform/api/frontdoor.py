@@ -35,11 +35,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image
 
-from retouch.functions import wire
 from retouch.functions.errors import BadRequest, Canceled, NotFound, Overloaded, Unavailable
 from retouch.functions.families import check_edit, check_reference
 from retouch.functions.imaging import decode_mask, encode_image
-from retouch.functions.wire import DeployStatus
+from retouch.functions.wire.codec import RawArray
+from retouch.functions.wire.executor import DeployStatus
+from retouch.functions.wire.invoke import ExecutorInvoke, InvokeRequest, InvokeResult
+from retouch.functions.wire.jobs import JobRequest
 from retouch.platform.api import uploads
 from retouch.platform.api.imagegate import Declared, ImageGate
 from retouch.platform.api.metrics import GatewayMetrics
@@ -134,7 +136,7 @@ class FrontDoor:
     async def accept(
         self,
         fn: DeployedFunction,
-        request: wire.JobRequest,
+        request: JobRequest,
         *,
         durable: bool,
         owner: str,
@@ -170,7 +172,7 @@ class FrontDoor:
     async def accept_images(
         self,
         fn: DeployedFunction,
-        request: wire.InvokeRequest,
+        request: InvokeRequest,
         *,
         durable: bool,
         owner: str,
@@ -184,7 +186,7 @@ class FrontDoor:
             for one in request.images():
                 jobs.append(
                     await self.accept(
-                        fn, wire.JobRequest(one), durable=durable, owner=owner, upload=upload
+                        fn, JobRequest(one), durable=durable, owner=owner, upload=upload
                     )
                 )
         except BaseException:
@@ -193,7 +195,7 @@ class FrontDoor:
         return jobs
 
     # ---- answers -------------------------------------------------------------------------
-    async def answers(self, jobs: list[Job]) -> list[wire.InvokeResult]:
+    async def answers(self, jobs: list[Job]) -> list[InvokeResult]:
         """Wait for jobs run on a caller's behalf and give their results in order (the first
         error is raised); jobs that are not kept (not durable) are forgotten."""
         try:
@@ -235,7 +237,7 @@ class FrontDoor:
     async def _prepare(
         self,
         fn: DeployedFunction,
-        req: wire.InvokeRequest,
+        req: InvokeRequest,
         invocation_id: str,
         owner: str,
         upload: uploads.Upload | None = None,
@@ -269,7 +271,7 @@ class FrontDoor:
                 pixels = await self.images.decode(
                     declared_reference, _decode_reference, req.image_reference, edited
                 )
-                reference = wire.RawArray.of(pixels)
+                reference = RawArray.of(pixels)
             canvas_size = (spec.width, spec.height)
             output = self._output_size(req.size)
             frame = Frame.plan(mask, canvas_size, req.padding_mask_crop, output)
@@ -285,11 +287,11 @@ class FrontDoor:
             canvas = await self.images.work(
                 mask.size, self._canvas, fn, req.template or "", upload, frame, mask, owner
             )
-        inv = wire.ExecutorInvoke(
+        inv = ExecutorInvoke(
             function=spec.name,
             template=canvas.template,
             image=canvas.image,
-            mask=wire.RawArray.of(canvas.mask.astype("uint8")),
+            mask=RawArray.of(canvas.mask.astype("uint8")),
             prompt=req.prompt,
             seed=req.seed,
             steps=steps,
@@ -322,7 +324,7 @@ class FrontDoor:
         )
         return PreparedInvocation(inv, placement, frame=canvas.frame)
 
-    def _input_size(self, fn: DeployedFunction, req: wire.InvokeRequest) -> Size:
+    def _input_size(self, fn: DeployedFunction, req: InvokeRequest) -> Size:
         """The size of the image ``req`` edits, checked before a pixel is decoded: an
         upload's header (the pixel limit; uploads allowed) or the template's."""
         if req.image is not None:
@@ -374,15 +376,13 @@ class FrontDoor:
         pixels, canvas_mask = frame.to_canvas(source, mask)
         return Canvas(
             self.names.id(pixels, owner),
-            wire.RawArray.of(pixels),
+            RawArray.of(pixels),
             canvas_mask,
             MaskFootprint.of(canvas_mask, halo),
             pasted,
         )
 
-    async def _execute(
-        self, job: Job, on_start: OnStart, on_progress: OnProgress
-    ) -> wire.InvokeResult:
+    async def _execute(self, job: Job, on_start: OnStart, on_progress: OnProgress) -> InvokeResult:
         """Run a job's invocation through the dispatcher (the job store calls this); the
         edit of a resized or cropped input is pasted back into it."""
         if job.prepared is None:  # resumed from the journal after a restart
@@ -408,10 +408,10 @@ class FrontDoor:
     async def _paste(
         self,
         frame: Frame,
-        result: wire.InvokeResult,
+        result: InvokeResult,
         fn: DeployedFunction,
-        req: wire.InvokeRequest,
-    ) -> wire.InvokeResult:
+        req: InvokeRequest,
+    ) -> InvokeResult:
         """The executor's edit (raw RGB8 of the function's resolution) pasted back into
         the input, decoded again from the request (with its mask), at the size asked for,
         encoded as asked (a large one on a worker thread), all within one hold."""
@@ -444,7 +444,7 @@ class Canvas:
     paste-back needs (None: the executor's result is the answer)."""
 
     template: str
-    image: wire.RawArray | None
+    image: RawArray | None
     mask: np.ndarray
     footprint: MaskFootprint
     frame: Frame | None

@@ -34,7 +34,6 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from retouch.functions import wire
 from retouch.functions.adaptercheck import check_adapters
 from retouch.functions.errors import (
     BadRequest,
@@ -46,7 +45,10 @@ from retouch.functions.errors import (
 )
 from retouch.functions.imaging import MAX_PIXELS, declared_size, decode_image, encode_image
 from retouch.functions.spec import FunctionSpec, parse_spec
-from retouch.functions.wire import DeployStatus
+from retouch.functions.wire.codec import as_map, decode_bytes
+from retouch.functions.wire.executor import DeployStatus, ExecutorState
+from retouch.functions.wire.invoke import InvokeRequest
+from retouch.functions.wire.jobs import JobRequest, JobStatus
 from retouch.platform.api.bodybudget import BodyBudget
 from retouch.platform.api.config import DEFAULT_URL
 from retouch.platform.api.frontdoor import FrontDoor
@@ -332,7 +334,7 @@ class Gateway:
 
     async def put_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
-        body = wire.as_map(await read_body(request, self.max_body, json_ok=True))
+        body = as_map(await read_body(request, self.max_body, json_ok=True))
         raw_spec = body.get("spec")
         if isinstance(raw_spec, dict):
             raw_spec = {"name": name, **raw_spec}
@@ -360,7 +362,7 @@ class Gateway:
             if tid not in raw:
                 raise InvalidSpec(f"no image uploaded for template {tid!r}", field=where)
             try:
-                data = wire.decode_bytes(raw[tid], where)
+                data = decode_bytes(raw[tid], where)
                 width, height = declared_size(data, where, self.door.images.max_pixels)
                 if (width, height) != (spec.width, spec.height):  # refused before decoding
                     raise InvalidSpec(
@@ -428,7 +430,7 @@ class Gateway:
             "autoscaler": report.describe_autoscaler(),
         }
 
-    def _own_state(self, state: wire.ExecutorState, viewer: Principal) -> dict[str, Any]:
+    def _own_state(self, state: ExecutorState, viewer: Principal) -> dict[str, Any]:
         """An executor's report with the uploads ``viewer`` may see (its templates'
         states hold every tenant's)."""
         templates = {
@@ -454,7 +456,7 @@ class Gateway:
                 owner = principal(request).tenant
                 raw = await read_body(request, self.max_body, json_ok=True)
                 body = await self.inputs.inline(raw, owner, held)
-                req = wire.InvokeRequest.from_wire(body)
+                req = InvokeRequest.from_wire(body)
                 jobs = await self.door.accept_images(fn, req, durable=False, owner=owner)
             results = await self.door.answers(jobs)
         total_ms = (time.perf_counter() - received) * 1e3
@@ -468,7 +470,7 @@ class Gateway:
     async def submit_job(self, request: Request) -> Response:
         fn = self.door.servable(request.path_params["name"])
         wait_s = parse_prefer_wait(request.headers.get("prefer"))
-        job = await self.accept_job(request, lambda body: (fn, wire.JobRequest.from_wire(body)), fn)
+        job = await self.accept_job(request, lambda body: (fn, JobRequest.from_wire(body)), fn)
         return await self._job_response(request, job, wait_s, 202)
 
     async def accept_job(
@@ -515,10 +517,10 @@ class Gateway:
         status = None
         if query.get("status"):
             try:
-                status = wire.JobStatus(query["status"])
+                status = JobStatus(query["status"])
             except ValueError:
                 raise BadRequest(
-                    f"status must be one of {', '.join(s.value for s in wire.JobStatus)}",
+                    f"status must be one of {', '.join(s.value for s in JobStatus)}",
                     field="status",
                     code="invalid_field",
                 ) from None
@@ -529,7 +531,7 @@ class Gateway:
         )
         positions = self.pool.dispatcher.queue_positions()
         for job in jobs:
-            if job.status is wire.JobStatus.QUEUED:
+            if job.status is JobStatus.QUEUED:
                 job.position = positions.get(job.id, job.position)
         return {"jobs": [j.describe(False, with_webhook=j.owner == viewer.tenant) for j in jobs]}
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from retouch.functions import wire
+from retouch.functions.wire.jobs import JobEvent
 from retouch.platform.jobs import sse
 from retouch.runtime import requestparams
 
@@ -46,8 +46,8 @@ def last_event_id(request: Request) -> int:
 
 
 def event_stream(
-    events: AsyncIterator[wire.JobEvent | None],
-    render: Callable[[wire.JobEvent], bytes] = sse.frame,
+    events: AsyncIterator[JobEvent | None],
+    render: Callable[[JobEvent], bytes] = sse.frame,
 ) -> StreamingResponse:
     """A job's events as ``text/event-stream`` (each as ``render`` frames it: retouch's
     events, or a prediction's); ``None`` items mark idle periods, and an idle stream gets a

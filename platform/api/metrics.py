@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from retouch.functions import wire
+from retouch.functions.wire.executor import AdapterStats, ExecutorState
+from retouch.functions.wire.invoke import InvokePath, InvokeResult
+from retouch.functions.wire.jobs import JobStatus
 from retouch.platform.api.bodybudget import BodyBudget
 from retouch.platform.api.imagegate import ImageGate
 from retouch.platform.fleet.report import PoolReport
@@ -145,7 +147,7 @@ class GatewayMetrics:
             ["executor", "stage"],
             registry=r,
         )
-        self._adapters_seen: dict[str, wire.AdapterStats] = {}
+        self._adapters_seen: dict[str, AdapterStats] = {}
         self.executors = Gauge("retouch_executors_healthy", "Healthy executors", registry=r)
         self.functions = Gauge("retouch_functions", "Deployed functions", registry=r)
         self.pool = Gauge(
@@ -215,14 +217,14 @@ class GatewayMetrics:
         )
 
     def observe(
-        self, function: str, result: wire.InvokeResult, mask_ratio: float, slo_ms: float | None
+        self, function: str, result: InvokeResult, mask_ratio: float, slo_ms: float | None
     ) -> None:
         """One answered invocation: its path, timings, batch and (with an SLO) the outcome;
         ``mask_ratio`` as the gateway measured it (what admission saw)."""
         t = result.timings
         self.invocations.labels(function, result.path.value).inc()
         self.cache_reads.labels(result.cache.found.value).inc()
-        if result.path is wire.InvokePath.MASKAWARE:
+        if result.path is InvokePath.MASKAWARE:
             self.prefetch_wait.observe(result.cache.wait_ms / 1e3)
         self.latency.labels(function).observe(t.total_ms / 1e3)
         self.run.labels(function).observe(t.run_ms / 1e3)
@@ -238,7 +240,7 @@ class GatewayMetrics:
         for size in result.engine.batch_sizes:
             self.batch_size.observe(size)
 
-    def export_engine(self, state: wire.ExecutorState) -> None:
+    def export_engine(self, state: ExecutorState) -> None:
         """Per-step figures live in the executors; they are read at scrape time."""
         engine = state.engine
         values = {
@@ -267,13 +269,13 @@ class GatewayMetrics:
             if value is not None:
                 self.engine.labels(state.name, quantity).set(float(value))
 
-    def export_adapters(self, state: wire.ExecutorState) -> None:
+    def export_adapters(self, state: ExecutorState) -> None:
         """The executor's adapter counters, added as they grew since the last scrape (an
         executor that restarted counts from zero again)."""
         now = state.adapter_stats
-        seen = self._adapters_seen.get(state.name, wire.AdapterStats())
+        seen = self._adapters_seen.get(state.name, AdapterStats())
         if now.loads < seen.loads or now.reads < seen.reads or now.swaps < seen.swaps:
-            seen = wire.AdapterStats()  # a new executor process under the same name
+            seen = AdapterStats()  # a new executor process under the same name
         self._adapters_seen[state.name] = now
         events = {
             "read": now.reads - seen.reads,
@@ -295,7 +297,7 @@ class GatewayMetrics:
                 self.adapter_seconds.labels(state.name, stage).inc(grew_ms / 1e3)
 
     def export_jobs(self, jobs: Iterable[Job], webhooks: WebhookStats) -> None:
-        counts = dict.fromkeys(wire.JobStatus, 0)
+        counts = dict.fromkeys(JobStatus, 0)
         for job in jobs:
             if job.durable:
                 counts[job.status] += 1

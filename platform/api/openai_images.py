@@ -31,7 +31,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from retouch.functions import wire
 from retouch.functions.errors import (
     BadRequest,
     NotFound,
@@ -39,6 +38,14 @@ from retouch.functions.errors import (
     UnsupportedMediaType,
 )
 from retouch.functions.imaging import MASK_MODES, decode_openai_mask, encode_mask
+from retouch.functions.wire.codec import parse_size
+from retouch.functions.wire.invoke import (
+    MAX_GUIDANCE,
+    MAX_IMAGES_PER_PROMPT,
+    MAX_PROMPT_CHARS,
+    MAX_STEPS,
+    InvokeRequest,
+)
 from retouch.platform.api.bodybudget import BodyBudget
 from retouch.platform.api.frontdoor import FrontDoor
 from retouch.platform.api.imagegate import Declared
@@ -48,7 +55,7 @@ from retouch.runtime import requestparams
 from retouch.runtime.asgi import read_raw_body
 
 PATH_PREFIX = "/v1/images/"
-MAX_N = wire.MAX_IMAGES_PER_PROMPT
+MAX_N = MAX_IMAGES_PER_PROMPT
 URL_TTL_S = 3600.0  # how long a ``url`` answer stays valid (OpenAI: 60 minutes)
 MAX_FIELD_BYTES = 64 << 10  # a text field (a prompt is at most 4096 characters)
 RESPONSE_FORMATS = ("b64_json", "url")
@@ -107,7 +114,7 @@ def _int(raw: str | None, field: str, lo: int, hi: int) -> int | None:
 
 
 def _size(raw: str) -> tuple[int, int] | None:
-    return None if raw.strip() == "auto" else wire.parse_size(raw)
+    return None if raw.strip() == "auto" else parse_size(raw)
 
 
 async def read_form(request: Request, max_body: int) -> EditForm:
@@ -177,9 +184,9 @@ async def _validate(form: Any) -> EditForm:
 
     model = text("model", required=True) or ""
     prompt = text("prompt", required=True) or ""
-    if len(prompt) > wire.MAX_PROMPT_CHARS:
+    if len(prompt) > MAX_PROMPT_CHARS:
         raise BadRequest(
-            f"prompt longer than {wire.MAX_PROMPT_CHARS}", field="prompt", code="invalid_field"
+            f"prompt longer than {MAX_PROMPT_CHARS}", field="prompt", code="invalid_field"
         )
     if (text("stream") or "false").strip().lower() not in ("false", "0"):
         raise BadRequest("streaming edits are not supported", field="stream", code="invalid_field")
@@ -218,11 +225,11 @@ async def _validate(form: Any) -> EditForm:
         response_format=response_format,
         output_format=OUTPUT_FORMATS[output_format],
         seed=_int(raw["seed"], "seed", 0, 2**63 - 1),
-        steps=_int(raw["num_inference_steps"], "num_inference_steps", 1, wire.MAX_STEPS),
+        steps=_int(raw["num_inference_steps"], "num_inference_steps", 1, MAX_STEPS),
         guidance=None
         if raw["guidance_scale"] is None
         else requestparams.decimal(
-            raw["guidance_scale"].strip(), "guidance_scale", 0.0, wire.MAX_GUIDANCE
+            raw["guidance_scale"].strip(), "guidance_scale", 0.0, MAX_GUIDANCE
         ),
     )
 
@@ -320,7 +327,7 @@ class OpenAIImages:
         owner = request.state.principal.tenant
         with door.arrival(fn, received):
             mask, upload = await _edit_inputs(door, fn, form, owner)
-            req = wire.InvokeRequest(
+            req = InvokeRequest(
                 template=form.template,
                 image=form.image,
                 mask=mask,

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from retouch.functions import wire
 from retouch.functions.errors import BadRequest, NotFound, RetouchError, unknown_field_message
-from retouch.functions.wire import WebhookEvent, WebhookFormat
+from retouch.functions.wire.codec import as_map
+from retouch.functions.wire.invoke import ALIASES, INVOKE_FIELDS, InvokeRequest
+from retouch.functions.wire.jobs import JobRequest, WebhookEvent, WebhookFormat, parse_target_url
 from retouch.platform.api.httpapi import event_stream, last_event_id, parse_prefer_wait
 from retouch.platform.fleet.deployed import DeployedFunction
 from retouch.platform.jobs.job import Job
@@ -56,20 +57,20 @@ CURSOR = re.compile(r"([0-9.eE+-]{1,32})-([0-9a-f]{32})")  # <created_at>-<job i
 
 # The gateway's intake of a durable job: a reader of the body into (function, request),
 # and the function when the URL names it (admitted before the body is read).
-Read = Callable[[Any], tuple[DeployedFunction, wire.JobRequest]]
+Read = Callable[[Any], tuple[DeployedFunction, JobRequest]]
 Accept = Callable[[Request, Read, DeployedFunction | None], Awaitable[Job]]
 
 
 def known_fields(raw: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
     """A prediction's body, every field one of ``allowed`` (else ``unknown_field``)."""
-    body = wire.as_map(raw)
+    body = as_map(raw)
     for key in body:
         if key not in allowed:
             raise BadRequest(unknown_field_message(key, allowed), field=key, code="unknown_field")
     return body
 
 
-def job_request(body: dict[str, Any]) -> wire.JobRequest:
+def job_request(body: dict[str, Any]) -> JobRequest:
     """A prediction's body (its ``input`` the invoke request's fields) as a job request
     with Replicate-format webhooks; an error in ``input`` names ``input.<field>``."""
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
@@ -77,11 +78,11 @@ def job_request(body: dict[str, Any]) -> wire.JobRequest:
     if not isinstance(body.get("input"), dict):
         code = "missing_field" if body.get("input") is None else "invalid_field"
         raise BadRequest("input must be a map of the edit's fields", field="input", code=code)
-    webhook = None if body.get("webhook") is None else str(wire.parse_target_url(body["webhook"]))
+    webhook = None if body.get("webhook") is None else str(parse_target_url(body["webhook"]))
     events = webhook_events(body.get("webhook_events_filter"))
     try:
-        invoke = wire.InvokeRequest.from_wire(body["input"])
-        return wire.JobRequest(invoke, webhook, events, WebhookFormat.REPLICATE)
+        invoke = InvokeRequest.from_wire(body["input"])
+        return JobRequest(invoke, webhook, events, WebhookFormat.REPLICATE)
     except RetouchError as exc:
         in_input(exc, reading_input=True)
         raise
@@ -107,7 +108,7 @@ def in_input(exc: RetouchError, reading_input: bool = False) -> None:
     head = (exc.field or "").split(".", 1)[0]
     if exc.code == "unknown_field" and not reading_input:
         return  # a top-level field the body should not have (``prompt`` outside ``input``)
-    if reading_input or head in wire.INVOKE_FIELDS or head in wire.ALIASES:
+    if reading_input or head in INVOKE_FIELDS or head in ALIASES:
         exc.field = "input" if exc.field is None else f"input.{exc.field}"
 
 
@@ -164,7 +165,7 @@ class Predictions:
             in_input(exc)
             raise
 
-    def _read_create(self, raw: Any) -> tuple[DeployedFunction, wire.JobRequest]:
+    def _read_create(self, raw: Any) -> tuple[DeployedFunction, JobRequest]:
         body = known_fields(raw, CREATE_FIELDS)
         given = [k for k in ("version", "model") if body.get(k) is not None]
         if len(given) != 1:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from retouch.functions.errors import BadRequest, PayloadTooLarge, Unavailable
-from retouch.functions.wire import parse_target_url
+from retouch.functions.wire.jobs import parse_target_url
 from retouch.platform.api.bodybudget import BodyBudget
 from retouch.platform.jobs.allowlist import AllowList, pinned
 from retouch.platform.jobs.resolver import Resolver

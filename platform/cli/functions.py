@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from retouch.functions import wire
 from retouch.functions.knobs import words
+from retouch.functions.wire.invoke import InvokeResult
 from retouch.platform.api.client import Job, read_spec_file
 from retouch.platform.cli.common import (
     UsageError,
@@ -256,7 +256,7 @@ def _print_submitted(result: Job, as_json: bool) -> None:
     print(f"{result.doc['status']}{where}", file=sys.stderr)
 
 
-def _print_result(output: Path, result: wire.InvokeResult, as_json: bool) -> None:
+def _print_result(output: Path, result: InvokeResult, as_json: bool) -> None:
     output.write_bytes(result.image)  # already encoded in the requested format
     if as_json:
         doc = {k: v for k, v in result.to_wire().items() if k != "image"}

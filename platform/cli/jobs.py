@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from retouch.functions import wire
+from retouch.functions.wire.jobs import JobEventKind
 from retouch.platform.cli.common import (
     add_json,
     bar,
@@ -78,11 +78,11 @@ def _watch(args: argparse.Namespace) -> None:
         job = client.job(args.id)
         for event in job.events():
             data = event.data
-            if event.kind is wire.JobEventKind.QUEUED and data.get("position") is not None:
+            if event.kind is JobEventKind.QUEUED and data.get("position") is not None:
                 print(f"queued, position {data['position']}", end=end, file=sys.stderr)
-            elif event.kind is wire.JobEventKind.STARTED:
+            elif event.kind is JobEventKind.STARTED:
                 print(f"started on {data['executor']}" + " " * 20, end=end, file=sys.stderr)
-            elif event.kind is wire.JobEventKind.PROGRESS:
+            elif event.kind is JobEventKind.PROGRESS:
                 eta = f" eta {data['eta_s']:.1f}s" if data.get("eta_s") is not None else ""
                 line = f"{bar(data['fraction'])} {data['step']}/{data['total']}{eta}"
                 print(line + " " * 10, end=end, file=sys.stderr)

@@ -19,7 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from retouch.functions import wire
+from retouch.functions.wire.executor import (
+    AdapterStats,
+    BakeState,
+    ExecutorPhase,
+    ExecutorState,
+    TemplateStatus,
+)
+from retouch.functions.wire.invoke import CacheTier, InvokePath, InvokeResult
 from retouch.platform.control.calibration import EWMA, Calibration, Overheads
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.prediction import (
@@ -58,7 +65,7 @@ HELD = (Residency.DEVICE, Residency.HOST)  # in memory: no disk load
 BAKED = (Residency.DEVICE, Residency.HOST, Residency.DISK)  # baked here: the sparse path
 
 
-def _baked_tier(status: wire.TemplateStatus) -> Residency:
+def _baked_tier(status: TemplateStatus) -> Residency:
     """The fastest tier a baked template's executor reports it in."""
     if status.device:
         return Residency.DEVICE
@@ -110,7 +117,7 @@ class AdapterCosts:
             return self.measured_load_s
         return nbytes / self.disk_bps if nbytes > 0 else self.load_s
 
-    def observe(self, stats: wire.AdapterStats) -> None:
+    def observe(self, stats: AdapterStats) -> None:
         if stats.mean_load_ms > 0:
             self.measured_load_s = stats.mean_load_ms / 1e3
         if stats.mean_swap_ms > 0:
@@ -139,7 +146,7 @@ class ExecutorView:
         self, name: str, max_batch: int = 8, slots: int = 16, overheads: Overheads | None = None
     ) -> None:
         self.name = name
-        self.phase = wire.ExecutorPhase.STARTING
+        self.phase = ExecutorPhase.STARTING
         self.max_batch = max_batch
         self.slots = slots
         self.device = ""
@@ -163,7 +170,7 @@ class ExecutorView:
         self._joined: tuple[tuple, float] = ((), 0.0)  # the last _joined_step_s and its key
 
     # ---- what the executor is -----------------------------------------------------------
-    def observe_state(self, state: wire.ExecutorState, costers: CosterCache) -> None:
+    def observe_state(self, state: ExecutorState, costers: CosterCache) -> None:
         """Cost models, engine calibration and template residency from the executor's own
         state (read after it became ready, after a deploy and after bakes and evictions)."""
         self.device = state.device
@@ -187,16 +194,16 @@ class ExecutorView:
         self.adapters = OrderedDict.fromkeys(resident)
         self._changed()
 
-    def _observe_templates(self, state: wire.ExecutorState) -> None:
+    def _observe_templates(self, state: ExecutorState) -> None:
         sizes = []
         for function, templates in state.templates.items():
             for template, status in templates.items():
                 key = (function, template)
-                if status.state is wire.BakeState.BAKED:
+                if status.state is BakeState.BAKED:
                     tier = _baked_tier(status)
                     if status.bytes:
                         sizes.append(status.bytes)
-                elif status.state in (wire.BakeState.BAKING, wire.BakeState.QUEUED):
+                elif status.state in (BakeState.BAKING, BakeState.QUEUED):
                     tier = Residency.BAKING
                 else:
                     tier = Residency.ABSENT
@@ -328,7 +335,7 @@ class ExecutorView:
         placed.member.steps_left = max(0, total - step)
         self._changed()
 
-    def finish(self, token: int, now: float, result: wire.InvokeResult | None) -> float | None:
+    def finish(self, token: int, now: float, result: InvokeResult | None) -> float | None:
         """The invocation left; learn from its result. Returns the relative prediction
         error (|predicted - actual| / actual) when it completed."""
         placed = self.placed.pop(token, None)
@@ -342,7 +349,7 @@ class ExecutorView:
         return abs(predicted - actual) / actual if actual > 0 and predicted > 0 else None
 
     def _calibrate(
-        self, placed: Placed, result: wire.InvokeResult, now: float, actual: float, predicted: float
+        self, placed: Placed, result: InvokeResult, now: float, actual: float, predicted: float
     ) -> None:
         c = self.calibration
         c.observations += 1
@@ -361,7 +368,7 @@ class ExecutorView:
             pre_queued=0 < pre_workers <= placed.pre_ahead,
             post_queued=0 < post_workers <= during,
         )
-        if result.cache.tier is wire.CacheTier.DISK:
+        if result.cache.tier is CacheTier.DISK:
             self.overheads.observe_disk_load(result.cache.wait_ms / 1e3)
         executor_s = (t.pre_ms + t.queue_ms + t.run_ms + t.post_ms) / 1e3  # arrived→done there
         if executor_s > 0:
@@ -369,17 +376,17 @@ class ExecutorView:
         if predicted > 0 and actual > 0:
             c.learn(placed.occupancy, actual / predicted)
 
-    def _touch(self, newcomer: PlacementRequest, result: wire.InvokeResult) -> None:
+    def _touch(self, newcomer: PlacementRequest, result: InvokeResult) -> None:
         """An edit read its template: now host-resident (most recent); an edit that ran the
         full path leaves it baking. The host tier's LRU is mirrored to know evictions. An
         edit that reads no row (``full``) tells nothing of it."""
         if newcomer.full:
             return
         key = (newcomer.function, newcomer.template)
-        if result.path is wire.InvokePath.STOCK:
+        if result.path is InvokePath.STOCK:
             self.residency[key] = Residency.BAKING
             return
-        if result.cache.tier is wire.CacheTier.DEVICE:
+        if result.cache.tier is CacheTier.DEVICE:
             self.residency[key] = Residency.DEVICE
             self.residency.move_to_end(key)
             return

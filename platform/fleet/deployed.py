@@ -13,7 +13,7 @@ import numpy as np
 
 from retouch.functions.imaging import decode_image
 from retouch.functions.spec import FunctionSpec
-from retouch.functions.wire import BAKE_PROGRESS, BakeState, DeployStatus, ExecutorState
+from retouch.functions.wire.executor import BAKE_PROGRESS, BakeState, DeployStatus, ExecutorState
 from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.state.registry import StoredFunction
 from retouch.runtime.prediction import MaskFootprint

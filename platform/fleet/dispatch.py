@@ -29,7 +29,6 @@ from functools import partial
 
 import httpx
 
-from retouch.functions import wire
 from retouch.functions.errors import (
     Canceled,
     ExecutorFull,
@@ -39,6 +38,8 @@ from retouch.functions.errors import (
     Unavailable,
 )
 from retouch.functions.spec import FunctionSpec
+from retouch.functions.wire.executor import FrameReader, StepProgress
+from retouch.functions.wire.invoke import CacheTier, ExecutorInvoke, InvokePath, InvokeResult
 from retouch.platform.control.cluster import Placed, PlacementRequest
 from retouch.platform.control.placement import Placement, make_placement
 from retouch.platform.control.queue import InvocationQueue, QueueLimits, Seat
@@ -53,7 +54,7 @@ LOST_CODES = frozenset({"engine_dead", "engine_unavailable"})
 FULL_CODE = ExecutorFull.code  # "the executor has no room for it; it never started here"
 
 OnStart = Callable[[str, int], None]  # (executor name, attempt): an executor took the invocation
-OnProgress = Callable[[wire.StepProgress], None]
+OnProgress = Callable[[StepProgress], None]
 
 
 @dataclass(frozen=True)
@@ -175,12 +176,12 @@ class Dispatcher:
     # ---- invocations --------------------------------------------------------------------
     async def invoke(
         self,
-        inv: wire.ExecutorInvoke,
+        inv: ExecutorInvoke,
         request: PlacementRequest,
         on_start: OnStart | None = None,
         on_progress: OnProgress | None = None,
         seat: Seat | None = None,
-    ) -> wire.InvokeResult:
+    ) -> InvokeResult:
         """Run one invocation: wait for a slot, send it, and re-place it when its executor
         is lost (up to ``max_attempts`` executors, within ``invoke_timeout_s``).
         ``on_start`` hears each time an executor takes it, ``on_progress`` each step;
@@ -195,18 +196,18 @@ class Dispatcher:
                 self._active.pop(inv.id, None)
                 self._cancels.discard(inv.id)
 
-    def _check_canceled(self, inv: wire.ExecutorInvoke) -> None:
+    def _check_canceled(self, inv: ExecutorInvoke) -> None:
         if inv.id and inv.id in self._cancels:
             raise Canceled(f"invocation {inv.id} was canceled")
 
     async def _invoke(
         self,
-        inv: wire.ExecutorInvoke,
+        inv: ExecutorInvoke,
         request: PlacementRequest,
         on_start: OnStart | None,
         on_progress: OnProgress | None,
         seat: Seat | None,
-    ) -> wire.InvokeResult:
+    ) -> InvokeResult:
         deadline = time.monotonic() + self.retry.invoke_timeout_s
         service_s = self.queue.service_s(request)
         lost_on: list[str] = []
@@ -272,7 +273,7 @@ class Dispatcher:
         self,
         handle: ExecutorHandle,
         token: int,
-        result: wire.InvokeResult,
+        result: InvokeResult,
         placed: Placed | None,
     ) -> None:
         """Completion: the view learns (calibration, residency), the prediction is scored,
@@ -285,25 +286,25 @@ class Dispatcher:
                 self.queue.observe_outcome(result.timings.placed_ms / result.timings.predicted_ms)
         if error is not None:
             self.stats.prediction_error.append(error)
-        if result.path is wire.InvokePath.TEMPLATE:
+        if result.path is InvokePath.TEMPLATE:
             return  # no model run: neither the store nor the step fit changed
         stale = error is not None and error > RECALIBRATE_ERROR  # the executor's fit moved
         if (
             stale
-            or result.path is wire.InvokePath.STOCK
-            or result.cache.tier not in (wire.CacheTier.HOST, wire.CacheTier.DEVICE)
+            or result.path is InvokePath.STOCK
+            or result.cache.tier not in (CacheTier.HOST, CacheTier.DEVICE)
         ):
             self.fleet.refresh_soon(handle)
 
     async def _send(
         self,
         handle: ExecutorHandle,
-        inv: wire.ExecutorInvoke,
+        inv: ExecutorInvoke,
         deadline: float,
         on_progress: OnProgress | None = None,
         token: int = -1,
         on_accepted: Callable[[], None] | None = None,
-    ) -> wire.InvokeResult:
+    ) -> InvokeResult:
         timeout = max(0.1, deadline - time.monotonic())
         try:
             async with asyncio.timeout(timeout):
@@ -327,20 +328,20 @@ class Dispatcher:
     async def _stream(
         self,
         handle: ExecutorHandle,
-        inv: wire.ExecutorInvoke,
+        inv: ExecutorInvoke,
         on_progress: OnProgress | None,
         token: int = -1,
         on_accepted: Callable[[], None] | None = None,
-    ) -> wire.InvokeResult:
+    ) -> InvokeResult:
         """Step frames, then the result or the error; ``on_accepted`` hears that the
         executor took the invocation (an answer that is no refusal)."""
-        reader = wire.FrameReader()
+        reader = FrameReader()
         async with self.link.stream(handle, inv) as resp:
             if on_accepted is not None:
                 on_accepted()
             async for chunk in resp.aiter_bytes():
                 for frame in reader.feed(chunk):
-                    if isinstance(frame, wire.StepProgress):
+                    if isinstance(frame, StepProgress):
                         handle.view.progress(token, frame.step, frame.total)
                         if frame.step >= frame.total - 1 and len(self.queue):
                             # Batch room opens within a step: a late-bound invocation
@@ -349,7 +350,7 @@ class Dispatcher:
                             self.queue.dispatch()
                         if on_progress is not None:
                             on_progress(frame)
-                    elif isinstance(frame, wire.InvokeResult):
+                    elif isinstance(frame, InvokeResult):
                         return frame
                     else:
                         raise frame

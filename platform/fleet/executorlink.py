@@ -16,8 +16,10 @@ from typing import Any
 
 import httpx
 
-from retouch.functions import wire
 from retouch.functions.errors import RetouchError
+from retouch.functions.wire.codec import pack, unpack
+from retouch.functions.wire.executor import ExecutorPhase, ExecutorState
+from retouch.functions.wire.invoke import ExecutorInvoke
 from retouch.platform.control.calibration import Overheads
 from retouch.platform.control.cluster import ExecutorView
 from retouch.platform.fleet.providers import Executor
@@ -37,7 +39,7 @@ class ExecutorHandle:
     slots: int = 1
     functions: set[str] = field(default_factory=set)
     probe_failures: int = 0
-    state: wire.ExecutorState | None = None
+    state: ExecutorState | None = None
     restarts: int = 0
     # The model pool it was started for (autoscaled): it is pushed, and placement sends it,
     # only that model's functions. None: it serves every function (a static pool).
@@ -59,16 +61,16 @@ class ExecutorHandle:
         return self.process.name
 
     @property
-    def phase(self) -> wire.ExecutorPhase:
+    def phase(self) -> ExecutorPhase:
         return self.view.phase
 
     @phase.setter
-    def phase(self, phase: wire.ExecutorPhase) -> None:
+    def phase(self, phase: ExecutorPhase) -> None:
         self.view.phase = phase
 
     @property
     def healthy(self) -> bool:
-        return self.phase is wire.ExecutorPhase.READY
+        return self.phase is ExecutorPhase.READY
 
     def serves(self, model: str | None) -> bool:
         """Whether functions of ``model`` may be deployed to and placed on it."""
@@ -119,25 +121,25 @@ class ExecutorLink:
         probe: bool = False,
     ) -> Any:
         """One request; an error answer is raised as the :class:`RetouchError` it carries."""
-        content = wire.pack(body) if body is not None else None
+        content = pack(body) if body is not None else None
         extra = {"timeout": timeout} if timeout is not None else {}
         client = self._probe if probe else self._http
         resp = await client.request(method, handle.process.url + path, content=content, **extra)
-        payload = wire.unpack(resp.content) if resp.content else {}
+        payload = unpack(resp.content) if resp.content else {}
         if resp.status_code >= 400:
             raise RetouchError.from_wire(resp.status_code, payload)
         return payload
 
     @asynccontextmanager
     async def stream(
-        self, handle: ExecutorHandle, inv: wire.ExecutorInvoke
+        self, handle: ExecutorHandle, inv: ExecutorInvoke
     ) -> AsyncIterator[httpx.Response]:
         """``POST /invoke/stream``; an error answer is raised before any frame is read."""
         url = handle.process.url + "/invoke/stream"
-        async with self._http.stream("POST", url, content=wire.pack(inv.to_wire())) as resp:
+        async with self._http.stream("POST", url, content=pack(inv.to_wire())) as resp:
             if resp.status_code >= 400:
                 body = await resp.aread()
-                raise RetouchError.from_wire(resp.status_code, wire.unpack(body) if body else {})
+                raise RetouchError.from_wire(resp.status_code, unpack(body) if body else {})
             yield resp
 
     async def close(self) -> None:

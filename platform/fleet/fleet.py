@@ -31,9 +31,9 @@ from typing import Any
 
 import httpx
 
-from retouch.functions import wire
 from retouch.functions.errors import RetouchError
 from retouch.functions.spec import FunctionSpec
+from retouch.functions.wire.executor import ExecutorChanges, ExecutorPhase, ExecutorState
 from retouch.platform.control.cluster import ClusterView, PlacementRequest, Residency
 from retouch.platform.fleet.deployments import Deployments
 from retouch.platform.fleet.executorlink import PROBE_TIMEOUT_S, ExecutorHandle, ExecutorLink
@@ -143,7 +143,7 @@ class Fleet:
         """Each model pool's predicted work, queued invocations and target count (the
         autoscaler's inputs, see :func:`~retouch.platform.fleet.scaler.split_load`)."""
         members = [
-            Member(e.model, e.view.work_s(), e.phase is not wire.ExecutorPhase.DRAINING)
+            Member(e.model, e.view.work_s(), e.phase is not ExecutorPhase.DRAINING)
             for e in self.executors
         ]
         members += [Member(m, 0.0, True) for m in self.unstarted().values()]
@@ -198,7 +198,7 @@ class Fleet:
         """Drain ``handle`` (no new placements; what runs there finishes), then stop it."""
         if handle.name in self._draining:
             return
-        handle.phase = wire.ExecutorPhase.DRAINING
+        handle.phase = ExecutorPhase.DRAINING
         task = asyncio.create_task(self._drain(handle))
         self._draining[handle.name] = task
         task.add_done_callback(lambda _: self._draining.pop(handle.name, None))
@@ -262,7 +262,7 @@ class Fleet:
             await self._become_ready(handle)
         except (RetouchError, httpx.HTTPError) as exc:
             log.error("%s %s is not ready: %s", what, handle.name, exc)
-            handle.phase = wire.ExecutorPhase.STARTING
+            handle.phase = ExecutorPhase.STARTING
 
     async def _start_until_up(self, name: str, slot: str, threads: int) -> Executor:
         """The provider's start of ``name`` on ``slot``, retried until it succeeds."""
@@ -306,7 +306,7 @@ class Fleet:
             while True:
                 handle.refresh_again = False
                 try:
-                    state = wire.ExecutorState.from_wire(
+                    state = ExecutorState.from_wire(
                         await self.link.call(handle, "GET", "/state", probe=True)
                     )
                 except (RetouchError, httpx.HTTPError) as exc:
@@ -346,7 +346,7 @@ class Fleet:
                     f"/changes?after={after}&timeout={CHANGES_WAIT_S}",
                     timeout=CHANGES_WAIT_S + PROBE_TIMEOUT_S,
                 )
-                changes = wire.ExecutorChanges.from_wire(body)
+                changes = ExecutorChanges.from_wire(body)
             except (RetouchError, httpx.HTTPError, KeyError, ValueError) as exc:
                 log.debug("change feed of %s: %r", handle.name, exc)
                 await asyncio.sleep(MONITOR_INTERVAL_S)
@@ -364,23 +364,21 @@ class Fleet:
     # ---- health and restarts ------------------------------------------------------------
     async def _become_ready(self, handle: ExecutorHandle) -> None:
         """Read the executor's capacity, push every function, then open it to invocations."""
-        state = wire.ExecutorState.from_wire(
-            await self.link.call(handle, "GET", "/state", probe=True)
-        )
+        state = ExecutorState.from_wire(await self.link.call(handle, "GET", "/state", probe=True))
         handle.state = state
         handle.slots = room(state.engine.max_batch)
         handle.view.slots = handle.slots
         handle.view.observe_state(state, self.cluster.costers)
         await self.deploys.push_all(handle)
-        handle.phase = wire.ExecutorPhase.READY
+        handle.phase = ExecutorPhase.READY
         self._follow(handle)
         self.on_capacity()
 
     def suspect(self, handle: ExecutorHandle, why: str) -> None:
         """Stop sending work to ``handle``; the monitor probes it and restarts it if needed."""
-        if handle.phase is wire.ExecutorPhase.READY:
+        if handle.phase is ExecutorPhase.READY:
             log.warning("executor %s is suspect: %s", handle.name, why)
-            handle.phase = wire.ExecutorPhase.STARTING
+            handle.phase = ExecutorPhase.STARTING
             handle.probe_failures = max(handle.probe_failures, 1)
 
     async def _watch(self) -> None:
@@ -411,8 +409,8 @@ class Fleet:
             self._probe_failed(handle, repr(exc))
             return
         handle.probe_failures = 0
-        if handle.phase is wire.ExecutorPhase.STARTING:
-            handle.phase = wire.ExecutorPhase.READY
+        if handle.phase is ExecutorPhase.STARTING:
+            handle.phase = ExecutorPhase.READY
             self.on_capacity()
 
     def _probe_failed(self, handle: ExecutorHandle, why: str) -> None:
@@ -425,7 +423,7 @@ class Fleet:
         if handle.name in self._restarts or handle.name in self._draining:
             return  # a draining executor is going away anyway: its invocations are re-placed
         log.warning("restarting executor %s: %s", handle.name, why)
-        handle.phase = wire.ExecutorPhase.DEAD
+        handle.phase = ExecutorPhase.DEAD
         task = asyncio.create_task(self._restart(handle))
         self._restarts[handle.name] = task
         task.add_done_callback(lambda _: self._restarts.pop(handle.name, None))

@@ -28,8 +28,9 @@ from typing import ClassVar, Protocol
 
 import httpx
 
-from retouch.functions import wire
 from retouch.functions.errors import RetouchError, Unavailable
+from retouch.functions.wire.codec import unpack
+from retouch.functions.wire.executor import ExecutorState
 from retouch.platform.fleet.forkedprocess import ForkedProcess, ZygoteRefused
 from retouch.runtime.asgi import MSGPACK
 from retouch.runtime.executor.app import TOKEN_ENV
@@ -298,12 +299,12 @@ class AttachProvider:
                 raise Unavailable(f"executor at {url} stopped answering: {exc!r}") from None
         try:
             if resp.status_code != 200:
-                error = RetouchError.from_wire(resp.status_code, wire.unpack(resp.content))
+                error = RetouchError.from_wire(resp.status_code, unpack(resp.content))
                 raise Unavailable(
                     f"executor at {url} refused its state: {error.code}: {error.message}"
                     + (" (is it started with the same token?)" if resp.status_code == 401 else "")
                 )
-            state = wire.ExecutorState.from_wire(wire.unpack(resp.content))
+            state = ExecutorState.from_wire(unpack(resp.content))
         except (ValueError, TypeError, KeyError) as exc:  # not an executor's answer (a proxy?)
             raise Unavailable(
                 f"executor at {url} answered {resp.status_code} with what is not its state: {exc}"

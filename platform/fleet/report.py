@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
-from retouch.functions import wire
+from retouch.functions.wire.executor import ExecutorPhase, ExecutorState
 from retouch.platform.fleet.dispatch import Dispatcher
 from retouch.platform.fleet.fleet import Fleet
 from retouch.platform.fleet.scaler import PoolScaler
@@ -26,7 +26,7 @@ class PoolReport:
         """Each executor as ``/v1/executors`` lists it."""
         return [e.describe() for e in self.fleet.executors]
 
-    async def states(self) -> list[wire.ExecutorState]:
+    async def states(self) -> list[ExecutorState]:
         """Each ready executor's own state (models, templates, engine, cache counters)."""
         ready = [e for e in self.fleet.executors if e.healthy]
         results = await asyncio.gather(
@@ -36,7 +36,7 @@ class PoolReport:
         out = []
         for handle, result in zip(ready, results, strict=True):
             if isinstance(result, dict):
-                handle.state = wire.ExecutorState.from_wire(result)
+                handle.state = ExecutorState.from_wire(result)
                 out.append(handle.state)
         return out
 
@@ -106,9 +106,9 @@ class PoolReport:
         phases = [e.phase for e in self.fleet.executors if model is None or e.model == model]
         spawning = [n for n, m in self.fleet.unstarted().items() if model is None or m == model]
         return {
-            "ready": float(phases.count(wire.ExecutorPhase.READY)),
-            "starting": float(phases.count(wire.ExecutorPhase.STARTING) + len(spawning)),
-            "draining": float(phases.count(wire.ExecutorPhase.DRAINING)),
+            "ready": float(phases.count(ExecutorPhase.READY)),
+            "starting": float(phases.count(ExecutorPhase.STARTING) + len(spawning)),
+            "draining": float(phases.count(ExecutorPhase.DRAINING)),
         }
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from retouch.functions.errors import BadRequest
-from retouch.functions.wire import parse_target_url
+from retouch.functions.wire.jobs import parse_target_url
 from retouch.platform.jobs.resolver import Address, Resolver
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network

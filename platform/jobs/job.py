@@ -14,9 +14,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from retouch.functions import wire
 from retouch.functions.errors import RetouchError
-from retouch.functions.wire import JobEventKind, JobStatus
+from retouch.functions.wire.invoke import ExecutorInvoke, InvokeResult
+from retouch.functions.wire.jobs import (
+    JobEvent,
+    JobEventKind,
+    JobProgress,
+    JobRequest,
+    JobStatus,
+    check_job_id,
+)
 from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.control.queue import Seat
 from retouch.platform.jobs.reframe import Frame
@@ -34,7 +41,7 @@ class PreparedInvocation:
     """A request decoded for the pool (``platform/api/frontdoor.py`` builds it): what the
     executor gets, and what placement and admission read of it. Kept in memory only."""
 
-    invocation: wire.ExecutorInvoke
+    invocation: ExecutorInvoke
     placement: PlacementRequest
     seat: Seat | None = None  # its place in the queue, held from admission (none: resumed)
     # An input the executor edits resized or cropped (``platform/jobs/reframe.py``): its result
@@ -85,7 +92,7 @@ class Job:
 
     id: str
     function: str
-    request: wire.JobRequest
+    request: JobRequest
     created_at: float
     durable: bool = True
     owner: str = ANONYMOUS  # the tenant that submitted it: only it (and admin) may see it
@@ -94,13 +101,13 @@ class Job:
     completed_at: float | None = None
     executor: str | None = None
     attempts: int = 0
-    progress: wire.JobProgress | None = None
-    result: wire.InvokeResult | None = None
+    progress: JobProgress | None = None
+    result: InvokeResult | None = None
     error: RetouchError | None = None
     # In memory only: the decoded invocation (rebuilt from the request after a restart).
     prepared: PreparedInvocation | None = None
     cancel_requested: bool = False
-    events: list[wire.JobEvent] = field(default_factory=list)
+    events: list[JobEvent] = field(default_factory=list)
     task: asyncio.Task | None = None
     position: int | None = None
     image_on_disk: bool = False  # the result's image is read from the journal when asked for
@@ -231,9 +238,9 @@ class Job:
     def from_record(cls, record: dict[str, Any]) -> Job:
         error = record.get("error")
         job = cls(
-            id=wire.check_job_id(str(record["id"])),
+            id=check_job_id(str(record["id"])),
             function=str(record["function"]),
-            request=wire.JobRequest.from_wire(record["request"]),
+            request=JobRequest.from_wire(record["request"]),
             created_at=float(record["created_at"]),
             owner=str(record.get("owner", ANONYMOUS)),
             status=JobStatus(record["status"]),
@@ -241,7 +248,7 @@ class Job:
             completed_at=record.get("completed_at"),
             result=None
             if record.get("result") is None
-            else wire.InvokeResult.from_wire(record["result"]),
+            else InvokeResult.from_wire(record["result"]),
             error=None
             if error is None
             else RetouchError.from_wire(int(error.get("status", 500)), {"error": error}),

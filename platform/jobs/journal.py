@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from retouch.functions import wire
 from retouch.functions.errors import RetouchError
+from retouch.functions.wire.codec import as_map, pack, unpack
+from retouch.functions.wire.jobs import check_job_id
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class RecordFolder:
     delivery journal (``platform/jobs/deliveryjournal.py``) another."""
 
     suffix = SUFFIX
-    check_id = staticmethod(wire.check_job_id)  # the id as a safe file name, or it raises
+    check_id = staticmethod(check_job_id)  # the id as a safe file name, or it raises
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -43,14 +44,14 @@ class RecordFolder:
         final = self.path(record["id"])
         tmp = final.with_name(f".{final.name}.tmp")
         with tmp.open("wb") as f:
-            f.write(wire.pack(record))
+            f.write(pack(record))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
         self._sync_folder()
 
     def read(self, job_id: str) -> dict[str, Any]:
-        return wire.as_map(wire.unpack(self.path(job_id).read_bytes()))
+        return as_map(unpack(self.path(job_id).read_bytes()))
 
     def delete(self, job_id: str) -> None:
         self.path(job_id).unlink(missing_ok=True)
@@ -62,7 +63,7 @@ class RecordFolder:
         records = []
         for path in sorted(self.root.glob(f"*{self.suffix}")):
             try:
-                record = wire.as_map(wire.unpack(path.read_bytes()))
+                record = as_map(unpack(path.read_bytes()))
                 if record.get("id") != path.stem:
                     raise ValueError(f"record names {record.get('id')!r}")
             except (OSError, ValueError, RetouchError) as exc:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Protocol
 
-from retouch.functions.wire import JobStatus
+from retouch.functions.wire.jobs import JobStatus
 from retouch.platform.jobs.job import Job
 from retouch.platform.jobs.sharedjournal import SharedJobJournal, StoredJob
 from retouch.platform.state.statestore import StoreUnavailable

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from retouch.functions import wire
-from retouch.functions.wire import JobEventKind, JobStatus
+from retouch.functions.wire.jobs import JobEvent, JobEventKind, JobStatus
 from retouch.platform.jobs import sse
 from retouch.platform.jobs.job import Job, iso, progress_line, queue_line, start_line
 
@@ -52,7 +51,7 @@ def document(job: Job, base_url: str, waited_out: bool = False) -> dict[str, Any
     }
 
 
-def frames(event: wire.JobEvent) -> bytes:
+def frames(event: JobEvent) -> bytes:
     """A job event as Replicate's stream carries it (``logs`` lines, the ``output`` URL,
     an ``error``, then ``done``), under the job event's id (so ``Last-Event-ID`` resumes)."""
     data, seq = event.data, event.seq

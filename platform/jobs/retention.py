@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from retouch.functions import wire
 from retouch.functions.errors import Overloaded
+from retouch.functions.wire.jobs import JobRequest
 
 if TYPE_CHECKING:
     from retouch.platform.jobs.job import Job
@@ -53,22 +53,22 @@ class RetentionLimits:
                 raise ValueError(f"{f.name} must be positive, got {getattr(self, f.name)}")
 
 
-def payload_bytes(request: wire.JobRequest) -> int:
+def payload_bytes(request: JobRequest) -> int:
     """What a request's payload holds (mask, uploaded image, prompt)."""
     invoke = request.invoke
     return len(invoke.mask) + len(invoke.image or b"") + len(invoke.prompt.encode())
 
 
-def retained_bytes(request: wire.JobRequest, result: bytes = b"") -> int:
+def retained_bytes(request: JobRequest, result: bytes = b"") -> int:
     """What a durable job is charged: its payload while live (its result's image once
     finished, beside its small record) plus the fixed cost of keeping a job at all."""
     return JOB_OVERHEAD_BYTES + payload_bytes(request) + len(result)
 
 
-def slim_request(request: wire.JobRequest, template: str) -> wire.JobRequest:
+def slim_request(request: JobRequest, template: str) -> JobRequest:
     """``request`` without its payload (mask and uploaded image): what a finished job
     keeps. ``template``: what it edited (an upload's content id when it uploaded one)."""
-    invoke = dataclasses.replace(request.invoke, template=template, mask=b"", image=None)
+    invoke = request.invoke.model_copy(update={"template": template, "mask": b"", "image": None})
     return dataclasses.replace(request, invoke=invoke)
 
 

@@ -18,7 +18,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from retouch.functions import wire
+from retouch.functions.wire.codec import as_map, pack, unpack
+from retouch.functions.wire.jobs import JobRequest
 from retouch.platform.jobs.retention import (
     JOB_OVERHEAD_BYTES,
     LIVE_RETRY_AFTER_S,
@@ -53,7 +54,7 @@ def summary(record: dict[str, Any]) -> dict[str, Any]:
     """The record without its payload and result image: what listings read (a page of a
     thousand jobs is a page of small records, whatever their images weigh)."""
     out = dict(record)
-    request = wire.JobRequest.from_wire(record["request"])
+    request = JobRequest.from_wire(record["request"])
     out["request"] = slim_request(request, request.invoke.template or "").to_wire()
     if isinstance(record.get("result"), dict):
         out["result"] = {**record["result"], "image": b""}
@@ -97,15 +98,15 @@ class SharedJobJournal:
                     record["created_at"],
                     record.get("completed_at"),
                     nbytes,
-                    wire.pack(record),
-                    wire.pack(summary(record)),
+                    pack(record),
+                    pack(summary(record)),
                 ),
             )
 
     def write(self, record: dict[str, Any], nbytes: int | None = None) -> None:
         """Replace the record of a job this gateway runs; :class:`TakenOver` when the
         row names another gateway now, or the job already ended."""
-        data = wire.pack(record)
+        data = pack(record)
         with self.store.cursor() as cur:
             cur.execute(
                 "UPDATE retouch_jobs SET status = %s, completed_at = %s, record = %s, "
@@ -115,7 +116,7 @@ class SharedJobJournal:
                     record["status"],
                     record.get("completed_at"),
                     data,
-                    wire.pack(summary(record)),
+                    pack(summary(record)),
                     nbytes if nbytes is not None else JOB_OVERHEAD_BYTES + len(data),
                     record["id"],
                     self.store.gateway,
@@ -315,7 +316,7 @@ class SharedDeliveryJournal:
                     record["id"],
                     self.store.gateway,
                     float(record.get("created_at", 0.0)),
-                    wire.pack(record),
+                    pack(record),
                 ),
             )
 
@@ -347,4 +348,4 @@ class SharedDeliveryJournal:
 
 
 def _unpack(data: Any) -> dict[str, Any]:
-    return wire.as_map(wire.unpack(bytes(data)))
+    return as_map(unpack(bytes(data)))

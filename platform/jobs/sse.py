@@ -7,13 +7,13 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from retouch.functions import wire
+from retouch.functions.wire.jobs import JobEvent, JobEventKind
 
 MEDIA_TYPE = "text/event-stream"
 KEEPALIVE = b": keep-alive\n\n"
 
 
-def frame(event: wire.JobEvent) -> bytes:
+def frame(event: JobEvent) -> bytes:
     """A job event as retouch's streams carry it: its kind, its data as one JSON line."""
     return text_frame(event.seq, event.kind.value, json_data(event.data))
 
@@ -32,7 +32,7 @@ def _no_bytes(value: Any) -> Any:
     raise TypeError(f"not JSON serializable in an event: {type(value).__name__}")
 
 
-def parse(lines: Iterable[str]) -> Iterator[wire.JobEvent]:
+def parse(lines: Iterable[str]) -> Iterator[JobEvent]:
     """Events from the lines of a stream (comments and unknown event names skipped)."""
     seq, kind, data = 0, "", []
     for line in lines:
@@ -54,12 +54,12 @@ def parse(lines: Iterable[str]) -> Iterator[wire.JobEvent]:
             data.append(value)
 
 
-def _event(seq: int, kind: str, data: list[str]) -> wire.JobEvent | None:
+def _event(seq: int, kind: str, data: list[str]) -> JobEvent | None:
     """None for an event this client does not know (or one without data)."""
     if not kind or not data:
         return None
     try:
-        return wire.JobEvent(seq, wire.JobEventKind(kind), json.loads("\n".join(data)))
+        return JobEvent(seq, JobEventKind(kind), json.loads("\n".join(data)))
     except ValueError:
         return None
 
@@ -70,7 +70,7 @@ class Parser:
     def __init__(self) -> None:
         self._lines: list[str] = []
 
-    def feed(self, line: str) -> list[wire.JobEvent]:
+    def feed(self, line: str) -> list[JobEvent]:
         self._lines.append(line)
         if line != "":
             return []

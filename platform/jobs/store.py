@@ -25,9 +25,17 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from retouch.functions import wire
 from retouch.functions.errors import Canceled, Conflict, NotFound, RetouchError
-from retouch.functions.wire import JobEventKind, JobStatus
+from retouch.functions.wire.executor import StepProgress
+from retouch.functions.wire.invoke import InvokeResult
+from retouch.functions.wire.jobs import (
+    JobEvent,
+    JobEventKind,
+    JobProgress,
+    JobRequest,
+    JobStatus,
+    check_job_id,
+)
 from retouch.platform.jobs.job import (
     END_EVENT,
     RUN_SEQ_SPAN,
@@ -61,11 +69,11 @@ END_WRITE_PAUSE_S = 2.0
 MIRROR_POLL_S = 0.5  # how often a job another gateway runs is read again (events, cancel)
 
 OnStart = Callable[[str, int], None]
-OnProgress = Callable[[wire.StepProgress], None]
-Execute = Callable[["Job", OnStart, OnProgress], Awaitable[wire.InvokeResult]]
+OnProgress = Callable[[StepProgress], None]
+Execute = Callable[["Job", OnStart, OnProgress], Awaitable[InvokeResult]]
 # The webhook sender: returns its delivery's journal write (awaited for the terminal event,
 # which is durable before the job's final record), or None when nothing is delivered.
-Notify = Callable[["Job", wire.JobEvent], Awaitable[None] | None]
+Notify = Callable[["Job", JobEvent], Awaitable[None] | None]
 
 
 class JobStore:
@@ -161,7 +169,7 @@ class JobStore:
         """The job, if ``viewer`` may see it: another tenant's job is as unknown as a
         missing one (the same 404), so ids cannot be probed. A job another gateway runs
         is read from the peers (a :attr:`Job.mirror`)."""
-        job = self.jobs.get(wire.check_job_id(job_id))
+        job = self.jobs.get(check_job_id(job_id))
         if job is None:
             job = await self._read_mirror(job_id)
         if job is None or not job.durable or not viewer.owns(job.owner):
@@ -243,7 +251,7 @@ class JobStore:
     async def submit(
         self,
         function: str,
-        request: wire.JobRequest,
+        request: JobRequest,
         prepared: PreparedInvocation,
         durable: bool = True,
         job_id: str | None = None,
@@ -315,14 +323,14 @@ class JobStore:
             {"executor": executor, "attempt": attempt, "started_at": iso(job.started_at)},
         )
 
-    def _progressed(self, job: Job, step: wire.StepProgress) -> None:
+    def _progressed(self, job: Job, step: StepProgress) -> None:
         now = time.monotonic()
         if job._first_step is None or step.step <= 1:
             job._first_step = now
             eta = None
         else:
             eta = (now - job._first_step) / (step.step - 1) * (step.total - step.step)
-        job.progress = wire.JobProgress(step.step, step.total, eta)
+        job.progress = JobProgress(step.step, step.total, eta)
         due = now - job._last_progress_event >= self.progress_interval_s
         if due or step.step >= step.total:
             job._last_progress_event = now
@@ -332,7 +340,7 @@ class JobStore:
         self,
         job: Job,
         status: JobStatus,
-        result: wire.InvokeResult | None = None,
+        result: InvokeResult | None = None,
         error: RetouchError | None = None,
     ) -> None:
         job.status, job.result, job.error = status, result, error
@@ -620,12 +628,12 @@ class JobStore:
             self._notify(job, event)  # its journal write completes on its own
 
     @staticmethod
-    def _event(job: Job, kind: JobEventKind, data: dict[str, Any]) -> wire.JobEvent:
+    def _event(job: Job, kind: JobEventKind, data: dict[str, Any]) -> JobEvent:
         job._seq += 1
-        return wire.JobEvent(job._seq, kind, data)
+        return JobEvent(job._seq, kind, data)
 
     @staticmethod
-    def _publish(job: Job, event: wire.JobEvent) -> None:
+    def _publish(job: Job, event: JobEvent) -> None:
         """Into the job's history, for its readers."""
         job.events.append(event)
         if len(job.events) > MAX_EVENTS:  # drop the oldest progress event, keep the rest

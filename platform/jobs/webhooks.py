@@ -48,9 +48,14 @@ from typing import Any
 
 import httpx
 
-from retouch.functions import wire
 from retouch.functions.errors import BadRequest, Unavailable
-from retouch.functions.wire import JobEventKind, WebhookEvent, WebhookFormat, parse_target_url
+from retouch.functions.wire.jobs import (
+    JobEvent,
+    JobEventKind,
+    WebhookEvent,
+    WebhookFormat,
+    parse_target_url,
+)
 from retouch.platform.jobs import prediction
 from retouch.platform.jobs.allowlist import AllowList, host_of, pinned
 from retouch.platform.jobs.deliveryjournal import DeliveryJournal
@@ -273,7 +278,7 @@ class WebhookSender:
         field ``webhook``)."""
         await self.allow.check(raw, self.resolver, tenant)
 
-    def notify(self, job: Any, event: wire.JobEvent) -> Awaitable[None] | None:
+    def notify(self, job: Any, event: JobEvent) -> Awaitable[None] | None:
         """A job event happened: journal and queue its delivery if the job asked for that
         event. Returns the journal write (the job store awaits it for the terminal event)."""
         url = job.request.webhook
@@ -292,9 +297,7 @@ class WebhookSender:
         self._enqueue(delivery)
         return delivery.journaled
 
-    def _payload(
-        self, job: Any, event: wire.JobEvent, kind: WebhookEvent, ident: str
-    ) -> dict[str, Any]:
+    def _payload(self, job: Any, event: JobEvent, kind: WebhookEvent, ident: str) -> dict[str, Any]:
         """What a delivery carries, in the job's webhook format."""
         if job.request.webhook_format is WebhookFormat.REPLICATE:
             return prediction.document(job, self.public_url)

@@ -76,8 +76,9 @@ from typing import Any
 
 import numpy as np
 
-from retouch.functions import wire
 from retouch.functions.errors import Overloaded
+from retouch.functions.wire.executor import AdapterStats, EngineStats, ExecutorPhase, ExecutorState
+from retouch.functions.wire.invoke import CacheRead, CacheTier, InvokePath, InvokeResult, Timings
 from retouch.platform.control.autoscaler import Autoscaler
 from retouch.platform.control.cluster import (
     ClusterView,
@@ -198,21 +199,21 @@ class Simulation:
         model = cost_model
         if "step_table" not in model.extra:  # as an executor ships its profile
             model = with_plan_table(cost_model, spec.max_batch)
-        engine = wire.EngineStats(
+        engine = EngineStats(
             max_batch=spec.max_batch,
             step_intercept_ms=spec.step_intercept_s * 1e3,
             step_slope=spec.step_slope,
             pre_workers=spec.pre_workers,  # as an executor reports them: its predictions
             post_workers=spec.post_workers,  # count the wait for a worker
         )
-        adapters = wire.AdapterStats(  # as an executor reports its loads and swaps
+        adapters = AdapterStats(  # as an executor reports its loads and swaps
             reads=1,
             loads=1,
             swaps=1,
             read_ms=spec.adapter_load_s * 1e3,
             swap_ms=spec.adapter_swap_s * 1e3,
         )
-        self._state = wire.ExecutorState(
+        self._state = ExecutorState(
             "sim",
             0,
             model.device,
@@ -274,7 +275,7 @@ class Simulation:
             f"exec-{next(self._names)}", self.spec.max_batch, room(self.spec.max_batch)
         )
         view.observe_state(self._state, self.cluster.costers)
-        view.phase = wire.ExecutorPhase.READY
+        view.phase = ExecutorPhase.READY
         ex = SimExecutor(
             view.name,
             view,
@@ -624,16 +625,16 @@ class Simulation:
 
     def _done(self, ex: SimExecutor, job: Job) -> None:
         job.done_at = self.now
-        result = wire.InvokeResult(
+        result = InvokeResult(
             b"",
             "png",
             1,
             1,
             job.request.mask_ratio,
             ex.name,
-            wire.InvokePath.STOCK if job.full else wire.InvokePath.MASKAWARE,
+            InvokePath.STOCK if job.full else InvokePath.MASKAWARE,
             # the executor's whole account (no network here): queue and steps as one
-            timings=wire.Timings(
+            timings=Timings(
                 pre_ms=job.pre_elapsed * 1e3,
                 run_ms=(self.now - job.placed_at - job.pre_elapsed - job.post_elapsed) * 1e3,
                 post_ms=job.post_elapsed * 1e3,
@@ -652,15 +653,15 @@ class Simulation:
         self._dispatch()
 
     @staticmethod
-    def _cache_read(job: Job) -> wire.CacheRead:
+    def _cache_read(job: Job) -> CacheRead:
         """What the executor's result says of the template read (``found``: before the
         prefetch; the wait: what of the load its encode did not hide)."""
         if job.full:
-            return wire.CacheRead(wire.CacheTier.NONE, 0.0, wire.CacheTier.NONE)
+            return CacheRead(CacheTier.NONE, 0.0, CacheTier.NONE)
         if job.found is Residency.DISK:
             wait_ms = max(0.0, job.load_s - job.pre_elapsed) * 1e3
-            return wire.CacheRead(wire.CacheTier.DISK, wait_ms, wire.CacheTier.DISK)
-        return wire.CacheRead(wire.CacheTier.HOST, 0.0, wire.CacheTier.HOST)
+            return CacheRead(CacheTier.DISK, wait_ms, CacheTier.DISK)
+        return CacheRead(CacheTier.HOST, 0.0, CacheTier.HOST)
 
     # ---- the autoscaler -----------------------------------------------------------------
     def _tick(self) -> None:

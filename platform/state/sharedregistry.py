@@ -16,9 +16,9 @@ import json
 import logging
 from dataclasses import dataclass
 
-from retouch.functions import wire
 from retouch.functions.errors import RetouchError
 from retouch.functions.spec import FunctionSpec, parse_spec
+from retouch.functions.wire.codec import as_map, pack, unpack
 from retouch.platform.state.registry import StoredFunction
 from retouch.platform.state.statestore import StateStore
 
@@ -51,7 +51,7 @@ class SharedRegistry:
                 "ON CONFLICT (name) DO UPDATE SET revision = EXCLUDED.revision, "
                 "deleted = false, spec = EXCLUDED.spec, templates = EXCLUDED.templates "
                 "RETURNING revision",
-                (spec.name, json.dumps(spec.to_dict()), wire.pack(templates)),
+                (spec.name, json.dumps(spec.to_dict()), pack(templates)),
             )
             return int(cur.fetchone()[0])
 
@@ -86,9 +86,7 @@ class SharedRegistry:
                 deleted.append((name, int(revision)))
                 continue
             try:
-                pngs = {
-                    str(k): bytes(v) for k, v in wire.as_map(wire.unpack(bytes(templates))).items()
-                }
+                pngs = {str(k): bytes(v) for k, v in as_map(unpack(bytes(templates))).items()}
                 stored.append(StoredFunction(parse_spec(json.loads(spec)), pngs, int(revision)))
             except (ValueError, TypeError, RetouchError) as exc:  # e.g. a newer gateway's spec
                 log.error("function %s (revision %d) is unreadable here: %s", name, revision, exc)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from retouch.functions import wire
 from retouch.functions.adaptercheck import check_adapters
 from retouch.functions.errors import InvalidSpec
 from retouch.functions.modelcheck import ModelFiles, ModelKind
 from retouch.functions.spec import FunctionSpec
+from retouch.functions.wire.executor import AdapterStats
 from retouch.runtime.adapters import (
     AdapterReadError,
     AdapterResidency,
@@ -122,7 +122,7 @@ class AdapterHost:
 
         return encode
 
-    def report(self) -> tuple[tuple[str, ...], wire.AdapterStats]:
+    def report(self) -> tuple[tuple[str, ...], AdapterStats]:
         """The resident sets (least recently used first) and the summed counters."""
         with self._lock:
             residencies = list(self._residencies.values())

@@ -1,10 +1,10 @@
 """The executor's internal HTTP API (msgpack, bearer token).
 
 ``GET /healthz`` (open, for liveness probes: 200, or 503 ``engine_dead`` and why once the
-engine thread died, so the pool restarts the executor), ``GET /state`` (a :class:`~retouch.functions.wire.ExecutorState`),
+engine thread died, so the pool restarts the executor), ``GET /state`` (a :class:`~retouch.functions.wire.executor.ExecutorState`),
 ``PUT /functions/{name}``, ``DELETE /functions/{name}``, ``POST /invoke``,
 ``POST /invoke/stream`` (the same invocation answered as a stream of msgpack frames: one
-:class:`~retouch.functions.wire.StepProgress` per denoising step as the engine takes it,
+:class:`~retouch.functions.wire.executor.StepProgress` per denoising step as the engine takes it,
 then the result or the error), ``POST /invocations/{id}/cancel``, and
 ``GET /changes?after=N&timeout=S`` (a long poll on the change feed: bakes done, templates
 entering host memory; see :mod:`retouch.runtime.executor.changes`). Every route but
@@ -39,10 +39,12 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from retouch.functions import wire
 from retouch.functions.errors import BadRequest, RetouchError, Unavailable
 from retouch.functions.imaging import decode_image
 from retouch.functions.spec import parse_spec
+from retouch.functions.wire.codec import as_map, decode_bytes, pack
+from retouch.functions.wire.executor import StepProgress, error_frame, result_frame
+from retouch.functions.wire.invoke import ExecutorInvoke
 from retouch.runtime import requestparams
 from retouch.runtime.asgi import (
     check_token,
@@ -91,13 +93,13 @@ def _generation(raw: Any) -> int:
 
 
 def _parse_deploy(body: Any) -> tuple[FunctionSpec, dict[str, Image.Image], int]:
-    body = wire.as_map(body)
+    body = as_map(body)
     generation = _generation(body.get("generation"))
     spec = parse_spec(body.get("spec"))
     raw = body.get("templates") or {}
     images = {
         tid: decode_image(
-            wire.decode_bytes(raw.get(tid), f"templates.{tid}"), f"templates.{tid}"
+            decode_bytes(raw.get(tid), f"templates.{tid}"), f"templates.{tid}"
         ).convert("RGB")
         for tid in spec.templates
     }
@@ -142,16 +144,16 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
         return {"removed": removed, "generation": generation}
 
     async def invoke(request: Request) -> dict[str, Any]:
-        inv = wire.ExecutorInvoke.from_wire(await read_body(request, MAX_BODY))
+        inv = ExecutorInvoke.from_wire(await read_body(request, MAX_BODY))
         return (await core.invoke(inv)).to_wire()
 
     async def invoke_stream(request: Request) -> StreamingResponse:
-        inv = wire.ExecutorInvoke.from_wire(await read_body(request, MAX_BODY))
+        inv = ExecutorInvoke.from_wire(await read_body(request, MAX_BODY))
         loop = asyncio.get_running_loop()
-        frames: asyncio.Queue[wire.StepProgress | None] = asyncio.Queue()
+        frames: asyncio.Queue[StepProgress | None] = asyncio.Queue()
 
         def on_step(step: int, total: int) -> None:  # the engine thread: hand over, never wait
-            loop.call_soon_threadsafe(frames.put_nowait, wire.StepProgress(step, total))
+            loop.call_soon_threadsafe(frames.put_nowait, StepProgress(step, total))
 
         task = asyncio.ensure_future(core.begin(inv, on_step))  # bad input: a plain 4xx here
         task.add_done_callback(lambda _: frames.put_nowait(None))
@@ -190,7 +192,7 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
 
 async def _stream(
     core: ExecutorCore,
-    inv: wire.ExecutorInvoke,
+    inv: ExecutorInvoke,
     task: asyncio.Future,
     frames: asyncio.Queue,
 ) -> AsyncIterator[bytes]:
@@ -198,14 +200,14 @@ async def _stream(
     result's own callback comes after its last step), then the result or the error."""
     try:
         while (frame := await frames.get()) is not None:
-            yield wire.pack(frame.to_wire())
+            yield pack(frame.to_wire())
         try:
-            yield wire.pack(wire.result_frame(task.result()))
+            yield pack(result_frame(task.result()))
         except RetouchError as exc:
-            yield wire.pack(wire.error_frame(exc))
+            yield pack(error_frame(exc))
         except Exception as exc:
             log.exception("invocation %s failed", inv.id or "(no id)")
-            yield wire.pack(wire.error_frame(RetouchError(f"{type(exc).__name__}: {exc}")))
+            yield pack(error_frame(RetouchError(f"{type(exc).__name__}: {exc}")))
     finally:
         if not task.done():  # the gateway went away: stop computing for nobody
             if inv.id:

@@ -18,7 +18,7 @@ import contextlib
 import threading
 from collections import deque
 
-from retouch.functions.wire import ChangeKind, ExecutorChange, ExecutorChanges
+from retouch.functions.wire.executor import ChangeKind, ExecutorChange, ExecutorChanges
 
 HISTORY = 256  # events kept for a reader that fell behind (beyond: it gets ``reset``)
 

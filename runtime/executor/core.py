@@ -28,12 +28,28 @@ import numpy as np
 import torch
 from PIL import Image
 
-from retouch.functions import wire
 from retouch.functions.adapters import AdapterSpec
 from retouch.functions.errors import BadRequest, Canceled, Conflict, ExecutorFull, NotFound
 from retouch.functions.families import check_edit, check_reference
 from retouch.functions.imaging import encode_image, mask_ratio
 from retouch.functions.spec import FunctionSpec
+from retouch.functions.wire.codec import RawArray
+from retouch.functions.wire.executor import (
+    CacheInfo,
+    ChangeKind,
+    DeviceMemory,
+    EngineStats,
+    ExecutorState,
+)
+from retouch.functions.wire.invoke import (
+    CacheRead,
+    CacheTier,
+    ExecutorInvoke,
+    InvokePath,
+    InvokeResult,
+    RunStats,
+    Timings,
+)
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.engine import Engine, OnStep, Output, Work
 from retouch.runtime.executor.adapterhost import AdapterHost
@@ -223,7 +239,7 @@ class ExecutorCore:
             models,
             adapter_bytes,
             adapter_build_share,
-            on_change=lambda: self.changes.publish(wire.ChangeKind.ADAPTERS),
+            on_change=lambda: self.changes.publish(ChangeKind.ADAPTERS),
             encodes_here=lambda: not self._encodes_elsewhere(),
         )
         self._generations: dict[str, int] = {}  # latest control operation per function name
@@ -477,9 +493,7 @@ class ExecutorCore:
         return entry
 
     # ---- invocations (the event loop: cheap checks, then the engine) --------------------
-    async def invoke(
-        self, inv: wire.ExecutorInvoke, on_step: OnStep | None = None
-    ) -> wire.InvokeResult:
+    async def invoke(self, inv: ExecutorInvoke, on_step: OnStep | None = None) -> InvokeResult:
         return await self.begin(inv, on_step)
 
     def cancel(self, invocation_id: str) -> bool:
@@ -495,9 +509,7 @@ class ExecutorCore:
                 return False
         return self.engine.cancel(work)
 
-    def begin(
-        self, inv: wire.ExecutorInvoke, on_step: OnStep | None = None
-    ) -> Awaitable[wire.InvokeResult]:
+    def begin(self, inv: ExecutorInvoke, on_step: OnStep | None = None) -> Awaitable[InvokeResult]:
         """Check and submit an invocation (raises at once on bad input, a dead engine or a
         cancel that came first); the returned awaitable is its result. ``on_step`` hears
         each denoising step on the engine thread. Beyond the executor's room (several
@@ -529,10 +541,10 @@ class ExecutorCore:
         if not mask.any():  # nothing to edit: the template, without running the model
             return asyncio.to_thread(self._template_result, template, inv, arrived)
         covered = self.maskaware and template.covers(inv.steps, inv.guidance)
-        found = wire.CacheTier.NONE
+        found = CacheTier.NONE
         editor = self.editor(spec, scheduler)  # built at deploy, before it was registered
         choice = self._path_choice(spec, template, inv, mask)
-        covered = covered and choice.path is wire.InvokePath.MASKAWARE
+        covered = covered and choice.path is InvokePath.MASKAWARE
         if covered:  # at strength < 1 or another scheduler its variant: that trajectory's bake
             config = dict(editor.impl.pipe.scheduler.config)
             template = self.templates.variant(
@@ -594,25 +606,25 @@ class ExecutorCore:
         return self._finish(inv, work, future, mask, choice)
 
     def _path_choice(
-        self, spec: FunctionSpec, template: Template, inv: wire.ExecutorInvoke, mask: Any
+        self, spec: FunctionSpec, template: Template, inv: ExecutorInvoke, mask: Any
     ) -> PathChoice:
         """Mask-aware or stock for this edit, and why (``path_reason`` in the answer)."""
         if not self.maskaware:
-            return PathChoice(wire.InvokePath.STOCK, "mask-aware steps are off on this executor")
+            return PathChoice(InvokePath.STOCK, "mask-aware steps are off on this executor")
         if inv.image_reference is not None:
             return PathChoice(
-                wire.InvokePath.STOCK,
+                InvokePath.STOCK,
                 "another reference image than the template: every token computed (the "
                 "bake's reference tokens are the template's)",
             )
         if not template.covers(inv.steps, inv.guidance):
             return PathChoice(
-                wire.InvokePath.STOCK,
+                InvokePath.STOCK,
                 f"the template is baked for {template.steps} steps at guidance "
                 f"{template.guidance:g}, not {inv.steps} at {inv.guidance:g}: every token computed",
             )
         if self.path_choice == "maskaware":
-            return PathChoice(wire.InvokePath.MASKAWARE, "mask-aware: --path-choice maskaware")
+            return PathChoice(InvokePath.MASKAWARE, "mask-aware: --path-choice maskaware")
         with self.lock:
             times = self.step_times.get(spec.source.key)
             cost_model = self.cost_models.get(spec.source.key)
@@ -635,7 +647,7 @@ class ExecutorCore:
 
     @staticmethod
     def _reference(
-        spec: FunctionSpec, inv: wire.ExecutorInvoke, size: tuple[int, int]
+        spec: FunctionSpec, inv: ExecutorInvoke, size: tuple[int, int]
     ) -> Image.Image | None:
         """The edit's own reference image (the gateway decoded it at the edited image's
         ``size``), for the families that read one; None: the template is the reference."""
@@ -644,7 +656,7 @@ class ExecutorCore:
         check_reference(spec.family)
         return _rgb8(inv.image_reference, size, "image_reference")
 
-    def _upload(self, entry: FunctionEntry, inv: wire.ExecutorInvoke) -> Template:
+    def _upload(self, entry: FunctionEntry, inv: ExecutorInvoke) -> Template:
         """The ad-hoc template of an uploaded image (the gateway decoded and checked it)."""
         spec = entry.spec
         assert inv.image is not None
@@ -660,8 +672,8 @@ class ExecutorCore:
         )
 
     async def _finish(
-        self, inv: wire.ExecutorInvoke, work: Work, future: Future, mask: Any, choice: PathChoice
-    ) -> wire.InvokeResult:
+        self, inv: ExecutorInvoke, work: Work, future: Future, mask: Any, choice: PathChoice
+    ) -> InvokeResult:
         try:
             report = await asyncio.wrap_future(future)
             self.stats.completed += 1
@@ -674,14 +686,14 @@ class ExecutorCore:
                 with self.lock:
                     self._invocations.pop(inv.id, None)
         output: Output = report["output"]
-        path = wire.InvokePath(report["path"])
+        path = InvokePath(report["path"])
         reason = choice.reason
         if path is not choice.path:  # chosen, but its activations were not there at join
             reason = (
                 "the template's activations were not readable when it joined (not baked "
                 "yet, or being baked again): every token computed"
             )
-        return wire.InvokeResult(
+        return InvokeResult(
             image=output.image,
             format=inv.format,
             width=output.width,
@@ -690,31 +702,31 @@ class ExecutorCore:
             executor=self.name,
             path=path,
             path_reason=reason,
-            timings=wire.Timings(**report["timings"]),
-            cache=wire.CacheRead.from_wire(report["cache"]),
-            engine=wire.RunStats.from_wire(report["engine"]),
+            timings=Timings(**report["timings"]),
+            cache=CacheRead.from_wire(report["cache"]),
+            engine=RunStats.from_wire(report["engine"]),
             template=inv.template,
         )
 
     def _template_result(
-        self, template: Template, inv: wire.ExecutorInvoke, arrived: float
-    ) -> wire.InvokeResult:
+        self, template: Template, inv: ExecutorInvoke, arrived: float
+    ) -> InvokeResult:
         encoded = encode_image(template.image, inv.format)
-        return wire.InvokeResult(
+        return InvokeResult(
             image=encoded,
             format=inv.format,
             width=template.image.width,
             height=template.image.height,
             mask_ratio=0.0,
             executor=self.name,
-            path=wire.InvokePath.TEMPLATE,
-            timings=wire.Timings(run_ms=(time.perf_counter() - arrived) * 1e3),
+            path=InvokePath.TEMPLATE,
+            timings=Timings(run_ms=(time.perf_counter() - arrived) * 1e3),
             template=inv.template,
         )
 
     # ---- the engine thread ----------------------------------------------------------------
     def _acquire(
-        self, template: Template, covered: bool, found: wire.CacheTier
+        self, template: Template, covered: bool, found: CacheTier
     ) -> tuple[Any, dict[str, Any]]:
         """At join (engine thread): the template's host-resident activations when it is
         baked for these settings; otherwise no reader (every token computed, i.e. the stock
@@ -726,7 +738,7 @@ class ExecutorCore:
                 return got.handle, {"tier": got.tier, "wait_ms": got.wait_ms, "found": found.value}
         if covered:
             self._queue_bake(template)
-        return None, {"tier": wire.CacheTier.NONE.value, "wait_ms": 0.0, "found": found.value}
+        return None, {"tier": CacheTier.NONE.value, "wait_ms": 0.0, "found": found.value}
 
     def _queue_bake(self, template: Template) -> None:
         if not self.templates.claim_bake(template):
@@ -776,7 +788,7 @@ class ExecutorCore:
         encoding.add_done_callback(lambda _: queue(encoded_record))
 
     # ---- state (cheap: counters and tables, no disk scan, no waiting on a load) ---------
-    def state(self) -> wire.ExecutorState:
+    def state(self) -> ExecutorState:
         with self.lock:
             functions = tuple(sorted(self.functions))
             generations = {name: self._generations.get(name, 0) for name in functions}
@@ -788,7 +800,7 @@ class ExecutorCore:
         if self.templates.device_tier is not None:
             cache = {**cache, **self.templates.device_tier.usage()}
         resident, adapter_figures = self.adapters.report()
-        return wire.ExecutorState(
+        return ExecutorState(
             name=self.name,
             pid=os.getpid(),
             device=str(self.models.device),
@@ -805,7 +817,7 @@ class ExecutorCore:
             engine=self._engine_stats(),
             templates=self.templates.states(),
             cost_models=cost_models,
-            cache=wire.CacheInfo.from_wire(cache),
+            cache=CacheInfo.from_wire(cache),
             workers={}
             if self.stages is None
             else {n: p for n, p in self.stages.pool.pids().items() if p is not None},
@@ -814,12 +826,12 @@ class ExecutorCore:
             adapter_stats=adapter_figures,
         )
 
-    def _engine_stats(self) -> wire.EngineStats:
+    def _engine_stats(self) -> EngineStats:
         summary = self.engine.counters.summary()
         plan = summary.pop("last_plan", None) or {}
         config = self.engine.config
         pool = None if self.stages is None else self.stages.pool
-        return wire.EngineStats(
+        return EngineStats(
             mode=config.mode.value,
             max_batch=config.max_batch,
             disaggregated=config.disaggregated,
@@ -859,12 +871,12 @@ class ExecutorCore:
         return stats
 
 
-def device_memory(device: torch.device) -> wire.DeviceMemory:
+def device_memory(device: torch.device) -> DeviceMemory:
     """GPU memory as ``/v1/executors`` reports it (zeros on a CPU)."""
     if device.type != "cuda":
-        return wire.DeviceMemory()
+        return DeviceMemory()
     free, total = torch.cuda.mem_get_info(device)
-    return wire.DeviceMemory(
+    return DeviceMemory(
         total=total,
         free=free,
         allocated=torch.cuda.memory_allocated(device),
@@ -872,7 +884,7 @@ def device_memory(device: torch.device) -> wire.DeviceMemory:
     )
 
 
-def _rgb8(array: wire.RawArray, size: tuple[int, int], field: str) -> Image.Image:
+def _rgb8(array: RawArray, size: tuple[int, int], field: str) -> Image.Image:
     """An image the gateway decoded (RGB8 ``[H, W, 3]``) of ``size``, else a 400 naming
     ``field``."""
     pixels = array.to_numpy()

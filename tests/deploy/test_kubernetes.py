@@ -473,7 +473,11 @@ def test_the_dashboard_queries_only_metrics_the_gateway_exports() -> None:
     names = exported()
     source = "".join(
         (REPO / path).read_text()
-        for path in ("platform/api/metrics.py", "platform/fleet/report.py", "functions/wire.py")
+        for path in (
+            "platform/api/metrics.py",
+            "platform/fleet/report.py",
+            "functions/wire/executor.py",
+        )
     )
     queries = dashboard_queries()
     assert queries

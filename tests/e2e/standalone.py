@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 
-from retouch.functions import wire
+from retouch.functions.wire.codec import unpack
+from retouch.functions.wire.executor import ExecutorState
 from retouch.platform.api.server import free_port
 from retouch.runtime.executor.app import TOKEN_ENV
 from tests.support import reap, wait_for
@@ -68,9 +69,9 @@ class Executor:
 
         wait_for(f"executor {self.name} healthy", healthy)
 
-    def state(self) -> wire.ExecutorState:
+    def state(self) -> ExecutorState:
         resp = httpx.get(f"{self.url}/state", headers=AUTH, timeout=5)
-        return wire.ExecutorState.from_wire(wire.unpack(resp.content))
+        return ExecutorState.from_wire(unpack(resp.content))
 
     def log(self) -> str:
         return (self.data_dir / "executor.log").read_text()[-3000:]

@@ -23,7 +23,8 @@ import httpx
 import numpy as np
 import pytest
 
-from retouch.functions import wire
+from retouch.functions.wire.codec import RawArray, pack, unpack
+from retouch.functions.wire.invoke import ExecutorInvoke, InvokeResult
 from retouch.platform.api.client import Client
 from retouch.platform.api.server import ServerProcess
 from retouch.runtime.executor.app import TOKEN_ENV
@@ -64,7 +65,7 @@ def gateway(
         yield proc
 
 
-def invoke(url: str, seed: int) -> wire.InvokeResult:
+def invoke(url: str, seed: int) -> InvokeResult:
     with Client(url, timeout=None) as client:
         return client.invoke(
             FUNCTION, TEMPLATE, MASK, "a red door", seed=seed, steps=STEPS, format="raw"
@@ -73,11 +74,18 @@ def invoke(url: str, seed: int) -> wire.InvokeResult:
 
 def direct(executor: Executor, seed: int, steps: int = STEPS) -> httpx.Response:
     """An invocation sent straight to ``executor``, as another gateway would."""
-    inv = wire.ExecutorInvoke(
-        FUNCTION, TEMPLATE, wire.RawArray.of(MASK.astype(np.uint8)), "p", seed, steps, 7.5, "png"
+    inv = ExecutorInvoke(
+        function=FUNCTION,
+        template=TEMPLATE,
+        mask=RawArray.of(MASK.astype(np.uint8)),
+        prompt="p",
+        seed=seed,
+        steps=steps,
+        guidance=7.5,
+        format="png",
     )
     return httpx.post(
-        f"{executor.url}/invoke", content=wire.pack(inv.to_wire()), headers=AUTH, timeout=300
+        f"{executor.url}/invoke", content=pack(inv.to_wire()), headers=AUTH, timeout=300
     )
 
 
@@ -125,7 +133,7 @@ def test_an_executor_refuses_beyond_its_room(
         answers = list(pool.map(lambda s: direct(target, s, steps=20), range(ROOM + 3)))
     refused = [r for r in answers if r.status_code == 429]
     assert refused and all(r.status_code in (200, 429) for r in answers)
-    error = wire.unpack(refused[0].content)["error"]
+    error = unpack(refused[0].content)["error"]
     assert error["code"] == "executor_full" and error["detail"]["room"] == ROOM
     assert sum(r.status_code == 200 for r in answers) >= ROOM
 

@@ -31,7 +31,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from retouch.functions import wire
+from retouch.functions.wire.codec import RawArray, pack, unpack
+from retouch.functions.wire.invoke import InvokeResult
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
 from tests.support import EXAMPLES, decodes_run, wait_for
@@ -65,7 +66,7 @@ def packp(obj: Any) -> bytes:
         for key, value in obj:
             out += packp(key) + packp(value)
         return bytes(out)
-    return wire.pack(obj)
+    return pack(obj)
 
 
 def _encode(img: Image.Image, fmt: str = "PNG", **params: Any) -> bytes:
@@ -143,7 +144,7 @@ def inv(**changes: Any) -> dict[str, Any]:
 
 
 def inv_body(**changes: Any) -> bytes:
-    return wire.pack(inv(**changes))
+    return pack(inv(**changes))
 
 
 _SPEC, _IMAGES = read_spec_file(EXAMPLES / f"{FUNCTION}.toml")
@@ -166,7 +167,7 @@ def deploy(spec_: Any = None, images_: Any = None, **changes: Any) -> dict[str, 
 
 
 def deploy_body(spec_: Any = None, images_: Any = None, **changes: Any) -> bytes:
-    return wire.pack(deploy(spec_, images_, **changes))
+    return pack(deploy(spec_, images_, **changes))
 
 
 def _template(**changes: Any) -> dict[str, Any]:
@@ -198,7 +199,7 @@ def _result(expect_ratio: float, path: str | None = None) -> Callable[[httpx.Res
     """A documented 200 for an unusual mask: it selected exactly the pixels it encodes."""
 
     def check(resp: httpx.Response) -> None:
-        result = wire.InvokeResult.from_wire(wire.unpack(resp.content))
+        result = InvokeResult.from_wire(unpack(resp.content))
         assert abs(result.mask_ratio - expect_ratio) < 1e-9, result.mask_ratio
         assert (result.width, result.height) == SIZE
         if path is not None:
@@ -291,12 +292,12 @@ def _bodies() -> list[Case]:
         Case("body-truncated", "POST", INV, 400, "malformed_body", body=inv_body()[:40], headers=G),
         Case("body-empty", "POST", INV, 400, "malformed_body", body=b"", headers=G),
         Case("body-extra-data", "POST", INV, 400, "malformed_body", body=inv_body() + b"\x01", headers=G),
-        Case("body-list", "POST", INV, 400, "malformed_body", body=wire.pack([1, 2]), headers=G),
-        Case("body-int", "POST", INV, 400, "malformed_body", body=wire.pack(7), headers=G),
-        Case("body-string", "POST", INV, 400, "malformed_body", body=wire.pack("mask"), headers=G),
+        Case("body-list", "POST", INV, 400, "malformed_body", body=pack([1, 2]), headers=G),
+        Case("body-int", "POST", INV, 400, "malformed_body", body=pack(7), headers=G),
+        Case("body-string", "POST", INV, 400, "malformed_body", body=pack("mask"), headers=G),
         Case("body-nil", "POST", INV, 400, "malformed_body", body=b"\xc0", headers=G),
         Case("body-deep-msgpack", "POST", INV, 400, "malformed_body", body=deep, headers=G),
-        Case("body-bytes-keys", "POST", INV, 400, "malformed_body", "template", body=wire.pack({b"template": "street"}), headers=G),
+        Case("body-bytes-keys", "POST", INV, 400, "malformed_body", "template", body=pack({b"template": "street"}), headers=G),
         Case("body-duplicate-key", "POST", INV, 400, "duplicate_key", "prompt", body=packp(Pairs([*inv().items(), ("prompt", "x")])), headers=G),
         Case("body-invalid-utf8", "POST", INV, 400, "malformed_body", body=b"\x81\xa8template\xa2\xff\xfe", headers=G),
         Case("body-json-empty-on-invoke", "POST", INV, 400, "missing_field", "template", body=b"{}", headers={**JSON, **INVOKE}),
@@ -317,7 +318,7 @@ def _bodies() -> list[Case]:
         Case("body-json-list", "PUT", PUT, 400, "malformed_body", body=b"[1, 2]", headers={**JSON, **ADMIN}),
         Case("body-json-not-utf8", "PUT", PUT, 400, "malformed_body", body=b'{"a": "\xff"}', headers={**JSON, **ADMIN}),
         Case("body-msgpack-deep-put", "PUT", PUT, 400, "malformed_body", body=deep, headers=A),
-        Case("body-msgpack-not-map-put", "PUT", PUT, 400, "malformed_body", body=wire.pack([deploy()]), headers=A),
+        Case("body-msgpack-not-map-put", "PUT", PUT, 400, "malformed_body", body=pack([deploy()]), headers=A),
     ]  # fmt: skip
 
 
@@ -492,7 +493,7 @@ def _specs() -> list[Case]:
         bad("duplicate-template-msgpack", "spec.templates.street", packp({"spec": dup_spec, "templates": _IMAGES}), "duplicate_key", 400),
         bad("duplicate-template-json", "spec.templates.street", b'{"spec": {"templates": {"street": {}, "street": {}}}}', "duplicate_key", 400, headers=AJ),
         bad("duplicate-image-upload", "templates.street", packp({"spec": spec_doc(), "templates": Pairs([*_IMAGES.items(), ("street", _IMAGES["street"])])}), "duplicate_key", 400),
-        bad("bytes-keys-in-spec", "spec.model", wire.pack({"spec": {**spec_doc(), b"model": "x"}, "templates": _IMAGES}), "malformed_body", 400),
+        bad("bytes-keys-in-spec", "spec.model", pack({"spec": {**spec_doc(), b"model": "x"}, "templates": _IMAGES}), "malformed_body", 400),
         bad("template-prompt-too-long", "templates.street.prompt", deploy_body(**_template(prompt="x" * 4097))),
         bad("template-id-newline", "templates.street\n", deploy_body(templates={"street\n": street})),
         bad("template-id-too-long", "templates." + "t" * 129, deploy_body(templates={"t" * 129: street})),
@@ -521,9 +522,9 @@ def _specs() -> list[Case]:
         bad("schedulers-other-family", "schedulers[1]", deploy_body(schedulers=["euler", "flow-euler"])),
         bad("schedulers-twice", "schedulers[1]", deploy_body(schedulers=["dpm++", "dpm++"])),
         bad("examples-json-null", "examples[1]", b'{"spec": ' + _json(spec_doc(examples=["a", None])) + b"}", headers=AJ),
-        bad("spec-missing", None, wire.pack({"templates": _IMAGES})),
+        bad("spec-missing", None, pack({"templates": _IMAGES})),
         bad("spec-a-list", None, deploy_body(spec_=[1])),
-        bad("templates-body-missing", "templates", wire.pack({"spec": spec_doc()})),
+        bad("templates-body-missing", "templates", pack({"spec": spec_doc()})),
         bad("template-image-missing", "templates.street.image", deploy_body(images_={"poster": _IMAGES["poster"]})),
         bad("template-image-int", "templates.street.image", deploy_body(images_={**_IMAGES, "street": 5}), "invalid_field"),
         bad("template-image-undecodable", "templates.street.image", deploy_body(images_={**_IMAGES, "street": b"nope"}), "undecodable_image"),
@@ -564,7 +565,7 @@ def _executor() -> list[Case]:
             check,
         )
 
-    mask = wire.RawArray.of(SEL.astype(np.uint8)).to_wire()
+    mask = RawArray.of(SEL.astype(np.uint8)).to_wire()
     invoke = {
         "function": "nope",
         "template": "street",
@@ -590,26 +591,26 @@ def _executor() -> list[Case]:
         ex("auth-healthz-open", "GET", "/healthz", 200, None, headers={}),  # liveness probes
         ex("auth-state-wrong", "GET", "/state", 401, "unauthorized", headers={"authorization": "Bearer nope"}),
         ex("auth-state-gateway-admin-token", "GET", "/state", 401, "unauthorized", headers=ADMIN),
-        ex("auth-invoke-basic", "POST", "/invoke", 401, "unauthorized", body=wire.pack(invoke), headers={**MSGPACK, "authorization": "Basic eDp5"}),
-        ex("auth-put-missing", "PUT", "/functions/x", 401, "unauthorized", body=wire.pack({"spec": spec}), headers=MSGPACK),
+        ex("auth-invoke-basic", "POST", "/invoke", 401, "unauthorized", body=pack(invoke), headers={**MSGPACK, "authorization": "Basic eDp5"}),
+        ex("auth-put-missing", "PUT", "/functions/x", 401, "unauthorized", body=pack({"spec": spec}), headers=MSGPACK),
         ex("auth-delete-missing", "DELETE", "/functions/x", 401, "unauthorized", headers={}),
         ex("put-garbage", "PUT", "/functions/tiny-sd", 400, "malformed_body", body=b"\xc1garbage"),
         ex("put-json", "PUT", "/functions/tiny-sd", 415, "unsupported_media_type", body=b"{}", headers={**JSON, **EXEC}),
         ex("put-deep", "PUT", "/functions/tiny-sd", 400, "malformed_body", body=b"\x91" * 5000 + b"\x01"),
-        ex("put-not-map", "PUT", "/functions/tiny-sd", 400, "malformed_body", body=wire.pack([spec])),
+        ex("put-not-map", "PUT", "/functions/tiny-sd", 400, "malformed_body", body=pack([spec])),
         ex("put-duplicate-key", "PUT", "/functions/tiny-sd", 400, "duplicate_key", "spec.model", body=packp({**put, "spec": Pairs([*spec.items(), ("model", "x")])})),
-        ex("put-bytes-keys", "PUT", "/functions/tiny-sd", 400, "malformed_body", "spec.templates.street", body=wire.pack({**put, "spec": {**spec, "templates": {b"street": {}}}})),
-        ex("put-unknown-field", "PUT", "/functions/tiny-sd", 422, "invalid_spec", "step", body=wire.pack({**put, "spec": {**spec, "step": 5}})),
-        ex("put-name-newline", "PUT", "/functions/tiny-sd", 422, "invalid_spec", "name", body=wire.pack({**put, "spec": {**spec, "name": "tiny-sd\n"}})),
-        ex("put-template-undecodable", "PUT", "/functions/tiny-sd", 400, "undecodable_image", "templates.street", body=wire.pack({**put, "templates": {**images, "street": b"nope"}})),
+        ex("put-bytes-keys", "PUT", "/functions/tiny-sd", 400, "malformed_body", "spec.templates.street", body=pack({**put, "spec": {**spec, "templates": {b"street": {}}}})),
+        ex("put-unknown-field", "PUT", "/functions/tiny-sd", 422, "invalid_spec", "step", body=pack({**put, "spec": {**spec, "step": 5}})),
+        ex("put-name-newline", "PUT", "/functions/tiny-sd", 422, "invalid_spec", "name", body=pack({**put, "spec": {**spec, "name": "tiny-sd\n"}})),
+        ex("put-template-undecodable", "PUT", "/functions/tiny-sd", 400, "undecodable_image", "templates.street", body=pack({**put, "templates": {**images, "street": b"nope"}})),
         ex("invoke-garbage", "POST", "/invoke", 400, "malformed_body", body=b"\x93\x01"),
-        ex("invoke-missing-function", "POST", "/invoke", 400, "missing_field", "function", body=wire.pack({k: v for k, v in invoke.items() if k != "function"})),
-        ex("invoke-mask-not-array", "POST", "/invoke", 400, "invalid_field", "mask", body=wire.pack({**invoke, "mask": {"dtype": "u1"}})),
-        ex("invoke-mask-wrong-shape", "POST", "/invoke", 400, "invalid_field", "mask", body=wire.pack({**invoke, "mask": {**mask, "shape": [3, 3]}})),
-        ex("invoke-mask-bad-dtype", "POST", "/invoke", 400, "invalid_field", "mask", body=wire.pack({**invoke, "mask": {**mask, "dtype": "nope"}})),
-        ex("invoke-seed-bool", "POST", "/invoke", 400, "invalid_field", "seed", body=wire.pack({**invoke, "seed": True})),
+        ex("invoke-missing-function", "POST", "/invoke", 400, "missing_field", "function", body=pack({k: v for k, v in invoke.items() if k != "function"})),
+        ex("invoke-mask-not-array", "POST", "/invoke", 400, "invalid_field", "mask", body=pack({**invoke, "mask": {"dtype": "u1"}})),
+        ex("invoke-mask-wrong-shape", "POST", "/invoke", 400, "invalid_field", "mask", body=pack({**invoke, "mask": {**mask, "shape": [3, 3]}})),
+        ex("invoke-mask-bad-dtype", "POST", "/invoke", 400, "invalid_field", "mask", body=pack({**invoke, "mask": {**mask, "dtype": "nope"}})),
+        ex("invoke-seed-bool", "POST", "/invoke", 400, "invalid_field", "seed", body=pack({**invoke, "seed": True})),
         ex("invoke-duplicate-key", "POST", "/invoke", 400, "duplicate_key", "seed", body=packp(Pairs([*invoke.items(), ("seed", 2)]))),
-        ex("invoke-unknown-function", "POST", "/invoke", 404, "function_not_found", "function", body=wire.pack(invoke)),
+        ex("invoke-unknown-function", "POST", "/invoke", 404, "function_not_found", "function", body=pack(invoke)),
         ex("state-ok", "GET", "/state", 200, None),
         ex("changes-after-not-int", "GET", "/changes?after=x", 400, "invalid_field", "after"),
         ex("changes-after-negative", "GET", "/changes?after=-1", 400, "invalid_field", "after"),
@@ -694,7 +695,7 @@ def executor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]
 
 def _body(resp: httpx.Response) -> Any:
     ctype = resp.headers.get("content-type", "")
-    return wire.unpack(resp.content) if ctype.startswith("application/msgpack") else resp.json()
+    return unpack(resp.content) if ctype.startswith("application/msgpack") else resp.json()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from retouch.functions.wire import pack
+from retouch.functions.wire.codec import pack
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from retouch.functions import wire
 from retouch.functions.imaging import encode_mask
+from retouch.functions.wire.codec import pack, unpack
+from retouch.functions.wire.invoke import InvokeResult
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
 
@@ -59,7 +60,7 @@ def _post_invoke(
 def _error(resp: httpx.Response, status: int, code: str, field: str | None = None) -> None:
     assert resp.status_code == status, resp.content
     body = (
-        wire.unpack(resp.content)
+        unpack(resp.content)
         if resp.headers["content-type"].startswith("application/msgpack")
         else resp.json()
     )
@@ -71,30 +72,30 @@ def _error(resp: httpx.Response, status: int, code: str, field: str | None = Non
 
 BAD_INVOKES = [
     ("malformed msgpack", b"\xc1\xff\x00garbage", 400, "malformed_body", None),
-    ("truncated msgpack", wire.pack(_invoke_body())[:50], 400, "malformed_body", None),
-    ("not a map", wire.pack([1, 2, 3]), 400, "malformed_body", None),
-    ("missing prompt", wire.pack(_invoke_body(prompt=None)), 400, "missing_field", "prompt"),
-    ("missing mask", wire.pack(_invoke_body(mask=None)), 400, "missing_field", "mask"),
-    ("seed is a string", wire.pack(_invoke_body(seed="7")), 400, "invalid_field", "seed"),
-    ("steps out of range", wire.pack(_invoke_body(steps=0)), 400, "invalid_field", "steps"),
-    ("unknown format", wire.pack(_invoke_body(format="gif")), 400, "invalid_field", "format"),
+    ("truncated msgpack", pack(_invoke_body())[:50], 400, "malformed_body", None),
+    ("not a map", pack([1, 2, 3]), 400, "malformed_body", None),
+    ("missing prompt", pack(_invoke_body(prompt=None)), 400, "missing_field", "prompt"),
+    ("missing mask", pack(_invoke_body(mask=None)), 400, "missing_field", "mask"),
+    ("seed is a string", pack(_invoke_body(seed="7")), 400, "invalid_field", "seed"),
+    ("steps out of range", pack(_invoke_body(steps=0)), 400, "invalid_field", "steps"),
+    ("unknown format", pack(_invoke_body(format="gif")), 400, "invalid_field", "format"),
     (
         "crop around an empty mask",
-        wire.pack(_invoke_body(mask=encode_mask(np.zeros((64, 128), bool)), padding_mask_crop=8)),
+        pack(_invoke_body(mask=encode_mask(np.zeros((64, 128), bool)), padding_mask_crop=8)),
         400,
         "invalid_field",
         "padding_mask_crop",
     ),
     (
         "undecodable mask",
-        wire.pack(_invoke_body(mask=b"\x89PNG\r\n\x1a\nnot really")),
+        pack(_invoke_body(mask=b"\x89PNG\r\n\x1a\nnot really")),
         400,
         "undecodable_image",
         "mask",
     ),
     (
         "unknown template",
-        wire.pack(_invoke_body(template="nope")),
+        pack(_invoke_body(template="nope")),
         404,
         "template_not_found",
         "template",
@@ -119,7 +120,7 @@ def test_bad_invocations(
 
 def test_unknown_function(server: ServerProcess, tokens: dict[str, str]) -> None:
     _error(
-        _post_invoke(server, tokens, wire.pack(_invoke_body()), function="nope"),
+        _post_invoke(server, tokens, pack(_invoke_body()), function="nope"),
         404,
         "function_not_found",
         "name",
@@ -136,7 +137,7 @@ def test_wrong_content_type_answers_in_json(server: ServerProcess, tokens: dict[
 
 
 def test_oversize_payload(server: ServerProcess, tokens: dict[str, str]) -> None:
-    big = wire.pack(_invoke_body(prompt="x", mask=b"\0" * (33 << 20)))
+    big = pack(_invoke_body(prompt="x", mask=b"\0" * (33 << 20)))
     _error(_post_invoke(server, tokens, big), 413, "payload_too_large")
 
 
@@ -158,14 +159,14 @@ def test_oversize_payload_without_content_length(
 
 def test_tokens(server: ServerProcess, tokens: dict[str, str], examples: Path) -> None:
     url = f"{server.url}/v1/functions/tiny-flux/invoke"
-    body = wire.pack(_invoke_body())
+    body = pack(_invoke_body())
     _error(httpx.post(url, content=body, headers=MSGPACK), 401, "missing_token")
     _error(
         httpx.post(url, content=body, headers={**MSGPACK, **_auth("wrong")}), 401, "invalid_token"
     )
     _error(httpx.get(f"{server.url}/v1/functions", headers=_auth("wrong")), 401, "invalid_token")
     spec, images = read_spec_file(examples / "tiny-flux.toml")
-    deploy = wire.pack({"spec": spec.to_dict(), "templates": images})
+    deploy = pack({"spec": spec.to_dict(), "templates": images})
     resp = httpx.put(
         f"{server.url}/v1/functions/tiny-flux",
         content=deploy,
@@ -248,7 +249,7 @@ def test_invalid_spec(
             uploaded.pop(tid)
         else:
             uploaded[tid] = data
-    body = wire.pack({"spec": doc, "templates": uploaded})
+    body = pack({"spec": doc, "templates": uploaded})
     resp = httpx.put(
         f"{server.url}/v1/functions/broken",
         content=body,
@@ -276,9 +277,9 @@ def test_server_healthy_after_bad_input(server: ServerProcess, tokens: dict[str,
     """Runs last in this module: every bad request above left the server serving."""
     assert httpx.get(f"{server.url}/healthz").status_code == 200
     assert httpx.get(f"{server.url}/readyz").status_code == 200
-    resp = _post_invoke(server, tokens, wire.pack(_invoke_body()))
+    resp = _post_invoke(server, tokens, pack(_invoke_body()))
     assert resp.status_code == 200
-    result = wire.InvokeResult.from_wire(wire.unpack(resp.content))
+    result = InvokeResult.from_wire(unpack(resp.content))
     assert result.path in ("stock", "maskaware") and result.width == 128
     with Client(server.url, tokens["RETOUCH_ADMIN_TOKEN"]) as admin:
         assert [f["name"] for f in admin.list()] == ["tiny-flux"]

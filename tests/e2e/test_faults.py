@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from retouch.functions.wire import InvokeResult
+from retouch.functions.wire.invoke import InvokeResult
 from retouch.platform.api.client import Client
 from retouch.platform.api.server import ServerProcess
 from tests.support import WAIT_S, wait_for

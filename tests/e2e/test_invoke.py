@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from retouch.functions import wire
 from retouch.functions.demo.models import ensure_demo_model
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import encode_mask
+from retouch.functions.wire.executor import template_variant
+from retouch.functions.wire.invoke import InvokeResult
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
 from retouch.platform.lab.bench.load import wait_baked
@@ -228,7 +229,7 @@ def _serve_folder_edits(
     name: str,
     *,
     refuses_negative: bool = True,
-) -> tuple[wire.InvokeResult, str, dict[str, str], dict, dict[str, bytes]]:
+) -> tuple[InvokeResult, str, dict[str, str], dict, dict[str, bytes]]:
     """Deploy built-in ``model``'s diffusers folder as function ``name`` (its example spec,
     2 steps) and check it as a user sees it: the family is the folder's, the first edit of
     the mug runs before or after the bake, and once baked its edits are mask-aware and
@@ -463,7 +464,7 @@ def _poster_mask() -> np.ndarray:
     return mask
 
 
-def _edit_poster(admin: Client, function: str, **options: object) -> wire.InvokeResult:
+def _edit_poster(admin: Client, function: str, **options: object) -> InvokeResult:
     return admin.invoke(function, "poster", _poster_mask(), "a cat", seed=3, **options)
 
 
@@ -475,12 +476,12 @@ def test_strength_runs_its_steps_and_is_maskaware_from_its_second_edit(
     (strength 1's bake does not serve it); a negative prompt changes the edit, and a
     guidance-distilled family refuses one."""
 
-    def edit(**options: object) -> wire.InvokeResult:
+    def edit(**options: object) -> InvokeResult:
         return _edit_poster(admin, sd_strength, **options)
 
     first = edit(strength=0.6)
     assert (first.path, first.engine.steps, first.template) == ("stock", 3, "poster")
-    _variant_baked(admin, sd_strength, wire.template_variant("poster", 2))
+    _variant_baked(admin, sd_strength, template_variant("poster", 2))
     second = edit(strength=0.6)
     assert (second.path, second.engine.steps) == ("maskaware", 3)
     whole = edit()
@@ -504,7 +505,7 @@ def test_a_chosen_scheduler_is_maskaware_from_its_second_edit(
     assert admin.get(sd_strength)["schedulers"] == ["dpm++"]
     first = _edit_poster(admin, sd_strength, scheduler="dpm++")
     assert (first.path, first.engine.steps, first.template) == ("stock", 5, "poster")
-    _variant_baked(admin, sd_strength, wire.template_variant("poster", 0, "dpm++"))
+    _variant_baked(admin, sd_strength, template_variant("poster", 0, "dpm++"))
     second = _edit_poster(admin, sd_strength, scheduler="dpm++")
     own = _edit_poster(admin, sd_strength)
     assert (second.path, own.path) == ("maskaware", "maskaware")

@@ -36,7 +36,8 @@ from replicate.webhook import InvalidSignatureError, Webhooks
 
 from retouch.functions.errors import Canceled, RetouchError
 from retouch.functions.imaging import encode_mask
-from retouch.functions.wire import InvokeResult, JobEvent, JobEventKind
+from retouch.functions.wire.invoke import InvokeResult
+from retouch.functions.wire.jobs import JobEvent, JobEventKind
 from retouch.platform.api.client import AsyncClient, Call, Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
 from retouch.platform.jobs import webhooks

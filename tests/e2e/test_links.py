@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from retouch.functions import wire
+from retouch.functions.wire.codec import unpack
 from retouch.platform.api.client import Client
 from retouch.platform.api.server import ServerProcess
 from retouch.platform.jobs.links import KEY_FILE, load_keys
@@ -175,7 +175,7 @@ def test_a_job_over_the_retention_cap_is_refused_before_its_body_is_read(
         status_line, headers, body = _answer(sock)
     assert b" 429 " in status_line, (status_line, headers, body[:300])
     assert int(headers["retry-after"]) >= 1
-    assert wire.unpack(body)["error"]["code"] == "retention_full", body
+    assert unpack(body)["error"]["code"] == "retention_full", body
 
 
 def test_request_bodies_held_at_once_stay_within_the_body_budget(server: ServerProcess) -> None:
@@ -195,7 +195,7 @@ def test_request_bodies_held_at_once_stay_within_the_body_budget(server: ServerP
         with _declare(server, "invoke", 12 << 20) as second:
             status_line, headers, body = _answer(second)
         assert b" 429 " in status_line, (status_line, headers, body[:300])
-        assert wire.unpack(body)["error"]["code"] == "too_many_bodies", body
+        assert unpack(body)["error"]["code"] == "too_many_bodies", body
         assert _metric(server, bodies, "refused") == refused + 1
     wait_for(
         "the first body's share back",

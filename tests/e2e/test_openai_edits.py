@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from retouch.functions import wire
 from retouch.functions.errors import Overloaded
+from retouch.functions.wire.codec import pack
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
 from tests.support import decodes_run
@@ -249,7 +249,7 @@ def test_oversized_and_malformed_bodies(server: ServerProcess) -> None:
     )
     msgpack = httpx.post(
         f"{server.url}/v1/images/edits",
-        content=wire.pack({"model": FUNCTION}),
+        content=pack({"model": FUNCTION}),
         headers={"authorization": f"Bearer {INVOKE}", "content-type": "application/msgpack"},
         timeout=30,
     )

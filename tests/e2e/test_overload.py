@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from retouch.functions.imaging import encode_mask
-from retouch.functions.wire import pack, unpack
+from retouch.functions.wire.codec import pack, unpack
 from retouch.platform.api.client import Client
 from retouch.platform.api.server import ServerProcess
 from retouch.platform.lab.bench.load import wait_baked

@@ -25,8 +25,9 @@ import numpy as np
 import psutil
 import pytest
 
-from retouch.functions import wire
 from retouch.functions.spec import ScalingSpec
+from retouch.functions.wire.invoke import InvokeResult
+from retouch.functions.wire.jobs import JobEventKind
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.server import ServerProcess, free_port
 from retouch.platform.fleet.rayprovider import NAMESPACE, RESOURCE, wait_for_head
@@ -158,7 +159,7 @@ def test_a_lost_worker_node_loses_no_invocation(
         by_id = {w.node_id: w for w in nodes.workers}
         assert sorted(e["node"] for e in two_ready(client)) == sorted(by_id)  # one on each
 
-        def invoke(seed: int) -> wire.InvokeResult:
+        def invoke(seed: int) -> InvokeResult:
             with Client(server.url) as own:
                 return own.invoke("on-workers", "shirt", MASK, "a red shirt", seed=seed)
 
@@ -176,11 +177,9 @@ def test_a_lost_worker_node_loses_no_invocation(
         finished = [job.wait(timeout=WAIT_S) for job in jobs]
 
         assert [job.doc["status"] for job in jobs] == ["succeeded"] * len(jobs)
-        terminal = {wire.JobEventKind.SUCCEEDED, wire.JobEventKind.FAILED}
+        terminal = {JobEventKind.SUCCEEDED, JobEventKind.FAILED}
         for job in jobs:  # each job ended once: one terminal event in its stream
-            assert [e.kind for e in job.events() if e.kind in terminal] == [
-                wire.JobEventKind.SUCCEEDED
-            ]
+            assert [e.kind for e in job.events() if e.kind in terminal] == [JobEventKind.SUCCEEDED]
         listed = [doc["id"] for doc in client.jobs(function="on-workers")]
         assert sorted(listed) == sorted(job.id for job in jobs)  # none lost, none twice
         # the lost node's invocations were sent again, to the other worker

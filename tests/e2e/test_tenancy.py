@@ -31,7 +31,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from retouch.functions import wire
+from retouch.functions.wire.invoke import MAX_STEPS, CacheTier, InvokePath, InvokeResult
+from retouch.functions.wire.jobs import JobEventKind
 from retouch.platform.api.client import Call, Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
 from tests.support import wait_for
@@ -80,8 +81,8 @@ class World:
     b_done: str  # bob's finished job, with his own webhook
     a_upload: str  # alice's upload id (baked)
     b_upload: str  # bob's upload id of the same image
-    b_upload_result: wire.InvokeResult
-    a_second_upload_result: wire.InvokeResult
+    b_upload_result: InvokeResult
+    a_second_upload_result: InvokeResult
     link: str  # alice's signed image link (path and query)
     receiver: Receiver
 
@@ -104,7 +105,7 @@ def auth(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-def upload_edit(client: Client, image: bytes, seed: int) -> wire.InvokeResult:
+def upload_edit(client: Client, image: bytes, seed: int) -> InvokeResult:
     return client.invoke(FUNCTION, None, MASK, "a red door", seed=seed, image=image, format="raw")
 
 
@@ -340,13 +341,13 @@ def test_the_same_404_for_anothers_job_as_for_none(http: httpx.Client, world: Wo
 def test_a_stream_ends_with_its_end_and_holds_no_webhook(http: httpx.Client, world: World) -> None:
     with Client(world.url, ALICE) as alice:
         events = list(alice.job_events(world.a_done))
-    assert events[-1].kind is wire.JobEventKind.SUCCEEDED
+    assert events[-1].kind is JobEventKind.SUCCEEDED
     assert all(ALICE_HOOK_KEY not in json.dumps(e.data) for e in events)
 
 
 def test_another_tenant_cannot_cancel_a_running_job(world: World) -> None:
     with Client(world.url, ALICE) as alice, Client(world.url, BOB) as bob:
-        job = alice.submit(FUNCTION, TEMPLATE, MASK, "a door", seed=9, steps=wire.MAX_STEPS)
+        job = alice.submit(FUNCTION, TEMPLATE, MASK, "a door", seed=9, steps=MAX_STEPS)
         refused = httpx.post(f"{world.url}/v1/jobs/{job.id}/cancel", headers=auth(BOB))
         assert refused.status_code == 404 and refused.json()["error"]["code"] == "job_not_found"
         assert job.status()["status"] in ("queued", "running")
@@ -360,9 +361,9 @@ def test_uploads_are_their_tenants_own(http: httpx.Client, world: World) -> None
     """The same photo from bob is his own upload: not alice's bake (his first edit is the
     stock one while alice's second was mask-aware), nor listed to her, nor hers to him."""
     assert world.a_upload != world.b_upload
-    assert world.a_second_upload_result.path is wire.InvokePath.MASKAWARE
-    assert world.b_upload_result.path is wire.InvokePath.STOCK
-    assert world.b_upload_result.cache.tier is wire.CacheTier.NONE
+    assert world.a_second_upload_result.path is InvokePath.MASKAWARE
+    assert world.b_upload_result.path is InvokePath.STOCK
+    assert world.b_upload_result.cache.tier is CacheTier.NONE
 
     def uploads(token: str) -> set[str]:
         return set(http.get(f"/v1/functions/{FUNCTION}", headers=auth(token)).json()["uploads"])

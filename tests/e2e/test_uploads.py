@@ -26,10 +26,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from retouch.functions import wire
 from retouch.functions.errors import RetouchError
 from retouch.functions.imaging import encode_mask
 from retouch.functions.spec import UploadsSpec
+from retouch.functions.wire.codec import pack, unpack
+from retouch.functions.wire.invoke import CacheTier, InvokePath, InvokeResult
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
 from retouch.platform.jobs.reframe import crop_region, resize_mask
@@ -84,7 +85,7 @@ def deploy(url: str, examples: Path, name: str, uploads: UploadsSpec) -> None:
         assert admin.deploy(spec, {"street": images["street"]})["status"] == "ready"
 
 
-def edit(client: Client, image: bytes, seed: int = 1, name: str = FUNCTION) -> wire.InvokeResult:
+def edit(client: Client, image: bytes, seed: int = 1, name: str = FUNCTION) -> InvokeResult:
     return client.invoke(name, None, MASK, "a red door", seed=seed, image=image, format="raw")
 
 
@@ -92,7 +93,7 @@ def post_msgpack(server: ServerProcess, route: str, request: dict) -> httpx.Resp
     """``request`` to the function's ``invoke`` or ``jobs`` route, as msgpack."""
     return httpx.post(
         f"{server.url}/v1/functions/{FUNCTION}/{route}",
-        content=wire.pack(request),
+        content=pack(request),
         headers={"authorization": f"Bearer {INVOKE}", "content-type": "application/msgpack"},
         timeout=60,
     )
@@ -123,24 +124,24 @@ def test_first_edit_is_stock_later_ones_mask_aware(server: ServerProcess) -> Non
     image = photo(1)
     with Client(server.url, INVOKE) as client:
         first = edit(client, image)
-        assert first.path is wire.InvokePath.STOCK
-        assert first.template.startswith("upload:") and first.cache.tier is wire.CacheTier.NONE
+        assert first.path is InvokePath.STOCK
+        assert first.template.startswith("upload:") and first.cache.tier is CacheTier.NONE
         assert (first.width, first.height) == (SIZE, SIZE)
         wait_baked(client, FUNCTION, first.template)
         second = edit(client, image, seed=2)
         third = edit(client, image, seed=3)
         assert second.template == third.template == first.template
-        assert third.path is wire.InvokePath.MASKAWARE
-        assert third.cache.tier in (wire.CacheTier.HOST, wire.CacheTier.DISK)
+        assert third.path is InvokePath.MASKAWARE
+        assert third.cache.tier in (CacheTier.HOST, CacheTier.DISK)
         # the same pixels in another encoding are the same ad-hoc template, already baked
         webp = edit(client, photo(1, "WEBP"), seed=3)
-        assert webp.template == first.template and webp.path is wire.InvokePath.MASKAWARE
+        assert webp.template == first.template and webp.path is InvokePath.MASKAWARE
         assert webp.image == third.image
         # an empty mask answers the uploaded image itself
         empty = client.invoke(
             FUNCTION, None, np.zeros((SIZE, SIZE), bool), "x", seed=1, image=image, format="raw"
         )
-        assert empty.path is wire.InvokePath.TEMPLATE
+        assert empty.path is InvokePath.TEMPLATE
         expected = np.asarray(Image.open(io.BytesIO(image)).convert("RGB"))
         assert np.array_equal(
             np.frombuffer(empty.image, np.uint8).reshape(expected.shape), expected
@@ -174,7 +175,7 @@ def test_byte_budget_drops_the_least_recently_used_bake(
         assert b.template in keys
         # the dropped image is simply new again: stock, then baked again
         again = edit(client, photo(11), name=name)
-        assert again.path is wire.InvokePath.STOCK
+        assert again.path is InvokePath.STOCK
 
 
 def test_count_limit_and_uploads_disabled(server: ServerProcess, examples: Path) -> None:
@@ -201,7 +202,7 @@ def test_an_image_whose_bake_exceeds_the_budget_is_served_stock_without_churn(
         first = edit(client, photo(41), name="up-tiny-budget")
         upload_in(client, "up-tiny-budget", first.template, "failed")
         again = edit(client, photo(41), seed=2, name="up-tiny-budget")
-        assert again.path is wire.InvokePath.STOCK
+        assert again.path is InvokePath.STOCK
         state = client.executors()["executors"][0]["state"]["templates"]["up-tiny-budget"]
         assert state[first.template]["bakes"] == 1  # baked once, not again on every edit
     rows = run_cache_command("ls", server.data_dir)
@@ -245,7 +246,7 @@ def test_bad_uploads_are_4xx_naming_the_field(
     for route in ("invoke", "jobs"):
         resp = post_msgpack(server, route, request)
         assert resp.status_code == status, resp.content
-        error = wire.unpack(resp.content)["error"]
+        error = unpack(resp.content)["error"]
         assert (error["code"], error["field"]) == (code, field), error
     assert httpx.get(f"{server.url}/healthz").status_code == 200
 
@@ -291,7 +292,7 @@ def test_uploads_are_refused_from_their_header_before_any_pixel_is_decoded(
         for route in ("invoke", "jobs"):
             resp = post_msgpack(server, route, request)
             assert resp.status_code == 400, resp.content
-            error = wire.unpack(resp.content)["error"]
+            error = unpack(resp.content)["error"]
             assert (error["code"], error["field"]) == (code, "image"), error
         resp = httpx.post(
             f"{server.url}/v1/images/edits",
@@ -328,7 +329,7 @@ def test_padding_mask_crop_edits_a_crop_of_a_large_photo(server: ServerProcess) 
             FUNCTION, None, mask, "a red door", seed=1, image=image, padding_mask_crop=32,
             format="raw",
         )  # fmt: skip
-        assert (first.width, first.height) == BIG and first.path is wire.InvokePath.STOCK
+        assert (first.width, first.height) == BIG and first.path is InvokePath.STOCK
         out = np.frombuffer(first.image, np.uint8).reshape(pixels.shape)
         assert np.array_equal(out[outside_box], pixels[outside_box])
         assert np.array_equal(out[~mask], pixels[~mask])
@@ -337,7 +338,7 @@ def test_padding_mask_crop_edits_a_crop_of_a_large_photo(server: ServerProcess) 
         second = client.invoke(
             FUNCTION, None, ring, "a red door", seed=2, image=image, padding_mask_crop=32
         )
-        assert second.template == first.template and second.path is wire.InvokePath.MASKAWARE
+        assert second.template == first.template and second.path is InvokePath.MASKAWARE
         got = np.asarray(Image.open(io.BytesIO(second.image)).convert("RGB"))
         assert second.format == "png" and got.shape == pixels.shape
         assert np.array_equal(got[~ring], pixels[~ring])
@@ -364,7 +365,7 @@ def test_an_image_of_another_size_comes_back_at_its_size(server: ServerProcess) 
         other = np.zeros((150, 200), bool)
         other[100:140, 10:60] = True
         second = client.invoke(FUNCTION, None, other, "x", seed=2, image=image, format="raw")
-        assert second.template == first.template and second.path is wire.InvokePath.MASKAWARE
+        assert second.template == first.template and second.path is InvokePath.MASKAWARE
 
 
 def test_a_crop_of_a_template_is_mask_aware_on_its_second_edit(
@@ -383,14 +384,14 @@ def test_a_crop_of_a_template_is_mask_aware_on_its_second_edit(
         first = client.invoke(
             FUNCTION, "street", mask, "a red door", seed=1, padding_mask_crop=6, format="raw"
         )
-        assert first.template.startswith("upload:") and first.path is wire.InvokePath.STOCK
+        assert first.template.startswith("upload:") and first.path is InvokePath.STOCK
         out = np.frombuffer(first.image, np.uint8).reshape(street.shape)
         assert np.array_equal(out[~mask], street[~mask])
         wait_baked(client, FUNCTION, first.template)
         second = client.invoke(
             FUNCTION, "street", dot, "a red door", seed=2, padding_mask_crop=6, format="raw"
         )
-        assert second.template == first.template and second.path is wire.InvokePath.MASKAWARE
+        assert second.template == first.template and second.path is InvokePath.MASKAWARE
 
 
 @pytest.mark.parametrize(
@@ -414,6 +415,6 @@ def test_bad_sizes_and_crops_are_4xx_naming_the_field(
     for route in ("invoke", "jobs"):
         resp = post_msgpack(server, route, request)
         assert resp.status_code == 400, resp.content
-        error = wire.unpack(resp.content)["error"]
+        error = unpack(resp.content)["error"]
         assert (error["code"], error["field"]) == (code, field), error
     assert httpx.get(f"{server.url}/healthz").status_code == 200

@@ -24,7 +24,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from retouch.functions import wire
+from retouch.functions.wire.codec import pack, unpack
+from retouch.functions.wire.invoke import InvokeRequest
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
 from tests.support import EXAMPLES, wait_for
@@ -117,9 +118,9 @@ def post(
 
 def invoke(server: ServerProcess, body: dict) -> bytes:
     """The pixels (RGBA rows) of the image a synchronous invoke of ``body`` answers."""
-    resp = post(server, "invoke", wire.pack(body))
+    resp = post(server, "invoke", pack(body))
     assert resp.status_code == 200, resp.text
-    return Image.open(io.BytesIO(wire.unpack(resp.content)["image"])).convert("RGBA").tobytes()
+    return Image.open(io.BytesIO(unpack(resp.content)["image"])).convert("RGBA").tobytes()
 
 
 def test_page_and_static_files_are_served(server: ServerProcess) -> None:
@@ -269,7 +270,7 @@ def test_playground_paints_submits_and_shows_the_result(server: ServerProcess, b
     sent = curl.split("<<'JSON'\n")[1].rsplit("\nJSON", 1)[0]
     body = json.loads(sent)
     assert {"num_inference_steps", "guidance_scale", "negative_prompt", "strength"} <= set(body)
-    request = wire.InvokeRequest.from_wire(body)  # as the gateway reads it
+    request = InvokeRequest.from_wire(body)  # as the gateway reads it
     assert (request.prompt, request.negative_prompt, request.seed) == (PROMPTS[1], NEGATIVE, 3)
     assert (request.steps, request.guidance, request.strength) == (EDIT_STEPS, EDIT_GUIDANCE, 1.0)
     # the guidance reached the model: the same request invoked again gives the page's

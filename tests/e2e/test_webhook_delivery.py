@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from retouch.functions.errors import RetouchError, Unavailable
-from retouch.functions.wire import JobEvent
+from retouch.functions.wire.jobs import JobEvent
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
 from retouch.platform.jobs.webhooks import tenant_secret, verify

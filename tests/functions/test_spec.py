@@ -7,11 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from retouch.functions import wire
 from retouch.functions.demo.shapes import WORDS
 from retouch.functions.errors import BadRequest, InvalidSpec
 from retouch.functions.families import check_reference
 from retouch.functions.spec import STORAGES, FunctionSpec, load_spec_file, parse_spec
+from retouch.functions.wire.codec import pack, unpack
+from retouch.functions.wire.invoke import MAX_PROMPT_CHARS
 from retouch.runtime.asgi import parse_json
 from retouch.runtime.maskaware.rowformat import RowFormat
 from tests.support import EXAMPLES
@@ -281,7 +282,7 @@ def test_names_ids_and_prompts_are_bounded(doc: dict[str, Any], field: str) -> N
 
 def test_limits_at_their_edges_are_accepted() -> None:
     spec = parse_spec(
-        _doc(name="a" * 63, templates={"T" * 128: {"prompt": "x" * wire.MAX_PROMPT_CHARS}})
+        _doc(name="a" * 63, templates={"T" * 128: {"prompt": "x" * MAX_PROMPT_CHARS}})
     )
     assert spec.name == "a" * 63 and len(spec.templates["T" * 128].prompt) == 4096
 
@@ -300,7 +301,7 @@ def test_duplicate_template_in_a_body_is_refused() -> None:
     """msgpack and JSON bodies keep the last duplicate silently unless the decoder refuses."""
     body = b"\x81\xa4spec\x81\xa9templates\x82\xa1t\x80\xa1t\x80"  # {"spec": {"templates": {t, t}}}
     with pytest.raises(BadRequest) as err:
-        wire.unpack(body)
+        unpack(body)
     assert (err.value.code, err.value.field) == ("duplicate_key", "spec.templates.t")
     with pytest.raises(BadRequest) as err:
         parse_json(b'{"spec": {"templates": {"t": {}, "u": [{"a": 1, "a": 2}]}}}')
@@ -310,14 +311,14 @@ def test_duplicate_template_in_a_body_is_refused() -> None:
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        (wire.pack({b"name": "x"}), "name"),
-        (wire.pack({"spec": {"templates": {b"t": {}}}}), "spec.templates.t"),
-        (wire.pack({"a": [1, {b"k": 2}]}), "a[1].k"),
+        (pack({b"name": "x"}), "name"),
+        (pack({"spec": {"templates": {b"t": {}}}}), "spec.templates.t"),
+        (pack({"a": [1, {b"k": 2}]}), "a[1].k"),
     ],
 )
 def test_bytes_map_keys_are_refused(body: bytes, field: str) -> None:
     with pytest.raises(BadRequest) as err:
-        wire.unpack(body)
+        unpack(body)
     assert (err.value.code, err.value.field) == ("malformed_body", field)
 
 
@@ -342,7 +343,7 @@ def test_hostile_json_is_a_400(data: bytes) -> None:
 
 def test_deep_msgpack_is_a_400() -> None:
     with pytest.raises(BadRequest) as err:
-        wire.unpack(b"\x91" * 5000 + b"\x01")
+        unpack(b"\x91" * 5000 + b"\x01")
     assert err.value.code == "malformed_body" and "deeply" in err.value.message
 
 

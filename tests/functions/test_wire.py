@@ -8,8 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from retouch.functions import wire
 from retouch.functions.errors import BadRequest, RetouchError
+from retouch.functions.wire.codec import RawArray, pack, unpack
+from retouch.functions.wire.invoke import InvokeRequest
 
 
 @given(
@@ -19,21 +20,21 @@ from retouch.functions.errors import BadRequest, RetouchError
     )
 )
 def test_raw_array_round_trip(array: np.ndarray) -> None:
-    raw = wire.RawArray.of(array)
-    back = wire.RawArray.from_wire(wire.unpack(wire.pack(raw.to_wire())), "x").to_numpy()
+    raw = RawArray.of(array)
+    back = RawArray.from_wire(unpack(pack(raw.to_wire())), "x").to_numpy()
     assert back.dtype == array.dtype and back.shape == array.shape
     assert np.array_equal(back, array, equal_nan=True)
 
 
 def test_raw_array_rejects_inconsistent_shape() -> None:
     with pytest.raises(BadRequest) as err:
-        wire.RawArray.from_wire({"dtype": "|u1", "shape": [3, 3], "data": b"\0" * 8}, "mask")
+        RawArray.from_wire({"dtype": "|u1", "shape": [3, 3], "data": b"\0" * 8}, "mask")
     assert err.value.field == "mask"
 
 
 def test_invoke_request_validation() -> None:
     ok = {"template": "t", "mask": b"m", "prompt": "p", "seed": 3}
-    assert wire.InvokeRequest.from_wire(ok).format == "png"
+    assert InvokeRequest.from_wire(ok).format == "png"
     for change, field, code in [
         ({"seed": True}, "seed", "invalid_field"),
         ({"seed": 2**63}, "seed", "invalid_field"),
@@ -56,7 +57,7 @@ def test_invoke_request_validation() -> None:
         ({"num_inference_step": 4}, "num_inference_step", "unknown_field"),
     ]:
         with pytest.raises(BadRequest) as err:
-            wire.InvokeRequest.from_wire({**ok, **change})
+            InvokeRequest.from_wire({**ok, **change})
         assert (err.value.field, err.value.code) == (field, code)
 
 
@@ -65,7 +66,7 @@ def test_invoke_request_takes_diffusers_names_and_json_images() -> None:
     (what a JSON caller sends); a misspelt name is refused with the closest known one."""
     png = b"\x89PNG fake"
     b64 = base64.b64encode(png).decode()
-    req = wire.InvokeRequest.from_wire(
+    req = InvokeRequest.from_wire(
         {
             "template": "t",
             "mask": f"data:image/png;base64,{b64}",
@@ -82,18 +83,18 @@ def test_invoke_request_takes_diffusers_names_and_json_images() -> None:
     assert (req.negative_prompt, req.padding_mask_crop) == ("blurry", 32)
     assert req.image_reference == png and req.echo()["image_reference"] == f"<{len(png)} bytes>"
     assert 0 <= req.seed < 2**63  # no seed: a random one, recorded with the request
-    again = wire.InvokeRequest.from_wire(req.to_wire())
+    again = InvokeRequest.from_wire(req.to_wire())
     assert again == req
     assert {"num_inference_steps", "guidance_scale"} <= req.to_wire().keys()
     assert req.echo()["mask"] == f"<{len(png)} bytes>"
     with pytest.raises(BadRequest) as err:
-        wire.InvokeRequest.from_wire({"template": "t", "mask": b64, "prompt": "p", "gudance": 1})
+        InvokeRequest.from_wire({"template": "t", "mask": b64, "prompt": "p", "gudance": 1})
     assert "did you mean 'guidance_scale'" in err.value.message
 
 
 def test_unpack_malformed() -> None:
     with pytest.raises(BadRequest) as err:
-        wire.unpack(b"\x92\x01")  # array of 2 with one element
+        unpack(b"\x92\x01")  # array of 2 with one element
     assert err.value.code == "malformed_body"
 
 

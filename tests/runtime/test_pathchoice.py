@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from retouch.functions.wire import InvokePath
+from retouch.functions.wire.invoke import InvokePath
 from retouch.runtime.pathchoice import StepTimes, choose_path
 
 # a small model: a mask-aware step pays its gathers and cached-row reads at every size

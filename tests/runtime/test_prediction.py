@@ -8,7 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from retouch.functions import wire
+from retouch.functions.wire.executor import BakeState, EngineStats, ExecutorState, TemplateStatus
+from retouch.functions.wire.invoke import CacheRead, CacheTier, InvokePath, InvokeResult, Timings
 from retouch.platform.control.cluster import ClusterView, PlacementRequest, Residency
 from retouch.runtime.costmodel import BlockProfile, CostModel, LinearFit
 from retouch.runtime.plan import bubble_free_plan
@@ -111,19 +112,19 @@ def test_results_that_queued_for_a_worker_do_not_teach_the_service_time() -> Non
     cluster = ClusterView()
     view = view_with(cluster, "a")
     view.workers = (1, 1)
-    result = wire.InvokeResult(b"", "png", 1, 1, 0.2, "a", wire.InvokePath.MASKAWARE)
-    result.timings = wire.Timings(pre_ms=40.0, post_ms=60.0)
+    result = InvokeResult(b"", "png", 1, 1, 0.2, "a", InvokePath.MASKAWARE)
+    result.timings = Timings(pre_ms=40.0, post_ms=60.0)
     for token in range(2):  # the first result is cold, the second teaches
         view.place(token, request(0.2), now=10.0 * token)
         view.finish(token, 10.0 * token + 1.0, result)
     assert (view.overheads.pre_s, view.overheads.post_s) == pytest.approx((0.04, 0.06))
     view.place(5, request(0.2), now=100.0)
     view.place(6, request(0.2), now=100.0)  # encodes after 5: its pre_ms includes the wait
-    first = wire.InvokeResult(b"", "png", 1, 1, 0.2, "a", wire.InvokePath.MASKAWARE)
-    first.timings = wire.Timings(pre_ms=40.0, post_ms=60.0)
+    first = InvokeResult(b"", "png", 1, 1, 0.2, "a", InvokePath.MASKAWARE)
+    first.timings = Timings(pre_ms=40.0, post_ms=60.0)
     view.finish(5, 101.0, first)
-    second = wire.InvokeResult(b"", "png", 1, 1, 0.2, "a", wire.InvokePath.MASKAWARE)
-    second.timings = wire.Timings(pre_ms=400.0, post_ms=600.0)  # queued behind the first
+    second = InvokeResult(b"", "png", 1, 1, 0.2, "a", InvokePath.MASKAWARE)
+    second.timings = Timings(pre_ms=400.0, post_ms=600.0)  # queued behind the first
     view.finish(6, 101.05, second)  # and its decode waited for the first's
     assert (view.overheads.pre_s, view.overheads.post_s) == pytest.approx((0.04, 0.06))
 
@@ -204,13 +205,13 @@ def test_mask_footprint_is_what_the_executor_computes(shape: str, ratio: float, 
 def view_with(cluster: ClusterView, name: str, max_batch: int = 4, host: bool = True):
     model = cost_model()
     model.extra["step_table"] = plan_table(model, [GRID], max_batch)
-    state = wire.ExecutorState(
+    state = ExecutorState(
         name,
         0,
         "cpu",
-        engine=wire.EngineStats(max_batch=max_batch),
+        engine=EngineStats(max_batch=max_batch),
         cost_models={"m": model.to_dict()},
-        templates={"fn": {"t": wire.TemplateStatus(wire.BakeState.BAKED, host=host)}},
+        templates={"fn": {"t": TemplateStatus(BakeState.BAKED, host=host)}},
     )
     view = cluster.add(name, max_batch, 2 * max_batch)
     view.observe_state(state, cluster.costers)
@@ -272,15 +273,15 @@ def test_view_follows_place_progress_finish_and_learns_drift() -> None:
     assert busier.finish_s > idle.finish_s  # it shares the batch now
     view.progress(1, 9, 10)  # nearly done: the newcomer barely waits for it
     assert view.predict(request(0.2)).finish_s < busier.finish_s
-    result = wire.InvokeResult(
+    result = InvokeResult(
         b"",
         "png",
         1,
         1,
         0.2,
         "a",
-        wire.InvokePath.MASKAWARE,
-        cache=wire.CacheRead(wire.CacheTier.DISK, 5.0),
+        InvokePath.MASKAWARE,
+        cache=CacheRead(CacheTier.DISK, 5.0),
     )
     error = view.finish(1, 100.0 + 2 * placed.predicted.finish_s, result)  # twice as long
     assert error == pytest.approx(0.5)
@@ -306,7 +307,7 @@ def test_an_edit_that_reads_no_row_is_predicted_in_full_and_moves_no_template() 
     assert view.residency_cost_s(own) == view.load_s(own) == 0.0
     placed = view.place(1, own, now=100.0)
     assert placed is not None and view.tier("fn", "t") is Residency.HOST
-    result = wire.InvokeResult(b"", "png", 1, 1, 0.2, "a", wire.InvokePath.STOCK)
+    result = InvokeResult(b"", "png", 1, 1, 0.2, "a", InvokePath.STOCK)
     view.finish(1, 100.0 + placed.predicted.finish_s, result)
     assert view.tier("fn", "t") is Residency.HOST  # a stock result would mark it baking
 
@@ -316,8 +317,8 @@ def test_pre_and_post_times_are_learnt_pool_wide() -> None:
     ever: the time around the steps is the pool's, learnt from every executor."""
     cluster = ClusterView()
     busy, idle = view_with(cluster, "busy"), view_with(cluster, "idle")
-    timings = wire.Timings(pre_ms=40.0, post_ms=60.0)
-    result = wire.InvokeResult(b"", "png", 1, 1, 0.2, "busy", wire.InvokePath.MASKAWARE)
+    timings = Timings(pre_ms=40.0, post_ms=60.0)
+    result = InvokeResult(b"", "png", 1, 1, 0.2, "busy", InvokePath.MASKAWARE)
     result.timings = timings
     for token in range(3):
         placed = busy.place(token, request(0.2), now=float(token))
@@ -566,10 +567,8 @@ def test_time_outside_the_executors_account_is_learnt_and_predicted() -> None:
     cluster = ClusterView()
     view, fresh = view_with(cluster, "a"), view_with(cluster, "b")
     before = fresh.predict(request(0.3)).finish_s
-    timings = wire.Timings(queue_ms=5.0, run_ms=130.0)  # no encode or decode to learn
-    result = wire.InvokeResult(
-        b"", "png", 1, 1, 0.3, "a", wire.InvokePath.MASKAWARE, timings=timings
-    )
+    timings = Timings(queue_ms=5.0, run_ms=130.0)  # no encode or decode to learn
+    result = InvokeResult(b"", "png", 1, 1, 0.3, "a", InvokePath.MASKAWARE, timings=timings)
     for token in range(4):  # placed one at a time, each answered 0.045 s after its 0.135 s
         view.place(token, request(0.3), now=10.0 * token)
         view.finish(token, 10.0 * token + 0.180, result)
@@ -595,7 +594,7 @@ def test_drift_is_learnt_per_occupancy_and_applied_only_there() -> None:
     work near the SLO that would have made it)."""
     cluster = ClusterView()
     view, fresh = view_with(cluster, "a"), view_with(cluster, "b")
-    result = wire.InvokeResult(b"", "png", 1, 1, 0.3, "a", wire.InvokePath.MASKAWARE)
+    result = InvokeResult(b"", "png", 1, 1, 0.3, "a", InvokePath.MASKAWARE)
     for token in range(0, 12, 2):
         view.place(token, request(0.3), now=float(token))
         placed = view.place(token + 1, request(0.3), now=float(token))  # beside one other
@@ -831,12 +830,12 @@ def test_a_device_resident_template_is_predicted_faster_and_placed_first() -> No
     model.extra["resident_step_table"] = plan_table(model, [GRID], 4, resident=True)
     views = {}
     for name, device in (("host", False), ("gpu", True)):
-        status = wire.TemplateStatus(wire.BakeState.BAKED, host=True, device=device)
-        state = wire.ExecutorState(
+        status = TemplateStatus(BakeState.BAKED, host=True, device=device)
+        state = ExecutorState(
             name,
             0,
             "cpu",
-            engine=wire.EngineStats(max_batch=4),
+            engine=EngineStats(max_batch=4),
             cost_models={"m": model.to_dict()},
             templates={"fn": {"t": status}},
         )
@@ -858,9 +857,9 @@ def test_a_device_resident_template_is_predicted_faster_and_placed_first() -> No
 
 
 def test_template_status_carries_device_residency_on_the_wire() -> None:
-    status = wire.TemplateStatus(wire.BakeState.BAKED, host=True, device=True)
-    assert wire.TemplateStatus.from_wire(status.to_wire()) == status
-    assert wire.TemplateStatus.from_wire({"state": "baked"}).device is False
+    status = TemplateStatus(BakeState.BAKED, host=True, device=True)
+    assert TemplateStatus.from_wire(status.to_wire()) == status
+    assert TemplateStatus.from_wire({"state": "baked"}).device is False
 
 
 def test_a_copy_in_another_dtype_is_predicted_from_its_own_cost_model() -> None:
@@ -875,9 +874,7 @@ def test_a_copy_in_another_dtype_is_predicted_from_its_own_cost_model() -> None:
     for key, model in (("m", fp32), (copy, bf16)):
         model.extra["step_table"] = plan_table(model, [GRID], 4)
         docs[key] = model.to_dict()
-    state = wire.ExecutorState(
-        "e", 0, "cpu", engine=wire.EngineStats(max_batch=4), cost_models=docs
-    )
+    state = ExecutorState("e", 0, "cpu", engine=EngineStats(max_batch=4), cost_models=docs)
     view = cluster.add("e", 4, 8)
     view.observe_state(state, cluster.costers)
     plain = request(0.5)

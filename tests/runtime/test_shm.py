@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retouch.functions import wire
+from retouch.functions.wire.codec import pack, unpack
 from retouch.runtime import shm
 
 SHM = Path("/dev/shm")
@@ -83,7 +83,7 @@ def test_round_trip_through_a_block_and_a_msgpack_header(torch_items, numpy_item
     for i, (dtype, shape, seed) in enumerate(numpy_items):
         items[f"n{i}"] = _array(dtype, shape, seed)
     name = _name()
-    header = wire.unpack(wire.pack(shm.put_tensors(items, name)))
+    header = unpack(pack(shm.put_tensors(items, name)))
     out = shm.take_tensors(header)
     assert out.keys() == items.keys()
     assert all(_same(out[key], value) for key, value in items.items())

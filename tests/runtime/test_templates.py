@@ -8,7 +8,7 @@ from pathlib import Path
 from retouch.cachestore.store import ActivationStore, StoreConfig, Tier
 from retouch.functions.demo.images import template_image
 from retouch.functions.spec import parse_spec
-from retouch.functions.wire import BakeState
+from retouch.functions.wire.executor import BakeState
 from retouch.runtime.maskaware.editor import BakeCancelled
 from retouch.runtime.templates import Template, TemplateCache
 

@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from retouch.functions import wire
+from retouch.functions.wire.codec import pack, unpack
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.imagegate import BYTES_PER_PIXEL
 from retouch.platform.api.limits import logged_decode_budget
@@ -128,8 +128,8 @@ async def _post(
     headers = {"content-type": "application/msgpack"}
     if wait_s is not None:
         headers["prefer"] = f"wait={wait_s:g}"
-    resp = await client.post(url, content=wire.pack(body), headers=headers)
-    doc = wire.unpack(resp.content)
+    resp = await client.post(url, content=pack(body), headers=headers)
+    doc = unpack(resp.content)
     what = doc["error"]["code"] if "error" in doc and resp.status_code >= 400 else doc.get("status")
     return resp.status_code, str(what), resp.headers.get("retry-after")
 
@@ -164,10 +164,10 @@ async def _jobs_to_the_end(base: str, path: str, bodies: list[dict[str, Any]]) -
         async def one(body: dict[str, Any]) -> str:
             resp = await client.post(
                 path,
-                content=wire.pack(body),
+                content=pack(body),
                 headers={"content-type": "application/msgpack", "prefer": "wait=60"},
             )
-            doc = wire.unpack(resp.content)
+            doc = unpack(resp.content)
             if resp.status_code >= 400:
                 return f"{resp.status_code} {doc['error']['code']}"
             while doc["status"] in ("queued", "running"):

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from retouch.functions import wire
+from retouch.functions.wire.executor import ExecutorPhase, ExecutorState
 from retouch.platform.control.cluster import (
     ClusterView,
     ExecutorView,
@@ -86,11 +86,11 @@ def build_pool(n: int, seed: int, max_batch: int = 8) -> tuple[list[SyntheticExe
     doc = model.to_dict()
     masks = footprints(rng, 64)
     executors = []
-    state = wire.ExecutorState("x", 0, "cuda-synthetic", cost_models={"flux": doc})
+    state = ExecutorState("x", 0, "cuda-synthetic", cost_models={"flux": doc})
     for i in range(n):
         view = cluster.add(f"exec-{i}", max_batch=max_batch, slots=2 * max_batch)
         view.observe_state(state, cluster.costers)
-        view.phase = wire.ExecutorPhase.READY
+        view.phase = ExecutorPhase.READY
         tiers = random.Random(seed + i)
         for t in range(TEMPLATES):
             view.residency[("fn", f"t{t}")] = tiers.choice(TIERS)

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from retouch.functions import wire
 from retouch.functions.errors import BadRequest
 from retouch.functions.imaging import encode_mask
 from retouch.functions.spec import UploadsSpec, parse_spec
+from retouch.functions.wire.invoke import InvokePath, InvokeRequest, InvokeResult
 from retouch.platform.api import frontdoor
 from retouch.platform.api.imagegate import DecodeBudget, ImageGate
 from retouch.platform.api.uploads import UploadNames
@@ -69,7 +69,7 @@ def _door() -> frontdoor.FrontDoor:
 
 
 def _prepare(fn: DeployedFunction, **fields: object) -> PreparedInvocation:
-    req = wire.InvokeRequest(prompt="p", seed=1, **fields)  # type: ignore[arg-type]
+    req = InvokeRequest(prompt="p", seed=1, **fields)  # type: ignore[arg-type]
     return asyncio.run(_door()._prepare(fn, req, "job", "tenant"))
 
 
@@ -111,7 +111,7 @@ def test_a_crop_of_a_large_upload_is_what_the_executor_edits() -> None:
 def test_the_paste_back_keeps_every_pixel_outside_the_mask() -> None:
     fn, photo = _function(), _pixels(PHOTO, 2)
     mask = _rect(PHOTO, 100, 100, 180, 150)
-    req = wire.InvokeRequest(
+    req = InvokeRequest(
         template=None,
         image=_png(photo),
         mask=encode_mask(mask),
@@ -122,16 +122,14 @@ def test_the_paste_back_keeps_every_pixel_outside_the_mask() -> None:
     )
     prepared = asyncio.run(_door()._prepare(fn, req, "job", "tenant"))
     edited = np.full((CANVAS, CANVAS, 3), 7, np.uint8)
-    result = wire.InvokeResult(
-        edited.tobytes(), "raw", CANVAS, CANVAS, 0.1, "e", wire.InvokePath.STOCK
-    )
+    result = InvokeResult(edited.tobytes(), "raw", CANVAS, CANVAS, 0.1, "e", InvokePath.STOCK)
     door = _door()
     out = asyncio.run(door._paste(prepared.frame, result, fn, req))
     assert (out.format, out.width, out.height) == ("png", *PHOTO)
     pixels = np.asarray(Image.open(io.BytesIO(out.image)).convert("RGB"))
     assert np.array_equal(pixels[~mask], photo[~mask]) and (pixels[mask] == 7).all()
     raw = asyncio.run(
-        door._paste(prepared.frame, result, fn, dataclasses.replace(req, format="raw"))
+        door._paste(prepared.frame, result, fn, req.model_copy(update={"format": "raw"}))
     )
     assert np.array_equal(np.frombuffer(raw.image, np.uint8).reshape(pixels.shape), pixels)
 

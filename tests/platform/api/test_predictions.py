@@ -11,9 +11,16 @@ from replicate.prediction import Prediction
 from replicate.stream import EventSource
 from replicate.webhook import InvalidSignatureError, Webhooks, WebhookSigningSecret
 
-from retouch.functions import wire
 from retouch.functions.errors import BadRequest, RetouchError
-from retouch.functions.wire import JobEventKind, JobStatus, WebhookEvent, WebhookFormat
+from retouch.functions.wire.jobs import (
+    JobEvent,
+    JobEventKind,
+    JobProgress,
+    JobRequest,
+    JobStatus,
+    WebhookEvent,
+    WebhookFormat,
+)
 from retouch.platform.api import predictions
 from retouch.platform.api.httpapi import MAX_WAIT_S, parse_prefer_wait
 from retouch.platform.jobs import prediction, webhooks
@@ -51,7 +58,7 @@ def test_document_speaks_replicate_and_parses_as_its_prediction() -> None:
 
 def test_running_logs_carry_progress_replicates_client_reads() -> None:
     running = job(JobStatus.RUNNING, started_at=11.0, executor="exec-0")
-    running.progress = wire.JobProgress(2, 8)
+    running.progress = JobProgress(2, 8)
     progress = Prediction(**prediction.document(running, BASE)).progress
     assert progress is not None and (progress.current, progress.total) == (2, 8)
     assert progress.percentage == 0.25
@@ -68,7 +75,7 @@ class Lines:
         yield from self.data.decode().split("\n")
 
 
-def decoded(events: list[wire.JobEvent]) -> list[tuple[str, str, str]]:
+def decoded(events: list[JobEvent]) -> list[tuple[str, str, str]]:
     data = b"".join(prediction.frames(e) for e in events)
     source = EventSource(None, Lines(data), use_file_output=False)  # type: ignore[arg-type]
     return [(e.event.value, e.data, e.id) for e in source]
@@ -77,11 +84,11 @@ def decoded(events: list[wire.JobEvent]) -> list[tuple[str, str, str]]:
 def test_stream_as_replicates_client_decodes_it() -> None:
     url = f"{BASE}/v1/images/{'a' * 32}.png?expires=1&sig=x"
     events = [
-        wire.JobEvent(1, JobEventKind.QUEUED, {"position": None}),  # nothing to say yet
-        wire.JobEvent(2, JobEventKind.QUEUED, {"position": 1}),
-        wire.JobEvent(3, JobEventKind.STARTED, {"executor": "e", "attempt": 1, "started_at": "T"}),
-        wire.JobEvent(4, JobEventKind.PROGRESS, {"step": 1, "total": 2}),
-        wire.JobEvent(5, JobEventKind.SUCCEEDED, {"output": url}),
+        JobEvent(1, JobEventKind.QUEUED, {"position": None}),  # nothing to say yet
+        JobEvent(2, JobEventKind.QUEUED, {"position": 1}),
+        JobEvent(3, JobEventKind.STARTED, {"executor": "e", "attempt": 1, "started_at": "T"}),
+        JobEvent(4, JobEventKind.PROGRESS, {"step": 1, "total": 2}),
+        JobEvent(5, JobEventKind.SUCCEEDED, {"output": url}),
     ]
     assert decoded(events) == [
         ("logs", "waiting in the queue at position 1", "2"),
@@ -90,9 +97,9 @@ def test_stream_as_replicates_client_decodes_it() -> None:
         ("output", url, "5"),
         ("done", "{}", "5"),
     ]
-    canceled = wire.JobEvent(6, JobEventKind.CANCELED, {})
+    canceled = JobEvent(6, JobEventKind.CANCELED, {})
     assert decoded([canceled]) == [("done", '{"reason":"canceled"}', "6")]
-    failed = wire.JobEvent(7, JobEventKind.FAILED, {"error": {"message": "no executor"}})
+    failed = JobEvent(7, JobEventKind.FAILED, {"error": {"message": "no executor"}})
     with pytest.raises(RuntimeError, match="no executor"):  # how the client reports it
         decoded([failed])
 
@@ -101,7 +108,7 @@ def test_body_checks_name_the_field_as_the_prediction_holds_it() -> None:
     req = predictions.job_request({"input": INPUT, "webhook": "http://127.0.0.1:9/h"})
     assert req.webhook_format is WebhookFormat.REPLICATE
     assert set(req.webhook_events) == set(WebhookEvent)  # no filter: every event
-    assert wire.JobRequest.from_wire(req.to_wire()) == req  # journaled and resumed as is
+    assert JobRequest.from_wire(req.to_wire()) == req  # journaled and resumed as is
     cases = [
         ({"input": {**INPUT, "prompt": 5}}, "input.prompt"),
         ({"input": {**INPUT, "steps": 0}}, "input.steps"),
@@ -141,7 +148,7 @@ def test_webhook_event_filter_maps_replicates_names() -> None:
         WebhookEvent.PROGRESS,
     }
     with pytest.raises(BadRequest) as err:
-        wire.JobRequest.from_wire({**INPUT, "webhook_format": "cog"})
+        JobRequest.from_wire({**INPUT, "webhook_format": "cog"})
     assert err.value.field == "webhook_format"
 
 

@@ -9,8 +9,8 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from retouch.functions import wire
 from retouch.functions.spec import FunctionSpec, ScalingSpec, load_spec_file
+from retouch.functions.wire.executor import ExecutorPhase
 from retouch.platform.control.placement import LeastRequests
 from retouch.platform.fleet.executorlink import ExecutorHandle
 from retouch.platform.fleet.pool import ExecutorPool
@@ -193,7 +193,7 @@ def test_placement_sees_an_executor_only_for_its_models_functions() -> None:
         sd = ExecutorHandle(FakeProcess("exec-0"), model=SD)
         static = ExecutorHandle(FakeProcess("exec-1"))  # model None: a static pool's
         for handle in (sd, static):
-            handle.phase = wire.ExecutorPhase.READY
+            handle.phase = ExecutorPhase.READY
             handle.functions = {"sd", "flux"}  # as if both had been pushed
         fleet.executors.extend([sd, static])
         assert fleet.candidates("sd") == [sd, static]

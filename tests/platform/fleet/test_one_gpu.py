@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from retouch.functions.wire import DeviceMemory, ExecutorState
+from retouch.functions.wire.executor import DeviceMemory, ExecutorState
 from retouch.platform.fleet.providers import one_gpu
 
 

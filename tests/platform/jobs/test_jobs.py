@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retouch.functions import wire
 from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound, RetouchError
-from retouch.functions.wire import JobEventKind, JobStatus
+from retouch.functions.wire.codec import RawArray, pack
+from retouch.functions.wire.executor import FrameReader, StepProgress, error_frame, result_frame
+from retouch.functions.wire.invoke import ExecutorInvoke, InvokePath, InvokeResult
+from retouch.functions.wire.jobs import JobEvent, JobEventKind, JobRequest, JobStatus, WebhookEvent
 from retouch.platform.api.httpapi import parse_prefer_wait
 from retouch.platform.control.placement import LeastRequests, PlacementRequest
 from retouch.platform.control.queue import InvocationQueue, QueueLimits
@@ -36,20 +38,30 @@ def sync(test: Callable[..., Coroutine]) -> Callable[..., None]:
     return run
 
 
-def request(seed: int = 1, **extra) -> wire.JobRequest:
-    return wire.JobRequest.from_wire(
+def request(seed: int = 1, **extra) -> JobRequest:
+    return JobRequest.from_wire(
         {"template": "t", "mask": b"png", "prompt": "p", "seed": seed, **extra}
     )
 
 
 def prepared(job_id: str = "") -> PreparedInvocation:
-    mask = wire.RawArray.of(np.ones((2, 2), np.uint8))
-    inv = wire.ExecutorInvoke("f", "t", mask, "p", 1, 3, 7.5, "raw", job_id)
+    mask = RawArray.of(np.ones((2, 2), np.uint8))
+    inv = ExecutorInvoke(
+        function="f",
+        template="t",
+        mask=mask,
+        prompt="p",
+        seed=1,
+        steps=3,
+        guidance=7.5,
+        format="raw",
+        id=job_id,
+    )
     return PreparedInvocation(inv, PlacementRequest("f", "t", 1.0))
 
 
-def result() -> wire.InvokeResult:
-    return wire.InvokeResult(b"img", "raw", 2, 2, 1.0, "exec-0", wire.InvokePath.STOCK)
+def result() -> InvokeResult:
+    return InvokeResult(b"img", "raw", 2, 2, 1.0, "exec-0", InvokePath.STOCK)
 
 
 class FakeRun:
@@ -63,14 +75,14 @@ class FakeRun:
         if not gated:
             self.release.set()
 
-    async def execute(self, job: Job, on_start, on_progress) -> wire.InvokeResult:
+    async def execute(self, job: Job, on_start, on_progress) -> InvokeResult:
         await self.release.wait()
         on_start("exec-0", 1)
         for step in range(1, self.steps + 1):
             await asyncio.sleep(0)
             if job.id in self.canceled:
                 raise Canceled("canceled")
-            on_progress(wire.StepProgress(step, self.steps))
+            on_progress(StepProgress(step, self.steps))
         if self.hold:
             while job.id not in self.canceled:
                 await asyncio.sleep(0.01)
@@ -88,7 +100,7 @@ def store(run: FakeRun, journal: JobJournal | None = None, **kw) -> JobStore:
     return JobStore(run.execute, dict, run.cancel, journal, **kw)
 
 
-async def stream(jobs: JobStore, job: Job, after: int = 0) -> list[wire.JobEvent]:
+async def stream(jobs: JobStore, job: Job, after: int = 0) -> list[JobEvent]:
     """A reader's events until the job's end."""
     return [e async for e in jobs.events(job, after) if e is not None]
 
@@ -283,8 +295,8 @@ def test_prefer_wait() -> None:
 
 def test_sse_frames_parse_back() -> None:
     events = [
-        wire.JobEvent(1, JobEventKind.QUEUED, {"position": 3}),
-        wire.JobEvent(2, JobEventKind.PROGRESS, {"step": 1, "total": 2}),
+        JobEvent(1, JobEventKind.QUEUED, {"position": 3}),
+        JobEvent(2, JobEventKind.PROGRESS, {"step": 1, "total": 2}),
     ]
     text = (b"".join(sse.frame(e) for e in events) + sse.KEEPALIVE).decode()
     assert list(sse.parse(text.split("\n"))) == events
@@ -331,9 +343,9 @@ def test_webhook_signature_and_allow_list() -> None:
 
 def test_job_request_validation() -> None:
     req = request(webhook="https://127.0.0.1/h", webhook_events=["started", "completed"])
-    assert req.webhook_events == (wire.WebhookEvent.STARTED, wire.WebhookEvent.COMPLETED)
-    assert wire.JobRequest.from_wire(req.to_wire()) == req
-    assert request().webhook_events == (wire.WebhookEvent.COMPLETED,)
+    assert req.webhook_events == (WebhookEvent.STARTED, WebhookEvent.COMPLETED)
+    assert JobRequest.from_wire(req.to_wire()) == req
+    assert request().webhook_events == (WebhookEvent.COMPLETED,)
     for extra, field in (
         ({"webhook": "file:///etc/passwd"}, "webhook"),
         ({"webhook": "http://"}, "webhook"),
@@ -353,16 +365,16 @@ def test_job_request_validation() -> None:
 
 
 def test_frames_of_the_executor_stream() -> None:
-    reader = wire.FrameReader()
+    reader = FrameReader()
     data = (
-        wire.pack(wire.StepProgress(1, 2).to_wire())
-        + wire.pack(wire.error_frame(Canceled("gone")))
-        + wire.pack(wire.result_frame(result()))
+        pack(StepProgress(1, 2).to_wire())
+        + pack(error_frame(Canceled("gone")))
+        + pack(result_frame(result()))
     )
     frames = [f for i in range(0, len(data), 7) for f in reader.feed(data[i : i + 7])]
-    assert frames[0] == wire.StepProgress(1, 2)
+    assert frames[0] == StepProgress(1, 2)
     assert isinstance(frames[1], RetouchError) and frames[1].code == "canceled"
-    assert isinstance(frames[2], wire.InvokeResult) and frames[2].image == b"img"
+    assert isinstance(frames[2], InvokeResult) and frames[2].image == b"img"
 
 
 @sync

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from retouch.functions import wire
 from retouch.functions.errors import Overloaded
+from retouch.functions.wire.invoke import InvokePath, InvokeResult
+from retouch.functions.wire.jobs import JobRequest, JobStatus
 from retouch.platform.jobs.job import Job
 from retouch.platform.jobs.journal import JobJournal
 from retouch.platform.jobs.retention import JOB_OVERHEAD_BYTES, RetentionLimits, Usage
@@ -25,16 +26,16 @@ from tests.platform.jobs.test_jobs import FakeRun, prepared, request, result, st
 MASK = b"m" * (1 << 20)  # a 1 MiB payload
 
 
-def big_request(seed: int = 1) -> wire.JobRequest:
-    return wire.JobRequest.from_wire({"template": "t", "mask": MASK, "prompt": "p", "seed": seed})
+def big_request(seed: int = 1) -> JobRequest:
+    return JobRequest.from_wire({"template": "t", "mask": MASK, "prompt": "p", "seed": seed})
 
 
 class BigResults(FakeRun):
     """Runs as :class:`FakeRun` and answers a 1 MiB image."""
 
-    async def execute(self, job: Job, on_start, on_progress) -> wire.InvokeResult:
+    async def execute(self, job: Job, on_start, on_progress) -> InvokeResult:
         await super().execute(job, on_start, on_progress)
-        return wire.InvokeResult(MASK, "raw", 2, 2, 1.0, "exec-0", wire.InvokePath.STOCK)
+        return InvokeResult(MASK, "raw", 2, 2, 1.0, "exec-0", InvokePath.STOCK)
 
 
 def limits(**caps: int) -> RetentionLimits:
@@ -99,9 +100,9 @@ async def test_retained_bytes_are_capped_until_results_expire() -> None:
 async def test_the_journal_compacts_old_records_and_drops_expired_ones(tmp_path: Path) -> None:
     journal = JobJournal(tmp_path)
     now = 10_000.0
-    old = Job("a" * 32, "f", big_request(), now - 60, status=wire.JobStatus.SUCCEEDED)
+    old = Job("a" * 32, "f", big_request(), now - 60, status=JobStatus.SUCCEEDED)
     old.completed_at, old.result = now - 50, result()
-    expired = Job("b" * 32, "f", big_request(), now - 900, status=wire.JobStatus.SUCCEEDED)
+    expired = Job("b" * 32, "f", big_request(), now - 900, status=JobStatus.SUCCEEDED)
     expired.completed_at, expired.result = now - 800, result()
     for job in (old, expired):
         journal.write(job.to_record())  # as written before payloads were dropped
@@ -246,7 +247,7 @@ async def test_purging_goes_on_past_errors(tmp_path: Path) -> None:
     stops the start nor the periodic purge."""
     now = [10_000.0]
     for i in range(2):  # expired while the gateway was down
-        old = Job(f"{i}" * 32, "f", request(i), now[0] - 900, status=wire.JobStatus.SUCCEEDED)
+        old = Job(f"{i}" * 32, "f", request(i), now[0] - 900, status=JobStatus.SUCCEEDED)
         old.completed_at, old.result = now[0] - 800, result()
         JobJournal(tmp_path).write(old.to_record())
     journal = FailingDeletes(tmp_path)
@@ -279,7 +280,7 @@ async def test_purging_goes_on_past_errors(tmp_path: Path) -> None:
 async def test_a_compacted_record_keeps_its_terminal_event_id(tmp_path: Path) -> None:
     """A finished job's record written with its payload is rewritten small at the next
     start, storing its terminal event's own id: restart after restart, the id holds."""
-    job = Job("c" * 32, "f", big_request(), 100.0, status=wire.JobStatus.SUCCEEDED)
+    job = Job("c" * 32, "f", big_request(), 100.0, status=JobStatus.SUCCEEDED)
     job.completed_at, job.result, job._seq = 200.0, result(), 7
     JobJournal(tmp_path).write(job.to_record())
     for _ in range(3):

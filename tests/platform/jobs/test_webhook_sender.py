@@ -17,9 +17,14 @@ import time
 import pytest
 from replicate.webhook import Webhooks, WebhookSigningSecret
 
-from retouch.functions import wire
 from retouch.functions.errors import BadRequest, RetouchError
-from retouch.functions.wire import JobEventKind, WebhookEvent
+from retouch.functions.wire.jobs import (
+    JobEvent,
+    JobEventKind,
+    JobStatus,
+    WebhookEvent,
+    parse_target_url,
+)
 from retouch.platform.jobs.deliveryjournal import DeliveryJournal
 from retouch.platform.jobs.job import Job
 from retouch.platform.jobs.receiverqueue import ReceiverQueue
@@ -39,8 +44,8 @@ def job(url: str, seed: int = 1, owner: str = ANONYMOUS, **extra) -> Job:
     return Job(f"{seed:032x}", "f", request(seed, webhook=url, **extra), 1.0, owner=owner)
 
 
-def completed(j: Job, seq: int = 5) -> wire.JobEvent:
-    return wire.JobEvent(seq, JobEventKind.SUCCEEDED, {})
+def completed(j: Job, seq: int = 5) -> JobEvent:
+    return JobEvent(seq, JobEventKind.SUCCEEDED, {})
 
 
 async def until(what, timeout: float = 10.0):
@@ -177,7 +182,7 @@ async def test_a_tenant_flooding_a_shared_receiver_neither_delays_nor_drops_anot
         await sender.start()
         flood = job(f"{shared.url}/a", 1, "alice", webhook_events=["progress", "completed"])
         for seq in range(1, 7):  # queued at once: all but the last two are dropped
-            sender.notify(flood, wire.JobEvent(seq, JobEventKind.PROGRESS, {}))
+            sender.notify(flood, JobEvent(seq, JobEventKind.PROGRESS, {}))
         for seed in (2, 3, 4):  # the last two progress make room; no completed is dropped
             j = job(f"{shared.url}/a", seed, "alice")
             sender.notify(j, completed(j))
@@ -243,7 +248,7 @@ async def test_a_host_name_idna_refuses_is_a_400_at_submission_never_a_500() -> 
         # a name that reaches the resolver anyway does not resolve; it does not raise
         assert await sender.resolver.resolve(too_long[7:-1], "alice") == []
         assert await sender.resolver.resolve("a..b", "alice") == []
-        wire.parse_target_url(f"http://{'a' * 63}.example./")  # the longest label is fine
+        parse_target_url(f"http://{'a' * 63}.example./")  # the longest label is fine
     finally:
         await sender.close()
 
@@ -256,7 +261,7 @@ async def test_a_predictions_delivery_is_its_document_signed_as_standard_webhook
         sender = WebhookSender(SECRET, retry=FAST_RETRY, public_url="http://gw.example")
         await sender.start()
         j = job(f"{receiver.url}/hook", webhook_format="replicate")
-        j.status = wire.JobStatus.SUCCEEDED
+        j.status = JobStatus.SUCCEEDED
         sender.notify(j, completed(j))
         (arrival,) = await until(lambda: receiver.accepted())
         await sender.close()

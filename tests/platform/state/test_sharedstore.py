@@ -16,7 +16,7 @@ import pytest
 
 from retouch.functions.errors import Overloaded
 from retouch.functions.spec import parse_spec
-from retouch.functions.wire import JobEventKind, JobStatus
+from retouch.functions.wire.jobs import JobEventKind, JobStatus
 from retouch.platform.jobs import peers as jobpeers
 from retouch.platform.jobs.peers import SharedPeers
 from retouch.platform.jobs.retention import JOB_OVERHEAD_BYTES, RetentionLimits

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from retouch.functions.wire import ChangeKind, ExecutorChanges
+from retouch.functions.wire.executor import ChangeKind, ExecutorChanges
 from retouch.platform.fleet.providers import gpu_devices
 from retouch.runtime.executor.changes import ChangeFeed
 

@@ -7,7 +7,7 @@ from dataclasses import fields
 import numpy as np
 from PIL import Image
 
-from retouch.functions import wire
+from retouch.functions.wire.codec import pack, unpack
 from retouch.runtime.maskaware.request import ARRAY_FIELDS, EditRequest
 
 
@@ -31,7 +31,7 @@ def _request(**overrides: object) -> EditRequest:
 
 def test_every_field_survives_the_round_trip_full_steps_included() -> None:
     request = _request()
-    meta = wire.unpack(wire.pack(request.wire_meta()))  # as the pool sends it
+    meta = unpack(pack(request.wire_meta()))  # as the pool sends it
     back = EditRequest.from_wire(meta, request.wire_arrays())
     assert back.full_steps == 2
     for f in fields(EditRequest):

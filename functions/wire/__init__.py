@@ -1,0 +1,2 @@
+"""The wire: what crosses process boundaries, one module per concept (``codec``, ``invoke``,
+``executor``, ``jobs``)."""

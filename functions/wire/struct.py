@@ -1,0 +1,100 @@
+"""Messages declared once: a :class:`Struct`'s fields (type, range, default, wire names)
+give its decoding, validation, encoding and the error that names the field.
+
+Built on pydantic in strict mode, so a number is never read from a string or a bool, and
+every failure becomes the API's one error shape (:class:`BadRequest`: ``missing_field``,
+``unknown_field`` with the closest known name, ``invalid_field``), naming the field as the
+caller wrote it (an alias, when that is what was sent). A ``null`` is an absent field, as
+everywhere on retouch's wire.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Any, Self
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    PlainSerializer,
+    ValidationError,
+    ValidationInfo,
+)
+
+from retouch.functions.errors import BadRequest, unknown_field_message
+from retouch.functions.wire.codec import RawArray, as_map, decode_bytes, parse_size
+
+
+class Struct(BaseModel):
+    """A wire message; subclasses declare fields, ``from_wire``/``to_wire`` do the rest."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, populate_by_name=True)
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        body = {k: v for k, v in as_map(obj).items() if v is not None}
+        cls._refuse_two_names(body)
+        try:
+            return cls.model_validate(body)
+        except ValidationError as exc:
+            raise cls._bad_request(exc) from None
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+    @classmethod
+    @functools.cache
+    def wire_names(cls) -> dict[str, tuple[str, ...]]:
+        """Each field's wire name and every name it is read under (aliases after it)."""
+        out: dict[str, tuple[str, ...]] = {}
+        for name, info in cls.model_fields.items():
+            choices = info.validation_alias
+            names = tuple(choices.choices) if isinstance(choices, AliasChoices) else (name,)
+            out[info.serialization_alias or names[0]] = tuple(str(n) for n in names)
+        return out
+
+    @classmethod
+    def _refuse_two_names(cls, body: dict[str, Any]) -> None:
+        for names in cls.wire_names().values():
+            sent = [n for n in body if n in names]
+            if len(sent) > 1:
+                raise BadRequest(
+                    f"send {sent[0]!r} or its alias {sent[1]!r}, not both",
+                    field=sent[1],
+                    code="invalid_field",
+                )
+
+    @classmethod
+    def _bad_request(cls, exc: ValidationError) -> BadRequest:
+        error = exc.errors(include_url=False)[0]
+        name = str(error["loc"][0]) if error["loc"] else None
+        if error["type"] == "missing":
+            return BadRequest(f"field '{name}' is required", field=name, code="missing_field")
+        if error["type"] == "extra_forbidden" and name is not None:
+            message = unknown_field_message(name, sorted(cls.wire_names()))
+            return BadRequest(message, field=name, code="unknown_field")
+        text = str(error["msg"])
+        return BadRequest(f"{name}: {text[:1].lower()}{text[1:]}", field=name, code="invalid_field")
+
+
+def _bytes(value: Any, info: ValidationInfo) -> Any:
+    return decode_bytes(value, str(info.field_name))
+
+
+def _size(value: Any, info: ValidationInfo) -> Any:
+    return parse_size(value, str(info.field_name)) if isinstance(value, str) else value
+
+
+def _array(value: Any, info: ValidationInfo) -> Any:
+    return RawArray.from_wire(value, str(info.field_name)) if isinstance(value, dict) else value
+
+
+# Field types with their wire form: bytes (msgpack bin, or base64 / a ``data:`` URI in JSON),
+# a ``WIDTHxHEIGHT`` size, and a raw array.
+WireBytes = Annotated[bytes, BeforeValidator(_bytes)]
+WireSize = Annotated[
+    tuple[int, int], BeforeValidator(_size), PlainSerializer(lambda s: f"{s[0]}x{s[1]}")
+]
+WireArray = Annotated[RawArray, BeforeValidator(_array), PlainSerializer(RawArray.to_wire)]
