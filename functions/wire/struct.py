@@ -34,7 +34,9 @@ class Struct(BaseModel):
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        body = {k: v for k, v in as_map(obj).items() if v is not None}
+        body = as_map(obj)
+        if None in body.values():
+            body = {k: v for k, v in body.items() if v is not None}
         cls._refuse_two_names(body)
         try:
             return cls.model_validate(body)
@@ -56,8 +58,15 @@ class Struct(BaseModel):
         return out
 
     @classmethod
+    @functools.cache
+    def _aliased(cls) -> tuple[tuple[str, ...], ...]:
+        return tuple(names for names in cls.wire_names().values() if len(names) > 1)
+
+    @classmethod
     def _refuse_two_names(cls, body: dict[str, Any]) -> None:
-        for names in cls.wire_names().values():
+        for names in cls._aliased():
+            if sum(n in body for n in names) < 2:
+                continue
             sent = [n for n in body if n in names]
             if len(sent) > 1:
                 raise BadRequest(

@@ -14,6 +14,7 @@ from retouch.platform.cli.bench import engine, pool, production, quality, servin
 # in the order ``retouch bench --help`` lists them
 SUBCOMMANDS = (
     serving.add_gateway,
+    serving.add_wire,
     serving.add_deploy,
     engine.add_engine,
     quality.add_fidelity,

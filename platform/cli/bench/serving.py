@@ -1,5 +1,5 @@
-"""``retouch bench gateway|deploy|store``: the platform's own costs around the model (the
-gateway's time per invocation, a deploy beside a served function, the activation store)."""
+"""``retouch bench gateway|wire|deploy|store``: the platform's own costs around the model (the
+gateway's time per invocation, decoding one, a deploy beside a served function, the activation store)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,16 @@ def add_gateway(bench_sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also a gateway with --provider ray on a one-node Ray cluster (the ray extra)",
     )
+    p.add_argument(
+        "--baseline",
+        type=existing_dir,
+        default=None,
+        help="also a gateway running another checkout of retouch (e.g. a git worktree of an "
+        "older commit), control on, beside this one: vs_baseline gives their p50 ratio",
+    )
+    p.add_argument(
+        "--rounds", type=positive_int, default=1, help="measure every case this many times"
+    )
     add_json(p)
     p.set_defaults(run=_run_gateway)
 
@@ -37,7 +47,38 @@ def _run_gateway(args: argparse.Namespace) -> None:
     from retouch.platform.lab.bench.gateway import run_gateway_bench
     from retouch.platform.lab.demo import find_examples
 
-    report(run_gateway_bench(find_examples(args.examples), args.requests, ray=args.ray), args.json)
+    figures = run_gateway_bench(
+        find_examples(args.examples),
+        args.requests,
+        ray=args.ray,
+        baseline=args.baseline,
+        rounds=args.rounds,
+    )
+    report(figures, args.json)
+
+
+def add_wire(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser("wire", help="decoding one msgpack invocation, as the gateway does")
+    p.add_argument(
+        "--size-mb", type=float, default=1.0, help="megabytes of mask in the body (default 1)"
+    )
+    p.add_argument(
+        "--baseline",
+        type=existing_dir,
+        default=None,
+        help="also measure another checkout of retouch (e.g. a git worktree of an older "
+        "commit), rounds alternating: ratio = this tree's median over the baseline's",
+    )
+    p.add_argument("--rounds", type=positive_int, default=5, help="rounds (default 5)")
+    add_repeats(p, 300)
+    add_json(p)
+    p.set_defaults(run=_run_wire)
+
+
+def _run_wire(args: argparse.Namespace) -> None:
+    from retouch.platform.lab.bench.wire import run_wire_bench
+
+    report(run_wire_bench(args.size_mb, args.repeats, args.rounds, args.baseline), args.json)
 
 
 def add_deploy(bench_sub: argparse._SubParsersAction) -> None:

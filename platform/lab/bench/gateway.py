@@ -13,6 +13,11 @@ not stall the gateway's event loop for the small invocation measured.
 With ``ray=True`` a third gateway, ``ray`` (control on, ``--provider ray``), runs beside them
 with its executor under a Ray actor on a one-node Ray cluster started for the run: the Ray
 path's extra overhead is ``ray`` minus ``control_on``, measured in the same run.
+
+With ``baseline`` (another checkout of retouch, e.g. a worktree of an older commit) a
+``baseline`` gateway, control on, runs that checkout's code beside them: the same requests
+alternate over it, so ``control_on`` against ``baseline`` compares two versions of the code
+under the same noise (``vs_baseline``: the ratio of their p50 overheads, per round).
 """
 
 from __future__ import annotations
@@ -47,16 +52,26 @@ BIG_SENDERS = 4  # large-mask invocations kept in flight during the "busy" condi
 
 
 def run_gateway_bench(
-    examples: Path, requests: int = 50, steps: int = 2, ray: bool = False
+    examples: Path,
+    requests: int = 50,
+    steps: int = 2,
+    ray: bool = False,
+    baseline: Path | None = None,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="retouch-bench-") as tmp, ExitStack() as stack:
         configs = {name: [*args, *THREADS] for name, args in CONFIGS.items()}
+        envs: dict[str, dict[str, str]] = {}
         if ray:
             address = stack.enter_context(ray_cluster(1))
             configs["ray"] = ["--provider", "ray", "--ray-address", address, *THREADS]
+        if baseline is not None:
+            configs["baseline"] = list(THREADS)
+            envs["baseline"] = {"PYTHONPATH": str(importable_checkout(baseline, Path(tmp)))}
         clients = {}
         for name, args in configs.items():
-            server = stack.enter_context(ServerProcess(Path(tmp) / name, extra_args=args))
+            server = ServerProcess(Path(tmp) / name, extra_args=args, env=envs.get(name, {}))
+            stack.enter_context(server)
             client = stack.enter_context(Client(server.url))
             client.deploy_file(examples / "tiny-flux.toml")
             client.deploy(*_big_function())
@@ -67,14 +82,54 @@ def run_gateway_bench(
             "empty_mask": np.zeros((128, 128), bool),
             "mask_0.2": mask_of_ratio((128, 128), 0.2, "ellipse", 1),
         }
-        out: dict[str, Any] = {"requests": requests}
-        for condition in ("quiet", "large_masks"):
-            for case, mask in cases.items():
-                with _large_masks(clients, condition == "large_masks"):
-                    figures = _measure(clients, mask, requests, steps, f"{condition} {case}")
-                for name, row in figures.items():
-                    out.setdefault(name, {}).setdefault(condition, {})[case] = row
+        out: dict[str, Any] = {"requests": requests, "rounds": rounds}
+        for r in range(rounds):
+            for condition in ("quiet", "large_masks"):
+                for case, mask in cases.items():
+                    label = f"{condition} {case}" + (f" round {r + 1}" if rounds > 1 else "")
+                    with _large_masks(clients, condition == "large_masks"):
+                        figures = _measure(clients, mask, requests, steps, label)
+                    for name, row in figures.items():
+                        cell = out.setdefault(name, {}).setdefault(condition, {})
+                        cell[case] = _merged(cell.get(case), row)
+        if baseline is not None:
+            out["vs_baseline"] = _versus(out["control_on"], out["baseline"])
         return out
+
+
+def importable_checkout(checkout: Path, tmp: Path) -> Path:
+    """A folder whose ``retouch`` is ``checkout`` (the repository root is the package), for
+    PYTHONPATH: it comes before this install's own ``retouch``."""
+    if not (checkout / "platform").is_dir() or not (checkout / "functions").is_dir():
+        raise ValueError(f"{checkout} is not a checkout of retouch")
+    folder = tmp / "baseline-path"
+    folder.mkdir()
+    (folder / "retouch").symlink_to(checkout.resolve())
+    return folder
+
+
+def _merged(before: dict[str, Any] | None, row: dict[str, float]) -> dict[str, Any]:
+    """Each round's figures appended (``..._rounds``); the plain keys are their medians."""
+    merged: dict[str, Any] = {}
+    for key, value in row.items():
+        series = [*(before or {}).get(f"{key}_rounds", []), value]
+        merged[key] = statistics.median(series)
+        merged[f"{key}_rounds"] = series
+    return merged
+
+
+def _versus(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """``control_on`` p50 overhead over ``baseline``'s, round by round, and their median."""
+    out: dict[str, Any] = {}
+    for condition, cases in new.items():
+        for case, row in cases.items():
+            key = "gateway_overhead_ms_p50_rounds"
+            ratios = [a / b for a, b in zip(row[key], old[condition][case][key], strict=True)]
+            out.setdefault(condition, {})[case] = {
+                "p50_ratio_rounds": [round(x, 3) for x in ratios],
+                "p50_ratio_median": round(statistics.median(ratios), 3),
+            }
+    return out
 
 
 @contextmanager
