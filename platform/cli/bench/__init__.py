@@ -15,6 +15,7 @@ from retouch.platform.cli.bench import engine, pool, production, quality, servin
 SUBCOMMANDS = (
     serving.add_gateway,
     serving.add_wire,
+    serving.add_coldstart,
     serving.add_deploy,
     engine.add_engine,
     quality.add_fidelity,

@@ -1,5 +1,5 @@
-"""``retouch bench gateway|wire|deploy|store``: the platform's own costs around the model (the
-gateway's time per invocation, decoding one, a deploy beside a served function, the activation store)."""
+"""``retouch bench gateway|wire|coldstart|deploy|store``: the platform's own costs around the model (the
+gateway's time per invocation, decoding one, a cold start's weights, a deploy beside a served function, the activation store)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,16 @@ import tempfile
 from pathlib import Path
 
 from retouch.platform.cli.bench.options import (
+    add_builtin_model,
+    add_device,
+    add_dtype,
     add_repeats,
 )
 from retouch.platform.cli.common import (
     add_json,
+    add_models_dir,
     existing_dir,
+    models_dir,
     positive_int,
     report,
 )
@@ -79,6 +84,31 @@ def _run_wire(args: argparse.Namespace) -> None:
     from retouch.platform.lab.bench.wire import run_wire_bench
 
     report(run_wire_bench(args.size_mb, args.repeats, args.rounds, args.baseline), args.json)
+
+
+def add_coldstart(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "coldstart",
+        help="a model's weights loaded by the executor's loader against a raw read of the "
+        "same files, page cache cold and warm (same run)",
+    )
+    add_builtin_model(p, "retouch:small-sd")
+    p.add_argument("--rounds", type=positive_int, default=3, help="rounds (default 3)")
+    add_device(p)
+    add_dtype(p)
+    add_models_dir(p)
+    add_json(p, "the rows")
+    p.set_defaults(run=_run_coldstart)
+
+
+def _run_coldstart(args: argparse.Namespace) -> None:
+    from retouch.platform.lab.bench.coldstart import run_coldstart_bench
+    from retouch.runtime.models import pick_device
+
+    rows = run_coldstart_bench(
+        args.model, models_dir(args), pick_device(args.device), args.dtype, args.rounds
+    )
+    report(rows, args.json)
 
 
 def add_deploy(bench_sub: argparse._SubParsersAction) -> None:
