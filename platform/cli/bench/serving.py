@@ -44,6 +44,13 @@ def add_gateway(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rounds", type=positive_int, default=1, help="measure every case this many times"
     )
+    p.add_argument(
+        "--conditions",
+        nargs="+",
+        choices=("quiet", "large_masks"),
+        default=("quiet", "large_masks"),
+        help="measured while quiet and while large masks arrive (default both)",
+    )
     add_json(p)
     p.set_defaults(run=_run_gateway)
 
@@ -58,6 +65,7 @@ def _run_gateway(args: argparse.Namespace) -> None:
         ray=args.ray,
         baseline=args.baseline,
         rounds=args.rounds,
+        conditions=tuple(args.conditions),
     )
     report(figures, args.json)
 

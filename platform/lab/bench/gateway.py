@@ -49,6 +49,7 @@ CONFIGS = {"control_on": [], "control_off": ["--placement", "least-requests", "-
 THREADS = ["--threads", "1"]
 BIG = 1024  # pixels of the large-mask function (the same tiny model)
 BIG_SENDERS = 4  # large-mask invocations kept in flight during the "busy" condition
+CONDITIONS = ("quiet", "large_masks")
 
 
 def run_gateway_bench(
@@ -58,6 +59,7 @@ def run_gateway_bench(
     ray: bool = False,
     baseline: Path | None = None,
     rounds: int = 1,
+    conditions: tuple[str, ...] = CONDITIONS,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="retouch-bench-") as tmp, ExitStack() as stack:
         configs = {name: [*args, *THREADS] for name, args in CONFIGS.items()}
@@ -84,7 +86,7 @@ def run_gateway_bench(
         }
         out: dict[str, Any] = {"requests": requests, "rounds": rounds}
         for r in range(rounds):
-            for condition in ("quiet", "large_masks"):
+            for condition in conditions:
                 for case, mask in cases.items():
                     label = f"{condition} {case}" + (f" round {r + 1}" if rounds > 1 else "")
                     with _large_masks(clients, condition == "large_masks"):
