@@ -277,6 +277,7 @@ class ServerProcess:
     metrics_port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
+    entry: str = "retouch.platform.cli.main"  # the CLI module (another checkout's may differ)
     process: subprocess.Popen | None = None
 
     def __post_init__(self) -> None:
@@ -294,7 +295,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
         cmd = [
-            sys.executable, "-m", "retouch.platform.cli.main", "serve",
+            sys.executable, "-m", self.entry, "serve",
             "--port", str(self.port), "--metrics-port", str(self.metrics_port),
             "--data-dir", str(self.data_dir),
             "--executors", str(self.executors), "--exit-with-parent", str(os.getpid()),

@@ -64,15 +64,18 @@ def run_gateway_bench(
     with tempfile.TemporaryDirectory(prefix="retouch-bench-") as tmp, ExitStack() as stack:
         configs = {name: [*args, *THREADS] for name, args in CONFIGS.items()}
         envs: dict[str, dict[str, str]] = {}
+        entries: dict[str, str] = {}
         if ray:
             address = stack.enter_context(ray_cluster(1))
             configs["ray"] = ["--provider", "ray", "--ray-address", address, *THREADS]
         if baseline is not None:
             configs["baseline"] = list(THREADS)
             envs["baseline"] = {"PYTHONPATH": str(importable_checkout(baseline, Path(tmp)))}
+            entries["baseline"] = cli_module(baseline)
         clients = {}
         for name, args in configs.items():
             server = ServerProcess(Path(tmp) / name, extra_args=args, env=envs.get(name, {}))
+            server.entry = entries.get(name, server.entry)
             stack.enter_context(server)
             client = stack.enter_context(Client(server.url))
             client.deploy_file(examples / "tiny-flux.toml")
@@ -108,6 +111,16 @@ def importable_checkout(checkout: Path, tmp: Path) -> Path:
     folder.mkdir()
     (folder / "retouch").symlink_to(checkout.resolve())
     return folder
+
+
+def cli_module(checkout: Path) -> str:
+    """The ``retouch`` command's module in ``checkout`` (a package of command groups, or in
+    older checkouts one module)."""
+    return (
+        "retouch.platform.cli.main"
+        if (checkout / "platform" / "cli" / "main.py").is_file()
+        else "retouch.platform.cli"
+    )
 
 
 def _merged(before: dict[str, Any] | None, row: dict[str, float]) -> dict[str, Any]:
