@@ -25,8 +25,6 @@ from __future__ import annotations
 import enum
 import logging
 import shutil
-import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +36,11 @@ import torch
 from retouch.cachestore.bake import BakeWriter
 from retouch.cachestore.defaults import HOST_BUDGET_BYTES
 from retouch.cachestore.disktier import DATA_FILE, DiskConfig, DiskTier
-from retouch.cachestore.errors import CorruptEntry, ReadOnlyStore, StoreClosed, StoreError
+from retouch.cachestore.errors import CorruptEntry, ReadOnlyStore, StoreClosed
 from retouch.cachestore.handle import TemplateHandle
 from retouch.cachestore.hosttier import HostTier, ResidentTemplate
 from retouch.cachestore.layout import Slot, template_key
+from retouch.cachestore.loads import TemplateLoads
 from retouch.cachestore.manifest import Manifest, check_meta
 from retouch.cachestore.policy import PolicySpec, make_policy
 from retouch.cachestore.rows import Rows
@@ -152,8 +151,6 @@ class ActivationStore:
         if budget is None:
             budget = _default_disk_budget(path, config.map_size)
         self._counters = StoreCounters()
-        self._lock = threading.Lock()
-        self._loads: dict[str, Future[int]] = {}
         self._closed = False
         self._disk = DiskTier(
             DiskConfig(
@@ -177,6 +174,9 @@ class ActivationStore:
         )
         self._prefetcher = ThreadPoolExecutor(
             max_workers=config.prefetch_workers, thread_name_prefix="cachestore-prefetch"
+        )
+        self._loads = TemplateLoads(
+            self._disk, self._host, self._counters, self._prefetcher, self._corrupt
         )
 
     # ---- writing -------------------------------------------------------------------------
@@ -243,21 +243,7 @@ class ActivationStore:
         or CorruptEntry like :meth:`acquire`. Concurrent calls for one key share one future.
         """
         self._check_open()
-        too_big = self._too_big(key) is not None  # streamed by step when acquired
-        with self._lock:
-            if too_big or self._host.contains(key):
-                self._counters.add(prefetch_resident=0 if too_big else 1)
-                done: Future[int] = Future()
-                done.set_result(0)
-                return done
-            fut = self._loads.get(key)
-            if fut is not None and not fut.cancelled():
-                self._counters.add(prefetch_merged=1)
-                return fut
-            fut = self._loads[key] = Future()
-        self._counters.add(prefetches=1)
-        self._prefetcher.submit(self._prefetch_job, key, fut)
-        return fut
+        return self._loads.prefetch(key, streamed=self._too_big(key) is not None)
 
     def acquire(self, key: str) -> HostTemplate | StreamedTemplate:
         """A held, host-resident template; loads it (or waits for its prefetch) if needed.
@@ -266,36 +252,10 @@ class ActivationStore:
         stored data fails verification (it is then marked invalid: re-bake it).
         """
         self._check_open()
-        waited = False
         streamed = self._streamed(key)
         if streamed is not None:
             return streamed
-        while True:
-            res = self._host.pin_resident(key)
-            if res is not None:
-                self._counters.add(**({"prefetch_waits": 1} if waited else {"host_hits": 1}))
-                self._disk.touch(key, res.meta)
-                return self._handle(res)
-            with self._lock:
-                fut = self._loads.get(key)
-                if fut is None or fut.cancelled():
-                    fut = self._loads[key] = Future()
-                elif not fut.running() and not fut.done():
-                    self._counters.add(prefetch_taken_over=1)  # queued, not started: load now
-                owner = self._claim(fut)
-            if owner:
-                res = self._load_owned(key, fut, pin=True)
-                assert res is not None  # pin=True always returns the held template
-                return self._handle(res)
-            start = time.perf_counter()
-            try:
-                fut.result()
-            except KeyError:
-                self._counters.add(misses=1)
-                raise
-            finally:
-                self._counters.add(prefetch_wait_seconds=time.perf_counter() - start)
-            waited = True
+        return self._handle(self._loads.acquire(key))
 
     def _streamed(self, key: str) -> StreamedTemplate | None:
         """A step-by-step handle when ``key`` is on disk, not host-resident, and bigger
@@ -338,79 +298,6 @@ class ActivationStore:
 
     def _handle(self, res: ResidentTemplate) -> HostTemplate:
         return HostTemplate(res, self._host, self._counters)
-
-    @staticmethod
-    def _claim(fut: Future[int]) -> bool:
-        """Become the one thread that runs the load behind ``fut`` (store lock held)."""
-        if fut.running() or fut.done():
-            return False
-        return fut.set_running_or_notify_cancel()
-
-    def _prefetch_job(self, key: str, fut: Future[int]) -> None:
-        with self._lock:
-            claimed = self._claim(fut)
-            if not claimed and fut.cancelled() and self._loads.get(key) is fut:
-                del self._loads[key]
-        if not claimed:
-            return  # an acquire took the load over, or the caller cancelled it
-        try:
-            self._load_owned(key, fut, pin=False)
-        except KeyError:
-            log.debug("prefetch of %r: not in the store", key)
-        except StoreError as exc:
-            log.error("prefetch of %r failed: %s", key, exc)
-        except Exception:
-            log.exception("prefetch of %r failed", key)
-
-    def _load_owned(self, key: str, fut: Future[int], pin: bool) -> ResidentTemplate | None:
-        """Load ``key`` as the owner of ``fut`` (the one in-flight load of that key); with
-        ``pin`` the result is held for the caller. None: resident already (prefetch)."""
-        try:
-            res = self._resident_or_load(key, pin)
-        except BaseException as exc:
-            fut.set_exception(exc)
-            raise
-        else:
-            fut.set_result(0 if res is None else res.footprint)
-            return res
-        finally:
-            with self._lock:
-                if self._loads.get(key) is fut:
-                    del self._loads[key]
-
-    def _resident_or_load(self, key: str, pin: bool) -> ResidentTemplate | None:
-        # another load may have finished between the caller's check and taking ownership
-        if pin:
-            res = self._host.pin_resident(key)
-            if res is not None:
-                self._counters.add(host_hits=1)
-                return res
-        elif self._host.contains(key):
-            return None
-        res = self._load(key, pin)
-        if pin:
-            self._counters.add(disk_hits=1)
-        return res
-
-    def _load(self, key: str, pin: bool) -> ResidentTemplate:
-        try:
-            loaded = self._disk.load(key, self._host.reserve, self._host.unreserve)
-        except KeyError:
-            if pin:
-                self._counters.add(misses=1)
-            raise
-        except CorruptEntry as exc:
-            self._corrupt(exc)
-            raise
-        res = ResidentTemplate(
-            key=key,
-            meta=loaded.manifest.meta,
-            tensors=loaded.tensors,
-            footprint=loaded.buffer.nbytes,
-            buffer=loaded.buffer,
-        )
-        self._host.insert(res, pinned=pin, reserved=True)
-        return res
 
     # ---- spilling ------------------------------------------------------------------------
 
@@ -524,7 +411,7 @@ class ActivationStore:
             **self._host.usage(),
             **disk,
             "templates": len(valid_disk | host_keys),
-            "prefetches_in_flight": len(self._loads),
+            "prefetches_in_flight": self._loads.in_flight(),
         }
 
     def live_stats(self) -> dict[str, Any]:
@@ -534,7 +421,7 @@ class ActivationStore:
         return {
             **self._counters.snapshot(),
             **self._host.usage(),
-            "prefetches_in_flight": len(self._loads),
+            "prefetches_in_flight": self._loads.in_flight(),
         }
 
     def verify(self) -> dict[str, Any]:

@@ -65,7 +65,7 @@ from transformers import (
     T5EncoderModel,
 )
 
-from retouch.functions.demo.models import sdxl_scheduler
+from retouch.functions.demo.builders import sdxl_scheduler
 from retouch.functions.demo.qwen_image import (
     PROMPT_TEMPLATES,
     qwen_image_scheduler,

@@ -166,7 +166,7 @@ def to_tensor(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
-def _random_crop(image: torch.Tensor, size: int, rng: np.random.Generator) -> torch.Tensor:
+def random_crop(image: torch.Tensor, size: int, rng: np.random.Generator) -> torch.Tensor:
     """A ``size`` px crop at a random position on the 8 px latent grid (convolutions don't
     care about the image size, and 64 px crops train the VAE ~4x faster)."""
     y, x = (int(v) for v in rng.integers(0, SIZE - size + 1, 2) // 8 * 8)
@@ -179,7 +179,7 @@ def _masked(images: torch.Tensor, masks: np.ndarray) -> torch.Tensor:
     return images * keep
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
+def atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
@@ -254,7 +254,7 @@ class Trainer:
         return self.ckpt_dir / "state.pt"
 
     def save(self) -> None:
-        _atomic_save(
+        atomic_save(
             {
                 "config": asdict(self.cfg),
                 "vae": self.vae.state_dict(),
@@ -314,7 +314,7 @@ class Trainer:
             image = to_tensor(sample.image[None])
             if i % 3 == 0:
                 image = _masked(image, sample.mask[None])
-            crops.append(_random_crop(image, c, rng))
+            crops.append(random_crop(image, c, rng))
         return torch.cat(crops).to(self.device)
 
     def vae_loss(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -342,7 +342,7 @@ class Trainer:
             self.vae_step += 1
             self.history["vae"].append(loss.item())
             bar.update(1)
-            bar.set_postfix(loss=f"{_recent(self.history['vae']):.4f}")
+            bar.set_postfix(loss=f"{recent(self.history['vae']):.4f}")
             if self.vae_step % cfg.save_every == 0 or self.vae_step == cfg.vae_steps:
                 self.save()
         bar.close()
@@ -399,7 +399,7 @@ class Trainer:
             "scaling_factor": scaling,
         }
         self.vae.register_to_config(scaling_factor=scaling)
-        _atomic_save(self.latents, path)
+        atomic_save(self.latents, path)
         log.info("encoded %d samples; latent scaling factor %.4f", cfg.samples, scaling)
 
     # ---- phase 3: UNet + text encoder --------------------------------------------------
@@ -487,7 +487,7 @@ class Trainer:
             self._ema_update()
             self.history["unet"].append(loss.item())
             bar.update(1)
-            bar.set_postfix(loss=f"{_recent(self.history['unet']):.4f}")
+            bar.set_postfix(loss=f"{recent(self.history['unet']):.4f}")
             out_of_time = cfg.max_minutes > 0 and time.monotonic() - started > cfg.max_minutes * 60
             if self.unet_step % cfg.save_every == 0 or out_of_time:
                 self.save()
@@ -534,8 +534,8 @@ class Trainer:
             "config": asdict(self.cfg),
             "vae_step": self.vae_step,
             "unet_step": self.unet_step,
-            "vae_loss_last100": _recent(self.history["vae"], 100),
-            "unet_loss_last100": _recent(self.history["unet"], 100),
+            "vae_loss_last100": recent(self.history["vae"], 100),
+            "unet_loss_last100": recent(self.history["unet"], 100),
             "scaling_factor": self.vae.config.scaling_factor,
             "warm_start": self.warm_start,
             "params": {
@@ -557,7 +557,7 @@ def _sample_seed(seed: int, index: int) -> int:
     return seed * 1_000_000 + index
 
 
-def _recent(values: list[float], n: int = 50) -> float:
+def recent(values: list[float], n: int = 50) -> float:
     tail = values[-n:]
     return float(sum(tail) / len(tail)) if tail else math.nan
 
@@ -597,109 +597,3 @@ def resolve_device(device: str) -> torch.device:
 
 def remove_checkpoints(ckpt_dir: Path) -> None:
     shutil.rmtree(ckpt_dir, ignore_errors=True)
-
-
-# ---- decoder fine-tuning ---------------------------------------------------------------
-@dataclass
-class DecoderTuning:
-    """Fine-tuning the VAE decoder of an exported model, its encoder frozen.
-
-    Why: the VAE of a short run renders some colours off (cyan reconstructs greenish, black
-    greyish), and the UNet can only paint what the decoder draws. Freezing the encoder keeps
-    the latent space, so the trained UNet stays valid and only the decoding improves.
-    """
-
-    steps: int = 2000
-    batch: int = 16
-    crop: int = 64
-    lr: float = 3e-4
-    seed: int = 0
-    save_every: int = 100
-
-
-def _decoder_crops(tuning: DecoderTuning, step: int) -> torch.Tensor:
-    """Random crops of unmasked scenes (the decoder only ever decodes whole images)."""
-    rng = np.random.default_rng([tuning.seed, 4, step])
-    images = (
-        to_tensor(make_sample(int(rng.integers(1 << 40))).image[None]) for _ in range(tuning.batch)
-    )
-    return torch.cat([_random_crop(image, tuning.crop, rng) for image in images])
-
-
-def finetune_decoder(
-    folder: Path,
-    out: Path,
-    tuning: DecoderTuning,
-    ckpt_dir: Path,
-    device: str = "auto",
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Fine-tune ``folder``'s VAE decoder and write the model, otherwise unchanged, to ``out``.
-
-    Resumable: the decoder, optimiser and step are checkpointed in ``ckpt_dir``.
-    """
-    where = resolve_device(device)
-    vae = AutoencoderKL.from_pretrained(folder / "vae", torch_dtype=torch.float32).to(where)
-    vae.requires_grad_(False)
-    tuned = [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()]
-    for p in tuned:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(tuned, lr=tuning.lr, weight_decay=0.0)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    state_path = ckpt_dir / "decoder.pt"
-    step, history = 0, []
-    if state_path.exists():
-        state = torch.load(state_path, map_location=where, weights_only=False)
-        vae.load_state_dict(state["vae"])
-        opt.load_state_dict(state["opt"])
-        step, history = state["step"], state["history"]
-    vae.decoder.train()
-    bar = tqdm(total=tuning.steps, initial=step, desc="decoder", disable=not progress)
-    while step < tuning.steps:
-        images = _decoder_crops(tuning, step).to(where)
-        with torch.no_grad():
-            z = vae.encode(images).latent_dist.mode()
-        recon = vae.decode(z).sample
-        loss = F.l1_loss(recon, images) + 0.5 * F.mse_loss(recon, images)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(tuned, 1.0)
-        opt.step()
-        step += 1
-        history.append(loss.item())
-        bar.update(1)
-        bar.set_postfix(loss=f"{_recent(history):.4f}")
-        if step % tuning.save_every == 0 or step == tuning.steps:
-            state = {"vae": vae.state_dict(), "opt": opt.state_dict(), "step": step}
-            _atomic_save({**state, "history": history}, state_path)
-    bar.close()
-    summary = {
-        "decoder_finetune": {
-            **asdict(tuning),
-            "loss_first100": _recent(history[:100], 100),
-            "loss_last100": _recent(history, 100),
-        }
-    }
-    _export_with_vae(folder, out, vae.eval(), summary)
-    return summary
-
-
-def _export_with_vae(folder: Path, out: Path, vae: AutoencoderKL, extra: dict[str, Any]) -> None:
-    """Copy ``folder`` to ``out`` with ``vae`` (fp16) in place of its own, atomically."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".export-", dir=out.parent) as tmp:
-        staged = Path(tmp) / "model"
-        shutil.copytree(folder, staged)
-        shutil.rmtree(staged / "vae")
-        copy.deepcopy(vae).half().cpu().save_pretrained(staged / "vae", safe_serialization=True)
-        config_path = staged / "vae" / "config.json"
-        config = json.loads(config_path.read_text())
-        config.pop("_name_or_path", None)  # where it was loaded from: not part of the model
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        info_path = staged / "training.json"
-        info = json.loads(info_path.read_text()) if info_path.exists() else {}
-        info_path.write_text(json.dumps({**info, **extra}, indent=2) + "\n")
-        if out.exists():
-            os.rename(out, Path(tmp) / "old")
-        os.rename(staged, out)
-    log.info("exported %s with a fine-tuned decoder to %s", folder, out)

@@ -180,7 +180,7 @@ def _tune_decoder(args: argparse.Namespace) -> None:
         one_line_error(f"--tune-decoder: {args.tune_decoder} is not an exported model folder")
     if args.tune_decoder.resolve() == args.out.resolve():
         one_line_error("--tune-decoder: --out must be another folder than the input")
-    from retouch.functions.demo.train import DecoderTuning, finetune_decoder
+    from retouch.functions.demo.decodertune import DecoderTuning, finetune_decoder
     from retouch.platform.lab.torchsettings import use_threads
 
     use_threads(args.threads)

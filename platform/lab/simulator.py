@@ -58,127 +58,54 @@ victims drain (no new work) and stop once idle. Arrivals are drawn (Poisson, Gam
 bursty days), replayed from a CSV trace compressed to a load, or replayed 1:1
 (``run_simulation(arrivals=...)``, ``retouch bench validate``). What is not built is listed
 in docs/simulator.md.
+
+Its parts: the workload it replays (``simworkload.py``), a simulated executor's state and
+rules (``simexecutor.py``) and the figures of a finished run (``simreport.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
-import json
-import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from retouch.functions.errors import Overloaded
 from retouch.functions.wire.executor import AdapterStats, EngineStats, ExecutorPhase, ExecutorState
-from retouch.functions.wire.invoke import CacheRead, CacheTier, InvokePath, InvokeResult, Timings
+from retouch.functions.wire.invoke import InvokePath, InvokeResult, Timings
 from retouch.platform.control.autoscaler import Autoscaler
-from retouch.platform.control.cluster import (
-    ClusterView,
-    ExecutorView,
-    PlacementRequest,
-    Residency,
-)
+from retouch.platform.control.cluster import ClusterView, Residency
 from retouch.platform.control.placement import MaskAware, Placement, make_placement
 from retouch.platform.control.queue import InvocationQueue, QueueLimits, bindable, has_room
 from retouch.platform.lab.bench.specs import SimSpec
 from retouch.platform.lab.sharedcpu import SharedCPU, nice_weight
-from retouch.platform.lab.workload import (
-    DEFAULT_TEMPLATE,
-    Draws,
-    MaskMix,
-    read_trace,
-    step_change,
-    trace_path,
+from retouch.platform.lab.simexecutor import SimExecutor, WorkerLine
+from retouch.platform.lab.simreport import TIMELINE_S, summary
+from retouch.platform.lab.simworkload import (
+    FUNCTION,
+    MODEL,
+    Arrival,
+    Job,
+    mask_mix,
+    plan_jobs,
+    standalone_s,
+    with_plan_table,
 )
+from retouch.platform.lab.workload import read_trace, trace_path
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.executor.options import room
-from retouch.runtime.prediction import (
-    TOKEN_PX,
-    MaskFootprint,
-    StepCoster,
-    fitted_step_s,
-    plan_table,
-)
+from retouch.runtime.prediction import fitted_step_s
 
-MODEL = "sim-model"
-FUNCTION = "sim"
-TEMPLATE = DEFAULT_TEMPLATE
-STEP_WINDOW_S = 10.0  # the windows of P95 after a step change
-TIMELINE_S = 10.0  # the timeline's windows (arrivals, queue, executors, P95 over time)
 # the queue's first invocations a dispatch tries (the gateway's queue tries all): with
 # late binding an invocation's room depends on its template's load there, so one that
 # waits must not hold back one behind it that an executor can take now
 DISPATCH_SCAN = 16
 BAKE_STARVATION_S = 30.0  # a queued bake runs between steps after this (EngineConfig's)
-
-
-@dataclass(eq=False)
-class Job:
-    index: int
-    arrival: float
-    request: PlacementRequest
-    token: int = -1
-    steps_left: int = 0
-    done_at: float = math.nan
-    predicted_s: float = 0.0
-    placed_at: float = 0.0
-    service_s: float = 0.0  # admission's predicted service, while it waits in the queue
-    rejected: bool = False
-    dropped: bool = False  # admitted, then dropped from the queue: it could no longer make its SLO
-    pre_s: float = 0.0  # its own encode and decode (spec.pre_s/post_s, or drawn from samples)
-    post_s: float = 0.0
-    pre_elapsed: float = 0.0  # its encode and decode as the executor reports them: with the
-    post_elapsed: float = 0.0  # wait for a worker and for the shared cores
-    found: Residency = Residency.HOST  # where its template was when it was bound
-    full: bool = False  # its template was not baked: every token computed
-    load_s: float = 0.0  # its template's disk -> host load (overlapping its encode)
-    adapter_s: float = 0.0  # what is left of its adapter set's load when it is bound
-    masked0: int = 0  # masked tokens of the finest grid as its executor computes them
-
-
-@dataclass
-class WorkerLine:
-    """An executor's pre (or post) worker processes: as many encodes (decodes) at once as
-    there are workers (0: no limit); the others wait in line, each with its work and what
-    follows it."""
-
-    workers: int
-    busy: int = 0
-    waiting: deque[tuple[float, Callable[[], None]]] = field(default_factory=deque)
-
-
-@dataclass(eq=False)
-class SimExecutor:
-    """What the policy sees (name, inflight, slots, view) and the simulated engine."""
-
-    name: str
-    view: ExecutorView
-    slots: int
-    inflight: int = 0
-    running: list[Job] = field(default_factory=list)
-    ready: deque[Job] = field(default_factory=deque)  # encoded, waiting to join
-    stepping: bool = False
-    busy_s: float = 0.0
-    started_at: float = 0.0
-    stopped_at: float | None = None
-    draining: bool = False  # chosen for scale-down: no new work, stops once idle
-    host: OrderedDict[str, None] = field(default_factory=OrderedDict)  # host tier, LRU first
-    bakes: deque[tuple[str, float]] = field(default_factory=deque)  # (template, queued at)
-    loads: dict[str, float] = field(default_factory=dict)  # template -> when its load ends
-    encoders: WorkerLine = field(default_factory=lambda: WorkerLine(0))  # its pre workers
-    decoders: WorkerLine = field(default_factory=lambda: WorkerLine(0))  # its post workers
-    adapters: OrderedDict[str, None] = field(default_factory=OrderedDict)  # on device, LRU first
-    adapter_loads: dict[str, float] = field(default_factory=dict)  # set -> when its load ends
-    adapter_users: dict[str, int] = field(default_factory=dict)  # set -> invocations bound
-    applied: str = ""  # the adapter set whose weights the model runs with ("": none)
 
 
 class Simulation:
@@ -314,7 +241,7 @@ class Simulation:
             self.now, _, action = heapq.heappop(self._events)
             action()
         wall_s = time.perf_counter() - started
-        return self._summary(wall_s)
+        return summary(self, wall_s)
 
     def _compute(self, seconds: float, then: Callable[[], None], executor: bool = True) -> None:
         """``seconds`` of work, on the shared cores if there are any (else alone); an
@@ -419,7 +346,8 @@ class Simulation:
         job.pre_s = self._drawn(self.spec.pre_samples, self.spec.pre_s)
         job.post_s = self._drawn(self.spec.post_samples, self.spec.post_s)
         self._template_for(ex, job)
-        self._adapter_for(ex, job)
+        if ex.bind_adapter(job, self.now, self.spec.adapter_load_s, self.spec.resident_adapters):
+            self.adapter_loads += 1
         if self._alone(self.spec.pre_workers):
             job.pre_elapsed = job.pre_s
             lead = max(job.pre_s, job.load_s, job.adapter_s)
@@ -443,43 +371,13 @@ class Simulation:
                 job.found, job.load_s = Residency.DISK, pending
         elif template in self.disk:
             job.found, job.load_s = Residency.DISK, self.spec.disk_load_s
-            self._host_insert(ex, template)
+            ex.host_insert(template, self.spec.host_templates)
             ex.loads[template] = self.now + job.load_s
         else:
             job.found, job.full, job.masked0 = Residency.ABSENT, True, self.coster.grids[0]
             if template not in self.baking:
                 self.baking.add(template)
                 ex.bakes.append((template, self.now))
-
-    def _adapter_for(self, ex: SimExecutor, job: Job) -> None:
-        """``job``'s adapter set on ``ex``: held (its load may still be under way: it waits
-        for the same load) or loaded from disk from now on, the least recently used set not
-        in use evicted to make room; the executor reports its sets when they change."""
-        adapter_set = job.request.adapter_set
-        if not adapter_set:
-            return
-        ex.adapter_users[adapter_set] = ex.adapter_users.get(adapter_set, 0) + 1
-        if adapter_set in ex.adapters:
-            ex.adapters.move_to_end(adapter_set)
-            job.adapter_s = max(0.0, ex.adapter_loads.get(adapter_set, 0.0) - self.now)
-            return
-        self.adapter_loads += 1
-        job.adapter_s = self.spec.adapter_load_s
-        ex.adapters[adapter_set] = None
-        ex.adapter_loads[adapter_set] = self.now + job.adapter_s
-        idle = [s for s in ex.adapters if not ex.adapter_users.get(s)]
-        for gone in idle[: max(0, len(ex.adapters) - self.spec.resident_adapters)]:
-            del ex.adapters[gone]
-            ex.adapter_loads.pop(gone, None)
-        ex.view.observe_adapters(list(ex.adapters))
-
-    def _host_insert(self, ex: SimExecutor, template: str) -> None:
-        """``template`` into ``ex``'s host tier, evicting its least recently used."""
-        ex.host[template] = None
-        ex.host.move_to_end(template)
-        while self.spec.host_templates and len(ex.host) > self.spec.host_templates:
-            gone, _ = ex.host.popitem(last=False)
-            ex.loads.pop(gone, None)
 
     def _drawn(self, samples: tuple[float, ...], constant: float) -> float:
         if not samples:
@@ -540,7 +438,7 @@ class Simulation:
             ex.stepping = False
             return
         ex.stepping = True
-        group = self._next_group(ex)
+        group = ex.next_group(self.spec.adapter_batching == "mixed")
         masked = sum(j.masked0 for j in group)
         planned = self.coster.step_s0(len(group), masked)
         seconds = fitted_step_s(planned, self.spec.step_intercept_s, self.spec.step_slope)
@@ -556,26 +454,13 @@ class Simulation:
         ex.busy_s += seconds
         self._compute(seconds, lambda: self._stepped(ex, group))
 
-    def _next_group(self, ex: SimExecutor) -> list[Job]:
-        """The batch group that steps next: every running invocation in mixed batching,
-        else the running invocations of one adapter set. The sets take turns in the order
-        they joined, from the one after the set applied now (the first, once the applied
-        set's group has left)."""
-        if self.spec.adapter_batching == "mixed":
-            return list(ex.running)
-        order = list(dict.fromkeys(j.request.adapter_set for j in ex.running))
-        turn = order[0]
-        if len(order) > 1 and ex.applied in order:
-            turn = order[(order.index(ex.applied) + 1) % len(order)]
-        return [j for j in ex.running if j.request.adapter_set == turn]
-
     def _baked(self, ex: SimExecutor, template: str) -> None:
         """A bake committed: the template is on the pool's disk and in ``ex``'s host tier,
         as ``ex`` reports it (its view: host; the others': on disk)."""
         self.bakes_run += 1
         self.baking.discard(template)
         self.disk.add(template)
-        self._host_insert(ex, template)
+        ex.host_insert(template, self.spec.host_templates)
         key = (FUNCTION, template)
         for other in self.executors:
             if other is not ex and other.view.residency.get(key) in (None, Residency.BAKING):
@@ -595,20 +480,13 @@ class Simulation:
             if job.steps_left > 0:
                 still.append(job)
             else:
-                self._release_adapter(ex, job)
+                ex.release_adapter(job)
                 self._decode(ex, job)
         leaving = len(still) < len(ex.running) or any(j.steps_left <= 1 for j in still)
         ex.running = still
         if leaving and self.queue:  # the pool's rule: room within a step binds the head
             self._dispatch()
         self._step(ex)
-
-    @staticmethod
-    def _release_adapter(ex: SimExecutor, job: Job) -> None:
-        """Its steps are done: its set may be evicted once no other invocation uses it."""
-        adapter_set = job.request.adapter_set
-        if adapter_set:
-            ex.adapter_users[adapter_set] -= 1
 
     def _decode(self, ex: SimExecutor, job: Job) -> None:
         if self._alone(self.spec.post_workers):
@@ -639,7 +517,7 @@ class Simulation:
                 run_ms=(self.now - job.placed_at - job.pre_elapsed - job.post_elapsed) * 1e3,
                 post_ms=job.post_elapsed * 1e3,
             ),
-            cache=self._cache_read(job),
+            cache=job.cache_read(),
         )
         error = ex.view.finish(job.token, self.now, result)
         if error is not None and job.index >= self.spec.warmup:
@@ -651,17 +529,6 @@ class Simulation:
         if ex.draining and ex.inflight == 0:
             ex.stopped_at = self.now
         self._dispatch()
-
-    @staticmethod
-    def _cache_read(job: Job) -> CacheRead:
-        """What the executor's result says of the template read (``found``: before the
-        prefetch; the wait: what of the load its encode did not hide)."""
-        if job.full:
-            return CacheRead(CacheTier.NONE, 0.0, CacheTier.NONE)
-        if job.found is Residency.DISK:
-            wait_ms = max(0.0, job.load_s - job.pre_elapsed) * 1e3
-            return CacheRead(CacheTier.DISK, wait_ms, CacheTier.DISK)
-        return CacheRead(CacheTier.HOST, 0.0, CacheTier.HOST)
 
     # ---- the autoscaler -----------------------------------------------------------------
     def _tick(self) -> None:
@@ -708,255 +575,6 @@ class Simulation:
         cheapest to lose)."""
         ranked = sorted(active, key=lambda e: (e.view.work_s(), -e.started_at))
         return ranked[: min(count, len(active))]
-
-    # ---- figures ------------------------------------------------------------------------
-    def _after_step(self, at: float, accepted: list[Job]) -> dict[str, Any]:
-        """How the autoscaler met a step in the arrival rate at ``at``: its first scale-up
-        after it, and when the P95 of 10 s windows (by arrival) fell back under the SLO for
-        good (None: it never did, or there is no SLO)."""
-        first_up = next((t for t, c in self.scale_events if c > 0 and t >= at), None)
-        out: dict[str, Any] = {
-            "step_at_s": at,
-            "scale_up_after_step_s": None if first_up is None else first_up - at,
-        }
-        slo_s = self.jobs[0].request.slo_s
-        windows: dict[int, list[float]] = {}
-        for j in accepted:
-            if j.arrival >= at:
-                windows.setdefault(int((j.arrival - at) // STEP_WINDOW_S), []).append(
-                    j.done_at - j.arrival
-                )
-        p95 = {k: float(np.percentile(v, 95)) for k, v in sorted(windows.items())}
-        out["p95_by_window_ms"] = [round(v * 1e3, 1) for v in p95.values()]
-        if slo_s is not None and p95:
-            late = [k for k, v in p95.items() if v > slo_s]
-            recovered = not late or max(late) < max(p95)
-            out["p95_under_slo_after_s"] = (
-                (max(late, default=-1) + 1) * STEP_WINDOW_S if recovered else None
-            )
-        return out
-
-    def _summary(self, wall_s: float) -> dict[str, Any]:
-        measured = [j for j in self.jobs if j.index >= self.spec.warmup]
-        accepted = [j for j in measured if not j.rejected]
-        latency = np.array([j.done_at - j.arrival for j in accepted] or [math.nan]) * 1e3
-        span = max((j.done_at for j in self.jobs if not j.rejected), default=0.0)
-        decisions = np.array(self.decision_s) * 1e3 if self.decision_s else np.zeros(1)
-        lifetimes = sum(
-            (span if e.stopped_at is None else e.stopped_at) - e.started_at for e in self.executors
-        )
-        window = span - self.jobs[self.spec.warmup].arrival  # the measured arrivals' span
-        out: dict[str, Any] = {
-            "p50_ms": float(np.percentile(latency, 50)),
-            "p95_ms": float(np.percentile(latency, 95)),
-            "p99_ms": float(np.percentile(latency, 99)),
-            "mean_ms": float(latency.mean()),
-            "prediction_error_p50": float(np.median(self.errors)) if self.errors else math.nan,
-            "utilisation": sum(e.busy_s for e in self.executors) / max(1e-9, lifetimes),
-            "executor_seconds": lifetimes,
-            "simulated_s": span,
-            "wall_s": wall_s,
-            "speedup": span / wall_s if wall_s > 0 else math.inf,
-            "decision_ms_p99": float(np.percentile(decisions, 99)),
-            "rejected": len(measured) - len(accepted),
-            "dropped": sum(1 for j in measured if j.dropped),
-            "throughput_rps": len(accepted) / window,
-        }
-        if self.cpu is not None:
-            out["cpu_busy_s"] = self.cpu.busy_s
-        if self.scaler is not None:
-            out["scale_events"] = len(self.scale_events)
-            out["reversals"] = self.scaler.reversals
-            out["executors_started"] = len(self.executors)
-            out["first_scale_up_s"] = next(
-                (at for at, change in self.scale_events if change > 0), None
-            )
-            step = step_change(self.spec.arrivals)
-            if step is not None:
-                out |= self._after_step(step[1], accepted)
-        slo_s = self.jobs[0].request.slo_s
-        if slo_s is not None:
-            met = int((latency <= slo_s * 1e3).sum())
-            out["slo_attainment"] = met / len(measured)
-            # one dropped from the queue was accepted and then missed: it counts against
-            admitted = sum(1 for j in measured if j.dropped or not j.rejected)
-            out["slo_attainment_accepted"] = met / admitted if admitted else 0.0
-            out["goodput_rps"] = met / window
-        if self.tiers:
-            found = [j.found for j in accepted]
-            out["host_hit_rate"] = found.count(Residency.HOST) / max(1, len(found))
-            out["template_loads"] = found.count(Residency.DISK)
-            out["full_path"] = sum(1 for j in accepted if j.full)
-            out["bakes"] = self.bakes_run
-        if self.spec.adapters:
-            minutes = max(1e-9, span / 60.0)
-            out["adapter_loads"] = self.adapter_loads
-            out["adapter_swaps"] = self.adapter_swaps
-            out["adapter_loads_per_min"] = self.adapter_loads / minutes
-            out["adapter_swaps_per_min"] = self.adapter_swaps / minutes
-            out["mixed_steps"] = self.mixed_steps
-        out["timeline"] = self._timeline()
-        return out
-
-    def _timeline(self) -> list[dict[str, Any]]:
-        """Per window of ``TIMELINE_S``: arrivals and refusals (by arrival), the P95 of the
-        accepted ones that arrived in it, and the queue and executor counts at its end."""
-        by_window: dict[int, list[Job]] = {}
-        for job in self.jobs:
-            by_window.setdefault(int(job.arrival // TIMELINE_S), []).append(job)
-        counts = {round(at / TIMELINE_S) - 1: rest for at, *rest in self.samples}
-        last = (0, self.spec.executors, 0, 0)
-        out = []
-        for k in range(max(by_window, default=-1) + 1):
-            jobs = by_window.get(k, [])
-            done = [j.done_at - j.arrival for j in jobs if not j.rejected]
-            queued, ready, starting, draining = last = tuple(counts.get(k, last))
-            out.append(
-                {
-                    "t_s": k * TIMELINE_S,
-                    "arrivals": len(jobs),
-                    "rejected": sum(1 for j in jobs if j.rejected),
-                    "queued": queued,
-                    "ready": ready,
-                    "starting": starting,
-                    "draining": draining,
-                    "p95_ms": round(float(np.percentile(done, 95)) * 1e3, 1) if done else None,
-                }
-            )
-        return out
-
-
-# ---- workloads --------------------------------------------------------------------------
-def footprint(ratio: float, size: int) -> MaskFootprint:
-    """A mask of ``ratio`` summarised directly (a compact square: no pixels drawn)."""
-    masked = {}
-    for px in TOKEN_PX:
-        side = -(-size // px)
-        masked[px] = min(side * side, math.ceil(ratio * side * side))
-    return MaskFootprint(ratio, size * size, masked)
-
-
-@dataclass(frozen=True)
-class Arrival:
-    """One arrival replayed 1:1 (``run_simulation(..., arrivals=...)``): when it came, in
-    seconds from the start, and its mask as the gateway summarised it."""
-
-    at_s: float
-    footprint: MaskFootprint
-
-
-def capacity_rps(spec: SimSpec, cost_model: CostModel, ratios: np.ndarray) -> float:
-    """Invocations per second the pool (at its maximum size, when autoscaled) sustains
-    with full batches of the mean mask."""
-    coster = _coster(cost_model)
-    grid = coster.grids[0]
-    masked = spec.max_batch * math.ceil(float(ratios.mean()) * grid)
-    step = coster.step_s0(spec.max_batch, masked)
-    pool = spec.autoscale.max_executors if spec.autoscale is not None else spec.executors
-    return pool * spec.max_batch / (spec.steps * step)
-
-
-def plan_jobs(
-    spec: SimSpec, cost_model: CostModel, arrivals: list[Arrival] | None = None
-) -> tuple[list[Job], float]:
-    """The arrivals every placement replays, and their rate. A trace is replayed with its
-    time compressed (or stretched) so its mean rate is ``load`` of the pool's capacity;
-    ``arrivals`` are replayed as they are (times and masks: a real run's, bench validate)."""
-    slo_s = None if spec.slo_factor is None else spec.slo_factor * standalone_s(spec, cost_model)
-    if arrivals is not None:
-        jobs = []
-        for i, a in enumerate(arrivals):
-            fp = a.footprint
-            request = PlacementRequest(FUNCTION, TEMPLATE, fp.ratio, MODEL, spec.steps, fp, slo_s)
-            jobs.append(Job(i, a.at_s, request))
-        span = arrivals[-1].at_s - arrivals[0].at_s
-        return jobs, (len(arrivals) - 1) / span if span > 0 else math.inf
-    draws = Draws(spec.seed)
-    path = trace_path(spec.arrivals)
-    trace = None if path is None else read_trace(path)
-    if trace is None:
-        ratios = draws.masks(mask_mix(spec), spec.requests)
-    else:
-        ratios = trace.mask_ratio
-        if ratios is None:
-            ratios = draws.masks(mask_mix(spec), len(trace.arrival_s))
-    rate = spec.load * capacity_rps(spec, cost_model, ratios)
-    if trace is None:
-        arrivals = draws.arrivals(spec.arrivals, spec.requests, rate)
-    else:
-        arrivals = (trace.arrival_s - trace.arrival_s[0]) * (trace.rate / rate)
-    templates = trace.templates if trace is not None else None
-    if templates is None:
-        templates = draw_templates(spec, draws, len(arrivals))
-    adapter_sets = draw_adapter_sets(spec, draws, len(arrivals))
-    jobs = []
-    for i, (at, ratio, template, adapter_set) in enumerate(
-        zip(arrivals, ratios, templates, adapter_sets, strict=True)
-    ):
-        fp = footprint(float(ratio), spec.size)
-        if adapter_set:  # a template's bake is per adapter set
-            template = f"{template}@{adapter_set}"
-        request = PlacementRequest(
-            FUNCTION, template, fp.ratio, MODEL, spec.steps, fp, slo_s, adapter_set=adapter_set
-        )
-        jobs.append(Job(i, float(at), request))
-    return jobs, rate
-
-
-def draw_templates(spec: SimSpec, draws: Draws, count: int) -> list[str]:
-    """Each arrival's template: Zipf popularity over ``spec.templates``."""
-    if spec.templates == 1:
-        return [TEMPLATE] * count
-    return [f"t{k}" for k in draws.templates(count, spec.templates, spec.zipf)]
-
-
-def draw_adapter_sets(spec: SimSpec, draws: Draws, count: int) -> list[str]:
-    """Each arrival's adapter set: Zipf popularity over ``spec.adapters`` ("" for none)."""
-    if not spec.adapters:
-        return [""] * count
-    return [f"a{k}" for k in draws.adapters(count, spec.adapters, spec.adapter_zipf)]
-
-
-def mask_mix(spec: SimSpec) -> MaskMix:
-    return MaskMix(spec.masks, spec.mask_mean)
-
-
-def standalone_s(spec: SimSpec, cost_model: CostModel) -> float:
-    """One invocation of the mean mask alone on an executor: the SLO's unit."""
-    coster = _coster(cost_model)
-    masked = footprint(mask_mix(spec).expected, spec.size)
-    step = coster.step_s0(1, masked.on(coster.grids)[0])
-    return spec.pre_s + spec.steps * step + spec.post_s
-
-
-def _coster(cost_model: CostModel) -> StepCoster:
-    """The prediction's step coster of ``cost_model`` (its plan table when it has one)."""
-    return StepCoster(cost_model, cost_model.extra["grids"], cost_model.extra.get("step_table"))
-
-
-def solo_steps_s(
-    cost_model: CostModel, invocations: list[tuple[MaskFootprint, int]]
-) -> list[float]:
-    """Each invocation's steps at batch 1 as ``cost_model`` plans them (seconds): what it
-    costs when it runs alone."""
-    coster = _coster(with_plan_table(cost_model, 1))
-    return [steps * coster.step_s0(1, fp.on(coster.grids)[0]) for fp, steps in invocations]
-
-
-def with_plan_table(cost_model: CostModel, max_batch: int) -> CostModel:
-    """A copy of ``cost_model`` with the plan table an executor would ship with it. The
-    table is planned once per cost model and batch size in a process (about 3 s of CPU for
-    a 57-block model at batch 8): a bench or a test suite simulates one model many times."""
-    model = CostModel.from_dict(cost_model.to_dict())
-    key = json.dumps(model.to_dict(), sort_keys=True)
-    model.extra["step_table"] = [list(row) for row in _plan_table(key, max_batch)]
-    return model
-
-
-@functools.lru_cache(maxsize=8)
-def _plan_table(cost_model_json: str, max_batch: int) -> tuple[tuple[float, ...], ...]:
-    model = CostModel.from_dict(json.loads(cost_model_json))
-    return tuple(tuple(row) for row in plan_table(model, model.extra["grids"], max_batch))
 
 
 def run_simulation(

@@ -9,7 +9,7 @@ import lmdb
 import pytest
 import torch
 
-from retouch.cachestore.disktier import DATA_FILE, _is_full
+from retouch.cachestore.diskenv import DATA_FILE, is_full
 from retouch.cachestore.errors import CorruptEntry, StoreFull
 from retouch.cachestore.layout import MANIFEST_DB, VALUES_DB, value_key
 from retouch.cachestore.manifest import Manifest
@@ -174,9 +174,9 @@ def test_template_larger_than_disk_budget_is_refused(tmp_path: Path) -> None:
 
 
 def test_disk_full_is_recognised() -> None:
-    assert _is_full(lmdb.Error("mdb_txn_commit: No space left on device"))
-    assert _is_full(lmdb.MapFullError("mdb_put: MDB_MAP_FULL"))
-    assert not _is_full(lmdb.Error("mdb_put: Invalid argument"))
+    assert is_full(lmdb.Error("mdb_txn_commit: No space left on device"))
+    assert is_full(lmdb.MapFullError("mdb_put: MDB_MAP_FULL"))
+    assert not is_full(lmdb.Error("mdb_put: Invalid argument"))
 
 
 @pytest.mark.parametrize("policy", ["lru", "lcbfu"])

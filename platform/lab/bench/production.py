@@ -37,7 +37,6 @@ import contextlib
 import gc
 import json
 import logging
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -51,6 +50,7 @@ from retouch.functions.demo.images import template_image
 from retouch.functions.demo.production import SHAPES, build_shape
 from retouch.functions.families import family_spec
 from retouch.platform.lab.bench.engine import aligned_mask
+from retouch.platform.lab.bench.steptiming import StepProfile, StepTimer, profile_steps, timed
 from retouch.runtime.families.stepflops import pipeline_step_flops
 from retouch.runtime.maskaware.buckets import Buckets
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
@@ -86,18 +86,6 @@ class Case:
 
 
 @dataclass
-class StepProfile:
-    """One profiled step: host time to issue it, kernels it launched, GPU time."""
-
-    shape: str
-    path: str  # "stock" or "mask-aware (device tier)"
-    host_ms: float
-    cpu_ms: float
-    kernels: int
-    gpu_ms: float
-
-
-@dataclass
 class ShapeReport:
     shape: str
     stands_for: str
@@ -112,46 +100,6 @@ class ShapeReport:
     cases: list[Case] = field(default_factory=list)
     profiles: list[StepProfile] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-
-
-class StepTimer:
-    """CUDA events (or the wall clock on a CPU) around each call of a module or function."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.pairs: list[tuple[Any, Any]] = []
-        self._open: Any = None
-
-    def start(self) -> None:
-        self._open = self._mark()
-
-    def stop(self) -> None:
-        self.pairs.append((self._open, self._mark()))
-
-    def _mark(self) -> Any:
-        if self.cuda and torch.cuda.is_current_stream_capturing():
-            return None  # a capture records no timing events
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def take_ms(self) -> list[float]:
-        """The recorded durations (ms), and forget them."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            out = [a.elapsed_time(b) for a, b in self.pairs if a is not None and b is not None]
-        else:
-            out = [(b - a) * 1e3 for a, b in self.pairs]
-        self.pairs = []
-        return out
-
-    def hook(self, module: torch.nn.Module) -> list[Any]:
-        return [
-            module.register_forward_pre_hook(lambda *_: self.start()),
-            module.register_forward_hook(lambda *_: self.stop()),
-        ]
 
 
 def run_production_bench(
@@ -274,7 +222,7 @@ def _bench_shape(
     tier = "device" if "device" in stores else "host"
     if profile and tier in stores:
         request = _requests(template, aligned_mask(size, 0.2, cell), 1, steps, guidance, halo)
-        report.profiles = _profile_steps(editor, request, stores[tier], tier, where, name)
+        report.profiles = profile_steps(editor, request, stores[tier], tier, where, name)
     return report
 
 
@@ -350,7 +298,7 @@ def _bench_batch(
         for tier in stores
     }
     reference = _requests(template, aligned_mask(size, 0.2, cell), batch, steps, guidance, halo)
-    stock = _timed(lambda: editor.stock_edits(reference), timer, where, repeats, bar, warm=True)
+    stock = timed(lambda: editor.stock_edits(reference), timer, where, repeats, bar, warm=True)
     steps_timer = StepTimer(where)
     report.cases.append(Case(report.shape, "stock", batch, 0.0, *stock))
     best = _stock_graphs(editor, report, reference, timer, batch, repeats, bar, stock)
@@ -376,7 +324,7 @@ def _bench_batch(
             editor.set_buckets(Buckets() if _graphed(tier) else None)
             before = (loader.totals.bytes, loader.steps, loader.totals.host_gathered)
             try:
-                edit_s, step_ms = _timed(
+                edit_s, step_ms = timed(
                     lambda reqs=requests, s=store: _maskaware(editor, reqs, s, steps_timer),
                     steps_timer,
                     where,
@@ -438,7 +386,7 @@ def _stock_graphs(
     denoiser = getattr(editor.impl.pipe, editor.impl.denoiser)
     try:
         with StockGraphs(denoiser, where) as graphs:
-            graphed = _timed(
+            graphed = timed(
                 lambda: editor.stock_edits(reference), timer, where, repeats, bar, warm=True
             )
             captured = graphs.captures
@@ -507,7 +455,7 @@ def _stock_compiled(
         with _compiled_blocks(denoiser):
             editor.stock_edits(reference)  # compiles
             compile_s = time.perf_counter() - started
-            compiled = _timed(
+            compiled = timed(
                 lambda: editor.stock_edits(reference),
                 timer,
                 editor.device,
@@ -558,107 +506,6 @@ def _maskaware(
         timer.stop()
     for state in states:
         editor.finish(state)
-
-
-def _timed(
-    run: Callable[[], object],
-    timer: StepTimer,
-    where: torch.device,
-    repeats: int,
-    bar: tqdm,
-    *,
-    warm: bool,
-    others: tuple[StepTimer, ...] = (),
-) -> tuple[float, float]:
-    """Median whole-run seconds and median step milliseconds (``timer``'s) over ``repeats``
-    runs; what ``others`` recorded meanwhile is dropped."""
-    if warm:  # first calls: allocator growth, kernel selection, lazy inits
-        run()
-    for t in (timer, *others):
-        t.take_ms()
-    edits = []
-    for _ in range(repeats):
-        synchronize(where)
-        start = time.perf_counter()
-        run()
-        synchronize(where)
-        edits.append(time.perf_counter() - start)
-        bar.update()
-    steps = timer.take_ms()
-    for t in others:
-        t.take_ms()
-    return round(statistics.median(edits), 4), round(statistics.median(steps), 3)
-
-
-def _profile_steps(
-    editor: MaskAwareEditor,
-    requests: list[EditRequest],
-    store: MemoryActivations,
-    tier: str,
-    where: torch.device,
-    name: str,
-) -> list[StepProfile]:
-    """Under torch.profiler: the stock pipeline's denoiser call (its inputs captured from a
-    stock edit and replayed), a step over every token through retouch's step path, and a
-    mask-aware step (mask 0.2, batch 1, rows from ``tier``)."""
-    denoiser = getattr(editor.impl.pipe, editor.impl.denoiser)
-    captured: list[tuple[tuple, dict]] = []
-    handle = denoiser.register_forward_pre_hook(
-        lambda _m, args, kwargs: captured.append((args, kwargs)) if not captured else None,
-        with_kwargs=True,
-    )
-    try:
-        editor.stock_edits(requests[:1])
-    finally:
-        handle.remove()
-    args, kwargs = captured[0]
-    state = editor.prepare(requests[0], store)
-    editor.step([state])  # warm
-    full = editor.prepare(requests[0], None)
-    editor.step([full])
-    runs = [
-        ("stock denoiser call", lambda: denoiser(*args, **kwargs)),
-        ("retouch step, every token", lambda: editor.step([full])),
-        (f"mask-aware step ({tier} tier)", lambda: editor.step([state])),
-    ]
-    with torch.inference_mode():
-        out = [_profile_one(run, where, name, path) for path, run in runs]
-        if where.type == "cuda" and tier == "device":
-            editor.set_graphs(True)
-            try:
-                graphed = editor.prepare(requests[0], store)
-                editor.step([graphed])  # eager: the layout's static rows
-                editor.step([graphed])  # captured, then replayed
-                path = "mask-aware step (device tier, CUDA graph)"
-                out.append(_profile_one(lambda: editor.step([graphed]), where, name, path))
-            except Exception:
-                log.exception("%s: profiling the graphed step failed", name)
-            finally:
-                editor.set_graphs(False)
-    return out
-
-
-def _profile_one(
-    run: Callable[[], object], where: torch.device, name: str, path: str
-) -> StepProfile:
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if where.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    synchronize(where)
-    wall, cpu = time.perf_counter(), time.process_time()
-    run()
-    host_ms, cpu_ms = (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
-    synchronize(where)
-    with profile(activities=activities) as prof:
-        run()
-        synchronize(where)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    gpu_ms = sum(e.device_time for e in kernels) / 1e3
-    return StepProfile(
-        name, path, round(host_ms, 2), round(cpu_ms, 2), len(kernels), round(gpu_ms, 2)
-    )
 
 
 def markdown(reports: list[ShapeReport], device: str, command: str) -> str:

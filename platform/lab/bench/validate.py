@@ -37,7 +37,8 @@ from retouch.platform.lab.bench.load import (
     wait_baked,
 )
 from retouch.platform.lab.bench.specs import OVERHEADS, LoadSpec, SimSpec, ValidateSpec
-from retouch.platform.lab.simulator import Arrival, run_simulation, solo_steps_s
+from retouch.platform.lab.simulator import run_simulation
+from retouch.platform.lab.simworkload import Arrival, solo_steps_s
 from retouch.platform.lab.workload import Workload
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.executor.options import ExecutorOptions

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from retouch.functions.demo.decodertune import DecoderTuning, finetune_decoder
 from retouch.functions.demo.shapes import (
     COLOURS,
     WORDS,
@@ -18,13 +19,7 @@ from retouch.functions.demo.shapes import (
     make_scene,
     painted,
 )
-from retouch.functions.demo.train import (
-    DecoderTuning,
-    TrainConfig,
-    Trainer,
-    finetune_decoder,
-    make_tokenizer,
-)
+from retouch.functions.demo.train import TrainConfig, Trainer, make_tokenizer
 from retouch.platform.cli.main import main
 from retouch.platform.lab.bench.edits import most_visible, recolour_mask, replace_mask
 

@@ -8,7 +8,8 @@ import pytest
 
 from retouch.platform.lab.bench.placement import flux_like_cost_model
 from retouch.platform.lab.bench.specs import SimSpec
-from retouch.platform.lab.simulator import footprint, run_simulation
+from retouch.platform.lab.simulator import run_simulation
+from retouch.platform.lab.simworkload import footprint
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.prediction import StepCoster
 
@@ -99,7 +100,7 @@ def test_an_autoscaled_pool_grows_from_one_executor_under_load_and_loses_nothing
 
 
 def test_a_replayed_trace_keeps_its_shape_at_the_asked_load(tmp_path):
-    from retouch.platform.lab.simulator import plan_jobs
+    from retouch.platform.lab.simworkload import plan_jobs
     from retouch.platform.lab.workload import read_trace
 
     trace = tmp_path / "trace.csv"

@@ -13,7 +13,8 @@ import pytest
 from retouch.platform.cli.main import main
 from retouch.platform.lab.bench.placement import flux_like_cost_model
 from retouch.platform.lab.bench.specs import SimSpec
-from retouch.platform.lab.simulator import plan_jobs, run_simulation
+from retouch.platform.lab.simulator import run_simulation
+from retouch.platform.lab.simworkload import plan_jobs
 
 POOL = SimSpec(
     executors=4,

@@ -11,7 +11,7 @@ import pytest
 from retouch.platform.lab.bench.load import plan_requests
 from retouch.platform.lab.bench.placement import flux_like_cost_model, footprints
 from retouch.platform.lab.bench.specs import SimSpec
-from retouch.platform.lab.simulator import plan_jobs
+from retouch.platform.lab.simworkload import plan_jobs
 from retouch.platform.lab.workload import (
     BETA_CONCENTRATION,
     BIMODAL,

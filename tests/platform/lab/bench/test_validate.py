@@ -21,14 +21,8 @@ from retouch.platform.lab.bench.validate import (
     simulate,
     solo_inputs,
 )
-from retouch.platform.lab.simulator import (
-    Arrival,
-    Simulation,
-    footprint,
-    plan_jobs,
-    run_simulation,
-    with_plan_table,
-)
+from retouch.platform.lab.simulator import Simulation, run_simulation
+from retouch.platform.lab.simworkload import Arrival, footprint, plan_jobs, with_plan_table
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.prediction import StepCoster
 
