@@ -45,7 +45,7 @@ from diffusers import DiffusionPipeline
 from retouch.functions.adapters import AdapterSpec, adapter_set_id
 from retouch.functions.wire.executor import AdapterStats
 from retouch.runtime.adapterlayers import LoraLayers, attach_some, build_layers
-from retouch.runtime.mixedlora import RowAdapters, row_adapters
+from retouch.runtime.mixedlora import RowAdapters, row_adapters, stack_bytes
 from retouch.runtime.niceness import renice_this_thread
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,7 @@ class AdapterResidency:
         # model's zeros; the generation changes with the assignment (layers restack then).
         self._slot_names: list[str | None] = [None]
         self._generation = 0
+        self._stacked = 0  # bytes of the layers' stacks for the slots (in the budget)
         self._plans: dict[tuple, RowAdapters] = {}  # mixed steps' plans, by batch
         self._applied = True  # whether the denoiser's active LoRA layers are ``_last``'s
 
@@ -318,8 +319,15 @@ class AdapterResidency:
             with self._lock:
                 files = [(self._files[p], s) for p, s in entry.scales.items()]
             sets.append({f.name: s for f, s in files if f.layers.config})
+        generation = self._generation
         for name in {name for adapters in sets for name in adapters}:
             self._slot(name)
+        if self._generation != generation:  # the stacks grow: they count in the budget
+            self._restacked()
+            evictions = self.counters.evictions
+            self._evict(keep=BARE)  # this batch's sets are pinned: never the victims
+            if self.counters.evictions != evictions:
+                self.on_change()
         self._applied = False
         self.counters.mixed_steps += 1
         # A batch keeps its members for many steps: its plan (device index tensors) is
@@ -348,11 +356,21 @@ class AdapterResidency:
         self._generation += 1
 
     def _unslot(self, names: list[str]) -> None:
-        """(engine thread) Free the slots of unloaded files."""
+        """(engine thread) Free the slots of unloaded files; free slots at the end go, so
+        the stacks shrink when the last slots empty."""
         for i, held in enumerate(self._slot_names):
             if held in names:
                 self._slot_names[i] = None
                 self._generation += 1
+        while len(self._slot_names) > 1 and self._slot_names[-1] is None:
+            self._slot_names.pop()
+        self._restacked()
+
+    def _restacked(self) -> None:
+        """(engine thread) Recount the stacks' bytes for the current slots."""
+        stacked = stack_bytes(self.denoiser, self._slot_names) if len(self._slot_names) > 1 else 0
+        with self._lock:
+            self._stacked = stacked
 
     def _inject(self, entry: AdapterSet, deadline: float | None) -> None:
         """Attach the set's files' layers until ``deadline`` (None: all); once every file
@@ -395,7 +413,7 @@ class AdapterResidency:
         whose layers are being attached is never a victim."""
         while True:
             with self._lock:
-                used = sum(f.nbytes for f in self._files.values())
+                used = sum(f.nbytes for f in self._files.values()) + self._stacked
                 if used <= self.budget_bytes:
                     return
                 freeing = {

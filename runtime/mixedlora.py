@@ -117,6 +117,26 @@ def hook(layer: nn.Module) -> None:
         layer._retouch_stack = None
 
 
+def stack_bytes(denoiser: nn.Module, slots: Sequence[str | None]) -> int:
+    """Bytes the layers' stacks take for this slot assignment (built at the next mixed
+    step): on each LoRA layer a slotted file targets, A and B for every slot (free ones
+    too) at the layer's largest rank. The residency counts them in its byte budget: with
+    every resident file slotted they are a second copy of its adapters' weights."""
+    names = {name for name in slots if name is not None}
+    total = 0
+    for layer in denoiser.modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        files = [name for name in layer.lora_A if name in names]
+        if not files:
+            continue
+        rank = max(layer.r[name] for name in files)
+        weight = layer.get_base_layer().weight
+        itemsize = layer.lora_A[files[0]].weight.element_size()
+        total += len(slots) * (weight.shape[0] + weight.shape[1]) * rank * itemsize
+    return total
+
+
 @dataclass(frozen=True)
 class _Stack:
     """One layer's slots, laid out for the batched matmuls: A transposed ``[S, in, r]``

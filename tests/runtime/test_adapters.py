@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from peft.tuners.lora import LoraLayer
 from PIL import Image
 
 from retouch.functions.adapters import AdapterSpec, adapter_set_id
@@ -36,6 +37,7 @@ from retouch.runtime.fingerprint import weights_fingerprint
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.quality import psnr
 from retouch.runtime.maskaware.store import MemoryActivations
+from retouch.runtime.mixedlora import _stack
 from retouch.runtime.models import load_pipeline
 from tests.lorafiles import write_lora
 from tests.runtime.families.cases import CPU, close
@@ -339,3 +341,31 @@ def test_built_layers_count_in_the_budget_before_they_are_attached(
     assert len(kept) == 2 and loras[0] in kept and loras[3] in kept  # pinned, and the newest
     assert residency.counters.evictions == 2 and residency.counters.loads == 0
     pinned.release()
+
+
+def test_mixed_steps_stacks_count_in_the_budget(loras: list[str], models_dir: Path) -> None:
+    """A mixed step's per-layer stacks are a second copy of its files' weights: they count
+    in the byte budget, so a step that builds them evicts an unpinned set the files alone
+    left room for; the count is the bytes the stacks take when built."""
+    probe = AdapterResidency(_pipe(models_dir), BUDGET)
+    _activate(probe, (AdapterSpec(loras[0], 1.0),))
+    one_file = sum(f.nbytes for f in probe._files.values())
+    residency = AdapterResidency(_pipe(models_dir), budget_bytes=int(3.5 * one_file))
+    a, b, c = ((AdapterSpec(loras[i], 1.0),) for i in range(3))
+    ids = [_activate(residency, s) for s in (c, a, b)]  # c the least recently used
+    assert residency.counters.evictions == 0  # three files fit
+    uses = [residency.use(i) for i in ids[1:]]
+    try:
+        plan = residency.rows(ids[1:], 1, CPU)
+        assert residency.counters.evictions == 1
+        assert set(resident_sets([residency])) == set(ids[1:])
+        layers = [
+            m
+            for m in residency.denoiser.modules()
+            if isinstance(m, LoraLayer) and any(n in m.lora_A for n in plan.slots if n)
+        ]
+        built = sum(s.a.nbytes + s.b.nbytes for s in (_stack(m, plan) for m in layers))
+        assert residency._stacked == built > 0
+    finally:
+        for use in uses:
+            use.release()
