@@ -69,9 +69,9 @@ from retouch.platform.jobs.failover import Failover
 from retouch.platform.jobs.job import Job
 from retouch.platform.jobs.journal import JobJournal
 from retouch.platform.jobs.links import LinkSigner
-from retouch.platform.jobs.peers import JobPeers, NoPeers, SharedPeers
 from retouch.platform.jobs.retention import RetentionLimits
 from retouch.platform.jobs.sharedjournal import SharedDeliveryJournal, SharedJobJournal
+from retouch.platform.jobs.source import JobSource, JournaledJobs, MemoryJobs, SharedJobs
 from retouch.platform.jobs.store import DEFAULT_PROGRESS_INTERVAL_S, DEFAULT_RETENTION_S
 from retouch.platform.jobs.webhooks import WebhookSender
 from retouch.platform.state.auth import TENANT, TENANT_RULE, Principal, TokenAuth
@@ -123,7 +123,7 @@ class Gateway:
     _seen_revision: int = 0  # the shared registry's changes are followed from here
 
     def __post_init__(self) -> None:
-        journal, peers, deliveries = self._journals()
+        self.journal, source, deliveries = self._journals()
         self.uploads = self._upload_names()
         self.limits = GatewayLimits.resolve(
             self.max_image_pixels or MAX_PIXELS,
@@ -145,10 +145,9 @@ class Gateway:
             self.functions,
             self.pool.dispatcher,
             self.metrics,
-            journal,
+            source,
             ImageGate(self.limits.max_pixels, DecodeBudget(self.limits.decode_bytes)),
             names=self.uploads,
-            peers=peers,
             retention_s=self.job_retention_s,
             progress_interval_s=self.progress_interval_s,
             notify=self.webhooks.notify,
@@ -168,8 +167,8 @@ class Gateway:
     def _journals(
         self,
     ) -> tuple[
-        JobJournal | SharedJobJournal | None,
-        JobPeers,
+        SharedJobJournal | None,
+        JobSource,
         DeliveryJournal | SharedDeliveryJournal | None,
     ]:
         """Where jobs and pending webhook deliveries are kept, and who else knows the jobs
@@ -178,11 +177,12 @@ class Gateway:
         same journals); one gateway keeps files in the data dir (none: memory only)."""
         if self.state is not None:
             journal = SharedJobJournal(self.state, self.retention_limits, self.job_retention_s)
-            return journal, SharedPeers(journal), SharedDeliveryJournal(self.state)
+            return journal, SharedJobs(journal), SharedDeliveryJournal(self.state)
         if self.data_dir is None:
-            return None, NoPeers(), None
+            return None, MemoryJobs(), None
         folder = self.data_dir
-        return JobJournal(folder / "jobs"), NoPeers(), DeliveryJournal(folder / "webhooks")
+        jobs = JournaledJobs(JobJournal(folder / "jobs"))
+        return None, jobs, DeliveryJournal(folder / "webhooks")
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -197,9 +197,9 @@ class Gateway:
         await self.webhooks.start()
         await self.inputs.start()
         await self.jobs.start()  # resumes unfinished jobs: functions are tracked by now
-        if self.state is not None:
+        if self.state is not None and self.journal is not None:
             failover = Failover(
-                self.state, self.jobs, self.jobs.journal, self.webhooks, self.webhooks.journal
+                self.state, self.jobs, self.journal, self.webhooks, self.webhooks.journal
             )
             self._tasks = [
                 asyncio.create_task(failover.run()),
