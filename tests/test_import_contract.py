@@ -12,6 +12,9 @@ from tests.support import REPO
 
 CONTROL_PLANE = (
     "retouch.platform.api.gateway",
+    "retouch.platform.api.composition",
+    "retouch.platform.api.home",
+    "retouch.platform.api.served",
     "retouch.platform.api.frontdoor",
     "retouch.platform.api.httpapi",
     "retouch.platform.fleet.deployed",
