@@ -255,7 +255,8 @@ class ExecutorView:
         )
         self.placed[token] = placed
         self.arrivals.observe(now, member)
-        self.residency.expect(newcomer, self.host_capacity)
+        if not newcomer.full:  # an edit that reads no row moves no template
+            self.residency.expect((newcomer.function, newcomer.template), self.host_capacity)
         if newcomer.adapter_set:  # the executor fetches a set it lacks on arrival
             self.adapters[newcomer.adapter_set] = None
             self.adapters.move_to_end(newcomer.adapter_set)
@@ -277,7 +278,9 @@ class ExecutorView:
         self._changed()
         if placed is None or result is None:
             return None
-        self.residency.touch(placed.newcomer, result, self.host_capacity)
+        if not placed.newcomer.full:  # an edit that reads no row tells nothing of it
+            key = (placed.newcomer.function, placed.newcomer.template)
+            self.residency.touch(key, result, self.host_capacity)
         actual = now - placed.placed_at
         predicted = placed.predicted.finish_s
         self._calibrate(placed, result, now, actual, predicted)

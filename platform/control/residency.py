@@ -12,12 +12,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 from retouch.functions import wire
-
-if TYPE_CHECKING:
-    from retouch.platform.control.cluster import PlacementRequest
 
 Key = tuple[str, str]  # (function, template)
 
@@ -75,15 +71,12 @@ class TemplateTiers(OrderedDict[Key, Residency]):
             return max(1, int(cache.host_budget_bytes // max(1.0, each)))
         return None
 
-    def expect(self, newcomer: PlacementRequest, capacity: int | None) -> None:
-        """Where the template will be once the executor has the invocation: it prefetches
-        a template on disk into its host tier on arrival, and queues the bake of one it
-        lacks. Learning this only from results let every arrival of a popular template
-        during the first one's edit look elsewhere (16 simulated executors holding 3 of 48
-        templates each: host hit rate 0.13). An edit that reads no row moves nothing."""
-        if newcomer.full:
-            return
-        key = (newcomer.function, newcomer.template)
+    def expect(self, key: Key, capacity: int | None) -> None:
+        """Where the template an invocation reads will be once the executor has it: it
+        prefetches a template on disk into its host tier on arrival, and queues the bake
+        of one it lacks. Learning this only from results let every arrival of a popular
+        template during the first one's edit look elsewhere (16 simulated executors
+        holding 3 of 48 templates each: host hit rate 0.13)."""
         tier = self.get(key, Residency.ABSENT)
         if tier is Residency.DEVICE:
             self.move_to_end(key)
@@ -92,15 +85,9 @@ class TemplateTiers(OrderedDict[Key, Residency]):
         elif tier is Residency.ABSENT:
             self[key] = Residency.BAKING
 
-    def touch(
-        self, newcomer: PlacementRequest, result: wire.InvokeResult, capacity: int | None
-    ) -> None:
+    def touch(self, key: Key, result: wire.InvokeResult, capacity: int | None) -> None:
         """An edit read its template: now host-resident (most recent); an edit that ran the
-        full path leaves it baking. The host tier's LRU is mirrored to know evictions. An
-        edit that reads no row (``full``) tells nothing of it."""
-        if newcomer.full:
-            return
-        key = (newcomer.function, newcomer.template)
+        full path leaves it baking. The host tier's LRU is mirrored to know evictions."""
         if result.path is wire.InvokePath.STOCK:
             self[key] = Residency.BAKING
             return
