@@ -49,12 +49,10 @@ from retouch.platform.control.cluster import PlacementRequest
 from retouch.platform.fleet.deployed import DeployedFunction
 from retouch.platform.fleet.dispatch import Dispatcher
 from retouch.platform.jobs.job import Job, PreparedInvocation, new_job_id
-from retouch.platform.jobs.journal import JobJournal
 from retouch.platform.jobs.links import LinkSigner
-from retouch.platform.jobs.peers import JobPeers
 from retouch.platform.jobs.reframe import Frame, Size, resize_mask, resize_pixels
 from retouch.platform.jobs.retention import RetentionLimits, payload_bytes
-from retouch.platform.jobs.sharedjournal import SharedJobJournal
+from retouch.platform.jobs.source import JobSource
 from retouch.platform.jobs.store import JobStore, OnProgress, OnStart
 from retouch.runtime.prediction import MaskFootprint
 
@@ -72,10 +70,9 @@ class FrontDoor:
         functions: Mapping[str, DeployedFunction],
         dispatcher: Dispatcher,
         metrics: GatewayMetrics,
-        journal: JobJournal | SharedJobJournal | None,
+        source: JobSource,
         images: ImageGate,
         *,
-        peers: JobPeers,
         names: uploads.UploadNames,
         retention_s: float,
         progress_interval_s: float,
@@ -92,8 +89,7 @@ class FrontDoor:
             self._execute,
             dispatcher.queue_positions,
             dispatcher.cancel,
-            journal,
-            peers=peers,
+            source,
             retention_s=retention_s,
             progress_interval_s=progress_interval_s,
             notify=notify,

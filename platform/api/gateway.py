@@ -8,8 +8,9 @@ if its executor is lost. Deploys are stored durably first and then loaded onto e
 the background; ``GET /v1/functions/{name}`` shows the progress.
 
 Control operations on one function name (PUT, DELETE) are serialised by a per-name lock
-and numbered (a generation the executors honour), so after any interleaving the gateway,
-the durable registry and the executors agree on the last acknowledged operation.
+and numbered (``platform/api/served.py``). What the gateway is built from (its home alone
+or shared, the pool, the job store...) is decided in ``platform/api/composition.py``: here
+are the routes, and the start and stop of the parts they use.
 
 Every invocation is a job (``platform/jobs/store.py``): ``POST .../jobs`` answers 202 at once
 (durable, with progress, events, cancel and webhooks), the synchronous ``POST .../invoke``
@@ -20,15 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from PIL import Image
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -43,44 +41,34 @@ from retouch.functions.errors import (
     RetouchError,
     Unavailable,
 )
-from retouch.functions.imaging import MAX_PIXELS, declared_size, decode_image, encode_image
+from retouch.functions.imaging import declared_size, decode_image, encode_image
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire.codec import as_map, decode_bytes
-from retouch.functions.wire.executor import DeployStatus, ExecutorState
+from retouch.functions.wire.executor import DeployStatus
 from retouch.functions.wire.invoke import InvokeRequest
 from retouch.functions.wire.jobs import JobRequest, JobStatus
 from retouch.platform.api.bodybudget import BodyBudget
-from retouch.platform.api.config import DEFAULT_URL
 from retouch.platform.api.frontdoor import FrontDoor
+from retouch.platform.api.home import Home
 from retouch.platform.api.httpapi import event_stream, last_event_id, parse_prefer_wait
-from retouch.platform.api.imagegate import DecodeBudget, ImageGate
 from retouch.platform.api.limits import GatewayLimits
 from retouch.platform.api.metrics import GatewayMetrics
 from retouch.platform.api.openai_images import OpenAIImages, answers_openai, openai_error
 from retouch.platform.api.outputs import serve_output
 from retouch.platform.api.predictions import Predictions, Read, answers_replicate, replicate_error
 from retouch.platform.api.remoteinputs import InputFetcher
-from retouch.platform.api.uploads import KEY_BYTES as UPLOAD_KEY_BYTES
+from retouch.platform.api.served import ServedFunctions
 from retouch.platform.api.uploads import UploadNames
 from retouch.platform.api.web import WebUI
 from retouch.platform.fleet.deployed import DeployedFunction
 from retouch.platform.fleet.pool import ExecutorPool
-from retouch.platform.jobs.allowlist import AllowList
-from retouch.platform.jobs.deliveryjournal import DeliveryJournal
-from retouch.platform.jobs.failover import Failover
 from retouch.platform.jobs.job import Job
-from retouch.platform.jobs.journal import JobJournal
 from retouch.platform.jobs.links import LinkSigner
-from retouch.platform.jobs.peers import JobPeers, NoPeers, SharedPeers
-from retouch.platform.jobs.retention import RetentionLimits
-from retouch.platform.jobs.sharedjournal import SharedDeliveryJournal, SharedJobJournal
-from retouch.platform.jobs.store import DEFAULT_PROGRESS_INTERVAL_S, DEFAULT_RETENTION_S
+from retouch.platform.jobs.store import JobStore
 from retouch.platform.jobs.webhooks import WebhookSender
 from retouch.platform.state.auth import TENANT, TENANT_RULE, Principal, TokenAuth
 from retouch.platform.state.catalogue import ModelCatalogue
-from retouch.platform.state.registry import Registry, StoredFunction
-from retouch.platform.state.sharedregistry import Changes, SharedRegistry
-from retouch.platform.state.statestore import HEARTBEAT_S, StateStore
+from retouch.platform.state.registry import StoredFunction
 from retouch.runtime import requestparams
 from retouch.runtime.asgi import (
     bearer,
@@ -99,114 +87,39 @@ MAX_JOB_LIST = 1000
 
 @dataclass
 class Gateway:
-    registry: Registry | SharedRegistry
+    """The routes, on the parts the composition built."""
+
+    home: Home  # alone or shared: the registry, journals and secrets, and their loops
     pool: ExecutorPool
     auth: TokenAuth
+    served: ServedFunctions  # the deployed functions, loaded onto the pool
+    door: FrontDoor  # the one way in, and the job store
+    webhooks: WebhookSender
+    inputs: InputFetcher
+    bodies: BodyBudget
+    limits: GatewayLimits
+    uploads: UploadNames  # whose uploads a viewer may see
+    links: LinkSigner
+    models: ModelCatalogue  # empty: the local check
+    metrics: GatewayMetrics
     max_body: int = DEFAULT_MAX_BODY
-    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
-    functions: dict[str, DeployedFunction] = field(default_factory=dict)
-    data_dir: Path | None = None  # the job journal lives in <data_dir>/jobs (None: memory only)
-    job_retention_s: float = DEFAULT_RETENTION_S
-    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
-    webhook_secret: bytes = b""  # the server's; each tenant signs with one derived from it
-    webhook_allow: AllowList = field(default_factory=AllowList)
-    fetch_allow: AllowList | None = None  # hosts image/mask URLs may name (None: no fetching)
-    links: LinkSigner = field(default_factory=lambda: LinkSigner.ephemeral(DEFAULT_URL))
-    max_image_pixels: int = 0  # 0: the decoders' ceiling (imaging.MAX_PIXELS)
-    decode_memory_bytes: int = 0  # 0: the default (platform/api/limits.py)
-    body_memory_bytes: int = 0  # request bodies held at once; 0: an eighth of the memory
-    retention_limits: RetentionLimits = field(default_factory=RetentionLimits)
-    # Several gateways: the shared store their registry, jobs and deliveries are in (the
-    # registry given is then a SharedRegistry on it); None: files in the data dir.
-    state: StateStore | None = None
-    models: ModelCatalogue = field(default_factory=ModelCatalogue)  # empty: the local check
-    _name_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _tasks: list[asyncio.Task] = field(default_factory=list)
-    _seen_revision: int = 0  # the shared registry's changes are followed from here
 
-    def __post_init__(self) -> None:
-        journal, peers, deliveries = self._journals()
-        self.uploads = self._upload_names()
-        self.limits = GatewayLimits.resolve(
-            self.max_image_pixels or MAX_PIXELS,
-            self.decode_memory_bytes,
-            self.body_memory_bytes,
-            self.retention_limits,
-        )
-        self.bodies = BodyBudget(self.limits.body_bytes)
-        self.webhooks = WebhookSender(
-            self.webhook_secret,
-            self.webhook_allow,
-            journal=deliveries,
-            public_url=self.links.base_url,
-        )
-        self.inputs = InputFetcher(
-            self.fetch_allow, self.max_body, self.bodies, self.webhooks.resolver
-        )
-        self.door = FrontDoor(
-            self.functions,
-            self.pool.dispatcher,
-            self.metrics,
-            journal,
-            ImageGate(self.limits.max_pixels, DecodeBudget(self.limits.decode_bytes)),
-            names=self.uploads,
-            peers=peers,
-            retention_s=self.job_retention_s,
-            progress_interval_s=self.progress_interval_s,
-            notify=self.webhooks.notify,
-            limits=self.retention_limits,
-            links=self.links,
-        )
-        self.jobs = self.door.jobs
-
-    def _upload_names(self) -> UploadNames:
-        """Upload ids are keyed with a secret kept beside the journal (so they, and the
-        executors' bakes of uploads, outlive a restart), shared by every gateway of a
-        shared store; without either, this run's."""
-        if self.state is not None:
-            return UploadNames(self.state.secret("upload-key", UPLOAD_KEY_BYTES))
-        return UploadNames.load(self.data_dir) if self.data_dir else UploadNames.ephemeral()
-
-    def _journals(
-        self,
-    ) -> tuple[
-        JobJournal | SharedJobJournal | None,
-        JobPeers,
-        DeliveryJournal | SharedDeliveryJournal | None,
-    ]:
-        """Where jobs and pending webhook deliveries are kept, and who else knows the jobs
-        (the one place that decides): several gateways keep rows in the shared store, and
-        the other gateways are the job store's peers (``Failover`` takes over through the
-        same journals); one gateway keeps files in the data dir (none: memory only)."""
-        if self.state is not None:
-            journal = SharedJobJournal(self.state, self.retention_limits, self.job_retention_s)
-            return journal, SharedPeers(journal), SharedDeliveryJournal(self.state)
-        if self.data_dir is None:
-            return None, NoPeers(), None
-        folder = self.data_dir
-        return JobJournal(folder / "jobs"), NoPeers(), DeliveryJournal(folder / "webhooks")
+    @property
+    def jobs(self) -> JobStore:
+        return self.door.jobs
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         for line in self.limits.log_lines():
             log.info(line)
         await self.pool.start()
-        stored_now = (await asyncio.to_thread(self.registry.load_all)).values()
-        for stored in stored_now:
-            self._track(stored)
-        # a shared registry's writes commit in revision order: none below this one is unseen
-        self._seen_revision = max((s.revision for s in stored_now), default=0)
+        await self.served.load()
         await self.webhooks.start()
         await self.inputs.start()
         await self.jobs.start()  # resumes unfinished jobs: functions are tracked by now
-        if self.state is not None:
-            failover = Failover(
-                self.state, self.jobs, self.jobs.journal, self.webhooks, self.webhooks.journal
-            )
-            self._tasks = [
-                asyncio.create_task(failover.run()),
-                asyncio.create_task(self._follow_registry()),
-            ]
+        loops = self.home.background(self.jobs, self.webhooks, self.served)
+        self._tasks = [asyncio.create_task(loop) for loop in loops]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -215,69 +128,9 @@ class Gateway:
         await self.jobs.close()
         await self.inputs.close()
         await self.webhooks.close()
-        for fn in self.functions.values():
-            if fn.task:
-                fn.task.cancel()
+        self.served.cancel_loads()
         await self.pool.close()
-        if self.state is not None:  # its unfinished jobs are another gateway's at once
-            await asyncio.to_thread(self.state.leave)
-            await asyncio.to_thread(self.state.close)
-
-    async def _follow_registry(self) -> None:
-        """Deploys and deletes other gateways made, applied here (every heartbeat)."""
-        assert isinstance(self.registry, SharedRegistry)
-        while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            try:
-                changes = await asyncio.to_thread(self.registry.changes, self._seen_revision)
-                await self._apply(changes)
-            except Exception:
-                log.exception("following the shared registry failed; retrying")
-                continue
-            self._seen_revision = changes.revision
-
-    async def _apply(self, changes: Changes) -> None:
-        for stored in changes.stored:
-            async with self._lock(stored.spec.name):
-                known = self.functions.get(stored.spec.name)
-                if known is None or known.stored.revision < stored.revision:
-                    self._track(stored)
-        for name, revision in changes.deleted:
-            async with self._lock(name):
-                known = self.functions.get(name)
-                if known is not None and known.stored.revision < revision:
-                    self._untrack(name)
-                    await self.pool.unload(name, revision)  # idempotent, ordered by revision
-
-    def _lock(self, name: str) -> asyncio.Lock:
-        """The lock that serialises control operations on one function name."""
-        return self._name_locks.setdefault(name, asyncio.Lock())
-
-    def _track(self, stored: StoredFunction) -> DeployedFunction:
-        fn = DeployedFunction(
-            stored,
-            stored.revision,
-            sizes={tid: Image.open(io.BytesIO(png)).size for tid, png in stored.templates.items()},
-        )
-        previous = self.functions.get(stored.spec.name)
-        if previous and previous.task:
-            previous.task.cancel()
-        self.functions[stored.spec.name] = fn
-        fn.task = asyncio.create_task(self._load(fn))
-        self.metrics.functions.set(len(self.functions))
-        return fn
-
-    async def _load(self, fn: DeployedFunction) -> None:
-        try:
-            await self.pool.load(fn.stored, fn.generation)
-            fn.status = DeployStatus.READY
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            fn.status, fn.error = DeployStatus.FAILED, str(getattr(exc, "message", exc))
-            if isinstance(exc, RetouchError):
-                fn.error_field, fn.error_code = exc.field, exc.code
-            log.error("deploying %s failed: %s", fn.spec.name, fn.error)
+        await self.home.close()
 
     # ---- auth & lookup -----------------------------------------------------------------
     def scope(self, scope: str):
@@ -299,7 +152,9 @@ class Gateway:
     async def readyz(self, request: Request) -> Any:
         healthy = sum(e.healthy for e in self.pool.fleet.executors)
         self.metrics.executors.set(healthy)
-        pending = sorted(n for n, f in self.functions.items() if f.status is DeployStatus.DEPLOYING)
+        pending = sorted(
+            n for n, f in self.served.functions.items() if f.status is DeployStatus.DEPLOYING
+        )
         if not self.pool.ready:  # an autoscaled pool is ready at zero: it starts one
             raise Unavailable("no healthy executor", code="not_ready")
         return {"status": "ready", "executors": healthy, "deploying": pending}
@@ -318,19 +173,16 @@ class Gateway:
         states, viewer = await self.pool.report.states(), principal(request)
         return {
             "functions": [
-                self._own_uploads(f.describe(states), viewer)
-                for _, f in sorted(self.functions.items())
+                self.uploads.own_uploads(f.describe(states), viewer)
+                for _, f in sorted(self.served.functions.items())
             ]
         }
 
     async def get_function(self, request: Request) -> dict[str, Any]:
         fn = self.function(request.path_params["name"])
-        return self._own_uploads(fn.describe(await self.pool.report.states()), principal(request))
-
-    def _own_uploads(self, doc: dict[str, Any], viewer: Principal) -> dict[str, Any]:
-        """A function document with the uploads ``viewer`` may see: its own (admin: all)."""
-        doc["uploads"] = {t: s for t, s in doc["uploads"].items() if self.uploads.shown(t, viewer)}
-        return doc
+        return self.uploads.own_uploads(
+            fn.describe(await self.pool.report.states()), principal(request)
+        )
 
     async def put_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
@@ -348,9 +200,9 @@ class Gateway:
             check_adapters, spec.adapters, spec.family, spec.model, files, spec.source.variant
         )
         templates = await asyncio.to_thread(self._templates, spec, body.get("templates"))
-        async with self._lock(name):
-            revision = await asyncio.to_thread(self.registry.put, spec, templates)
-            return self._track(StoredFunction(spec, templates, revision)).describe()
+        async with self.served.lock(name):
+            revision = await asyncio.to_thread(self.served.registry.put, spec, templates)
+            return self.served.track(StoredFunction(spec, templates, revision)).describe()
 
     def _templates(self, spec: FunctionSpec, raw: Any) -> dict[str, bytes]:
         """Decode every template image, check its size, store it as PNG."""
@@ -395,28 +247,24 @@ class Gateway:
 
     async def delete_function(self, request: Request) -> dict[str, Any]:
         name = request.path_params["name"]
-        async with self._lock(name):
+        async with self.served.lock(name):
             self.function(name)  # 404 when unknown
-            self._untrack(name)
-            revision = await asyncio.to_thread(self.registry.delete, name)
+            self.served.untrack(name)
+            revision = await asyncio.to_thread(self.served.registry.delete, name)
             if revision is not None:  # None: another gateway deleted it (and unloaded it)
                 await self.pool.unload(name, revision)
         return {"deleted": name}
 
-    def _untrack(self, name: str) -> None:
-        fn = self.functions.pop(name)
-        if fn.task:
-            fn.task.cancel()
-        self.metrics.functions.set(len(self.functions))
-
     async def executors(self, request: Request) -> dict[str, Any]:
         viewer = principal(request)
-        states = {s.name: self._own_state(s, viewer) for s in await self.pool.report.states()}
+        states = {
+            s.name: self.uploads.own_state(s, viewer) for s in await self.pool.report.states()
+        }
         report, queue = self.pool.report, self.pool.dispatcher.queue
         executors = [
             {
                 **e,
-                "templates": self._own_residency(e["templates"], viewer),
+                "templates": self.uploads.own_residency(e["templates"], viewer),
                 "state": states.get(e["name"]),
             }
             for e in report.describe()
@@ -428,23 +276,6 @@ class Gateway:
             "latency": self.metrics.latency_summary(),
             "control": report.placement_summary(),
             "autoscaler": report.describe_autoscaler(),
-        }
-
-    def _own_state(self, state: ExecutorState, viewer: Principal) -> dict[str, Any]:
-        """An executor's report with the uploads ``viewer`` may see (its templates'
-        states hold every tenant's)."""
-        templates = {
-            fn: {t: status for t, status in tpls.items() if self.uploads.shown(t, viewer)}
-            for fn, tpls in state.templates.items()
-        }
-        return replace(state, templates=templates).to_wire()
-
-    def _own_residency(self, residency: dict[str, str], viewer: Principal) -> dict[str, str]:
-        """An executor's ``{"fn/template": tier}`` with the uploads ``viewer`` may see."""
-        return {
-            key: tier
-            for key, tier in residency.items()
-            if self.uploads.shown(key.partition("/")[2], viewer)
         }
 
     async def invoke(self, request: Request) -> dict[str, Any]:

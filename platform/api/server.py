@@ -1,4 +1,5 @@
-"""``retouch serve``: the gateway, its registry and its local executors in one command."""
+"""``retouch serve``: the gateway (composed in ``platform/api/composition.py``) and its local
+executors in one command, on its API and metrics ports."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -19,25 +19,10 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from retouch.platform.api.composition import build_gateway
 from retouch.platform.api.config import ServeConfig
-from retouch.platform.api.gateway import Gateway
 from retouch.platform.api.limits import return_large_frees
-from retouch.platform.control.placement import make_placement
-from retouch.platform.control.queue import QueueLimits
 from retouch.platform.fleet import children
-from retouch.platform.fleet.dispatch import RetryPolicy
-from retouch.platform.fleet.pool import ExecutorPool
-from retouch.platform.fleet.providers import AttachProvider, LocalProvider, Provider
-from retouch.platform.jobs.allowlist import AllowList
-from retouch.platform.jobs.links import KEY_FILE, LinkSigner, bind_url, check_public_url, load_keys
-from retouch.platform.jobs.retention import RetentionLimits
-from retouch.platform.jobs.webhooks import load_secret
-from retouch.platform.state.auth import load_auth
-from retouch.platform.state.catalogue import ModelCatalogue
-from retouch.platform.state.registry import Registry
-from retouch.platform.state.sharedregistry import SharedRegistry
-from retouch.platform.state.statestore import StateStore
-from retouch.runtime.executor.app import read_token
 from retouch.runtime.httpserver import SERVER_OPTIONS
 from retouch.runtime.parentwatch import watch_parent
 
@@ -47,115 +32,6 @@ log = logging.getLogger(__name__)
 # then its executors: SIGTERM, 10 s, SIGKILL) before it exits anyway; its executors, which
 # watch it, then end too.
 ORPHAN_GRACE_S = 30.0
-
-
-def build_gateway(config: ServeConfig) -> Gateway:
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    auth = load_auth(config.token_file)
-    if not auth.enabled:
-        log.warning(
-            "no tokens configured: the API is open to anyone who can reach %s:%d",
-            config.host,
-            config.port,
-        )
-    provider = make_provider(config)
-    limits = QueueLimits(
-        config.max_queued,
-        config.max_queued_per_function,
-        config.queue_timeout_s,
-        admission=config.admission,
-        dry_run=config.admission_dry_run,
-        margin_quantile=config.admission_quantile,
-    )
-    retry = RetryPolicy(config.max_attempts, config.invoke_timeout_s)
-    pool = ExecutorPool(
-        provider,
-        make_placement(config.placement),
-        limits,
-        retry,
-        autoscale=config.autoscale or config.autoscale_dry_run,
-        autoscale_dry_run=config.autoscale_dry_run,
-        drain_timeout_s=config.drain_timeout_s,
-    )
-    state = None
-    if config.state_store is not None:
-        state = StateStore(config.state_store, config.state_store_ttl_s).open()
-    return Gateway(
-        Registry(config.data_dir) if state is None else SharedRegistry(state),
-        pool,
-        auth,
-        models=ModelCatalogue.load(config.model_catalogue),
-        max_body=config.max_body_bytes,
-        max_image_pixels=config.max_image_pixels,
-        decode_memory_bytes=config.decode_memory_bytes,
-        body_memory_bytes=config.body_memory_bytes,
-        retention_limits=RetentionLimits(
-            config.max_live_jobs,
-            config.max_live_jobs_per_tenant,
-            config.max_retained_bytes,
-            config.max_retained_bytes_per_tenant,
-        ),
-        data_dir=config.data_dir,
-        job_retention_s=config.job_retention_s,
-        progress_interval_s=config.progress_interval_s,
-        webhook_secret=shared_secret(state, "webhook-secret", config.webhook_secret)
-        or load_secret(config.data_dir, config.webhook_secret),
-        webhook_allow=AllowList.parse(config.webhook_allow),
-        fetch_allow=AllowList.parse(config.fetch_allow, "--fetch-allow", "fetch_not_allowed")
-        if config.fetch_allow
-        else None,
-        links=LinkSigner(
-            link_keys(config, state),
-            check_public_url(config.public_url or bind_url(config.host, config.port)),
-        ),
-        state=state,
-    )
-
-
-def shared_secret(state: StateStore | None, name: str, given: str | None) -> bytes | None:
-    """A generated secret every gateway of a shared store uses (None: one gateway, or the
-    operator gave it, and the data dir's rule applies)."""
-    if state is None or given:
-        return None
-    return state.secret(name).hex().encode()
-
-
-def link_keys(config: ServeConfig, state: StateStore | None) -> tuple[bytes, ...]:
-    """The link keys: the file given; else the shared store's one key when gateways share
-    one (a link one signs, another verifies); else ``<data dir>/link-keys``."""
-    if config.link_key_file is None and state is not None:
-        return (state.secret("link-key"),)
-    return load_keys(config.link_key_file or config.data_dir / KEY_FILE)
-
-
-def make_provider(config: ServeConfig) -> Provider:
-    """The provider ``--provider`` names (Ray is imported only when chosen). Executors the
-    gateway starts accept a per-run internal token; attached ones the token they were
-    started with (``--executor-token-file`` or ``$RETOUCH_EXECUTOR_TOKEN``)."""
-    if config.provider == "attach":
-        return AttachProvider(config.executor_urls, read_token(config.executor_token_file))
-    token = secrets.token_urlsafe(32)
-    if config.provider == "ray":
-        from retouch.platform.fleet.rayprovider import RayProvider
-
-        provider = RayProvider(
-            config.data_dir,
-            token,
-            config.ray_address,
-            executor_args=config.executor_args(),
-            threads=config.executor.threads,
-            head_wait_s=config.ray_wait_s,
-        )
-        provider.connect()  # before serving: the Ray head may start after the gateway
-        return provider
-    return LocalProvider(
-        config.data_dir,
-        token,
-        cpu_slots=config.executors,
-        executor_args=config.executor_args(),
-        threads=config.executor.threads,
-        zygote=config.executor_zygote,
-    )
 
 
 def serve(config: ServeConfig) -> None:

@@ -20,18 +20,21 @@ photo is among them). The pixels travel to the executor as a raw RGB8 array.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from retouch.functions.errors import BadRequest
 from retouch.functions.imaging import decode_image
 from retouch.functions.spec import FunctionSpec
+from retouch.functions.wire.executor import ExecutorState
 from retouch.platform.state.auth import Principal
 
 PREFIX = "upload:"
@@ -100,6 +103,28 @@ class UploadNames:
             or viewer.admin
             or self.owned_by(template_id, viewer.tenant)
         )
+
+    def own_uploads(self, doc: dict[str, Any], viewer: Principal) -> dict[str, Any]:
+        """A function document with the uploads ``viewer`` may see: its own (admin: all)."""
+        doc["uploads"] = {t: s for t, s in doc["uploads"].items() if self.shown(t, viewer)}
+        return doc
+
+    def own_state(self, state: ExecutorState, viewer: Principal) -> dict[str, Any]:
+        """An executor's report with the uploads ``viewer`` may see (its templates'
+        states hold every tenant's)."""
+        templates = {
+            fn: {t: status for t, status in tpls.items() if self.shown(t, viewer)}
+            for fn, tpls in state.templates.items()
+        }
+        return dataclasses.replace(state, templates=templates).to_wire()
+
+    def own_residency(self, residency: dict[str, str], viewer: Principal) -> dict[str, str]:
+        """An executor's ``{"fn/template": tier}`` with the uploads ``viewer`` may see."""
+        return {
+            key: tier
+            for key, tier in residency.items()
+            if self.shown(key.partition("/")[2], viewer)
+        }
 
     def _mac(self, message: bytes) -> hmac.HMAC:
         return hmac.new(self.key, message, hashlib.sha256)

@@ -3,9 +3,10 @@
 Per executor it holds what placement, admission and the autoscaler need: its phase, cost
 models (one :class:`~retouch.runtime.prediction.StepCoster` per model, from the profile the
 executor reports), its calibration (time outside the profiled blocks, pre/post, drift), the
-invocations placed on it (mask footprint, steps left, template) and where each template is
-(host tier, disk, baking, absent) and which adapter sets its device holds. It changes when the gateway places an invocation, when
-a step-progress frame or a result arrives on the invocation's stream, and when the
+invocations placed on it (mask footprint, steps left, template), where each template is
+(host tier, disk, baking, absent: ``platform/control/residency.py``) and which adapter
+sets its device holds. It changes when the gateway places an invocation, when a
+step-progress frame or a result arrives on the invocation's stream, and when the
 executor's state is read after a deploy, a bake or an eviction — never by waiting for a
 periodic scrape. Nothing here does I/O; time is a parameter (the simulator drives the same
 objects on a virtual clock).
@@ -17,17 +18,15 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from retouch.functions.wire.executor import (
     AdapterStats,
-    BakeState,
     ExecutorPhase,
     ExecutorState,
-    TemplateStatus,
 )
-from retouch.functions.wire.invoke import CacheTier, InvokePath, InvokeResult
+from retouch.functions.wire.invoke import CacheTier, InvokeResult
 from retouch.platform.control.calibration import EWMA, Calibration, Overheads
+from retouch.platform.control.residency import BAKED, Residency, TemplateTiers
 from retouch.runtime.costmodel import CostModel
 from retouch.runtime.prediction import (
     Arrivals,
@@ -49,27 +48,6 @@ PROFILE_ONLY = StepCalibration()  # the profile alone, no learnt correction (imm
 ADAPTER_SWAP_S = 0.1
 ADAPTER_LOAD_S = 0.5
 ADAPTER_DISK_BPS = 1.8e9
-
-
-class Residency(StrEnum):
-    """Where a template's activations are on one executor, as the gateway knows it."""
-
-    DEVICE = "device"  # in the device tier (GPU memory): its steps load no rows
-    HOST = "host"
-    DISK = "disk"
-    BAKING = "baking"
-    ABSENT = "absent"
-
-
-HELD = (Residency.DEVICE, Residency.HOST)  # in memory: no disk load
-BAKED = (Residency.DEVICE, Residency.HOST, Residency.DISK)  # baked here: the sparse path
-
-
-def _baked_tier(status: TemplateStatus) -> Residency:
-    """The fastest tier a baked template's executor reports it in."""
-    if status.device:
-        return Residency.DEVICE
-    return Residency.HOST if status.host else Residency.DISK
 
 
 @dataclass(frozen=True)
@@ -154,7 +132,7 @@ class ExecutorView:
         self.calibration = Calibration()
         self.overheads = overheads or Overheads()  # the pool's, shared (see Overheads)
         self.placed: dict[int, Placed] = {}  # in placement order
-        self.residency: OrderedDict[tuple[str, str], Residency] = OrderedDict()  # LRU last
+        self.residency = TemplateTiers()  # where each template rests here, LRU first
         self.host_capacity: int | None = None  # templates the host tier holds (None: unknown)
         self.adapters: OrderedDict[str, None] = OrderedDict()  # sets on the device, LRU first
         self.adapter_costs = AdapterCosts()
@@ -183,7 +161,9 @@ class ExecutorView:
         if state.engine.step_slope > 0:
             self.calibration.step_intercept_s = state.engine.step_intercept_ms / 1e3
             self.calibration.step_slope = state.engine.step_slope
-        self._observe_templates(state)
+        capacity = self.residency.observe(state)
+        if capacity is not None:
+            self.host_capacity = capacity
         self.observe_adapters(state.adapters)
         self.mixed_adapters = state.mixed_adapters
         self.adapter_costs.observe(state.adapter_stats)
@@ -193,29 +173,6 @@ class ExecutorView:
         """The adapter sets the executor reports on its device (least recently used first)."""
         self.adapters = OrderedDict.fromkeys(resident)
         self._changed()
-
-    def _observe_templates(self, state: ExecutorState) -> None:
-        sizes = []
-        for function, templates in state.templates.items():
-            for template, status in templates.items():
-                key = (function, template)
-                if status.state is BakeState.BAKED:
-                    tier = _baked_tier(status)
-                    if status.bytes:
-                        sizes.append(status.bytes)
-                elif status.state in (BakeState.BAKING, BakeState.QUEUED):
-                    tier = Residency.BAKING
-                else:
-                    tier = Residency.ABSENT
-                if tier in HELD:
-                    self.residency[key] = tier
-                    self.residency.move_to_end(key)
-                elif self.residency.get(key) not in HELD or tier is Residency.ABSENT:
-                    self.residency[key] = tier
-        cache = state.cache
-        if cache.host_budget_bytes and (sizes or cache.host_templates):
-            each = sum(sizes) / len(sizes) if sizes else cache.host_bytes / cache.host_templates
-            self.host_capacity = max(1, int(cache.host_budget_bytes // max(1.0, each)))
 
     @property
     def inflight(self) -> int:
@@ -303,29 +260,13 @@ class ExecutorView:
         )
         self.placed[token] = placed
         self.arrivals.observe(now, member)
-        self._expect_template(newcomer)
+        if not newcomer.full:  # an edit that reads no row moves no template
+            self.residency.expect((newcomer.function, newcomer.template), self.host_capacity)
         if newcomer.adapter_set:  # the executor fetches a set it lacks on arrival
             self.adapters[newcomer.adapter_set] = None
             self.adapters.move_to_end(newcomer.adapter_set)
         self._changed()
         return placed
-
-    def _expect_template(self, newcomer: PlacementRequest) -> None:
-        """Where the template will be once the executor has the invocation: it prefetches
-        a template on disk into its host tier on arrival, and queues the bake of one it
-        lacks. Learning this only from results let every arrival of a popular template
-        during the first one's edit look elsewhere (16 simulated executors holding 3 of 48
-        templates each: host hit rate 0.13). An edit that reads no row moves nothing."""
-        if newcomer.full:
-            return
-        key = (newcomer.function, newcomer.template)
-        tier = self.residency.get(key, Residency.ABSENT)
-        if tier is Residency.DEVICE:
-            self.residency.move_to_end(key)
-        elif tier in (Residency.HOST, Residency.DISK):
-            self.hosted(key)
-        elif tier is Residency.ABSENT:
-            self.residency[key] = Residency.BAKING
 
     def progress(self, token: int, step: int, total: int) -> None:
         placed = self.placed.get(token)
@@ -342,7 +283,9 @@ class ExecutorView:
         self._changed()
         if placed is None or result is None:
             return None
-        self._touch(placed.newcomer, result)
+        if not placed.newcomer.full:  # an edit that reads no row tells nothing of it
+            key = (placed.newcomer.function, placed.newcomer.template)
+            self.residency.touch(key, result, self.host_capacity)
         actual = now - placed.placed_at
         predicted = placed.predicted.finish_s
         self._calibrate(placed, result, now, actual, predicted)
@@ -376,48 +319,18 @@ class ExecutorView:
         if predicted > 0 and actual > 0:
             c.learn(placed.occupancy, actual / predicted)
 
-    def _touch(self, newcomer: PlacementRequest, result: InvokeResult) -> None:
-        """An edit read its template: now host-resident (most recent); an edit that ran the
-        full path leaves it baking. The host tier's LRU is mirrored to know evictions. An
-        edit that reads no row (``full``) tells nothing of it."""
-        if newcomer.full:
-            return
-        key = (newcomer.function, newcomer.template)
-        if result.path is InvokePath.STOCK:
-            self.residency[key] = Residency.BAKING
-            return
-        if result.cache.tier is CacheTier.DEVICE:
-            self.residency[key] = Residency.DEVICE
-            self.residency.move_to_end(key)
-            return
-        self.hosted(key)
-
     def hosted(self, key: tuple[str, str]) -> None:
         """``key`` is now the host tier's most recent; what the LRU evicts goes to disk."""
-        self.residency[key] = Residency.HOST
-        self.residency.move_to_end(key)
-        if self.host_capacity is None:
-            return
-        hosted = [k for k, tier in self.residency.items() if tier is Residency.HOST]
-        for old in hosted[: max(0, len(hosted) - self.host_capacity)]:
-            self.residency[old] = Residency.DISK
+        self.residency.hosted(key, self.host_capacity)
 
     def tier(self, function: str, template: str) -> Residency:
-        return self.residency.get((function, template), Residency.ABSENT)
+        return self.residency.tier(function, template)
 
     def template_tier(self, newcomer: PlacementRequest) -> Residency:
         """Where the newcomer's rows rest here; ``ABSENT`` for one that reads none."""
         if newcomer.full:
             return Residency.ABSENT
         return self.tier(newcomer.function, newcomer.template)
-
-    def host_victim(self) -> tuple[str, str] | None:
-        """The template a load into the host tier would evict (its least recently used),
-        or None while the tier has room or its size is unknown."""
-        if self.host_capacity is None:
-            return None
-        hosted = [k for k, tier in self.residency.items() if tier is Residency.HOST]
-        return hosted[0] if len(hosted) >= self.host_capacity else None
 
     def _changed(self) -> None:
         self.version += 1

@@ -223,7 +223,7 @@ class MaskAware:
 
     def _eviction_cost(self, view: ExecutorView) -> float:
         """The recent demand for the template a load would evict there (0: room to spare)."""
-        victim = view.host_victim()
+        victim = view.residency.victim(view.host_capacity)
         return 0.0 if victim is None else self._demand.value(victim)
 
 

@@ -11,8 +11,8 @@ the gateway (attach) waiting until the URL answers again and taking it back.
 An executor that refuses an invocation as full (its room is shared with other gateways)
 gets nothing bound to it for a moment, its state is re-read, and the queue is woken after
 the pause (:meth:`Fleet.refused`).
-Each executor's change feed is followed, so the control plane's view of it (templates,
-calibration) stays current even when it gets no invocations.
+Each executor's change feed is followed (``platform/fleet/changefeed.py``), so the control
+plane's view of it (templates, calibration) stays current even when it gets no invocations.
 
 The autoscaler sees the fleet through :class:`~retouch.platform.fleet.scaler.ScaledFleet` only;
 the dispatcher reads :meth:`Fleet.candidates` and is told through ``on_capacity`` whenever
@@ -33,10 +33,11 @@ import httpx
 
 from retouch.functions.errors import RetouchError
 from retouch.functions.spec import FunctionSpec
-from retouch.functions.wire.executor import ExecutorChanges, ExecutorPhase, ExecutorState
+from retouch.functions.wire.executor import ExecutorPhase, ExecutorState
 from retouch.platform.control.cluster import ClusterView, PlacementRequest, Residency
+from retouch.platform.fleet.changefeed import ChangeFeeds
 from retouch.platform.fleet.deployments import Deployments
-from retouch.platform.fleet.executorlink import PROBE_TIMEOUT_S, ExecutorHandle, ExecutorLink
+from retouch.platform.fleet.executorlink import ExecutorHandle, ExecutorLink
 from retouch.platform.fleet.providers import Executor, Provider
 from retouch.platform.fleet.scaler import Arrived, Member, ModelLoad, split_load
 from retouch.runtime.executor.options import room
@@ -45,7 +46,6 @@ log = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 1.0
 DRAIN_TIMEOUT_S = 600.0  # a draining executor's running invocations get this long to finish
-CHANGES_WAIT_S = 20  # an executor's change-feed long poll answers within this when idle
 PROBE_FAILURES = 3  # consecutive failed probes of a live process before it is restarted
 REFUSED_PAUSE_S = 0.2  # an executor that refused as full gets no binding this long
 JOIN_WAIT_S = 5.0  # a gateway starts serving after this, with the attached executors up by then
@@ -80,7 +80,7 @@ class Fleet:
         self._monitor: asyncio.Task | None = None
         self._restarts: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
-        self._followers: dict[str, asyncio.Task] = {}  # change-feed long polls, per executor
+        self.feeds = ChangeFeeds(self.executors, link, self.refresh)
         # executors being started: their task, and the model pool each is for
         self._spawning: dict[str, tuple[asyncio.Task, str | None]] = {}
         self._draining: dict[str, asyncio.Task] = {}
@@ -119,7 +119,7 @@ class Fleet:
                 self._monitor,
                 *self._restarts.values(),
                 *self._background,
-                *self._followers.values(),
+                *self.feeds.followers.values(),
                 *(task for task, _ in self._spawning.values()),
                 *self._draining.values(),
             )
@@ -286,9 +286,7 @@ class Fleet:
             )
         if handle in self.executors:
             self.executors.remove(handle)
-        follower = self._followers.pop(handle.name, None)
-        if follower is not None:
-            follower.cancel()
+        self.feeds.stop(handle.name)
         await self.provider.stop(handle.process)
         log.info("%s drained and stopped", handle.name)
 
@@ -324,38 +322,6 @@ class Fleet:
         """:meth:`refresh` in the background (after an invocation changed the store)."""
         self._in_background(self.refresh(handle))
 
-    def _follow(self, handle: ExecutorHandle) -> None:
-        """(Re)start following ``handle``'s change feed (one follower per executor name)."""
-        old = self._followers.pop(handle.name, None)
-        if old is not None:
-            old.cancel()
-        self._followers[handle.name] = asyncio.create_task(self._follow_changes(handle))
-
-    async def _follow_changes(self, handle: ExecutorHandle) -> None:
-        """Long-poll the executor's change feed and re-read its state on every change: a
-        bake that finished or a template that entered host memory changes placement, and
-        an executor that gets no invocations would otherwise never tell (its view would
-        say "baking" forever and affinity would never send it work). Ends when the
-        executor is replaced; a failed poll is retried (health is the monitor's job)."""
-        after = 0
-        while handle in self.executors:  # handles compare by identity (eq=False)
-            try:
-                body = await self.link.call(
-                    handle,
-                    "GET",
-                    f"/changes?after={after}&timeout={CHANGES_WAIT_S}",
-                    timeout=CHANGES_WAIT_S + PROBE_TIMEOUT_S,
-                )
-                changes = ExecutorChanges.from_wire(body)
-            except (RetouchError, httpx.HTTPError, KeyError, ValueError) as exc:
-                log.debug("change feed of %s: %r", handle.name, exc)
-                await asyncio.sleep(MONITOR_INTERVAL_S)
-                continue
-            if changes.changes or changes.reset:
-                log.debug("%s changed: %s", handle.name, [c.kind.value for c in changes.changes])
-                await self.refresh(handle)
-            after = changes.version
-
     def _in_background(self, work: Any) -> None:
         task = asyncio.create_task(work)
         self._background.add(task)
@@ -371,7 +337,7 @@ class Fleet:
         handle.view.observe_state(state, self.cluster.costers)
         await self.deploys.push_all(handle)
         handle.phase = ExecutorPhase.READY
-        self._follow(handle)
+        self.feeds.follow(handle)
         self.on_capacity()
 
     def suspect(self, handle: ExecutorHandle, why: str) -> None:

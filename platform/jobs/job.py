@@ -9,12 +9,14 @@ webhooks carry, without the image).
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from retouch.functions.errors import RetouchError
+from retouch.functions.wire.executor import StepProgress
 from retouch.functions.wire.invoke import ExecutorInvoke, InvokeResult
 from retouch.functions.wire.jobs import (
     JobEvent,
@@ -34,6 +36,7 @@ RECORD_VERSION = 1
 # above n * RUN_SEQ_SPAN, so the ids a reader saw before a restart stay below the new ones.
 RUN_SEQ_SPAN = 1_000_000
 PROGRESS_BAR = 10  # characters of a log's progress bar
+MAX_EVENTS = 512  # kept per live job for late readers (progress is throttled, so rarely reached)
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,63 @@ class Job:
     def ended(self) -> bool:
         """Its terminal event is out (its final record, if durable, is written by then)."""
         return bool(self.events) and self.events[-1].kind in TERMINAL_EVENTS
+
+    # ---- a run ---------------------------------------------------------------------------
+    def start_run(self, executor: str, attempt: int, now: float) -> dict[str, Any]:
+        """Running on ``executor`` (its ``attempt``-th try); the ``started`` event's data."""
+        self.status, self.executor, self.attempts = JobStatus.RUNNING, executor, attempt
+        self.position, self.progress, self._first_step = None, None, None
+        if self.started_at is None:
+            self.started_at = now
+        return {"executor": executor, "attempt": attempt, "started_at": iso(self.started_at)}
+
+    def step_progress(self, step: StepProgress, interval_s: float) -> JobProgress | None:
+        """Its progress after ``step`` (with an ETA from the steps so far); returned when
+        a ``progress`` event is due (one per ``interval_s``, and the last step's)."""
+        now = time.monotonic()
+        if self._first_step is None or step.step <= 1:
+            self._first_step = now
+            eta = None
+        else:
+            eta = (now - self._first_step) / (step.step - 1) * (step.total - step.step)
+        self.progress = JobProgress(step.step, step.total, eta)
+        if now - self._last_progress_event < interval_s and step.step < step.total:
+            return None
+        self._last_progress_event = now
+        return self.progress
+
+    # ---- event history -------------------------------------------------------------------
+    def record(self, kind: JobEventKind, data: dict[str, Any]) -> JobEvent | None:
+        """A new event, published; None when this run's ids are spent (but for its
+        terminal event's, which :meth:`next_event` gives)."""
+        if self._seq - self.run * RUN_SEQ_SPAN >= RUN_SEQ_SPAN - 1:
+            return None
+        event = self.next_event(kind, data)
+        self.publish(event)
+        return event
+
+    def next_event(self, kind: JobEventKind, data: dict[str, Any]) -> JobEvent:
+        """The next event under the next id (published apart: an end is recorded first)."""
+        self._seq += 1
+        return JobEvent(self._seq, kind, data)
+
+    def publish(self, event: JobEvent) -> None:
+        """Into the job's history, for its readers."""
+        self.events.append(event)
+        if len(self.events) > MAX_EVENTS:  # drop the oldest progress event, keep the rest
+            for i, old in enumerate(self.events):
+                if old.kind is JobEventKind.PROGRESS:
+                    del self.events[i]
+                    break
+        self._changed.set()
+
+    def trim(self) -> None:
+        """A finished job keeps its last progress event and its terminal event, once no
+        stream is reading the events before them: its history is not kept for a day, and a
+        stream opened later still shows how far it got (``retouch jobs watch``'s bar)."""
+        if self.ended and self._readers == 0 and len(self.events) > 2:
+            progress = [e for e in self.events[:-1] if e.kind is JobEventKind.PROGRESS]
+            self.events = [*progress[-1:], self.events[-1]]
 
     @property
     def urls(self) -> dict[str, str]:

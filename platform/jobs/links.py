@@ -77,11 +77,6 @@ class LinkSigner:
     keys: tuple[bytes, ...]
     base_url: str
 
-    @classmethod
-    def ephemeral(cls, base_url: str) -> LinkSigner:
-        """A signer whose links die with the process (a gateway without a data dir)."""
-        return cls((secrets.token_bytes(KEY_BYTES),), base_url)
-
     def url(self, job_id: str, ext: str, expires: int, not_after: float) -> str:
         """The link to a job's image, valid until ``expires``; a link that would outlive
         the result (``not_after``: its retention end) is refused."""

@@ -72,6 +72,25 @@ def slim_request(request: JobRequest, template: str) -> JobRequest:
     return dataclasses.replace(request, invoke=invoke)
 
 
+def shed_payload(job: Job) -> None:
+    """A finished job keeps its result and a small record, not its request's payload
+    (mask, uploaded image) nor the arrays decoded from it."""
+    template = job.request.invoke.template or ""
+    if job.prepared is not None and job.request.invoke.image is not None:
+        template = job.prepared.invocation.template  # an upload's content id
+    job.request, job.prepared = slim_request(job.request, template), None
+    image = job.result.image if job.result is not None else b""
+    job.retained_bytes = retained_bytes(job.request, image)
+
+
+def shed_image(job: Job) -> None:
+    """Finished results are kept for a day: their images stay in their records (read
+    back when asked for), not in memory."""
+    if job.result is not None and job.result.image:
+        job.result = dataclasses.replace(job.result, image=b"")
+        job.image_on_disk = True
+
+
 @dataclass
 class Usage:
     """Live jobs and retained bytes, of one tenant or of all: counters kept as jobs are

@@ -11,14 +11,15 @@ Accepted jobs survive a gateway restart: :meth:`JobStore.start` reloads the jour
 re-runs every job that had not ended (edits are deterministic, so a job that was running is
 simply run again; only its final record counts). Finished jobs are kept for ``retention_s``
 and then removed. Alone or among several gateways the store is the same: what the other
-gateways know of jobs it asks its peers (``platform/jobs/peers.py``).
+gateways know of jobs, and where a durable job's record goes, it asks its job source
+(``platform/jobs/source.py``); a job another gateway runs is followed through it
+(``platform/jobs/mirrors.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -28,45 +29,27 @@ from typing import Any
 from retouch.functions.errors import Canceled, Conflict, NotFound, RetouchError
 from retouch.functions.wire.executor import StepProgress
 from retouch.functions.wire.invoke import InvokeResult
-from retouch.functions.wire.jobs import (
-    JobEvent,
-    JobEventKind,
-    JobProgress,
-    JobRequest,
-    JobStatus,
-    check_job_id,
-)
-from retouch.platform.jobs.job import (
-    END_EVENT,
-    RUN_SEQ_SPAN,
-    Job,
-    PreparedInvocation,
-    iso,
-    new_job_id,
-)
-from retouch.platform.jobs.journal import JobJournal
+from retouch.functions.wire.jobs import JobEvent, JobEventKind, JobRequest, JobStatus, check_job_id
+from retouch.platform.jobs.job import END_EVENT, Job, PreparedInvocation, new_job_id
 from retouch.platform.jobs.links import LinkSigner
-from retouch.platform.jobs.peers import JobPeers, Listing
+from retouch.platform.jobs.mirrors import Mirrors
 from retouch.platform.jobs.retention import (
     Retention,
     RetentionLimits,
     payload_bytes,
     retained_bytes,
-    slim_request,
+    shed_image,
+    shed_payload,
 )
-from retouch.platform.jobs.sharedjournal import SharedJobJournal, StoredJob, TakenOver
+from retouch.platform.jobs.sharedjournal import TakenOver
+from retouch.platform.jobs.source import JobSource, Listing
 from retouch.platform.state.auth import ANONYMOUS, Principal
-from retouch.platform.state.statestore import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RETENTION_S = 24 * 3600.0
 DEFAULT_PROGRESS_INTERVAL_S = 0.25
 POSITION_POLL_S = 0.25  # how often queue positions are re-read for ``queued`` events
-MAX_EVENTS = 512  # kept per live job for late readers (progress is throttled, so rarely reached)
-END_WRITE_TRIES = 30  # a job's final record, into a shared store that does not answer
-END_WRITE_PAUSE_S = 2.0
-MIRROR_POLL_S = 0.5  # how often a job another gateway runs is read again (events, cancel)
 
 OnStart = Callable[[str, int], None]
 OnProgress = Callable[[StepProgress], None]
@@ -84,9 +67,8 @@ class JobStore:
         execute: Execute,
         positions: Callable[[], dict[str, int]],
         cancel: Callable[[str], Awaitable[bool]],
-        journal: JobJournal | SharedJobJournal | None = None,
+        source: JobSource,
         *,
-        peers: JobPeers,
         retention_s: float = DEFAULT_RETENTION_S,
         progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
         notify: Notify | None = None,
@@ -97,11 +79,9 @@ class JobStore:
         self._execute = execute
         self._positions = positions  # the gateway queue's positions by invocation id
         self._cancel = cancel  # the pool's cancel of a running invocation
-        self.journal = journal
-        # What the other gateways know: chosen with the journal, in one place (the gateway's
-        # ``_journals``), never guessed here (a shared journal without its peers would run
-        # another gateway's jobs).
-        self.peers = peers
+        # Where durable jobs are recorded and what the other gateways know: chosen in one
+        # place (the gateway's composition), never guessed here.
+        self.source = source
         self.retention_s = retention_s
         self.progress_interval_s = progress_interval_s
         self._notify = notify
@@ -110,28 +90,27 @@ class JobStore:
         self.jobs: dict[str, Job] = {}
         self._tasks: list[asyncio.Task] = []
         self.retention = Retention(limits or RetentionLimits(), retention_s)
+        self.mirrors = Mirrors(source, self.jobs, self.output_url)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         """Reload the journal and resume every job that had not ended."""
-        if self.journal is not None:
-            journal = self.journal
-            loaded = [await self._load(journal, r) for r in await asyncio.to_thread(journal.load)]
-            # in the order they ended (the order they expire in); unfinished ones last
-            for job in sorted((j for j in loaded if j is not None), key=_ended_order):
-                self._keep(job)
-                if not job.status.terminal:
-                    job.task = asyncio.create_task(self._run(job))
-            resumed = sum(not j.status.terminal for j in self.jobs.values())
-            if self.jobs:
-                log.info("journal: %d jobs, %d resumed", len(self.jobs), resumed)
-            await self.purge()  # expired while the gateway was down
+        loaded = [await self._load(r) for r in await self.source.load()]
+        # in the order they ended (the order they expire in); unfinished ones last
+        for job in sorted((j for j in loaded if j is not None), key=_ended_order):
+            self._keep(job)
+            if not job.status.terminal:
+                job.task = asyncio.create_task(self._run(job))
+        resumed = sum(not j.status.terminal for j in self.jobs.values())
+        if self.jobs:
+            log.info("journal: %d jobs, %d resumed", len(self.jobs), resumed)
+        await self.purge()  # expired while the gateway was down
         self._tasks = [
             asyncio.create_task(self._watch_positions()),
             asyncio.create_task(self._purge_expired()),
         ]
 
-    async def _load(self, journal: JobJournal, record: dict[str, Any]) -> Job | None:
+    async def _load(self, record: dict[str, Any]) -> Job | None:
         """A journaled job, ready to be kept: a finished one with its terminal event under
         its own id (then its record compacted, so the id it stores is that one), an
         unfinished one with its new run number journaled before it issues an event id."""
@@ -142,16 +121,16 @@ class JobStore:
             return None
         if job.status.terminal:  # its end, again, for readers; webhooks had it
             job.output = self.output_url(job)
-            self._record(job, END_EVENT[job.status], job.describe(False, False), notify=False)
-            await self._compact(job)
+            job.record(END_EVENT[job.status], job.describe(False, False))
+            had = payload_bytes(job.request)
+            shed_payload(job)  # a record written before payloads were shed: rewritten small
+            if had > payload_bytes(job.request):
+                await self.source.rewrite(job.to_record())
         else:
             job.retained_bytes = retained_bytes(job.request)
-            try:
-                await asyncio.to_thread(journal.write, job.to_record())
-            except OSError as exc:
-                self.peers.run_not_recorded(job.id, exc)
+            await self.source.rerun(job)
             self._record(job, JobEventKind.QUEUED, {"position": None})
-        self._drop_image(job)
+        shed_image(job)
         return job
 
     async def close(self) -> None:
@@ -162,44 +141,18 @@ class JobStore:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await self.peers.close()
+        await self.source.close()
 
     # ---- lookup -------------------------------------------------------------------------
     async def get(self, job_id: str, viewer: Principal) -> Job:
         """The job, if ``viewer`` may see it: another tenant's job is as unknown as a
         missing one (the same 404), so ids cannot be probed. A job another gateway runs
-        is read from the peers (a :attr:`Job.mirror`)."""
+        is read from the source (a :attr:`Job.mirror`)."""
         job = self.jobs.get(check_job_id(job_id))
         if job is None:
-            job = await self._read_mirror(job_id)
+            job = await self.mirrors.read(job_id)
         if job is None or not job.durable or not viewer.owns(job.owner):
             raise NotFound(f"no job {job_id!r}", field="id", code="job_not_found")
-        return job
-
-    async def _read_mirror(self, job_id: str) -> Job | None:
-        """The job as the gateway that runs it recorded it (None: no such job)."""
-        stored = await self.peers.fetch(job_id)
-        if stored is None:
-            return None
-        job = self._mirror(stored)
-        if job is not None and job.status.terminal:
-            self._record(job, END_EVENT[job.status], job.describe(False, False), notify=False)
-        return job
-
-    def _mirror(self, stored: StoredJob) -> Job | None:
-        """A job another gateway runs or ran, from its stored record (None: unreadable)."""
-        try:
-            job = Job.from_record(stored.record)
-        except (RetouchError, KeyError, TypeError, ValueError) as exc:
-            log.error("job record %s is unreadable: %s", stored.record.get("id"), exc)
-            return None
-        job.mirror = True
-        if job.status.terminal:
-            job.output = self.output_url(job)
-        else:  # not the ids of a run: a reader of this gateway gets only the end's id
-            job.run, job._seq = int(stored.record.get("run", 0)), 0
-            if stored.status == JobStatus.RUNNING.value:
-                job.status = JobStatus.RUNNING
         return job
 
     async def list(
@@ -219,11 +172,7 @@ class JobStore:
         if tenant is not None and not viewer.owns(tenant):
             return []
         page = Listing(tenant, status, function, limit, before)
-        return await self.peers.listing(page, self._known)
-
-    def _known(self, stored: StoredJob) -> Job | None:
-        """A listed job: the one this gateway runs (with its progress), else a mirror."""
-        return self.jobs.get(str(stored.record.get("id"))) or self._mirror(stored)
+        return await self.source.listing(page, self.mirrors.known)
 
     def retained_until(self, job: Job) -> float:
         """When a finished job's record and result are removed (``inf`` while it runs)."""
@@ -270,14 +219,11 @@ class JobStore:
         if durable:
             self.retention.take(job)
             try:
-                if self.journal is not None:
-                    await asyncio.to_thread(
-                        self.journal.accept, job.to_record(), job.retained_bytes
-                    )
+                await self.source.accept(job.to_record(), job.retained_bytes)
             except BaseException:
                 self.retention.release(job)
                 raise
-            self.peers.keep(job)
+            self.source.keep(job)
         self.jobs[job.id] = job
         self._record(job, JobEventKind.QUEUED, {"position": None})
         job.task = asyncio.create_task(self._run(job))
@@ -291,10 +237,7 @@ class JobStore:
         try:
             if job.cancel_requested:
                 raise Canceled(f"job {job.id} was canceled")
-            result = await self._execute(
-                job, lambda name, attempt: self._started(job, name, attempt),
-                lambda step: self._progressed(job, step),
-            )  # fmt: skip
+            result = await self._execute(job, *self._reporting(job))
         except asyncio.CancelledError:
             raise  # the gateway is stopping: the job stays unfinished in the journal
         except RetouchError as exc:  # a cancel may come back as an executor's 409 canceled
@@ -310,31 +253,22 @@ class JobStore:
         else:
             await self._finish(job, JobStatus.SUCCEEDED, result=result)
 
-    def _started(self, job: Job, executor: str, attempt: int) -> None:
-        job.status, job.executor, job.attempts = JobStatus.RUNNING, executor, attempt
-        job.position, job.progress, job._first_step = None, None, None
-        if job.started_at is None:
-            job.started_at = self._clock()
-        if job.durable:
-            self.peers.started(job.id)
-        self._record(
-            job,
-            JobEventKind.STARTED,
-            {"executor": executor, "attempt": attempt, "started_at": iso(job.started_at)},
-        )
+    def _reporting(self, job: Job) -> tuple[OnStart, OnProgress]:
+        """What the pool reports a run of ``job`` through: its start on an executor (told
+        to the source too: other gateways show it running), and its steps."""
 
-    def _progressed(self, job: Job, step: StepProgress) -> None:
-        now = time.monotonic()
-        if job._first_step is None or step.step <= 1:
-            job._first_step = now
-            eta = None
-        else:
-            eta = (now - job._first_step) / (step.step - 1) * (step.total - step.step)
-        job.progress = JobProgress(step.step, step.total, eta)
-        due = now - job._last_progress_event >= self.progress_interval_s
-        if due or step.step >= step.total:
-            job._last_progress_event = now
-            self._record(job, JobEventKind.PROGRESS, job.progress.to_wire())
+        def started(executor: str, attempt: int) -> None:
+            data = job.start_run(executor, attempt, self._clock())
+            if job.durable:
+                self.source.started(job.id)
+            self._record(job, JobEventKind.STARTED, data)
+
+        def progressed(step: StepProgress) -> None:
+            progress = job.step_progress(step, self.progress_interval_s)
+            if progress is not None:
+                self._record(job, JobEventKind.PROGRESS, progress.to_wire())
+
+        return started, progressed
 
     async def _finish(
         self,
@@ -348,46 +282,25 @@ class JobStore:
         job.output = self.output_url(job)
         job.position = None
         held = job.retained_bytes
-        self._drop_payload(job)
+        shed_payload(job)
         if job.durable:
             self.retention.ended(job, held)
-        event = self._event(
-            job, END_EVENT[status], job.describe(with_image=False, with_webhook=False)
+        event = job.next_event(
+            END_EVENT[status], job.describe(with_image=False, with_webhook=False)
         )
-        if job.durable and not await self.peers.owns(job.id):
+        if job.durable and not await self.source.owns(job.id):
             self._hand_over(job)
             return
-        # The webhook's delivery is journaled before the job's end: a crash between the two
-        # re-runs the job (same delivery id); the other order could lose the delivery.
-        journaled = self._notify(job, event) if self._notify and job.durable else None
-        if job.durable and self.journal is not None:
+        if job.durable:  # its webhook delivery's journal write comes first
+            journaled = self._notify(job, event) if self._notify else None
             try:
-                if journaled is not None:  # a failed write is the sender's to log
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(journaled)
-                await self._write_end(job)
-                self._drop_image(job)
+                if await self.source.record_end(job, journaled):
+                    shed_image(job)
             except TakenOver:  # this gateway was thought dead: the new runner's end counts
                 self._hand_over(job)
                 return
-            except OSError:
-                log.exception("could not record the end of job %s", job.id)
-        self._publish(job, event)
-        self._trim(job)
-
-    async def _write_end(self, job: Job) -> None:
-        """The final record; into a shared store, tried again while the store is down
-        (its row would otherwise stay live, this gateway's, and never claimed)."""
-        assert self.journal is not None
-        for attempt in range(END_WRITE_TRIES):
-            try:
-                await asyncio.to_thread(self.journal.write, job.to_record())
-                return
-            except StoreUnavailable:
-                if attempt == END_WRITE_TRIES - 1:
-                    raise
-                log.warning("the end of job %s not recorded yet; trying again", job.id)
-                await asyncio.sleep(END_WRITE_PAUSE_S)
+        job.publish(event)
+        job.trim()
 
     def _hand_over(self, job: Job) -> None:
         """Another gateway runs the job now (this one was thought dead): forget it here;
@@ -397,39 +310,12 @@ class JobStore:
         job.mirror = True
         job._changed.set()
 
-    def _drop_payload(self, job: Job) -> None:
-        """A finished job keeps its result and a small record, not its request's payload
-        (mask, uploaded image) nor the arrays decoded from it."""
-        template = job.request.invoke.template or ""
-        if job.prepared is not None and job.request.invoke.image is not None:
-            template = job.prepared.invocation.template  # an upload's content id
-        job.request, job.prepared = slim_request(job.request, template), None
-        image = job.result.image if job.result is not None else b""
-        job.retained_bytes = retained_bytes(job.request, image)
-
-    async def _compact(self, job: Job) -> None:
-        """A finished job's record, small: one written before payloads were dropped at
-        the end is rewritten without its payload."""
-        had = payload_bytes(job.request)
-        self._drop_payload(job)
-        if had > payload_bytes(job.request) and self.journal is not None:
-            try:
-                await asyncio.to_thread(self.journal.write, job.to_record())
-            except OSError:
-                log.exception("could not compact the record of job %s", job.id)
-
-    def _drop_image(self, job: Job) -> None:
-        """Finished results are kept for a day: their images stay on disk, not in memory."""
-        if job.result is not None and job.result.image:
-            job.result = dataclasses.replace(job.result, image=b"")
-            job.image_on_disk = True
-
     async def document(self, job: Job, with_webhook: bool = True) -> dict[str, Any]:
         """The job document with its result's image (read back from the journal)."""
         doc = job.describe(with_webhook=with_webhook)
-        if job.image_on_disk and "result" in doc and self.journal is not None:
+        if job.image_on_disk and "result" in doc:
             try:
-                record = await asyncio.to_thread(self.journal.read, job.id)
+                record = await self.source.read(job.id)
             except OSError:  # removed meanwhile (retention)
                 raise NotFound(f"no job {job.id!r}", field="id", code="job_not_found") from None
             doc["result"]["image"] = (record.get("result") or {}).get("image", b"")
@@ -440,7 +326,7 @@ class JobStore:
         """Cancel a job: idempotent on a canceled job; a finished one is a 409
         ``job_finished``. Waits (bounded) until the job has left its executor."""
         if job.mirror:
-            job = await self._cancel_mirror(job, wait_s)
+            job = await self.mirrors.cancel(job, wait_s)
             if job.mirror and not job.status.terminal:  # asked; not ended within wait_s
                 return job
         if job.status is JobStatus.CANCELED:
@@ -463,47 +349,23 @@ class JobStore:
             )
         return job
 
-    async def _cancel_mirror(self, job: Job, wait_s: float) -> Job:
-        """Ask the gateway that runs the job to cancel it (through the shared store) and
-        wait, bounded, until its record ends; the job as the store has it then."""
-        if not await self.peers.request_cancel(job.id):
-            return await self._read_mirror(job.id) or job
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            await asyncio.sleep(MIRROR_POLL_S)
-            now = await self._read_mirror(job.id)
-            if now is None or now.status.terminal:
-                return now or job
-            if job.id in self.jobs:  # taken over by this gateway meanwhile
-                return self.jobs[job.id]
-        job.cancel_requested = True
-        return job
-
     async def wait(self, job: Job, timeout_s: float) -> Job:
         """Until the job ends or ``timeout_s`` passes; the job as it stands then. A job
         another gateway runs (a mirror, or one handed over meanwhile) sends no event here:
-        its record is read again every ``MIRROR_POLL_S``, and one this gateway takes over
-        meanwhile is waited on here."""
+        its record is read again now and then (:meth:`Mirrors.poll`), and one this gateway
+        takes over meanwhile is waited on here."""
         deadline = time.monotonic() + timeout_s
         while not (job.status.terminal if job.mirror else job.ended):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             if job.mirror:
-                await asyncio.sleep(min(MIRROR_POLL_S, left))
-                job = await self._current(job)
+                job = await self.mirrors.poll(job, left)
                 continue
             job._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(job._changed.wait(), left)
         return job
-
-    async def _current(self, mirror: Job) -> Job:
-        """A mirrored job now: this gateway's own if it took it over, else its record."""
-        local = self.jobs.get(mirror.id)
-        if local is not None and not local.mirror:
-            return local
-        return await self._read_mirror(mirror.id) or mirror
 
     async def settle(self, job: Job, wait_s: float | None) -> Job:
         """A job as an answer shows it: once it ended or ``wait_s`` passed (``Prefer:
@@ -520,7 +382,7 @@ class JobStore:
         event unless the reader says it has it (``after`` is its id): one resuming from an
         id this job never gave still gets it."""
         if job.mirror:
-            async for event in self._mirror_events(job, after):
+            async for event in self.mirrors.events(job, after, self.events):
                 yield event
             return
         sent = after
@@ -535,7 +397,7 @@ class JobStore:
                         yield job.events[-1]
                     return
                 if job.mirror:  # handed over to another gateway: follow it in the store
-                    async for event in self._mirror_events(job, sent):
+                    async for event in self.mirrors.events(job, sent, self.events):
                         yield event
                     return
                 job._changed.clear()
@@ -545,23 +407,7 @@ class JobStore:
                     yield None
         finally:
             job._readers -= 1
-            self._trim(job)
-
-    async def _mirror_events(self, job: Job, after: int):
-        """A job another gateway runs, as read from the shared store now and then: its
-        terminal event once its record ends (with the id it has everywhere), keep-alives
-        until then. Progress is seen on the gateway that runs it."""
-        while not job.ended:
-            yield None
-            await asyncio.sleep(MIRROR_POLL_S)
-            local = self.jobs.get(job.id)  # taken over by this gateway meanwhile
-            if local is not None:
-                async for event in self.events(local, after):
-                    yield event
-                return
-            job = await self._read_mirror(job.id) or job
-        if job.events[-1].seq != after:
-            yield job.events[-1]
+            job.trim()
 
     # ---- several gateways ------------------------------------------------------------------
     async def adopt(self, records: list[dict[str, Any]]) -> int:
@@ -572,12 +418,12 @@ class JobStore:
             if record.get("id") in self.jobs:
                 continue
             try:
-                job = await self._load(self.journal, record)
+                job = await self._load(record)
             except TakenOver:  # this gateway was thought dead meanwhile: not ours after all
                 continue
             except OSError as exc:  # the store failed: give it back for the next claim
                 log.warning("could not take up job %s (%s); giving it back", record["id"], exc)
-                await self.peers.release(str(record["id"]))
+                await self.source.release(str(record["id"]))
                 continue
             if job is None or job.status.terminal:
                 continue
@@ -617,40 +463,11 @@ class JobStore:
             await self._cancel(job.id)
 
     # ---- internals ----------------------------------------------------------------------
-    def _record(
-        self, job: Job, kind: JobEventKind, data: dict[str, Any], notify: bool = True
-    ) -> None:
-        if job._seq - job.run * RUN_SEQ_SPAN >= RUN_SEQ_SPAN - 1:
-            return  # this run's ids are spent but for its terminal event's
-        event = self._event(job, kind, data)
-        self._publish(job, event)
-        if self._notify is not None and job.durable and notify:
+    def _record(self, job: Job, kind: JobEventKind, data: dict[str, Any]) -> None:
+        """A new event of a job this gateway runs, handed to the webhook sender too."""
+        event = job.record(kind, data)
+        if event is not None and self._notify is not None and job.durable:
             self._notify(job, event)  # its journal write completes on its own
-
-    @staticmethod
-    def _event(job: Job, kind: JobEventKind, data: dict[str, Any]) -> JobEvent:
-        job._seq += 1
-        return JobEvent(job._seq, kind, data)
-
-    @staticmethod
-    def _publish(job: Job, event: JobEvent) -> None:
-        """Into the job's history, for its readers."""
-        job.events.append(event)
-        if len(job.events) > MAX_EVENTS:  # drop the oldest progress event, keep the rest
-            for i, old in enumerate(job.events):
-                if old.kind is JobEventKind.PROGRESS:
-                    del job.events[i]
-                    break
-        job._changed.set()
-
-    @staticmethod
-    def _trim(job: Job) -> None:
-        """A finished job keeps its last progress event and its terminal event, once no
-        stream is reading the events before them: its history is not kept for a day, and a
-        stream opened later still shows how far it got (``retouch jobs watch``'s bar)."""
-        if job.ended and job._readers == 0 and len(job.events) > 2:
-            progress = [e for e in job.events[:-1] if e.kind is JobEventKind.PROGRESS]
-            job.events = [*progress[-1:], job.events[-1]]
 
     async def _watch_positions(self) -> None:
         """``queued`` events whenever a job's place in the gateway queue changes."""
@@ -680,24 +497,20 @@ class JobStore:
         expired = self.retention.expired(self._clock() - self.retention_s)
         for job in expired:
             self._forget_kept(job)
-            if self.journal is not None:
-                try:
-                    await asyncio.to_thread(self.journal.delete, job.id)
-                except OSError:
-                    log.exception("could not delete the record of expired job %s", job.id)
-        return len(expired) + await self.peers.purge(self._clock() - self.retention_s)
+            await self.source.delete(job.id)
+        return len(expired) + await self.source.purge(self._clock() - self.retention_s)
 
     def _keep(self, job: Job) -> None:
-        """Keep a durable job: by id, told to the peers (one gateway indexes it by owner for
+        """Keep a durable job: by id, told to the source (one gateway indexes it by owner for
         listings), and counted against the caps."""
         self.jobs[job.id] = job
-        self.peers.keep(job)
+        self.source.keep(job)
         self.retention.take(job)
 
     def _forget_kept(self, job: Job) -> None:
         """Undo :meth:`_keep`."""
         self.jobs.pop(job.id, None)
-        self.peers.forget(job)
+        self.source.forget(job)
         self.retention.release(job)
 
 

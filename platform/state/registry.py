@@ -9,6 +9,11 @@ operations on one name by (a later one supersedes an earlier one). Here it is th
 microseconds (kept increasing), so a restarted gateway's operations still supersede those
 its executors saw before; the shared registry (``platform/state/sharedregistry.py``) numbers them
 from one database sequence, for every gateway.
+
+Both are a :class:`FunctionRegistry`: the gateway stores, deletes, loads and follows
+functions through it and never asks which kind it has. Followed, the file registry has
+no change to report (one gateway writes its data dir, and it knows its own writes);
+the shared one reports every gateway's.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from retouch.functions.spec import FunctionSpec, parse_spec
 
@@ -32,6 +38,33 @@ class StoredFunction:
     spec: FunctionSpec
     templates: dict[str, bytes]  # template id -> PNG bytes
     revision: int = 0  # the put that stored it: its deploy's generation on the executors
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What changed after a revision: functions stored, names deleted (with revisions)."""
+
+    stored: list[StoredFunction]
+    deleted: list[tuple[str, int]]
+    revision: int  # the latest revision seen: ask for changes after it next
+
+
+class FunctionRegistry(Protocol):
+    """The durable functions every gateway of this registry serves (every method blocks:
+    call it from a worker thread)."""
+
+    def put(self, spec: FunctionSpec, templates: dict[str, bytes]) -> int:
+        """Store the function (replacing one of its name); its revision."""
+
+    def delete(self, name: str) -> int | None:
+        """Remove the function; the delete's revision, or None when there was none."""
+
+    def load_all(self) -> dict[str, StoredFunction]:
+        """Every stored function, by name."""
+
+    def changes(self, after: int) -> Changes:
+        """Functions stored and names deleted by other gateways with a revision above
+        ``after``."""
 
 
 class Revisions:
@@ -48,6 +81,8 @@ class Revisions:
 
 
 class Registry:
+    """Functions in ``<data dir>/functions``, for one gateway."""
+
     def __init__(self, root: Path) -> None:
         self.root = root / "functions"
         self.root.mkdir(parents=True, exist_ok=True)
@@ -80,6 +115,10 @@ class Registry:
                 return None
             shutil.rmtree(live.rename(self.root / f".{name}.deleted"), ignore_errors=True)
             return self._revisions.next()
+
+    def changes(self, after: int) -> Changes:
+        """None: this gateway alone writes its data dir, and it applied its own writes."""
+        return Changes([], [], after)
 
     def load_all(self) -> dict[str, StoredFunction]:
         out = {}

@@ -1,6 +1,6 @@
 """The function registry in the shared state store: what every gateway serves.
 
-The file registry's interface (``platform/state/registry.py``: put, delete, load_all), one row
+The file registry's interface (``platform/state/registry.py``'s ``FunctionRegistry``), one row
 per function name in ``retouch_functions``. Every put and delete takes the next value of
 one database sequence as its revision: the generation the executors order operations on
 a name by, the same number whichever gateway made the change. A delete leaves its row as
@@ -14,26 +14,16 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 
 from retouch.functions.errors import RetouchError
 from retouch.functions.spec import FunctionSpec, parse_spec
 from retouch.functions.wire.codec import as_map, pack, unpack
-from retouch.platform.state.registry import StoredFunction
+from retouch.platform.state.registry import Changes, StoredFunction
 from retouch.platform.state.statestore import StateStore
 
 log = logging.getLogger(__name__)
 
 REGISTRY_LOCK = 0x72657432  # serialises registry writes: revisions commit in their order
-
-
-@dataclass(frozen=True)
-class Changes:
-    """What changed after a revision: functions stored, names deleted (with revisions)."""
-
-    stored: list[StoredFunction]
-    deleted: list[tuple[str, int]]
-    revision: int  # the latest revision seen: ask for changes after it next
 
 
 class SharedRegistry:

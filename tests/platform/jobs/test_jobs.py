@@ -24,8 +24,8 @@ from retouch.platform.jobs import sse, webhooks
 from retouch.platform.jobs.allowlist import AllowList
 from retouch.platform.jobs.job import RUN_SEQ_SPAN, Job, PreparedInvocation
 from retouch.platform.jobs.journal import JobJournal
-from retouch.platform.jobs.peers import NoPeers
 from retouch.platform.jobs.resolver import Resolver
+from retouch.platform.jobs.source import JobSource, JournaledJobs, MemoryJobs
 from retouch.platform.jobs.store import JobStore
 from retouch.platform.state.auth import OPEN, Principal
 
@@ -94,10 +94,14 @@ class FakeRun:
         return True
 
 
-def store(run: FakeRun, journal: JobJournal | None = None, **kw) -> JobStore:
-    """A job store of one gateway (``peers`` in ``kw`` for several)."""
-    kw.setdefault("peers", NoPeers())
-    return JobStore(run.execute, dict, run.cancel, journal, **kw)
+def store(
+    run: FakeRun, journal: JobJournal | None = None, source: JobSource | None = None, **kw
+) -> JobStore:
+    """A job store of one gateway, journaled in ``journal`` if given (``source`` for
+    several gateways)."""
+    if source is None:
+        source = MemoryJobs() if journal is None else JournaledJobs(journal)
+    return JobStore(run.execute, dict, run.cancel, source, **kw)
 
 
 async def stream(jobs: JobStore, job: Job, after: int = 0) -> list[JobEvent]:

@@ -17,10 +17,10 @@ import pytest
 from retouch.functions.errors import Overloaded
 from retouch.functions.spec import parse_spec
 from retouch.functions.wire.jobs import JobEventKind, JobStatus
-from retouch.platform.jobs import peers as jobpeers
-from retouch.platform.jobs.peers import SharedPeers
+from retouch.platform.jobs import source as jobsource
 from retouch.platform.jobs.retention import JOB_OVERHEAD_BYTES, RetentionLimits
 from retouch.platform.jobs.sharedjournal import SharedDeliveryJournal, SharedJobJournal, TakenOver
+from retouch.platform.jobs.source import SharedJobs
 from retouch.platform.jobs.store import JobStore
 from retouch.platform.state.auth import OPEN
 from retouch.platform.state.sharedregistry import SharedRegistry
@@ -205,7 +205,7 @@ async def test_a_job_taken_over_mid_run_ends_once_and_its_readers_follow_it(stor
     a, b = stores
     run = FakeRun(gated=True)
     ja = SharedJobJournal(a, LIMITS, 3600.0)
-    jobs = store(run, ja, peers=SharedPeers(ja))
+    jobs = store(run, source=SharedJobs(ja))
     await jobs.start()
     job = await jobs.submit("f", request(), prepared(), owner="alice")
     reader = asyncio.create_task(stream(jobs, job))
@@ -236,8 +236,8 @@ async def test_a_long_poll_on_another_gateway_answers_at_the_jobs_end(stores) ->
     a, b = stores
     run = FakeRun(gated=True)
     ja, jb = SharedJobJournal(a, LIMITS, 3600.0), SharedJobJournal(b, LIMITS, 3600.0)
-    on_a = store(run, ja, peers=SharedPeers(ja))
-    on_b = store(FakeRun(), jb, peers=SharedPeers(jb))
+    on_a = store(run, source=SharedJobs(ja))
+    on_b = store(FakeRun(), source=SharedJobs(jb))
     await on_a.start()
     await on_b.start()
     job = await on_a.submit("f", request(), prepared(), owner="alice")
@@ -269,7 +269,7 @@ async def claimed_by_b(stores) -> tuple[SharedJobJournal, SharedJobJournal, JobS
     await asyncio.to_thread(ja.accept, record(job_id(1)), 100)
     await asyncio.sleep(TTL_S * 2)
     await asyncio.to_thread(b.heartbeat)
-    jobs = store(FakeRun(), jb, peers=SharedPeers(jb))
+    jobs = store(FakeRun(), source=SharedJobs(jb))
     await jobs.start()
     return ja, jb, jobs, await asyncio.to_thread(jb.claim)
 
@@ -301,7 +301,7 @@ async def test_a_job_not_given_back_while_the_store_fails_is_given_back_later(
     not be claimed by anyone while b lives)."""
     b = stores[1]
     ja, jb, jobs, claimed = await claimed_by_b(stores)
-    monkeypatch.setattr(jobpeers, "RELEASE_PAUSE_S", 0.05)
+    monkeypatch.setattr(jobsource, "RELEASE_PAUSE_S", 0.05)
     monkeypatch.setattr(jb, "write", down)
     monkeypatch.setattr(jb, "release", down)
     assert await jobs.adopt(claimed) == 0 and jobs.jobs == {}
