@@ -28,7 +28,7 @@ from retouch.runtime.engine import (
     Work,
     WorkStatus,
 )
-from retouch.runtime.executor.core import WorkerStages
+from retouch.runtime.executor.stages import WorkerStages
 from retouch.runtime.maskaware.editor import BakeCancelled, EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.workers import PrePostPool
