@@ -21,7 +21,7 @@ from retouch.functions.errors import BadRequest, NotFound
 from retouch.functions.families import check_edit, check_reference
 from retouch.functions.imaging import mask_ratio
 from retouch.functions.spec import FunctionSpec
-from retouch.runtime.engine import EngineConfig, OnStep, Work
+from retouch.runtime.engineconfig import EngineConfig
 from retouch.runtime.executor.adapterhost import AdapterHost
 from retouch.runtime.executor.bakes import BakeQueue
 from retouch.runtime.executor.editors import Editors
@@ -31,6 +31,7 @@ from retouch.runtime.maskaware.request import EditRequest
 from retouch.runtime.pathchoice import PathChoice, choose_path
 from retouch.runtime.prediction import MaskFootprint
 from retouch.runtime.templates import BakeState, Template, TemplateCache
+from retouch.runtime.work import OnStep, Work
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from PIL import Image
 from retouch.functions import wire
 from retouch.functions.imaging import encode_image, mask_ratio
 from retouch.functions.spec import FunctionSpec
-from retouch.runtime.engine import Engine, OnStep, Output, Work
+from retouch.runtime.engine import Engine
 from retouch.runtime.executor.adapterhost import AdapterHost
 from retouch.runtime.executor.admission import InvocationAdmission
 from retouch.runtime.executor.bakes import BakeQueue
@@ -42,6 +42,7 @@ from retouch.runtime.models import ModelCache
 from retouch.runtime.pathchoice import PathChoice
 from retouch.runtime.reproducibility import in_effect as deterministic_mode
 from retouch.runtime.templates import Template, TemplateCache
+from retouch.runtime.work import OnStep, Output, Work
 from retouch.runtime.worker_server import POST, PRE
 
 

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from retouch.functions.errors import Canceled, ExecutorFull
-from retouch.runtime.engine import Work
+from retouch.runtime.work import Work
 
 CANCELED_IDS = 4096  # cancels that arrived before their invocation, remembered (bounded)
 

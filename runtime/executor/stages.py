@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from retouch.functions.adapters import AdapterSpec
-from retouch.runtime.engine import Work
 from retouch.runtime.maskaware.request import EditRequest
+from retouch.runtime.work import Work
 from retouch.runtime.workers import PrePostPool, WorkerDied
 
 log = logging.getLogger(__name__)
