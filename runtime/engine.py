@@ -42,35 +42,26 @@ from __future__ import annotations
 
 import itertools
 import logging
-import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, Protocol
 
-import torch
-
-from retouch.functions.adapters import AdapterSpec
 from retouch.functions.errors import Canceled, Unavailable
 from retouch.functions.imaging import composite, encode_image
-from retouch.runtime.adapters import BARE, AdapterUse
-from retouch.runtime.costmodel import LinearFit
+from retouch.runtime.batching import mixed_rows, same_set, schedule, starved, without_canceled
+from retouch.runtime.engineconfig import EngineConfig, EngineMode
 from retouch.runtime.maskaware.context import Mode
-from retouch.runtime.maskaware.editor import MaskAwareEditor
-from retouch.runtime.maskaware.loader import attached
-from retouch.runtime.maskaware.request import EditRequest, RequestState
-from retouch.runtime.mixedlora import RowAdapters, rows_with
+from retouch.runtime.mixedlora import rows_with
 from retouch.runtime.niceness import renice_this_thread
+from retouch.runtime.stepstats import EngineCounters, StepRecord, load_wait_ms, predicted_ms
+from retouch.runtime.work import Output, Stages, Work, WorkStatus
+
+__all__ = ["Engine", "EngineConfig", "EngineMode", "EngineUnavailable", "Work", "WorkStatus"]
 
 log = logging.getLogger(__name__)
 
-STEP_HISTORY = 512  # per-step records kept for /state
-MIN_LINE_STEPS = 12  # fewer steps give the median ratio, not a line
-LINE_STEPS = 96  # the latest steps a line is fitted on (4 560 pairs: ~1 ms per /state)
 STOP_JOIN_S = 30.0
 
 
@@ -84,273 +75,6 @@ class EngineUnavailable(Unavailable):
 
 class InjectedFault(RuntimeError):
     """Raised inside the engine loop by :meth:`Engine.inject_fault` (fault tests)."""
-
-
-class EngineMode(StrEnum):
-    CONTINUOUS = "continuous"
-    STATIC = "static"
-
-
-class WorkStatus(StrEnum):
-    """Where an invocation is in the engine (set by the engine as it moves it on)."""
-
-    ACCEPTED = "accepted"  # submitted: pre-processing (or waiting to be encoded inline)
-    WAITING_ADAPTERS = "waiting_adapters"  # encoded; its LoRA files are still being read
-    READY = "ready"  # in the ready queue, may join the next step
-    RUNNING = "running"  # in the running batch, one step per iteration
-    POSTPROCESSING = "postprocessing"  # denoised, being decoded
-    DONE = "done"
-    FAILED = "failed"
-    CANCELED = "canceled"
-
-    @property
-    def finished(self) -> bool:
-        return self in (WorkStatus.DONE, WorkStatus.FAILED, WorkStatus.CANCELED)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    mode: EngineMode = EngineMode.CONTINUOUS
-    max_batch: int = 8  # FlashPS: throughput plateaus around 8 (4 on small GPUs)
-    disaggregated: bool = True
-    bake_starvation_s: float = 30.0
-    # engine-thread time an iteration gives to attaching a waiting adapter set's layers, as
-    # a share of the last step's time (at least one layer: a load always progresses)
-    adapter_load_share: float = 0.1
-    # batches mix adapter sets (each row its own LoRA updates, runtime/mixedlora) instead
-    # of one set per batch, the sets taking turns; the executor's keys then omit the set
-    mixed_adapters: bool = False
-    # added to the engine thread's niceness (Linux, where a thread has its own): on a CPU
-    # the steps share cores with request handling, which must not wait behind a step
-    nice: int = 0
-
-
-@dataclass(frozen=True)
-class Output:
-    """What post-processing returns: the encoded image."""
-
-    image: bytes
-    width: int
-    height: int
-
-
-class Stages(Protocol):
-    """Where pre- and post-processing run when they are disaggregated (worker processes)."""
-
-    def encode(self, work: Work) -> Future: ...  # -> the editor's Encoded
-
-    def decode(self, work: Work, latents: torch.Tensor) -> Future: ...  # -> (bytes, w, h)
-
-
-Acquire = Callable[[], tuple[Any, dict[str, Any]]]  # -> (reader or None, cache info)
-OnStep = Callable[[int, int], None]  # (steps done, total steps), called on the engine thread
-
-
-@dataclass
-class Work:
-    """One invocation's life inside the engine, with its timestamps and counters."""
-
-    key: Hashable  # invocations with the same key can share a denoising step
-    model: str
-    family: str
-    scheduler: str
-    editor: MaskAwareEditor
-    request: EditRequest
-    fmt: str
-    acquire: Acquire  # makes the template host-resident (or not) at join time
-    future: Future = field(default_factory=Future)
-    id: int = 0  # set by the engine at submit
-    arrived: float = field(default_factory=time.perf_counter)
-    pre_done: float = 0.0
-    joined: float = 0.0
-    first_step: float = 0.0
-    last_step: float = 0.0
-    post_done: float = 0.0
-    encoded: Any = None
-    state: RequestState | None = None
-    reader: Any = None
-    cache: dict[str, Any] = field(default_factory=dict)
-    interruptions: int = 0
-    batch_sizes: list[int] = field(default_factory=list)
-    reader_released: bool = False
-    on_step: OnStep | None = None  # progress: must be cheap and never block
-    cancel_requested: bool = False  # set by Engine.cancel; honoured before the next step
-    status: WorkStatus = WorkStatus.ACCEPTED
-    feather_px: int | None = None  # composite into the template, this soft edge (None: off)
-    adapters: AdapterUse | None = None  # the model's adapter set (None: a model without any)
-    # The function's LoRA files, whose text-encoder parts encode its prompt (pre workers).
-    text_adapters: tuple[AdapterSpec, ...] = ()
-    # Pre-processing on the engine thread (no pre workers) when the editor's own encode
-    # would miss the function's text-encoder LoRAs; None: ``editor.encode``.
-    encode_inline: Callable[[EditRequest], Any] | None = None
-
-    @property
-    def path(self) -> str:
-        return "maskaware" if self.reader is not None else "stock"
-
-    def report(self, output: Output) -> dict[str, Any]:
-        ms = 1e3
-        return {
-            "output": output,
-            "path": self.path,
-            "cache": self.cache,
-            "timings": {
-                "pre_ms": (self.pre_done - self.arrived) * ms,
-                "queue_ms": (self.joined - self.pre_done) * ms,
-                "run_ms": (self.last_step - self.joined) * ms,
-                "post_ms": (self.post_done - self.last_step) * ms,
-            },
-            "engine": {
-                "steps": len(self.batch_sizes),
-                "interruptions": self.interruptions,
-                "batch_sizes": self.batch_sizes,
-            },
-        }
-
-
-@dataclass
-class StepRecord:
-    batch: int
-    overhead_ms: float  # engine-thread time assembling the batch before the forward
-    step_ms: float
-    load_wait_ms: float  # time blocks waited for cached rows during the step
-    sparse_blocks: int
-    blocks: int
-    predicted_ms: float = 0.0  # the plan's latency of the profiled blocks (0: no planner)
-    model: str = ""  # whose group stepped (a step runs one model's group)
-
-
-@dataclass
-class EngineCounters:
-    steps: int = 0
-    interruptions: int = 0
-    bakes: int = 0
-    canceled: int = 0
-    history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
-    # (planned, measured) ms pairs a previous engine left per model (``steprecords``): they
-    # fill the step fit's window until this engine's own steps displace them. Replaced
-    # whole (never mutated) by the deploy thread; the state path reads a snapshot.
-    prior: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
-
-    def own_pairs(self, model: str) -> list[tuple[float, float]]:
-        """This engine's planned steps of ``model`` as (planned, measured) ms pairs."""
-        return [
-            (r.predicted_ms, r.step_ms)
-            for r in list(self.history)
-            if r.model == model and r.predicted_ms > 0
-        ]
-
-    def summary(self) -> dict[str, Any]:
-        recent = list(self.history)
-        overhead = [r.overhead_ms for r in recent]
-        return {
-            "steps": self.steps,
-            "interruptions": self.interruptions,
-            "bakes": self.bakes,
-            "canceled": self.canceled,
-            "batch_overhead_ms_p50": statistics.median(overhead) if overhead else 0.0,
-            "step_ms_p50": statistics.median(r.step_ms for r in recent) if recent else 0.0,
-            "load_wait_ms_p50": statistics.median(r.load_wait_ms for r in recent)
-            if recent
-            else 0.0,
-            "batch_mean": statistics.fmean(r.batch for r in recent) if recent else 0.0,
-            "last_plan": {"sparse": recent[-1].sparse_blocks, "blocks": recent[-1].blocks}
-            if recent
-            else None,
-            **step_overhead(recent, [p for pairs in list(self.prior.values()) for p in pairs]),
-        }
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What :func:`schedule` decided for the next step: who joins the running batch, and
-    whose adapter set is attached between steps first."""
-
-    joining: tuple[Work, ...] = ()
-    loading: tuple[Work, ...] = ()
-
-
-def schedule(
-    ready: Sequence[Work],
-    running: Mapping[Hashable, int],
-    config: EngineConfig,
-    joined: Sequence[Work] = (),
-) -> Admission:
-    """Which ready invocations join before the next step (pure: the engine applies it).
-
-    ``running``: the size of every running group; ``joined``: invocations this iteration
-    admitted already (they count towards their group's size). Continuous mode: in arrival
-    order, each joins its group while the group has room (``max_batch``); while a batch
-    runs, one whose adapter set is not resident waits for it to be attached between steps
-    instead. Static mode: a batch forms only when nothing runs, from the oldest ready
-    invocation's group, and runs to completion."""
-    cap = config.max_batch
-    if config.mode is EngineMode.STATIC:
-        if running or not ready:
-            return Admission()
-        key = ready[0].key
-        return Admission(tuple([w for w in ready if w.key == key][:cap]))
-    sizes = dict(running)
-    for work in joined:
-        sizes[work.key] = sizes.get(work.key, 0) + 1
-    joining: list[Work] = []
-    loading: list[Work] = []
-    for work in ready:
-        if running and not (work.adapters is None or work.adapters.resident):
-            loading.append(work)  # attached between steps, then it joins
-        elif sizes.get(work.key, 0) < cap:
-            sizes[work.key] = sizes.get(work.key, 0) + 1
-            joining.append(work)
-    return Admission(tuple(joining), tuple(loading))
-
-
-def _mixed_rows(group: list[Work], editor: MaskAwareEditor, mixed: bool) -> RowAdapters | None:
-    """The per-row adapter plan of a group's step in mixed batching (None: the group runs
-    one set through peft, ``activate``). Every step with an adapter runs the rows' plan,
-    even of one set, so that batching never swaps; a batch of the bare model alone turns
-    peft's layers off instead (they then compute their base only)."""
-    uses = [w.adapters for w in group]
-    if any(u is None for u in uses):
-        return None
-    if not mixed and len({u.set_id for u in uses}) < 2:
-        return None
-    if all(u.set_id == BARE for u in uses):
-        return None
-    residency = uses[0].residency
-    per = editor.impl.rows_per_request
-    return residency.rows([u.set_id for u in uses], per, editor.device)
-
-
-def step_overhead(
-    records: list[StepRecord], prior: list[tuple[float, float]] | None = None
-) -> dict[str, float]:
-    """How steps really took against what the plan predicted for them: ``step_ms =
-    step_intercept_ms + step_slope × planned_ms``, fitted on the recent steps. It absorbs
-    the time outside the profiled blocks and a profile taken while the device was busier
-    or quieter than now; the gateway's predictions apply it to every planned step. With
-    too few steps or too little spread in the planned times for a line, the slope is the
-    median ratio. ``prior`` (planned, measured) pairs, a previous engine's, fill the
-    window while this engine has fewer than ``LINE_STEPS`` of its own."""
-    own = [(r.predicted_ms, r.step_ms) for r in records if r.predicted_ms > 0]
-    room = max(0, LINE_STEPS - len(own))
-    pairs = (prior[-room:] if prior and room else []) + own
-    if not pairs:
-        return {}
-    counts = {"step_fit_prior": len(pairs) - len(own)}
-    xs = [p for p, _ in pairs]
-    ys = [m for _, m in pairs]
-    mean = sum(xs) / len(xs)
-    if len(xs) >= MIN_LINE_STEPS and max(xs) - min(xs) > 0.3 * mean:
-        # The intercept may be negative: a profile with too large a fixed cost per block
-        # (taken while the device was shared) is corrected by a steeper, shifted line.
-        fit = LinearFit.fit_theil_sen(xs[-LINE_STEPS:], ys[-LINE_STEPS:])
-        if fit.slope > 0:
-            return {"step_intercept_ms": fit.intercept, "step_slope": fit.slope, **counts}
-    return {
-        "step_intercept_ms": 0.0,
-        "step_slope": statistics.median(y / x for x, y in zip(xs, ys, strict=True)),
-        **counts,
-    }
 
 
 class Engine:
@@ -426,7 +150,8 @@ class Engine:
         Raises :class:`EngineUnavailable` when the engine is dead or stopping."""
         with self._cv:
             if not self._accepting():
-                raise EngineUnavailable(self._refusal(), code=self._refusal_code())
+                message, code = refusal(self._error, self._stopping)
+                raise EngineUnavailable(message, code=code)
             work.id = next(self._ids)
             self._unfinished[work.id] = work
             work.future.add_done_callback(lambda _: self._forget(work))
@@ -479,16 +204,6 @@ class Engine:
         return (
             thread is not None and thread.is_alive() and not self._stopping and self._error is None
         )
-
-    def _refusal(self) -> str:
-        if self._error is not None:
-            return f"the engine died: {self._error}"
-        if self._stopping:
-            return "the executor is shutting down"
-        return "the engine is not running"
-
-    def _refusal_code(self) -> str:
-        return "engine_dead" if self._error is not None else "engine_unavailable"
 
     def _forget(self, work: Work) -> None:
         with self._cv:
@@ -546,13 +261,13 @@ class Engine:
 
     def error_message(self) -> str:
         with self._cv:
-            return self._refusal()
+            return refusal(self._error, self._stopping)[0]
 
     def _fail_unfinished(self, why: str) -> None:
         with self._cv:
             works = list(self._unfinished.values())
             self._ready.clear()
-            code = self._refusal_code()
+            code = refusal(self._error, self._stopping)[1]
         for work in works:
             self._fail(work, EngineUnavailable(why, code=code))
 
@@ -597,7 +312,7 @@ class Engine:
             if self._running:
                 self._step(started)
             elif not joining:
-                self._idle_background()
+                self._run_background()
 
     def _admit(self, admitted: list[Work] | None = None) -> list[Work]:
         """Ready invocations that join now (under the lock), as :func:`schedule` decides;
@@ -624,7 +339,7 @@ class Engine:
         except Exception as exc:
             log.exception("loading adapter set %s failed", use.set_id)
             with self._cv:
-                failed = [w for w in self._ready if _same_set(w.adapters, use)]
+                failed = [w for w in self._ready if same_set(w.adapters, use)]
                 for work in failed:
                     self._ready.remove(work)
             for work in failed:
@@ -634,7 +349,7 @@ class Engine:
     def _join(self, work: Work) -> None:
         try:
             if work.encoded is None:  # naive mode: pre-processing on the engine thread
-                self._interrupt()
+                interrupt(self._running, self.counters)
                 work.encoded = (work.encode_inline or work.editor.encode)(work.request)
                 work.pre_done = time.perf_counter()
             work.reader, work.cache = work.acquire()
@@ -647,21 +362,11 @@ class Engine:
         work.status = WorkStatus.RUNNING
         self._running.setdefault(work.key, []).append(work)
 
-    def _leave_canceled(self) -> None:
-        """Canceled invocations leave the running batch between steps."""
-        for key, group in list(self._running.items()):
-            gone = [w for w in group if w.cancel_requested]
-            if not gone:
-                continue
-            self._running[key] = [w for w in group if not w.cancel_requested]
-            if not self._running[key]:
-                del self._running[key]
-            for work in gone:
-                work.state = None
-                self._cancel_now(work)
-
     def _step(self, started: float) -> None:
-        self._leave_canceled()
+        self._running, gone = without_canceled(self._running)  # they leave between steps
+        for work in gone:
+            work.state = None
+            self._cancel_now(work)
         if not self._running:
             return
         keys = [k for k, v in self._running.items() if v]
@@ -670,7 +375,7 @@ class Engine:
         editor = group[0].editor
         states = [w.state for w in group]
         try:
-            mixed = _mixed_rows(group, editor, self.config.mixed_adapters)
+            mixed = mixed_rows(group, editor, self.config.mixed_adapters)
             if mixed is None and group[0].adapters is not None:  # its set, swapped in
                 group[0].adapters.activate()
             modes = editor.plan(states, editor.blocks)
@@ -694,10 +399,10 @@ class Engine:
                 len(group),
                 (t0 - started) * 1e3,
                 (t1 - t0) * 1e3,
-                _load_wait_ms(editor),
+                load_wait_ms(editor),
                 sparse,
                 len(modes),
-                _predicted_ms(editor),
+                predicted_ms(editor),
                 group[0].model,
             )
         )
@@ -726,7 +431,6 @@ class Engine:
         release = getattr(work.reader, "release", None)
         if release is not None:
             release()
-        work.reader_released = True
         work.state = None
         work.status = WorkStatus.POSTPROCESSING
         if self.config.disaggregated:
@@ -734,7 +438,7 @@ class Engine:
                 lambda f: self._post_finished(work, f)
             )
             return
-        self._interrupt()
+        interrupt(self._running, self.counters)
         try:
             image = work.editor.decode(latents, work.request)
             if work.feather_px is not None:
@@ -745,8 +449,10 @@ class Engine:
             self._fail(work, exc)
             return
         work.post_done = time.perf_counter()
-        if not work.future.done():
-            work.status = WorkStatus.DONE
+        if work.status.finished:  # failed meanwhile (a stopping engine)
+            return
+        work.status = WorkStatus.DONE
+        if not work.future.done():  # its waiter may have gone away
             work.future.set_result(work.report(output))
 
     def _post_finished(self, work: Work, fut: Future) -> None:
@@ -754,51 +460,45 @@ class Engine:
             self._fail(work, fut.exception())
             return
         work.post_done = time.perf_counter()
-        if not work.future.done():
-            work.status = WorkStatus.DONE
+        if work.status.finished:  # failed meanwhile (a stopping engine)
+            return
+        work.status = WorkStatus.DONE
+        if not work.future.done():  # its waiter may have gone away
             work.future.set_result(work.report(Output(*fut.result())))
 
-    def _interrupt(self) -> None:
-        """Non-denoising work on the engine thread while invocations are running."""
-        running = [w for group in self._running.values() for w in group]
-        if running:
-            self.counters.interruptions += 1
-        for work in running:
-            work.interruptions += 1
-
     def _fail(self, work: Work, exc: BaseException) -> None:
-        release = None if work.reader_released else getattr(work.reader, "release", None)
-        if release is not None:
-            work.reader_released = True
+        """End ``work`` with ``exc`` (once), releasing its reader unless it retired
+        already. Its status is set even when its waiter went away (its future canceled)."""
+        if work.status.finished:
+            return
+        release = getattr(work.reader, "release", None)
+        if release is not None and work.status is not WorkStatus.POSTPROCESSING:
             release()
+        work.status = WorkStatus.CANCELED if isinstance(exc, Canceled) else WorkStatus.FAILED
         if not work.future.done():
-            work.status = WorkStatus.CANCELED if isinstance(exc, Canceled) else WorkStatus.FAILED
             work.future.set_exception(exc)
 
     def _starved_job(self) -> Callable[[], None] | None:
-        """(lock held) The oldest background job, once it has waited ``bake_starvation_s``
-        *and* the load is sustained: some invocation that arrived after it was queued is
-        waiting or running. Without newer work the engine becomes idle when the current
-        invocations end, and the job runs then; so a single long edit (a first edit of an
-        uploaded image on a CPU) is not stalled by the bake it queued itself."""
+        """(lock held) The oldest background job, if it starved (:func:`starved`)."""
         if not self._background:
             return None
-        queued_at = self._background[0][0]
-        if time.perf_counter() - queued_at <= self.config.bake_starvation_s:
-            return None
         running = (w for group in self._running.values() for w in group)
-        if not any(w.arrived > queued_at for w in (*self._ready, *running)):
-            return None
-        return self._background.popleft()[1]
+        waiting = (*self._ready, *running)
+        now, limit = time.perf_counter(), self.config.bake_starvation_s
+        return (
+            self._background.popleft()[1]
+            if starved(self._background[0][0], waiting, now, limit)
+            else None
+        )
 
-    def _idle_background(self) -> None:
-        with self._cv:
-            job = self._background.popleft()[1] if self._background and not self._ready else None
-        if job is not None:
-            self._run_background(job)
-
-    def _run_background(self, job: Callable[[], None]) -> None:
-        """A bake: denoising work, but not for the running invocations (counted apart)."""
+    def _run_background(self, job: Callable[[], None] | None = None) -> None:
+        """A bake: denoising work, but not for the running invocations (counted apart);
+        ``job`` None: the oldest one, if no invocation is ready (an idle engine)."""
+        if job is None:
+            with self._cv:
+                if not self._background or self._ready:
+                    return
+                job = self._background.popleft()[1]
         try:
             job()
         except Exception:
@@ -806,21 +506,19 @@ class Engine:
         self.counters.bakes += 1
 
 
-def _same_set(a: AdapterUse | None, b: AdapterUse) -> bool:
-    return a is not None and a.residency is b.residency and a.set_id == b.set_id
+def refusal(error: str | None, stopping: bool) -> tuple[str, str]:
+    """Why an engine refuses work, and the error code that says it."""
+    if error is not None:
+        return f"the engine died: {error}", "engine_dead"
+    if stopping:
+        return "the executor is shutting down", "engine_unavailable"
+    return "the engine is not running", "engine_unavailable"
 
 
-def _predicted_ms(editor: MaskAwareEditor) -> float:
-    """What the step just run was expected to take: its layout's replay time from graph
-    warm-up (the gateway's tables hold the same), else the planner's latency (0 without
-    a cost model)."""
-    if editor.last_expected_s is not None:
-        return editor.last_expected_s * 1e3
-    plan = getattr(editor.plan, "last", None)
-    return plan.latency * 1e3 if plan is not None else 0.0
-
-
-def _load_wait_ms(editor: MaskAwareEditor) -> float:
-    """How long the step's blocks waited for cached rows (0 without a row loader)."""
-    loader = attached(editor)
-    return loader.last.wait_s * 1e3 if loader is not None and loader.last is not None else 0.0
+def interrupt(running: dict[Hashable, list[Work]], counters: EngineCounters) -> None:
+    """Count non-denoising work on the engine thread while invocations are running."""
+    works = [w for group in running.values() for w in group]
+    if works:
+        counters.interruptions += 1
+    for work in works:
+        work.interruptions += 1

@@ -26,12 +26,13 @@ from retouch.runtime import forkserver
 from retouch.runtime.engine import Engine, EngineConfig, EngineMode
 from retouch.runtime.executor.app import build_app, read_token
 from retouch.runtime.executor.changes import ChangeFeed
-from retouch.runtime.executor.core import ExecutorCore, WorkerStages
+from retouch.runtime.executor.core import ExecutorCore
 from retouch.runtime.executor.options import (
     ExecutorOptions,
     add_process_flags,
     check_process_flags,
 )
+from retouch.runtime.executor.stages import WorkerStages
 from retouch.runtime.httpserver import SERVER_OPTIONS
 from retouch.runtime.models import ModelCache
 from retouch.runtime.parentwatch import watch_parent

@@ -130,26 +130,12 @@ class FamilyModel:
         size = self.latent_size(request.height, request.width)
         return condition, inpaint.latent_mask(condition, size)
 
-    def latent_mask(self, request: EditRequest) -> torch.Tensor:
-        return self.masks(request)[1]
-
     def image_latents(self, image: Image.Image, vae_noise: torch.Tensor) -> torch.Tensor:
         return inpaint.template_latents(self.pipe, image, vae_noise, self.device, self.dtype)
 
     def new_scheduler(self) -> Any:
         """A request's own scheduler (schedulers hold per-request step state)."""
         return type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
-
-    def truncate(
-        self, scheduler: Any, timesteps: torch.Tensor, request: EditRequest
-    ) -> torch.Tensor:
-        """The pipelines' ``get_timesteps`` on a request's own scheduler: the schedule
-        without the steps its ``strength`` skips, the scheduler begun after them (so that
-        ``add_noise`` / ``scale_noise`` at the first kept timestep find their sigma)."""
-        begin = self.spec.skipped_steps(request.steps, request.strength) * scheduler.order
-        if hasattr(scheduler, "set_begin_index"):
-            scheduler.set_begin_index(begin)
-        return timesteps[begin:]
 
     # -- encode (a pre worker) ------------------------------------------------------------
 
@@ -251,7 +237,7 @@ class FamilyModel:
     ) -> torch.Tensor:
         """``[1, C, h, w]``: the template's initial noise outside the mask, the request's
         inside (what :meth:`encode` gives the engine)."""
-        return template_noise.compose(request_noise, self.latent_mask(request)[0, 0] > 0.5).latents
+        return template_noise.compose(request_noise, self.masks(request)[1][0, 0] > 0.5).latents
 
     def stock(
         self,
@@ -371,6 +357,18 @@ class Family:
     def token_cell(self, pipe: DiffusionPipeline) -> int:
         """Pixels per token of the coarsest token grid."""
         raise NotImplementedError
+
+
+def truncate(
+    spec: FamilySpec, scheduler: Any, timesteps: torch.Tensor, request: EditRequest
+) -> torch.Tensor:
+    """The pipelines' ``get_timesteps`` on a request's own scheduler: the schedule
+    without the steps its ``strength`` skips, the scheduler begun after them (so that
+    ``add_noise`` / ``scale_noise`` at the first kept timestep find their sigma)."""
+    begin = spec.skipped_steps(request.steps, request.strength) * scheduler.order
+    if hasattr(scheduler, "set_begin_index"):
+        scheduler.set_begin_index(begin)
+    return timesteps[begin:]
 
 
 def guided(state: RequestState, prediction: torch.Tensor) -> torch.Tensor:

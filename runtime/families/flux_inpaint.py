@@ -28,7 +28,7 @@ from diffusers import FluxInpaintPipeline
 from diffusers.pipelines.flux.pipeline_flux_inpaint import calculate_shift, retrieve_timesteps
 from PIL import Image
 
-from retouch.runtime.families.base import Family, FamilyModel
+from retouch.runtime.families.base import Family, FamilyModel, truncate
 from retouch.runtime.maskaware import flowstep, flux_blocks, flux_packed, inpaint
 from retouch.runtime.maskaware.context import ForwardContext, Mode, current
 from retouch.runtime.maskaware.flops import Flops, linear_flops
@@ -97,7 +97,7 @@ class FluxInpaint(FamilyModel):
         seq_len = (request.image.height // factor // 2) * (request.image.width // factor // 2)
         mu = self.shift(scheduler.config, seq_len, steps)
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        return scheduler, self.truncate(scheduler, timesteps, request)
+        return scheduler, truncate(self.spec, scheduler, timesteps, request)
 
     @staticmethod
     def shift(config: Mapping[str, Any], seq_len: int, steps: int) -> float:

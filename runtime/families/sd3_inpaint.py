@@ -33,7 +33,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3_inpaint 
     retrieve_timesteps,
 )
 
-from retouch.runtime.families.base import Family, FamilyModel, guided
+from retouch.runtime.families.base import Family, FamilyModel, guided, truncate
 from retouch.runtime.maskaware import flowstep, inpaint
 from retouch.runtime.maskaware.attention import Call, Processor, assemble, sdpa
 from retouch.runtime.maskaware.context import ForwardContext, current
@@ -98,7 +98,7 @@ class SD3Inpaint(FamilyModel):
                 config.get("max_shift", 1.16),
             )
         timesteps, _ = retrieve_timesteps(scheduler, request.steps, self.device, **kwargs)
-        return scheduler, self.truncate(scheduler, timesteps, request)
+        return scheduler, truncate(self.spec, scheduler, timesteps, request)
 
     def encode_prompt(self, prompt: str, negative_prompt: str) -> dict[str, torch.Tensor]:
         """The three text encoders, the negative prompt ("" if none) first."""

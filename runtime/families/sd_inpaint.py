@@ -24,7 +24,7 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint impo
 )
 from PIL import Image
 
-from retouch.runtime.families.base import Encoding, Family, FamilyModel, guided
+from retouch.runtime.families.base import Encoding, Family, FamilyModel, guided, truncate
 from retouch.runtime.maskaware import ddimstep, flowstep, unet_blocks
 from retouch.runtime.maskaware.context import ForwardContext
 from retouch.runtime.maskaware.flops import Flops, conv_flops, linear_flops
@@ -114,7 +114,7 @@ class SDInpaint(FamilyModel):
         hard = tensors["mask"][0, 0] > 0.5
         scheduler = self.new_scheduler()
         timesteps, _ = retrieve_timesteps(scheduler, request.steps, self.device)
-        timesteps = self.truncate(scheduler, timesteps, request)
+        timesteps = truncate(self.spec, scheduler, timesteps, request)
         latents = self.initial_latents(request, tensors, scheduler, timesteps)
         inputs = self.model_inputs(request, tensors)
         tokens = token_sets(

@@ -33,7 +33,7 @@ from diffusers.pipelines.z_image.pipeline_z_image_inpaint import (
 )
 from PIL import Image
 
-from retouch.runtime.families.base import Family, FamilyModel
+from retouch.runtime.families.base import Family, FamilyModel, truncate
 from retouch.runtime.maskaware import flowstep, inpaint, zimage_blocks
 from retouch.runtime.maskaware.context import ForwardContext, Mode
 from retouch.runtime.maskaware.flops import Flops, linear_flops
@@ -114,7 +114,7 @@ class ZImage(FamilyModel):
         timesteps, _ = retrieve_timesteps(
             scheduler, request.steps, self.device, sigmas=sigmas, mu=mu
         )
-        return scheduler, self.truncate(scheduler, timesteps, request)
+        return scheduler, truncate(self.spec, scheduler, timesteps, request)
 
     # -- encode -------------------------------------------------------------------------------
 
@@ -270,7 +270,7 @@ class ZImage(FamilyModel):
         the blend reads outside the mask (at any strength and seed)."""
         starts = []
         for request, (template, own) in zip(requests, noises, strict=True):
-            composed = template.compose(own, self.latent_mask(request)[0, 0] > 0.5).latents
+            composed = template.compose(own, self.masks(request)[1][0, 0] > 0.5).latents
             composed = composed.to(self.device, self.dtype)
             if request.strength < 1.0:
                 scheduler, timesteps = self._scheduler(request)

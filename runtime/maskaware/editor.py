@@ -28,7 +28,6 @@ inert outside mask-aware calls; no weight is touched, nothing is written back) a
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -39,9 +38,10 @@ from PIL import Image
 
 from retouch.runtime import families
 from retouch.runtime.families import Family, FamilyModel
-from retouch.runtime.maskaware.buckets import BucketBatch, Buckets
+from retouch.runtime.maskaware.buckets import Buckets
 from retouch.runtime.maskaware.context import ForwardContext, Mode, Slot, activate
 from retouch.runtime.maskaware.graphs import MAX_GRAPHS, StepGraphs, Weights, no_adapters
+from retouch.runtime.maskaware.layouts import StepLayouts
 from retouch.runtime.maskaware.loader import LoadMode
 from retouch.runtime.maskaware.noise import SeedNoise, compose
 from retouch.runtime.maskaware.request import (
@@ -52,7 +52,6 @@ from retouch.runtime.maskaware.request import (
     RequestState,
 )
 from retouch.runtime.maskaware.store import TEMPLATE_STEP, ActivationReader, ActivationWriter
-from retouch.runtime.maskaware.tokens import TokenBatch, TokenSet
 from retouch.runtime.plan import Planner
 from retouch.runtime.replaytimes import ReplayTimes
 
@@ -71,8 +70,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = 16  # token batches kept for re-use (one per recent set of masks)
-BUCKET_LAYOUTS = 256  # bucketed batches kept (one per grid, batch size, bucket, layout)
 TEMPLATE_BLOCK = "template"  # block name of the per-template tensors (step -1)
 
 Plan = Callable[[list[RequestState], list[str]], dict[str, Mode]]
@@ -116,10 +113,7 @@ class MaskAwareEditor:
         self._row_loader: RowLoader | None = None
         self._encoder: Encoder | None = None
         self._graphs: StepGraphs | None = None
-        self._layouts: OrderedDict[tuple, TokenBatch] = OrderedDict()
-        self._buckets: Buckets | None = None
-        self._bucketed: OrderedDict[tuple, BucketBatch] = OrderedDict()
-        self.padded_tokens = 0  # pad slots computed by bucketed steps, all told
+        self._layouts = StepLayouts(self.device)
         self.ungraphed_steps = 0  # steps with graphs on that could not use them (host rows)
         self._replays: ReplayTimes | None = None
         # the replay time warm-up measured for the layout of the step just run (None when
@@ -176,15 +170,19 @@ class MaskAwareEditor:
 
     @property
     def buckets(self) -> Buckets | None:
-        return self._buckets
+        return self._layouts.buckets
+
+    @property
+    def padded_tokens(self) -> int:
+        """Pad slots computed by bucketed steps, all told."""
+        return self._layouts.padded_tokens
 
     def set_buckets(self, buckets: Buckets | None) -> None:
         """Pad every request's masked tokens up to a bucket of ``buckets`` in later steps
         (``maskaware.buckets``): a step's shapes then depend on the bucket, not the mask,
         so one captured graph serves every mask of it. ``None``: exact layouts (no padded
         compute; a graph per set of masks)."""
-        self._buckets = buckets
-        self._bucketed.clear()
+        self._layouts.set_buckets(buckets)
 
     @property
     def blocks(self) -> list[str]:
@@ -223,9 +221,9 @@ class MaskAwareEditor:
         of edits with that strength (it starts from the template's latents part-way down
         the schedule: another trajectory, so another bake).
         """
-        self._require_denoiser()
+        require_denoiser(self)
         request = self.bake_request(image, prompt, seed, steps, guidance, mask, strength)
-        noise = self._draw(seed, image.height, image.width)
+        noise = draw(self.impl, seed, image.height, image.width)
         writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "noise", noise.latents)
         writer.put(TEMPLATE_STEP, TEMPLATE_BLOCK, "vae_noise", noise.vae)
         if encoded is None:  # its own seed is the template's: both noises are ``noise``
@@ -283,7 +281,7 @@ class MaskAwareEditor:
     ) -> list[Image.Image] | np.ndarray:
         """:meth:`stock_edit` for several requests in one pipeline call (same size, steps and
         guidance): the batched stock baseline."""
-        return self.impl.stock(requests, [self._noises(r) for r in requests], output_type)
+        return self.impl.stock(requests, [seed_noises(self.impl, r) for r in requests], output_type)
 
     # -- step-level API -------------------------------------------------------------------
 
@@ -299,8 +297,9 @@ class MaskAwareEditor:
         """
         if self._encoder is not None:
             return self._encoder(request, template_latents)
-        template, own = self._noises(request)
-        return self._encode(request, template, own, template_latents)
+        template, own = seed_noises(self.impl, request)
+        tensors = self.impl.encode(request, template, own, template_latents)
+        return Encoded(self.family, request.height, request.width, tensors)
 
     @torch.inference_mode()
     def assemble(
@@ -314,7 +313,7 @@ class MaskAwareEditor:
         pipeline's result while it batches with mask-aware requests. A request with its own
         reference image reads nothing either: the bake's reference tokens are the template's.
         """
-        self._require_denoiser()
+        require_denoiser(self)
         if request.reference is not None:
             reader = None
         if (encoded.family, encoded.height, encoded.width) != (
@@ -328,7 +327,7 @@ class MaskAwareEditor:
             )
         tensors = dict(encoded.tensors)
         if reader is not None:
-            tensors.update(self._template_tensors(reader, encoded))
+            tensors.update(template_tensors(self.impl, reader, encoded))
         state = self.impl.assemble(request, tensors, every=reader is None)
         state.reader = reader
         return state
@@ -336,7 +335,9 @@ class MaskAwareEditor:
     @torch.inference_mode()
     def prepare(self, request: EditRequest, reader: ActivationReader | None) -> RequestState:
         """:meth:`encode` then :meth:`assemble`, in this process."""
-        return self.assemble(request, self.encode(request, self._cached_latents(reader)), reader)
+        return self.assemble(
+            request, self.encode(request, cached_latents(self.impl, reader)), reader
+        )
 
     @torch.inference_mode()
     def step(
@@ -355,47 +356,31 @@ class MaskAwareEditor:
         """
         if not states:
             return
-        self._require_denoiser()
+        require_denoiser(self)
         if any(s.done for s in states):
             raise ValueError("a finished request cannot take another step")
         sizes = set(states[0].tokens)
         if any(set(s.tokens) != sizes for s in states):
             raise ValueError("requests in one step must share the resolution")
-        run = self._padded_batch(states)
+        run = self._layouts.padded_batch(states)
         step_tokens = {size: tuple(s.step_tokens[size] for s in run) for size in sizes}
-        grids = self._grids(step_tokens, packed)
         per = self.impl.rows_per_request
+        packed = packed and self.packed and self.impl.packs
+        grids = self._layouts.grids(step_tokens, per, packed)
         slots = [Slot(s.index, reader=s.step_reader) for s in run]
         ctx = ForwardContext(slots, per, {}, grids)
         graphed = (
-            self._graphs is not None and self._graphable() and StepGraphs.usable(ctx, self.device)
+            self._graphs is not None
+            and graphable(self._row_loader)
+            and StepGraphs.usable(ctx, self.device)
         )
         ctx.modes = self._plan_step(run, graphed) if modes is None else modes
         if graphed:
             ctx.runner = self._graphs
         elif self._graphs is not None:
             self.ungraphed_steps += 1
-        self.last_expected_s = self._replayed_s(states) if graphed else None
+        self.last_expected_s = replayed_s(self._replays, states) if graphed else None
         self._run(ctx, states, run)
-
-    def _replayed_s(self, states: list[RequestState]) -> float | None:
-        """The measured replay time of this step's layout: stock when no request reads
-        cached rows, else the bucket of its largest mask on the finest grid."""
-        if self._replays is None:
-            return None
-        if all(s.step_reader is None for s in states):
-            return self._replays.stock_step_s(len(states))
-        finest = max(states[0].step_tokens, key=lambda size: size[0] * size[1])
-        fraction = max(s.step_tokens[finest].ratio for s in states)
-        return self._replays.step_s(len(states), fraction)
-
-    def _padded_batch(self, states: list[RequestState]) -> list[RequestState]:
-        """The batch as it runs: with batch-size buckets, padded up to one by repeating its
-        last request (read-only in the forward; its copy's prediction is dropped and only
-        the real requests advance), so a batch of 3 replays the graph of 4."""
-        if self._buckets is None:
-            return states
-        return states + [states[-1]] * (self._buckets.batch_size(len(states)) - len(states))
 
     def _plan_step(self, states: list[RequestState], graphed: bool) -> dict[str, Mode]:
         """The planner's modes. A graphed step's rows are all copied into its static
@@ -405,60 +390,6 @@ class MaskAwareEditor:
         if graphed and isinstance(self._plan, Planner):
             return self._plan(states, self.blocks, resident=True)
         return self._plan(states, self.blocks)
-
-    def _graphable(self) -> bool:
-        """Graphs replay no Python: not with a loader that times or preloads blocks."""
-        loader = self._row_loader
-        return loader is None or (
-            not loader.hooks and loader.mode in (LoadMode.SYNC, LoadMode.OVERLAPPED)
-        )
-
-    def _grids(
-        self, sets: dict[tuple[int, int], tuple[TokenSet, ...]], packed: bool = True
-    ) -> dict[tuple[int, int], TokenBatch | BucketBatch]:
-        """The step's token layout on every grid: bucketed when buckets are declared and
-        every request has a masked token on every grid (a pad repeats one), else exact."""
-        per = self.impl.rows_per_request
-        packed = packed and self.packed and self.impl.packs
-        padding = None if self._buckets is None else self._buckets.padding(sets.values())
-        if padding is None:
-            return {size: self._layout(group, per, packed) for size, group in sets.items()}
-        grids = {}
-        for size, group in sets.items():
-            n_tokens = group[0].n_tokens
-            batch = self._bucket_batch(size, n_tokens, len(group), padding[n_tokens], packed)
-            grids[size] = batch.fill(group)
-            self.padded_tokens += batch.padded_tokens
-        return grids
-
-    def _bucket_batch(
-        self, size: tuple[int, int], n_tokens: int, requests: int, bucket: int, packed: bool
-    ) -> BucketBatch:
-        """The one bucketed batch of this shape, refilled every step it serves (a graph
-        captured with it replays with its buffers)."""
-        per = self.impl.rows_per_request
-        key = (size, requests, per, packed, bucket)
-        batch = self._bucketed.get(key)
-        if batch is None:
-            batch = BucketBatch(n_tokens, requests, per, bucket, packed, self.device)
-            self._bucketed[key] = batch
-            while len(self._bucketed) > BUCKET_LAYOUTS:
-                self._bucketed.popitem(last=False)
-        self._bucketed.move_to_end(key)
-        return batch
-
-    def _layout(self, sets: tuple[TokenSet, ...], per: int, packed: bool) -> TokenBatch:
-        """The token batch of these sets, re-used while the batch's masks stay the same (its
-        device index tensors are made once, and a captured step can refer to them)."""
-        key = (tuple(s.digest for s in sets), per, packed)
-        batch = self._layouts.get(key)
-        if batch is None:
-            batch = TokenBatch(sets, per, packed, self.device)
-            self._layouts[key] = batch
-            while len(self._layouts) > LAYOUTS:
-                self._layouts.popitem(last=False)
-        self._layouts.move_to_end(key)
-        return batch
 
     def final_latents(self, state: RequestState) -> torch.Tensor:
         """The finished request's latents as a host tensor (what a post worker decodes)."""
@@ -502,55 +433,67 @@ class MaskAwareEditor:
         for state in states:
             state.index += 1
 
-    def _encode(
-        self,
-        request: EditRequest,
-        template: SeedNoise,
-        own: SeedNoise,
-        template_latents: torch.Tensor | None = None,
-    ) -> Encoded:
-        tensors = self.impl.encode(request, template, own, template_latents)
-        return Encoded(self.family, request.height, request.width, tensors)
 
-    def _noises(self, request: EditRequest) -> tuple[SeedNoise, SeedNoise]:
-        height, width = request.image.height, request.image.width
-        return self._draw(request.template_seed, height, width), self._draw(
-            request.seed, height, width
+def require_denoiser(editor: MaskAwareEditor) -> None:
+    """Refuse denoising work on a pre/post worker's pipeline (loaded without its denoiser)."""
+    if not editor.has_denoiser:
+        raise RuntimeError(
+            f"this {editor.family} editor was loaded without its denoiser (a pre/post "
+            "worker's pipeline): it can encode and decode, not denoise"
         )
 
-    def _draw(self, seed: int, height: int, width: int) -> SeedNoise:
-        """A seed's noises at an image size, in the family's order of draws."""
-        shape = self.impl.noise_shape(height, width)
-        return SeedNoise.draw(seed, shape, torch.float32, vae_first=self.impl.vae_noise_first)
 
-    def _cached_latents(self, reader: ActivationReader | None) -> torch.Tensor | None:
-        """The template's image latents from its cache, for a family that stores them
-        (spares encoding them)."""
-        if reader is None or "image_latents" not in self.impl.template_tensors:
-            return None
-        return reader.get(TEMPLATE_STEP, TEMPLATE_BLOCK, "image_latents")
+def graphable(loader: RowLoader | None) -> bool:
+    """Graphs replay no Python: not with a loader that times or preloads blocks."""
+    return loader is None or (
+        not loader.hooks and loader.mode in (LoadMode.SYNC, LoadMode.OVERLAPPED)
+    )
 
-    def _template_tensors(
-        self, reader: ActivationReader, encoded: Encoded
-    ) -> dict[str, torch.Tensor]:
-        """The cached per-template tensors that replace encoded ones (the cache is the truth).
 
-        The encoded noise drew the template's part from ``template_seed``; a bake with
-        another seed would leave the unmasked region (and SD's masked-image latents)
-        inconsistent with the cached rows, so that is refused.
-        """
-        noise = encoded.tensors["noise"]
-        baked = reader.get(TEMPLATE_STEP, TEMPLATE_BLOCK, "noise").to(noise.dtype)
-        if not torch.equal(compose(baked, noise, encoded.latent_mask), noise):
-            raise ValueError(
-                "the request's template_seed is not the seed its template was baked with"
-            )
-        cached = self._cached_latents(reader)
-        return {} if cached is None else {"image_latents": cached}
+def replayed_s(replays: ReplayTimes | None, states: list[RequestState]) -> float | None:
+    """The measured replay time of a step's layout: stock when no request reads cached
+    rows, else the bucket of its largest mask on the finest grid (None: none measured)."""
+    if replays is None:
+        return None
+    if all(s.step_reader is None for s in states):
+        return replays.stock_step_s(len(states))
+    finest = max(states[0].step_tokens, key=lambda size: size[0] * size[1])
+    fraction = max(s.step_tokens[finest].ratio for s in states)
+    return replays.step_s(len(states), fraction)
 
-    def _require_denoiser(self) -> None:
-        if not self.has_denoiser:
-            raise RuntimeError(
-                f"this {self.family} editor was loaded without its denoiser (a pre/post "
-                "worker's pipeline): it can encode and decode, not denoise"
-            )
+
+def seed_noises(impl: FamilyModel, request: EditRequest) -> tuple[SeedNoise, SeedNoise]:
+    """The template's and the request's noises at the request's image size."""
+    height, width = request.image.height, request.image.width
+    return draw(impl, request.template_seed, height, width), draw(impl, request.seed, height, width)
+
+
+def draw(impl: FamilyModel, seed: int, height: int, width: int) -> SeedNoise:
+    """A seed's noises at an image size, in the family's order of draws."""
+    shape = impl.noise_shape(height, width)
+    return SeedNoise.draw(seed, shape, torch.float32, vae_first=impl.vae_noise_first)
+
+
+def cached_latents(impl: FamilyModel, reader: ActivationReader | None) -> torch.Tensor | None:
+    """The template's image latents from its cache, for a family that stores them
+    (spares encoding them)."""
+    if reader is None or "image_latents" not in impl.template_tensors:
+        return None
+    return reader.get(TEMPLATE_STEP, TEMPLATE_BLOCK, "image_latents")
+
+
+def template_tensors(
+    impl: FamilyModel, reader: ActivationReader, encoded: Encoded
+) -> dict[str, torch.Tensor]:
+    """The cached per-template tensors that replace encoded ones (the cache is the truth).
+
+    The encoded noise drew the template's part from ``template_seed``; a bake with
+    another seed would leave the unmasked region (and SD's masked-image latents)
+    inconsistent with the cached rows, so that is refused.
+    """
+    noise = encoded.tensors["noise"]
+    baked = reader.get(TEMPLATE_STEP, TEMPLATE_BLOCK, "noise").to(noise.dtype)
+    if not torch.equal(compose(baked, noise, encoded.latent_mask), noise):
+        raise ValueError("the request's template_seed is not the seed its template was baked with")
+    cached = cached_latents(impl, reader)
+    return {} if cached is None else {"image_latents": cached}

@@ -28,7 +28,7 @@ from retouch.runtime.engine import (
     Work,
     WorkStatus,
 )
-from retouch.runtime.executor.core import WorkerStages
+from retouch.runtime.executor.stages import WorkerStages
 from retouch.runtime.maskaware.editor import BakeCancelled, EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 from retouch.runtime.workers import PrePostPool
@@ -337,10 +337,31 @@ def test_cancel_leaves_the_batch_at_the_next_step_and_others_go_on(editor, baked
     assert np.abs(x - y).max() <= 1
 
 
+def test_a_work_whose_waiter_left_still_ends_done(editor, baked) -> None:
+    """A waiter that goes away (asyncio cancels the future it wrapped when its task is
+    canceled) leaves the work to finish in the engine: it still ends ``DONE``, not
+    ``POSTPROCESSING`` for ever."""
+    request, store = baked
+    engine = Engine(EngineConfig(EngineMode.CONTINUOUS, disaggregated=False), None).start()
+    try:
+        work = _work(editor, request, store, seed=4)
+        future = engine.submit(work)
+        _wait_steps(work, 1)
+        assert future.cancel()  # what asyncio.wrap_future does to it
+        deadline = time.monotonic() + 120
+        while not work.status.finished:
+            assert time.monotonic() < deadline, f"the work stayed {work.status}"
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert work.status is WorkStatus.DONE
+    assert len(work.batch_sizes) == STEPS
+
+
 def test_step_fit_turns_planned_time_into_observed() -> None:
     """The calibration the gateway's prediction applies: a line when planned times spread,
     the median ratio when they do not (a profile taken on a busier machine: slope < 1)."""
-    from retouch.runtime.engine import StepRecord, step_overhead
+    from retouch.runtime.stepstats import StepRecord, step_overhead
 
     planned = [100.0, 200.0, 300.0, 400.0, 500.0] * 4
     spread = [StepRecord(1, 0.0, 10 + 0.5 * p, 0.0, 0, 4, p) for p in planned]
@@ -364,7 +385,7 @@ def test_step_fit_turns_planned_time_into_observed() -> None:
 def test_kept_steps_seed_the_fit_until_the_engines_own_displace_them() -> None:
     """A new engine fits on the steps a previous one left (``runtime/steprecords``):
     with none of its own it already has the line; its own steps take the window over."""
-    from retouch.runtime.engine import LINE_STEPS, StepRecord, step_overhead
+    from retouch.runtime.stepstats import LINE_STEPS, StepRecord, step_overhead
 
     planned = [100.0, 200.0, 300.0, 400.0, 500.0] * 20
     kept = [(p, 10 + 0.5 * p) for p in planned]  # the previous engine's line

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from retouch.runtime.engine import EngineConfig, EngineMode, schedule
+from retouch.runtime.batching import schedule
+from retouch.runtime.engineconfig import EngineConfig, EngineMode
 
 
 @dataclass(eq=False)
