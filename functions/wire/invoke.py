@@ -75,19 +75,26 @@ class InvokeRequest(Struct):
     # again alone), as its own invocation (they share denoising steps in the engine).
     num_images_per_prompt: Annotated[int, Field(ge=1, le=MAX_IMAGES_PER_PROMPT)] = 1
 
-    @model_validator(mode="after")
-    def _one_input(self) -> InvokeRequest:
-        if self.image is None and self.template is None:
-            raise BadRequest(
-                "field 'template' (or 'image', an uploaded image) is required",
-                field="template",
-                code="missing_field",
-            )
-        if self.image is not None and self.template is not None:
-            raise BadRequest(
-                "send either 'template' or 'image', not both", field="image", code="invalid_field"
-            )
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _one_input(cls, data: Any) -> Any:
+        """A template or an uploaded image, never both: checked first, so an empty body
+        is told the request's first field."""
+        if isinstance(data, dict):
+            template, image = data.get("template"), data.get("image")
+            if image is None and template is None:
+                raise BadRequest(
+                    "field 'template' (or 'image', an uploaded image) is required",
+                    field="template",
+                    code="missing_field",
+                )
+            if image is not None and template is not None:
+                raise BadRequest(
+                    "send either 'template' or 'image', not both",
+                    field="image",
+                    code="invalid_field",
+                )
+        return data
 
     def images(self) -> list[InvokeRequest]:
         """One request per image asked for: image i with seed ``seed + i`` (mod 2^63)."""
