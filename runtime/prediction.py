@@ -3,7 +3,7 @@ forward with the executor's cost model and the bubble-free plan the executor its
 
 One function, :func:`predict`, used by placement, admission, the autoscaler and the
 simulator. It is torch-free (the gateway imports it) and shares the plan code with the
-executor's :class:`~retouch.runtime.plan.Planner`: each step of a batch is costed by
+executor's :class:`~retouch.runtime.planner.Planner`: each step of a batch is costed by
 ``plan_step(cost_model.block_costs(tokens), policy)``, the very call the planner makes, plus
 what the profile leaves out (time outside the profiled blocks, fitted by the executor from
 its own steps: :class:`StepCalibration`).

@@ -29,7 +29,8 @@ from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach
 from retouch.runtime.maskaware.warmup import warm_graphs
 from retouch.runtime.models import ModelCache
 from retouch.runtime.pathchoice import StepTimes
-from retouch.runtime.plan import Policy, make_planner
+from retouch.runtime.plan import Policy
+from retouch.runtime.planner import make_planner
 from retouch.runtime.prediction import plan_table
 from retouch.runtime.profiling import (
     cached_profile,

@@ -52,7 +52,7 @@ from retouch.runtime.maskaware.request import (
     RequestState,
 )
 from retouch.runtime.maskaware.store import TEMPLATE_STEP, ActivationReader, ActivationWriter
-from retouch.runtime.plan import Planner
+from retouch.runtime.planner import Planner
 from retouch.runtime.replaytimes import ReplayTimes
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class MaskAwareEditor:
         return self._plan
 
     def set_planner(self, plan: Plan) -> None:
-        """Declare the planner of every later step (e.g. ``runtime.plan.make_planner``)."""
+        """Declare the planner of every later step (e.g. ``runtime.planner.make_planner``)."""
         self._plan = plan
 
     def set_replay_times(self, replays: ReplayTimes | None) -> None:

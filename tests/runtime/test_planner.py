@@ -14,7 +14,8 @@ from retouch.runtime.costmodel import BlockProfile, CostModel, LinearFit
 from retouch.runtime.maskaware.context import Mode
 from retouch.runtime.maskaware.request import EditRequest, RequestState
 from retouch.runtime.maskaware.tokens import TokenSet
-from retouch.runtime.plan import Policy, batch_tokens, make_planner
+from retouch.runtime.plan import Policy
+from retouch.runtime.planner import batch_tokens, make_planner
 from retouch.runtime.prediction import plan_table
 
 BLOCKS = ["b0", "b1", "b2", "b3"]

@@ -18,7 +18,7 @@ from retouch.runtime.fingerprint import model_fingerprint
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.loader import attached, family_rows
 from retouch.runtime.maskaware.store import MemoryActivations
-from retouch.runtime.plan import make_planner
+from retouch.runtime.planner import make_planner
 from retouch.runtime.profiling import (
     ProfileConfig,
     load_or_profile,

@@ -53,8 +53,9 @@ from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor, Reque
 from retouch.runtime.maskaware.loader import LoadMode, RowLoader, attach, family_rows
 from retouch.runtime.maskaware.store import ActivationReader, MemoryActivations, fetch_rows
 from retouch.runtime.models import pick_device, synchronize
-from retouch.runtime.plan import BlockCost, Planner, batch_tokens, evaluate, make_planner
+from retouch.runtime.plan import BlockCost, evaluate
 from retouch.runtime.plan import sequential_latency as predicted_sequential
+from retouch.runtime.planner import Planner, batch_tokens, make_planner
 from retouch.runtime.profiling import ProfileConfig, measure_load_line, profile_editor
 
 log = logging.getLogger(__name__)
