@@ -181,14 +181,20 @@ def _settled(client: Client, timeout: float = 600.0) -> None:
 def _measure(
     clients: dict[str, Client], mask: np.ndarray, requests: int, steps: int, label: str
 ) -> dict[str, dict[str, float]]:
-    """Small invocations alternating between the gateways (same noise for both)."""
+    """Small invocations alternating between the gateways (same noise for all), in an
+    order that rotates every request."""
     samples: dict[str, dict[str, list[float]]] = {
         name: {"overhead": [], "outside": [], "round": []} for name in clients
     }
     for client in clients.values():
         client.invoke("tiny-flux", "shirt", mask, "warm up", steps=steps)
+    names = list(clients)
     for i in tqdm(range(requests), desc=f"gateway {label}", unit="req"):
-        for name, client in clients.items():
+        # each gateway first in turn: the one measured right after another's invocation
+        # shares the machine with that one's tail (its executor's change feed, logging)
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for name in order:
+            client = clients[name]
             t0 = time.perf_counter()
             result = client.invoke("tiny-flux", "shirt", mask, "a hat", seed=i, steps=steps)
             s = samples[name]
