@@ -94,10 +94,14 @@ def without_canceled(
     running: Mapping[Hashable, list[Work]],
 ) -> tuple[dict[Hashable, list[Work]], list[Work]]:
     """The running groups without their canceled invocations (a group left empty goes),
-    and those canceled, in group order: they leave the batch between steps."""
+    and those canceled, in group order: they leave the batch between steps. Called every
+    step: groups without a cancel are kept as they are (no copy)."""
     kept: dict[Hashable, list[Work]] = {}
     gone: list[Work] = []
     for key, group in running.items():
+        if not any(w.cancel_requested for w in group):
+            kept[key] = group
+            continue
         gone += [w for w in group if w.cancel_requested]
         stay = [w for w in group if not w.cancel_requested]
         if stay:

@@ -363,7 +363,9 @@ class Engine:
         self._running.setdefault(work.key, []).append(work)
 
     def _step(self, started: float) -> None:
-        self._running, gone = without_canceled(self._running)  # they leave between steps
+        kept, gone = without_canceled(self._running)  # they leave between steps
+        if gone:
+            self._running = kept
         for work in gone:
             work.state = None
             self._cancel_now(work)
