@@ -63,19 +63,19 @@ def run_gateway_bench(
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="retouch-bench-") as tmp, ExitStack() as stack:
         configs = {name: [*args, *THREADS] for name, args in CONFIGS.items()}
-        envs: dict[str, dict[str, str]] = {}
-        entries: dict[str, str] = {}
+        started: dict[str, dict[str, Any]] = {}  # how a config's server starts, if not as ours
         if ray:
             address = stack.enter_context(ray_cluster(1))
             configs["ray"] = ["--provider", "ray", "--ray-address", address, *THREADS]
         if baseline is not None:
             configs["baseline"] = list(THREADS)
-            envs["baseline"] = {"PYTHONPATH": str(importable_checkout(baseline, Path(tmp)))}
-            entries["baseline"] = cli_module(baseline)
+            started["baseline"] = {
+                "env": {"PYTHONPATH": str(importable_checkout(baseline, Path(tmp)))},
+                "entry": cli_module(baseline),
+            }
         clients = {}
         for name, args in configs.items():
-            server = ServerProcess(Path(tmp) / name, extra_args=args, env=envs.get(name, {}))
-            server.entry = entries.get(name, server.entry)
+            server = ServerProcess(Path(tmp) / name, extra_args=args, **started.get(name, {}))
             stack.enter_context(server)
             client = stack.enter_context(Client(server.url))
             client.deploy_file(examples / "tiny-flux.toml")
