@@ -473,10 +473,10 @@ class TemplateCache:
         out: dict[str, dict[str, TemplateStatus]] = {}
         for t in tracked:
             out.setdefault(t.function, {})[t.id] = TemplateStatus(
-                t.state,
-                t.bakes,
-                t.key,
-                t.error,
+                state=t.state,
+                bakes=t.bakes,
+                key=t.key,
+                error=t.error,
                 upload=t.upload,
                 bytes=t.nbytes,
                 host=self.store.resident(t.key),

@@ -4,15 +4,16 @@ invocation stream; and the vocabulary of deploys, bakes and executor phases."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from retouch.functions.errors import BadRequest, RetouchError
-from retouch.functions.wire.codec import as_map, enum_or
+from retouch.functions.wire.codec import as_map
 from retouch.functions.wire.invoke import InvokeResult
+from retouch.functions.wire.struct import NULL_AS_DEFAULTS, Message, lenient
 
 
 class DeployStatus(StrEnum):
@@ -34,6 +35,8 @@ class BakeState(StrEnum):
     BAKED = "baked"
     FAILED = "failed"
 
+
+ReadBakeState = lenient(BakeState, BakeState.UNBAKED)  # a state this reader does not know
 
 # Most advanced first: the gateway reports the best state any executor of the host has.
 BAKE_PROGRESS = (
@@ -67,11 +70,12 @@ class ExecutorPhase(StrEnum):
 # ---- an executor's state, as it reports it to the gateway --------------------------------
 
 
-@dataclass(frozen=True)
-class TemplateStatus:
+class TemplateStatus(Message):
     """One template on one executor: bake state, bakes done, cache key, last bake error."""
 
-    state: BakeState
+    model_config = ConfigDict(frozen=True)
+
+    state: ReadBakeState = BakeState.UNBAKED
     bakes: int = 0
     key: str = ""
     error: str | None = None
@@ -80,36 +84,11 @@ class TemplateStatus:
     host: bool = False  # host-resident now
     device: bool = False  # resident in the executor's device tier (GPU memory): no load at all
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "state": self.state.value,
-            "bakes": self.bakes,
-            "key": self.key,
-            "error": self.error,
-            "upload": self.upload,
-            "bytes": self.bytes,
-            "host": self.host,
-            "device": self.device,
-        }
 
-    @classmethod
-    def from_wire(cls, obj: Any) -> TemplateStatus:
-        body = obj if isinstance(obj, dict) else {}
-        return cls(
-            enum_or(BakeState, body.get("state"), BakeState.UNBAKED),
-            int(body.get("bakes", 0)),
-            str(body.get("key", "")),
-            body.get("error"),
-            bool(body.get("upload", False)),
-            int(body.get("bytes", 0)),
-            bool(body.get("host", False)),
-            bool(body.get("device", False)),
-        )
-
-
-@dataclass(frozen=True)
-class EngineStats:
+class EngineStats(Message):
     """The engine's liveness, load and recent per-step figures."""
+
+    model_config = ConfigDict(frozen=True)
 
     mode: str = "continuous"
     max_batch: int = 8
@@ -154,72 +133,61 @@ class EngineStats:
     graph_budget_bytes: int = 0
     padded_tokens: int = 0
 
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
 
-    @classmethod
-    def from_wire(cls, obj: Any) -> EngineStats:
-        body = obj if isinstance(obj, dict) else {}
-        return cls(**{f.name: body[f.name] for f in fields(cls) if f.name in body})
-
-
-@dataclass(frozen=True)
-class CacheInfo:
+class CacheInfo(Message):
     """The activation store as cheaply known (no disk scan): host-tier occupancy and the
-    store's monotonic counters (hits, loads, bakes, evictions, ...)."""
+    store's monotonic counters (hits, loads, bakes, evictions, ...), which travel beside
+    the named fields in one map."""
+
+    model_config = ConfigDict(frozen=True)
 
     host_bytes: int = 0
     host_budget_bytes: int = 0
     host_templates: int = 0
     prefetches_in_flight: int = 0
-    counters: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, int | float] = Field(default_factory=dict)
 
-    def to_wire(self) -> dict[str, Any]:
+    @model_validator(mode="before")
+    @classmethod
+    def _counters_beside(cls, body: Any) -> Any:
+        """On the wire the counters are keys of the map itself: gathered here."""
+        if not isinstance(body, dict) or "counters" in body:
+            return body
+        named = cls.model_fields.keys()
         return {
-            **self.counters,
-            "host_bytes": self.host_bytes,
-            "host_budget_bytes": self.host_budget_bytes,
-            "host_templates": self.host_templates,
-            "prefetches_in_flight": self.prefetches_in_flight,
+            **{k: v for k, v in body.items() if k in named},
+            "counters": {
+                k: v
+                for k, v in body.items()
+                if k not in named and isinstance(v, int | float) and not isinstance(v, bool)
+            },
         }
 
-    @classmethod
-    def from_wire(cls, obj: Any) -> CacheInfo:
-        body = dict(obj) if isinstance(obj, dict) else {}
-        named = {f.name for f in fields(cls)} - {"counters"}
-        return cls(
-            **{k: int(body.pop(k)) for k in list(body) if k in named},
-            counters={k: v for k, v in body.items() if isinstance(v, int | float)},
-        )
+    def to_wire(self) -> dict[str, Any]:
+        return {**self.counters, **self.model_dump(exclude={"counters"})}
 
 
-@dataclass(frozen=True)
-class DeviceMemory:
+class DeviceMemory(Message):
     """The executor's GPU memory in bytes (all 0 on a CPU executor): what the device holds
     in all (``total``), free to any process (``free``), and this process's torch allocator
     (``allocated`` by live tensors, ``reserved`` in its cache)."""
+
+    model_config = ConfigDict(frozen=True)
 
     total: int = 0
     free: int = 0
     allocated: int = 0
     reserved: int = 0
 
-    def to_wire(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    @classmethod
-    def from_wire(cls, obj: Any) -> DeviceMemory:
-        body = obj if isinstance(obj, dict) else {}
-        return cls(**{f.name: int(body.get(f.name, 0)) for f in fields(cls)})
-
-
-@dataclass(frozen=True)
-class AdapterStats:
+class AdapterStats(Message):
     """An executor's LoRA adapter figures since it started (``runtime/adapters``): files
     read from disk (in the background) and injected into a denoiser (between steps),
     changes of the adapter set a step runs with, steps whose rows ran their own sets' updates
     (mixed batching), sets
     evicted for the byte budget, and the milliseconds each took in all."""
+
+    model_config = ConfigDict(frozen=True)
 
     reads: int = 0
     loads: int = 0
@@ -243,18 +211,11 @@ class AdapterStats:
         """A change of the active set between steps as measured here (0: none yet)."""
         return self.swap_ms / self.swaps if self.swaps else 0.0
 
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
 
-    @classmethod
-    def from_wire(cls, obj: Any) -> AdapterStats:
-        body = obj if isinstance(obj, dict) else {}
-        return cls(**{f.name: body[f.name] for f in fields(cls) if f.name in body})
-
-
-@dataclass(frozen=True)
-class ExecutorState:
+class ExecutorState(Message):
     """What an executor reports on ``GET /state``: the gateway's typed view of it."""
+
+    model_config = ConfigDict(frozen=True)
 
     name: str
     pid: int
@@ -266,95 +227,48 @@ class ExecutorState:
     models: tuple[str, ...] = ()  # loaded
     loading: tuple[str, ...] = ()  # being loaded or profiled
     functions: tuple[str, ...] = ()
-    generations: dict[str, int] = field(default_factory=dict)  # of each function's deploy
+    generations: dict[str, int] = Field(default_factory=dict)  # of each function's deploy
     queued: int = 0  # accepted and not answered
     completed: int = 0
     failed: int = 0
-    engine: EngineStats = field(default_factory=EngineStats)
-    templates: dict[str, dict[str, TemplateStatus]] = field(default_factory=dict)
-    cost_models: dict[str, dict[str, Any]] = field(default_factory=dict)  # CostModel.to_dict
-    cache: CacheInfo = field(default_factory=CacheInfo)
-    workers: dict[str, int] = field(default_factory=dict)  # pre/post worker processes (pid)
-    gpu_memory: DeviceMemory = field(default_factory=DeviceMemory)
+    engine: Annotated[EngineStats, NULL_AS_DEFAULTS] = Field(default_factory=EngineStats)
+    templates: dict[str, dict[str, TemplateStatus]] = Field(default_factory=dict)
+    cost_models: dict[str, dict[str, Any]] = Field(default_factory=dict)  # CostModel.to_dict
+    cache: Annotated[CacheInfo, NULL_AS_DEFAULTS] = Field(default_factory=CacheInfo)
+    workers: dict[str, int] = Field(default_factory=dict)  # pre/post worker processes (pid)
+    gpu_memory: Annotated[DeviceMemory, NULL_AS_DEFAULTS] = Field(default_factory=DeviceMemory)
     # Adapter sets (``FunctionSpec.adapter_set``) whose weights are resident on the device,
     # least recently used first: placement adds no load cost for these.
     adapters: tuple[str, ...] = ()
-    adapter_stats: AdapterStats = field(default_factory=AdapterStats)
+    adapter_stats: Annotated[AdapterStats, NULL_AS_DEFAULTS] = Field(default_factory=AdapterStats)
+
+    @field_validator("generations", "templates", "cost_models", "workers", mode="before")
+    @classmethod
+    def _null_as_empty(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @field_validator("models", "loading", "functions", "adapters", mode="before")
+    @classmethod
+    def _null_as_none(cls, value: Any) -> Any:
+        return () if value is None else value
 
     def template(self, function: str, template: str) -> TemplateStatus | None:
         return self.templates.get(function, {}).get(template)
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "pid": self.pid,
-            "device": self.device,
-            "maskaware": self.maskaware,
-            "deterministic": self.deterministic,
-            "mixed_adapters": self.mixed_adapters,
-            "models": list(self.models),
-            "loading": list(self.loading),
-            "functions": list(self.functions),
-            "generations": self.generations,
-            "queued": self.queued,
-            "completed": self.completed,
-            "failed": self.failed,
-            "engine": self.engine.to_wire(),
-            "templates": {
-                fn: {tid: t.to_wire() for tid, t in tpls.items()}
-                for fn, tpls in self.templates.items()
-            },
-            "cost_models": self.cost_models,
-            "cache": self.cache.to_wire(),
-            "workers": self.workers,
-            "gpu_memory": self.gpu_memory.to_wire(),
-            "adapters": list(self.adapters),
-            "adapter_stats": self.adapter_stats.to_wire(),
-        }
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> ExecutorState:
-        body = as_map(obj)
-        return cls(
-            name=str(body["name"]),
-            pid=int(body["pid"]),
-            device=str(body["device"]),
-            maskaware=bool(body.get("maskaware", True)),
-            deterministic=bool(body.get("deterministic", False)),
-            mixed_adapters=bool(body.get("mixed_adapters", False)),
-            models=tuple(body.get("models", ())),
-            loading=tuple(body.get("loading", ())),
-            functions=tuple(body.get("functions", ())),
-            generations={str(k): int(v) for k, v in (body.get("generations") or {}).items()},
-            queued=int(body.get("queued", 0)),
-            completed=int(body.get("completed", 0)),
-            failed=int(body.get("failed", 0)),
-            engine=EngineStats.from_wire(body.get("engine")),
-            templates={
-                fn: {tid: TemplateStatus.from_wire(t) for tid, t in tpls.items()}
-                for fn, tpls in (body.get("templates") or {}).items()
-            },
-            cost_models=dict(body.get("cost_models") or {}),
-            cache=CacheInfo.from_wire(body.get("cache")),
-            workers={str(k): int(v) for k, v in (body.get("workers") or {}).items()},
-            gpu_memory=DeviceMemory.from_wire(body.get("gpu_memory")),
-            adapters=tuple(str(a) for a in body.get("adapters") or ()),
-            adapter_stats=AdapterStats.from_wire(body.get("adapter_stats")),
-        )
+        return {**self.model_dump(exclude={"cache"}), "cache": self.cache.to_wire()}
 
 
 # ---- the executor's invocation stream (POST /invoke/stream) ------------------------------
 
 
-@dataclass(frozen=True)
-class StepProgress:
+class StepProgress(Message):
     """One denoising step of an invocation done, as the executor's engine reports it."""
+
+    model_config = ConfigDict(frozen=True)
 
     step: int  # steps done, 1..total
     total: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"progress": {"step": self.step, "total": self.total}}
 
 
 class ChangeKind(StrEnum):
@@ -367,62 +281,34 @@ class ChangeKind(StrEnum):
     ADAPTERS = "adapters"  # an adapter set became resident on the device, or was evicted
 
 
-@dataclass(frozen=True)
-class ExecutorChange:
+class ExecutorChange(Message):
     """One numbered event of an executor's change feed."""
+
+    model_config = ConfigDict(frozen=True)
 
     version: int
     kind: ChangeKind
     function: str = ""
     template: str = ""
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "kind": self.kind.value,
-            "function": self.function,
-            "template": self.template,
-        }
 
-    @classmethod
-    def from_wire(cls, obj: Any) -> ExecutorChange:
-        body = as_map(obj)
-        return cls(
-            int(body["version"]),
-            ChangeKind(body["kind"]),
-            str(body.get("function", "")),
-            str(body.get("template", "")),
-        )
-
-
-@dataclass(frozen=True)
-class ExecutorChanges:
+class ExecutorChanges(Message):
     """The answer to ``GET /changes?after=N``: the events after N, the feed's version, and
     ``reset`` when some were missed (the feed dropped them, or the executor restarted and
     counts from 0 again): the reader then re-reads the whole state."""
+
+    model_config = ConfigDict(frozen=True)
 
     version: int
     changes: tuple[ExecutorChange, ...] = ()
     reset: bool = False
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "changes": [c.to_wire() for c in self.changes],
-            "reset": self.reset,
-        }
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> ExecutorChanges:
-        body = as_map(obj)
-        return cls(
-            int(body["version"]),
-            tuple(ExecutorChange.from_wire(c) for c in body.get("changes", ())),
-            bool(body.get("reset", False)),
-        )
-
 
 Frame = StepProgress | InvokeResult | RetouchError
+
+
+def progress_frame(progress: StepProgress) -> dict[str, Any]:
+    return {"progress": progress.to_wire()}
 
 
 def result_frame(result: InvokeResult) -> dict[str, Any]:
@@ -437,8 +323,7 @@ def parse_frame(obj: Any) -> Frame:
     """A frame of the executor's stream: step progress, then one result or one error."""
     body = as_map(obj)
     if "progress" in body:
-        p = as_map(body["progress"])
-        return StepProgress(int(p["step"]), int(p["total"]))
+        return StepProgress.from_wire(body["progress"])
     if "result" in body:
         return InvokeResult.from_wire(body["result"])
     if "error" in body:

@@ -10,15 +10,21 @@ is checked against :class:`InvokeRequest` by a test.
 from __future__ import annotations
 
 import secrets
-from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, ConfigDict, Field, model_validator
 
 from retouch.functions.errors import BadRequest
-from retouch.functions.wire.codec import as_map, enum_or
-from retouch.functions.wire.struct import Struct, WireArray, WireBytes, WireSize
+from retouch.functions.wire.struct import (
+    NULL_AS_DEFAULTS,
+    Message,
+    Struct,
+    WireArray,
+    WireBytes,
+    WireSize,
+    lenient,
+)
 
 OUTPUT_FORMATS = ("png", "webp", "raw")
 OutputFormat = Literal["png", "webp", "raw"]
@@ -144,8 +150,7 @@ class ExecutorInvoke(Struct):
     image_reference: WireArray | None = None
 
 
-@dataclass
-class Timings:
+class Timings(Message):
     """Where an invocation's time went: pre-processing (text/VAE encode), waiting to join
     a batch, denoising, post-processing (VAE decode, image encoding), end to end; and, in
     the gateway, the time it waited there for an executor slot."""
@@ -159,11 +164,6 @@ class Timings:
     # From the moment the gateway placed it to its result: predicted then, and actual.
     predicted_ms: float = 0.0
     placed_ms: float = 0.0
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> Timings:
-        body = obj if isinstance(obj, dict) else {}
-        return cls(**{f.name: float(body.get(f.name, 0.0)) for f in fields(cls)})
 
 
 class InvokePath(StrEnum):
@@ -183,107 +183,56 @@ class CacheTier(StrEnum):
     NONE = "none"
 
 
-@dataclass(frozen=True)
-class CacheRead:
+Tier = lenient(CacheTier, CacheTier.NONE)
+HowComputed = lenient(InvokePath, InvokePath.STOCK)
+
+
+class CacheRead(Message):
     """Where an edit's cached activations came from and how long it waited for them.
 
     ``found`` is where the template was when the invocation reached its executor, before
     the prefetch that starts then: what placement chose (host = an affinity hit). ``tier``
     is where the read found it, after the prefetch had (or had not) brought it in."""
 
-    tier: CacheTier = CacheTier.NONE
+    model_config = ConfigDict(frozen=True)
+
+    tier: Tier = CacheTier.NONE
     wait_ms: float = 0.0
-    found: CacheTier = CacheTier.NONE
+    found: Tier = CacheTier.NONE
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"tier": self.tier.value, "wait_ms": self.wait_ms, "found": self.found.value}
-
+    @model_validator(mode="before")
     @classmethod
-    def from_wire(cls, obj: Any) -> CacheRead:
-        body = obj if isinstance(obj, dict) else {}
-        tier = enum_or(CacheTier, body.get("tier"), CacheTier.NONE)
-        found = enum_or(CacheTier, body.get("found"), tier)  # an older executor: as read
-        return cls(tier, float(body.get("wait_ms", 0.0)), found)
+    def _found_as_read(cls, body: Any) -> Any:
+        """An older executor's answer has no ``found``: where the read found it."""
+        if isinstance(body, dict) and "found" not in body and "tier" in body:
+            return {**body, "found": body["tier"]}
+        return body
 
 
-@dataclass(frozen=True)
-class RunStats:
+class RunStats(Message):
     """An invocation's denoising: steps run, interruptions, batch size at each step."""
+
+    model_config = ConfigDict(frozen=True)
 
     steps: int = 0
     interruptions: int = 0
     batch_sizes: tuple[int, ...] = ()
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "interruptions": self.interruptions,
-            "batch_sizes": list(self.batch_sizes),
-        }
 
-    @classmethod
-    def from_wire(cls, obj: Any) -> RunStats:
-        body = obj if isinstance(obj, dict) else {}
-        return cls(
-            int(body.get("steps", 0)),
-            int(body.get("interruptions", 0)),
-            tuple(int(b) for b in body.get("batch_sizes", ())),
-        )
-
-
-@dataclass
-class InvokeResult:
+class InvokeResult(Message):
     """An invocation's answer, from the executor to the gateway and on to the client."""
 
+    template: str = ""  # the template edited (``upload:<hash>`` for an uploaded image)
+    seed: int | None = None  # the seed it ran with (the gateway's; drawn when none was sent)
     image: bytes
     format: str
     width: int
     height: int
     mask_ratio: float
     executor: str
-    path: InvokePath
-    timings: Timings = field(default_factory=Timings)
-    cache: CacheRead = field(default_factory=CacheRead)
-    engine: RunStats = field(default_factory=RunStats)
+    path: HowComputed = InvokePath.STOCK
     path_reason: str = ""  # why this path: the executor's step times, or what was missing
+    timings: Annotated[Timings, NULL_AS_DEFAULTS] = Field(default_factory=Timings)
+    cache: Annotated[CacheRead, NULL_AS_DEFAULTS] = Field(default_factory=CacheRead)
+    engine: Annotated[RunStats, NULL_AS_DEFAULTS] = Field(default_factory=RunStats)
     attempts: int = 1  # executors it was sent to (more than one after an executor was lost)
-    template: str = ""  # the template edited (``upload:<hash>`` for an uploaded image)
-    seed: int | None = None  # the seed it ran with (the gateway's; drawn when none was sent)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "template": self.template,
-            "seed": self.seed,
-            "image": self.image,
-            "format": self.format,
-            "width": self.width,
-            "height": self.height,
-            "mask_ratio": self.mask_ratio,
-            "executor": self.executor,
-            "path": self.path.value,
-            "path_reason": self.path_reason,
-            "timings": asdict(self.timings),
-            "cache": self.cache.to_wire(),
-            "engine": self.engine.to_wire(),
-            "attempts": self.attempts,
-        }
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> InvokeResult:
-        body = as_map(obj)
-        return cls(
-            image=bytes(body["image"]),
-            format=str(body["format"]),
-            width=int(body["width"]),
-            height=int(body["height"]),
-            mask_ratio=float(body["mask_ratio"]),
-            executor=str(body["executor"]),
-            path=InvokePath(body.get("path", InvokePath.STOCK)),
-            path_reason=str(body.get("path_reason", "")),
-            timings=Timings.from_wire(body.get("timings")),
-            cache=CacheRead.from_wire(body.get("cache")),
-            engine=RunStats.from_wire(body.get("engine")),
-            attempts=int(body.get("attempts", 1)),
-            template=str(body.get("template", "")),
-            seed=None if body.get("seed") is None else int(body["seed"]),
-        )

@@ -6,13 +6,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any, Self
 
 import httpx
+from pydantic import BeforeValidator, model_validator
 
 from retouch.functions.errors import BadRequest
 from retouch.functions.wire.codec import as_map
 from retouch.functions.wire.invoke import InvokeRequest
+from retouch.functions.wire.struct import Struct
 
 
 class JobStatus(StrEnum):
@@ -133,17 +135,46 @@ def _check_host_name(host: str, field: str) -> None:
             )
 
 
-@dataclass(frozen=True)
-class JobRequest:
+def _webhook(value: Any) -> Any:
+    return str(parse_target_url(value))
+
+
+def _webhook_events(raw: Any) -> tuple[WebhookEvent, ...]:
+    if not isinstance(raw, list | tuple) or not raw:
+        raise BadRequest(
+            "webhook_events must be a non-empty list of started, progress, completed",
+            field="webhook_events",
+            code="invalid_field",
+        )
+    try:
+        return tuple(dict.fromkeys(WebhookEvent(e) for e in raw))
+    except (ValueError, TypeError):
+        raise BadRequest(
+            f"webhook_events: unknown event in {raw!r}; known: started, progress, completed",
+            field="webhook_events",
+            code="invalid_field",
+        ) from None
+
+
+REPORTING = ("webhook", "webhook_events", "webhook_format")  # a job's fields beside the invoke's
+
+
+class JobRequest(Struct):
     """``POST /v1/functions/{name}/jobs``: an invocation plus where to report on it, and
-    in which form (``webhook_format``; a prediction's is ``replicate``)."""
+    in which form (``webhook_format``; a prediction's is ``replicate``). On the wire the
+    reporting fields sit beside the invocation's own, in one map."""
 
     invoke: InvokeRequest
-    webhook: str | None = None
-    webhook_events: tuple[WebhookEvent, ...] = DEFAULT_WEBHOOK_EVENTS
-    webhook_format: WebhookFormat = WebhookFormat.RETOUCH
+    webhook: Annotated[str, BeforeValidator(_webhook)] | None = None
+    webhook_events: Annotated[tuple[WebhookEvent, ...], BeforeValidator(_webhook_events)] = (
+        DEFAULT_WEBHOOK_EVENTS
+    )
+    webhook_format: Annotated[
+        WebhookFormat, BeforeValidator(lambda v: _choice(v, WebhookFormat, "webhook_format"))
+    ] = WebhookFormat.RETOUCH
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _one_image(self) -> Self:
         if self.invoke.num_images_per_prompt != 1:
             # A job is one image: one seat in the queue, one placement, one cancel, one
             # retained result, one ``output`` link (invoke fans several out into jobs).
@@ -153,34 +184,13 @@ class JobRequest:
                 field="num_images_per_prompt",
                 code="unsupported_field",
             )
+        return self
 
     @classmethod
-    def from_wire(cls, obj: Any) -> JobRequest:
+    def from_wire(cls, obj: Any) -> Self:
         body = as_map(obj)
-        webhook = None if body.get("webhook") is None else str(parse_target_url(body["webhook"]))
-        events = DEFAULT_WEBHOOK_EVENTS
-        if body.get("webhook_events") is not None:
-            raw = body["webhook_events"]
-            if not isinstance(raw, list | tuple) or not raw:
-                raise BadRequest(
-                    "webhook_events must be a non-empty list of started, progress, completed",
-                    field="webhook_events",
-                    code="invalid_field",
-                )
-            try:
-                events = tuple(dict.fromkeys(WebhookEvent(e) for e in raw))
-            except (ValueError, TypeError) as exc:
-                raise BadRequest(
-                    f"webhook_events: unknown event in {raw!r}; known: started, progress, completed",
-                    field="webhook_events",
-                    code="invalid_field",
-                ) from exc
-        form = WebhookFormat.RETOUCH
-        if body.get("webhook_format") is not None:
-            form = _choice(body["webhook_format"], WebhookFormat, "webhook_format")
-        reporting = ("webhook", "webhook_events", "webhook_format")
-        invoke = {k: v for k, v in body.items() if k not in reporting}
-        return cls(InvokeRequest.from_wire(invoke), webhook, events, form)
+        invoke = InvokeRequest.from_wire({k: v for k, v in body.items() if k not in REPORTING})
+        return super().from_wire({**{k: body[k] for k in REPORTING if k in body}, "invoke": invoke})
 
     def to_wire(self) -> dict[str, Any]:
         out = self.invoke.to_wire()

@@ -1,6 +1,11 @@
 """Messages declared once: a :class:`Struct`'s fields (type, range, default, wire names)
 give its decoding, validation, encoding and the error that names the field.
 
+Two strictnesses, one mechanism: a :class:`Struct` is what a caller sends (strict: every
+field checked, an unknown one refused), a :class:`Message` what another retouch process
+answers (lenient: an executor one version older or newer is still read, see its
+docstring).
+
 Built on pydantic in strict mode, so a number is never read from a string or a bool, and
 every failure becomes the API's one error shape (:class:`BadRequest`: ``missing_field``,
 ``unknown_field`` with the closest known name, ``invalid_field``), naming the field as the
@@ -11,7 +16,8 @@ everywhere on retouch's wire.
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Self
+from enum import StrEnum
+from typing import Annotated, Any, Self, TypeVar
 
 from pydantic import (
     AliasChoices,
@@ -24,7 +30,9 @@ from pydantic import (
 )
 
 from retouch.functions.errors import BadRequest, unknown_field_message
-from retouch.functions.wire.codec import RawArray, as_map, decode_bytes, parse_size
+from retouch.functions.wire.codec import RawArray, as_map, decode_bytes, enum_or, parse_size
+
+E = TypeVar("E", bound=StrEnum)
 
 
 class Struct(BaseModel):
@@ -86,6 +94,40 @@ class Struct(BaseModel):
             return BadRequest(message, field=name, code="unknown_field")
         text = str(error["msg"])
         return BadRequest(f"{name}: {text[:1].lower()}{text[1:]}", field=name, code="invalid_field")
+
+
+class Message(BaseModel):
+    """An answer or frame from another retouch process (an executor's result, state or
+    stream frames), read leniently on purpose: a field the reader does not know is
+    ignored, a missing one takes its default, numbers are coerced (an ``int`` where a
+    ``float`` is declared) and an unknown enum value falls back (:func:`lenient`), so a
+    gateway and its executors need not be upgraded at once. A message that still cannot be
+    read is a :class:`BadRequest` naming the field."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        try:
+            return cls.model_validate(as_map(obj))
+        except ValidationError as exc:
+            raise Struct._bad_request(exc) from None
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True)
+
+
+def lenient(kind: type[E], default: E) -> Any:
+    """``kind``, read as ``default`` when the value is not one of its members."""
+    return Annotated[kind, BeforeValidator(lambda v: enum_or(kind, v, default))]
+
+
+def _null_as_empty(value: Any) -> Any:
+    return {} if value is None else value
+
+
+# On a nested message's field: ``null`` reads as the message's defaults, as absence does.
+NULL_AS_DEFAULTS = BeforeValidator(_null_as_empty)
 
 
 def _bytes(value: Any, info: ValidationInfo) -> Any:

@@ -182,7 +182,7 @@ class FrontDoor:
             for one in request.images():
                 jobs.append(
                     await self.accept(
-                        fn, JobRequest(one), durable=durable, owner=owner, upload=upload
+                        fn, JobRequest(invoke=one), durable=durable, owner=owner, upload=upload
                     )
                 )
         except BaseException:
@@ -391,7 +391,7 @@ class FrontDoor:
         result = await self.dispatcher.invoke(
             prepared.invocation, prepared.placement, on_start, on_progress, prepared.seat
         )
-        result = dataclasses.replace(result, seed=prepared.invocation.seed)
+        result = result.model_copy(update={"seed": prepared.invocation.seed})
         if prepared.frame is not None:
             fn = self.servable(job.function)
             result = await self._paste(prepared.frame, result, fn, job.request.invoke)
@@ -428,8 +428,8 @@ class FrontDoor:
                 return encode_image(Image.fromarray(pasted, "RGB"), req.format)
 
             image = await self.images.work(width * height, encoded)
-        return dataclasses.replace(
-            result, image=image, format=req.format, width=width, height=height
+        return result.model_copy(
+            update={"image": image, "format": req.format, "width": width, "height": height}
         )
 
 

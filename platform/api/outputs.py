@@ -40,7 +40,7 @@ async def serve_output(jobs: JobStore, request: Request) -> Response:
         job = await jobs.get(job_id, OPEN)  # the link's signature is the authorization
     except NotFound as exc:
         raise NotFound("the image is gone", field="name", code="image_not_found") from exc
-    jobs.links.check_lifetime(expires, jobs.retained_until(job))
+    jobs.links.check_lifetime(expires, job.retained_until(jobs.retention_s))
     result = (await jobs.document(job)).get("result")
     if result is None:
         raise NotFound("the image is gone", field="name", code="image_not_found")

@@ -82,7 +82,12 @@ def job_request(body: dict[str, Any]) -> JobRequest:
     events = webhook_events(body.get("webhook_events_filter"))
     try:
         invoke = InvokeRequest.from_wire(body["input"])
-        return JobRequest(invoke, webhook, events, WebhookFormat.REPLICATE)
+        return JobRequest(
+            invoke=invoke,
+            webhook=webhook,
+            webhook_events=events,
+            webhook_format=WebhookFormat.REPLICATE,
+        )
     except RetouchError as exc:
         in_input(exc, reading_input=True)
         raise

@@ -20,7 +20,6 @@ photo is among them). The pixels travel to the executor as a raw RGB8 array.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import os
@@ -116,7 +115,7 @@ class UploadNames:
             fn: {t: status for t, status in tpls.items() if self.shown(t, viewer)}
             for fn, tpls in state.templates.items()
         }
-        return dataclasses.replace(state, templates=templates).to_wire()
+        return state.model_copy(update={"templates": templates}).to_wire()
 
     def own_residency(self, residency: dict[str, str], viewer: Principal) -> dict[str, str]:
         """An executor's ``{"fn/template": tier}`` with the uploads ``viewer`` may see."""

@@ -9,10 +9,12 @@ webhooks carry, without the image).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from retouch.functions.errors import RetouchError
@@ -37,6 +39,14 @@ RECORD_VERSION = 1
 RUN_SEQ_SPAN = 1_000_000
 PROGRESS_BAR = 10  # characters of a log's progress bar
 MAX_EVENTS = 512  # kept per live job for late readers (progress is throttled, so rarely reached)
+
+
+class Runner(StrEnum):
+    """Which gateway runs a job, as this gateway knows it: its readers follow it here, or
+    through the shared store (``platform/jobs/following.py``, ``platform/jobs/mirrors.py``)."""
+
+    HERE = "here"
+    ELSEWHERE = "elsewhere"  # its record is read and its cancel asked through the store
 
 
 @dataclass(frozen=True)
@@ -117,14 +127,16 @@ class Job:
     output: str | None = None  # a succeeded job's signed image link (the job store signs it)
     retained_bytes: int = 0  # charged to its owner: payload while live, result once finished
     run: int = 0  # how many times a gateway resumed it from the journal
-    # A copy read from the shared state store: another gateway runs (or ran) it, so this
-    # one shows its record and asks the store, never the pool, to cancel it.
-    mirror: bool = False
+    runner: Runner = Runner.HERE  # in memory only (ELSEWHERE: a copy of a stored record)
     _seq: int = 0  # the last event id given (journaled in the final record)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _first_step: float | None = None  # monotonic time of the first progress frame
     _last_progress_event: float = 0.0
     _readers: int = 0  # event streams reading it now: its history is kept for them
+
+    def retained_until(self, retention_s: float) -> float:
+        """When a finished job's record and result are removed (``inf`` while it runs)."""
+        return math.inf if self.completed_at is None else self.completed_at + retention_s
 
     @property
     def ended(self) -> bool:

@@ -69,7 +69,7 @@ def slim_request(request: JobRequest, template: str) -> JobRequest:
     """``request`` without its payload (mask and uploaded image): what a finished job
     keeps. ``template``: what it edited (an upload's content id when it uploaded one)."""
     invoke = request.invoke.model_copy(update={"template": template, "mask": b"", "image": None})
-    return dataclasses.replace(request, invoke=invoke)
+    return request.model_copy(update={"invoke": invoke})
 
 
 def shed_payload(job: Job) -> None:
@@ -87,7 +87,7 @@ def shed_image(job: Job) -> None:
     """Finished results are kept for a day: their images stay in their records (read
     back when asked for), not in memory."""
     if job.result is not None and job.result.image:
-        job.result = dataclasses.replace(job.result, image=b"")
+        job.result = job.result.model_copy(update={"image": b""})
         job.image_on_disk = True
 
 

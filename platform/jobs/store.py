@@ -23,14 +23,15 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from retouch.functions.errors import Canceled, Conflict, NotFound, RetouchError
+from retouch.functions.errors import Canceled, NotFound, RetouchError
 from retouch.functions.wire.executor import StepProgress
 from retouch.functions.wire.invoke import InvokeResult
 from retouch.functions.wire.jobs import JobEvent, JobEventKind, JobRequest, JobStatus, check_job_id
-from retouch.platform.jobs.job import END_EVENT, Job, PreparedInvocation, new_job_id
+from retouch.platform.jobs.following import Following, RunHere
+from retouch.platform.jobs.job import END_EVENT, Job, PreparedInvocation, Runner, new_job_id
 from retouch.platform.jobs.links import LinkSigner
 from retouch.platform.jobs.mirrors import Mirrors
 from retouch.platform.jobs.retention import (
@@ -90,7 +91,8 @@ class JobStore:
         self.jobs: dict[str, Job] = {}
         self._tasks: list[asyncio.Task] = []
         self.retention = Retention(limits or RetentionLimits(), retention_s)
-        self.mirrors = Mirrors(source, self.jobs, self.output_url)
+        self.here = RunHere(cancel, self.follow)
+        self.mirrors = Mirrors(source, self.jobs, self.output_url, self.follow)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -147,7 +149,7 @@ class JobStore:
     async def get(self, job_id: str, viewer: Principal) -> Job:
         """The job, if ``viewer`` may see it: another tenant's job is as unknown as a
         missing one (the same 404), so ids cannot be probed. A job another gateway runs
-        is read from the source (a :attr:`Job.mirror`)."""
+        is read from the source (its runner ``ELSEWHERE``)."""
         job = self.jobs.get(check_job_id(job_id))
         if job is None:
             job = await self.mirrors.read(job_id)
@@ -174,18 +176,12 @@ class JobStore:
         page = Listing(tenant, status, function, limit, before)
         return await self.source.listing(page, self.mirrors.known)
 
-    def retained_until(self, job: Job) -> float:
-        """When a finished job's record and result are removed (``inf`` while it runs)."""
-        if job.completed_at is None:
-            return math.inf
-        return job.completed_at + self.retention_s
-
     def output_url(self, job: Job, ttl_s: float | None = None) -> str | None:
         """A signed link to a succeeded durable job's image, valid ``ttl_s`` (never past
         its retention end; ``None``: until then). A job that is not kept has none."""
         if job.result is None or not job.durable or self.links is None:
             return None
-        not_after = self.retained_until(job)
+        not_after = job.retained_until(self.retention_s)
         expires = not_after if ttl_s is None else min(self._clock() + ttl_s, not_after)
         return self.links.url(job.id, job.result.format, int(expires), not_after)
 
@@ -304,10 +300,10 @@ class JobStore:
 
     def _hand_over(self, job: Job) -> None:
         """Another gateway runs the job now (this one was thought dead): forget it here;
-        its readers here follow it in the store (:meth:`events` sees it is a mirror)."""
+        its readers here follow it through the store from now on."""
         log.warning("job %s is run by another gateway now; its run here is dropped", job.id)
         self._forget_kept(job)
-        job.mirror = True
+        job.runner = Runner.ELSEWHERE
         job._changed.set()
 
     async def document(self, job: Job, with_webhook: bool = True) -> dict[str, Any]:
@@ -321,51 +317,20 @@ class JobStore:
             doc["result"]["image"] = (record.get("result") or {}).get("image", b"")
         return doc
 
-    # ---- cancel and waiting -------------------------------------------------------------
+    # ---- cancel and waiting: asked of whoever runs the job ---------------------------------
+    def follow(self, job: Job) -> Following:
+        """Who a reader of ``job`` asks: this gateway's run, or the shared store for a job
+        another gateway runs (``platform/jobs/following.py``)."""
+        return self.mirrors if job.runner is Runner.ELSEWHERE else self.here
+
     async def cancel(self, job: Job, wait_s: float = 10.0) -> Job:
         """Cancel a job: idempotent on a canceled job; a finished one is a 409
         ``job_finished``. Waits (bounded) until the job has left its executor."""
-        if job.mirror:
-            job = await self.mirrors.cancel(job, wait_s)
-            if job.mirror and not job.status.terminal:  # asked; not ended within wait_s
-                return job
-        if job.status is JobStatus.CANCELED:
-            return job
-        if job.status.terminal:
-            raise Conflict(
-                f"job {job.id} already {job.status.value}; only a queued or running job can be "
-                "canceled",
-                field="id",
-                code="job_finished",
-            )
-        job.cancel_requested = True
-        await self._cancel(job.id)
-        job = await self.wait(job, wait_s)
-        if job.status.terminal and job.status is not JobStatus.CANCELED:
-            raise Conflict(
-                f"job {job.id} {job.status.value} before the cancel reached it",
-                field="id",
-                code="job_finished",
-            )
-        return job
+        return await self.follow(job).cancel(job, wait_s)
 
     async def wait(self, job: Job, timeout_s: float) -> Job:
-        """Until the job ends or ``timeout_s`` passes; the job as it stands then. A job
-        another gateway runs (a mirror, or one handed over meanwhile) sends no event here:
-        its record is read again now and then (:meth:`Mirrors.poll`), and one this gateway
-        takes over meanwhile is waited on here."""
-        deadline = time.monotonic() + timeout_s
-        while not (job.status.terminal if job.mirror else job.ended):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            if job.mirror:
-                job = await self.mirrors.poll(job, left)
-                continue
-            job._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(job._changed.wait(), left)
-        return job
+        """Until the job ends or ``timeout_s`` passes; the job as it stands then."""
+        return await self.follow(job).wait(job, timeout_s)
 
     async def settle(self, job: Job, wait_s: float | None) -> Job:
         """A job as an answer shows it: once it ended or ``wait_s`` passed (``Prefer:
@@ -376,38 +341,12 @@ class JobStore:
             job.position = self._positions().get(job.id, job.position)
         return job
 
-    async def events(self, job: Job, after: int = 0):
+    def events(self, job: Job, after: int = 0) -> AsyncIterator[JobEvent | None]:
         """The job's events with ``seq > after`` in order, live until it ends; ``None``
         items mark idle periods (for keep-alives). A stream always ends with the terminal
         event unless the reader says it has it (``after`` is its id): one resuming from an
         id this job never gave still gets it."""
-        if job.mirror:
-            async for event in self.mirrors.events(job, after, self.events):
-                yield event
-            return
-        sent = after
-        job._readers += 1
-        try:
-            while True:
-                for event in [e for e in job.events if e.seq > sent]:
-                    sent = event.seq
-                    yield event
-                if job.ended and sent >= job.events[-1].seq:
-                    if sent > job.events[-1].seq:
-                        yield job.events[-1]
-                    return
-                if job.mirror:  # handed over to another gateway: follow it in the store
-                    async for event in self.mirrors.events(job, sent, self.events):
-                        yield event
-                    return
-                job._changed.clear()
-                try:
-                    await asyncio.wait_for(job._changed.wait(), 1.0)
-                except TimeoutError:
-                    yield None
-        finally:
-            job._readers -= 1
-            job.trim()
+        return self.follow(job).events(job, after)
 
     # ---- several gateways ------------------------------------------------------------------
     async def adopt(self, records: list[dict[str, Any]]) -> int:

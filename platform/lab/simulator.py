@@ -141,9 +141,9 @@ class Simulation:
             swap_ms=spec.adapter_swap_s * 1e3,
         )
         self._state = ExecutorState(
-            "sim",
-            0,
-            model.device,
+            name="sim",
+            pid=0,
+            device=model.device,
             mixed_adapters=spec.adapter_batching == "mixed",
             engine=engine,
             cost_models={MODEL: model.to_dict()},
@@ -504,13 +504,13 @@ class Simulation:
     def _done(self, ex: SimExecutor, job: Job) -> None:
         job.done_at = self.now
         result = InvokeResult(
-            b"",
-            "png",
-            1,
-            1,
-            job.request.mask_ratio,
-            ex.name,
-            InvokePath.STOCK if job.full else InvokePath.MASKAWARE,
+            image=b"",
+            format="png",
+            width=1,
+            height=1,
+            mask_ratio=job.request.mask_ratio,
+            executor=ex.name,
+            path=InvokePath.STOCK if job.full else InvokePath.MASKAWARE,
             # the executor's whole account (no network here): queue and steps as one
             timings=Timings(
                 pre_ms=job.pre_elapsed * 1e3,

@@ -58,11 +58,11 @@ class Job:
         """What the executor's result says of the template read (``found``: before the
         prefetch; the wait: what of the load its encode did not hide)."""
         if self.full:
-            return CacheRead(CacheTier.NONE, 0.0, CacheTier.NONE)
+            return CacheRead(tier=CacheTier.NONE, wait_ms=0.0, found=CacheTier.NONE)
         if self.found is Residency.DISK:
             wait_ms = max(0.0, self.load_s - self.pre_elapsed) * 1e3
-            return CacheRead(CacheTier.DISK, wait_ms, CacheTier.DISK)
-        return CacheRead(CacheTier.HOST, 0.0, CacheTier.HOST)
+            return CacheRead(tier=CacheTier.DISK, wait_ms=wait_ms, found=CacheTier.DISK)
+        return CacheRead(tier=CacheTier.HOST, wait_ms=0.0, found=CacheTier.HOST)
 
 
 def footprint(ratio: float, size: int) -> MaskFootprint:

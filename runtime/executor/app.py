@@ -43,7 +43,12 @@ from retouch.functions.errors import BadRequest, RetouchError, Unavailable
 from retouch.functions.imaging import decode_image
 from retouch.functions.spec import parse_spec
 from retouch.functions.wire.codec import as_map, decode_bytes, pack
-from retouch.functions.wire.executor import StepProgress, error_frame, result_frame
+from retouch.functions.wire.executor import (
+    StepProgress,
+    error_frame,
+    progress_frame,
+    result_frame,
+)
 from retouch.functions.wire.invoke import ExecutorInvoke
 from retouch.runtime import requestparams
 from retouch.runtime.asgi import (
@@ -153,7 +158,7 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
         frames: asyncio.Queue[StepProgress | None] = asyncio.Queue()
 
         def on_step(step: int, total: int) -> None:  # the engine thread: hand over, never wait
-            loop.call_soon_threadsafe(frames.put_nowait, StepProgress(step, total))
+            loop.call_soon_threadsafe(frames.put_nowait, StepProgress(step=step, total=total))
 
         task = asyncio.ensure_future(core.begin(inv, on_step))  # bad input: a plain 4xx here
         task.add_done_callback(lambda _: frames.put_nowait(None))
@@ -200,7 +205,7 @@ async def _stream(
     result's own callback comes after its last step), then the result or the error."""
     try:
         while (frame := await frames.get()) is not None:
-            yield pack(frame.to_wire())
+            yield pack(progress_frame(frame))
         try:
             yield pack(result_frame(task.result()))
         except RetouchError as exc:

@@ -37,7 +37,11 @@ class ChangeFeed:
         """Record one event and wake every waiter (safe from any thread)."""
         with self._lock:
             self._version += 1
-            self._events.append(ExecutorChange(self._version, kind, function, template))
+            self._events.append(
+                ExecutorChange(
+                    version=self._version, kind=kind, function=function, template=template
+                )
+            )
             waiters = list(self._waiters)
         _wake(waiters)
 
@@ -57,10 +61,10 @@ class ChangeFeed:
 
     def _since(self, after: int) -> ExecutorChanges:
         if after > self._version:
-            return ExecutorChanges(self._version, tuple(self._events), reset=True)
+            return ExecutorChanges(version=self._version, changes=tuple(self._events), reset=True)
         changes = tuple(e for e in self._events if e.version > after)
         oldest = self._events[0].version if self._events else self._version + 1
-        return ExecutorChanges(self._version, changes, reset=after + 1 < oldest)
+        return ExecutorChanges(version=self._version, changes=changes, reset=after + 1 < oldest)
 
     async def wait(self, after: int, timeout_s: float) -> ExecutorChanges:
         """The events after ``after`` as soon as there are any, or none after ``timeout_s``."""

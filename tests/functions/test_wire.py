@@ -10,7 +10,16 @@ from hypothesis.extra import numpy as hnp
 
 from retouch.functions.errors import BadRequest, RetouchError
 from retouch.functions.wire.codec import RawArray, pack, unpack
-from retouch.functions.wire.invoke import InvokeRequest
+from retouch.functions.wire.executor import BakeState, CacheInfo, ExecutorState, TemplateStatus
+from retouch.functions.wire.invoke import (
+    CacheRead,
+    CacheTier,
+    InvokePath,
+    InvokeRequest,
+    InvokeResult,
+    RunStats,
+)
+from retouch.functions.wire.jobs import JobRequest, WebhookEvent
 
 
 @given(
@@ -106,3 +115,63 @@ def test_error_round_trip() -> None:
     assert exc.to_wire() == {
         "error": {"code": "template_not_found", "message": "m", "field": "template"}
     }
+
+
+def test_an_answer_from_an_older_or_newer_executor_still_reads() -> None:
+    """A gateway reads its executors' answers leniently: a field it does not know is
+    ignored, a missing part or a ``null`` one takes its defaults, an unknown enum value
+    its fallback; what it knows keeps its value and type through a round trip."""
+    result = InvokeResult(
+        image=b"px",
+        format="png",
+        width=2,
+        height=1,
+        mask_ratio=0.5,
+        executor="e",
+        path=InvokePath.MASKAWARE,
+        seed=7,
+        cache=CacheRead(tier=CacheTier.HOST, wait_ms=1.5, found=CacheTier.DISK),
+        engine=RunStats(steps=4, batch_sizes=(1, 2, 2, 1)),
+    )
+    assert InvokeResult.from_wire(unpack(pack(result.to_wire()))) == result
+    newer = {**result.to_wire(), "a_later_field": 1, "path": "a-later-path", "timings": None}
+    newer["cache"] = {"tier": "host", "wait_ms": 2}  # an older executor: no "found"
+    read = InvokeResult.from_wire(newer)
+    assert read.path is InvokePath.STOCK and read.timings.total_ms == 0.0
+    assert read.cache == CacheRead(tier=CacheTier.HOST, wait_ms=2.0, found=CacheTier.HOST)
+
+    state = ExecutorState(
+        name="e",
+        pid=3,
+        device="cpu",
+        templates={"f": {"t": TemplateStatus(state=BakeState.BAKED, bytes=10, host=True)}},
+        cache=CacheInfo(host_bytes=10, counters={"hits": 2, "load_ms": 0.5}),
+    )
+    wire = unpack(pack(state.to_wire()))
+    assert wire["cache"]["hits"] == 2  # counters travel beside the named fields
+    assert ExecutorState.from_wire(wire) == state
+    older = {"name": "e", "pid": 3, "device": "cpu", "engine": None, "templates": None}
+    older["cache"] = {"host_bytes": 4, "hits": 1, "a_label": "x"}
+    read_state = ExecutorState.from_wire({**older, "templates": {"f": {"t": {"state": "new"}}}})
+    assert read_state.engine.max_batch == 8 and read_state.cache.counters == {"hits": 1}
+    assert read_state.template("f", "t").state is BakeState.UNBAKED
+    with pytest.raises(BadRequest) as missing:
+        ExecutorState.from_wire({"name": "e", "device": "cpu"})
+    assert missing.value.field == "pid" and missing.value.code == "missing_field"
+
+
+def test_a_job_request_checks_its_reporting_fields_beside_the_invocations() -> None:
+    body = {"template": "t", "prompt": "p", "mask": b"m", "seed": 1}
+    body |= {"webhook": "https://hooks.example/x", "webhook_events": ["started", "started"]}
+    request = JobRequest.from_wire(body)
+    assert request.webhook_events == (WebhookEvent.STARTED,)
+    assert JobRequest.from_wire(request.to_wire()) == request
+    for field, value in [
+        ("webhook", "ftp://hooks.example/x"),
+        ("webhook_events", ["done"]),
+        ("webhook_format", "zapier"),
+        ("num_images_per_prompt", 2),
+    ]:
+        with pytest.raises(BadRequest) as refused:
+            JobRequest.from_wire({**body, field: value})
+        assert refused.value.field == field

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,6 +43,20 @@ def coster(max_batch: int = 4) -> StepCoster:
 
 def member(c: StepCoster, steps: int, ratio: float) -> Member:
     return Member(c, steps, (round(ratio * GRID),))
+
+
+def answer(mask_ratio: float, executor: str, path: InvokePath, **more: Any) -> InvokeResult:
+    """An executor's answer as the cluster view learns from it (no image)."""
+    return InvokeResult(
+        image=b"",
+        format="png",
+        width=1,
+        height=1,
+        mask_ratio=mask_ratio,
+        executor=executor,
+        path=path,
+        **more,
+    )
 
 
 def test_step_cost_is_the_bubble_free_plan_at_table_points_and_between() -> None:
@@ -112,7 +127,11 @@ def test_results_that_queued_for_a_worker_do_not_teach_the_service_time() -> Non
     cluster = ClusterView()
     view = view_with(cluster, "a")
     view.workers = (1, 1)
-    result = InvokeResult(b"", "png", 1, 1, 0.2, "a", InvokePath.MASKAWARE)
+    result = answer(
+        0.2,
+        "a",
+        InvokePath.MASKAWARE,
+    )
     result.timings = Timings(pre_ms=40.0, post_ms=60.0)
     for token in range(2):  # the first result is cold, the second teaches
         view.place(token, request(0.2), now=10.0 * token)
@@ -120,10 +139,18 @@ def test_results_that_queued_for_a_worker_do_not_teach_the_service_time() -> Non
     assert (view.overheads.pre_s, view.overheads.post_s) == pytest.approx((0.04, 0.06))
     view.place(5, request(0.2), now=100.0)
     view.place(6, request(0.2), now=100.0)  # encodes after 5: its pre_ms includes the wait
-    first = InvokeResult(b"", "png", 1, 1, 0.2, "a", InvokePath.MASKAWARE)
+    first = answer(
+        0.2,
+        "a",
+        InvokePath.MASKAWARE,
+    )
     first.timings = Timings(pre_ms=40.0, post_ms=60.0)
     view.finish(5, 101.0, first)
-    second = InvokeResult(b"", "png", 1, 1, 0.2, "a", InvokePath.MASKAWARE)
+    second = answer(
+        0.2,
+        "a",
+        InvokePath.MASKAWARE,
+    )
     second.timings = Timings(pre_ms=400.0, post_ms=600.0)  # queued behind the first
     view.finish(6, 101.05, second)  # and its decode waited for the first's
     assert (view.overheads.pre_s, view.overheads.post_s) == pytest.approx((0.04, 0.06))
@@ -206,12 +233,12 @@ def view_with(cluster: ClusterView, name: str, max_batch: int = 4, host: bool = 
     model = cost_model()
     model.extra["step_table"] = plan_table(model, [GRID], max_batch)
     state = ExecutorState(
-        name,
-        0,
-        "cpu",
+        name=name,
+        pid=0,
+        device="cpu",
         engine=EngineStats(max_batch=max_batch),
         cost_models={"m": model.to_dict()},
-        templates={"fn": {"t": TemplateStatus(BakeState.BAKED, host=host)}},
+        templates={"fn": {"t": TemplateStatus(state=BakeState.BAKED, host=host)}},
     )
     view = cluster.add(name, max_batch, 2 * max_batch)
     view.observe_state(state, cluster.costers)
@@ -273,15 +300,11 @@ def test_view_follows_place_progress_finish_and_learns_drift() -> None:
     assert busier.finish_s > idle.finish_s  # it shares the batch now
     view.progress(1, 9, 10)  # nearly done: the newcomer barely waits for it
     assert view.predict(request(0.2)).finish_s < busier.finish_s
-    result = InvokeResult(
-        b"",
-        "png",
-        1,
-        1,
+    result = answer(
         0.2,
         "a",
         InvokePath.MASKAWARE,
-        cache=CacheRead(CacheTier.DISK, 5.0),
+        cache=CacheRead(tier=CacheTier.DISK, wait_ms=5.0),
     )
     error = view.finish(1, 100.0 + 2 * placed.predicted.finish_s, result)  # twice as long
     assert error == pytest.approx(0.5)
@@ -307,7 +330,11 @@ def test_an_edit_that_reads_no_row_is_predicted_in_full_and_moves_no_template() 
     assert view.residency_cost_s(own) == view.load_s(own) == 0.0
     placed = view.place(1, own, now=100.0)
     assert placed is not None and view.tier("fn", "t") is Residency.HOST
-    result = InvokeResult(b"", "png", 1, 1, 0.2, "a", InvokePath.STOCK)
+    result = answer(
+        0.2,
+        "a",
+        InvokePath.STOCK,
+    )
     view.finish(1, 100.0 + placed.predicted.finish_s, result)
     assert view.tier("fn", "t") is Residency.HOST  # a stock result would mark it baking
 
@@ -318,7 +345,11 @@ def test_pre_and_post_times_are_learnt_pool_wide() -> None:
     cluster = ClusterView()
     busy, idle = view_with(cluster, "busy"), view_with(cluster, "idle")
     timings = Timings(pre_ms=40.0, post_ms=60.0)
-    result = InvokeResult(b"", "png", 1, 1, 0.2, "busy", InvokePath.MASKAWARE)
+    result = answer(
+        0.2,
+        "busy",
+        InvokePath.MASKAWARE,
+    )
     result.timings = timings
     for token in range(3):
         placed = busy.place(token, request(0.2), now=float(token))
@@ -568,7 +599,12 @@ def test_time_outside_the_executors_account_is_learnt_and_predicted() -> None:
     view, fresh = view_with(cluster, "a"), view_with(cluster, "b")
     before = fresh.predict(request(0.3)).finish_s
     timings = Timings(queue_ms=5.0, run_ms=130.0)  # no encode or decode to learn
-    result = InvokeResult(b"", "png", 1, 1, 0.3, "a", InvokePath.MASKAWARE, timings=timings)
+    result = answer(
+        0.3,
+        "a",
+        InvokePath.MASKAWARE,
+        timings=timings,
+    )
     for token in range(4):  # placed one at a time, each answered 0.045 s after its 0.135 s
         view.place(token, request(0.3), now=10.0 * token)
         view.finish(token, 10.0 * token + 0.180, result)
@@ -594,7 +630,11 @@ def test_drift_is_learnt_per_occupancy_and_applied_only_there() -> None:
     work near the SLO that would have made it)."""
     cluster = ClusterView()
     view, fresh = view_with(cluster, "a"), view_with(cluster, "b")
-    result = InvokeResult(b"", "png", 1, 1, 0.3, "a", InvokePath.MASKAWARE)
+    result = answer(
+        0.3,
+        "a",
+        InvokePath.MASKAWARE,
+    )
     for token in range(0, 12, 2):
         view.place(token, request(0.3), now=float(token))
         placed = view.place(token + 1, request(0.3), now=float(token))  # beside one other
@@ -830,11 +870,11 @@ def test_a_device_resident_template_is_predicted_faster_and_placed_first() -> No
     model.extra["resident_step_table"] = plan_table(model, [GRID], 4, resident=True)
     views = {}
     for name, device in (("host", False), ("gpu", True)):
-        status = TemplateStatus(BakeState.BAKED, host=True, device=device)
+        status = TemplateStatus(state=BakeState.BAKED, host=True, device=device)
         state = ExecutorState(
-            name,
-            0,
-            "cpu",
+            name=name,
+            pid=0,
+            device="cpu",
             engine=EngineStats(max_batch=4),
             cost_models={"m": model.to_dict()},
             templates={"fn": {"t": status}},
@@ -857,7 +897,7 @@ def test_a_device_resident_template_is_predicted_faster_and_placed_first() -> No
 
 
 def test_template_status_carries_device_residency_on_the_wire() -> None:
-    status = TemplateStatus(BakeState.BAKED, host=True, device=True)
+    status = TemplateStatus(state=BakeState.BAKED, host=True, device=True)
     assert TemplateStatus.from_wire(status.to_wire()) == status
     assert TemplateStatus.from_wire({"state": "baked"}).device is False
 
@@ -874,7 +914,9 @@ def test_a_copy_in_another_dtype_is_predicted_from_its_own_cost_model() -> None:
     for key, model in (("m", fp32), (copy, bf16)):
         model.extra["step_table"] = plan_table(model, [GRID], 4)
         docs[key] = model.to_dict()
-    state = ExecutorState("e", 0, "cpu", engine=EngineStats(max_batch=4), cost_models=docs)
+    state = ExecutorState(
+        name="e", pid=0, device="cpu", engine=EngineStats(max_batch=4), cost_models=docs
+    )
     view = cluster.add("e", 4, 8)
     view.observe_state(state, cluster.costers)
     plain = request(0.5)

@@ -86,7 +86,7 @@ def build_pool(n: int, seed: int, max_batch: int = 8) -> tuple[list[SyntheticExe
     doc = model.to_dict()
     masks = footprints(rng, 64)
     executors = []
-    state = ExecutorState("x", 0, "cuda-synthetic", cost_models={"flux": doc})
+    state = ExecutorState(name="x", pid=0, device="cuda-synthetic", cost_models={"flux": doc})
     for i in range(n):
         view = cluster.add(f"exec-{i}", max_batch=max_batch, slots=2 * max_batch)
         view.observe_state(state, cluster.costers)

@@ -122,7 +122,15 @@ def test_the_paste_back_keeps_every_pixel_outside_the_mask() -> None:
     )
     prepared = asyncio.run(_door()._prepare(fn, req, "job", "tenant"))
     edited = np.full((CANVAS, CANVAS, 3), 7, np.uint8)
-    result = InvokeResult(edited.tobytes(), "raw", CANVAS, CANVAS, 0.1, "e", InvokePath.STOCK)
+    result = InvokeResult(
+        image=edited.tobytes(),
+        format="raw",
+        width=CANVAS,
+        height=CANVAS,
+        mask_ratio=0.1,
+        executor="e",
+        path=InvokePath.STOCK,
+    )
     door = _door()
     out = asyncio.run(door._paste(prepared.frame, result, fn, req))
     assert (out.format, out.width, out.height) == ("png", *PHOTO)

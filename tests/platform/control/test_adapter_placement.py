@@ -39,7 +39,9 @@ def test_a_set_the_device_lacks_is_predicted_with_its_load() -> None:
     assert without.finish_s == pytest.approx(with_set.finish_s + ADAPTER_LOAD_S)
     # by size when the gateway knows it, and the executor's own mean once it reports one
     assert bare.adapter_load_s(lora(0.2, nbytes=360_000_000)) == pytest.approx(0.2)
-    state = ExecutorState("b", 0, "cpu", adapter_stats=AdapterStats(reads=1, loads=1, read_ms=80.0))
+    state = ExecutorState(
+        name="b", pid=0, device="cpu", adapter_stats=AdapterStats(reads=1, loads=1, read_ms=80.0)
+    )
     bare.observe_state(state, cluster.costers)
     assert bare.adapter_load_s(lora(0.2, nbytes=360_000_000)) == pytest.approx(0.08)
     # the bare model and an adapter-blind prediction load nothing
@@ -53,7 +55,7 @@ def test_a_placed_set_is_expected_resident_and_the_state_replaces_it() -> None:
     view.place(1, lora(0.2), 0.0)  # the executor fetches it on arrival
     assert list(view.adapters) == [OTHER, STYLE]
     assert view.adapter_load_s(lora(0.2)) == 0.0
-    state = ExecutorState("a", 0, "cpu", adapters=(STYLE,))  # it evicted OTHER
+    state = ExecutorState(name="a", pid=0, device="cpu", adapters=(STYLE,))  # it evicted OTHER
     view.observe_state(state, cluster.costers)
     assert list(view.adapters) == [STYLE]
     assert view.adapter_load_s(lora(0.2, OTHER)) == pytest.approx(ADAPTER_LOAD_S)

@@ -15,7 +15,12 @@ def test_each_executor_sees_only_its_gpu() -> None:
 
 
 def test_gpu_memory_travels_in_the_executor_state() -> None:
-    state = ExecutorState(name="e", pid=1, device="cuda:0", gpu_memory=DeviceMemory(80, 20, 50, 55))
+    state = ExecutorState(
+        name="e",
+        pid=1,
+        device="cuda:0",
+        gpu_memory=DeviceMemory(total=80, free=20, allocated=50, reserved=55),
+    )
     back = ExecutorState.from_wire(state.to_wire())
     assert back.gpu_memory == DeviceMemory(total=80, free=20, allocated=50, reserved=55)
     assert ExecutorState.from_wire({"name": "e", "pid": 1, "device": "cpu"}).gpu_memory.total == 0

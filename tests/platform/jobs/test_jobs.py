@@ -14,7 +14,13 @@ import pytest
 
 from retouch.functions.errors import BadRequest, Canceled, Conflict, NotFound, RetouchError
 from retouch.functions.wire.codec import RawArray, pack
-from retouch.functions.wire.executor import FrameReader, StepProgress, error_frame, result_frame
+from retouch.functions.wire.executor import (
+    FrameReader,
+    StepProgress,
+    error_frame,
+    progress_frame,
+    result_frame,
+)
 from retouch.functions.wire.invoke import ExecutorInvoke, InvokePath, InvokeResult
 from retouch.functions.wire.jobs import JobEvent, JobEventKind, JobRequest, JobStatus, WebhookEvent
 from retouch.platform.api.httpapi import parse_prefer_wait
@@ -61,7 +67,15 @@ def prepared(job_id: str = "") -> PreparedInvocation:
 
 
 def result() -> InvokeResult:
-    return InvokeResult(b"img", "raw", 2, 2, 1.0, "exec-0", InvokePath.STOCK)
+    return InvokeResult(
+        image=b"img",
+        format="raw",
+        width=2,
+        height=2,
+        mask_ratio=1.0,
+        executor="exec-0",
+        path=InvokePath.STOCK,
+    )
 
 
 class FakeRun:
@@ -82,7 +96,7 @@ class FakeRun:
             await asyncio.sleep(0)
             if job.id in self.canceled:
                 raise Canceled("canceled")
-            on_progress(StepProgress(step, self.steps))
+            on_progress(StepProgress(step=step, total=self.steps))
         if self.hold:
             while job.id not in self.canceled:
                 await asyncio.sleep(0.01)
@@ -371,12 +385,12 @@ def test_job_request_validation() -> None:
 def test_frames_of_the_executor_stream() -> None:
     reader = FrameReader()
     data = (
-        pack(StepProgress(1, 2).to_wire())
+        pack(progress_frame(StepProgress(step=1, total=2)))
         + pack(error_frame(Canceled("gone")))
         + pack(result_frame(result()))
     )
     frames = [f for i in range(0, len(data), 7) for f in reader.feed(data[i : i + 7])]
-    assert frames[0] == StepProgress(1, 2)
+    assert frames[0] == StepProgress(step=1, total=2)
     assert isinstance(frames[1], RetouchError) and frames[1].code == "canceled"
     assert isinstance(frames[2], InvokeResult) and frames[2].image == b"img"
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from retouch.functions.errors import Overloaded
-from retouch.functions.wire.invoke import InvokePath, InvokeResult
+from retouch.functions.wire.invoke import InvokeResult
 from retouch.functions.wire.jobs import JobRequest, JobStatus
 from retouch.platform.jobs.job import Job
 from retouch.platform.jobs.journal import JobJournal
@@ -35,7 +35,7 @@ class BigResults(FakeRun):
 
     async def execute(self, job: Job, on_start, on_progress) -> InvokeResult:
         await super().execute(job, on_start, on_progress)
-        return InvokeResult(MASK, "raw", 2, 2, 1.0, "exec-0", InvokePath.STOCK)
+        return result().model_copy(update={"image": MASK})
 
 
 def limits(**caps: int) -> RetentionLimits:

@@ -18,6 +18,7 @@ from retouch.functions.errors import Overloaded
 from retouch.functions.spec import parse_spec
 from retouch.functions.wire.jobs import JobEventKind, JobStatus
 from retouch.platform.jobs import source as jobsource
+from retouch.platform.jobs.job import Runner
 from retouch.platform.jobs.retention import JOB_OVERHEAD_BYTES, RetentionLimits
 from retouch.platform.jobs.sharedjournal import SharedDeliveryJournal, SharedJobJournal, TakenOver
 from retouch.platform.jobs.source import SharedJobs
@@ -216,7 +217,9 @@ async def test_a_job_taken_over_mid_run_ends_once_and_its_readers_follow_it(stor
     [claimed] = await asyncio.to_thread(jb.claim)
     run.release.set()  # a's run ends now: its end is not a's to record
     await asyncio.sleep(0.3)
-    assert job.id not in jobs.jobs and job.mirror  # handed over, nothing recorded by a
+    assert (
+        job.id not in jobs.jobs and job.runner is Runner.ELSEWHERE
+    )  # handed over, nothing recorded by a
     assert (await asyncio.to_thread(jb.fetch, job.id)).record["status"] == "queued"
     ended = {**claimed, "status": "succeeded", "result": result().to_wire(), "last_seq": 7}
     await asyncio.to_thread(jb.write, ended)  # b's run ends
@@ -242,7 +245,7 @@ async def test_a_long_poll_on_another_gateway_answers_at_the_jobs_end(stores) ->
     await on_b.start()
     job = await on_a.submit("f", request(), prepared(), owner="alice")
     mirror = await on_b.get(job.id, OPEN)
-    assert mirror.mirror and not mirror.status.terminal
+    assert mirror.runner is Runner.ELSEWHERE and not mirror.status.terminal
     poll = asyncio.create_task(on_b.settle(mirror, 60.0))
     await asyncio.sleep(0.3)
     assert not poll.done()  # still running on a
@@ -257,7 +260,7 @@ async def test_a_long_poll_on_another_gateway_answers_at_the_jobs_end(stores) ->
     await asyncio.to_thread(b.heartbeat)
     assert await on_b.adopt(await asyncio.to_thread(jb.claim)) == 1
     polled = await asyncio.wait_for(poll, 10)
-    assert polled.status is JobStatus.SUCCEEDED and not polled.mirror  # b's own run
+    assert polled.status is JobStatus.SUCCEEDED and polled.runner is Runner.HERE  # b's own run
     await on_a.close()
     await on_b.close()
 
