@@ -38,7 +38,9 @@ E = TypeVar("E", bound=StrEnum)
 class Struct(BaseModel):
     """A wire message; subclasses declare fields, ``from_wire``/``to_wire`` do the rest."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(
+        strict=True, extra="forbid", frozen=True, populate_by_name=True, defer_build=True
+    )
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
@@ -104,7 +106,7 @@ class Message(BaseModel):
     gateway and its executors need not be upgraded at once. A message that still cannot be
     read is a :class:`BadRequest` naming the field."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, defer_build=True)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
