@@ -47,6 +47,7 @@ from retouch.functions.models import builtin_model
 from retouch.functions.modelsource import ModelSource, from_key
 from retouch.runtime.families import family as family_of
 from retouch.runtime.fingerprint import model_fingerprint
+from retouch.runtime.startup import StartupReport
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,12 @@ class ModelCache:
     future."""
 
     def __init__(
-        self, models_dir: Path, device: torch.device, *, without: tuple[str, ...] = ()
+        self,
+        models_dir: Path,
+        device: torch.device,
+        *,
+        without: tuple[str, ...] = (),
+        startup: StartupReport | None = None,
     ) -> None:
         unknown = set(without) - {"denoiser", "text", "text_encoders"}
         if unknown:
@@ -230,6 +236,7 @@ class ModelCache:
         self.models_dir = models_dir
         self.device = device
         self.without = without
+        self.startup = startup or StartupReport()  # each load's ``weights`` phase
         self._models: dict[str, Future[LoadedModel]] = {}
         self._lock = threading.Lock()
 
@@ -277,6 +284,8 @@ class ModelCache:
             loaded = self._load_files(
                 source, family, model_files(source, family, self.models_dir), left_out
             )
+        took = time.perf_counter() - started
+        self.startup.record("weights", took, model)
         log.info(
             "%s %s (%s) on %s%s in %.1f s",
             "built" if shaped else "loaded",
@@ -284,7 +293,7 @@ class ModelCache:
             family,
             self.device,
             f" without {', '.join(left_out)}" if left_out else "",
-            time.perf_counter() - started,
+            took,
         )
         return loaded
 

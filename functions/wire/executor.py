@@ -241,8 +241,20 @@ class ExecutorState(Message):
     # least recently used first: placement adds no load cost for these.
     adapters: tuple[str, ...] = ()
     adapter_stats: Annotated[AdapterStats, NULL_AS_DEFAULTS] = Field(default_factory=AdapterStats)
+    # Its start, phase by phase, in ms (``runtime/startup.py``): its own (process, store,
+    # workers, listening, first_edit) and each model's (weights, profile, graphs).
+    startup_ms: dict[str, float] = Field(default_factory=dict)
+    model_startup_ms: dict[str, dict[str, float]] = Field(default_factory=dict)
 
-    @field_validator("generations", "templates", "cost_models", "workers", mode="before")
+    @field_validator(
+        "generations",
+        "templates",
+        "cost_models",
+        "workers",
+        "startup_ms",
+        "model_startup_ms",
+        mode="before",
+    )
     @classmethod
     def _null_as_empty(cls, value: Any) -> Any:
         return {} if value is None else value

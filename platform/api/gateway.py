@@ -163,6 +163,7 @@ class Gateway:
         for state in await self.pool.report.states():
             self.metrics.export_engine(state)
             self.metrics.export_adapters(state)
+            self.metrics.export_startup(state)
         self.metrics.export_pool(self.pool.report)
         self.metrics.export_jobs(self.jobs.jobs.values(), self.webhooks.stats)
         self.metrics.export_decodes(self.door.images)

@@ -148,6 +148,13 @@ class GatewayMetrics:
             registry=r,
         )
         self._adapters_seen: dict[str, AdapterStats] = {}
+        self.startup = Gauge(
+            "retouch_executor_startup_seconds",
+            "Each executor's start by phase (runtime/startup.py): process, store, workers, "
+            "listening, first_edit (model empty); weights, profile, graphs per model",
+            ["executor", "model", "phase"],
+            registry=r,
+        )
         self.executors = Gauge("retouch_executors_healthy", "Healthy executors", registry=r)
         self.functions = Gauge("retouch_functions", "Deployed functions", registry=r)
         self.pool = Gauge(
@@ -268,6 +275,13 @@ class GatewayMetrics:
         for quantity, value in values.items():
             if value is not None:
                 self.engine.labels(state.name, quantity).set(float(value))
+
+    def export_startup(self, state: ExecutorState) -> None:
+        for phase, ms in state.startup_ms.items():
+            self.startup.labels(state.name, "", phase).set(ms / 1e3)
+        for model, phases in state.model_startup_ms.items():
+            for phase, ms in phases.items():
+                self.startup.labels(state.name, model, phase).set(ms / 1e3)
 
     def export_adapters(self, state: ExecutorState) -> None:
         """The executor's adapter counters, added as they grew since the last scrape (an

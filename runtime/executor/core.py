@@ -221,6 +221,7 @@ class ExecutorCore:
         try:
             report = await asyncio.wrap_future(future)
             ok = True
+            self.models.startup.since_birth("first_edit")
         except Exception:
             ok = False
             raise
@@ -297,6 +298,8 @@ class ExecutorCore:
             gpu_memory=device_memory(self.models.device),
             adapters=resident,
             adapter_stats=adapter_figures,
+            startup_ms=self.models.startup.executor_ms(),
+            model_startup_ms=self.models.startup.models_ms(),
         )
 
     def _engine_stats(self) -> EngineStats:

@@ -93,6 +93,7 @@ class Editors:
         options: EditorOptions,
     ) -> None:
         self.models = models
+        self.startup = models.startup  # each model's profile and warm-up, beside its weights
         self.templates = templates
         self.engine = engine
         self.stages = stages
@@ -133,31 +134,34 @@ class Editors:
     def _build(self, spec: FunctionSpec, scheduler: str) -> tuple[MaskAwareEditor, CostModel]:
         loaded = self.models.get(spec.source.key, spec.family)
         options = self.options
-        if options.profile_in_background and not cached_profile(
-            loaded.fingerprint, options.data_dir, loaded.device, spec.family, spec.width
-        ):
-            profile_in_subprocess(
-                spec.source.key,
-                spec.family,
-                scheduler,
-                spec.width,
-                options.data_dir,
-                loaded.device,
-                torch.get_num_threads(),
-            )  # on failure, load_or_profile below profiles in-process
-        editor = MaskAwareEditor(loaded.pipeline_for(scheduler), spec.family, loaded.device)
-        if encodes_elsewhere(self.stages, self.models):
-            editor.set_encoder(functools.partial(self._encode_in_worker, spec))
-        attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
-        cost_model = load_or_profile(editor, loaded.fingerprint, options.data_dir, spec.width)
-        replays = self._plan_and_graph(spec, editor, cost_model)
+        key = spec.source.key
+        with self.startup.timed("profile", key):  # read from the profile cache, or run
+            if options.profile_in_background and not cached_profile(
+                loaded.fingerprint, options.data_dir, loaded.device, spec.family, spec.width
+            ):
+                profile_in_subprocess(
+                    key,
+                    spec.family,
+                    scheduler,
+                    spec.width,
+                    options.data_dir,
+                    loaded.device,
+                    torch.get_num_threads(),
+                )  # on failure, load_or_profile below profiles in-process
+            editor = MaskAwareEditor(loaded.pipeline_for(scheduler), spec.family, loaded.device)
+            if encodes_elsewhere(self.stages, self.models):
+                editor.set_encoder(functools.partial(self._encode_in_worker, spec))
+            attach(editor, RowLoader.for_editor(editor, LoadMode.OVERLAPPED))
+            cost_model = load_or_profile(editor, loaded.fingerprint, options.data_dir, spec.width)
+        with self.startup.timed("graphs", key):
+            replays = self._plan_and_graph(spec, editor, cost_model)
         self._start_step_fit(spec, loaded.fingerprint, loaded.device)
         self._ship_step_tables(cost_model, replays)
         times = replays.batch_one() if replays is not None else None
         if times is None and "step_table" in cost_model.extra:  # the profile's planned steps
             times = StepTimes.from_plan(cost_model.extra["step_table"][0])
         with self._lock:
-            self._step_times[spec.source.key] = times
+            self._step_times[key] = times
         return editor, cost_model
 
     def _plan_and_graph(

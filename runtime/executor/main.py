@@ -37,6 +37,7 @@ from retouch.runtime.httpserver import SERVER_OPTIONS
 from retouch.runtime.models import ModelCache
 from retouch.runtime.parentwatch import watch_parent
 from retouch.runtime.reproducibility import make_deterministic
+from retouch.runtime.startup import StartupReport
 from retouch.runtime.templates import TemplateCache
 from retouch.runtime.workers import PrePostPool
 
@@ -56,13 +57,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def build_core(args: argparse.Namespace) -> ExecutorCore:
+def build_core(args: argparse.Namespace, startup: StartupReport) -> ExecutorCore:
     """The core, not started: the app's lifespan starts and closes it."""
     options: ExecutorOptions = args.options
     device = torch.device(args.device)
-    store = ActivationStore(
-        StoreConfig(path=store_path(args.data_dir), host_budget_bytes=options.host_cache_bytes)
-    )
+    with startup.timed("store"):
+        store = ActivationStore(
+            StoreConfig(path=store_path(args.data_dir), host_budget_bytes=options.host_cache_bytes)
+        )
     shared = args.shared_dir or args.data_dir
     # On a CPU the steps and the pre/post workers are niced, the event loop that answers
     # the gateway is not: a request waits for no denoising step's time slice.
@@ -79,14 +81,25 @@ def build_core(args: argparse.Namespace) -> ExecutorCore:
     if not options.inline_prepost:
         pre, post = options.workers(options.threads or None)
         log.info("%d pre and %d post workers", pre, post)
-        pool = PrePostPool(
-            shared / "models", device, pre=pre, post=post, threads=options.worker_threads, nice=nice
-        )
+        with startup.timed("workers"):
+            pool = PrePostPool(
+                shared / "models",
+                device,
+                pre=pre,
+                post=post,
+                threads=options.worker_threads,
+                nice=nice,
+            )
         stages = WorkerStages(pool)
     return ExecutorCore(
         args.name,
         # with pre workers, the text encoders are theirs alone (one copy on the device)
-        ModelCache(shared / "models", device, without=() if stages is None else ("text_encoders",)),
+        ModelCache(
+            shared / "models",
+            device,
+            without=() if stages is None else ("text_encoders",),
+            startup=startup,
+        ),
         TemplateCache(store, device_tier=device_tier(options, device)),
         Engine(engine_config, stages),
         stages,
@@ -143,6 +156,7 @@ def run(args: argparse.Namespace, token: str) -> None:
     unfinished invocations fail with ``engine_unavailable``, which a gateway re-places).
     ``args``: parsed by :func:`~retouch.runtime.executor.options.add_process_flags` and
     checked; the one way an executor process starts, child or standalone."""
+    startup = StartupReport()  # from the process's creation (a fork from the zygote: now)
     if args.options.deterministic:  # before anything computes or forks (MKL reads it then)
         make_deterministic()
     if torch.device(args.device).type == "cpu":
@@ -151,7 +165,7 @@ def run(args: argparse.Namespace, token: str) -> None:
         watch_parent(args.exit_with_parent, _exit_orphaned)
     if args.options.threads > 0:
         torch.set_num_threads(args.options.threads)
-    core = build_core(args)
+    core = build_core(args, startup)
     if os.environ.get(DEBUG_HOOKS_ENV) == "1":
         signal.signal(signal.SIGUSR1, lambda *_: core.engine.inject_fault("SIGUSR1 debug hook"))
     # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
@@ -164,6 +178,7 @@ def run(args: argparse.Namespace, token: str) -> None:
         tmp = args.port_file.with_suffix(".tmp")
         tmp.write_text(str(sock.getsockname()[1]))
         tmp.replace(args.port_file)
+    startup.since_birth("listening")
     log.info("executor %s on %s at %s:%d", args.name, args.device, *sock.getsockname()[:2])
     config = uvicorn.Config(
         build_app(core, token),

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import psutil
 import pytest
@@ -67,11 +68,27 @@ def test_a_servers_executors_fork_from_the_zygote_and_end_with_it(
             client.deploy_file(examples / "tiny-sd.toml")
             wait_baked(client, "tiny-sd")
             assert client.invoke("tiny-sd", "street", mask, "a lamp", seed=1).image
+            _reports_its_start_by_phase(client.executors()["executors"][0]["state"], server)
     finally:
         os.kill(server.process.pid, signal.SIGKILL)  # no clean-up runs in the gateway
         server.process.wait()
     # its connection to the zygote closed with it: the zygote stops its executor
     wait_for("the executor to end with its gateway", lambda: not _alive(pid), timeout=30)
+
+
+def _reports_its_start_by_phase(state: dict, server: ServerProcess) -> None:
+    """The executor's cold start, phase by phase (``runtime/startup.py``), in its state
+    and in the gateway's metrics; the model's phases once its first edit is done."""
+    phases = state["startup_ms"]
+    assert {"process", "store", "workers", "listening", "first_edit"} <= phases.keys()
+    assert phases["process"] <= phases["listening"] <= phases["first_edit"]
+    [model] = state["model_startup_ms"].values()
+    assert {"weights", "profile", "graphs"} <= model.keys() and model["weights"] > 0
+    metrics = httpx.get(server.metrics_url).text
+    assert (
+        f'retouch_executor_startup_seconds{{executor="{state["name"]}",model="",phase="process"}}'
+        in metrics
+    )
 
 
 def test_the_gateway_learns_an_executors_exit_code(tmp_path: Path) -> None:
