@@ -39,6 +39,8 @@ class SimExecutor:
     started_at: float = 0.0
     stopped_at: float | None = None
     draining: bool = False  # chosen for scale-down: no new work, stops once idle
+    asleep_since: float | None = None  # asleep (simsleep.py): no work, no device held
+    slept_s: float = 0.0  # asleep in all, before the current sleep
     host: OrderedDict[str, None] = field(default_factory=OrderedDict)  # host tier, LRU first
     bakes: deque[tuple[str, float]] = field(default_factory=deque)  # (template, queued at)
     loads: dict[str, float] = field(default_factory=dict)  # template -> when its load ends
@@ -100,3 +102,10 @@ class SimExecutor:
         if len(order) > 1 and self.applied in order:
             turn = order[(order.index(self.applied) + 1) % len(order)]
         return [j for j in self.running if j.request.adapter_set == turn]
+
+
+def victims(active: list[SimExecutor], count: int) -> list[SimExecutor]:
+    """A scale-down's executors: least predicted work first, newest first among equals (a
+    cold cache is the cheapest to lose)."""
+    ranked = sorted(active, key=lambda e: (e.view.work_s(), -e.started_at))
+    return ranked[: min(count, len(active))]

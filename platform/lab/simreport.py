@@ -14,6 +14,7 @@ from retouch.platform.control.cluster import Residency
 from retouch.platform.lab.bench.specs import SimSpec
 from retouch.platform.lab.sharedcpu import SharedCPU
 from retouch.platform.lab.simexecutor import SimExecutor
+from retouch.platform.lab.simsleep import Sleepers, gpu_seconds
 from retouch.platform.lab.simworkload import Job
 from retouch.platform.lab.workload import step_change
 
@@ -38,6 +39,8 @@ class FinishedRun(Protocol):
     adapter_loads: int
     adapter_swaps: int
     mixed_steps: int
+    cold_starts: int  # executors the autoscaler started cold
+    sleepers: Sleepers
 
 
 def after_step(sim: FinishedRun, at: float, accepted: list[Job]) -> dict[str, Any]:
@@ -85,6 +88,8 @@ def summary(sim: FinishedRun, wall_s: float) -> dict[str, Any]:
         "prediction_error_p50": float(np.median(sim.errors)) if sim.errors else math.nan,
         "utilisation": sum(e.busy_s for e in sim.executors) / max(1e-9, lifetimes),
         "executor_seconds": lifetimes,
+        # device time: ready, starting and waking executors, not sleeping ones
+        "gpu_seconds": gpu_seconds(sim.executors, span, sim.cold_starts, sim.spec.startup_s),
         "simulated_s": span,
         "wall_s": wall_s,
         "speedup": span / wall_s if wall_s > 0 else math.inf,
@@ -99,6 +104,8 @@ def summary(sim: FinishedRun, wall_s: float) -> dict[str, Any]:
         out["scale_events"] = len(sim.scale_events)
         out["reversals"] = sim.scaler.reversals
         out["executors_started"] = len(sim.executors)
+        out["cold_starts"] = sim.cold_starts
+        out["sleeps"], out["wakes"] = sim.sleepers.sleeps, sim.sleepers.wakes
         out["first_scale_up_s"] = next((at for at, change in sim.scale_events if change > 0), None)
         step = step_change(sim.spec.arrivals)
         if step is not None:

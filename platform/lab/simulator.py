@@ -6,13 +6,10 @@ and finished exactly as the pool does it), the placement policies of
 :mod:`retouch.platform.control.placement`, and their predictions. The only things simulated are
 what a real pool would measure: the executors' step-level engines and the arrivals.
 
-A simulated engine follows the real one:
-* an invocation bound to it pre-processes for ``pre_s`` (in workers, beside the steps);
-* it then joins the running batch at the next step boundary while there is room
-  (``max_batch``);
-* each step of the batch costs what the profile's bubble-free plan says, times a lognormal
-  noise;
-* finished invocations post-process for ``post_s``.
+A simulated engine follows the real one: an invocation bound to it pre-processes for
+``pre_s`` (in workers, beside the steps), joins the running batch at the next step boundary
+while there is room (``max_batch``), steps at what the profile's bubble-free plan says
+times a lognormal noise, and post-processes for ``post_s``.
 
 Encodes and decodes wait for one of the executor's ``pre_workers``/``post_workers`` when
 those are set. With ``cpu_cores`` the executors do not compute alone: every step, encode,
@@ -42,25 +39,24 @@ Adapters: with ``adapters`` > 0 the invocations belong to functions on the one b
 each with an adapter set of its own (Zipf popularity). Each executor's device holds
 ``resident_adapters`` sets (LRU; a set in use is not evicted); an invocation whose set it
 lacks has it loaded (``adapter_load_s``) from when it is bound, beside its encode, as the
-executor's asynchronous fetch does. With ``adapter_batching`` ``turns`` the engine runs one
-set per batch group: the groups of a batch take turns step by step, and each turn to
-another set than the one applied costs ``adapter_swap_s``; with ``mixed`` the whole batch
-steps at once, a step with adapters ``mixed_step_overhead`` longer, and no swaps. A template's bake is per set (its name carries the set). The view
-learns the resident sets from placements and from the executor's report of its loads and
-evictions.
+executor's asynchronous fetch does. With ``adapter_batching`` ``turns`` the groups of a
+batch take turns step by step, each turn to another set than the one applied costing
+``adapter_swap_s``; with ``mixed`` the whole batch steps at once, ``mixed_step_overhead``
+longer, and no swaps. A template's bake is per set. The view learns the resident sets from
+placements and from the executor's report of its loads and evictions.
 
 SLO admission is the gateway's own (``InvocationQueue.admit_slo`` on the virtual clock,
 told the service queued ahead by the simulation, which owns its queue). With ``autoscale``
 the pool's :class:`~retouch.platform.control.autoscaler.Autoscaler` ticks every
 ``tick_s`` on the work and the demand (``ExecutorView.executor_s`` of the arrivals, as the
-real pool counts it): new executors become ready ``startup_s`` after the decision, and
-victims drain (no new work) and stop once idle. Arrivals are drawn (Poisson, Gamma, steps,
-bursty days), replayed from a CSV trace compressed to a load, or replayed 1:1
-(``run_simulation(arrivals=...)``, ``retouch bench validate``). What is not built is listed
-in docs/simulator.md.
+real pool counts it): new executors become ready ``startup_s`` after the decision (sleepers
+woken first, ready after ``wake_s``: ``simsleep.py``), and victims drain (no new work) and
+sleep or stop once idle. Arrivals are drawn (Poisson, Gamma, steps, bursty days), replayed
+from a CSV trace compressed to a load, or replayed 1:1 (``run_simulation(arrivals=...)``,
+``retouch bench validate``). What is not built is listed in docs/simulator.md.
 
 Its parts: the workload it replays (``simworkload.py``), a simulated executor's state and
-rules (``simexecutor.py``) and the figures of a finished run (``simreport.py``).
+rules (``simexecutor.py``), sleeping executors (``simsleep.py``) and the figures of a finished run (``simreport.py``).
 """
 
 from __future__ import annotations
@@ -84,8 +80,9 @@ from retouch.platform.control.placement import MaskAware, Placement, make_placem
 from retouch.platform.control.queue import InvocationQueue, QueueLimits, bindable, has_room
 from retouch.platform.lab.bench.specs import SimSpec
 from retouch.platform.lab.sharedcpu import SharedCPU, nice_weight
-from retouch.platform.lab.simexecutor import SimExecutor, WorkerLine
+from retouch.platform.lab.simexecutor import SimExecutor, WorkerLine, victims
 from retouch.platform.lab.simreport import TIMELINE_S, summary
+from retouch.platform.lab.simsleep import Sleepers
 from retouch.platform.lab.simworkload import (
     FUNCTION,
     MODEL,
@@ -187,6 +184,8 @@ class Simulation:
         self.queued_s = 0.0
         self.scaler = None if spec.autoscale is None else Autoscaler(spec.autoscale)
         self.starting = 0
+        self.cold_starts = 0  # executors the autoscaler started (not woken)
+        self.sleepers = Sleepers(spec.wake_s, spec.sleeping_max, spec.sleep_keep_s)
         self.scale_events: list[tuple[float, int]] = []
         self._pending = len(jobs)  # arrivals not yet answered (the ticks stop after them)
         self.samples: list[tuple[float, int, int, int, int]] = []  # the timeline's counts
@@ -223,8 +222,12 @@ class Simulation:
         return ex
 
     def active(self) -> list[SimExecutor]:
-        """Executors that take new work (not draining, not stopped)."""
-        return [e for e in self.executors if not e.draining and e.stopped_at is None]
+        """Executors that take new work (not draining, asleep or stopped)."""
+        return [
+            e
+            for e in self.executors
+            if not e.draining and e.stopped_at is None and e.asleep_since is None
+        ]
 
     # ---- the event loop -----------------------------------------------------------------
     def at(self, when: float, action: Callable[[], None]) -> None:
@@ -527,29 +530,36 @@ class Simulation:
         ex.inflight -= 1
         self._pending -= 1
         if ex.draining and ex.inflight == 0:
-            ex.stopped_at = self.now
+            self.sleepers.retire(ex, self.now, self.at)
         self._dispatch()
 
     # ---- the autoscaler -----------------------------------------------------------------
     def _tick(self) -> None:
         """One autoscaler period: the pool's predicted work, a decision, and its actions
-        (starts that complete after ``startup_s``; victims that drain, then stop)."""
+        (sleepers woken in ``wake_s``, then starts that complete after ``startup_s``;
+        victims that drain, then sleep or stop)."""
         active = self.active()
         work = sum(e.view.work_s() for e in active) + self.queued_s
-        target = len(active) + self.starting
+        target = len(active) + self.starting + self.sleepers.waking
         demand = self._arrived_s / max(1e-9, self.now - self._last_tick) if self.now else 0.0
         arrivals, self._arrivals = self._arrivals, 0
         self._arrived_s, self._last_tick = 0.0, self.now
         decision = self.scaler.tick(self.now, work, len(self.queue), target, demand, arrivals)
         change = decision.desired - target
         if change > 0:
-            self.starting += change
-            self.at(self.now + self.spec.startup_s, lambda n=change: self._started(n))
+            woken = self.sleepers.wake(change)
+            for ex in woken:
+                self.at(self.now + self.spec.wake_s, lambda ex=ex: self._started(0, ex))
+            cold = change - len(woken)
+            if cold:
+                self.starting += cold
+                self.cold_starts += cold
+                self.at(self.now + self.spec.startup_s, lambda n=cold: self._started(n))
         elif change < 0:
-            for victim in self._victims(active, -change):
+            for victim in victims(active, -change):
                 victim.draining = True
                 if victim.inflight == 0:
-                    victim.stopped_at = self.now
+                    self.sleepers.retire(victim, self.now, self.at)
         if change:
             self.scale_events.append((self.now, change))
         if self._pending > 0 or any(e.inflight for e in self.executors):
@@ -564,17 +574,14 @@ class Simulation:
         if self._pending > 0:
             self.at(self.now + TIMELINE_S, self._sample)
 
-    def _started(self, count: int) -> None:
+    def _started(self, count: int, woken: SimExecutor | None = None) -> None:
+        """``count`` cold starts, or ``woken``, are ready."""
         self.starting -= count
         for _ in range(count):
             self._add_executor()
+        if woken is not None:
+            self.sleepers.woke(woken, self.now)
         self._dispatch()
-
-    def _victims(self, active: list[SimExecutor], count: int) -> list[SimExecutor]:
-        """Least predicted work first, newest first among equals (a cold cache is the
-        cheapest to lose)."""
-        ranked = sorted(active, key=lambda e: (e.view.work_s(), -e.started_at))
-        return ranked[: min(count, len(active))]
 
 
 def run_simulation(

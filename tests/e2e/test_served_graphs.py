@@ -2,7 +2,7 @@
 
 A real server with ``--cuda-graphs`` on a CPU (the graph runner's bookkeeping, replays run
 eagerly on the static buffers) and a device tier (CPU memory standing for the GPU's, so
-templates become resident): 200 edits with random masks over three templates, at batch
+templates become resident): 80 edits with random masks over three templates, at batch
 sizes 1-4 formed by concurrent clients. Keyed by mask, each edit would have captured its
 own layouts; bucketed, the layouts are at most buckets × batch sizes, all captured at the
 executor's warm-up; each answer says which path it took and why."""
@@ -23,7 +23,7 @@ from retouch.platform.lab.bench.load import wait_baked
 from retouch.runtime.maskaware.buckets import Buckets
 from tests.support import wait_for
 
-EDITS = 200
+EDITS = 80
 MAX_BATCH = 4
 TEMPLATES = ("shirt", "mug", "poster")
 

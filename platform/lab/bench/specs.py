@@ -107,6 +107,22 @@ class SimSpec:
         parse=non_negative_float,
         env=False,
     )
+    wake_s: float = knob(
+        0.0,
+        "scale-down puts executors to sleep (device given back, process and store kept) and "
+        "scale-up wakes them in this many seconds before starting cold ones (0: they stop)",
+        parse=non_negative_float,
+        env=False,
+    )
+    sleeping_max: int = knob(
+        0,
+        "executors kept asleep at most, their weights in host memory (0: no limit)",
+        parse=non_negative_int,
+        env=False,
+    )
+    sleep_keep_s: float = knob(
+        1800.0, "a sleeping executor stops after this long", parse=positive_float, env=False
+    )
     tick_s: float = (
         1.0  # the autoscaler's period (the real pool's, platform/fleet/scaler.py TICK_S)
     )

@@ -212,3 +212,26 @@ def test_the_timeline_counts_arrivals_refusals_and_executors_per_window():
     assert all(w["ready"] == 4 and w["starting"] == 0 for w in timeline)
     assert [w["t_s"] for w in timeline] == [10.0 * k for k in range(len(timeline))]
     assert any(w["p95_ms"] for w in timeline)
+
+
+def test_scaled_down_executors_sleep_and_wake_instead_of_starting_cold():
+    """With ``wake_s`` a scale-down puts executors to sleep and a scale-up wakes them
+    before it starts cold ones; sleep holds no device, so GPU-seconds fall below the
+    executors' lifetimes; without it GPU-seconds are the lifetimes and the cold starts."""
+    from retouch.platform.control.autoscaler import AutoscalingConfig
+
+    scaling = AutoscalingConfig(1, 8, target_s=0.5, downscale_delay_s=20.0,
+                                downscale_to_zero_delay_s=20.0)  # fmt: skip
+    base = SimSpec(executors=4, requests=3000, warmup=50, steps=8, noise=0.0, load=0.4,
+                   placements=("maskaware",), arrivals="diurnal:200:0.9:1", autoscale=scaling,
+                   startup_s=20.0)  # fmt: skip
+    cold = run_simulation(base, flux_like_cost_model())["configs"]["maskaware"]
+    asleep = replace(base, wake_s=1.0)
+    warm = run_simulation(asleep, flux_like_cost_model())["configs"]["maskaware"]
+    assert cold["wakes"] == cold["sleeps"] == 0 and cold["cold_starts"] > 0
+    held = cold["executor_seconds"] + cold["cold_starts"] * base.startup_s
+    assert cold["gpu_seconds"] == pytest.approx(held)
+    assert warm["sleeps"] > 0 and warm["wakes"] > 0
+    assert warm["cold_starts"] < cold["cold_starts"]
+    assert warm["gpu_seconds"] < warm["executor_seconds"]
+    assert warm["gpu_seconds"] < cold["gpu_seconds"]
