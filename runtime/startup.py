@@ -42,8 +42,8 @@ def process_age_s() -> float | None:
 class StartupReport:
     """Phase durations in milliseconds: the executor's own, and each model's."""
 
-    def __init__(self, born_s_ago: float | None = None) -> None:
-        age = process_age_s() if born_s_ago is None else born_s_ago
+    def __init__(self) -> None:
+        age = process_age_s()
         # the process's creation on this process's monotonic clock (now, if unknown)
         self._born = time.monotonic() - (age or 0.0)
         self._lock = threading.Lock()

@@ -58,7 +58,7 @@ class Sleepers:
         self.waking -= 1
 
     def _expire(self, ex: SimExecutor, since: float, now: float) -> None:
-        if ex.asleep_since != since or ex not in self.asleep:
+        if ex.asleep_since != since:
             return  # woken meanwhile (and maybe asleep again since)
         self.asleep.remove(ex)
         ex.slept_s += now - since
