@@ -120,7 +120,8 @@ gpu-site:
 
 gpu-bench: gpu-site
 	-$(GPU_ENV) timeout 120 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider \
-	  tests/runtime/maskaware/test_graphs.py tests/runtime/maskaware/test_tiers.py -k "graph or device_tier or gpu"
+	  tests/runtime/maskaware/test_graphs.py tests/runtime/maskaware/test_tiers.py \
+	  tests/runtime/executor/test_sleep.py -k "graph or device_tier or gpu or cuda"
 	$(GPU_ENV) $(GPU_PYTHON) -m retouch.platform.cli.main \
 	  bench production --device cuda --shapes $(GPU_SHAPES) --masks $(GPU_MASKS) --batch 1,4 \
 	  --host-masks 0.2 --steps 8 --repeats $(GPU_REPEATS) --out $(GPU_OUT) \

@@ -182,6 +182,13 @@ class DeviceTier:
             self._pending.pop(key, None)  # a copy of the old activations will not be kept
             self._generation[key] = self._generation.get(key, 0) + 1
 
+    def clear(self) -> None:
+        """Forget every template once the copies in flight land (the executor gives its
+        device back while it sleeps); held copies live on until released."""
+        self.wait()
+        for key in self.keys():
+            self.drop(key)
+
     def close(self) -> None:
         self._copier.shutdown(wait=True)
         with self._lock:

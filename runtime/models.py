@@ -261,6 +261,12 @@ class ModelCache:
         with self._lock:
             return [m for m, f in self._models.items() if f.done() and not f.exception()]
 
+    def resident(self) -> list[LoadedModel]:
+        """The loaded models themselves (what a sleeping executor moves off its device)."""
+        with self._lock:
+            done = [f for f in self._models.values() if f.done() and not f.exception()]
+        return [f.result() for f in done]
+
     def loading(self) -> list[str]:
         with self._lock:
             return [m for m, f in self._models.items() if not f.done()]

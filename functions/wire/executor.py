@@ -64,6 +64,8 @@ class ExecutorPhase(StrEnum):
     STARTING = "starting"
     READY = "ready"
     DRAINING = "draining"
+    SLEEPING = "sleeping"  # process and store kept, device memory given back (runtime/sleep)
+    WAKING = "waking"
     DEAD = "dead"
 
 
@@ -212,6 +214,30 @@ class AdapterStats(Message):
         return self.swap_ms / self.swaps if self.swaps else 0.0
 
 
+class SleepMode(StrEnum):
+    """Whether an executor holds its device (``awake``) or gave it back (``asleep``)."""
+
+    AWAKE = "awake"
+    ASLEEP = "asleep"
+
+
+ReadSleepMode = lenient(SleepMode, SleepMode.AWAKE)
+
+
+class SleepInfo(Message):
+    """An executor's sleeps and wakes: the last of each took ``*_ms`` (``runtime/sleep.py``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: ReadSleepMode = SleepMode.AWAKE
+    sleeps: int = 0
+    wakes: int = 0
+    last_sleep_ms: float = 0.0
+    last_wake_ms: float = 0.0
+    freed_bytes: int = 0  # device memory the last sleep gave back (0 on a CPU)
+    host_bytes: int = 0  # the process's resident memory when it last fell asleep
+
+
 class ExecutorState(Message):
     """What an executor reports on ``GET /state``: the gateway's typed view of it."""
 
@@ -245,6 +271,7 @@ class ExecutorState(Message):
     # workers, listening, first_edit) and each model's (weights, profile, graphs).
     startup_ms: dict[str, float] = Field(default_factory=dict)
     model_startup_ms: dict[str, dict[str, float]] = Field(default_factory=dict)
+    sleep: Annotated[SleepInfo, NULL_AS_DEFAULTS] = Field(default_factory=SleepInfo)
 
     @field_validator(
         "generations",

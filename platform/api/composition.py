@@ -26,6 +26,7 @@ from retouch.platform.fleet.deployed import DeployedFunction
 from retouch.platform.fleet.dispatch import RetryPolicy
 from retouch.platform.fleet.pool import ExecutorPool
 from retouch.platform.fleet.providers import AttachProvider, LocalProvider, Provider
+from retouch.platform.fleet.sleepers import SleepPolicy
 from retouch.platform.jobs.allowlist import AllowList
 from retouch.platform.jobs.links import LinkSigner, bind_url, check_public_url
 from retouch.platform.jobs.retention import RetentionLimits
@@ -136,6 +137,7 @@ def make_pool(config: ServeConfig) -> ExecutorPool:
         autoscale=config.autoscale or config.autoscale_dry_run,
         autoscale_dry_run=config.autoscale_dry_run,
         drain_timeout_s=config.drain_timeout_s,
+        sleep=SleepPolicy(config.sleep_keep_s, config.sleep_host_bytes),
     )
 
 

@@ -23,6 +23,8 @@ DEFAULT_METRICS_PORT = 8001
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_DATA_DIR = Path.home() / ".retouch"
 PROVIDERS = ("local", "ray", "attach")
+# what sleeping executors may hold of a machine by default (platform/fleet/sleepers.py)
+_QUARTER_OF_MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
 
 def default_data_dir() -> Path:
@@ -100,6 +102,17 @@ class ServeConfig:
     autoscale_dry_run: bool = knob(False, "log the autoscaler's decisions, start and stop nothing")
     drain_timeout_s: float = knob(
         600.0, "how long a scaled-down executor's running invocations get to finish"
+    )
+    sleep_keep_s: float = knob(
+        300.0,
+        "with --autoscale: how long a scaled-down executor sleeps (device given back; process, "
+        "weights in host memory and store kept; a scale-up wakes it in seconds) before it is "
+        "stopped (0: stopped at once)",
+    )
+    sleep_host_bytes: int = knob(
+        _QUARTER_OF_MEMORY,
+        "host memory the sleeping executors may hold together; over it the oldest stop",
+        shown="a quarter of this machine's memory",
     )
     token_file: Path | None = knob(None, "a file of '<admin|invoke> <token> [tenant]' lines")
     model_catalogue: Path | None = knob(
@@ -247,6 +260,7 @@ class ServeConfig:
             "max_live_jobs_per_tenant": self.max_live_jobs_per_tenant,
             "max_retained_bytes": self.max_retained_bytes,
             "max_retained_bytes_per_tenant": self.max_retained_bytes_per_tenant,
+            "sleep_host_bytes": self.sleep_host_bytes,
         }
         for name, value in positive.items():
             if value <= 0:
@@ -260,6 +274,7 @@ class ServeConfig:
             "ray_wait_s",
             "metrics_port",
             "exit_with_parent",
+            "sleep_keep_s",
         )
         for name in nonnegative:
             if getattr(self, name) < 0:

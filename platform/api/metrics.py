@@ -159,15 +159,19 @@ class GatewayMetrics:
         self.functions = Gauge("retouch_functions", "Deployed functions", registry=r)
         self.pool = Gauge(
             "retouch_pool",
-            "Executor pool at scrape time: ready, starting, draining, desired (the autoscaler's "
-            "last decision), scale_ups and scale_downs (decisions since start), startup_s_p50 "
-            "and startup_s_max (process start to ready, executors the autoscaler started)",
+            "Executor pool at scrape time: ready, starting, draining, sleeping, waking, desired "
+            "(the autoscaler's last decision), scale_ups and scale_downs (decisions since "
+            "start), startup_s_p50, startup_s_max and startup_s_last (process start to ready, "
+            "executors the autoscaler started cold), wakes, wake_s_p50, wake_s_max and "
+            "wake_s_last (sleepers it woke: wake to ready), sleeping_host_bytes (what the "
+            "sleepers hold of host memory)",
             ["quantity"],
             registry=r,
         )
         self.model_pool = Gauge(
             "retouch_model_pool",
-            "Per model pool (--autoscale): ready, starting, draining executors of the model, "
+            "Per model pool (--autoscale): ready, starting, draining, sleeping, waking executors "
+            "of the model, "
             "desired (its autoscaler's last decision), scale_ups and scale_downs (decisions "
             "since start), no_device (ticks whose scale-up found no free device)",
             ["model", "quantity"],

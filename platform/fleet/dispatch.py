@@ -52,6 +52,9 @@ RECALIBRATE_ERROR = 0.15  # a prediction this far off re-reads the executor's st
 # Executor answers that mean "this executor lost the invocation; it never finished here".
 LOST_CODES = frozenset({"engine_dead", "engine_unavailable"})
 FULL_CODE = ExecutorFull.code  # "the executor has no room for it; it never started here"
+# refusals before the invocation started: it goes back to the queue, not an attempt (an
+# executor asleep was put to sleep by another gateway sharing it)
+NOT_PLACED_CODES = frozenset({FULL_CODE, "executor_asleep"})
 
 OnStart = Callable[[str, int], None]  # (executor name, attempt): an executor took the invocation
 OnProgress = Callable[[StepProgress], None]
@@ -320,7 +323,7 @@ class Dispatcher:
             if exc.code in LOST_CODES:
                 self.fleet.suspect(handle, exc.message)
                 raise ExecutorLost(exc.message) from exc
-            if exc.code == FULL_CODE:
+            if exc.code in NOT_PLACED_CODES:
                 log.debug("%s is full: %s", handle.name, exc.message)
                 raise NotPlaced(exc.message) from exc
             raise

@@ -40,6 +40,7 @@ from retouch.platform.fleet.deployments import Deployments
 from retouch.platform.fleet.executorlink import ExecutorHandle, ExecutorLink
 from retouch.platform.fleet.providers import Executor, Provider
 from retouch.platform.fleet.scaler import Arrived, Member, ModelLoad, split_load
+from retouch.platform.fleet.sleepers import SleepingExecutors, SleepPolicy
 from retouch.runtime.executor.options import room
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ REFUSED_PAUSE_S = 0.2  # an executor that refused as full gets no binding this l
 JOIN_WAIT_S = 5.0  # a gateway starts serving after this, with the attached executors up by then
 
 Queued = Callable[[], list[tuple[str, float]]]  # waiting invocations: (function, service s)
+# phases whose executors are not the pool's capacity (the autoscaler's target)
+NOT_CAPACITY = (ExecutorPhase.DRAINING, ExecutorPhase.SLEEPING)
 
 
 class Fleet:
@@ -64,6 +67,7 @@ class Fleet:
         on_capacity: Callable[[], None],
         queued: Queued,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
+        sleep: SleepPolicy | None = None,
     ) -> None:
         self.provider = provider
         self.link = link
@@ -76,6 +80,15 @@ class Fleet:
         )
         self.cluster = ClusterView()
         self.startup_s: deque[float] = deque(maxlen=256)  # executors the autoscaler started
+        self.sleeping = SleepingExecutors(
+            sleep or SleepPolicy(),
+            self.executors,
+            link,
+            provider,
+            ready=self._become_ready,
+            on_capacity=on_capacity,
+            in_background=self._in_background,
+        )
         self._arrived: defaultdict[str, Arrived] = defaultdict(Arrived)  # see take_arrived
         self._monitor: asyncio.Task | None = None
         self._restarts: dict[str, asyncio.Task] = {}
@@ -143,8 +156,7 @@ class Fleet:
         """Each model pool's predicted work, queued invocations and target count (the
         autoscaler's inputs, see :func:`~retouch.platform.fleet.scaler.split_load`)."""
         members = [
-            Member(e.model, e.view.work_s(), e.phase is not ExecutorPhase.DRAINING)
-            for e in self.executors
+            Member(e.model, e.view.work_s(), e.phase not in NOT_CAPACITY) for e in self.executors
         ]
         members += [Member(m, 0.0, True) for m in self.unstarted().values()]
         model_of = {spec.name: spec.model for spec in self.specs()}
@@ -169,15 +181,23 @@ class Fleet:
         return arrived
 
     def spawn(self, devices: list[str], model: str | None = None) -> bool:
-        """Start one more executor on a free one of the provider's ``devices`` (in its own
-        task), for ``model``'s pool (None: every function); False when every device is
-        taken (by an executor of any model, draining ones included: none is taken over)."""
+        """One more executor for ``model``'s pool (None: every function), in its own task:
+        its most recent sleeper woken, else a cold start on a free one of the provider's
+        ``devices``, else on the device of the oldest sleeper (of any model), stopped
+        first. False when every device is taken by an awake executor (draining included:
+        none is taken over)."""
+        if self.sleeping.wake(model):
+            return True
         taken = {e.name for e in self.executors} | set(self._spawning)
         free = [i for i in range(len(devices)) if f"exec-{i}" not in taken]
+        evicted = None
         if not free:
-            return False
+            evicted = self.sleeping.give_up_device([f"exec-{i}" for i in range(len(devices))])
+            if evicted is None:
+                return False
+            free = [int(evicted.name.removeprefix("exec-"))]
         name, device = f"exec-{free[0]}", devices[free[0]]
-        task = asyncio.create_task(self._spawn(name, device, len(devices), model))
+        task = asyncio.create_task(self._spawn(name, device, len(devices), model, evicted))
         self._spawning[name] = (task, model)
         task.add_done_callback(lambda _: self._spawning.pop(name, None))
         return True
@@ -195,7 +215,8 @@ class Fleet:
         return sorted(ready, key=cost)[: max(0, count)]
 
     def retire(self, handle: ExecutorHandle) -> None:
-        """Drain ``handle`` (no new placements; what runs there finishes), then stop it."""
+        """Drain ``handle`` (no new placements; what runs there finishes), then put it to
+        sleep (the fleet's :class:`SleepPolicy` allows it, the executor agrees) or stop it."""
         if handle.name in self._draining:
             return
         handle.phase = ExecutorPhase.DRAINING
@@ -231,9 +252,18 @@ class Fleet:
         self.refresh_soon(handle)
         asyncio.get_running_loop().call_later(REFUSED_PAUSE_S, self.on_capacity)
 
-    async def _spawn(self, name: str, device: str, capacity: int, model: str | None) -> None:
+    async def _spawn(
+        self,
+        name: str,
+        device: str,
+        capacity: int,
+        model: str | None,
+        evicted: ExecutorHandle | None = None,
+    ) -> None:
         threads = self.provider.threads_per_executor(capacity)
         started = time.monotonic()
+        if evicted is not None:
+            await self.sleeping.stop(evicted, f"its device is wanted for {model or 'a start'}")
         try:
             proc = await self.provider.start(name, device, threads)
         except RetouchError as exc:
@@ -284,9 +314,11 @@ class Fleet:
                 handle.inflight,
                 self.drain_timeout_s,
             )
+        self.feeds.stop(handle.name)
+        if await self.sleeping.put_to_sleep(handle):
+            return
         if handle in self.executors:
             self.executors.remove(handle)
-        self.feeds.stop(handle.name)
         await self.provider.stop(handle.process)
         log.info("%s drained and stopped", handle.name)
 
@@ -351,9 +383,14 @@ class Fleet:
         """The health monitor; it must outlive any one failed check."""
         while True:
             await asyncio.sleep(MONITOR_INTERVAL_S)
+            self.sleeping.check()
+            checked = [
+                e
+                for e in self.executors
+                if e.name not in self._restarts and e.phase is not ExecutorPhase.SLEEPING
+            ]
             results = await asyncio.gather(
-                *(self._check(e) for e in self.executors if e.name not in self._restarts),
-                return_exceptions=True,
+                *(self._check(e) for e in checked), return_exceptions=True
             )
             for error in (r for r in results if isinstance(r, Exception)):
                 log.error("health check failed: %r", error)

@@ -20,6 +20,7 @@ from retouch.platform.fleet.fleet import DRAIN_TIMEOUT_S, Fleet
 from retouch.platform.fleet.providers import Provider
 from retouch.platform.fleet.report import PoolReport
 from retouch.platform.fleet.scaler import PoolScaler
+from retouch.platform.fleet.sleepers import SleepPolicy
 from retouch.platform.state.registry import StoredFunction
 
 
@@ -36,6 +37,7 @@ class ExecutorPool:
         autoscale: bool = False,
         autoscale_dry_run: bool = False,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
+        sleep: SleepPolicy | None = None,
     ) -> None:
         retry = retry or RetryPolicy()
         self.link = ExecutorLink(provider.token, retry.invoke_timeout_s)
@@ -45,6 +47,7 @@ class ExecutorPool:
             on_capacity=lambda: self.dispatcher.queue.dispatch(),
             queued=lambda: self.dispatcher.queue.queued(),
             drain_timeout_s=drain_timeout_s,
+            sleep=sleep if autoscale and not autoscale_dry_run else None,
         )
         self.dispatcher = Dispatcher(self.fleet, self.link, placement, limits, retry)
         self.scaler = PoolScaler(self.fleet, dry_run=autoscale_dry_run) if autoscale else None

@@ -27,8 +27,9 @@ class PoolReport:
         return [e.describe() for e in self.fleet.executors]
 
     async def states(self) -> list[ExecutorState]:
-        """Each ready executor's own state (models, templates, engine, cache counters)."""
-        ready = [e for e in self.fleet.executors if e.healthy]
+        """Each ready or sleeping executor's own state (models, templates, engine, cache
+        counters; a sleeper's says it sleeps, and how long its last sleep and wake took)."""
+        ready = [e for e in self.fleet.executors if e.healthy or e.phase is ExecutorPhase.SLEEPING]
         results = await asyncio.gather(
             *(self.fleet.link.call(e, "GET", "/state", probe=True) for e in ready),
             return_exceptions=True,
@@ -68,6 +69,12 @@ class PoolReport:
             "scale_downs": float(scaler.downs if scaler else 0),
             "startup_s_p50": startups[len(startups) // 2] if startups else 0.0,
             "startup_s_max": startups[-1] if startups else 0.0,
+            "startup_s_last": self.fleet.startup_s[-1] if self.fleet.startup_s else 0.0,
+            "wakes": float(len(self.fleet.sleeping.wake_s)),
+            "wake_s_last": self.fleet.sleeping.wake_s[-1] if self.fleet.sleeping.wake_s else 0.0,
+            "wake_s_p50": _quantile(self.fleet.sleeping.wake_s, 0.5),
+            "wake_s_max": max(self.fleet.sleeping.wake_s, default=0.0),
+            "sleeping_host_bytes": float(self.fleet.sleeping.asleep.host_bytes()),
         }
 
     def model_pool_summaries(self) -> dict[str, dict[str, float]]:
@@ -101,7 +108,8 @@ class PoolReport:
         return doc
 
     def _counts(self, model: str | None = None) -> dict[str, float]:
-        """Executors ready, starting and draining, of ``model``'s pool (None: all). One
+        """Executors ready, starting, draining, sleeping and waking, of ``model``'s pool
+        (None: all). One
         being started counts as starting once, before and after its process is up."""
         phases = [e.phase for e in self.fleet.executors if model is None or e.model == model]
         spawning = [n for n, m in self.fleet.unstarted().items() if model is None or m == model]
@@ -109,6 +117,8 @@ class PoolReport:
             "ready": float(phases.count(ExecutorPhase.READY)),
             "starting": float(phases.count(ExecutorPhase.STARTING) + len(spawning)),
             "draining": float(phases.count(ExecutorPhase.DRAINING)),
+            "sleeping": float(phases.count(ExecutorPhase.SLEEPING)),
+            "waking": float(phases.count(ExecutorPhase.WAKING)),
         }
 
 

@@ -7,7 +7,10 @@ engine thread died, so the pool restarts the executor), ``GET /state`` (a :class
 :class:`~retouch.functions.wire.executor.StepProgress` per denoising step as the engine takes it,
 then the result or the error), ``POST /invocations/{id}/cancel``, and
 ``GET /changes?after=N&timeout=S`` (a long poll on the change feed: bakes done, templates
-entering host memory; see :mod:`retouch.runtime.executor.changes`). Every route but
+entering host memory; see :mod:`retouch.runtime.executor.changes`), ``POST /sleep`` and
+``POST /wake`` (the device given back and taken again, process and store kept; each answers
+a :class:`~retouch.functions.wire.executor.SleepInfo`, see
+:mod:`retouch.runtime.executor.sleep`). Every route but
 ``/healthz`` requires the internal token.
 
 An invocation beyond the executor's room (see
@@ -164,6 +167,12 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
         task.add_done_callback(lambda _: frames.put_nowait(None))
         return StreamingResponse(_stream(core, inv, task, frames), media_type=STREAM_MEDIA_TYPE)
 
+    async def sleep(request: Request) -> dict[str, Any]:
+        return (await asyncio.to_thread(core.sleep.sleep)).to_wire()
+
+    async def wake(request: Request) -> dict[str, Any]:
+        return (await asyncio.to_thread(core.sleep.wake)).to_wire()
+
     async def cancel(request: Request) -> dict[str, Any]:
         invocation = request.path_params["id"]
         return {"id": invocation, "canceled": core.cancel(invocation)}
@@ -189,6 +198,8 @@ def build_app(core: ExecutorCore, token: str) -> Starlette:
             route("/invoke", invoke, "POST"),
             route("/invoke/stream", invoke_stream, "POST"),
             route("/invocations/{id}/cancel", cancel, "POST"),
+            route("/sleep", sleep, "POST"),
+            route("/wake", wake, "POST"),
         ],
         exception_handlers=structured_http_errors(),
         lifespan=lifespan,

@@ -50,6 +50,7 @@ from retouch.runtime.executor.editors import EditorOptions, Editors, encodes_els
 from retouch.runtime.executor.invocations import Invocations
 from retouch.runtime.executor.options import ADAPTER_BUDGET_BYTES, BUILD_SHARE, room
 from retouch.runtime.executor.registry import FunctionEntry, FunctionRegistry
+from retouch.runtime.executor.sleep import ExecutorSleep
 from retouch.runtime.executor.stages import WorkerStages
 from retouch.runtime.fingerprint import weights_fingerprint
 from retouch.runtime.models import ModelCache
@@ -110,6 +111,7 @@ class ExecutorCore:
             path_choice=path_choice,
         )
         self.invocations = Invocations(name)
+        self.sleep = ExecutorSleep(models, self.editors, self._in_hand)
         self._closed = False
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -132,6 +134,13 @@ class ExecutorCore:
     def healthy(self) -> bool:
         return self.engine.alive
 
+    def _in_hand(self) -> int:
+        """Invocations accepted and not answered, the engine's work (bakes) and models
+        being loaded: what a sleep must not strand."""
+        load = self.engine.load()
+        loads = len(self.models.loading())
+        return self.invocations.stats.queued + load["background"] + load["running"] + loads
+
     # ---- deploys (a deploy thread) ----------------------------------------------------
     def deploy(self, spec: FunctionSpec, images: dict[str, Image.Image], generation: int) -> None:
         """Load the function's model (shared with other functions), register its templates
@@ -142,6 +151,7 @@ class ExecutorCore:
         (:class:`~retouch.runtime.executor.registry.Superseded`) instead of resurrecting
         an older version."""
         self.registry.check_generation(spec.name, generation)
+        self.sleep.check_awake()  # a load goes to the device: not while it is given back
         loaded = self.models.get(spec.source.key, spec.family)
         self.adapters.deploy(spec, loaded)
         if self.stages is not None:  # load it in the workers now, not on the first request
@@ -199,19 +209,20 @@ class ExecutorCore:
         self.invocations.check_room(room(self.engine.config.max_batch))
         self.invocations.refuse_if_canceled(inv.id)
         edit = self.admission.check(inv)
-        if edit.empty:  # nothing to edit: the template, without running the model
-            return asyncio.to_thread(self._template_result, edit.template, inv, edit.arrived)
-        admitted = self.admission.admit(edit, on_step)
-        work = admitted.work
-        adapters = work.adapters
-        assert adapters is not None  # pinned by admission: released when the work ends
-        try:
-            future = self.engine.submit(work)  # raises EngineUnavailable when dead or stopping
-        except BaseException:
-            adapters.release()
-            raise
-        future.add_done_callback(lambda _: adapters.release())
-        self.invocations.add(inv.id, work)
+        with self.sleep.awake():  # a sleep's busy check sees this invocation, or it waits
+            if edit.empty:  # nothing to edit: the template, without running the model
+                return asyncio.to_thread(self._template_result, edit.template, inv, edit.arrived)
+            admitted = self.admission.admit(edit, on_step)
+            work = admitted.work
+            adapters = work.adapters
+            assert adapters is not None  # pinned by admission: released when the work ends
+            try:
+                future = self.engine.submit(work)  # raises EngineUnavailable when dead
+            except BaseException:
+                adapters.release()
+                raise
+            future.add_done_callback(lambda _: adapters.release())
+            self.invocations.add(inv.id, work)
         return self._finish(inv, work, future, edit.mask, admitted.choice)
 
     async def _finish(
@@ -300,6 +311,7 @@ class ExecutorCore:
             adapter_stats=adapter_figures,
             startup_ms=self.models.startup.executor_ms(),
             model_startup_ms=self.models.startup.models_ms(),
+            sleep=self.sleep.info(),
         )
 
     def _engine_stats(self) -> EngineStats:

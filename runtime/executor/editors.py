@@ -105,6 +105,8 @@ class Editors:
         self._profiles: dict[str, Path] = {}  # per loaded model (source key): step records
         # per loaded copy: the step times the path choice compares (runtime/pathchoice)
         self._step_times: dict[str, StepTimes | None] = {}
+        # per editor with graphs: the spec its warm-up captured for (a wake captures again)
+        self._graphed: dict[tuple[str, str], FunctionSpec] = {}
 
     def get(self, spec: FunctionSpec, scheduler: str = "") -> MaskAwareEditor:
         """The editor of ``spec``'s model with ``scheduler`` (one the spec allows, "" its
@@ -128,6 +130,8 @@ class Editors:
             raise
         with self._lock:
             self._cost_models[spec.source.key] = cost_model  # per loaded copy
+            if editor.graphs is not None:
+                self._graphed[key] = spec
         future.set_result(editor)
         return editor
 
@@ -262,11 +266,36 @@ class Editors:
                 for model, cm in self._cost_models.items()
             }
 
+    def release_device(self) -> None:
+        """Before the executor sleeps (``runtime/executor/sleep``): every editor's graphs
+        dropped (their pools hold the weights' device addresses) and the device tier's
+        templates forgotten."""
+        for editor in self._built():
+            if editor.graphs is not None:
+                editor.graphs.close()
+        if self.templates.device_tier is not None:
+            self.templates.device_tier.clear()
+
+    def retake_device(self) -> None:
+        """After a wake moved the weights back: graphs captured again for every bucket and
+        batch size, as at the executor's start, before it serves."""
+        with self._lock:
+            graphed = dict(self._graphed)
+            editors = {k: f.result() for k, f in self._editors.items() if k in graphed}
+        for key, editor in editors.items():
+            spec = graphed[key]
+            size = (spec.width, spec.height)
+            log.info("graphs of %s warmed again: %s", spec.model,
+                     warm_graphs(editor, size, self.engine.config.max_batch, spec.halo))  # fmt: skip
+
+    def _built(self) -> list[MaskAwareEditor]:
+        with self._lock:
+            return [f.result() for f in self._editors.values() if f.done() and not f.exception()]
+
     def graph_stats(self) -> dict[str, int]:
         """The built editors' graph and bucket counters, summed (read without their lock:
         plain integers the engine thread increments)."""
-        with self._lock:
-            built = [f.result() for f in self._editors.values() if f.done() and not f.exception()]
+        built = self._built()
         stats = dict.fromkeys(GRAPH_COUNTERS, 0)
         stats["graph_budget_bytes"] = self.options.graph_budget_bytes or 0
         for editor in built:

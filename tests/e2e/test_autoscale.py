@@ -1,11 +1,16 @@
 """Real autoscaling on this machine (``retouch serve --autoscale``): from zero executors, a
 first invocation is answered after a cold start (held in the gateway queue, never 503); a
 step in load brings a second executor up; when the load falls one is drained and stopped
-without losing or failing an invocation; idle, the pool goes back to zero."""
+without losing or failing an invocation; idle, the pool goes back to zero. With sleep
+(the default), scaled-down executors sleep instead: an invocation at a pool of sleepers
+wakes one (the same process, far faster than its cold start), and a sleeper that dies is
+dropped and replaced by a cold start, nothing lost."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -43,6 +48,11 @@ def _phases(client: Client) -> list[str]:
     return [e["phase"] for e in client.executors()["executors"]]
 
 
+def _pool_metric(server: ServerProcess, quantity: str) -> float:
+    metrics = httpx.get(server.metrics_url).text
+    return float(metrics.split(f'retouch_pool{{quantity="{quantity}"}}')[1].split()[0])
+
+
 def test_scale_from_zero_up_down_and_back_to_zero(tmp_path: Path, examples: Path) -> None:
     spec, images = read_spec_file(examples / "tiny-flux.toml")
     # No SLO: admission would refuse the edits a loaded machine predicts late, and this
@@ -54,7 +64,10 @@ def test_scale_from_zero_up_down_and_back_to_zero(tmp_path: Path, examples: Path
     def invoke(client: Client, seed: int) -> object:
         return client.invoke("scaled", "shirt", mask, "a red shirt", seed=seed, format="raw")
 
-    server = ServerProcess(tmp_path / "data", executors=2, extra_args=ARGS)
+    # scaled-down executors stop (no sleep): the pool really goes back to zero processes
+    server = ServerProcess(
+        tmp_path / "data", executors=2, extra_args=[*ARGS, "--sleep-keep-s", "0"]
+    )
     with server, Client(server.url) as client:
         assert _phases(client) == []  # nothing runs before there is work
         client.deploy(spec, images)
@@ -103,7 +116,9 @@ def test_per_model_pools_scale_apart_and_share_the_devices(tmp_path: Path, examp
     """Two functions on two models, each ``max_executors = 1``, two CPU slots: invoking one
     starts one executor for its model only; invoking the other starts a second for the
     other model; each function is answered only by its model's executor; idle, both model
-    pools go back to zero."""
+    pools go back to zero, their executors asleep. An invocation wakes its model's sleeper
+    (the same process); a sleeper that died is dropped, and the next invocation of its
+    model is answered by a cold start."""
     sd_model, flux_model = "retouch:tiny-sd", "retouch:tiny-flux"
     scaling = dataclasses.replace(SCALING, max_executors=1)
     sd, sd_images = read_spec_file(examples / "tiny-sd.toml")
@@ -120,7 +135,16 @@ def test_per_model_pools_scale_apart_and_share_the_devices(tmp_path: Path, examp
         return client.invoke("flux-pool", "shirt", mask, "a red shirt", seed=seed, format="raw")
 
     def models(client: Client) -> dict[str, str | None]:
-        return {e["name"]: e["model"] for e in client.executors()["executors"]}
+        """The awake executors and their models (sleepers are no pool's capacity)."""
+        rows = client.executors()["executors"]
+        return {e["name"]: e["model"] for e in rows if e["phase"] != "sleeping"}
+
+    def sleepers(client: Client) -> dict[str, int]:
+        """Sleeping executors and their processes (None: its state did not answer)."""
+        rows = client.executors()["executors"]
+        return {
+            e["name"]: e["state"] and e["state"]["pid"] for e in rows if e["phase"] == "sleeping"
+        }
 
     server = ServerProcess(tmp_path / "data", executors=2, extra_args=ARGS)
     with server, Client(server.url) as client:
@@ -158,3 +182,25 @@ def test_per_model_pools_scale_apart_and_share_the_devices(tmp_path: Path, examp
             line = f'retouch_model_pool{{model="{model}",quantity="scale_ups"}}'
             assert float(metrics.split(line)[1].split()[0]) == 1, pools
         assert float(metrics.split('retouch_pool{quantity="scale_ups"}')[1].split()[0]) == 2
+
+        # Both asleep: an invocation of tiny-sd wakes exec-0, the same process.
+        def both_asleep() -> dict[str, int] | None:
+            asleep = sleepers(client)
+            return asleep if len(asleep) == 2 and all(asleep.values()) else None
+
+        asleep = wait_for("both executors asleep", both_asleep)
+        woken = invoke_sd(client, 3)
+        assert woken.executor == "exec-0"
+        rows = {e["name"]: e for e in client.executors()["executors"]}
+        assert rows["exec-0"]["state"]["pid"] == asleep["exec-0"]  # woken, not started again
+        assert rows["exec-0"]["state"]["sleep"]["wakes"] == 1
+        assert _pool_metric(server, "wakes") == 1
+        wake_s, cold_s = _pool_metric(server, "wake_s_max"), _pool_metric(server, "startup_s_max")
+        assert 0 < wake_s < cold_s / 5, (wake_s, cold_s)
+
+        # The flux sleeper dies: it is dropped, and flux's next invocation starts cold.
+        os.kill(asleep["exec-1"], signal.SIGKILL)
+        wait_for("the dead sleeper dropped", lambda: "exec-1" not in sleepers(client))
+        revived = invoke_flux(client, 4)
+        assert revived.executor == "exec-1" and models(client)["exec-1"] == flux_model
+        assert _pool_metric(server, "scale_ups") >= 4

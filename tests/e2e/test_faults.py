@@ -134,9 +134,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, examples: Path) -> Iterator
 
 @pytest.fixture(scope="module")
 def reference(server: ServerProcess) -> dict[int, np.ndarray]:
-    """Each seed's image from an undisturbed run, one at a time."""
+    """Each seed's image from an undisturbed run. Sent together, as the faulted runs send
+    them: batched the same way, in less time than ten solo edits."""
     seeds = [*range(IN_FLIGHT), *range(100, 100 + LATE)]
-    return {seed: pixels(invoke(server.url, seed)) for seed in seeds}
+    with ThreadPoolExecutor(len(seeds)) as threads:
+        futures = {seed: threads.submit(invoke, server.url, seed) for seed in seeds}
+        return {seed: pixels(future.result()) for seed, future in futures.items()}
 
 
 Fault = Callable[[Row], None]

@@ -16,6 +16,7 @@ SUBCOMMANDS = (
     serving.add_gateway,
     serving.add_wire,
     serving.add_coldstart,
+    serving.add_wake,
     serving.add_deploy,
     engine.add_engine,
     quality.add_fidelity,

@@ -1,4 +1,4 @@
-"""``retouch bench gateway|wire|coldstart|deploy|store``: the platform's own costs around the model (the
+"""``retouch bench gateway|wire|coldstart|wake|deploy|store``: the platform's own costs around the model (the
 gateway's time per invocation, decoding one, a cold start's weights, a deploy beside a served function, the activation store)."""
 
 from __future__ import annotations
@@ -117,6 +117,25 @@ def _run_coldstart(args: argparse.Namespace) -> None:
         args.model, models_dir(args), pick_device(args.device), args.dtype, args.rounds
     )
     report(rows, args.json)
+
+
+def add_wake(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "wake",
+        help="an autoscaled executor woken from sleep against the same executor started "
+        "cold (real retouch serve, same run)",
+    )
+    add_builtin_model(p, "retouch:small-sd")
+    p.add_argument("--rounds", type=positive_int, default=3, help="rounds (default 3)")
+    p.add_argument("--steps", type=positive_int, default=4, help="denoising steps per invocation")
+    add_json(p)
+    p.set_defaults(run=_run_wake)
+
+
+def _run_wake(args: argparse.Namespace) -> None:
+    from retouch.platform.lab.bench.wake import run_wake_bench
+
+    report(run_wake_bench(args.model, args.rounds, args.steps), args.json)
 
 
 def add_deploy(bench_sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,117 @@
+"""An executor's sleep state (``runtime/executor/sleep.py``) and the fleet's sleepers
+(``platform/fleet/sleepers.py``): the transitions, what is refused in each, and which
+sleeper a scale-up wakes or a bound stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from retouch.functions.errors import RetouchError
+from retouch.functions.wire.executor import SleepInfo, SleepMode
+from retouch.platform.fleet.sleepers import Sleepers, SleepPolicy
+from retouch.runtime.executor.sleep import ExecutorSleep, Turn
+from retouch.runtime.models import ModelCache
+
+
+class Holders:
+    """Counts what the sleep asked of the graphs and the device tier."""
+
+    def __init__(self) -> None:
+        self.released = self.retaken = 0
+
+    def release_device(self) -> None:
+        self.released += 1
+
+    def retake_device(self) -> None:
+        self.retaken += 1
+
+
+def test_sleep_refuses_work_until_woken_and_counts_both(tmp_path: Path) -> None:
+    work = [0]
+    sleep = ExecutorSleep(ModelCache(tmp_path, torch.device("cpu")), Holders(), lambda: work[0])
+    with sleep.awake():
+        pass  # awake: work is handed over
+    info = sleep.sleep()
+    assert info.mode is SleepMode.ASLEEP and info.sleeps == 1 and sleep.turn is Turn.ASLEEP
+    assert info.freed_bytes == 0  # a CPU keeps its weights where they are
+    assert info.host_bytes > 0  # what it holds of the host, for the fleet's bound
+    for refused in (sleep.check_awake, sleep.awake().__enter__):
+        with pytest.raises(RetouchError) as err:
+            refused()
+        assert err.value.code == "executor_asleep" and err.value.status == 503
+    assert sleep.sleep().sleeps == 1  # asleep already: nothing happens twice
+    woken = sleep.wake()
+    assert woken.mode is SleepMode.AWAKE and woken.wakes == 1 and woken.last_wake_ms >= 0
+    sleep.check_awake()
+    assert sleep.wake().wakes == 1
+    # what /state carries reads back on the gateway's side
+    assert SleepInfo.from_wire(woken.to_wire()) == woken
+
+
+def test_an_executor_with_work_in_hand_refuses_to_sleep(tmp_path: Path) -> None:
+    sleep = ExecutorSleep(ModelCache(tmp_path, torch.device("cpu")), Holders(), lambda: 2)
+    with pytest.raises(RetouchError) as err:
+        sleep.sleep()
+    assert err.value.code == "executor_busy" and err.value.status == 409
+    assert sleep.turn is Turn.AWAKE
+    sleep.check_awake()
+
+
+def test_an_older_executor_without_sleep_reads_as_awake() -> None:
+    assert SleepInfo.from_wire({}).mode is SleepMode.AWAKE
+    assert SleepInfo.from_wire({"mode": "hibernating"}).mode is SleepMode.AWAKE
+
+
+@dataclass(eq=False)
+class Handle:
+    name: str
+    model: str
+
+    def serves(self, model: str | None) -> bool:
+        return self.model == model
+
+
+def test_a_scale_up_wakes_its_models_most_recent_sleeper() -> None:
+    sleepers: Sleepers[Handle] = Sleepers(SleepPolicy(keep_s=60))
+    a, b, c = Handle("exec-0", "sd"), Handle("exec-1", "sd"), Handle("exec-2", "flux")
+    for t, h in enumerate((a, b, c)):
+        assert sleepers.add(h, float(t), 100) == []
+    assert sleepers.take("sd") is b and sleepers.take("sd") is a and sleepers.take("sd") is None
+    assert len(sleepers) == 1 and c in sleepers
+    assert sleepers.take_oldest() is c and sleepers.take_oldest() is None
+
+
+def test_sleepers_stop_after_their_keep_time_and_over_the_host_bound() -> None:
+    sleepers: Sleepers[Handle] = Sleepers(SleepPolicy(keep_s=10, host_bytes=250))
+    a, b, c = Handle("exec-0", "sd"), Handle("exec-1", "sd"), Handle("exec-2", "sd")
+    sleepers.add(a, 0.0, 100)
+    sleepers.add(b, 5.0, 100)
+    assert sleepers.add(c, 6.0, 100) == [a]  # 300 bytes > 250: the oldest stops
+    assert sleepers.host_bytes() == 200
+    assert sleepers.expired(14.0) == [] and sleepers.expired(15.0) == [b]
+    assert sleepers.remove(c) and not sleepers.remove(c) and len(sleepers) == 0
+    assert not SleepPolicy().enabled and SleepPolicy(keep_s=1).enabled
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device given back is a GPU's")
+def test_on_cuda_a_sleep_gives_the_weights_memory_back_and_a_wake_restores_it(
+    models_dir: Path,
+) -> None:
+    """Run by ``make gpu-bench`` on a GPU machine."""
+    device = torch.device("cuda")
+    models = ModelCache(models_dir, device)
+    pipe = models.get("retouch:tiny-sd", "sd-inpaint").pipe
+    weight = next(pipe.unet.parameters())
+    before = weight.detach().cpu().clone()
+    holders = Holders()
+    sleep = ExecutorSleep(models, holders, lambda: 0)
+    info = sleep.sleep()
+    assert info.freed_bytes > 0 and holders.released == 1
+    assert weight.device.type == "cpu" and weight.is_pinned()
+    woken = sleep.wake()
+    assert weight.device == torch.device("cuda", 0) and holders.retaken == 1
+    assert woken.last_wake_ms > 0 and torch.equal(weight.detach().cpu(), before)
