@@ -4,6 +4,8 @@ sleeper a scale-up wakes or a bound stops."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,8 +13,9 @@ import pytest
 import torch
 
 from retouch.functions.errors import RetouchError
-from retouch.functions.wire.executor import SleepInfo, SleepMode
-from retouch.platform.fleet.sleepers import Sleepers, SleepPolicy
+from retouch.functions.wire.executor import ExecutorPhase, SleepInfo, SleepMode
+from retouch.platform.fleet.executorlink import ExecutorHandle
+from retouch.platform.fleet.sleepers import Sleepers, SleepingExecutors, SleepPolicy
 from retouch.runtime.executor.sleep import ExecutorSleep, Turn
 from retouch.runtime.models import ModelCache
 
@@ -115,3 +118,47 @@ def test_on_cuda_a_sleep_gives_the_weights_memory_back_and_a_wake_restores_it(
     woken = sleep.wake()
     assert weight.device == torch.device("cuda", 0) and holders.retaken == 1
     assert woken.last_wake_ms > 0 and torch.equal(weight.detach().cpu(), before)
+
+
+class Process:
+    def __init__(self, name: str) -> None:
+        self.name, self.device, self.url, self.node = name, "cpu", "http://unused", "here"
+        self.alive, self.exit_code = True, None
+
+
+class Stops:
+    """A provider that records what it was asked to stop."""
+
+    token = ""
+
+    def __init__(self) -> None:
+        self.stopped: list[str] = []
+
+    async def stop(self, process: Process, failed: bool = False) -> None:
+        self.stopped.append(process.name)
+
+
+def test_a_sleeper_that_dies_is_dropped_and_one_that_slept_its_time_is_stopped() -> None:
+    async def run() -> tuple[Stops, list[ExecutorHandle]]:
+        dead, old, young = (ExecutorHandle(Process(f"exec-{i}"), model="m") for i in range(3))
+        executors, stops, tasks = [dead, old, young], Stops(), []
+        sleeping = SleepingExecutors(
+            SleepPolicy(keep_s=60),
+            executors,
+            link=None,  # type: ignore[arg-type]  # no call is made by check()
+            provider=stops,  # type: ignore[arg-type]
+            ready=None,  # type: ignore[arg-type]
+            on_capacity=lambda: None,
+            in_background=lambda work: tasks.append(asyncio.ensure_future(work)),
+        )
+        for handle, since in ((dead, 50.0), (old, -100.0), (young, 50.0)):
+            handle.phase = ExecutorPhase.SLEEPING
+            sleeping.asleep.add(handle, time.monotonic() + since - 60, 1)
+        dead.process.alive, dead.process.exit_code = False, -9
+        sleeping.check()
+        await asyncio.gather(*tasks)
+        return stops, executors
+
+    stops, left = asyncio.run(run())
+    assert sorted(stops.stopped) == ["exec-0", "exec-1"]  # the dead one and the old one
+    assert [h.name for h in left] == ["exec-2"]
