@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 import httpx
@@ -84,12 +84,24 @@ class Deployments:
 
         self.in_background(drop())
 
-    async def push_all(self, handle: ExecutorHandle) -> None:
-        """Every function of ``handle``'s model pool, onto a new (or restarted) executor; a
-        failed push is logged (the executor serves the others)."""
+    async def push_all(self, handle: ExecutorHandle, held: Mapping[str, int] | None = None) -> None:
+        """Every function of ``handle``'s model pool, onto a new, restarted or woken
+        executor; a failed push is logged (the executor serves the others). ``held``: the
+        generations the executor reports holding (a woken one's): those still current are
+        not pushed again, and those deleted or moved to another model meanwhile are
+        dropped from it."""
+        held = held or {}
+        for name, generation in held.items():
+            stored = self.functions.get(name)
+            if stored is None or not handle.serves(stored.spec.model):
+                self._drop_from(handle, name, max(generation, self.generations.get(name, 0)))
         for stored in list(self.functions.values()):
+            name = stored.spec.name
             if not handle.serves(stored.spec.model):
                 continue  # another model pool's function: this executor never loads it
+            if held.get(name) == self.generations.get(name, 0):
+                handle.functions.add(name)  # it holds this very deploy
+                continue
             try:
                 await self._push(handle, stored)
             except (RetouchError, httpx.HTTPError) as exc:

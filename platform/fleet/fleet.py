@@ -367,7 +367,7 @@ class Fleet:
         handle.slots = room(state.engine.max_batch)
         handle.view.slots = handle.slots
         handle.view.observe_state(state, self.cluster.costers)
-        await self.deploys.push_all(handle)
+        await self.deploys.push_all(handle, state.generations)
         handle.phase = ExecutorPhase.READY
         self.feeds.follow(handle)
         self.on_capacity()

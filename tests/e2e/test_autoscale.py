@@ -194,11 +194,22 @@ def test_per_model_pools_scale_apart_and_share_the_devices(tmp_path: Path, examp
             return asleep if len(asleep) == 2 and all(asleep.values()) else None
 
         asleep = wait_for("both executors asleep", both_asleep)
-        woken = invoke_sd(client, 3)
+        # While tiny-sd's pool sleeps, a function is added to it and another deleted: the
+        # wake pushes the one and drops the other.
+        client.deploy(dataclasses.replace(sd, name="sd-late"), sd_images)
+        client.delete("sd-pool")
+        woken = client.invoke("sd-late", "street", mask, "a red door", seed=3, format="raw")
         assert woken.executor == "exec-0"
         rows = {e["name"]: e for e in client.executors()["executors"]}
         assert rows["exec-0"]["state"]["pid"] == asleep["exec-0"]  # woken, not started again
         assert rows["exec-0"]["state"]["sleep"]["wakes"] == 1
+
+        def held() -> list[str]:
+            rows = {e["name"]: e for e in client.executors()["executors"]}
+            return rows["exec-0"]["state"]["functions"]
+
+        wait_for("the deleted function dropped from the woken executor",
+                 lambda: held() == ["sd-late"], detail=held)  # fmt: skip
         assert _pool_metric(server, "wakes") == 1
         wake_s, cold_s = _pool_metric(server, "wake_s_max"), _pool_metric(server, "startup_s_max")
         assert 0 < wake_s < cold_s / 5, (wake_s, cold_s)

@@ -75,8 +75,8 @@ def pool_of_two(examples: Path, name: str, steps: int) -> tuple:
     return dataclasses.replace(spec, name=name, steps=steps, slo_ms=None, scaling=scaling), images
 
 
-def serve(nodes: Nodes, data: Path) -> ServerProcess:
-    args = ["--provider", "ray", "--ray-address", nodes.address, "--autoscale"]
+def serve(nodes: Nodes, data: Path, *extra: str) -> ServerProcess:
+    args = ["--provider", "ray", "--ray-address", nodes.address, "--autoscale", *extra]
     return ServerProcess(data, extra_args=args)
 
 
@@ -129,7 +129,9 @@ def test_the_autoscaler_adds_and_removes_ray_actors(
     scaling = ScalingSpec(0, 2, target_s=1.0, upscale_delay_s=2.0, stable_window_s=3.0,
                           downscale_delay_s=2.0, downscale_to_zero_delay_s=3.0)  # fmt: skip
     spec = dataclasses.replace(spec, name="ray-scaled", steps=4, scaling=scaling, slo_ms=None)
-    with serve(nodes, tmp_path / "data") as server, Client(server.url) as client:
+    # a scaled-down actor sleeps for 5 s (its process and GPU reservation kept), then stops
+    server = serve(nodes, tmp_path / "data", "--sleep-keep-s", "5")
+    with server, Client(server.url) as client:
         assert client.executors()["executors"] == []
         client.deploy(spec, images)
 
@@ -141,7 +143,13 @@ def test_the_autoscaler_adds_and_removes_ray_actors(
         assert result.path in ("stock", "maskaware")  # answered after an actor started
         started = set(actors()) - before
         assert started, "no Ray actor was started"
-        wait_for("back to zero executors", lambda: client.executors()["executors"] == [])
+
+        def phases() -> list[str]:
+            return [e["phase"] for e in client.executors()["executors"]]
+
+        wait_for("its actor asleep", lambda: phases() == ["sleeping"], detail=phases)
+        assert set(actors()) & started  # asleep, not stopped
+        wait_for("back to zero executors", lambda: phases() == [], detail=phases)
         wait_for("its actor removed", lambda: not (set(actors()) & started), 60.0)
 
 
