@@ -88,13 +88,16 @@ class Deployments:
         """Every function of ``handle``'s model pool, onto a new, restarted or woken
         executor; a failed push is logged (the executor serves the others). ``held``: the
         generations the executor reports holding (a woken one's): those still current are
-        not pushed again, and those deleted or moved to another model meanwhile are
-        dropped from it."""
+        not pushed again, and those this gateway deleted or moved to another model after
+        the generation held are dropped from it. A name this gateway has no record of is
+        left alone (another gateway's, or this one's registry not loaded yet)."""
         held = held or {}
         for name, generation in held.items():
+            latest = self.generations.get(name, 0)
             stored = self.functions.get(name)
-            if stored is None or not handle.serves(stored.spec.model):
-                self._drop_from(handle, name, max(generation, self.generations.get(name, 0)))
+            moved = stored is not None and not handle.serves(stored.spec.model)
+            if latest > generation and (stored is None or moved):
+                self._drop_from(handle, name, latest)
         for stored in list(self.functions.values()):
             name = stored.spec.name
             if not handle.serves(stored.spec.model):

@@ -435,6 +435,9 @@ class Fleet:
         await self.provider.stop(old.process, failed=True)
         threads = self.provider.threads_per_executor(len(self.executors))
         proc = await self._start_until_up(old.name, old.slot, threads)
+        if old not in self.executors:  # dropped meanwhile (a failed wake stopped it)
+            await self.provider.stop(proc)
+            return
         handle = ExecutorHandle(
             proc,
             old.slot,

@@ -214,7 +214,7 @@ class SleepingExecutors:
             await self.link.call(handle, "POST", "/wake")
             await self.ready(handle)
         except (RetouchError, httpx.HTTPError) as exc:
-            if not handle.process.alive:
+            if not handle.process.alive or handle.phase is ExecutorPhase.DEAD:
                 log.warning("%s died while waking: the monitor restarts it", handle.name)
                 return
             log.error("%s did not wake (%s): it is stopped", handle.name, exc)

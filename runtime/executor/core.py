@@ -27,6 +27,7 @@ from PIL import Image
 from retouch.functions.imaging import encode_image, mask_ratio
 from retouch.functions.spec import FunctionSpec
 from retouch.functions.wire.executor import (
+    BakeState,
     CacheInfo,
     ChangeKind,
     DeviceMemory,
@@ -135,11 +136,17 @@ class ExecutorCore:
         return self.engine.alive
 
     def _in_hand(self) -> int:
-        """Invocations accepted and not answered, the engine's work (bakes) and models
-        being loaded: what a sleep must not strand."""
+        """Invocations accepted and not answered, bakes claimed and not finished (waiting
+        for adapter files or an encode, queued or running on the engine), other background
+        work and models being loaded: what a sleep must not strand."""
+        bakes = sum(
+            status.state in (BakeState.QUEUED, BakeState.BAKING)
+            for templates in self.templates.states().values()
+            for status in templates.values()
+        )
         load = self.engine.load()
         loads = len(self.models.loading())
-        return self.invocations.stats.queued + load["background"] + load["running"] + loads
+        return self.invocations.stats.queued + bakes + load["background"] + loads
 
     # ---- deploys (a deploy thread) ----------------------------------------------------
     def deploy(self, spec: FunctionSpec, images: dict[str, Image.Image], generation: int) -> None:
@@ -151,7 +158,10 @@ class ExecutorCore:
         (:class:`~retouch.runtime.executor.registry.Superseded`) instead of resurrecting
         an older version."""
         self.registry.check_generation(spec.name, generation)
-        self.sleep.check_awake()  # a load goes to the device: not while it is given back
+        with self.sleep.kept_awake():  # loads, profiles, captures: not while it sleeps
+            self._deploy(spec, images, generation)
+
+    def _deploy(self, spec: FunctionSpec, images: dict[str, Image.Image], generation: int) -> None:
         loaded = self.models.get(spec.source.key, spec.family)
         self.adapters.deploy(spec, loaded)
         if self.stages is not None:  # load it in the workers now, not on the first request

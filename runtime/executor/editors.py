@@ -285,6 +285,8 @@ class Editors:
         for key, editor in editors.items():
             spec = graphed[key]
             size = (spec.width, spec.height)
+            if editor.graphs is not None:  # nothing captured before the move may replay
+                editor.graphs.close()
             log.info("graphs of %s warmed again: %s", spec.model,
                      warm_graphs(editor, size, self.engine.config.max_batch, spec.halo))  # fmt: skip
 

@@ -59,13 +59,13 @@ class DeviceHolders(Protocol):
         ...
 
 
-def to_host(module: torch.nn.Module, pinned: bool) -> None:
-    """Move ``module``'s weights to host memory, pinned so that a wake copies them back
-    asynchronously at the bus's speed."""
-    module.to("cpu")
-    if pinned:
-        for tensor in (*module.parameters(), *module.buffers()):
-            tensor.data = tensor.data.pin_memory()
+def to_host(module: torch.nn.Module) -> None:
+    """Move ``module``'s weights into pinned host memory (one copy each, straight from the
+    device), so that a wake copies them back asynchronously at the bus's speed."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor.data)
+        tensor.data = host
 
 
 def resident_bytes() -> int:
@@ -89,6 +89,7 @@ class ExecutorSleep:
         self._sleeps = self._wakes = 0
         self._last_sleep_ms = self._last_wake_ms = 0.0
         self._freed = self._host = 0
+        self._kept = 0  # slow work (deploys) under way that keeps the executor awake
 
     @property
     def turn(self) -> Turn:
@@ -119,10 +120,19 @@ class ExecutorSleep:
             self._refuse_unless_awake()
             yield
 
-    def check_awake(self) -> None:
-        """Raise 503 ``executor_asleep`` unless awake."""
+    @contextlib.contextmanager
+    def kept_awake(self) -> Iterator[None]:
+        """Slow work that needs the device (a deploy: loads, profiles, graph captures):
+        refused unless awake, and counted while it runs so that a sleep refuses meanwhile
+        (the lock is held only to count)."""
         with self._lock:
             self._refuse_unless_awake()
+            self._kept += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._kept -= 1
 
     def _refuse_unless_awake(self) -> None:
         if self._turn is not Turn.AWAKE:
@@ -137,7 +147,7 @@ class ExecutorSleep:
             if self._turn is Turn.ASLEEP:
                 return self._snapshot()
             self._check_idle_turn("sleep")
-            work = self.busy()
+            work = self.busy() + self._kept
             if work:
                 raise Conflict(
                     f"the executor has {work} invocations or bakes in hand: drain it first",
@@ -149,9 +159,11 @@ class ExecutorSleep:
             freed = self._give_back()
         except BaseException:
             log.exception("falling asleep failed: taking the device back")
-            self._take_back()
-            with self._lock:
-                self._turn = Turn.AWAKE
+            try:
+                self._take_back()
+            finally:  # awake again whatever happened: never stuck between the two
+                with self._lock:
+                    self._turn = Turn.AWAKE
             raise
         took = (time.perf_counter() - started) * 1e3
         with self._lock:
@@ -201,7 +213,7 @@ class ExecutorSleep:
         for loaded in self.models.resident():
             for module in loaded.pipe.components.values():
                 if isinstance(module, torch.nn.Module):
-                    to_host(module, pinned=True)
+                    to_host(module)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         return max(0, before - torch.cuda.memory_reserved(device))

@@ -198,17 +198,21 @@ class StepGraphs:
         self.eager = 0  # steps run eagerly by the runner: a parity's first run, a failed capture
         self.over_budget = 0  # of ``eager``, runs of a layout the budget left uncaptured
         self.prefetched = 0  # runs whose rows had been copied in during the run before
-        self.pool_bytes = 0  # device memory the captures reserved (CUDA; never given back)
+        self.pool_bytes = 0  # device memory the captures reserved (CUDA; until closed)
         self._warming = False
         self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._copies = torch.cuda.Stream(device) if self.cuda else None
 
     def close(self) -> None:
-        """Drop every layout, once the copies into their buffers have finished."""
+        """Drop every layout, once the copies into their buffers have finished, and the
+        captures' pool with them (a new one for the captures after: its bytes count from
+        zero again against the budget)."""
         if self._copies is not None:
             self._copies.synchronize()
         self.layouts.clear()
         self.banks.clear()
+        self.pool_bytes = 0
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
 
     @property
     def nbytes(self) -> int:

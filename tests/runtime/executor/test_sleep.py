@@ -42,14 +42,15 @@ def test_sleep_refuses_work_until_woken_and_counts_both(tmp_path: Path) -> None:
     assert info.mode is SleepMode.ASLEEP and info.sleeps == 1 and sleep.turn is Turn.ASLEEP
     assert info.freed_bytes == 0  # a CPU keeps its weights where they are
     assert info.host_bytes > 0  # what it holds of the host, for the fleet's bound
-    for refused in (sleep.check_awake, sleep.awake().__enter__):
+    for refused in (sleep.awake().__enter__, sleep.kept_awake().__enter__):
         with pytest.raises(RetouchError) as err:
             refused()
         assert err.value.code == "executor_asleep" and err.value.status == 503
     assert sleep.sleep().sleeps == 1  # asleep already: nothing happens twice
     woken = sleep.wake()
     assert woken.mode is SleepMode.AWAKE and woken.wakes == 1 and woken.last_wake_ms >= 0
-    sleep.check_awake()
+    with sleep.awake():
+        pass
     assert sleep.wake().wakes == 1
     # what /state carries reads back on the gateway's side
     assert SleepInfo.from_wire(woken.to_wire()) == woken
@@ -61,7 +62,15 @@ def test_an_executor_with_work_in_hand_refuses_to_sleep(tmp_path: Path) -> None:
         sleep.sleep()
     assert err.value.code == "executor_busy" and err.value.status == 409
     assert sleep.turn is Turn.AWAKE
-    sleep.check_awake()
+
+
+def test_a_deploy_under_way_keeps_the_executor_awake(tmp_path: Path) -> None:
+    sleep = ExecutorSleep(ModelCache(tmp_path, torch.device("cpu")), Holders(), lambda: 0)
+    with sleep.kept_awake():
+        with pytest.raises(RetouchError) as err:
+            sleep.sleep()
+        assert err.value.code == "executor_busy"
+    assert sleep.sleep().sleeps == 1  # once it ended
 
 
 def test_an_older_executor_without_sleep_reads_as_awake() -> None:
