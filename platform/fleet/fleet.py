@@ -188,15 +188,16 @@ class Fleet:
         none is taken over)."""
         if self.sleeping.wake(model):
             return True
+        names = [f"exec-{i}" for i in range(len(devices))]  # one executor per device
         taken = {e.name for e in self.executors} | set(self._spawning)
-        free = [i for i in range(len(devices)) if f"exec-{i}" not in taken]
+        free = [i for i, name in enumerate(names) if name not in taken]
         evicted = None
         if not free:
-            evicted = self.sleeping.give_up_device([f"exec-{i}" for i in range(len(devices))])
+            evicted = self.sleeping.give_up_device(names)
             if evicted is None:
                 return False
-            free = [int(evicted.name.removeprefix("exec-"))]
-        name, device = f"exec-{free[0]}", devices[free[0]]
+            free = [names.index(evicted.name)]
+        name, device = names[free[0]], devices[free[0]]
         task = asyncio.create_task(self._spawn(name, device, len(devices), model, evicted))
         self._spawning[name] = (task, model)
         task.add_done_callback(lambda _: self._spawning.pop(name, None))

@@ -46,6 +46,10 @@ class Turn(StrEnum):
     ASLEEP = "asleep"
     WAKING = "waking"
 
+    @property
+    def words(self) -> str:
+        return self.value.replace("_", " ")
+
 
 class DeviceHolders(Protocol):
     """What besides the models holds device memory: graphs and the device tier."""
@@ -137,7 +141,7 @@ class ExecutorSleep:
     def _refuse_unless_awake(self) -> None:
         if self._turn is not Turn.AWAKE:
             raise Unavailable(
-                f"the executor is {self._turn.value.replace('_', ' ')}: it serves after a wake",
+                f"the executor is {self._turn.words}: it serves after a wake",
                 code="executor_asleep",
             )
 
@@ -199,7 +203,7 @@ class ExecutorSleep:
     def _check_idle_turn(self, what: str) -> None:
         if self._turn in (Turn.FALLING_ASLEEP, Turn.WAKING):
             raise Conflict(
-                f"cannot {what}: the executor is {self._turn.value.replace('_', ' ')}",
+                f"cannot {what}: the executor is {self._turn.words}",
                 code="sleep_in_progress",
             )
 
@@ -210,10 +214,8 @@ class ExecutorSleep:
             return 0  # a CPU's weights are the process's memory: nothing to give back
         before = torch.cuda.memory_reserved(device)
         self.holders.release_device()
-        for loaded in self.models.resident():
-            for module in loaded.pipe.components.values():
-                if isinstance(module, torch.nn.Module):
-                    to_host(module)
+        for module in self._modules():
+            to_host(module)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         return max(0, before - torch.cuda.memory_reserved(device))
@@ -222,9 +224,14 @@ class ExecutorSleep:
         device = self.models.device
         if device.type != "cuda":
             return
+        for module in self._modules():
+            module.to(device, non_blocking=True)
+        torch.cuda.synchronize(device)
+        self.holders.retake_device()
+
+    def _modules(self) -> Iterator[torch.nn.Module]:
+        """Every loaded model's modules (their functions' pipelines share them)."""
         for loaded in self.models.resident():
             for module in loaded.pipe.components.values():
                 if isinstance(module, torch.nn.Module):
-                    module.to(device, non_blocking=True)
-        torch.cuda.synchronize(device)
-        self.holders.retake_device()
+                    yield module
