@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from retouch.functions.demo.models import ensure_demo_model
@@ -41,4 +42,6 @@ def test_the_bench_reports_both_caches_for_the_same_bytes(models_dir: Path) -> N
     assert [r["cache"] for r in rows] == ["cold", "warm"]
     for row in rows:
         assert row["weight_bytes"] > 0 and row["raw_read_s"] > 0 and row["load_s"] > 0
-        assert row["load_vs_raw_read"] == round(row["raw_read_s"] / row["load_s"], 3)
+        # the ratio of the two times reported (each rounded on its own: a 4 ms read to 0.1 ms)
+        ratio = row["raw_read_s"] / row["load_s"]
+        assert row["load_vs_raw_read"] == pytest.approx(ratio, rel=0.05, abs=0.002)
