@@ -26,6 +26,7 @@ from retouch.functions.wire.invoke import InvokeRequest, InvokeResult
 from retouch.functions.wire.jobs import JobEvent, JobStatus
 from retouch.platform.api.config import default_url
 from retouch.platform.jobs import sse
+from retouch.platform.tls import tls_context
 
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 
@@ -227,7 +228,9 @@ class Client:
         self, url: str | None = None, token: str | None = None, timeout: httpx.Timeout = TIMEOUT
     ) -> None:
         self.url = (url or default_url()).rstrip("/")
-        self._http = httpx.Client(base_url=self.url, headers=_headers(token), timeout=timeout)
+        self._http = httpx.Client(
+            base_url=self.url, headers=_headers(token), timeout=timeout, verify=tls_context()
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -392,6 +395,7 @@ class AsyncClient:
             headers=_headers(token),
             timeout=timeout,
             limits=httpx.Limits(max_connections=None),
+            verify=tls_context(),
         )
 
     async def aclose(self) -> None:

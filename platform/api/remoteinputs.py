@@ -23,6 +23,7 @@ from retouch.functions.wire.jobs import parse_target_url
 from retouch.platform.api.bodybudget import BodyBudget
 from retouch.platform.jobs.allowlist import AllowList, pinned
 from retouch.platform.jobs.resolver import Resolver
+from retouch.platform.tls import tls_context
 
 URL_FIELDS = ("image", "mask")
 DEFAULT_TIMEOUT_S = 10.0
@@ -51,7 +52,9 @@ class InputFetcher:
         self._http: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
-        self._http = httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False)
+        self._http = httpx.AsyncClient(
+            timeout=self.timeout_s, follow_redirects=False, verify=tls_context()
+        )
 
     async def close(self) -> None:
         if self._http is not None:

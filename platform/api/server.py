@@ -23,6 +23,7 @@ from retouch.platform.api.composition import build_gateway
 from retouch.platform.api.config import ServeConfig
 from retouch.platform.api.limits import return_large_frees
 from retouch.platform.fleet import children
+from retouch.platform.tls import tls_context
 from retouch.runtime.httpserver import SERVER_OPTIONS
 from retouch.runtime.parentwatch import watch_parent
 
@@ -196,17 +197,18 @@ class ServerProcess:
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(
-                    f"retouch serve exited with {self.process.returncode}; see {self.data_dir / 'gateway.log'}"
-                )
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass  # not listening yet: poll again
-            time.sleep(0.1)
+        with httpx.Client(timeout=2.0, verify=tls_context()) as http:  # one client: see tls.py
+            while time.monotonic() < deadline:
+                if self.process is not None and self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"retouch serve exited with {self.process.returncode}; see {self.data_dir / 'gateway.log'}"
+                    )
+                try:
+                    if http.get(f"{self.url}/readyz").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass  # not listening yet: poll again
+                time.sleep(0.1)
         raise RuntimeError(
             f"retouch serve not ready after {timeout:.0f} s; see {self.data_dir / 'gateway.log'}"
         )

@@ -23,6 +23,7 @@ from retouch.functions.wire.invoke import ExecutorInvoke
 from retouch.platform.control.calibration import Overheads
 from retouch.platform.control.cluster import ExecutorView
 from retouch.platform.fleet.providers import Executor
+from retouch.platform.tls import tls_context
 
 PROBE_TIMEOUT_S = 2.0
 
@@ -107,8 +108,11 @@ class ExecutorLink:
             headers=headers,
             timeout=httpx.Timeout(invoke_timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            verify=tls_context(),
         )
-        self._probe = httpx.AsyncClient(headers=headers, timeout=PROBE_TIMEOUT_S)
+        self._probe = httpx.AsyncClient(
+            headers=headers, timeout=PROBE_TIMEOUT_S, verify=tls_context()
+        )
 
     async def call(
         self,

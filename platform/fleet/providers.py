@@ -32,6 +32,7 @@ from retouch.functions.errors import RetouchError, Unavailable
 from retouch.functions.wire.codec import unpack
 from retouch.functions.wire.executor import ExecutorState
 from retouch.platform.fleet.forkedprocess import ForkedProcess, ZygoteRefused
+from retouch.platform.tls import tls_context
 from retouch.runtime.asgi import MSGPACK
 from retouch.runtime.executor.app import TOKEN_ENV
 
@@ -230,7 +231,7 @@ async def wait_healthy(url: str, token: str, exit_code: Callable[[], int | None]
     (``exit_code`` not None) or after :data:`START_TIMEOUT_S`."""
     headers = {"authorization": f"Bearer {token}"}
     deadline = time.monotonic() + START_TIMEOUT_S
-    async with httpx.AsyncClient(timeout=2.0) as client:
+    async with httpx.AsyncClient(timeout=2.0, verify=tls_context()) as client:
         while time.monotonic() < deadline:
             code = exit_code()
             if code is not None:
@@ -292,7 +293,7 @@ class AttachProvider:
             "content-type": MSGPACK,
             "accept": MSGPACK,
         }
-        async with httpx.AsyncClient(timeout=10.0) as client:
+        async with httpx.AsyncClient(timeout=10.0, verify=tls_context()) as client:
             try:
                 resp = await client.get(f"{url}/state", headers=headers)
             except httpx.TransportError as exc:

@@ -62,6 +62,7 @@ from retouch.platform.jobs.deliveryjournal import DeliveryJournal
 from retouch.platform.jobs.receiverqueue import ReceiverQueue
 from retouch.platform.jobs.resolver import Address, Resolver
 from retouch.platform.jobs.sharedjournal import SharedDeliveryJournal
+from retouch.platform.tls import tls_context
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,9 @@ class WebhookSender:
 
     async def start(self) -> None:
         """Resume every delivery a previous run left pending, oldest first."""
-        self._http = httpx.AsyncClient(timeout=self.retry.timeout_s, follow_redirects=False)
+        self._http = httpx.AsyncClient(
+            timeout=self.retry.timeout_s, follow_redirects=False, verify=tls_context()
+        )
         if self.journal is None:
             return
         if self.adopt(await asyncio.to_thread(self.journal.load)):

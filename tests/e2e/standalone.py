@@ -18,6 +18,7 @@ import httpx
 from retouch.functions.wire.codec import unpack
 from retouch.functions.wire.executor import ExecutorState
 from retouch.platform.api.server import free_port
+from retouch.platform.tls import tls_context
 from retouch.runtime.executor.app import TOKEN_ENV
 from tests.support import reap, wait_for
 
@@ -63,14 +64,17 @@ class Executor:
         def healthy() -> bool:
             assert self.process is not None and self.process.poll() is None, self.log()
             try:
-                return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+                return (
+                    httpx.get(f"{self.url}/healthz", timeout=2, verify=tls_context()).status_code
+                    == 200
+                )
             except httpx.TransportError:
                 return False
 
         wait_for(f"executor {self.name} healthy", healthy)
 
     def state(self) -> ExecutorState:
-        resp = httpx.get(f"{self.url}/state", headers=AUTH, timeout=5)
+        resp = httpx.get(f"{self.url}/state", headers=AUTH, timeout=5, verify=tls_context())
         return ExecutorState.from_wire(unpack(resp.content))
 
     def log(self) -> str:

@@ -17,6 +17,7 @@ import pytest
 from retouch.functions.wire.codec import pack
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
+from retouch.platform.tls import tls_context
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +32,13 @@ def put(url: str, body: bytes) -> int:
         content=body,
         headers={"content-type": "application/msgpack"},
         timeout=120,
+        verify=tls_context(),
     )
     return resp.status_code
 
 
 def delete(url: str) -> int:
-    return httpx.delete(f"{url}/v1/functions/{NAME}", timeout=120).status_code
+    return httpx.delete(f"{url}/v1/functions/{NAME}", timeout=120, verify=tls_context()).status_code
 
 
 def settled(client: Client) -> dict | None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from retouch.platform.tls import tls_context
 from tests.support import wait_for
 
 pytestmark = pytest.mark.slow
@@ -139,7 +140,9 @@ def serving(bench: subprocess.Popen) -> tuple[int, list[int], list[int]] | None:
         return None
     port = int(flag(gateway.cmdline, "--port"))
     try:
-        rows = httpx.get(f"http://127.0.0.1:{port}/v1/executors", timeout=10).json()["executors"]
+        rows = httpx.get(
+            f"http://127.0.0.1:{port}/v1/executors", timeout=10, verify=tls_context()
+        ).json()["executors"]
     except (httpx.HTTPError, ValueError, KeyError):
         return None
     running = [r for r in rows if r["healthy"] and len((r["state"] or {}).get("workers", {})) >= 2]

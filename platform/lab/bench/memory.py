@@ -29,6 +29,7 @@ from retouch.platform.api.imagegate import BYTES_PER_PIXEL
 from retouch.platform.api.limits import logged_decode_budget
 from retouch.platform.api.server import ServerProcess
 from retouch.platform.lab.demo import find_examples
+from retouch.platform.tls import tls_context
 
 
 def zero_png(width: int, height: int) -> bytes:
@@ -140,7 +141,9 @@ async def _burst(
     """POST every body, ``concurrency`` at a time; the answers counted by (status, code)."""
     gate = asyncio.Semaphore(concurrency)
     headers = {"authorization": f"Bearer {INVOKE}"}
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as client:
+    async with httpx.AsyncClient(
+        base_url=base, headers=headers, timeout=300, verify=tls_context()
+    ) as client:
 
         async def one(body: dict[str, Any]) -> tuple[int, str, str | None]:
             async with gate:
@@ -159,7 +162,9 @@ async def _jobs_to_the_end(base: str, path: str, bodies: list[dict[str, Any]]) -
     the most ``Prefer: wait`` allows); the answers counted by (submit status, final
     status or error code)."""
     headers = {"authorization": f"Bearer {INVOKE}"}
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as client:
+    async with httpx.AsyncClient(
+        base_url=base, headers=headers, timeout=300, verify=tls_context()
+    ) as client:
 
         async def one(body: dict[str, Any]) -> str:
             resp = await client.post(

@@ -38,6 +38,7 @@ from retouch.functions.models import known_builtin
 from retouch.functions.spec import parse_spec
 from retouch.platform.api.client import Client
 from retouch.platform.api.server import ServerProcess
+from retouch.platform.tls import tls_context
 
 FUNCTION, TEMPLATE = "woken", "t"
 WAIT_S = 600.0
@@ -52,7 +53,7 @@ SCALING = {  # from zero to one, back to zero after a second or two idle
 
 
 def _metric(server: ServerProcess, quantity: str) -> float:
-    text = httpx.get(server.metrics_url, timeout=30).text
+    text = httpx.get(server.metrics_url, timeout=30, verify=tls_context()).text
     return float(text.split(f'retouch_pool{{quantity="{quantity}"}}')[1].split()[0])
 
 
