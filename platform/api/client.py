@@ -25,8 +25,8 @@ from retouch.functions.wire.codec import pack, unpack
 from retouch.functions.wire.invoke import InvokeRequest, InvokeResult
 from retouch.functions.wire.jobs import JobEvent, JobStatus
 from retouch.platform.api.config import default_url
+from retouch.platform.fleet.tls import tls_context
 from retouch.platform.jobs import sse
-from retouch.platform.tls import tls_context
 
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 

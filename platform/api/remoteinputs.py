@@ -21,9 +21,9 @@ import httpx
 from retouch.functions.errors import BadRequest, PayloadTooLarge, Unavailable
 from retouch.functions.wire.jobs import parse_target_url
 from retouch.platform.api.bodybudget import BodyBudget
+from retouch.platform.fleet.tls import tls_context
 from retouch.platform.jobs.allowlist import AllowList, pinned
 from retouch.platform.jobs.resolver import Resolver
-from retouch.platform.tls import tls_context
 
 URL_FIELDS = ("image", "mask")
 DEFAULT_TIMEOUT_S = 10.0

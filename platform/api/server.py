@@ -23,7 +23,7 @@ from retouch.platform.api.composition import build_gateway
 from retouch.platform.api.config import ServeConfig
 from retouch.platform.api.limits import return_large_frees
 from retouch.platform.fleet import children
-from retouch.platform.tls import tls_context
+from retouch.platform.fleet.tls import tls_context
 from retouch.runtime.httpserver import SERVER_OPTIONS
 from retouch.runtime.parentwatch import watch_parent
 

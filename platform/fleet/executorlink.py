@@ -23,7 +23,7 @@ from retouch.functions.wire.invoke import ExecutorInvoke
 from retouch.platform.control.calibration import Overheads
 from retouch.platform.control.cluster import ExecutorView
 from retouch.platform.fleet.providers import Executor
-from retouch.platform.tls import tls_context
+from retouch.platform.fleet.tls import tls_context
 
 PROBE_TIMEOUT_S = 2.0
 

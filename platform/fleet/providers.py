@@ -32,7 +32,7 @@ from retouch.functions.errors import RetouchError, Unavailable
 from retouch.functions.wire.codec import unpack
 from retouch.functions.wire.executor import ExecutorState
 from retouch.platform.fleet.forkedprocess import ForkedProcess, ZygoteRefused
-from retouch.platform.tls import tls_context
+from retouch.platform.fleet.tls import tls_context
 from retouch.runtime.asgi import MSGPACK
 from retouch.runtime.executor.app import TOKEN_ENV
 

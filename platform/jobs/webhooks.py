@@ -56,13 +56,13 @@ from retouch.functions.wire.jobs import (
     WebhookFormat,
     parse_target_url,
 )
+from retouch.platform.fleet.tls import tls_context
 from retouch.platform.jobs import prediction
 from retouch.platform.jobs.allowlist import AllowList, host_of, pinned
 from retouch.platform.jobs.deliveryjournal import DeliveryJournal
 from retouch.platform.jobs.receiverqueue import ReceiverQueue
 from retouch.platform.jobs.resolver import Address, Resolver
 from retouch.platform.jobs.sharedjournal import SharedDeliveryJournal
-from retouch.platform.tls import tls_context
 
 log = logging.getLogger(__name__)
 

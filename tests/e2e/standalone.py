@@ -18,7 +18,7 @@ import httpx
 from retouch.functions.wire.codec import unpack
 from retouch.functions.wire.executor import ExecutorState
 from retouch.platform.api.server import free_port
-from retouch.platform.tls import tls_context
+from retouch.platform.fleet.tls import tls_context
 from retouch.runtime.executor.app import TOKEN_ENV
 from tests.support import reap, wait_for
 

@@ -17,7 +17,7 @@ import pytest
 from retouch.functions.wire.codec import pack
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
-from retouch.platform.tls import tls_context
+from retouch.platform.fleet.tls import tls_context
 
 pytestmark = pytest.mark.slow
 

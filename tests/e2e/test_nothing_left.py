@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from retouch.platform.tls import tls_context
+from retouch.platform.fleet.tls import tls_context
 from tests.support import wait_for
 
 pytestmark = pytest.mark.slow

@@ -28,8 +28,8 @@ from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.imagegate import BYTES_PER_PIXEL
 from retouch.platform.api.limits import logged_decode_budget
 from retouch.platform.api.server import ServerProcess
+from retouch.platform.fleet.tls import tls_context
 from retouch.platform.lab.demo import find_examples
-from retouch.platform.tls import tls_context
 
 
 def zero_png(width: int, height: int) -> bytes:

@@ -38,7 +38,7 @@ from retouch.functions.models import known_builtin
 from retouch.functions.spec import parse_spec
 from retouch.platform.api.client import Client
 from retouch.platform.api.server import ServerProcess
-from retouch.platform.tls import tls_context
+from retouch.platform.fleet.tls import tls_context
 
 FUNCTION, TEMPLATE = "woken", "t"
 WAIT_S = 600.0

@@ -1,4 +1,4 @@
-"""Outgoing HTTP clients share one TLS context (``platform/tls.py``): httpx would load the CA
+"""Outgoing HTTP clients share one TLS context (``platform/fleet/tls.py``): httpx would load the CA
 bundle again for every client, ~60 ms of CPU each."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import certifi
 import pytest
 
-from retouch.platform import tls
+from retouch.platform.fleet import tls
 from tests.support import REPO
 
 HTTPX_CALLS = {"Client", "AsyncClient", "get", "post", "put", "delete", "request", "stream"}
