@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 Child = subprocess.Popen | ForkedProcess
 
 START_TIMEOUT_S = 120.0
+ZYGOTE_ENV = "RETOUCH_EXECUTOR_ZYGOTE"  # a machine's executor zygote socket (``--executor-zygote``)
 
 
 def gpu_devices() -> list[str]:
@@ -139,6 +140,26 @@ def one_gpu(device: str, env: dict[str, str]) -> tuple[dict[str, str], str]:
     return {**env, "CUDA_VISIBLE_DEVICES": physical}, "cuda:0"
 
 
+def start_executor_process(
+    argv: list[str], env: dict[str, str], log_path: Path, zygote: Path | None, device: str
+) -> Child:
+    """An executor process with ``argv``: on a CPU, forked by the executor zygote at
+    ``zygote`` when one is given and takes the request (it watches the zygote, which stops
+    it when this process goes); else a fresh interpreter watching this process. Shared by
+    the local provider and the Ray actors (a node's zygote: its ``RETOUCH_EXECUTOR_ZYGOTE``)."""
+    if zygote is not None and device == "cpu":
+        try:
+            return ForkedProcess.start(zygote, [*argv, "--exit-with-parent", "0"], env, log_path)
+        except ZygoteRefused as exc:
+            log.warning("%s; starting a fresh executor process", exc)
+    with log_path.open("ab") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "retouch.runtime.executor", *argv,
+             "--exit-with-parent", str(os.getpid())],
+            env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+
 @dataclass
 class LocalProvider:
     owns_processes: ClassVar[bool] = True
@@ -168,14 +189,7 @@ class LocalProvider:
             "--port-file", str(port_file), "--threads", str(threads),
             *self.executor_args,
         ]  # fmt: skip
-        proc = self._forked(argv, env, log_path) if own_device == "cpu" else None
-        if proc is None:
-            with log_path.open("ab") as log_file:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "retouch.runtime.executor", *argv,
-                     "--exit-with-parent", str(os.getpid())],
-                    env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                )  # fmt: skip
+        proc = start_executor_process(argv, env, log_path, self.zygote, own_device)
         try:
             port = await self._wait_port(proc, port_file)
             url = f"http://127.0.0.1:{port}"
@@ -185,19 +199,6 @@ class LocalProvider:
             raise
         log.info("executor %s on %s at %s (pid %d)", name, device, url, proc.pid)
         return ExecutorProcess(name, device, url, proc)
-
-    def _forked(self, argv: list[str], env: dict[str, str], log_path: Path) -> Child | None:
-        """The executor forked by the zygote, if one is configured and can fork it; it
-        watches the zygote (its parent), which stops it when this gateway goes."""
-        if self.zygote is None:
-            return None
-        try:
-            return ForkedProcess.start(
-                self.zygote, [*argv, "--exit-with-parent", "0"], env, log_path
-            )
-        except ZygoteRefused as exc:
-            log.warning("%s; starting a fresh executor process", exc)
-            return None
 
     async def stop(self, executor: Executor, *, failed: bool = False) -> None:
         assert isinstance(executor, ExecutorProcess)

@@ -16,8 +16,11 @@ node's address and keeps its
 activation store under ``<data-dir>/nodes/<node id>`` (the node's ``RETOUCH_DATA_DIR`` when
 it sets one, else the gateway's), shared by the executors of that node.
 
-The actor owns its executor process (the process's parent, so the executor's parent watch
-ends it when the actor dies); the provider owns the actors. An actor killed or a node lost
+The actor owns its executor process: a fresh one is the actor's child (the executor's parent
+watch ends it when the actor dies); on a node whose environment names an executor zygote
+(``RETOUCH_EXECUTOR_ZYGOTE``) a CPU executor is forked by it, imports done, and the
+actor's connection to the zygote is its lifeline instead (``platform/fleet/forkedprocess``).
+The provider owns the actors. An actor killed or a node lost
 shows as ``alive == False`` (a ``wait`` call on the actor returns or fails), and the pool
 re-places that executor's invocations as for a local process.
 
@@ -33,8 +36,6 @@ import asyncio
 import logging
 import os
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
@@ -43,7 +44,15 @@ from pathlib import Path
 from typing import Any
 
 from retouch.functions.errors import Unavailable
-from retouch.platform.fleet.providers import START_TIMEOUT_S, Executor, LocalProvider, wait_healthy
+from retouch.platform.fleet.providers import (
+    START_TIMEOUT_S,
+    ZYGOTE_ENV,
+    Child,
+    Executor,
+    LocalProvider,
+    start_executor_process,
+    wait_healthy,
+)
 from retouch.runtime.executor.app import TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -63,7 +72,7 @@ class ExecutorActor:
     ) -> None:
         self.name, self.device, self.threads = name, device, threads
         self.data_dir, self.token, self.args = Path(data_dir), token, args
-        self.process: subprocess.Popen | None = None
+        self.process: Child | None = None
 
     def start(self) -> tuple[str, str, int]:
         """Start the executor; returns its URL, this node's id and the process id."""
@@ -79,20 +88,21 @@ class ExecutorActor:
         run_dir.mkdir(parents=True, exist_ok=True)
         port_file = run_dir / f"{self.name}.port"
         port_file.unlink(missing_ok=True)
-        cmd = [
-            sys.executable, "-m", "retouch.runtime.executor",
+        argv = [
             "--name", self.name, "--device", self.device, "--data-dir", str(data_dir),
             "--port-file", str(port_file), "--threads", str(self.threads), "--host", host,
-            "--exit-with-parent", *self.args,
+            *self.args,
         ]  # fmt: skip
-        with (run_dir / f"{self.name}.log").open("ab") as log_file:
-            self.process = subprocess.Popen(
-                cmd,
-                env={**os.environ, TOKEN_ENV: self.token},
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
+        # A node's executor zygote (RETOUCH_EXECUTOR_ZYGOTE in its environment) forks CPU
+        # executors with their imports done; else a fresh interpreter watches this actor.
+        zygote = os.environ.get(ZYGOTE_ENV)
+        self.process = start_executor_process(
+            argv,
+            _executor_env(self.token),
+            run_dir / f"{self.name}.log",
+            Path(zygote) if zygote else None,
+            self.device,
+        )
         _normal_priority(self.process.pid)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not port_file.exists():
@@ -108,6 +118,18 @@ class ExecutorActor:
     def stop(self) -> None:
         if self.process is not None:
             LocalProvider.stop_now(self.process)
+
+
+def _executor_env(token: str) -> dict[str, str]:
+    """The executor's environment: this node's, less the ``OMP_NUM_THREADS=1`` Ray sets in
+    a worker that holds no CPU (this actor: ``num_cpus=0``) for the worker's own code.
+    The executor sets its torch threads itself (``--threads``), and without that variable
+    its environment is the node's, as a node's zygote requires for a fork. A value the
+    node sets itself other than 1 is kept."""
+    env = {**os.environ, TOKEN_ENV: token}
+    if env.get("OMP_NUM_THREADS") == "1":
+        del env["OMP_NUM_THREADS"]
+    return env
 
 
 def _normal_priority(pid: int) -> None:

@@ -14,6 +14,8 @@ never answers fails in one line."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import socket
 import threading
 import time
@@ -91,7 +93,7 @@ def two_ready(client: Client) -> list[dict]:
 
 
 def test_executors_spread_and_survive_a_killed_actor(
-    nodes: Nodes, tmp_path: Path, examples: Path
+    nodes: Nodes, tmp_path: Path, examples: Path, executor_zygote: Path
 ) -> None:
     spec, images = pool_of_two(examples, "on-ray", 8)
 
@@ -105,7 +107,10 @@ def test_executors_spread_and_survive_a_killed_actor(
         assert sorted(e["node"] for e in executors) == sorted(workers)  # one on each worker
         # served at normal priority, not at the niceness 15 of Ray's workers
         ours = [psutil.Process(e["state"]["pid"]) for e in executors]
-        assert all(str(tmp_path) in " ".join(p.cmdline()) for p in ours)  # this cluster's
+        # this cluster's (their logs under its data dir), forked from this test process's
+        # zygote (RETOUCH_EXECUTOR_ZYGOTE, inherited by the nodes) with their imports done
+        assert all(any(str(tmp_path) in f.path for f in p.open_files()) for p in ours)
+        assert all(str(executor_zygote) in p.parent().cmdline() for p in ours)
         assert all(p.nice() == 0 for p in ours)
         assert invoke(client, 0).path in ("stock", "maskaware")
 
@@ -180,6 +185,9 @@ def test_a_lost_worker_node_loses_no_invocation(
                 detail=pool,
             )
             survivor = next(n for n in by_id if n != victim["node"])
+            # the machine goes: its Ray processes and its executor (forked by the zygote,
+            # which on a real node goes with it; here the zygote is this test process's)
+            os.kill(victim["state"]["pid"], signal.SIGKILL)
             nodes.cluster.remove_node(by_id[victim["node"]], allow_graceful=False)
             answered = [future.result() for future in sync]  # a failed invoke raises here
         finished = [job.wait(timeout=WAIT_S) for job in jobs]
