@@ -161,6 +161,7 @@ def run(args: argparse.Namespace, token: str) -> None:
         make_deterministic()
     if torch.device(args.device).type == "cpu":
         forkserver.fork_from_here()  # before any thread starts (the parent watch is one)
+    unwind_on_sigterm()  # after the fork server's fork: its workers keep their own
     if args.exit_with_parent is not None:
         watch_parent(args.exit_with_parent, _exit_orphaned)
     if args.options.threads > 0:
@@ -203,6 +204,21 @@ class ExecutorServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._changes.close()
         super().handle_exit(sig, frame)
+
+
+def unwind_on_sigterm() -> None:
+    """SIGTERM unwinds the process (``SystemExit(143)``, a shell's status for it) rather
+    than ending it where it stands. uvicorn re-raises the signal that stopped it once it
+    has shut down gracefully; with the default action the process then died without its
+    exit handlers (the pre/post pool's close, multiprocessing's temporary directory: one
+    left in /tmp by every executor a gateway stopped). A handler a caller has set (the
+    ``retouch`` command's) stays."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _unwind)
+
+
+def _unwind(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _exit_orphaned() -> None:

@@ -146,3 +146,45 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _temp_dir(executor_pid: int) -> Path:
+    """The executor's multiprocessing temporary directory: where its worker fork server
+    (a child of the executor) listens."""
+
+    def listening() -> Path | None:
+        for child in psutil.Process(executor_pid).children():
+            for conn in child.net_connections(kind="unix"):
+                if conn.laddr and Path(conn.laddr).name.startswith("listener-"):
+                    return Path(conn.laddr).parent
+        return None
+
+    return wait_for("the executor's worker fork server", listening, timeout=60)
+
+
+@pytest.mark.parametrize("start", ["forked", "fresh"])
+def test_a_stopped_executor_runs_its_exit_handlers(tmp_path: Path, start: str) -> None:
+    """SIGTERM (how a gateway stops its executors) ends a graceful shutdown with the
+    process's exit handlers, forked or fresh: status 143, as a shell reports it, and no
+    temporary directory left in /tmp (uvicorn re-raises the signal after its shutdown)."""
+    if start == "forked":
+        executor: ForkedProcess | subprocess.Popen = _ready(
+            Path(os.environ["RETOUCH_EXECUTOR_ZYGOTE"]), tmp_path / "executor"
+        )
+    else:
+        argv, env, log = _executor_request(tmp_path / "executor")
+        with log.open("ab") as out:
+            executor = subprocess.Popen(
+                [sys.executable, "-m", "retouch.runtime.executor", *argv],
+                env=env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+    try:
+        wait_for("the executor to serve", (tmp_path / "executor" / "port").exists, timeout=120)
+        temp = _temp_dir(executor.pid)
+        assert temp.is_dir()
+        executor.terminate()
+        assert executor.wait(timeout=30) == 128 + signal.SIGTERM
+        assert not temp.exists()
+    finally:
+        if executor.poll() is None:
+            executor.kill()
