@@ -121,15 +121,27 @@ class ExecutorActor:
 
 
 def _executor_env(token: str) -> dict[str, str]:
-    """The executor's environment: this node's, less the ``OMP_NUM_THREADS=1`` Ray sets in
-    a worker that holds no CPU (this actor: ``num_cpus=0``) for the worker's own code.
-    The executor sets its torch threads itself (``--threads``), and without that variable
-    its environment is the node's, as a node's zygote requires for a fork. A value the
-    node sets itself other than 1 is kept."""
+    """The executor's environment: this worker's, less the ``OMP_NUM_THREADS`` Ray sets in
+    a worker whose node does not set it (to 1 in a worker holding no CPU, as this actor:
+    ``num_cpus=0``), for the worker's own code. The executor sets its torch threads itself
+    (``--threads``), and a node's zygote forks only an executor whose import-time
+    variables are the node's. The node's are its raylet's, this worker's parent; where
+    they cannot be read the environment stays as it is."""
     env = {**os.environ, TOKEN_ENV: token}
-    if env.get("OMP_NUM_THREADS") == "1":
-        del env["OMP_NUM_THREADS"]
+    node = _parent_environ()
+    if node is not None and "OMP_NUM_THREADS" not in node:
+        env.pop("OMP_NUM_THREADS", None)
     return env
+
+
+def _parent_environ() -> dict[str, str] | None:
+    """The environment this process's parent started with (Linux), None if unreadable."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
+    except OSError:
+        return None
+    pairs = (item.partition(b"=") for item in raw.split(b"\0") if item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, _, v in pairs}
 
 
 def _normal_priority(pid: int) -> None:
