@@ -384,9 +384,9 @@ class Engine:
             t0 = time.perf_counter()
             if mixed is None:
                 editor.step(states, modes)
-            else:  # each row its set's updates; the padded layout keeps a request per row
+            else:  # each row its set's updates (packed only where the family's layers allow)
                 with rows_with(group[0].adapters.denoiser, mixed):
-                    editor.step(states, modes, packed=False)
+                    editor.step(states, modes, packed=editor.impl.mixes_packed)
         except Exception as exc:
             log.exception("denoising step failed for a batch of %d", len(group))
             for work in group:

@@ -18,11 +18,16 @@ takes one update per file (a second, general path: gathered pairs added with
 ``index_add``).
 
 The hook is a no-op outside :func:`rows_with`; it is registered on each LoRA wrapper when
-the residency puts it into the denoiser (``adapterlayers``). A layer's input must be laid
-out with the batch's model rows first (``[rows, ...]``): the editor's padded layout and the
-stock step are; a packed mask-aware layout (every request's tokens in one row) is not, and
-mixed steps run padded (``MaskAwareEditor.step(packed=False)``). Plain LoRA on linear
-layers only: a DoRA file or a LoRA of a convolution is refused when a step mixes it.
+the residency puts it into the denoiser (``adapterlayers``). A layer's input is laid out
+with the batch's model rows first (``[rows, ...]``: the stock step, the padded layout), or
+it is the packed layout of the sparse block running (``[1, T, C]``, every row's masked
+tokens one after another, ``ForwardContext.grid``): the update then lays the tokens out in
+padded rows for its two rank-sized matmuls and adds back to the packed output, so the
+layer's own projection, attention and every other op run packed, without the padding a
+batch of unequal masks would cost. Families whose packed layers all see that layout say
+so (``FamilyModel.mixes_packed``: the UNet); the others' mixed steps run padded (Flux's
+packed blocks project text and image rows together, 2-D). Plain LoRA on linear layers
+only: a DoRA file or a LoRA of a convolution is refused when a step mixes it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from dataclasses import dataclass
 import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
+
+from retouch.runtime.maskaware.context import current as current_forward
 
 ZERO_SLOT = 0  # the bare model's slot: zero matrices
 
@@ -177,28 +184,105 @@ def _stack(layer: LoraLayer, plan: RowAdapters) -> _Stack:
 
 def _add_rows(layer: LoraLayer, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
     """Every row's updates: two batched matmuls over the rows' gathered slots, scaled by
-    each row's scale, added in place (six ops a layer on the dense path)."""
+    each row's scale, added in place (six ops a layer on the dense path; two more where
+    the layer sees the packed layout)."""
     plan = _current
     if plan is None:
         return None
     x = args[0]
-    if x.shape[0] != plan.rows:
-        raise RuntimeError(
-            f"a mixed-adapter step's layer got {x.shape[0]} rows, its batch has {plan.rows}"
+    packed = None if x.shape[0] == plan.rows else _packed_rows(x, plan)
+    if packed is not None:
+        if packed.tokens == 0:
+            return output
+        x = packed.rows(x)
+    update = _updates(x, plan, _stack(layer, plan)).to(output.dtype)
+    if packed is None:
+        if plan.dense:
+            output.add_(update)
+        else:
+            output.index_add_(0, plan.pair_rows, update)
+        return output
+    if not plan.dense:  # each row's sum of its files' updates
+        update = update.new_zeros(plan.rows, *update.shape[1:]).index_add_(
+            0, plan.pair_rows, update
         )
-    stack = _stack(layer, plan)
+    packed.add(output, update)
+    return output
+
+
+def _updates(x: torch.Tensor, plan: RowAdapters, stack: _Stack) -> torch.Tensor:
+    """Each (row, slot, scale) pair's update of the rows-first ``x``: ``[P, ..., out]``."""
     pairs = x if plan.dense else x.index_select(0, plan.pair_rows)
     if pairs.dtype != stack.a.dtype:
         pairs = pairs.to(stack.a.dtype)
     flat = pairs if pairs.ndim == 3 else pairs.reshape(pairs.shape[0], -1, pairs.shape[-1])
     hidden = torch.bmm(flat, stack.a.index_select(0, plan.pair_slots))
     update = torch.bmm(hidden, stack.b.index_select(0, plan.pair_slots)).mul_(plan.pair_scales)
-    if update.dtype != output.dtype:
-        update = update.to(output.dtype)
     if pairs.ndim != 3:
         update = update.view(*pairs.shape[:-1], update.shape[-1])
-    if plan.dense:
-        output.add_(update)
-    else:
-        output.index_add_(0, plan.pair_rows, update)
-    return output
+    return update
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A packed token grid (``[1, T, C]``: every row's masked tokens one after another)
+    laid out as rows ``[rows, n_max, C]`` for the low-rank update, and back: only the
+    rank-sized matmuls see the padding, the layer's own projection runs packed."""
+
+    rows_n: int
+    n_max: int
+    tokens: int
+    gather: torch.Tensor | None  # [rows * n_max]: the packed token each padded slot reads
+    keep: torch.Tensor | None  # [T]: each packed token's padded slot; None: no padding
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(self.tokens, x.shape[-1])
+        if self.gather is not None:
+            flat = flat.index_select(0, self.gather)
+        return flat.view(self.rows_n, self.n_max, x.shape[-1])
+
+    def add(self, output: torch.Tensor, update: torch.Tensor) -> None:
+        flat = update.reshape(self.rows_n * self.n_max, update.shape[-1])
+        if self.keep is not None:
+            flat = flat.index_select(0, self.keep)
+        output.view(self.tokens, output.shape[-1]).add_(flat)
+
+
+def _packed_rows(x: torch.Tensor, plan: RowAdapters) -> _Packed:
+    """``x`` in the packed layout of the sparse block running now (``ForwardContext.grid``,
+    set by a family whose ``mixes_packed`` says its packed layers all see ``[1, T, C]``)."""
+    ctx = current_forward()
+    grid = ctx.grid if ctx is not None else None
+    tokens = sum(grid.counts) if grid is not None else -1
+    if (
+        grid is None
+        or not grid.packed
+        or grid.rows != plan.rows
+        or x.ndim != 3
+        or x.shape[:2] != (1, tokens)
+    ):
+        raise RuntimeError(
+            f"a mixed-adapter step's layer got an input of shape {tuple(x.shape)}: neither "
+            f"its batch's {plan.rows} rows nor the packed tokens of the running grid"
+        )
+    key = ("mixedlora", id(grid))
+    if key not in ctx.scratch:
+        ctx.scratch[key] = _layout(grid.counts, x.device)
+    return ctx.scratch[key]
+
+
+def _layout(counts: Sequence[int], device: torch.device) -> _Packed:
+    tokens, n_max = sum(counts), max(counts, default=0)
+    if all(c == n_max for c in counts):  # equal rows (a bucketed batch): a view
+        return _Packed(len(counts), n_max, tokens, None, None)
+    gather, keep, start = [], [], 0
+    for row, count in enumerate(counts):
+        last = max(start + count - 1, 0) if tokens else 0
+        gather.extend(min(start + i, last) for i in range(n_max))
+        keep.extend(row * n_max + i for i in range(count))
+        start += count
+    return _Packed(len(counts), n_max, tokens, _index(gather, device), _index(keep, device))
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)

@@ -63,6 +63,9 @@ class FamilyModel:
     consecutive in a batch (request ``i`` owns rows ``i * per`` onwards: mixed-adapter steps
     give those rows its LoRA set, ``runtime/mixedlora``);
     ``packs``: whether the blocks run the packed layout (else always padded);
+    ``mixes_packed``: whether a mixed-adapter step may run packed too: every layer the
+    packed layout reaches sees ``[1, T, C]`` while ``ForwardContext.grid`` names its grid
+    (``runtime/mixedlora``; else mixed steps run padded);
     ``image_sequences``: token grids of the image's size in the denoiser's image sequence
     (2 where a reference image's tokens follow the edited latents');
     ``template_tensors``: per-template tensors a bake stores besides the noise;
@@ -72,6 +75,7 @@ class FamilyModel:
     denoiser: ClassVar[str] = "transformer"
     rows_per_request: ClassVar[int] = 1
     packs: ClassVar[bool] = True
+    mixes_packed: ClassVar[bool] = False
     image_sequences: ClassVar[int] = 1
     template_tensors: ClassVar[tuple[str, ...]] = ()
     vae_noise_first: ClassVar[bool] = False

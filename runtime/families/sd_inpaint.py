@@ -55,6 +55,7 @@ class SDInpaint(FamilyModel):
     denoiser = "unet"
     rows_per_request = 2  # classifier-free guidance halves
     packs = True
+    mixes_packed = True  # the sparse transformer's layers see [1, T, C] under ctx.grid
     template_tensors = ()  # the masked-image latents depend on the mask
     levels = 0  # UNet levels (resolutions); known once the UNet is installed
     _extra: ExtraRows | None = None  # the running batch's extra input channels, stacked once

@@ -165,18 +165,18 @@ def _sparse_forward(
     tokens = ctx.grids[(height, width)]
     residual = tokens.gather_map(hidden_states)
     x = tokens.gather_map(module.norm(hidden_states))
-    x = _project(module.proj_in, x)
-    ctx.grid = tokens
+    ctx.grid = tokens  # from proj_in to proj_out: a mixed-adapter step's packed layers
     try:
+        x = _project(module.proj_in, x)
         for block in module.transformer_blocks:
             x = block(
                 x,
                 encoder_hidden_states=encoder_hidden_states,
                 cross_attention_kwargs=kwargs.get("cross_attention_kwargs"),
             )
+        x = _project(module.proj_out, x) + residual
     finally:
         ctx.grid = None
-    x = _project(module.proj_out, x) + residual
     full = assemble(ctx, tokens, name, "y", tokens.real_rows(x))
     return full.view(batch, height, width, channels).permute(0, 3, 1, 2).contiguous()
 

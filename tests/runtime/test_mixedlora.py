@@ -64,9 +64,13 @@ def served(request, models_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _requests(editor: MaskAwareEditor, n: int) -> list[EditRequest]:
-    mask = np.zeros((SIZE, SIZE), bool)
-    mask[8:40, 12:44] = True
-    return [_request(editor, mask, seed=5 + i, strength=1.0, steps=STEPS) for i in range(n)]
+    """Masks of different sizes: a packed batch's rows hold different token counts."""
+    requests = []
+    for i in range(n):
+        mask = np.zeros((SIZE, SIZE), bool)
+        mask[8 : 24 + 6 * i, 12 : 30 + 4 * i] = True
+        requests.append(_request(editor, mask, seed=5 + i, strength=1.0, steps=STEPS))
+    return requests
 
 
 def _alone(editor, residency, set_id, request, reader) -> np.ndarray:
@@ -77,7 +81,7 @@ def _alone(editor, residency, set_id, request, reader) -> np.ndarray:
     return editor.finish(state, "np")
 
 
-def _mixed(editor, residency, ids, requests, readers) -> list[np.ndarray]:
+def _mixed(editor, residency, ids, requests, readers, packed=False) -> list[np.ndarray]:
     states: list[RequestState] = [
         editor.prepare(r, reader) for r, reader in zip(requests, readers, strict=True)
     ]
@@ -85,7 +89,7 @@ def _mixed(editor, residency, ids, requests, readers) -> list[np.ndarray]:
     while not states[0].done:
         plan = residency.rows(ids, per, editor.device)
         with rows_with(residency.denoiser, plan):
-            editor.step(states, packed=False)
+            editor.step(states, packed=packed)
     return [editor.finish(s, "np") for s in states]
 
 
@@ -111,17 +115,17 @@ def stock_alone(served) -> tuple[list[EditRequest], list[np.ndarray]]:
     return requests, alone
 
 
-def _check_mixed(served, requests, alone, readers) -> None:
+def _check_mixed(served, requests, alone, readers, packed=False) -> None:
     """The five sets in one batch (a row with two files: the general path), then the four
     whose rows have one file or none (the dense path)."""
     editor, residency, ids = served
     for keep in (range(len(ids)), (0, 1, 3, 4)):
         together = _mixed(
             editor, residency, [ids[i] for i in keep], [requests[i] for i in keep],
-            [readers[i] for i in keep],
+            [readers[i] for i in keep], packed,
         )  # fmt: skip
         for i, mine in zip(keep, together, strict=True):
-            assert np.abs(mine - alone[i]).max() <= TOLERANCE, (list(keep), ids[i])
+            assert np.abs(mine - alone[i]).max() <= TOLERANCE, (list(keep), ids[i], packed)
 
 
 def test_a_mixed_stock_batch_gives_each_request_its_lone_pixels(served, stock_alone) -> None:
@@ -130,7 +134,8 @@ def test_a_mixed_stock_batch_gives_each_request_its_lone_pixels(served, stock_al
 
 
 def test_a_mixed_maskaware_batch_gives_each_request_its_lone_pixels(served) -> None:
-    """Each request reads its own set's template bake."""
+    """Each request reads its own set's template bake; padded, and packed where the
+    family's layers take it (the UNet: the engine's mixed steps run packed there)."""
     editor, residency, ids = served
     requests = _requests(editor, len(ids))
     readers = _bakes(editor, residency, ids, requests)
@@ -138,7 +143,8 @@ def test_a_mixed_maskaware_batch_gives_each_request_its_lone_pixels(served) -> N
         _alone(editor, residency, i, r, reader)
         for i, r, reader in zip(ids, requests, readers, strict=True)
     ]
-    _check_mixed(served, requests, alone, readers)
+    for packed in sorted({False, editor.impl.mixes_packed}):
+        _check_mixed(served, requests, alone, readers, packed)
 
 
 def _work(editor: MaskAwareEditor, request: EditRequest, use) -> Work:
