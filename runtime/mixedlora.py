@@ -245,12 +245,14 @@ class _Packed:
         flat = update.reshape(self.rows_n * self.n_max, update.shape[-1])
         if self.keep is not None:
             flat = flat.index_select(0, self.keep)
-        output.view(self.tokens, output.shape[-1]).add_(flat)
+        output[0].add_(flat)
 
 
 def _packed_rows(x: torch.Tensor, plan: RowAdapters) -> _Packed:
     """``x`` in the packed layout of the sparse block running now (``ForwardContext.grid``,
-    set by a family whose ``mixes_packed`` says its packed layers all see ``[1, T, C]``)."""
+    set by a family whose ``mixes_packed`` says its packed layers all see ``[1, T, C]``).
+    The grid's index tensors are made once per layout (``TokenBatch.padded_slots``); a
+    bucketed grid's rows are all full: a view, no index (nothing made during a capture)."""
     ctx = current_forward()
     grid = ctx.grid if ctx is not None else None
     tokens = sum(grid.counts) if grid is not None else -1
@@ -265,24 +267,7 @@ def _packed_rows(x: torch.Tensor, plan: RowAdapters) -> _Packed:
             f"a mixed-adapter step's layer got an input of shape {tuple(x.shape)}: neither "
             f"its batch's {plan.rows} rows nor the packed tokens of the running grid"
         )
-    key = ("mixedlora", id(grid))
-    if key not in ctx.scratch:
-        ctx.scratch[key] = _layout(grid.counts, x.device)
-    return ctx.scratch[key]
-
-
-def _layout(counts: Sequence[int], device: torch.device) -> _Packed:
-    tokens, n_max = sum(counts), max(counts, default=0)
-    if all(c == n_max for c in counts):  # equal rows (a bucketed batch): a view
-        return _Packed(len(counts), n_max, tokens, None, None)
-    gather, keep, start = [], [], 0
-    for row, count in enumerate(counts):
-        last = max(start + count - 1, 0) if tokens else 0
-        gather.extend(min(start + i, last) for i in range(n_max))
-        keep.extend(row * n_max + i for i in range(count))
-        start += count
-    return _Packed(len(counts), n_max, tokens, _index(gather, device), _index(keep, device))
-
-
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    n_max = max(grid.counts, default=0)
+    if all(count == n_max for count in grid.counts):
+        return _Packed(grid.rows, n_max, tokens, None, None)
+    return _Packed(grid.rows, n_max, tokens, grid.padded_slots, grid.real_slots)

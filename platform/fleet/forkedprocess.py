@@ -14,12 +14,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
 CONNECT_TIMEOUT_S = 5.0
+READ_SLICE_S = 0.5  # the longest a blocking read holds the handle
 
 
 class ZygoteRefused(Exception):
@@ -36,6 +39,9 @@ class ForkedProcess:
         self.returncode: int | None = None
         self._buffer = b""
         self._orphaned = False  # the zygote went away before reporting an exit
+        # One reader at a time: a Ray actor's threads wait() and stop() on one handle. A
+        # blocking read waits in slices (select), never holding it for long.
+        self._reading = threading.Lock()
 
     @classmethod
     def start(
@@ -105,21 +111,34 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
     def _read(self, block: bool, timeout: float | None = None) -> None:
+        """Take what the zygote sent; ``block``: wait for it up to ``timeout`` (at most
+        ``READ_SLICE_S``, the caller loops). Without ``block`` it never waits, not even for
+        another thread's read (the gateway's event loop polls)."""
+        if not self._reading.acquire(blocking=block):
+            return
         try:
-            self._conn.settimeout(timeout if block else 0.0)
-            chunk = self._conn.recv(4096)
-        except (BlockingIOError, TimeoutError):
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:  # the zygote is gone without a word: its executor stops by itself
-            self._orphaned = True  # (``--exit-with-parent 0``): poll() watches the pid
-            self._conn.close()
-            return
-        self._buffer += chunk
-        if b"\n" in self._buffer:
-            message, self._buffer = self._line(self._conn, self._buffer)
-            self._ended(int(message.get("exit", 1)))
+            if self.returncode is not None or self._orphaned:
+                return
+            if block:
+                wait = READ_SLICE_S if timeout is None else max(0.0, min(timeout, READ_SLICE_S))
+                if not select.select([self._conn], [], [], wait)[0]:
+                    return
+            try:
+                chunk = self._conn.recv(4096, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:  # the zygote is gone without a word: its executor stops by itself
+                self._orphaned = True  # (``--exit-with-parent 0``): poll() watches the pid
+                self._conn.close()
+                return
+            self._buffer += chunk
+            if b"\n" in self._buffer:
+                message, self._buffer = self._line(self._conn, self._buffer)
+                self._ended(int(message.get("exit", 1)))
+        finally:
+            self._reading.release()
 
     def _ended(self, code: int) -> None:
         self.returncode = code

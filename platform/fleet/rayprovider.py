@@ -95,12 +95,12 @@ class ExecutorActor:
         ]  # fmt: skip
         # A node's executor zygote (RETOUCH_EXECUTOR_ZYGOTE in its environment) forks CPU
         # executors with their imports done; else a fresh interpreter watches this actor.
-        zygote = os.environ.get(ZYGOTE_ENV)
+        zygote = Path(os.environ[ZYGOTE_ENV]) if os.environ.get(ZYGOTE_ENV) else None
         self.process = start_executor_process(
             argv,
-            _executor_env(self.token),
+            _executor_env(self.token, forked=zygote is not None and self.device == "cpu"),
             run_dir / f"{self.name}.log",
-            Path(zygote) if zygote else None,
+            zygote,
             self.device,
         )
         _normal_priority(self.process.pid)
@@ -120,24 +120,25 @@ class ExecutorActor:
             LocalProvider.stop_now(self.process)
 
 
-def _executor_env(token: str) -> dict[str, str]:
-    """The executor's environment: this worker's, less the ``OMP_NUM_THREADS`` Ray sets in
-    a worker whose node does not set it (to 1 in a worker holding no CPU, as this actor:
-    ``num_cpus=0``), for the worker's own code. The executor sets its torch threads itself
-    (``--threads``), and a node's zygote forks only an executor whose import-time
-    variables are the node's. The node's are its raylet's, this worker's parent; where
-    they cannot be read the environment stays as it is."""
+def _executor_env(token: str, forked: bool) -> dict[str, str]:
+    """The executor's environment: this worker's, and where it is to fork from the node's
+    zygote (``forked``), less an ``OMP_NUM_THREADS`` Ray set in this process (to 1 in a
+    worker holding no CPU, as this actor: ``num_cpus=0``) for the worker's own code: the
+    zygote forks only an executor whose import-time variables are the node's, and the
+    executor sets its torch threads itself (``--threads``). What Ray set shows as a
+    variable missing from the environment this process was started with
+    (``/proc/self/environ``); where that cannot be read the environment stays as it is."""
     env = {**os.environ, TOKEN_ENV: token}
-    node = _parent_environ()
-    if node is not None and "OMP_NUM_THREADS" not in node:
+    started = _started_environ() if forked else None
+    if started is not None and "OMP_NUM_THREADS" not in started:
         env.pop("OMP_NUM_THREADS", None)
     return env
 
 
-def _parent_environ() -> dict[str, str] | None:
-    """The environment this process's parent started with (Linux), None if unreadable."""
+def _started_environ() -> dict[str, str] | None:
+    """The environment this process was started with (Linux), None if unreadable."""
     try:
-        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
+        raw = Path("/proc/self/environ").read_bytes()
     except OSError:
         return None
     pairs = (item.partition(b"=") for item in raw.split(b"\0") if item)

@@ -218,6 +218,9 @@ def unwind_on_sigterm() -> None:
 
 
 def _unwind(signum: int, frame: FrameType | None) -> None:
+    # once: a second stop (a zygote's lifeline closing) must not cut the exit handlers
+    # short; a stop that hangs is SIGKILLed by whoever stops it
+    signal.signal(signum, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

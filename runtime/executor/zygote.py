@@ -180,10 +180,13 @@ class Zygote:
         except BaseException:
             traceback.print_exc()
         finally:
-            atexit._run_exitfuncs()  # what a normal interpreter exit would run
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            try:  # nothing may unwind from here into the zygote's own code
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the executor is ending
+                atexit._run_exitfuncs()  # what a normal interpreter exit would run
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
 
 
 def _read_line(conn: socket.socket, limit: int = 1 << 20) -> bytes:

@@ -174,8 +174,27 @@ class TokenBatch:
         worked out on the host, so no step waits on the device); ``None``: all are real."""
         if all(count == self.n_max for count in self.counts):
             return None
+        return self.real_slots
+
+    @cached_property
+    def real_slots(self) -> torch.Tensor:
+        """Every real token's slot in ``[rows * n_max]`` padded rows, in row order."""
         parts = [torch.arange(c) + r * self.n_max for r, c in enumerate(self.counts)]
         return _cat_long(parts).to(self.device)
+
+    @cached_property
+    def padded_slots(self) -> torch.Tensor:
+        """Packed layout: the packed token each slot of ``[rows * n_max]`` padded rows
+        reads (a row's padding repeats its last token). A computation per row over the
+        packed tokens (``runtime/mixedlora``) lays them out with it and puts its result
+        back with :attr:`real_slots`; made once per layout, on the host."""
+        counts = torch.tensor(self.counts, dtype=torch.long)
+        starts = torch.cumsum(counts, 0) - counts
+        offsets = torch.minimum(
+            torch.arange(self.n_max)[None, :], (counts - 1).clamp(min=0)[:, None]
+        )
+        slots = (starts[:, None] + offsets).clamp(0, max(int(counts.sum()) - 1, 0))
+        return slots.reshape(-1).to(self.device)
 
     def _padded(self, masked: torch.Tensor) -> torch.Tensor:
         pad = masked[-1:] if masked.numel() else torch.zeros(1, dtype=torch.long)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -185,6 +186,26 @@ def test_a_stopped_executor_runs_its_exit_handlers(tmp_path: Path, start: str) -
         executor.terminate()
         assert executor.wait(timeout=30) == 128 + signal.SIGTERM
         assert not temp.exists()
+    finally:
+        if executor.poll() is None:
+            executor.kill()
+
+
+def test_one_handle_waited_on_and_stopped_from_two_threads(tmp_path: Path) -> None:
+    """A Ray actor's threads: one waits on its executor for good, another stops it; both
+    learn the exit, and the stopping thread's polls never wait for the other's read."""
+    executor = _ready(Path(os.environ["RETOUCH_EXECUTOR_ZYGOTE"]), tmp_path / "executor")
+    try:
+        wait_for("the executor to serve", (tmp_path / "executor" / "port").exists, timeout=120)
+        with ThreadPoolExecutor(1) as waiter:
+            waited = waiter.submit(executor.wait)
+            time.sleep(1.0)  # the waiter is inside its blocking read
+            started = time.monotonic()
+            assert executor.poll() is None
+            assert time.monotonic() - started < 0.1
+            executor.terminate()
+            assert executor.wait(timeout=30) == 128 + signal.SIGTERM
+            assert waited.result(timeout=5) == 128 + signal.SIGTERM
     finally:
         if executor.poll() is None:
             executor.kill()
