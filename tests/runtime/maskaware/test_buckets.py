@@ -9,6 +9,8 @@ but no pad's value reaches a real token)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -63,6 +65,13 @@ def baked(request, models_dir):
 @pytest.fixture(scope="module", params=("retouch:tiny-flux", "retouch:tiny-sdxl"))
 def graph_baked(request, models_dir):
     return _baked(request.param, models_dir)
+
+
+# The warm-up tests take three levels, not the default six: warm-up captures every level at
+# every batch size (the default's 36 layouts took tiny-sdxl's test 28 s of CPU), and what
+# they check (every layout captured, none on the request path, a batch of three on the
+# graph of four) does not depend on how many levels there are.
+COARSE = (0.25, 0.5, 1.0)
 
 
 def _baked(model: str, models_dir):
@@ -129,7 +138,7 @@ def test_graphs_of_bucketed_steps_do_not_depend_on_the_mask(baked) -> None:
         _requests(editor, template, guidance, rng.uniform(0.1, 0.2, n), seed=10 * i)
         for i, n in enumerate(sizes)
     ]
-    buckets = Buckets()
+    buckets = Buckets(fractions=COARSE)
     editor.set_buckets(buckets)
     try:
         eager = [_edits(editor, batch, store) for batch in batches]
@@ -191,7 +200,7 @@ def test_warm_up_captures_every_layout_served_masks_need(graph_baked) -> None:
         _requests(editor, template, guidance, rng.uniform(low, low + 0.2, n), seed=10 * i)
         for i, (n, low) in enumerate([(1, 0.05), (2, 0.1), (2, 0.5), (1, 0.7), (2, 0.3)])
     ]
-    buckets = Buckets()
+    buckets = Buckets(fractions=COARSE)
     editor.set_buckets(buckets)
     try:
         eager = [_edits(editor, batch, store) for batch in batches]
@@ -220,7 +229,7 @@ def test_a_batch_of_three_replays_the_graph_of_four(graph_baked) -> None:
     store = store.placed(CPU)
     requests = _requests(editor, template, guidance, [0.1, 0.15, 0.2], seed=40)
     want = _edits(editor, requests, store)  # no buckets: a batch of three, exact layout
-    buckets = Buckets.for_batches(4)
+    buckets = dataclasses.replace(Buckets.for_batches(4), fractions=COARSE)
     editor.set_buckets(buckets)
     try:
         editor.set_graphs(True, limit=(buckets.levels + 1) * len(buckets.batch_sizes))
