@@ -57,16 +57,22 @@ FIELDS = (
     "adapters",
 )
 TEMPLATE_FIELDS = ("image", "prompt", "seed")  # image: a path, in TOML files only
-SCALING_FIELDS = (
-    "min_executors",
-    "max_executors",
+SCALING_SECONDS = (
     "target_s",
     "upscale_delay_s",
     "stable_window_s",
     "downscale_delay_s",
     "downscale_to_zero_delay_s",
+    "upscale_hold_s",
+)
+SCALING_FIELDS = (
+    "min_executors",
+    "max_executors",
+    *SCALING_SECONDS,
     "target_utilisation",
     "headroom_sigmas",
+    "rise_cap",
+    "downscale_margin",
 )
 SLO_FIELDS = ("latency_ms",)
 # The placement policies a function may ask for (the gateway's ``platform/control/placement.py``
@@ -107,7 +113,9 @@ class ScalingSpec:
     hold, ``target_utilisation`` the share of an executor's capacity the arriving work may
     fill (the demand signal, which sees a rise before the work piles up); scale-up follows the mean over the last ``upscale_delay_s`` (Knative's panic
     window), scale-down the mean over ``stable_window_s`` and then the highest
-    recommendation of the last ``downscale_delay_s``; the last executor goes after
+    recommendation of the last ``downscale_delay_s`` (a scale-up's count held at least
+    ``upscale_hold_s``), plus ``downscale_margin`` of it; a rise of the arrivals' demand is
+    followed at most to ``rise_cap`` times its level before; the last executor goes after
     ``downscale_to_zero_delay_s`` without work. The defaults suit GPU executors that take
     minutes to start."""
 
@@ -120,6 +128,9 @@ class ScalingSpec:
     downscale_to_zero_delay_s: float = 300.0
     target_utilisation: float = 0.8  # the share of an executor's capacity arrivals may fill
     headroom_sigmas: float = 0.0  # + this x sqrt(demand) executors: room for bursts
+    upscale_hold_s: float = 0.0  # a scale-up's count holds at least this long
+    rise_cap: float = 2.0  # a demand rise is followed at most to this x its level before
+    downscale_margin: float = 0.0  # a scale-down keeps this share above the held count
 
 
 @dataclass(frozen=True)
@@ -436,7 +447,7 @@ def _scaling(raw: Any) -> ScalingSpec:
     default = ScalingSpec()
     seconds = {
         name: _float(raw, name, getattr(default, name), 0.0, 86_400.0, where="scaling")
-        for name in SCALING_FIELDS[2:-2]
+        for name in SCALING_SECONDS
     }
     for name in ("target_s", "upscale_delay_s", "stable_window_s"):
         if seconds[name] <= 0:
@@ -448,7 +459,17 @@ def _scaling(raw: Any) -> ScalingSpec:
             "target_utilisation must be in (0, 1]", field="scaling.target_utilisation"
         )
     headroom = _float(raw, "headroom_sigmas", default.headroom_sigmas, 0.0, 10.0, where="scaling")
-    return ScalingSpec(lo, hi, **seconds, target_utilisation=utilisation, headroom_sigmas=headroom)
+    rise_cap = _float(raw, "rise_cap", default.rise_cap, 1.0, 10.0, where="scaling")
+    margin = _float(raw, "downscale_margin", default.downscale_margin, 0.0, 0.9, where="scaling")
+    return ScalingSpec(
+        lo,
+        hi,
+        **seconds,
+        target_utilisation=utilisation,
+        headroom_sigmas=headroom,
+        rise_cap=rise_cap,
+        downscale_margin=margin,
+    )
 
 
 def _uploads(raw: Any) -> UploadsSpec:

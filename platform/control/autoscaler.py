@@ -27,9 +27,12 @@ users:
 * either direction moves only when the recommendation leaves a **tolerance** band around
   the current count (10 %, as Kubernetes' HPA): a short window's noise must not move a pool
   that holds its load (each such move is undone later, a direction reversal);
-* a scale-down takes the **highest** recommendation, or count a scale-up chose, of the last
-  ``downscale_delay_s`` (HPA's stabilisation window), and never happens while panicking or
-  while anything is queued;
+* a scale-down takes the **highest** recommendation of the last ``downscale_delay_s``
+  (HPA's stabilisation window), or count a scale-up chose in the last ``hold_s`` (the
+  delay, or ``upscale_hold_s`` when longer: on a bursty stream a burst's scale-up undone a
+  delay later is followed by the next burst's, two reversals each time), plus
+  ``downscale_margin`` of it, and never happens while panicking or while anything is
+  queued;
 * no scale-down before the pool was observed for a scale-down delay (the shorter of
   ``downscale_delay_s`` and ``downscale_to_zero_delay_s``): the highest recommendation over
   a delay needs that delay's history, so a pool that starts (or a gateway that restarts)
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -69,6 +73,15 @@ class AutoscalingConfig:
     panic_hold_s: float = 60.0  # a panic lasts at least this long
     downscale_delay_s: float = 600.0
     downscale_to_zero_delay_s: float = 300.0
+    upscale_hold_s: float = 0.0  # a scale-up's count holds at least this long (see hold_s)
+    rise_cap: float = 2.0  # a demand rise is taken at most to this x its baseline
+    downscale_margin: float = 0.0  # a scale-down keeps this share above the held count
+
+    @property
+    def hold_s(self) -> float:
+        """How long the count a scale-up chose holds the pool up: the scale-down delay, or
+        ``upscale_hold_s`` when longer."""
+        return max(self.downscale_delay_s, self.upscale_hold_s)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_executors <= self.max_executors or self.max_executors < 1:
@@ -81,6 +94,12 @@ class AutoscalingConfig:
             raise ValueError("tolerance must be in [0, 1)")
         if not self.headroom_sigmas >= 0:
             raise ValueError("headroom_sigmas must be >= 0")
+        if not self.upscale_hold_s >= 0:
+            raise ValueError("upscale_hold_s must be >= 0")
+        if not self.rise_cap >= 1:
+            raise ValueError("rise_cap must be >= 1")
+        if not 0 <= self.downscale_margin < 1:
+            raise ValueError("downscale_margin must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -120,13 +139,15 @@ def decide(
     panic_until: float,
     recent: list[tuple[float, int]],
     observed_since: float | None = None,
+    upscales: Sequence[tuple[float, int]] = (),
 ) -> Decision:
     """The pool's desired executor count.
 
     ``samples`` are the recent ticks, ``target`` is ready + starting executors, and
     ``panic_until`` is when the current panic ends. ``recent`` holds the stable
-    recommendations of the last ``downscale_delay_s``; ``observed_since`` is the first
-    sample's time (default: the oldest kept)."""
+    recommendations of the last ``downscale_delay_s``, ``upscales`` the counts scale-ups
+    chose (each held for ``hold_s``); ``observed_since`` is the first sample's time
+    (default: the oldest kept)."""
     latest = samples[-1] if samples else LoadSample(now, 0.0, 0)
     stable = _count(config, samples, now - config.stable_window_s)
     # The short window counts work only: the demand's noise over a few seconds would move
@@ -151,6 +172,7 @@ def decide(
     if latest.queued > 0 or any(s.queued for s in samples if s.at >= now - config.panic_window_s):
         return Decision(target, False, "invocations queued: no scale-down")
     window = [n for at, n in recent if at >= now - config.downscale_delay_s]
+    window += [n for at, n in upscales if at >= now - config.hold_s]
     held = max(window, default=stable)
     if held == 0:
         idle_since = _idle_since(samples)
@@ -158,7 +180,10 @@ def decide(
             return Decision(max(config.min_executors, min(target, 1)), False, "not idle long")
     if held >= target * (1 - config.tolerance):
         return Decision(target, False, "steady: within the tolerance")
-    desired = max(config.min_executors, min(target, held))
+    # a pool brought down exactly to what it held takes the next burst's first executor
+    # back at once (at ten executors, +1 is beyond the tolerance): a reversal
+    kept = math.ceil(held * (1 + config.downscale_margin) - 1e-9)
+    desired = max(config.min_executors, min(target, kept))
     return Decision(desired, False, "scale down" if desired < target else "steady")
 
 
@@ -206,8 +231,10 @@ def _risen_to(config: AutoscalingConfig, samples: list[LoadSample], now: float) 
     if level <= 0:
         return 0
     # A few bursty seconds can average several times the baseline; the rise is taken at
-    # most to ``panic_threshold`` x the baseline (the stable window follows a larger one).
-    return _clamped(config, _for_demand(config, min(level, config.panic_threshold * mean)))
+    # most to ``rise_cap`` x the baseline (the CUSUM fires again on a larger one, and the
+    # stable window follows it). On a bursty stream a larger cap overshoots, and the
+    # overshoot comes back down a scale-down delay later: a reversal.
+    return _clamped(config, _for_demand(config, min(level, config.rise_cap * mean)))
 
 
 def _cusum(recent: list[float], slack: float, threshold: float, shortest: int) -> float:
@@ -278,6 +305,7 @@ class Autoscaler:
         self._keep_s = _history_s(config)
         self._samples: deque[LoadSample] = deque()
         self._recent: deque[tuple[float, int]] = deque()
+        self._upscales: deque[tuple[float, int]] = deque()
         self._panic_until = -math.inf
         self._first_at: float | None = None
         self.decisions = 0
@@ -308,6 +336,8 @@ class Autoscaler:
         self._recent.append((now, recommend(self.config, samples, now)))
         while self._recent and self._recent[0][0] < now - self.config.downscale_delay_s:
             self._recent.popleft()
+        while self._upscales and self._upscales[0][0] < now - self.config.hold_s:
+            self._upscales.popleft()
         if self._first_at is None:
             self._first_at = now
         decision = decide(
@@ -318,11 +348,12 @@ class Autoscaler:
             self._panic_until,
             list(self._recent),
             self._first_at,
+            list(self._upscales),
         )
         if decision.panicking and now >= self._panic_until:
             self._panic_until = now + self.config.panic_hold_s
-        if decision.desired > target:  # a scale-up is held for a scale-down delay too
-            self._recent.append((now, decision.desired))
+        if decision.desired > target:
+            self._upscales.append((now, decision.desired))
         self._count(decision.desired - target)
         return decision
 

@@ -8,10 +8,10 @@ they share its executors, and the model is loaded once per executor (LegoDiffusi
 per-model scaling). Each model pool has its own :class:`Autoscaler`, configured by
 :func:`pool_config` over *its* functions' ``scaling`` tables only: the largest
 ``min_executors`` and ``max_executors`` (capped by the devices the provider has), the
-smallest ``target_s``, ``target_utilisation`` and ``upscale_delay_s`` (the most eager
-function decides how fast to
-grow) and the largest stable window and downscale delays (the most patient one decides how
-fast to shrink). Every ``tick_s`` the scaler splits the pool's load by model
+smallest ``target_s``, ``target_utilisation`` and ``upscale_delay_s`` and the largest
+``rise_cap`` (the most eager function decides how fast to grow) and the largest stable
+window, downscale delays, ``upscale_hold_s`` and ``downscale_margin`` (the most patient one
+decides how fast to shrink). Every ``tick_s`` the scaler splits the pool's load by model
 (:func:`split_load`): a model pool's work is what its own executors hold plus the
 predicted service of its functions' queued invocations, and its target count is its own
 ready + starting executors; its *demand* is the executor-seconds of its functions'
@@ -75,6 +75,9 @@ def pool_config(scalings: list[ScalingSpec], capacity: int) -> AutoscalingConfig
         downscale_delay_s=max(s.downscale_delay_s for s in scalings),
         downscale_to_zero_delay_s=max(s.downscale_to_zero_delay_s for s in scalings),
         panic_hold_s=min(s.upscale_delay_s for s in scalings) * 10,
+        upscale_hold_s=max(s.upscale_hold_s for s in scalings),
+        rise_cap=max(s.rise_cap for s in scalings),
+        downscale_margin=max(s.downscale_margin for s in scalings),
     )
 
 
@@ -203,6 +206,9 @@ def describe_config(config: AutoscalingConfig) -> dict[str, Any]:
         "stable_window_s": config.stable_window_s,
         "downscale_delay_s": config.downscale_delay_s,
         "downscale_to_zero_delay_s": config.downscale_to_zero_delay_s,
+        "upscale_hold_s": config.upscale_hold_s,
+        "rise_cap": config.rise_cap,
+        "downscale_margin": config.downscale_margin,
     }
 
 

@@ -234,6 +234,26 @@ class SimScaling:
         env=False,
     )
 
+    upscale_hold_s: float = knob(
+        AutoscalingConfig.upscale_hold_s,
+        "autoscaling: a scale-up's count holds the pool up at least this long (and at least "
+        "the scale-down delay)",
+        parse=non_negative_float,
+        env=False,
+    )
+    rise_cap: float = knob(
+        AutoscalingConfig.rise_cap,
+        "autoscaling: a rise of the arrivals' demand is taken at most to this x its baseline",
+        parse=positive_float,
+        env=False,
+    )
+    downscale_margin: float = knob(
+        AutoscalingConfig.downscale_margin,
+        "autoscaling: a scale-down keeps this share above the count it holds",
+        parse=non_negative_float,
+        env=False,
+    )
+
     def config(self) -> AutoscalingConfig | None:
         """The autoscaler's settings (None: a static pool)."""
         if self.autoscale is None:
@@ -249,6 +269,9 @@ class SimScaling:
             target_utilisation=self.target_utilisation,
             headroom_sigmas=self.headroom_sigmas,
             downscale_delay_s=self.downscale_delay_s,
+            upscale_hold_s=self.upscale_hold_s,
+            rise_cap=self.rise_cap,
+            downscale_margin=self.downscale_margin,
         )
 
 

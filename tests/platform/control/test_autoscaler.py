@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 
 from retouch.platform.control.autoscaler import Autoscaler, AutoscalingConfig
@@ -76,6 +79,12 @@ def test_bad_settings_are_refused():
         AutoscalingConfig(min_executors=3, max_executors=2)
     with pytest.raises(ValueError):
         AutoscalingConfig(target_s=0)
+    with pytest.raises(ValueError, match="upscale_hold_s"):
+        AutoscalingConfig(upscale_hold_s=-1.0)
+    with pytest.raises(ValueError, match="rise_cap"):
+        AutoscalingConfig(rise_cap=0.9)
+    with pytest.raises(ValueError, match="downscale_margin"):
+        AutoscalingConfig(downscale_margin=1.0)
 
 
 def test_goes_to_zero_when_ticks_land_late():
@@ -107,6 +116,11 @@ def test_the_pool_merges_its_functions_scaling_tables():
     assert config.target_s == 5.0 and config.panic_window_s == 2.0  # the eagerest grows
     assert config.downscale_delay_s == 600.0  # the most patient shrinks (patient's default)
     assert config.downscale_to_zero_delay_s == 900.0
+    assert (config.upscale_hold_s, config.rise_cap, config.downscale_margin) == (0.0, 2.0, 0.0)
+    held = ScalingSpec(0, 3, upscale_hold_s=300.0, rise_cap=1.25, downscale_margin=0.2)
+    config = pool_config([eager, held], capacity=4)
+    assert config.upscale_hold_s == 300.0 and config.downscale_margin == 0.2  # the patient
+    assert config.rise_cap == 2.0  # the eagerest grows (eager's default)
     assert pool_config([], capacity=2).max_executors == 2  # nothing deployed: zero
     assert pool_config([], capacity=2).min_executors == 0
 
@@ -195,20 +209,54 @@ def test_square_root_headroom_gives_a_small_pool_relatively_more_room():
         AutoscalingConfig(max_executors=2, headroom_sigmas=-1.0)
 
 
-def test_a_burst_out_of_a_quiet_spell_raises_the_pool_at_most_to_twice_its_baseline():
+@pytest.mark.parametrize("rise_cap", [2.0, 1.25])
+def test_a_burst_out_of_a_quiet_spell_raises_the_pool_at_most_to_the_rise_cap(rise_cap):
     """A few bursty seconds can average several times the baseline; the CUSUM's rise is
-    taken at most to panic_threshold (2) x the baseline, the stable window follows a real
-    larger one."""
+    taken at most to ``rise_cap`` (default 2) x the baseline, the stable window follows a
+    real larger one."""
     config = AutoscalingConfig(
-        min_executors=1, max_executors=200, target_utilisation=1.0, downscale_delay_s=120.0
-    )
+        min_executors=1, max_executors=200, target_utilisation=1.0, downscale_delay_s=120.0,
+        rise_cap=rise_cap,
+    )  # fmt: skip
     scaler = Autoscaler(config)
     target = 10
     for now in range(300):
         target = scaler.tick(float(now), 5.0, 0, target, demand=10.0).desired
     for now in range(300, 304):
         target = scaler.tick(float(now), 5.0, 0, target, demand=40.0).desired
-    assert 10 < target <= 2 * 10 + 1
+    assert 10 < target <= math.ceil(rise_cap * 10) + 1
+
+
+def burst_then_calm(config: AutoscalingConfig) -> list[tuple[float, int]]:
+    """Four executors' worth of work, a 10 s burst of ten, then four again: the decisions
+    from the burst on."""
+    scaler = Autoscaler(config)
+    _, target = run(scaler, lambda t: 38.0, 0.0, 200.0, 4)
+    decisions, _ = run(scaler, lambda t: 100.0 if t < 210.0 else 38.0, 200.0, 600.0, target)
+    return decisions
+
+
+def test_a_scale_up_holds_the_pool_for_the_longer_of_the_delay_and_the_hold():
+    """Without a hold the burst's executors go a scale-down delay after it; with one, not
+    before the hold has passed since the scale-up (a bursty stream's next burst then finds
+    them: no down-and-up again, two reversals)."""
+    base = dict(min_executors=1, max_executors=16, target_s=10.0, downscale_delay_s=30.0)
+    for hold, shortest, longest in ((0.0, 30.0, 60.0), (120.0, 120.0, 140.0)):
+        decisions = burst_then_calm(AutoscalingConfig(**base, upscale_hold_s=hold))
+        moves = [(t, n - m) for (_, m), (t, n) in itertools.pairwise(decisions) if n != m]
+        last_up = max(t for t, change in moves if change > 0)
+        first_down = min(t for t, change in moves if change < 0)
+        assert shortest <= first_down - last_up <= longest, (hold, moves)
+        assert decisions[-1][1] == 4
+    assert AutoscalingConfig(downscale_delay_s=60.0, upscale_hold_s=10.0).hold_s == 60.0
+
+
+def test_a_scale_down_keeps_its_margin_above_the_held_count():
+    base = dict(min_executors=1, max_executors=16, target_s=10.0, downscale_delay_s=30.0)
+    assert burst_then_calm(AutoscalingConfig(**base))[-1][1] == 4
+    kept = burst_then_calm(AutoscalingConfig(**base, downscale_margin=0.25))
+    assert kept[-1][1] == 5  # ceil(4 x 1.25)
+    assert max(n for _, n in kept) == 10
 
 
 def test_counted_arrivals_floor_the_noise_and_a_jump_needs_two_ticks():
