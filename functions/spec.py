@@ -130,7 +130,7 @@ class ScalingSpec:
     headroom_sigmas: float = 0.0  # + this x sqrt(demand) executors: room for bursts
     upscale_hold_s: float = 0.0  # a scale-up's count holds at least this long
     rise_cap: float = 2.0  # a demand rise is followed at most to this x its level before
-    downscale_margin: float = 0.0  # a scale-down keeps this share above the held count
+    downscale_margin: float = 0.0  # a scale-down keeps this share above the held count (rounded)
 
 
 @dataclass(frozen=True)

@@ -181,9 +181,10 @@ def decide(
     if held >= target * (1 - config.tolerance):
         return Decision(target, False, "steady: within the tolerance")
     # a pool brought down exactly to what it held takes the next burst's first executor
-    # back at once (at ten executors, +1 is beyond the tolerance): a reversal
-    kept = math.ceil(held * (1 + config.downscale_margin) - 1e-9)
-    desired = max(config.min_executors, min(target, kept))
+    # back at once (at ten executors, +1 is beyond the tolerance): a reversal. Rounded to
+    # the nearest count, so that a small pool may still come down to what it holds.
+    kept = held + math.floor(held * config.downscale_margin + 0.5)
+    desired = _clamped(config, min(target, kept))
     return Decision(desired, False, "scale down" if desired < target else "steady")
 
 

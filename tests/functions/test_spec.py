@@ -82,6 +82,19 @@ def test_round_trip(
     assert parse_spec(spec.to_dict()) == spec
 
 
+def test_scaling_settings_parse_and_round_trip() -> None:
+    doc = {"name": "ok", "model": "m", "family": "sd-inpaint", "resolution": 128}
+    doc["templates"] = {"t": {}}
+    scaling = {"upscale_hold_s": 300, "rise_cap": 1.25, "downscale_margin": 0.2}
+    spec = parse_spec({**doc, "scaling": {**scaling, "headroom_sigmas": 1.0}})
+    held = spec.scaling
+    assert (held.upscale_hold_s, held.rise_cap, held.downscale_margin) == (300.0, 1.25, 0.2)
+    assert held.headroom_sigmas == 1.0 and held.downscale_delay_s == 600.0  # the rest default
+    assert parse_spec(spec.to_dict()) == spec
+    plain = parse_spec(doc).scaling
+    assert (plain.upscale_hold_s, plain.rise_cap, plain.downscale_margin) == (0.0, 2.0, 0.0)
+
+
 def test_storage_defaults_to_native_and_round_trips() -> None:
     doc = {"name": "ok", "model": "m", "family": "sd-inpaint", "resolution": 128}
     doc["templates"] = {"t": {}}

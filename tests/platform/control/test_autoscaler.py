@@ -255,8 +255,17 @@ def test_a_scale_down_keeps_its_margin_above_the_held_count():
     base = dict(min_executors=1, max_executors=16, target_s=10.0, downscale_delay_s=30.0)
     assert burst_then_calm(AutoscalingConfig(**base))[-1][1] == 4
     kept = burst_then_calm(AutoscalingConfig(**base, downscale_margin=0.25))
-    assert kept[-1][1] == 5  # ceil(4 x 1.25)
+    assert kept[-1][1] == 5  # 4 + 1
     assert max(n for _, n in kept) == 10
+    # rounded to the nearest count: a pool holding one comes down to one, not two
+    small = Autoscaler(AutoscalingConfig(**base, downscale_margin=0.2))
+    _, target = run(small, lambda t: 38.0, 0.0, 100.0, 4)
+    _, target = run(small, lambda t: 5.0, 100.0, 300.0, target)
+    assert target == 1
+    # and never above the maximum (a pool over it after a redeploy lowered it comes down)
+    lowered = Autoscaler(AutoscalingConfig(**{**base, "max_executors": 8}, downscale_margin=0.2))
+    _, target = run(lowered, lambda t: 78.0, 0.0, 100.0, 12)
+    assert target == 8
 
 
 def test_counted_arrivals_floor_the_noise_and_a_jump_needs_two_ticks():
