@@ -70,11 +70,13 @@ $(RAY_STAMP): pyproject.toml setup.py
 	$(call install,dev$(comma)ray)
 	touch $(STAMP) $(RAY_STAMP)
 
-# Two pytest-xdist workers, a test file each at a time (its module's server is its own), in
-# the order tests/conftest.py collects them (xdist would put the files with the most tests
+# One pytest-xdist worker per core (at least 2, at most 8: each holds its servers and an
+# executor zygote), a test file each at a time (its module's server is its own), in the
+# order tests/conftest.py collects them (xdist would put the files with the most tests
 # first: the long end-to-end files, which have few, then ran last, one worker idle);
-# tests/conftest.py gives them one torch thread each. TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 2
+# tests/conftest.py gives them one torch thread each. The suite is bound by CPU: more
+# workers than cores only add contention. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 2 ? 2 : n > 8 ? 8 : n )))
 test: $(RAY_STAMP) browser postgres
 	$(WRITE_PYC) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 

@@ -21,8 +21,8 @@ from tests.postgres import PostgresServer, bin_dir
 # starts (which inherit them) choose kernels independently of the weights' alignment.
 set_switches(os.environ)
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Two test processes share the 2-core machine: each server's executors and each test
-    # process run one torch thread, and OpenMP threads sleep rather than spin while they
+    # The test processes (one per core) share the machine: each server's executors and each
+    # test process run one torch thread, and OpenMP threads sleep rather than spin while they
     # wait (spinning threads of two processes on two cores took CPU from the work itself).
     os.environ.setdefault("RETOUCH_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
