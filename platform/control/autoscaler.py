@@ -34,9 +34,10 @@ users:
   ``downscale_margin`` of it, and never happens while panicking or while anything is
   queued;
 * no scale-down before the pool was observed for a scale-down delay (the shorter of
-  ``downscale_delay_s`` and ``downscale_to_zero_delay_s``): the highest recommendation over
-  a delay needs that delay's history, so a pool that starts (or a gateway that restarts)
-  does not shrink on its first samples and grow back, a direction reversal;
+  ``downscale_delay_s`` and ``downscale_to_zero_delay_s``) and for the stable window: the
+  highest recommendation over a delay needs that delay's history, and the stable window's
+  mean its window, so a pool that starts (or a gateway that restarts) does not shrink on
+  its first samples and grow back, a direction reversal;
 * going to zero waits ``downscale_to_zero_delay_s`` of no work, no queue and no demand;
 * from zero, any work scales up at once.
 
@@ -167,7 +168,8 @@ def decide(
     if max(stable, panic) > target * (1 + config.tolerance):
         return Decision(max(stable, panic), False, "more work than the pool's target")
     first = observed_since if observed_since is not None else samples[0].at if samples else now
-    if now - first < min(config.downscale_delay_s, config.downscale_to_zero_delay_s):
+    observe_s = min(config.downscale_delay_s, config.downscale_to_zero_delay_s)
+    if now - first < max(observe_s, config.stable_window_s):
         return Decision(target, False, "not observed for a scale-down delay yet")
     if latest.queued > 0 or any(s.queued for s in samples if s.at >= now - config.panic_window_s):
         return Decision(target, False, "invocations queued: no scale-down")

@@ -148,6 +148,11 @@ def test_no_scale_down_before_a_delay_of_history():
     down_at = next(t for t, n in decisions if n < 8)
     assert down_at >= CONFIG.downscale_to_zero_delay_s
     assert target == 2 and scaler.reversals == 0
+    # a delay shorter than the stable window waits for the window: its mean is the load's
+    short = AutoscalingConfig(max_executors=16, target_s=10.0, downscale_delay_s=10.0)
+    decisions, target = run(Autoscaler(short), lambda t: 20.0, 0.0, 120.0, 8)
+    assert next(t for t, n in decisions if n < 8) >= short.stable_window_s
+    assert target == 2
 
 
 def test_target_utilisation_is_checked():
