@@ -267,7 +267,6 @@ def _packed_rows(x: torch.Tensor, plan: RowAdapters) -> _Packed:
             f"a mixed-adapter step's layer got an input of shape {tuple(x.shape)}: neither "
             f"its batch's {plan.rows} rows nor the packed tokens of the running grid"
         )
-    n_max = max(grid.counts, default=0)
-    if all(count == n_max for count in grid.counts):
-        return _Packed(grid.rows, n_max, tokens, None, None)
-    return _Packed(grid.rows, n_max, tokens, grid.padded_slots, grid.real_slots)
+    keep = grid.unpadded_slots
+    gather = None if keep is None else grid.padded_slots
+    return _Packed(grid.rows, grid.n_max, tokens, gather, keep)

@@ -169,16 +169,11 @@ class TokenBatch:
         return (self.positions + offsets).reshape(-1)
 
     @cached_property
-    def _valid(self) -> torch.Tensor | None:
-        """Padded layout only: the real token rows among the ``rows * n_max`` (positions
+    def unpadded_slots(self) -> torch.Tensor | None:
+        """The real token rows among the ``rows * n_max`` of the padded layout (positions
         worked out on the host, so no step waits on the device); ``None``: all are real."""
         if all(count == self.n_max for count in self.counts):
             return None
-        return self.real_slots
-
-    @cached_property
-    def real_slots(self) -> torch.Tensor:
-        """Every real token's slot in ``[rows * n_max]`` padded rows, in row order."""
         parts = [torch.arange(c) + r * self.n_max for r, c in enumerate(self.counts)]
         return _cat_long(parts).to(self.device)
 
@@ -187,7 +182,7 @@ class TokenBatch:
         """Packed layout: the packed token each slot of ``[rows * n_max]`` padded rows
         reads (a row's padding repeats its last token). A computation per row over the
         packed tokens (``runtime/mixedlora``) lays them out with it and puts its result
-        back with :attr:`real_slots`; made once per layout, on the host."""
+        back with :attr:`unpadded_slots`; made once per layout, on the host."""
         counts = torch.tensor(self.counts, dtype=torch.long)
         starts = torch.cumsum(counts, 0) - counts
         offsets = torch.minimum(
@@ -219,9 +214,9 @@ class TokenBatch:
         last ``channel_dims`` dimensions make a row's channels (2: ``[..., heads, dim]``)."""
         channels = math.prod(sparse.shape[-channel_dims:])
         flat = sparse.reshape(-1, channels)
-        if self.packed or self._valid is None:
+        if self.packed or self.unpadded_slots is None:
             return flat
-        return flat.index_select(0, self._valid)
+        return flat.index_select(0, self.unpadded_slots)
 
     def scatter(self, sparse: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """Write the real rows of ``sparse`` into a contiguous ``[rows, N, C]`` ``full``."""
