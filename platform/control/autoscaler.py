@@ -39,7 +39,13 @@ users:
   mean its window, so a pool that starts (or a gateway that restarts) does not shrink on
   its first samples and grow back, a direction reversal;
 * going to zero waits ``downscale_to_zero_delay_s`` of no work, no queue and no demand;
-* from zero, any work scales up at once.
+* from zero, any work scales up at once;
+* a scale-down waits at least the pool's measured start-up too (its delays or this, the
+  longer): taking an executor away is undone by a wake where the victims sleep, by a cold
+  start where they stop. An executor idle for as long as its return would take has cost
+  no more than that return (the ski-rental rule: never more than twice the least GPU time
+  in hindsight), and a cold start that returns it within its start-up is a direction
+  reversal paid for twice. With sleep (a wake of seconds) the delays decide.
 
 Time is always passed in; the simulator runs this on a virtual clock.
 """
@@ -141,6 +147,7 @@ def decide(
     recent: list[tuple[float, int]],
     observed_since: float | None = None,
     upscales: Sequence[tuple[float, int]] = (),
+    startup_s: float = 0.0,
 ) -> Decision:
     """The pool's desired executor count.
 
@@ -148,7 +155,8 @@ def decide(
     ``panic_until`` is when the current panic ends. ``recent`` holds the stable
     recommendations of the last ``downscale_delay_s``, ``upscales`` the counts scale-ups
     chose (each held for ``hold_s``); ``observed_since`` is the first sample's time
-    (default: the oldest kept)."""
+    (default: the oldest kept); ``startup_s`` what bringing back an executor a scale-down
+    takes would cost (0: not measured), the least any scale-down waits."""
     latest = samples[-1] if samples else LoadSample(now, 0.0, 0)
     stable = _count(config, samples, now - config.stable_window_s)
     # The short window counts work only: the demand's noise over a few seconds would move
@@ -173,12 +181,13 @@ def decide(
         return Decision(target, False, "not observed for a scale-down delay yet")
     if latest.queued > 0 or any(s.queued for s in samples if s.at >= now - config.panic_window_s):
         return Decision(target, False, "invocations queued: no scale-down")
-    window = [n for at, n in recent if at >= now - config.downscale_delay_s]
-    window += [n for at, n in upscales if at >= now - config.hold_s]
+    window = [n for at, n in recent if at >= now - max(config.downscale_delay_s, startup_s)]
+    window += [n for at, n in upscales if at >= now - max(config.hold_s, startup_s)]
     held = max(window, default=stable)
     if held == 0:
         idle_since = _idle_since(samples)
-        if idle_since is None or now - idle_since < config.downscale_to_zero_delay_s:
+        zero_delay_s = max(config.downscale_to_zero_delay_s, startup_s)
+        if idle_since is None or now - idle_since < zero_delay_s:
             return Decision(max(config.min_executors, min(target, 1)), False, "not idle long")
     if held >= target * (1 - config.tolerance):
         return Decision(target, False, "steady: within the tolerance")
@@ -328,18 +337,23 @@ class Autoscaler:
         target: int,
         demand: float = 0.0,
         arrivals: int = 0,
+        startup_s: float = 0.0,
     ) -> Decision:
         """One decision. ``demand``: the executors' worth of work that arrived since the
         last tick (executor-seconds per second); 0 leaves the work signal alone.
-        ``arrivals``: how many invocations that was (0: not counted)."""
+        ``arrivals``: how many invocations that was (0: not counted). ``startup_s``: the
+        measured return of a scaled-down executor, a wake where victims sleep (0: none)."""
         self._samples.append(LoadSample(now, work_s, queued, demand, arrivals))
-        while self._samples and self._samples[0].at < now - self._keep_s:
+        keep_s = max(self._keep_s, 2.0 * startup_s)  # going to zero waits the start-up too
+        while self._samples and self._samples[0].at < now - keep_s:
             self._samples.popleft()
         samples = list(self._samples)
         self._recent.append((now, recommend(self.config, samples, now)))
-        while self._recent and self._recent[0][0] < now - self.config.downscale_delay_s:
+        while self._recent and self._recent[0][0] < now - max(
+            self.config.downscale_delay_s, startup_s
+        ):
             self._recent.popleft()
-        while self._upscales and self._upscales[0][0] < now - self.config.hold_s:
+        while self._upscales and self._upscales[0][0] < now - max(self.config.hold_s, startup_s):
             self._upscales.popleft()
         if self._first_at is None:
             self._first_at = now
@@ -352,6 +366,7 @@ class Autoscaler:
             list(self._recent),
             self._first_at,
             list(self._upscales),
+            startup_s,
         )
         if decision.panicking and now >= self._panic_until:
             self._panic_until = now + self.config.panic_hold_s

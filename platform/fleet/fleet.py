@@ -25,8 +25,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -41,6 +42,7 @@ from retouch.platform.fleet.executorlink import ExecutorHandle, ExecutorLink
 from retouch.platform.fleet.providers import Executor, Provider
 from retouch.platform.fleet.scaler import Arrived, Member, ModelLoad, split_load
 from retouch.platform.fleet.sleepers import SleepingExecutors, SleepPolicy
+from retouch.platform.fleet.startups import StartupTimes
 from retouch.runtime.executor.options import room
 
 log = logging.getLogger(__name__)
@@ -79,12 +81,13 @@ class Fleet:
             self.executors, link, self.refresh, on_capacity, self._in_background
         )
         self.cluster = ClusterView()
-        self.startup_s: deque[float] = deque(maxlen=256)  # executors the autoscaler started
+        self.startups = StartupTimes()  # measured cold starts and wakes, per model pool
         self.sleeping = SleepingExecutors(
             sleep or SleepPolicy(),
             self.executors,
             link,
             provider,
+            self.startups,
             ready=self._become_ready,
             on_capacity=on_capacity,
             in_background=self._in_background,
@@ -154,13 +157,20 @@ class Fleet:
 
     def model_loads(self) -> dict[str, ModelLoad]:
         """Each model pool's predicted work, queued invocations and target count (the
-        autoscaler's inputs, see :func:`~retouch.platform.fleet.scaler.split_load`)."""
+        autoscaler's inputs, see :func:`~retouch.platform.fleet.scaler.split_load`), and
+        what bringing back a victim of its scale-down takes, measured
+        (:mod:`~retouch.platform.fleet.startups`)."""
         members = [
             Member(e.model, e.view.work_s(), e.phase not in NOT_CAPACITY) for e in self.executors
         ]
         members += [Member(m, 0.0, True) for m in self.unstarted().values()]
         model_of = {spec.name: spec.model for spec in self.specs()}
-        return split_load(members, self.queued(), model_of)
+        loads = split_load(members, self.queued(), model_of)
+        asleep = self.sleeping.asleep.policy.enabled  # a scale-down's victims sleep
+        return {
+            model: replace(load, startup_s=self.startups.estimate_s(model, woken=asleep))
+            for model, load in loads.items()
+        }
 
     def arrive(self, request: PlacementRequest) -> None:
         """Count ``request``'s executor-seconds into its model's demand, from the first
@@ -273,7 +283,7 @@ class Fleet:
         handle = ExecutorHandle(proc, device, model=model, overheads=self.cluster.overheads)
         self.executors.append(handle)
         await self._make_ready(handle, "started")
-        self.startup_s.append(time.monotonic() - started)
+        self.startups.started(model, time.monotonic() - started)
         log.info(
             "%s (%s) ready in %.1f s", name, model or "every model", time.monotonic() - started
         )

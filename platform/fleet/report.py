@@ -59,7 +59,8 @@ class PoolReport:
     def pool_summary(self) -> dict[str, float]:
         """Executors by phase, the autoscaler's last decision and its scale events (summed
         over the model pools), and the start-up times it saw (``/metrics``)."""
-        startups = sorted(self.fleet.startup_s)
+        times = self.fleet.startups
+        startups = sorted(times.cold)
         scaler = self.scaler
         desired = scaler.desired() if scaler is not None else None
         return {
@@ -69,11 +70,11 @@ class PoolReport:
             "scale_downs": float(scaler.downs if scaler else 0),
             "startup_s_p50": startups[len(startups) // 2] if startups else 0.0,
             "startup_s_max": startups[-1] if startups else 0.0,
-            "startup_s_last": self.fleet.startup_s[-1] if self.fleet.startup_s else 0.0,
-            "wakes": float(len(self.fleet.sleeping.wake_s)),
-            "wake_s_last": self.fleet.sleeping.wake_s[-1] if self.fleet.sleeping.wake_s else 0.0,
-            "wake_s_p50": _quantile(self.fleet.sleeping.wake_s, 0.5),
-            "wake_s_max": max(self.fleet.sleeping.wake_s, default=0.0),
+            "startup_s_last": times.cold[-1] if times.cold else 0.0,
+            "wakes": float(len(times.wakes)),
+            "wake_s_last": times.wakes[-1] if times.wakes else 0.0,
+            "wake_s_p50": _quantile(times.wakes, 0.5),
+            "wake_s_max": max(times.wakes, default=0.0),
             "sleeping_host_bytes": float(self.fleet.sleeping.asleep.host_bytes()),
         }
 

@@ -101,11 +101,12 @@ class Member:
 
 @dataclass(frozen=True)
 class ModelLoad:
-    """One model pool at a tick: the policy's three inputs."""
+    """One model pool at a tick: the policy's inputs."""
 
     work_s: float = 0.0  # its executors' predicted work plus its queued invocations'
     queued: int = 0  # invocations of its functions waiting in the gateway
     target: int = 0  # its ready + starting executors
+    startup_s: float = 0.0  # measured: a scale-down victim's return, wake or cold (0: none)
 
 
 @dataclass
@@ -178,6 +179,7 @@ class ModelPool:
         self.ups = self.downs = 0  # decisions that changed the pool, since start
         self.no_device = 0  # ticks whose scale-up found no free device
         self.blocked = False  # the last tick's scale-up found no free device
+        self.startup_s = 0.0  # the least wait of a scale-down at the last tick (0: none)
 
     def describe(self) -> dict[str, Any]:
         config = self.policy.config
@@ -191,6 +193,7 @@ class ModelPool:
             "scale_ups": self.ups,
             "scale_downs": self.downs,
             "no_device": self.no_device,
+            "startup_s": round(self.startup_s, 3),
             "events": [e.describe() for e in list(self.events)[-20:]],
         }
 
@@ -339,8 +342,11 @@ class PoolScaler:
     ) -> Decision:
         if config != pool.policy.config:
             pool.policy.reconfigure(config)
-        decision = pool.policy.tick(now, load.work_s, load.queued, load.target, demand, arrivals)
+        decision = pool.policy.tick(
+            now, load.work_s, load.queued, load.target, demand, arrivals, load.startup_s
+        )
         pool.last = decision
+        pool.startup_s = load.startup_s
         change = decision.desired - load.target
         if change > 0:
             started = change if self.dry_run else self._spawn(pool.model, change, devices)

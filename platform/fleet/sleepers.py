@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -29,6 +28,7 @@ from retouch.functions.errors import RetouchError
 from retouch.functions.wire.executor import ExecutorPhase, SleepInfo
 from retouch.platform.fleet.executorlink import ExecutorHandle, ExecutorLink
 from retouch.platform.fleet.providers import Provider
+from retouch.platform.fleet.startups import StartupTimes
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class SleepingExecutors:
         executors: list[ExecutorHandle],
         link: ExecutorLink,
         provider: Provider,
+        startups: StartupTimes,
         *,
         ready: Callable[[ExecutorHandle], Awaitable[None]],
         on_capacity: Callable[[], None],
@@ -140,7 +141,7 @@ class SleepingExecutors:
         self.ready = ready  # the fleet's: state read, functions pushed, opened to work
         self.on_capacity = on_capacity
         self.in_background = in_background
-        self.wake_s: deque[float] = deque(maxlen=256)  # each wake: its call to ready
+        self.startups = startups  # each wake recorded: its call to ready
 
     async def put_to_sleep(self, handle: ExecutorHandle) -> bool:
         """Ask a drained executor to sleep; whether it does (the caller stops one that
@@ -225,5 +226,5 @@ class SleepingExecutors:
             self.on_capacity()
             return
         took = time.monotonic() - started
-        self.wake_s.append(took)
+        self.startups.woke(handle.model, took)
         log.info("%s woken, ready in %.2f s", handle.name, took)

@@ -114,6 +114,12 @@ class SimSpec:
         parse=non_negative_float,
         env=False,
     )
+    startup_aware: bool = knob(
+        True,
+        "autoscaling weighs the start-up: a scale-down waits at least what bringing its "
+        "victims back takes (--wake-s where they sleep, else --startup-s)",
+        env=False,
+    )
     sleeping_max: int = knob(
         0,
         "executors kept asleep at most, their weights in host memory (0: no limit)",

@@ -323,3 +323,30 @@ def test_a_poisson_2x_step_is_seen_within_two_ticks_mostly_and_an_hour_does_not_
     for now, n in enumerate(rng.poisson(30.0, 3600)):
         target = scaler.tick(float(now), 60.0, 0, target, float(n), int(n)).desired
     assert scaler.reversals <= 2
+
+
+def test_a_scale_down_waits_at_least_the_pools_start_up():
+    """Delays of 120 s (down) and 60 s (to zero). The work falls from 8 executors' worth to
+    2 at 100 s; the stable window's mean asks for 7 or fewer from 110 s on, so the pool
+    comes down after the 120 s delay at 230 s, and with a measured start-up of 300 s at
+    410 s. A start-up shorter than the delay (a wake) changes nothing. To zero likewise:
+    idle from 100 s, 180 s later, or 360 s with the start-up."""
+
+    def first_below(startup_s: float, target: int, work: float, start: float) -> float:
+        scaler = Autoscaler(CONFIG)
+        now = 0.0
+        while now < start:
+            scaler.tick(now, 10.0 * target, 0, target, startup_s=startup_s)
+            now += 2.0
+        while True:
+            d = scaler.tick(now, work, 0, target, startup_s=startup_s)
+            if d.desired < target:
+                return now - start
+            now += 2.0
+            assert now < start + 1000.0, "never scaled down"
+
+    assert first_below(0.0, 8, 20.0, 100.0) == 130.0
+    assert first_below(3.0, 8, 20.0, 100.0) == 130.0
+    assert first_below(300.0, 8, 20.0, 100.0) == 310.0
+    assert first_below(0.0, 1, 0.0, 100.0) == 180.0
+    assert first_below(300.0, 1, 0.0, 100.0) == 360.0

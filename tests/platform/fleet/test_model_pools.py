@@ -9,6 +9,8 @@ import asyncio
 import dataclasses
 from typing import Any
 
+import pytest
+
 from retouch.functions.spec import FunctionSpec, ScalingSpec, load_spec_file
 from retouch.functions.wire.executor import ExecutorPhase
 from retouch.platform.control.placement import LeastRequests
@@ -24,6 +26,7 @@ from retouch.platform.fleet.scaler import (
     pool_config,
     split_load,
 )
+from retouch.platform.fleet.sleepers import SleepPolicy
 from retouch.platform.state.registry import StoredFunction
 from tests.support import EXAMPLES
 
@@ -226,3 +229,43 @@ def test_a_model_pools_demand_scales_it_before_its_work_piles_up() -> None:
     assert decisions[SD].desired == 2
     assert [h.model for h in pool.handles] == [SD, SD]
     assert decisions[FLUX].desired == 0
+
+
+def test_a_model_pools_measured_start_up_reaches_its_policy() -> None:
+    """The fleet's load of a pool carries what bringing back a scale-down's victim takes:
+    its measured cold starts, or its wakes when victims sleep; the scaler holds the pool up
+    at least that long: idle after a start from zero, the pool stops its executor once the
+    start's panic hold (10 s) is over, or after a 20 s start-up."""
+
+    async def loads(sleep: bool) -> list[float]:
+        policy = SleepPolicy(keep_s=60.0 if sleep else 0.0)
+        pool = ExecutorPool(NoProvider(), LeastRequests(), autoscale=True, sleep=policy)  # type: ignore[arg-type]
+        fleet = pool.fleet
+        fleet.deploys.functions["sd"] = StoredFunction(spec("tiny-sd", "sd"), {})
+        ready = ExecutorHandle(FakeProcess("exec-0"), model=SD)
+        ready.phase = ExecutorPhase.READY
+        fleet.executors.append(ready)
+        seen = [fleet.model_loads()[SD].startup_s]
+        fleet.startups.started(SD, 30.0)
+        seen.append(fleet.model_loads()[SD].startup_s)
+        fleet.startups.woke(SD, 1.0)
+        seen.append(fleet.model_loads()[SD].startup_s)
+        await pool.link.close()
+        return seen
+
+    assert asyncio.run(loads(sleep=False)) == [0.0, 30.0, 30.0]
+    assert asyncio.run(loads(sleep=True)) == [0.0, 0.0, 1.0]  # no wake measured: 0
+
+    for startup_s, idle_s in ((20.0, 20.0), (0.0, 10.0)):
+        pool = FakePool([spec("tiny-sd", "sd")], devices=1)
+        clock = [0.0]
+        scaler = PoolScaler(pool, clock=lambda clock=clock: clock[0])
+        pool.loads = {SD: ModelLoad(0.0, 1, 0, startup_s)}
+        scaler.tick(["cpu"])  # from zero: one at once
+        pool.loads = {SD: ModelLoad(0.0, 0, 1, startup_s)}  # idle from here
+        while not pool.retired:
+            clock[0] += 1.0
+            scaler.tick(["cpu"])
+            assert clock[0] < 60, "never scaled to zero"
+        assert clock[0] == pytest.approx(idle_s, abs=1.0), startup_s
+        assert scaler.describe()["models"][SD]["startup_s"] == startup_s

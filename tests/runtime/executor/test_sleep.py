@@ -16,6 +16,7 @@ from retouch.functions.errors import RetouchError
 from retouch.functions.wire.executor import ExecutorPhase, SleepInfo, SleepMode
 from retouch.platform.fleet.executorlink import ExecutorHandle
 from retouch.platform.fleet.sleepers import Sleepers, SleepingExecutors, SleepPolicy
+from retouch.platform.fleet.startups import StartupTimes
 from retouch.runtime.executor.sleep import ExecutorSleep, Turn
 from retouch.runtime.models import ModelCache
 
@@ -157,6 +158,7 @@ def test_a_sleeper_that_dies_is_dropped_and_one_that_slept_its_time_is_stopped()
             executors,
             link=None,  # type: ignore[arg-type]  # no call is made by check()
             provider=stops,  # type: ignore[arg-type]
+            startups=StartupTimes(),
             ready=None,  # type: ignore[arg-type]
             on_capacity=lambda: None,
             in_background=lambda work: tasks.append(asyncio.ensure_future(work)),
