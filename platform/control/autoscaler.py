@@ -153,7 +153,8 @@ def decide(
 
     ``samples`` are the recent ticks, ``target`` is ready + starting executors, and
     ``panic_until`` is when the current panic ends. ``recent`` holds the stable
-    recommendations of the last ``downscale_delay_s``, ``upscales`` the counts scale-ups
+    recommendations of the last ``downscale_delay_s`` (or ``startup_s``, the longer),
+    ``upscales`` the counts scale-ups
     chose (each held for ``hold_s``); ``observed_since`` is the first sample's time
     (default: the oldest kept); ``startup_s`` what bringing back an executor a scale-down
     takes would cost (0: not measured), the least any scale-down waits."""
@@ -320,6 +321,10 @@ class Autoscaler:
         self._upscales: deque[tuple[float, int]] = deque()
         self._panic_until = -math.inf
         self._first_at: float | None = None
+        # history is kept for the longest start-up seen, so that an estimate that moves back
+        # up finds the recommendations of its whole wait (the first, measured at the pool's
+        # first start, comes before its first scale-down)
+        self._startup_s = 0.0
         self.decisions = 0
         self.reversals = 0
         self._last_direction = 0
@@ -344,16 +349,17 @@ class Autoscaler:
         ``arrivals``: how many invocations that was (0: not counted). ``startup_s``: the
         measured return of a scaled-down executor, a wake where victims sleep (0: none)."""
         self._samples.append(LoadSample(now, work_s, queued, demand, arrivals))
-        keep_s = max(self._keep_s, 2.0 * startup_s)  # going to zero waits the start-up too
+        self._startup_s = longest = max(self._startup_s, startup_s)
+        keep_s = max(self._keep_s, 2.0 * longest)  # going to zero waits the start-up too
         while self._samples and self._samples[0].at < now - keep_s:
             self._samples.popleft()
         samples = list(self._samples)
         self._recent.append((now, recommend(self.config, samples, now)))
         while self._recent and self._recent[0][0] < now - max(
-            self.config.downscale_delay_s, startup_s
+            self.config.downscale_delay_s, longest
         ):
             self._recent.popleft()
-        while self._upscales and self._upscales[0][0] < now - max(self.config.hold_s, startup_s):
+        while self._upscales and self._upscales[0][0] < now - max(self.config.hold_s, longest):
             self._upscales.popleft()
         if self._first_at is None:
             self._first_at = now

@@ -282,7 +282,8 @@ class Fleet:
             return
         handle = ExecutorHandle(proc, device, model=model, overheads=self.cluster.overheads)
         self.executors.append(handle)
-        await self._make_ready(handle, "started")
+        if not await self._make_ready(handle, "started"):
+            return  # no start-up to measure: the monitor keeps probing it
         self.startups.started(model, time.monotonic() - started)
         log.info(
             "%s (%s) ready in %.1f s", name, model or "every model", time.monotonic() - started
@@ -296,14 +297,16 @@ class Fleet:
         self.executors.append(handle)
         await self._make_ready(handle, "attached")
 
-    async def _make_ready(self, handle: ExecutorHandle, what: str) -> None:
-        """Bring a started executor to ready; one that is not stays ``starting`` and the
-        monitor keeps probing it."""
+    async def _make_ready(self, handle: ExecutorHandle, what: str) -> bool:
+        """Bring a started executor to ready (True); one that is not stays ``starting``
+        and the monitor keeps probing it."""
         try:
             await self._become_ready(handle)
         except (RetouchError, httpx.HTTPError) as exc:
             log.error("%s %s is not ready: %s", what, handle.name, exc)
             handle.phase = ExecutorPhase.STARTING
+            return False
+        return True
 
     async def _start_until_up(self, name: str, slot: str, threads: int) -> Executor:
         """The provider's start of ``name`` on ``slot``, retried until it succeeds."""

@@ -18,6 +18,7 @@ KEPT = 256  # recent start-ups kept per kind (and per kind and model)
 
 
 def _recent() -> deque[float]:
+    """The last :data:`KEPT` start-ups: an estimate follows the machines as they are."""
     return deque(maxlen=KEPT)
 
 
@@ -36,10 +37,12 @@ class StartupTimes:
     )
 
     def started(self, model: str | None, seconds: float) -> None:
+        """A cold start of ``model``'s pool became ready in ``seconds``."""
         self.cold.append(seconds)
         self._cold_of[model].append(seconds)
 
     def woke(self, model: str | None, seconds: float) -> None:
+        """A sleeper of ``model``'s pool was ready ``seconds`` after its wake call."""
         self.wakes.append(seconds)
         self._wakes_of[model].append(seconds)
 

@@ -350,3 +350,21 @@ def test_a_scale_down_waits_at_least_the_pools_start_up():
     assert first_below(300.0, 8, 20.0, 100.0) == 310.0
     assert first_below(0.0, 1, 0.0, 100.0) == 180.0
     assert first_below(300.0, 1, 0.0, 100.0) == 360.0
+
+
+def test_a_start_up_estimate_that_dips_and_recovers_keeps_its_whole_wait():
+    """The estimate moves (a fast start among slow ones, then the median again): the
+    history kept for the longest seen still holds the high recommendations, so the pool
+    comes down 300 s after the load fell, as with a steady estimate."""
+    scaler = Autoscaler(CONFIG)
+    now = 0.0
+    while now < 100.0:
+        scaler.tick(now, 80.0, 0, 8, startup_s=300.0)
+        now += 2.0
+    while True:
+        dip = 150.0 <= now < 250.0
+        d = scaler.tick(now, 20.0, 0, 8, startup_s=0.0 if dip else 300.0)
+        if d.desired < 8 and not dip:
+            break
+        now += 2.0
+    assert now - 100.0 == 310.0

@@ -1,5 +1,5 @@
-"""The fleet's measured start-ups (``platform/fleet/startups.py``): what the autoscaler
-weighs before it starts executors for work."""
+"""The fleet's measured start-ups (``platform/fleet/startups.py``): the least a model
+pool's scale-down waits."""
 
 from __future__ import annotations
 
