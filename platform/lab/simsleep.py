@@ -30,6 +30,11 @@ class Sleepers:
     def enabled(self) -> bool:
         return self.wake_s > 0
 
+    def return_s(self, startup_s: float) -> float:
+        """What bringing back a scale-down's victim takes: a wake where victims sleep,
+        else a cold start of ``startup_s``."""
+        return self.wake_s if self.enabled else startup_s
+
     def retire(self, ex: SimExecutor, now: float, later: Callable[[float, Callable], None]) -> None:
         """``ex`` drained for a scale-down: asleep (stopped after ``keep_s``), or stopped
         when sleep is off or the limit is reached."""

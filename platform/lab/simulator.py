@@ -544,9 +544,9 @@ class Simulation:
         demand = self._arrived_s / max(1e-9, self.now - self._last_tick) if self.now else 0.0
         arrivals, self._arrivals = self._arrivals, 0
         self._arrived_s, self._last_tick = 0.0, self.now
-        decision = self.scaler.tick(
-            self.now, work, len(self.queue), target, demand, arrivals, self._startup_s()
-        )
+        # the least a scale-down waits, as the real pool measures it
+        up_s = self.sleepers.return_s(self.spec.startup_s) if self.spec.startup_aware else 0
+        decision = self.scaler.tick(self.now, work, len(self.queue), target, demand, arrivals, up_s)
         change = decision.desired - target
         if change > 0:
             woken = self.sleepers.wake(change)
@@ -566,13 +566,6 @@ class Simulation:
             self.scale_events.append((self.now, change))
         if self._pending > 0 or any(e.inflight for e in self.executors):
             self.at(self.now + self.spec.tick_s, self._tick)
-
-    def _startup_s(self) -> float:
-        """The start-up the autoscaler weighs, as the real pool measures it: a victim's
-        wake where they sleep, else a cold start (every one takes its spec's time here)."""
-        if not self.spec.startup_aware:
-            return 0.0
-        return self.spec.wake_s if self.sleepers.enabled else self.spec.startup_s
 
     def _sample(self) -> None:
         """The pool's counts at the end of a timeline window (for ``--plot``)."""
