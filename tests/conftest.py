@@ -15,6 +15,7 @@ import pytest
 
 from retouch.runtime.reproducibility import set_switches
 from tests.postgres import PostgresServer, bin_dir
+from tests.support import WAIT_S, wait_for
 
 # The suite runs with deterministic mode's switches (docs/maskaware.md, "Exactness and
 # reproducibility"), set before anything computes: every test process and the executors it
@@ -48,16 +49,24 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def executor_zygote(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Iterator[Path]:
     """The CPU executors of every server the tests start fork from one warm process
     (``runtime/executor/zygote.py``): each start skips 7-8 s of imports. Started after
-    the environment above is set (the zygote's import-time variables are the tests');
-    servers started before it has imported start fresh executors (``--executor-zygote``
-    falls back when the socket does not answer)."""
+    the environment above is set (the zygote's import-time variables are the tests'), and
+    waited for: a server started before it has imported would start a fresh executor
+    (``--executor-zygote`` falls back when the socket does not answer), paying the imports
+    again in the executor and in its spawned workers while the zygote pays them beside it."""
     folder = tmp_path_factory.mktemp("zygote")
-    socket_path = folder / "executors.sock"
+    socket_path, ready = folder / "executors.sock", folder / "ready"
     with (folder / "zygote.log").open("ab") as log:
         zygote = subprocess.Popen(
-            [sys.executable, "-m", "retouch.runtime.executor.zygote", "--socket", str(socket_path)],
+            [sys.executable, "-m", "retouch.runtime.executor.zygote", "--socket", str(socket_path),
+             "--ready-file", str(ready)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
+
+    def started() -> bool:
+        assert zygote.poll() is None, (folder / "zygote.log").read_text()[-3000:]
+        return ready.exists()
+
+    wait_for("the executor zygote's imports", started, WAIT_S, 0.05)
     os.environ["RETOUCH_EXECUTOR_ZYGOTE"] = str(socket_path)  # read by `retouch serve`
     try:
         yield socket_path

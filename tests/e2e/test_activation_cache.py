@@ -112,9 +112,9 @@ def test_corrupt_value_is_detected_and_rebaked(baked: tuple[ServerProcess, Path]
 
 def test_host_budget_below_two_templates_spills_and_reloads(tmp_path: Path, examples: Path) -> None:
     data = tmp_path / "data"
-    # A tiny-sd template bakes to ~39 MB (10 steps), a tiny-flux one to ~3 MB: a 50 MB host
+    # A tiny-sd template bakes to ~16 MB (4 steps), a tiny-flux one to ~1 MB: a 24 MB host
     # tier holds one tiny-sd template at a time.
-    budget = 50 << 20
+    budget = 24 << 20
     with (
         ServerProcess(data, extra_args=["--host-cache-bytes", str(budget)]) as server,
         Client(server.url) as client,

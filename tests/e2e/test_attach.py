@@ -35,7 +35,8 @@ from tests.support import wait_for
 pytestmark = pytest.mark.slow
 
 FUNCTION, TEMPLATE = "tiny-sd", "street"
-STEPS = 8
+STEPS = 4
+FILL_STEPS = 12  # another client's invocations: long enough to keep an executor full
 MASK = np.zeros((128, 128), bool)
 MASK[24:88, 16:80] = True
 ROOM = 2  # max batch 1 x (running batch + as many waiting)
@@ -130,7 +131,7 @@ def test_an_executor_refuses_beyond_its_room(
 ) -> None:
     target = executors[1]
     with ThreadPoolExecutor(ROOM + 3) as pool:
-        answers = list(pool.map(lambda s: direct(target, s, steps=20), range(ROOM + 3)))
+        answers = list(pool.map(lambda s: direct(target, s, steps=FILL_STEPS), range(ROOM + 3)))
     refused = [r for r in answers if r.status_code == 429]
     assert refused and all(r.status_code in (200, 429) for r in answers)
     error = unpack(refused[0].content)["error"]
@@ -145,7 +146,9 @@ def test_a_gateway_sharing_full_executors_queues_again(
     wait in its queue and all succeed, none an extra attempt."""
     before = queue_event(gateway, "refused")
     with ThreadPoolExecutor(2 * ROOM + 6) as pool:
-        others = [pool.submit(direct, e, 50 + i, 20) for e in executors for i in range(ROOM)]
+        others = [
+            pool.submit(direct, e, 50 + i, FILL_STEPS) for e in executors for i in range(ROOM)
+        ]
         wait_for(
             "the other client to fill both executors",
             lambda: all(e.state().queued >= ROOM for e in executors),
