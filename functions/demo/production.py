@@ -561,8 +561,8 @@ def build_shape(
     mode, components ``without`` left out (None, as a pipeline loaded without them);
     ``KeyError`` for an unknown name, ``ValueError`` for a scale outside (0, 1].
 
-    The pipeline is laid out on the meta device first (no memory), then each kept module
-    is made on ``device`` from its config, its random init seeded by ``seed`` and its name:
+    The pipeline is laid out on the meta device first (no memory; on ``meta`` that is the
+    result), then each kept module is made on ``device`` from its config, its random init seeded by ``seed`` and its name:
     processes that build different parts of one shape (an executor its denoiser, a pre
     worker its text encoders) get the same weights for the parts they share, and a part
     left out never takes device memory, even for a moment."""
@@ -581,6 +581,8 @@ def build_shape(
     for part, component in laid_out.components.items():
         if part in without:
             components[part] = None
+        elif isinstance(component, torch.nn.Module) and device.type == "meta":
+            components[part] = component.eval().requires_grad_(False)  # laid out already
         elif isinstance(component, torch.nn.Module):
             components[part] = _made_on(component, part, device, dtype, seed)
         elif isinstance(component, ConfigMixin):  # a scheduler: its tensors on the host
