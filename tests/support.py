@@ -71,7 +71,7 @@ def reap(process: subprocess.Popen, timeout: float = 30.0) -> int:
     """Wait for a process asked to stop; SIGKILL it if it takes longer than ``timeout``."""
     try:
         return process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except (subprocess.TimeoutExpired, TimeoutError):  # a Popen's, a ForkedProcess's
         process.kill()
         return process.wait()
 

@@ -18,6 +18,7 @@ import httpx
 from retouch.functions.wire.codec import unpack
 from retouch.functions.wire.executor import ExecutorState
 from retouch.platform.api.server import free_port
+from retouch.platform.fleet.forkedprocess import ForkedProcess
 from retouch.platform.fleet.tls import tls_context
 from retouch.runtime.executor.app import TOKEN_ENV
 from tests.support import reap, wait_for
@@ -34,29 +35,35 @@ class Executor:
     port: int
     data_dir: Path
     shared_dir: Path
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | ForkedProcess | None = None
     args: tuple[str, ...] = ()  # more flags
     env: Mapping[str, str] | None = None  # its environment (default: this process's)
+    # An executor zygote's socket: the executor is forked from it (the flags and code of the
+    # `retouch executor` command, the imports skipped) instead of run as that command.
+    zygote: Path | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Executor:
-        cmd = [
-            sys.executable, "-m", "retouch.platform.cli.main", "executor", "--name", self.name,
-            "--port", str(self.port), "--data-dir", str(self.data_dir),
+        flags = [
+            "--name", self.name, "--port", str(self.port), "--data-dir", str(self.data_dir),
             "--shared-dir", str(self.shared_dir), "--max-batch", "1", "--threads", "1",
             *self.args,
         ]  # fmt: skip
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        with (self.data_dir / "executor.log").open("ab") as log:
+        env = {**(os.environ if self.env is None else self.env), TOKEN_ENV: TOKEN}
+        log_path = self.data_dir / "executor.log"
+        if self.zygote is not None:  # the executor `retouch executor` runs, imports done
+            self.process = ForkedProcess.start(
+                self.zygote, [*flags, "--exit-with-parent", "0"], env, log_path
+            )
+            return self
+        cmd = [sys.executable, "-m", "retouch.platform.cli.main", "executor", *flags]
+        with log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                cmd,
-                env={**(os.environ if self.env is None else self.env), TOKEN_ENV: TOKEN},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
         return self
 

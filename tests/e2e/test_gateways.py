@@ -1,6 +1,6 @@
 """Several gateways behind one Service: two ``retouch serve`` processes share a real
-PostgreSQL (started by the test set-up) and place onto the same two executors (``retouch
-executor`` processes, ``--provider attach``). A function deployed through one is served
+PostgreSQL (started by the test set-up) and place onto the same two executors (what
+``retouch executor`` runs, forked from the zygote; ``--provider attach``). A function deployed through one is served
 by both; jobs are submitted to either; one gateway is SIGKILLed with jobs queued and
 running, and every accepted job ends exactly once (one terminal record, one ``completed``
 webhook delivery id) and is readable from the survivor, which re-runs the dead one's."""
@@ -42,9 +42,10 @@ def gateway(data: Path, url: str, executors: list[Executor]) -> ServerProcess:
 
 
 @pytest.fixture
-def executors(tmp_path: Path, shared_dir: Path) -> Iterator[list[Executor]]:
-    """Two executors of max batch 1 (room for 2 invocations each) both gateways share."""
-    with running(tmp_path, "shared", shared_dir) as started:
+def executors(tmp_path: Path, shared_dir: Path, executor_zygote: Path) -> Iterator[list[Executor]]:
+    """Two executors of max batch 1 (room for 2 invocations each) both gateways share,
+    forked from the test process's zygote (the command itself: tests/e2e/test_attach.py)."""
+    with running(tmp_path, "shared", shared_dir, zygote=executor_zygote) as started:
         yield started
 
 

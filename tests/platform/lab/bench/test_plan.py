@@ -4,27 +4,35 @@ behind a slow emulated link the plan stops loading rows for some blocks."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from retouch.platform.cli.main import main
 from tests.support import cli_refusal
 
 
-def _bench_plan(shared_dir: Path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "retouch.platform.cli.main", "bench", "plan", "--json", *args]
-    env = {**os.environ, "RETOUCH_DATA_DIR": str(shared_dir)}  # models built once per session
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout)
+def _bench_plan(
+    shared_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    *args: str,
+) -> dict:
+    """``retouch bench plan --json ARGS`` in this process (the CLI's own ``main``: no
+    interpreter and torch import of its own), on the session's built models."""
+    monkeypatch.setenv("RETOUCH_DATA_DIR", str(shared_dir))
+    capsys.readouterr()
+    main(["bench", "plan", "--json", *args])
+    return json.loads(capsys.readouterr().out)
 
 
-def test_bench_plan_reports_plan_and_naive_loading(shared_dir: Path) -> None:
+def test_bench_plan_reports_plan_and_naive_loading(
+    shared_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     result = _bench_plan(
         shared_dir,
+        capsys,
+        monkeypatch,
         *("--model", "retouch:tiny-flux", "--steps", "2", "--repeats", "1"),
         *("--link-gbps", "0.002"),
     )
