@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,20 +14,38 @@ from PIL import Image
 
 from retouch.functions.imaging import encode_mask
 from retouch.platform.api.server import ServerProcess
+from retouch.platform.cli.main import main
 
 
-def _cli(
-    *args: str, token: str | None = None, url: str | None = None
-) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "retouch.platform.cli.main", *args]
-    if url:
-        cmd += ["--url", url]
-    if token:
-        cmd += ["--token", token]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+@dataclass(frozen=True)
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
+    """``retouch ARGS`` in this process (the CLI's own ``main``: no interpreter and import
+    per command; ``tests/platform/cli/test_cli.py`` runs the installed entry point): its
+    exit code, stdout and stderr. A traceback escapes as an exception, failing the test."""
+
+    def run(*args: str, token: str | None = None, url: str | None = None) -> Done:
+        argv = [*args, *(["--url", url] if url else []), *(["--token", token] if token else [])]
+        capsys.readouterr()
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        out = capsys.readouterr()
+        return Done(code, out.out, out.err)
+
+    return run
 
 
 def test_cli_round_trip(
+    run_cli: Callable[..., Done],
     server: ServerProcess,
     data_dir: Path,
     tokens: dict[str, str],
@@ -35,11 +53,11 @@ def test_cli_round_trip(
     tmp_path: Path,
 ) -> None:
     admin = tokens["RETOUCH_ADMIN_TOKEN"]
-    out = _cli("deploy", str(examples / "tiny-sd.toml"), url=server.url, token=admin)
+    out = run_cli("deploy", str(examples / "tiny-sd.toml"), url=server.url, token=admin)
     assert out.returncode == 0, out.stderr
     assert "tiny-sd: ready" in out.stdout
 
-    listing = _cli("ls", url=server.url, token=admin)
+    listing = run_cli("ls", url=server.url, token=admin)
     assert (
         listing.returncode == 0
         and "tiny-sd" in listing.stdout
@@ -51,7 +69,7 @@ def test_cli_round_trip(
     mask[10:60, 10:60] = True
     (tmp_path / "mask.png").write_bytes(encode_mask(mask))
     result_path = tmp_path / "edited.png"
-    out = _cli(
+    out = run_cli(
         "invoke",
         "tiny-sd",
         "--template",
@@ -72,14 +90,14 @@ def test_cli_round_trip(
     assert Image.open(result_path).size == (128, 128)
     edit = ["invoke", "tiny-sd", "--template", "street", "--mask", str(tmp_path / "mask.png")]
     edit += ["--prompt", "a tree", "--steps", "2", "-o", str(result_path)]
-    out = _cli(*edit, "--json", url=server.url, token=admin)
+    out = run_cli(*edit, "--json", url=server.url, token=admin)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["mask_ratio"] == pytest.approx(0.1526, abs=1e-3) and "image" not in doc
     assert doc["output"] == str(result_path)
 
     # -n images of one request, each written beside the output name with its seed
-    out = _cli(*edit, "--seed", "5", "-n", "2", url=server.url, token=admin)
+    out = run_cli(*edit, "--seed", "5", "-n", "2", url=server.url, token=admin)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == [
@@ -89,33 +107,33 @@ def test_cli_round_trip(
     assert "seed=5 " in lines[0] and "seed=6 " in lines[1]
     first, second = (Image.open(result_path.with_name(f"edited-{i}.png")) for i in (0, 1))
     assert first.size == second.size == (128, 128) and first.tobytes() != second.tobytes()
-    out = _cli(*edit, "-n", "2", "--async", url=server.url, token=admin)
+    out = run_cli(*edit, "-n", "2", "--async", url=server.url, token=admin)
     assert out.returncode == 2 and "a job makes one image" in out.stderr
 
     # A script captures a job's id alone: JID=$(retouch invoke ... --async)
-    out = _cli(*edit, "--async", url=server.url, token=admin)
+    out = run_cli(*edit, "--async", url=server.url, token=admin)
     assert out.returncode == 0, out.stderr
     assert re.fullmatch(r"[0-9a-f]{32}\n", out.stdout), out.stdout
     assert out.stderr.split()[0] in ("queued", "running", "succeeded"), out.stderr
 
     # The store's counters: the server's executors' (--url), or a data dir's, with the
     # --data-dir flag before or after the subcommand.
-    out = _cli("cache", "stats", "--json", url=server.url, token=admin)
+    out = run_cli("cache", "stats", "--json", url=server.url, token=admin)
     assert out.returncode == 0, out.stderr
     (executor,) = json.loads(out.stdout).values()
     assert executor["bakes"] >= 1 and executor["host_templates"] >= 1
-    out = _cli("cache", "stats", url=server.url, token=admin)
+    out = run_cli("cache", "stats", url=server.url, token=admin)
     assert out.returncode == 0 and re.search(r"^\s+bakes\s+\d+$", out.stdout, re.M), out.stdout
-    after = _cli("cache", "stats", "--data-dir", str(data_dir))
-    before = _cli("cache", "--data-dir", str(data_dir), "stats")
+    after = run_cli("cache", "stats", "--data-dir", str(data_dir))
+    before = run_cli("cache", "--data-dir", str(data_dir), "stats")
     assert after.returncode == before.returncode == 0, after.stderr + before.stderr
     names = [[line.split()[0] for line in out.stdout.splitlines()] for out in (after, before)]
     assert names[0] == names[1] and "host_templates" in names[0]  # values move as it works
     assert not after.stdout.lstrip().startswith("{")
 
-    out = _cli("rm", "tiny-sd", "--json", url=server.url, token=admin)
+    out = run_cli("rm", "tiny-sd", "--json", url=server.url, token=admin)
     assert out.returncode == 0 and json.loads(out.stdout) == {"deleted": "tiny-sd"}, out.stderr
-    assert "tiny-sd" not in _cli("ls", url=server.url, token=admin).stdout
+    assert "tiny-sd" not in run_cli("ls", url=server.url, token=admin).stdout
 
 
 @pytest.mark.parametrize(
@@ -131,40 +149,45 @@ def test_cli_round_trip(
     ],
 )
 def test_cli_user_errors_without_traceback(
-    server: ServerProcess, tokens: dict[str, str], args: list[str], message: str, code: int
+    run_cli: Callable[..., Done],
+    server: ServerProcess,
+    tokens: dict[str, str],
+    args: list[str],
+    message: str,
+    code: int,
 ) -> None:
     """The gateway's answers exit 1; a bad value or missing local file exits 2."""
-    out = _cli(*args, url=server.url, token=tokens["RETOUCH_ADMIN_TOKEN"])
+    out = run_cli(*args, url=server.url, token=tokens["RETOUCH_ADMIN_TOKEN"])
     assert out.returncode == code
     assert message in out.stderr
     assert "Traceback" not in out.stderr
 
 
 def test_cli_errors_for_bad_token_and_unreachable_server(
-    server: ServerProcess, tmp_path: Path
+    run_cli: Callable[..., Done], server: ServerProcess, tmp_path: Path
 ) -> None:
-    out = _cli("ls", url=server.url, token="wrong")
+    out = run_cli("ls", url=server.url, token="wrong")
     assert (
         out.returncode == 1
         and "error: invalid_token" in out.stderr
         and "Traceback" not in out.stderr
     )
-    out = _cli("ls", url="http://127.0.0.1:9")
+    out = run_cli("ls", url="http://127.0.0.1:9")
     assert (
         out.returncode == 1 and "error: unreachable" in out.stderr and "Traceback" not in out.stderr
     )
 
 
 def test_cli_invalid_spec_file(
-    server: ServerProcess, tokens: dict[str, str], tmp_path: Path
+    run_cli: Callable[..., Done], server: ServerProcess, tokens: dict[str, str], tmp_path: Path
 ) -> None:
     spec = tmp_path / "bad.toml"
     spec.write_text(
         'name = "bad"\nmodel = "retouch:tiny-sd"\nfamily = "sd-inpaint"\nresolution = 128\nsteps = -1\n'
     )
-    out = _cli("deploy", str(spec), url=server.url, token=tokens["RETOUCH_ADMIN_TOKEN"])
+    out = run_cli("deploy", str(spec), url=server.url, token=tokens["RETOUCH_ADMIN_TOKEN"])
     assert out.returncode == 2
     assert "error: invalid_spec" in out.stderr and "(field: steps)" in out.stderr
     spec.write_text("name = [unclosed")
-    out = _cli("deploy", str(spec), url=server.url, token=tokens["RETOUCH_ADMIN_TOKEN"])
+    out = run_cli("deploy", str(spec), url=server.url, token=tokens["RETOUCH_ADMIN_TOKEN"])
     assert out.returncode == 2 and "not valid TOML" in out.stderr and "Traceback" not in out.stderr
