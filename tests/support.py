@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -49,14 +50,36 @@ def wait_for(
         time.sleep(interval)
 
 
-def cli_refusal(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    """``retouch ARGS`` run in this process (no interpreter and torch import per case): its
-    exit code and stderr. A traceback would escape as an exception other than SystemExit."""
+@dataclass(frozen=True)
+class CliRun:
+    """What ``retouch ARGS`` did: its exit code, stdout and stderr."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> CliRun:
+    """``retouch ARGS`` run in this process (the CLI's own ``main``: no interpreter and
+    torch import per command; ``tests/platform/cli/test_cli.py`` runs the installed entry
+    point). A traceback escapes as an exception other than SystemExit, failing the test."""
     from retouch.platform.cli.main import main
 
-    with pytest.raises(SystemExit) as exc:
+    capsys.readouterr()
+    try:
         main(list(args))
-    return int(exc.value.code or 0), capsys.readouterr().err
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    out = capsys.readouterr()
+    return CliRun(code, out.out, out.err)
+
+
+def cli_refusal(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``retouch ARGS`` in this process, refused: its exit code and stderr."""
+    done = run_cli(capsys, *args)
+    assert done.returncode != 0, done.stdout
+    return done.returncode, done.stderr
 
 
 def decodes_run(metrics_url: str) -> float:

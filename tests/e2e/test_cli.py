@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,38 +13,23 @@ from PIL import Image
 
 from retouch.functions.imaging import encode_mask
 from retouch.platform.api.server import ServerProcess
-from retouch.platform.cli.main import main
-
-
-@dataclass(frozen=True)
-class Done:
-    returncode: int
-    stdout: str
-    stderr: str
+from tests.support import CliRun
+from tests.support import run_cli as in_process
 
 
 @pytest.fixture
-def run_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
-    """``retouch ARGS`` in this process (the CLI's own ``main``: no interpreter and import
-    per command; ``tests/platform/cli/test_cli.py`` runs the installed entry point): its
-    exit code, stdout and stderr. A traceback escapes as an exception, failing the test."""
+def run_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliRun]:
+    """``retouch ARGS --url URL --token TOKEN`` in this process (``tests.support.run_cli``)."""
 
-    def run(*args: str, token: str | None = None, url: str | None = None) -> Done:
-        argv = [*args, *(["--url", url] if url else []), *(["--token", token] if token else [])]
-        capsys.readouterr()
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        out = capsys.readouterr()
-        return Done(code, out.out, out.err)
+    def run(*args: str, token: str | None = None, url: str | None = None) -> CliRun:
+        flags = [*(["--url", url] if url else []), *(["--token", token] if token else [])]
+        return in_process(capsys, *args, *flags)
 
     return run
 
 
 def test_cli_round_trip(
-    run_cli: Callable[..., Done],
+    run_cli: Callable[..., CliRun],
     server: ServerProcess,
     data_dir: Path,
     tokens: dict[str, str],
@@ -149,7 +133,7 @@ def test_cli_round_trip(
     ],
 )
 def test_cli_user_errors_without_traceback(
-    run_cli: Callable[..., Done],
+    run_cli: Callable[..., CliRun],
     server: ServerProcess,
     tokens: dict[str, str],
     args: list[str],
@@ -164,7 +148,7 @@ def test_cli_user_errors_without_traceback(
 
 
 def test_cli_errors_for_bad_token_and_unreachable_server(
-    run_cli: Callable[..., Done], server: ServerProcess, tmp_path: Path
+    run_cli: Callable[..., CliRun], server: ServerProcess, tmp_path: Path
 ) -> None:
     out = run_cli("ls", url=server.url, token="wrong")
     assert (
@@ -179,7 +163,7 @@ def test_cli_errors_for_bad_token_and_unreachable_server(
 
 
 def test_cli_invalid_spec_file(
-    run_cli: Callable[..., Done], server: ServerProcess, tokens: dict[str, str], tmp_path: Path
+    run_cli: Callable[..., CliRun], server: ServerProcess, tokens: dict[str, str], tmp_path: Path
 ) -> None:
     spec = tmp_path / "bad.toml"
     spec.write_text(

@@ -4,7 +4,6 @@ function's template is baked, and the production shapes' figures scale as a sizi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,36 +11,20 @@ import pytest
 from retouch.cachestore.store import ActivationStore, StoreConfig
 from retouch.functions.demo.images import template_image
 from retouch.functions.spec import load_spec_file
-from retouch.platform.cli.main import main
 from retouch.platform.lab.capacity import spec_editor
 from retouch.runtime.maskaware.rowformat import RowFormat
 from retouch.runtime.maskaware.storedrows import EncodingWriter
-from tests.support import EXAMPLES
-
-
-@dataclass(frozen=True)
-class Done:
-    returncode: int
-    stdout: str
-    stderr: str
+from tests.support import EXAMPLES, CliRun, run_cli
 
 
 @pytest.fixture
 def plan(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
-    """``retouch plan-capacity ARGS`` in this process (the CLI's own ``main``: no
-    interpreter and torch import per run): its exit code, stdout and stderr."""
+    """``retouch plan-capacity ARGS`` in this process (``tests.support.run_cli``)."""
 
-    def run(*args: str, data_dir: Path | None = None) -> Done:
+    def run(*args: str, data_dir: Path | None = None) -> CliRun:
         if data_dir is not None:
             monkeypatch.setenv("RETOUCH_DATA_DIR", str(data_dir))
-        capsys.readouterr()
-        try:
-            main(["plan-capacity", *args])
-            code = 0
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-        out = capsys.readouterr()
-        return Done(code, out.out, out.err)
+        return run_cli(capsys, "plan-capacity", *args)
 
     return run
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from retouch.platform.cli.main import main
-from tests.support import cli_refusal
+from tests.support import cli_refusal, run_cli
 
 
 def _bench_plan(
@@ -18,12 +17,11 @@ def _bench_plan(
     monkeypatch: pytest.MonkeyPatch,
     *args: str,
 ) -> dict:
-    """``retouch bench plan --json ARGS`` in this process (the CLI's own ``main``: no
-    interpreter and torch import of its own), on the session's built models."""
+    """``retouch bench plan --json ARGS`` in this process, on the session's built models."""
     monkeypatch.setenv("RETOUCH_DATA_DIR", str(shared_dir))
-    capsys.readouterr()
-    main(["bench", "plan", "--json", *args])
-    return json.loads(capsys.readouterr().out)
+    done = run_cli(capsys, "bench", "plan", "--json", *args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
 
 
 def test_bench_plan_reports_plan_and_naive_loading(
