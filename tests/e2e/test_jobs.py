@@ -15,9 +15,7 @@ import dataclasses
 import functools
 import io
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -42,7 +40,7 @@ from retouch.platform.api.client import AsyncClient, Call, Client, read_spec_fil
 from retouch.platform.api.server import ServerProcess
 from retouch.platform.jobs import webhooks
 from retouch.platform.lab.bench.load import wait_baked
-from tests.support import wait_for
+from tests.support import CliRun, run_cli, wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
 from .receiver import Receiver
@@ -282,19 +280,19 @@ def test_bad_input_on_job_endpoints(server: ServerProcess) -> None:
     assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
 
 
-def test_cli_async_watch_ls_cancel(server: ServerProcess, tmp_path: Path) -> None:
+def test_cli_async_watch_ls_cancel(
+    server: ServerProcess,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     mask = tmp_path / "mask.png"
     mask.write_bytes(_png(MASK))
-    env = {"RETOUCH_URL": server.url, "RETOUCH_TOKEN": INVOKE}
+    monkeypatch.setenv("RETOUCH_URL", server.url)
+    monkeypatch.setenv("RETOUCH_TOKEN", INVOKE)
 
-    def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "retouch.platform.cli.main", *args],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **env},
-            timeout=180,
-        )
+    def cli(*args: str) -> CliRun:
+        return run_cli(capsys, *args)
 
     submitted = cli(
         "invoke", FUNCTION, "--template", TEMPLATE, "--mask", str(mask), "--prompt", "x", "--async"
@@ -335,26 +333,28 @@ def test_cli_async_watch_ls_cancel(server: ServerProcess, tmp_path: Path) -> Non
 
 
 def test_cli_deploy_waits_until_templates_are_baked(
-    server: ServerProcess, examples: Path, tmp_path: Path
+    server: ServerProcess,
+    examples: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     spec = (examples / "tiny-sd.toml").read_text()
     spec = spec.replace('name = "tiny-sd"', 'name = "baked-sd"').replace("steps = 4", "steps = 2")
     spec = spec.replace('image = "templates/', f'image = "{examples}/templates/')
     path = tmp_path / "baked-sd.toml"
     path.write_text(spec)
-    env = {**os.environ, "RETOUCH_URL": server.url, "RETOUCH_TOKEN": ADMIN}
-    run = [sys.executable, "-m", "retouch.platform.cli.main"]
-    out = subprocess.run([*run, "deploy", str(path)], capture_output=True, text=True, env=env)
+    monkeypatch.setenv("RETOUCH_URL", server.url)
+    monkeypatch.setenv("RETOUCH_TOKEN", ADMIN)
+    out = run_cli(capsys, "deploy", str(path))
     assert out.returncode == 0, out.stderr
     assert "baked-sd: ready, 2/2 templates baked" in out.stdout
     assert "baking templates" in out.stderr and "2/2" in out.stderr
-    listing = subprocess.run([*run, "ls"], capture_output=True, text=True, env=env).stdout
+    listing = run_cli(capsys, "ls").stdout
     row = next(line for line in listing.splitlines() if line.startswith("baked-sd"))
     assert row.endswith("street (baked), poster (baked)"), row
     # the same spec again (nothing changes), its document as JSON for a script
-    out = subprocess.run(
-        [*run, "deploy", str(path), "--json"], capture_output=True, text=True, env=env
-    )
+    out = run_cli(capsys, "deploy", str(path), "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["name"] == "baked-sd" and doc["status"] == "ready"

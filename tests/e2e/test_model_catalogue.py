@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,22 +16,19 @@ from retouch.functions.errors import RetouchError
 from retouch.functions.spec import ScalingSpec
 from retouch.platform.api.client import Client, read_spec_file
 from retouch.platform.api.server import ServerProcess
+from tests.support import run_cli
 
 # From zero executors: nothing on this machine reads the (removed) folder at deploy.
 ARGS = ["--autoscale", "--threads", "1"]
 
 
 def test_deploys_are_checked_against_the_catalogue(
-    tmp_path: Path, models_dir: Path, examples: Path
+    tmp_path: Path, models_dir: Path, examples: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     weights = tmp_path / "models" / "tiny-sd"  # where the GPU nodes mount the weights
     shutil.copytree(ensure_demo_model("retouch:tiny-sd", models_dir), weights)
     catalogue = tmp_path / "catalogue.json"
-    made = subprocess.run(
-        [sys.executable, "-m", "retouch.platform.cli.main", "models", "catalogue", str(weights),
-         "-o", str(catalogue)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    made = run_cli(capsys, "models", "catalogue", str(weights), "-o", str(catalogue))
     assert made.returncode == 0, made.stderr
     assert json.loads(catalogue.read_text())["models"][0]["model"] == str(weights)
     shutil.rmtree(tmp_path / "models")  # the gateway's machine has no weights

@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import struct
-import subprocess
-import sys
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +34,7 @@ from retouch.platform.api.server import ServerProcess
 from retouch.platform.jobs.reframe import crop_region, resize_mask
 from retouch.platform.lab.bench.memory import zero_png
 from retouch.platform.lab.cachecli import run_cache_command
-from tests.support import decodes_run, wait_for
+from tests.support import decodes_run, run_cli, wait_for
 
 from .conftest import ADMIN, INVOKE, TOKENS
 
@@ -254,25 +252,23 @@ def test_bad_uploads_are_4xx_naming_the_field(
 BOMB = bomb()
 
 
-def test_cli_edits_an_image_file(server: ServerProcess, tmp_path: Path) -> None:
+def test_cli_edits_an_image_file(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "photo.png").write_bytes(photo(31))
     mask = io.BytesIO()
     Image.fromarray(MASK.astype(np.uint8) * 255).save(mask, format="PNG")
     (tmp_path / "mask.png").write_bytes(mask.getvalue())
-    out = subprocess.run(
-        [sys.executable, "-m", "retouch.platform.cli.main", "invoke", FUNCTION,
-         "--image", str(tmp_path / "photo.png"), "--mask", str(tmp_path / "mask.png"),
-         "--prompt", "a red door", "-o", str(tmp_path / "out.png"),
-         "--url", server.url, "--token", INVOKE],
-        capture_output=True, text=True, timeout=300,
+    common = ["--mask", str(tmp_path / "mask.png"), "--url", server.url, "--token", INVOKE]
+    out = run_cli(
+        capsys, "invoke", FUNCTION, "--image", str(tmp_path / "photo.png"), *common,
+        "--prompt", "a red door", "-o", str(tmp_path / "out.png"),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "path=stock" in out.stdout and Image.open(tmp_path / "out.png").size == (SIZE, SIZE)
-    both = subprocess.run(
-        [sys.executable, "-m", "retouch.platform.cli.main", "invoke", FUNCTION, "--template", "street",
-         "--image", str(tmp_path / "photo.png"), "--mask", str(tmp_path / "mask.png"),
-         "--prompt", "x", "--url", server.url, "--token", INVOKE],
-        capture_output=True, text=True, timeout=60,
+    both = run_cli(
+        capsys, "invoke", FUNCTION, "--template", "street", "--image", str(tmp_path / "photo.png"),
+        *common, "--prompt", "x",
     )  # fmt: skip
     assert both.returncode != 0 and "not allowed with" in both.stderr
 

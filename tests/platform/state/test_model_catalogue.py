@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from retouch.functions.modelcheck import ModelKind
 from retouch.functions.modelsource import ModelSource
 from retouch.platform.state.catalogue import ModelCatalogue, catalogue_entry
 from retouch.runtime.fingerprint import model_fingerprint
+from tests.support import CliRun, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +26,6 @@ def weights(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("weights") / "tiny-sd"
     shutil.copytree(ensure_demo_model("retouch:tiny-sd", models_dir), folder)
     return folder
-
-
-def _retouch(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "retouch.platform.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_entry_records_what_the_check_read(weights: Path) -> None:
@@ -84,7 +74,12 @@ def test_a_broken_catalogue_file_is_refused_naming_it(tmp_path: Path) -> None:
         ModelCatalogue.load(path)
 
 
-def test_fingerprint_verify_and_catalogue_commands(weights: Path, tmp_path: Path) -> None:
+def test_fingerprint_verify_and_catalogue_commands(
+    weights: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def _retouch(*args: str) -> CliRun:
+        return run_cli(capsys, *args)
+
     printed = _retouch("models", "fingerprint", str(weights))
     assert printed.returncode == 0, printed.stderr
     fingerprint = printed.stdout.strip()
