@@ -117,10 +117,13 @@ class Mirrors:
         """The job after one poll (within ``left_s``): this gateway's own if it took it
         over meanwhile, else its record as read again."""
         await asyncio.sleep(min(MIRROR_POLL_S, left_s))
+        record = self._own(job) or await self.read(job.id) or job
+        return self._own(job) or record  # taken over during the read: its run, not the record
+
+    def _own(self, job: Job) -> Job | None:
+        """This gateway's own run of ``job``, once it has taken the job over."""
         local = self.kept.get(job.id)
-        if local is not None and local.runner is Runner.HERE:
-            return local
-        return await self.read(job.id) or job
+        return local if local is not None and local.runner is Runner.HERE else None
 
     async def events(self, job: Job, after: int) -> AsyncIterator[JobEvent | None]:
         """Its terminal event once its record ends (with the id it has everywhere),
