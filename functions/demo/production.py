@@ -561,11 +561,12 @@ def build_shape(
     mode, components ``without`` left out (None, as a pipeline loaded without them);
     ``KeyError`` for an unknown name, ``ValueError`` for a scale outside (0, 1].
 
-    The pipeline is laid out on the meta device first (no memory; on ``meta`` that is the
-    result), then each kept module is made on ``device`` from its config, its random init seeded by ``seed`` and its name:
-    processes that build different parts of one shape (an executor its denoiser, a pre
-    worker its text encoders) get the same weights for the parts they share, and a part
-    left out never takes device memory, even for a moment."""
+    The pipeline is laid out on the meta device first (no memory; on ``meta`` that is
+    the result), then each kept module is made on ``device`` from its config, its random
+    init seeded by ``seed`` and its name: processes that build different parts of one
+    shape (an executor its denoiser, a pre worker its text encoders) get the same weights
+    for the parts they share, and a part left out never takes device memory, even for a
+    moment."""
     shape = SHAPES[name]
     if not 0 < scale <= 1 or not math.isfinite(scale):
         raise ValueError(f"scale must be in (0, 1], not {scale}")
