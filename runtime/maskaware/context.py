@@ -61,7 +61,8 @@ class ForwardContext:
     grids: dict[tuple[int, int], TokenBatch] = field(default_factory=dict)  # per token grid
     grid: TokenBatch | None = None  # the token grid of the sparse block now running
     text_len: int = 0  # text tokens in front of image tokens (joint-attention models)
-    scratch: dict[object, Any] = field(default_factory=dict)  # per-forward memo (layout, RoPE rows)
+    scratch: dict[object, Any] = field(default_factory=dict)  # the blocks' carried state
+    memo: dict[object, Any] = field(default_factory=dict)  # one run of the call's (RoPE rows)
     loader: RowSource | None = None  # staged rows; None: blocks fetch synchronously
     hooks: list[BlockHook] = field(default_factory=list)
     runner: CallRunner | None = None  # CUDA graphs of the denoiser call; None: eager
@@ -72,10 +73,24 @@ class ForwardContext:
 
     def call(self, fn: Any, **tensors: Any) -> Any:
         """The step's denoiser call ``fn(**tensors)``: every tensor it reads is an argument
-        (or fixed for the step's layout), so a runner may capture and replay it."""
+        (or fixed for the step's layout), so a runner may capture and replay it.
+
+        Each run of ``fn`` starts with an empty :attr:`memo`. A runner runs it more than
+        once (a CUDA graph's warm-up then its capture; on a CPU, a later step's replay), and
+        the blocks key their memos by the objects of one run (``id`` of its RoPE table): a
+        later run whose table reused a freed one's address would read rows gathered for the
+        earlier run's masks, and a capture would bake them in for every mask of its bucket."""
+        run = self._with_fresh_memo(fn)
         if self.runner is None:
+            return run(**tensors)
+        return self.runner.run(self, run, tensors)
+
+    def _with_fresh_memo(self, fn: Any) -> Any:
+        def run(**tensors: Any) -> Any:
+            self.memo.clear()
             return fn(**tensors)
-        return self.runner.run(self, fn, tensors)
+
+        return run
 
     def mode(self, block: str) -> Mode:
         return self.modes.get(block, Mode.FULL)
