@@ -6,6 +6,8 @@ that substitution on every family; on CUDA the same tests capture and replay for
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from retouch.functions.demo.images import template_image
 from retouch.functions.demo.production import SHAPES, build_shape
 from retouch.functions.families import family_spec
 from retouch.platform.lab.bench.engine import aligned_mask
+from retouch.runtime.maskaware.buckets import Buckets
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.store import MemoryActivations
 from tests.support import CPU_SKIPPED_SHAPES
@@ -104,6 +107,33 @@ def test_graph_steps_match_eager_steps(setup) -> None:
     _compare(eager, first)
     _compare(eager, again)
     _compare(alone, other)
+
+
+def test_bucketed_graphs_replay_other_masks_as_their_eager_steps(setup) -> None:
+    """Served traffic: each edit its own mask, one graph per bucket. The same masks moved
+    elsewhere replay the layouts captured for the first ones, with their own eager steps'
+    pixels: nothing gathered for the capture's masks (RoPE rows among them) stays in it."""
+    editor, template, store, halo = setup
+    first = _requests(editor, template, halo, [0.25, 0.1])
+    cell = editor.model_family.token_cell(editor.impl.pipe)
+    moved = [
+        dataclasses.replace(r, mask=np.roll(r.mask, (2 * cell, -3 * cell), (0, 1))) for r in first
+    ]
+    editor.set_buckets(Buckets())
+    try:
+        eager = _edits(editor, moved, store)
+        editor.set_graphs(True)
+        _edits(editor, first, store)  # each layout: eager once, then captured
+        graphs = editor.graphs
+        captures, layouts = graphs.captures, len(graphs.layouts)
+        graphed = _edits(editor, moved, store)
+        assert graphs.captures == captures and len(graphs.layouts) == layouts  # replays only
+    finally:
+        editor.set_graphs(False)
+        editor.set_buckets(None)
+    atol = 1e-5 if DEVICE == "cpu" else 2e-2  # static buffers: other allocations, ULPs
+    for x, y in zip(eager, graphed, strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=atol)
 
 
 def test_graphs_stay_off_for_rows_on_the_host(setup) -> None:
