@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 PROMPT = "a quiet street"  # the demo tokenizers take 14 characters
 CAPTURED = 4  # a layout's runs until both parities are captured: eager, eager, capture x 2
 TIMED = 5  # replays timed after them: their fastest is the layout's step time
-RUNS = CAPTURED + TIMED
 RATIOS = tuple(np.linspace(0.01, 1.0, 34))  # mask ratios tried to reach every bucket level
 
 
@@ -64,18 +63,23 @@ def warm_graphs(
     max_batch: int,
     halo: int = 0,
     guidance: float = 4.0,
+    timed: int = TIMED,
 ) -> WarmUp:
     """Run every (bucket level, batch size) layout of ``editor`` at ``size`` (width,
-    height) until its graphs are captured (nothing without graphs and buckets)."""
+    height) until its graphs are captured, then ``timed`` replays of it (their fastest is
+    its step time; fewer, a noisier time); nothing without graphs and buckets."""
+    if timed < 1:
+        raise ValueError(f"a warm-up times at least one replay per layout, got {timed}")
     graphs, buckets = editor.graphs, editor.buckets
     started = time.perf_counter()
     if graphs is None or buckets is None:
         return WarmUp((), 0, 0, 0.0)
     image = template_image(size, seed=0)
     baked = MemoryActivations()
-    editor.bake(image, PROMPT, 0, RUNS, guidance, baked)
+    runs = CAPTURED + timed
+    editor.bake(image, PROMPT, 0, runs, guidance, baked)
     reader = baked.placed(editor.device)
-    masks = _mask_per_level(editor, image, reader, halo, guidance)
+    masks = _mask_per_level(editor, image, reader, halo, guidance, runs)
     full = np.ones((size[1], size[0]), dtype=bool)
     before = graphs.captures
     fractions = sorted({_finest_fraction(key) for key in masks})
@@ -88,13 +92,13 @@ def warm_graphs(
             for key, mask in masks.items():
                 fraction = _finest_fraction(key)
                 row[fraction] = max(
-                    row[fraction], _run(editor, image, mask, reader, batch, halo, guidance)
+                    row[fraction], _run(editor, image, mask, reader, batch, halo, guidance, runs)
                 )
             # a step of fewer tokens is no slower than one of more: a bucket whose timed
             # runs all waited for something else takes the time of a larger one
             sparse.append(tuple(itertools.accumulate(reversed(row.values()), min))[::-1])
             # stock steps (every token, no cached rows) replay from graphs too
-            stock.append(_run(editor, image, full, None, batch, halo, guidance))
+            stock.append(_run(editor, image, full, None, batch, halo, guidance, runs))
     times = ReplayTimes(batches, tuple(fractions), tuple(sparse), tuple(stock)) if masks else None
     return WarmUp(
         tuple(masks),
@@ -105,14 +109,14 @@ def warm_graphs(
     )
 
 
-def _run(editor, image, mask, reader, batch: int, halo: int, guidance: float) -> float:
+def _run(editor, image, mask, reader, batch: int, halo: int, guidance: float, runs: int) -> float:
     """Every step of ``batch`` edits with ``mask``: the fastest of the timed ones (what the
     step costs; slower ones waited for something else on a shared machine)."""
     states = [
-        editor.prepare(_request(image, mask, i, halo, guidance), reader) for i in range(batch)
+        editor.prepare(_request(image, mask, i, halo, guidance, runs), reader) for i in range(batch)
     ]
     times = []
-    for _ in range(RUNS):
+    for _ in range(runs):
         _sync(editor.device)
         started = time.perf_counter()
         editor.step(states)
@@ -133,7 +137,7 @@ def _finest_fraction(padding: tuple[tuple[int, int], ...]) -> float:
 
 
 def _mask_per_level(
-    editor: MaskAwareEditor, image, reader, halo: int, guidance: float
+    editor: MaskAwareEditor, image, reader, halo: int, guidance: float, runs: int
 ) -> dict[tuple[tuple[int, int], ...], np.ndarray]:
     """One mask for each bucket level a mask can reach, found by trying ratios: its key is
     the padding the editor itself lays the request's token sets out with."""
@@ -144,12 +148,14 @@ def _mask_per_level(
         mask = np.asarray(mask_of_ratio(image.size, float(ratio), "rect", seed=0)) > 0
         if not mask.any():
             continue
-        state = editor.prepare(_request(image, mask, 0, halo, guidance), reader)
+        state = editor.prepare(_request(image, mask, 0, halo, guidance, runs), reader)
         padding = buckets.padding((tokens,) for tokens in state.step_tokens.values())
         if padding is not None:
             masks.setdefault(tuple(sorted(padding.items())), mask)
     return masks
 
 
-def _request(image, mask: np.ndarray, seed: int, halo: int, guidance: float) -> EditRequest:
-    return EditRequest(image, mask, PROMPT, seed + 1, RUNS, guidance, PROMPT, 0, 0, halo)
+def _request(
+    image, mask: np.ndarray, seed: int, halo: int, guidance: float, steps: int
+) -> EditRequest:
+    return EditRequest(image, mask, PROMPT, seed + 1, steps, guidance, PROMPT, 0, 0, halo)

@@ -101,10 +101,20 @@ def running(
     base: Path, prefix: str, shared_dir: Path, count: int = 2, **options: Any
 ) -> Iterator[list[Executor]]:
     """``count`` healthy executors on free ports (``options``: more :class:`Executor`
-    fields), stopped on the way out."""
+    fields, the same for each), stopped on the way out."""
+    with running_each(base, prefix, shared_dir, [options] * count) as started:
+        yield started
+
+
+@contextmanager
+def running_each(
+    base: Path, prefix: str, shared_dir: Path, options: list[dict[str, Any]]
+) -> Iterator[list[Executor]]:
+    """A healthy executor on a free port for each of ``options`` (its more
+    :class:`Executor` fields), stopped on the way out."""
     started = [
-        Executor(f"{prefix}-{i}", free_port(), base / f"exec-{i}", shared_dir, **options).start()
-        for i in range(count)
+        Executor(f"{prefix}-{i}", free_port(), base / f"exec-{i}", shared_dir, **more).start()
+        for i, more in enumerate(options)
     ]
     try:
         for e in started:

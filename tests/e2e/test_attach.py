@@ -8,7 +8,7 @@ through the gateway every invocation still succeeds while another client fills t
 executors (the gateway queues refused ones again). An executor SIGKILLed mid-run: its work
 re-runs on the other, the gateway marks it dead, and takes it back once a new process
 answers on the same port. SIGTERM ends an executor cleanly. Both run with
-``--deterministic`` (set by the executor itself: their environment lacks the switches).
+``--deterministic``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from retouch.platform.api.client import Client
 from retouch.platform.api.server import ServerProcess
 from retouch.runtime.executor.app import TOKEN_ENV
 from retouch.runtime.reproducibility import SWITCHES
-from tests.e2e.standalone import AUTH, TOKEN, Executor, running
+from tests.e2e.standalone import AUTH, TOKEN, Executor, running_each
 from tests.support import wait_for
 
 pytestmark = pytest.mark.slow
@@ -44,12 +44,16 @@ ROOM = 2  # max batch 1 x (running batch + as many waiting)
 
 @pytest.fixture(scope="module")
 def executors(
-    tmp_path_factory: pytest.TempPathFactory, shared_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, shared_dir: Path, executor_zygote: Path
 ) -> Iterator[list[Executor]]:
-    """In deterministic mode, started without its switches: they set them themselves."""
-    env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
-    base = tmp_path_factory.mktemp("attach")
-    with running(base, "standalone", shared_dir, args=("--deterministic",), env=env) as started:
+    """The first is the ``retouch executor`` command itself, started without the
+    deterministic switches (``--deterministic``: it sets them after loading torch). The
+    second runs the same flags and code forked from the test process's zygote (its imports
+    done, the suite's switches inherited): the one killed and started again."""
+    fresh = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    flags = ("--deterministic",)
+    each = [{"args": flags, "env": fresh}, {"args": flags, "zygote": executor_zygote}]
+    with running_each(tmp_path_factory.mktemp("attach"), "standalone", shared_dir, each) as started:
         yield started
 
 
@@ -165,7 +169,7 @@ def test_a_gateway_sharing_full_executors_queues_again(
 def test_killed_executor_is_marked_dead_and_taken_back(
     gateway: ServerProcess, executors: list[Executor]
 ) -> None:
-    victim, survivor = executors
+    survivor, victim = executors  # the victim forks from the zygote: a quick restart
     with Client(gateway.url) as client, ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(invoke, gateway.url, 200 + s) for s in range(4)]
         wait_for("the victim to run work", lambda: victim.state().queued >= 1, 60, 0.02)

@@ -67,10 +67,11 @@ def graph_baked(request, models_dir):
     return _baked(request.param, models_dir)
 
 
-# The warm-up tests take three levels, not the default six: warm-up captures every level at
-# every batch size (the default's 36 layouts took tiny-sdxl's test 28 s of CPU), and what
-# they check (every layout captured, none on the request path, a batch of three on the
-# graph of four) does not depend on how many levels there are.
+# The warm-up tests take three levels, not the default six, and time one replay of each
+# layout, not five: warm-up captures every level at every batch size (the default's 36
+# layouts took tiny-sdxl's test 28 s of CPU), and what they check (every layout captured,
+# none on the request path, a batch of three on the graph of four) does not depend on how
+# many levels there are or how steady the times are.
 COARSE = (0.25, 0.5, 1.0)
 
 
@@ -206,7 +207,7 @@ def test_warm_up_captures_every_layout_served_masks_need(graph_baked) -> None:
         eager = [_edits(editor, batch, store) for batch in batches]
         editor.set_graphs(True, limit=(buckets.levels + 1) * 2)  # and the stock steps
         halo = family_spec(editor.family).halo
-        warm = warm_graphs(editor, (template.width, template.height), 2, halo, guidance)
+        warm = warm_graphs(editor, (template.width, template.height), 2, halo, guidance, timed=1)
         graphs = editor.graphs
         assert warm.captures == 2 * warm.layouts > 0  # both parities of every layout
         assert graphs.request_captures == 0 and graphs.warm_captures == warm.captures
@@ -234,7 +235,7 @@ def test_a_batch_of_three_replays_the_graph_of_four(graph_baked) -> None:
     try:
         editor.set_graphs(True, limit=(buckets.levels + 1) * len(buckets.batch_sizes))
         halo = family_spec(editor.family).halo
-        warm = warm_graphs(editor, (template.width, template.height), 4, halo, guidance)
+        warm = warm_graphs(editor, (template.width, template.height), 4, halo, guidance, timed=1)
         graphs = editor.graphs
         assert buckets.batch_sizes == (1, 2, 4) and warm.layouts % 3 == 0
         times = warm.times

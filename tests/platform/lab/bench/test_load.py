@@ -43,7 +43,7 @@ def test_bench_load_compares_configurations_in_one_run(shared_dir: Path, tmp_pat
         "bench",
         "load",
         *("--model", "retouch:tiny-flux", "--placement", "maskaware,least-requests+static"),
-        *("--rate", "auto:0.7,auto:0.3", "--requests", "4", "--warmup", "1", "--steps", "2"),
+        *("--rate", "auto:0.9,auto:0.6", "--requests", "4", "--warmup", "1", "--steps", "2"),
         *("--templates", "2", "--max-batch", "2", "--data-dir", str(tmp_path / "data")),
         *("--masks", "bimodal", "--slo", "600000"),
         *("--plot", str(tmp_path / "cdf.png"), "--out", str(tmp_path / "out"), "--json"),
@@ -53,8 +53,8 @@ def test_bench_load_compares_configurations_in_one_run(shared_dir: Path, tmp_pat
     result = json.loads(out.stdout)
     assert result["model"] == "retouch:tiny-flux" and result["capacity_rps"] > 0
     rates = result["rates_rps"]  # both replayed on each configuration's one server
-    assert rates["auto:0.3"] == pytest.approx(result["capacity_rps"] * 0.3)
-    assert rates["auto:0.7"] == pytest.approx(result["capacity_rps"] * 0.7)
+    assert rates["auto:0.6"] == pytest.approx(result["capacity_rps"] * 0.6)
+    assert rates["auto:0.9"] == pytest.approx(result["capacity_rps"] * 0.9)
     assert result["requests"] == 4 and result["masks"] == "bimodal"
     assert set(result["configs"]) == {
         f"{name}@{rate}" for name in ("maskaware", "least-requests+static") for rate in rates
