@@ -205,9 +205,9 @@ class FluxInpaint(FamilyModel):
         if not sparse:
             ctx.grid = grid = None  # the blocks' wrappers stay inert: the stock forward
         elif grid.packed:
-            out = ctx.call(
+            out = ctx.call(  # the running step's context: a graph runner replays this
                 lambda **t: flux_packed.forward(
-                    transformer, ctx, self.blocks, grid, PackedInputs(**t)
+                    transformer, current(), self.blocks, grid, PackedInputs(**t)
                 ),
                 **vars(inputs),
             )

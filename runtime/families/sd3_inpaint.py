@@ -145,11 +145,15 @@ class SD3Inpaint(FamilyModel):
         The model embeds every patch; the first block's pre-hook gathers the masked ones.
         """
         ctx.grid = next(iter(ctx.grids.values()), None)  # one token grid; none in a bake
-        ctx.scratch[SPARSE_CARRY] = False
         ctx.text_len = states[0].inputs.prompt_embeds.shape[1]
         transformer = self.pipe.transformer
+
+        def run(**inputs: torch.Tensor) -> torch.Tensor:
+            current().scratch[SPARSE_CARRY] = False  # every run enters in the whole layout
+            return transformer(**inputs, return_dict=False)[0]
+
         out = ctx.call(
-            lambda **inputs: transformer(**inputs, return_dict=False)[0],
+            run,
             hidden_states=torch.cat([torch.cat([s.latents] * 2) for s in states]),
             timestep=batch_timesteps(states, self.device, repeat=2),
             encoder_hidden_states=torch.cat([s.inputs.prompt_embeds for s in states]),

@@ -35,7 +35,7 @@ from PIL import Image
 
 from retouch.runtime.families.base import Family, FamilyModel, truncate
 from retouch.runtime.maskaware import flowstep, inpaint, zimage_blocks
-from retouch.runtime.maskaware.context import ForwardContext, Mode
+from retouch.runtime.maskaware.context import ForwardContext, Mode, current
 from retouch.runtime.maskaware.flops import Flops, linear_flops
 from retouch.runtime.maskaware.noise import SeedNoise
 from retouch.runtime.maskaware.request import (
@@ -210,8 +210,8 @@ class ZImage(FamilyModel):
         )
         ctx.grid = grid if sparse else None  # no sparse block: the stock step
         transformer, blocks = self.pipe.transformer, self.blocks
-        out = ctx.call(
-            lambda **t: zimage_blocks.forward(transformer, ctx, blocks, ZImageBatch(**t)),
+        out = ctx.call(  # the running step's context: a graph runner replays this
+            lambda **t: zimage_blocks.forward(transformer, current(), blocks, ZImageBatch(**t)),
             **vars(self._batched(states)),
         )
         return list(out.split(2))

@@ -7,7 +7,7 @@ pipeline keeps running unchanged on the same model, even from another thread.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -61,8 +61,7 @@ class ForwardContext:
     grids: dict[tuple[int, int], TokenBatch] = field(default_factory=dict)  # per token grid
     grid: TokenBatch | None = None  # the token grid of the sparse block now running
     text_len: int = 0  # text tokens in front of image tokens (joint-attention models)
-    scratch: dict[object, Any] = field(default_factory=dict)  # the blocks' carried state
-    memo: dict[object, Any] = field(default_factory=dict)  # one run of the call's (RoPE rows)
+    scratch: dict[object, Any] = field(default_factory=dict)  # one run of the call's (see call)
     loader: RowSource | None = None  # staged rows; None: blocks fetch synchronously
     hooks: list[BlockHook] = field(default_factory=list)
     runner: CallRunner | None = None  # CUDA graphs of the denoiser call; None: eager
@@ -71,26 +70,21 @@ class ForwardContext:
     def recording(self) -> bool:
         return any(slot.writer is not None for slot in self.slots)
 
-    def call(self, fn: Any, **tensors: Any) -> Any:
+    def call(self, fn: Callable[..., Any], **tensors: Any) -> Any:
         """The step's denoiser call ``fn(**tensors)``: every tensor it reads is an argument
         (or fixed for the step's layout), so a runner may capture and replay it.
 
-        Each run of ``fn`` starts with an empty :attr:`memo`. A runner runs it more than
-        once (a CUDA graph's warm-up then its capture; on a CPU, a later step's replay), and
-        the blocks key their memos by the objects of one run (``id`` of its RoPE table): a
-        later run whose table reused a freed one's address would read rows gathered for the
-        earlier run's masks, and a capture would bake them in for every mask of its bucket."""
-        run = self._with_fresh_memo(fn)
+        Each run of ``fn`` starts with an empty :attr:`scratch`, the running context's
+        (:func:`current`). A runner runs it more than once (a CUDA graph's warm-up then its
+        capture; on a CPU, a later step's replay of the captured ``fn``), and the blocks keep
+        there what one run shares: memos keyed by that run's objects (``id`` of its RoPE
+        table) and the layout the hidden states are in. Kept from an earlier run, a memo
+        whose key a new table's reused address matches reads rows gathered for other masks,
+        which a capture would bake in for every mask of its bucket."""
+        run = _scratch_emptied(fn)
         if self.runner is None:
             return run(**tensors)
         return self.runner.run(self, run, tensors)
-
-    def _with_fresh_memo(self, fn: Any) -> Any:
-        def run(**tensors: Any) -> Any:
-            self.memo.clear()
-            return fn(**tensors)
-
-        return run
 
     def mode(self, block: str) -> Mode:
         return self.modes.get(block, Mode.FULL)
@@ -109,6 +103,19 @@ class ForwardContext:
         for r, slot in enumerate(self.slots):
             if slot.writer is not None:
                 slot.writer.put(slot.step, block, name, _host_copy(tensor[r * per : (r + 1) * per]))
+
+
+def _scratch_emptied(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` starting each run with the running context's scratch empty (the wrapper holds
+    no context: a runner keeps it as long as its graph)."""
+
+    def run(**tensors: Any) -> Any:
+        ctx = current()
+        if ctx is not None:
+            ctx.scratch.clear()
+        return fn(**tensors)
+
+    return run
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -122,13 +122,13 @@ def sparse_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row RoPE tables ``[rows * (L + n_max), D]`` for [text ; masked tokens] (memoised)."""
     key = ("rope", id(rope[0]))
-    if key not in ctx.memo:
+    if key not in ctx.scratch:
         tokens = ctx.grid
         positions = tokens.positions + text_len  # [rows, n_max]
         text = torch.arange(text_len, device=positions.device).expand(tokens.rows, text_len)
         index = torch.cat([text, positions], dim=1).reshape(-1)
-        ctx.memo[key] = (rope[0][index], rope[1][index])
-    return ctx.memo[key]
+        ctx.scratch[key] = (rope[0][index], rope[1][index])
+    return ctx.scratch[key]
 
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

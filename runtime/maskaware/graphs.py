@@ -19,9 +19,9 @@ What a capture bakes in, and how it stays valid:
 * **the inputs**: every tensor argument of the call is copied into a static buffer before
   each replay, and the output lives in a static buffer overwritten by the next replay
   (callers use it within the step).
-* **the memo**: blocks memoise per run what they all read (RoPE rows gathered by the
-  layout's indices); each run of the call starts with an empty one (``ForwardContext.call``),
-  so the capture, run after a warm-up, records its gathers instead of reusing the warm-up's.
+* **the scratch**: blocks memoise per run what they all read (RoPE rows gathered by the
+  layout's indices); each run of the call starts with an empty scratch
+  (``ForwardContext.call``), so the capture, run after a warm-up, records its own gathers.
 * **the cached rows**: a step reads another step's K/V, so blocks read them through
   :class:`StaticRows`, one static buffer per (request, block, name) filled from the
   request's device tier before each replay (device-to-device copies). Graphs are only

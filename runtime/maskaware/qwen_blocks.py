@@ -143,9 +143,9 @@ def sparse_freqs(ctx: ForwardContext, freqs: torch.Tensor) -> torch.Tensor:
     """The RoPE frequencies of each row's masked tokens ``[rows, n_max, D/2]`` (memoised
     per forward: every block reads the same)."""
     key = ("qwen-rope", id(freqs))
-    if key not in ctx.memo:
-        ctx.memo[key] = freqs[ctx.grid.positions]
-    return ctx.memo[key]
+    if key not in ctx.scratch:
+        ctx.scratch[key] = freqs[ctx.grid.positions]
+    return ctx.scratch[key]
 
 
 def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

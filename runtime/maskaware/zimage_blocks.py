@@ -344,11 +344,11 @@ def _image_freqs(ctx: ForwardContext, tables: Tables, sparse: bool) -> torch.Ten
     if not sparse:
         return tables.image
     key = ("zimage_rope", id(tables))
-    if key not in ctx.memo:
+    if key not in ctx.scratch:
         positions = ctx.grid.positions  # [R, n_max]
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        ctx.memo[key] = tables.image[rows, positions]
-    return ctx.memo[key]
+        ctx.scratch[key] = tables.image[rows, positions]
+    return ctx.scratch[key]
 
 
 def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

@@ -191,8 +191,9 @@ def test_killed_executor_is_marked_dead_and_taken_back(
 
 def test_sigterm_ends_a_standalone_executor_cleanly(executors: list[Executor]) -> None:
     """Runs last (the module's gateway no longer needs them). uvicorn shuts down (the
-    lifespan closes the core) and the ``retouch`` command exits as it does on SIGTERM
-    (``platform/cli/main.py``: status 143), within the stop's wait rather than by its SIGKILL."""
+    lifespan closes the core) and each exits as on SIGTERM, status 143, within the stop's
+    wait rather than by its SIGKILL: the ``retouch`` command (``platform/cli/main.py``) and
+    the forked one (``runtime/executor/main.py`` unwinds, the zygote reports its status)."""
     for e in executors:
         assert e.stop() == 128 + signal.SIGTERM, e.log()
         assert "Traceback" not in e.log()

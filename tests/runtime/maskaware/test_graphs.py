@@ -109,10 +109,14 @@ def test_graph_steps_match_eager_steps(setup) -> None:
     _compare(alone, other)
 
 
+@pytest.mark.skipif(
+    DEVICE != "cuda", reason="a capture's check: on a CPU, test_buckets.py replays new masks"
+)
 def test_bucketed_graphs_replay_other_masks_as_their_eager_steps(setup) -> None:
     """Served traffic: each edit its own mask, one graph per bucket. The same masks moved
     elsewhere replay the layouts captured for the first ones, with their own eager steps'
-    pixels: nothing gathered for the capture's masks (RoPE rows among them) stays in it."""
+    pixels: nothing gathered for the capture's masks (RoPE rows among them) stays in it
+    (a capture runs the call twice: warm-up, then capture)."""
     editor, template, store, halo = setup
     first = _requests(editor, template, halo, [0.25, 0.1])
     cell = editor.model_family.token_cell(editor.impl.pipe)
