@@ -4,6 +4,7 @@ labelled sheet; the random-weight tour only when asked for."""
 from __future__ import annotations
 
 import io
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +38,20 @@ def test_the_tour_is_behind_a_flag() -> None:
     assert parser.parse_args(["demo", "--tour"]).tour is True
 
 
-def test_demo_edits_on_the_trained_model_onto_a_labelled_sheet(tmp_path: Path) -> None:
-    result = run_demo(tmp_path, None, executors=1)
+def test_demo_edits_on_the_trained_model_onto_a_labelled_sheet(
+    examples: Path, tmp_path: Path
+) -> None:
+    """The demo as ``make demo`` runs it, on a copy of the examples whose trained function
+    takes 10 steps, not 25: its bakes and each edit's two paths (served and stock) are most
+    of the suite's longest test, and what it checks holds at any count."""
+    folder = Path(shutil.copytree(examples, tmp_path / "examples"))
+    spec = folder / SHAPES_EXAMPLE
+    spec.write_text(spec.read_text().replace("\nsteps = 25\n", "\nsteps = 10\n", 1))
+    assert read_spec_file(spec)[0].steps == 10
+    out = tmp_path / "demo"
+    result = run_demo(out, folder, executors=1)
     assert result.tour == []  # no random-weight model unless asked for
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "shapes-sheet.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["data", "shapes-sheet.png"]
     assert [e.template for e in result.edits] == [t for t, _, _ in SHAPE_EDITS]
     for e in result.edits:
         assert e.path == "maskaware"  # the demo waits for the bakes
@@ -53,7 +64,7 @@ def test_demo_edits_on_the_trained_model_onto_a_labelled_sheet(tmp_path: Path) -
         assert np.isfinite(e.ssim) and 0 < e.ssim <= 1
         assert row_label(e)[0] == f'"{e.prompt}"'
 
-    assert result.sheet == tmp_path / "shapes-sheet.png"
+    assert result.sheet == out / "shapes-sheet.png"
     sheet = np.asarray(Image.open(result.sheet).convert("L"))
     tile = 128 * 2
     assert sheet.shape == (LABEL_H + 4 * tile, LABEL_W + 5 * tile)
