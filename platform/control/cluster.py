@@ -144,6 +144,7 @@ class ExecutorView:
         self._memo: dict[tuple, Prediction] = {}
         self._memo_version: tuple = ()
         self._solo_version, self._solo_work_s = -1, 0.0
+        self._next_start: tuple[tuple, float] = ((), 0.0)  # next_start_s and its versions
         self._steps: dict[tuple, StepCalibration] = {}  # step calibrations by their values
         self._joined: tuple[tuple, float] = ((), 0.0)  # the last _joined_step_s and its key
 
@@ -425,7 +426,15 @@ class ExecutorView:
         not joined yet take the first places that free). A member whose steps are done is
         decoding and holds no place. Counting only the first departure let every queued
         invocation see the same room, and a burst piled onto one executor (Gamma CV 4,
-        bimodal masks, load 0.95, 64 simulated executors: P95 1.12x least-requests')."""
+        bimodal masks, load 0.95, 64 simulated executors: P95 1.12x least-requests').
+        Memoised until the view or the pool's overheads change: late binding asks it of
+        every candidate for every queued invocation at each dispatch."""
+        version = (self.version, self.overheads.version)
+        if self._next_start[0] != version:
+            self._next_start = (version, self._next_start_s())
+        return self._next_start[1]
+
+    def _next_start_s(self) -> float:
         staying = [p for p in self.placed.values() if not p.started or p.member.steps_left]
         beyond = len(staying) - self.max_batch + 1
         if beyond <= 0:
