@@ -430,17 +430,14 @@ class ExecutorView:
         Memoised until the view or the pool's overheads change: late binding asks it of
         every candidate for every queued invocation at each dispatch."""
         version = (self.version, self.overheads.version)
-        if self._next_start[0] != version:
-            self._next_start = (version, self._next_start_s())
-        return self._next_start[1]
-
-    def _next_start_s(self) -> float:
+        if self._next_start[0] == version:
+            return self._next_start[1]
         staying = [p for p in self.placed.values() if not p.started or p.member.steps_left]
         beyond = len(staying) - self.max_batch + 1
-        if beyond <= 0:
-            return 0.0
-        running = [p.member for p in staying if p.started]
-        return departure_s(running, self.step_calibration(), beyond) if running else 0.0
+        running = [p.member for p in staying if p.started] if beyond > 0 else []
+        start = departure_s(running, self.step_calibration(), beyond) if running else 0.0
+        self._next_start = (version, start)
+        return start
 
     def lead_s(self, newcomer: PlacementRequest) -> float:
         """What the newcomer needs here before it can join a batch: its encode, and beside
