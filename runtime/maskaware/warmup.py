@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from PIL import Image
 
 from retouch.functions.demo.images import mask_of_ratio, template_image
 from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
-from retouch.runtime.maskaware.store import MemoryActivations
+from retouch.runtime.maskaware.store import ActivationReader, MemoryActivations
 from retouch.runtime.replaytimes import ReplayTimes
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,37 @@ class WarmUp:
         )
 
 
+@dataclass(frozen=True)
+class _Trial:
+    """What every run of a warm-up shares: its editor, the synthetic template, and each
+    edit's steps (the captures' runs, then the timed ones; the template is baked as long)."""
+
+    editor: MaskAwareEditor
+    image: Image.Image
+    halo: int
+    guidance: float
+    runs: int
+
+    def request(self, mask: np.ndarray, seed: int) -> EditRequest:
+        return EditRequest(
+            self.image, mask, PROMPT, seed + 1, self.runs, self.guidance, PROMPT, 0, 0, self.halo
+        )
+
+    def fastest_step(self, mask: np.ndarray, reader: ActivationReader | None, batch: int) -> float:
+        """Every step of ``batch`` edits with ``mask``: the fastest of the timed ones (what
+        the step costs; slower ones waited for something else on a shared machine)."""
+        editor = self.editor
+        states = [editor.prepare(self.request(mask, i), reader) for i in range(batch)]
+        times = []
+        for _ in range(self.runs):
+            _sync(editor.device)
+            started = time.perf_counter()
+            editor.step(states)
+            _sync(editor.device)
+            times.append(time.perf_counter() - started)
+        return min(times[CAPTURED:])
+
+
 @torch.inference_mode()
 def warm_graphs(
     editor: MaskAwareEditor,
@@ -74,12 +106,11 @@ def warm_graphs(
     started = time.perf_counter()
     if graphs is None or buckets is None:
         return WarmUp((), 0, 0, 0.0)
-    image = template_image(size, seed=0)
+    trial = _Trial(editor, template_image(size, seed=0), halo, guidance, CAPTURED + timed)
     baked = MemoryActivations()
-    runs = CAPTURED + timed
-    editor.bake(image, PROMPT, 0, runs, guidance, baked)
+    editor.bake(trial.image, PROMPT, 0, trial.runs, guidance, baked)
     reader = baked.placed(editor.device)
-    masks = _mask_per_level(editor, image, reader, halo, guidance, runs)
+    masks = _mask_per_level(trial, reader)
     full = np.ones((size[1], size[0]), dtype=bool)
     before = graphs.captures
     fractions = sorted({_finest_fraction(key) for key in masks})
@@ -91,14 +122,12 @@ def warm_graphs(
             row = dict.fromkeys(fractions, 0.0)  # levels of one finest bucket: the slowest
             for key, mask in masks.items():
                 fraction = _finest_fraction(key)
-                row[fraction] = max(
-                    row[fraction], _run(editor, image, mask, reader, batch, halo, guidance, runs)
-                )
+                row[fraction] = max(row[fraction], trial.fastest_step(mask, reader, batch))
             # a step of fewer tokens is no slower than one of more: a bucket whose timed
             # runs all waited for something else takes the time of a larger one
             sparse.append(tuple(itertools.accumulate(reversed(row.values()), min))[::-1])
             # stock steps (every token, no cached rows) replay from graphs too
-            stock.append(_run(editor, image, full, None, batch, halo, guidance, runs))
+            stock.append(trial.fastest_step(full, None, batch))
     times = ReplayTimes(batches, tuple(fractions), tuple(sparse), tuple(stock)) if masks else None
     return WarmUp(
         tuple(masks),
@@ -107,22 +136,6 @@ def warm_graphs(
         time.perf_counter() - started,
         times,
     )
-
-
-def _run(editor, image, mask, reader, batch: int, halo: int, guidance: float, runs: int) -> float:
-    """Every step of ``batch`` edits with ``mask``: the fastest of the timed ones (what the
-    step costs; slower ones waited for something else on a shared machine)."""
-    states = [
-        editor.prepare(_request(image, mask, i, halo, guidance, runs), reader) for i in range(batch)
-    ]
-    times = []
-    for _ in range(runs):
-        _sync(editor.device)
-        started = time.perf_counter()
-        editor.step(states)
-        _sync(editor.device)
-        times.append(time.perf_counter() - started)
-    return min(times[CAPTURED:])
 
 
 def _sync(device: torch.device) -> None:
@@ -137,25 +150,19 @@ def _finest_fraction(padding: tuple[tuple[int, int], ...]) -> float:
 
 
 def _mask_per_level(
-    editor: MaskAwareEditor, image, reader, halo: int, guidance: float, runs: int
+    trial: _Trial, reader: ActivationReader
 ) -> dict[tuple[tuple[int, int], ...], np.ndarray]:
     """One mask for each bucket level a mask can reach, found by trying ratios: its key is
     the padding the editor itself lays the request's token sets out with."""
-    buckets = editor.buckets
+    buckets = trial.editor.buckets
     assert buckets is not None
     masks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
     for ratio in RATIOS:
-        mask = np.asarray(mask_of_ratio(image.size, float(ratio), "rect", seed=0)) > 0
+        mask = np.asarray(mask_of_ratio(trial.image.size, float(ratio), "rect", seed=0)) > 0
         if not mask.any():
             continue
-        state = editor.prepare(_request(image, mask, 0, halo, guidance, runs), reader)
+        state = trial.editor.prepare(trial.request(mask, 0), reader)
         padding = buckets.padding((tokens,) for tokens in state.step_tokens.values())
         if padding is not None:
             masks.setdefault(tuple(sorted(padding.items())), mask)
     return masks
-
-
-def _request(
-    image, mask: np.ndarray, seed: int, halo: int, guidance: float, steps: int
-) -> EditRequest:
-    return EditRequest(image, mask, PROMPT, seed + 1, steps, guidance, PROMPT, 0, 0, halo)
