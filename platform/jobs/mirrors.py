@@ -117,7 +117,10 @@ class Mirrors:
         """The job after one poll (within ``left_s``): this gateway's own if it took it
         over meanwhile, else its record as read again."""
         await asyncio.sleep(min(MIRROR_POLL_S, left_s))
-        record = self._own(job) or await self.read(job.id) or job
+        own = self._own(job)
+        if own is not None:  # taken over before this poll: no read
+            return own
+        record = await self.read(job.id) or job
         return self._own(job) or record  # taken over during the read: its run, not the record
 
     def _own(self, job: Job) -> Job | None:
