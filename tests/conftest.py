@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -45,35 +46,69 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return shared
 
 
+# The fork servers the tests' processes start from, each by the variable that names it.
+ZYGOTES = {
+    # every server's CPU executors (read by `retouch serve`): 7-8 s of imports a start
+    "RETOUCH_EXECUTOR_ZYGOTE": "retouch.runtime.executor.zygote",
+    # every ServerProcess's gateway (read by ServerProcess): about 1.3 s of imports a start
+    "RETOUCH_GATEWAY_ZYGOTE": "tests.gatewayzygote",
+}
+
+
+@dataclass
+class _Zygote:
+    process: subprocess.Popen
+    folder: Path
+
+    @property
+    def socket(self) -> Path:
+        return self.folder / "zygote.sock"
+
+    @classmethod
+    def start(cls, folder: Path, module: str) -> _Zygote:
+        ready = ["--ready-file", str(folder / "ready")]
+        with (folder / "zygote.log").open("ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", module, "--socket", str(folder / "zygote.sock"), *ready],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        return cls(process, folder)
+
+    def started(self) -> bool:
+        assert self.process.poll() is None, (self.folder / "zygote.log").read_text()[-3000:]
+        return (self.folder / "ready").exists()
+
+
 @pytest.fixture(autouse=True, scope="session")
-def executor_zygote(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Iterator[Path]:
-    """The CPU executors of every server the tests start fork from one warm process
-    (``runtime/executor/zygote.py``): each start skips 7-8 s of imports. Started after
-    the environment above is set (the zygote's import-time variables are the tests'), and
-    waited for: a server started before it has imported would start a fresh executor
-    (``--executor-zygote`` falls back when the socket does not answer), paying the imports
-    again in the executor and in its spawned workers while the zygote pays them beside it."""
-    folder = tmp_path_factory.mktemp("zygote")
-    socket_path, ready = folder / "executors.sock", folder / "ready"
-    with (folder / "zygote.log").open("ab") as log:
-        zygote = subprocess.Popen(
-            [sys.executable, "-m", "retouch.runtime.executor.zygote", "--socket", str(socket_path),
-             "--ready-file", str(ready)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-
-    def started() -> bool:
-        assert zygote.poll() is None, (folder / "zygote.log").read_text()[-3000:]
-        return ready.exists()
-
-    wait_for("the executor zygote's imports", started, WAIT_S, 0.05)
-    os.environ["RETOUCH_EXECUTOR_ZYGOTE"] = str(socket_path)  # read by `retouch serve`
+def zygotes(
+    tmp_path_factory: pytest.TempPathFactory, shared_dir: Path
+) -> Iterator[dict[str, Path]]:
+    """The CPU executors of every server the tests start, and the gateways they start as
+    ServerProcess, fork from warm processes (``runtime/executor/zygote.py``,
+    ``tests/gatewayzygote.py``): each start skips the imports. Started after the environment
+    above is set (a zygote's import-time variables are the tests'), both at once, and waited
+    for: a server started before its zygote has imported would start afresh
+    (``--executor-zygote`` and ServerProcess fall back when the socket does not answer),
+    paying the imports again beside the zygote."""
+    started = {
+        var: _Zygote.start(tmp_path_factory.mktemp(module.rsplit(".", 1)[-1]), module)
+        for var, module in ZYGOTES.items()
+    }
     try:
-        yield socket_path
+        for var, zygote in started.items():
+            wait_for(f"the imports of {ZYGOTES[var]}", zygote.started, WAIT_S, 0.05)
+            os.environ[var] = str(zygote.socket)
+        yield {var: zygote.socket for var, zygote in started.items()}
     finally:
-        os.environ.pop("RETOUCH_EXECUTOR_ZYGOTE", None)
-        zygote.terminate()
-        zygote.wait(timeout=30)
+        for var, zygote in started.items():
+            os.environ.pop(var, None)
+            zygote.process.terminate()
+            zygote.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def executor_zygote(zygotes: dict[str, Path]) -> Path:
+    return zygotes["RETOUCH_EXECUTOR_ZYGOTE"]
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from retouch.platform.api.composition import build_gateway
 from retouch.platform.api.config import ServeConfig
 from retouch.platform.api.limits import return_large_frees
 from retouch.platform.fleet import children
+from retouch.platform.fleet.forkedprocess import ForkedProcess, ZygoteRefused
 from retouch.platform.fleet.tls import tls_context
 from retouch.runtime.httpserver import SERVER_OPTIONS
 from retouch.runtime.parentwatch import watch_parent
@@ -33,6 +34,10 @@ log = logging.getLogger(__name__)
 # then its executors: SIGTERM, 10 s, SIGKILL) before it exits anyway; its executors, which
 # watch it, then end too.
 ORPHAN_GRACE_S = 30.0
+# A fork server of ``retouch serve`` (its imports done) that ServerProcess starts gateways
+# from: the tests set it (``tests/gatewayzygote.py``), as ~50 gateways' imports add up.
+GATEWAY_ZYGOTE_ENV = "RETOUCH_GATEWAY_ZYGOTE"
+CLI = "retouch.platform.cli.main"  # the module the zygote's gateways run
 
 
 def serve(config: ServeConfig) -> None:
@@ -142,11 +147,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _gateway_zygote() -> Path | None:
+    return Path(os.environ[GATEWAY_ZYGOTE_ENV]) if os.environ.get(GATEWAY_ZYGOTE_ENV) else None
+
+
 @dataclass
 class ServerProcess:
     """``retouch serve`` as a child process: used by ``retouch demo``, benchmarks and tests.
     It stops with this process: on SIGTERM or SIGINT (:mod:`retouch.platform.fleet.children`)
-    and, watching it, when this process is killed (``--exit-with-parent``)."""
+    and, watching it, when this process is killed (``--exit-with-parent``; forked from a
+    ``zygote``, the zygote stops it when this process's connection closes)."""
 
     data_dir: Path
     executors: int = 1
@@ -154,8 +164,9 @@ class ServerProcess:
     metrics_port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
-    entry: str = "retouch.platform.cli.main"  # the CLI module (another checkout's may differ)
-    process: subprocess.Popen | None = None
+    entry: str = CLI  # the CLI module (another checkout's may differ)
+    zygote: Path | None = field(default_factory=_gateway_zygote)  # forked from it if it can
+    process: subprocess.Popen | ForkedProcess | None = None
 
     def __post_init__(self) -> None:
         while self.metrics_port == self.port:  # two free ports, not the same one twice
@@ -171,22 +182,8 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
-        cmd = [
-            sys.executable, "-m", self.entry, "serve",
-            "--port", str(self.port), "--metrics-port", str(self.metrics_port),
-            "--data-dir", str(self.data_dir),
-            "--executors", str(self.executors), "--exit-with-parent", str(os.getpid()),
-            *self.extra_args,
-        ]  # fmt: skip
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        with (self.data_dir / "gateway.log").open("ab") as log_file:
-            self.process = subprocess.Popen(
-                cmd,
-                env={**os.environ, **self.env},
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
+        self.process = self._forked() or self._spawned()
         children.track(self.process)
         try:
             self._wait_ready(timeout)
@@ -194,6 +191,37 @@ class ServerProcess:
             self.stop()
             raise
         return self
+
+    def _args(self, parent: int) -> list[str]:
+        return [
+            "serve", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+            "--data-dir", str(self.data_dir), "--executors", str(self.executors),
+            "--exit-with-parent", str(parent), *self.extra_args,
+        ]  # fmt: skip
+
+    def _forked(self) -> ForkedProcess | None:
+        """The gateway forked from ``zygote`` (its parent, watched: ``0``); None where
+        there is none that can (absent, another CLI ``entry``, other import-time
+        variables)."""
+        if self.zygote is None or self.entry != CLI:
+            return None
+        env, log_path = {**os.environ, **self.env}, self.data_dir / "gateway.log"
+        try:
+            return ForkedProcess.start(self.zygote, self._args(0), env, log_path)
+        except ZygoteRefused as exc:
+            log.info("starting retouch serve afresh: %s", exc)
+            return None
+
+    def _spawned(self) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", self.entry, *self._args(os.getpid())]
+        with (self.data_dir / "gateway.log").open("ab") as log_file:
+            return subprocess.Popen(
+                cmd,
+                env={**os.environ, **self.env},
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -221,7 +249,7 @@ class ServerProcess:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, TimeoutError):  # Popen's, ForkedProcess's
                 self.process.kill()
                 self.process.wait()
         children.forget(self.process)

@@ -26,18 +26,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+from retouch.platform.fleet.forkedprocess import ForkedProcess
+
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_running: set[subprocess.Popen] = set()  # started here and not yet stopped
+_running: set[subprocess.Popen | ForkedProcess] = set()  # started here and not yet stopped
 
 
-def track(process: subprocess.Popen) -> None:
+def track(process: subprocess.Popen | ForkedProcess) -> None:
     """``process`` is a server this process started: stop it if this process is stopped."""
     _running.add(process)
 
 
-def forget(process: subprocess.Popen) -> None:
+def forget(process: subprocess.Popen | ForkedProcess) -> None:
     """``process`` was stopped (or ended) by its owner."""
     _running.discard(process)
 

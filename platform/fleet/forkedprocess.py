@@ -1,6 +1,7 @@
-"""An executor forked by the executor zygote (``runtime/executor/zygote.py``), handled as a
-``subprocess.Popen`` is: ``pid``, ``poll()``, ``wait()``, ``terminate()``, ``kill()``,
-``send_signal()``, ``returncode``.
+"""An executor forked by the executor zygote (``runtime/executor/zygote.py``), or a test's
+gateway forked by the tests' (``tests/gatewayzygote.py``), handled as a ``subprocess.Popen``
+is: ``pid``, ``poll()``, ``wait()``, ``terminate()``, ``kill()``, ``send_signal()``,
+``returncode``.
 
 The zygote, not this process, is the executor's parent, so its end is learnt from the
 zygote: one Unix-socket connection per executor carries the request, the pid, and at the

@@ -36,6 +36,7 @@ import signal
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,10 +67,15 @@ class _Child:
 
 @dataclass
 class Zygote:
-    """The zygote's loop: accepts requests, forks, reaps, reports (one thread, no torch)."""
+    """The zygote's loop: accepts requests, forks, reaps, reports (one thread, no torch).
+    Each child runs ``entry`` (a command's ``main``) on its request's ``argv``: here the
+    executor's; the tests fork their gateways from another zygote with the ``retouch``
+    command's (``tests/gatewayzygote.py``)."""
 
     listener: socket.socket
     parent: int  # the process that started the zygote: it stops when that one is gone
+    entry: Callable[[list[str]], None]  # the command each child runs, imported already
+    program: str  # the children's sys.argv[0]
     children: dict[int, _Child] = field(default_factory=dict)
     selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
 
@@ -101,7 +107,7 @@ class Zygote:
             return
         pid = os.fork()
         if pid == 0:
-            self._become_executor(request, conn)
+            self._become(request, conn)
         self.children[pid] = _Child(pid, conn)
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         self.selector.register(conn, selectors.EVENT_READ, pid)
@@ -150,8 +156,8 @@ class Zygote:
             self.selector.unregister(child.conn)
             child.conn.close()
 
-    def _become_executor(self, request: dict[str, Any], conn: socket.socket) -> None:
-        """In the forked child: the executor's own process from here on; never returns."""
+    def _become(self, request: dict[str, Any], conn: socket.socket) -> None:
+        """In the forked child: the command's own process from here on; never returns."""
         code = 1
         try:
             self.selector.close()
@@ -167,11 +173,9 @@ class Zygote:
             os.chdir(request.get("cwd") or os.getcwd())
             os.environ.clear()
             os.environ.update(request["env"])
-            logging.root.handlers.clear()  # the executor configures its own logging
-            sys.argv = ["retouch-executor", *request["argv"]]
-            from retouch.runtime.executor.main import main
-
-            main(request["argv"])
+            logging.root.handlers.clear()  # the command configures its own logging
+            sys.argv = [self.program, *request["argv"]]
+            self.entry(request["argv"])
             code = 0
         except SystemExit as exc:  # as the interpreter ends on it: a message goes to stderr
             code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
@@ -216,29 +220,43 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="retouch-executor-zygote")
+def run_zygote(
+    prog: str, argv: list[str] | None, load: Callable[[], Callable[[list[str]], None]], program: str
+) -> None:
+    """A zygote command (``--socket PATH [--ready-file PATH]``): ``load()`` imports the
+    command its children run and returns its ``main``; then each request on the socket
+    (this user's only) forks one, until the starter is gone or SIGTERM comes."""
+    parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--socket", type=Path, required=True, help="the Unix socket to serve")
     parser.add_argument("--ready-file", type=Path, help="written once the imports are done")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RETOUCH_LOG_LEVEL", "INFO"))
-    parent = os.getppid()
-    import retouch.runtime.executor.main  # noqa: F401  (the imports every executor needs)
-
+    parent = os.getppid()  # before the imports: a starter gone meanwhile is seen
+    entry = load()
     args.socket.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(args.socket))
     listener.listen(64)
-    os.chmod(args.socket, 0o600)  # this user's gateways only
+    os.chmod(args.socket, 0o600)  # this user's processes only
     if args.ready_file is not None:
         args.ready_file.write_text(str(os.getpid()))
-    log.info("executor zygote ready on %s (pid %d)", args.socket, os.getpid())
+    log.info("%s zygote ready on %s (pid %d)", program, args.socket, os.getpid())
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        Zygote(listener, parent).serve()
+        Zygote(listener, parent, entry, program).serve()
     finally:
         listener.close()
         args.socket.unlink(missing_ok=True)
+
+
+def _executor_main() -> Callable[[list[str]], None]:
+    from retouch.runtime.executor.main import main  # every executor's imports
+
+    return main
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_zygote("retouch-executor-zygote", argv, _executor_main, "retouch-executor")
 
 
 if __name__ == "__main__":

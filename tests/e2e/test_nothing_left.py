@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from retouch.platform.api.server import GATEWAY_ZYGOTE_ENV
 from retouch.platform.fleet.tls import tls_context
 from tests.support import wait_for
 
@@ -124,7 +125,8 @@ def bench_load(data: Path, mark: str) -> subprocess.Popen:
     with (data / "bench.log").open("wb") as log:
         return subprocess.Popen(
             cmd,
-            env={**os.environ, MARK: mark},
+            # its gateway started as the command starts it, not forked from the tests' zygote
+            env={**{k: v for k, v in os.environ.items() if k != GATEWAY_ZYGOTE_ENV}, MARK: mark},
             stdout=log,
             stderr=subprocess.STDOUT,
         )

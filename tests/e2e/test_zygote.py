@@ -1,6 +1,7 @@
 """Executors forked by the executor zygote (``runtime/executor/zygote.py``): a server's CPU
 executors start from it, its gateway learns their exit codes through it, they end with
-their gateway or their zygote, and a request it cannot fork starts a fresh process."""
+their gateway or their zygote, and a request it cannot fork starts a fresh process. The
+tests' gateways fork from a zygote of their own the same way (``tests/gatewayzygote.py``)."""
 
 from __future__ import annotations
 
@@ -209,3 +210,25 @@ def test_one_handle_waited_on_and_stopped_from_two_threads(tmp_path: Path) -> No
     finally:
         if executor.poll() is None:
             executor.kill()
+
+
+def test_a_server_process_forks_its_gateway_from_a_gateway_zygote_or_starts_it_afresh(
+    tmp_path: Path, zygotes: dict[str, Path]
+) -> None:
+    """ServerProcess forks ``retouch serve`` from the zygote ``RETOUCH_GATEWAY_ZYGOTE`` names
+    (the tests' gateways: ``tests/gatewayzygote.py``): the same command in a process of its
+    own, answering and stopping as a fresh one does; a socket that does not answer starts
+    it afresh."""
+    socket_path = zygotes["RETOUCH_GATEWAY_ZYGOTE"]
+    zygote_pid = int((socket_path.parent / "ready").read_text())
+    codes = {}
+    for start, zygote in (("forked", socket_path), ("fresh", tmp_path / "none.sock")):
+        server = ServerProcess(tmp_path / start, zygote=zygote, extra_args=["--autoscale"])
+        with server, Client(server.url) as client:
+            assert client.executors()["executors"] == []
+            parent = psutil.Process(server.process.pid).ppid()
+            assert (parent == zygote_pid) == (start == "forked"), start
+            assert isinstance(server.process, ForkedProcess) == (start == "forked")
+        codes[start] = server.process.returncode
+    # SIGTERM: a graceful stop, its status as a shell reports it
+    assert codes["forked"] == codes["fresh"] == 128 + signal.SIGTERM, codes
