@@ -16,7 +16,7 @@ import pytest
 
 from retouch.runtime.reproducibility import set_switches
 from tests.postgres import PostgresServer, bin_dir
-from tests.support import WAIT_S, wait_for
+from tests.support import REPO, WAIT_S, wait_for
 
 # The suite runs with deterministic mode's switches (docs/maskaware.md, "Exactness and
 # reproducibility"), set before anything computes: every test process and the executors it
@@ -71,6 +71,7 @@ class _Zygote:
             process = subprocess.Popen(
                 [sys.executable, "-m", module, "--socket", str(folder / "zygote.sock"), *ready],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=REPO,  # where `tests` is a package, wherever pytest was started
             )  # fmt: skip
         return cls(process, folder)
 

@@ -7,8 +7,9 @@ The fork server is the executor zygote's loop (``runtime/executor/zygote.py``) w
 ``retouch`` command as its entry; :class:`~retouch.platform.api.server.ServerProcess`
 starts its gateways from it where ``RETOUCH_GATEWAY_ZYGOTE`` names its socket
 (``tests/conftest.py``). The gateway is the same code, in a process of its own: only the
-imports are skipped. A gateway watches the zygote (``--exit-with-parent 0``) and the zygote
-stops it when the test process's connection closes, as for executors. Tests of the command
+imports are skipped. It watches the zygote, its parent (``--exit-with-parent``, the pid
+the starter reads from the connection), and the zygote stops it when the starter's
+connection closes, as for executors (``tests/e2e/test_zygote.py``). Tests of the command
 itself (``tests/e2e/test_nothing_left.py``) start it afresh.
 
 ``python -m tests.gatewayzygote --socket PATH [--ready-file PATH]``

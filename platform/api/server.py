@@ -155,8 +155,9 @@ def _gateway_zygote() -> Path | None:
 class ServerProcess:
     """``retouch serve`` as a child process: used by ``retouch demo``, benchmarks and tests.
     It stops with this process: on SIGTERM or SIGINT (:mod:`retouch.platform.fleet.children`)
-    and, watching it, when this process is killed (``--exit-with-parent``; forked from a
-    ``zygote``, the zygote stops it when this process's connection closes)."""
+    and, watching it, when this process is killed (``--exit-with-parent``). Forked from a
+    ``zygote``, it watches the zygote instead, and the zygote stops it when this process's
+    connection closes."""
 
     data_dir: Path
     executors: int = 1
@@ -192,28 +193,33 @@ class ServerProcess:
             raise
         return self
 
-    def _args(self, parent: int) -> list[str]:
+    def _args(self) -> list[str]:
         return [
             "serve", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
             "--data-dir", str(self.data_dir), "--executors", str(self.executors),
-            "--exit-with-parent", str(parent), *self.extra_args,
+            *self.extra_args,
         ]  # fmt: skip
 
     def _forked(self) -> ForkedProcess | None:
-        """The gateway forked from ``zygote`` (its parent, watched: ``0``); None where
-        there is none that can (absent, another CLI ``entry``, other import-time
-        variables)."""
+        """The gateway forked from ``zygote``, watching it (its parent); None where that
+        cannot be (no zygote answers, another CLI ``entry``, torch's or the Hugging Face
+        libraries' import-time variables differ from the zygote's)."""
         if self.zygote is None or self.entry != CLI:
             return None
         env, log_path = {**os.environ, **self.env}, self.data_dir / "gateway.log"
         try:
-            return ForkedProcess.start(self.zygote, self._args(0), env, log_path)
+            return ForkedProcess.start(
+                self.zygote, self._args(), env, log_path, parent_flag="--exit-with-parent"
+            )
         except ZygoteRefused as exc:
             log.info("starting retouch serve afresh: %s", exc)
             return None
 
     def _spawned(self) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", self.entry, *self._args(os.getpid())]
+        cmd = [
+            sys.executable, "-m", self.entry, *self._args(),
+            "--exit-with-parent", str(os.getpid()),
+        ]  # fmt: skip
         with (self.data_dir / "gateway.log").open("ab") as log_file:
             return subprocess.Popen(
                 cmd,

@@ -1,13 +1,13 @@
-"""An executor forked by the executor zygote (``runtime/executor/zygote.py``), or a test's
-gateway forked by the tests' (``tests/gatewayzygote.py``), handled as a ``subprocess.Popen``
-is: ``pid``, ``poll()``, ``wait()``, ``terminate()``, ``kill()``, ``send_signal()``,
-``returncode``.
+"""A process forked by a zygote (``runtime/executor/zygote.py``): an executor by the
+executor zygote, or a test's gateway by the tests' (``tests/gatewayzygote.py``), handled as
+a ``subprocess.Popen`` is: ``pid``, ``poll()``, ``wait()``, ``terminate()``, ``kill()``,
+``send_signal()``, ``returncode``.
 
-The zygote, not this process, is the executor's parent, so its end is learnt from the
-zygote: one Unix-socket connection per executor carries the request, the pid, and at the
-end the exit code. Holding the connection open is what keeps the executor alive: closing it
-(this process ends, even by SIGKILL) makes the zygote stop the executor. Torch-free: the
-gateway imports it.
+The zygote, not this process, is the child's parent, so its end is learnt from the
+zygote: one Unix-socket connection per child carries the request, the pid, and at the end
+the exit code. Holding the connection open is what keeps the child alive: closing it (this
+process ends, even by SIGKILL) makes the zygote stop the child. Torch-free: the gateway
+imports it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -27,12 +28,12 @@ READ_SLICE_S = 0.5  # the longest a blocking read holds the handle
 
 
 class ZygoteRefused(Exception):
-    """The zygote cannot fork this executor (it is absent, or an import-time variable of
+    """The zygote cannot fork this process (it is absent, or an import-time variable of
     the request differs from its own): start a fresh process instead."""
 
 
 class ForkedProcess:
-    """A Popen-like handle on an executor the zygote forked (see the module docstring)."""
+    """A Popen-like handle on a process a zygote forked (see the module docstring)."""
 
     def __init__(self, conn: socket.socket, pid: int) -> None:
         self._conn = conn
@@ -46,23 +47,32 @@ class ForkedProcess:
 
     @classmethod
     def start(
-        cls, zygote: Path, argv: list[str], env: dict[str, str], log_path: Path
+        cls,
+        zygote: Path,
+        argv: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        parent_flag: str | None = None,
     ) -> ForkedProcess:
-        """Ask the zygote at ``zygote`` to fork an executor with ``argv`` and ``env``,
-        writing to ``log_path``; :class:`ZygoteRefused` when it cannot."""
+        """Ask the zygote at ``zygote`` to fork a process with ``argv`` and ``env``,
+        writing to ``log_path``; :class:`ZygoteRefused` when it cannot. ``parent_flag``:
+        a flag the child takes the pid of the parent it watches from (``retouch serve
+        --exit-with-parent PID``), given the zygote's, which only the connection tells."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(CONNECT_TIMEOUT_S)
         try:
             conn.connect(str(zygote))
+            if parent_flag is not None:
+                argv = [*argv, parent_flag, str(_peer_pid(conn))]
             request = {"argv": argv, "env": env, "log": str(log_path), "cwd": os.getcwd()}
             conn.sendall(json.dumps(request).encode() + b"\n")
             answer = cls._line(conn, b"")[0]
         except (OSError, ValueError) as exc:
             conn.close()
-            raise ZygoteRefused(f"executor zygote at {zygote}: {exc}") from exc
+            raise ZygoteRefused(f"zygote at {zygote}: {exc}") from exc
         if "pid" not in answer:
             conn.close()
-            raise ZygoteRefused(f"executor zygote at {zygote}: {answer.get('error', answer)}")
+            raise ZygoteRefused(f"zygote at {zygote}: {answer.get('error', answer)}")
         conn.setblocking(False)
         return cls(conn, int(answer["pid"]))
 
@@ -78,7 +88,7 @@ class ForkedProcess:
         return json.loads(line), rest
 
     def poll(self) -> int | None:
-        """The exit code once the executor has ended, else None (never blocks: the
+        """The exit code once the child has ended, else None (never blocks: the
         gateway's event loop calls it)."""
         if self.returncode is None and not self._orphaned:
             self._read(block=False)
@@ -93,7 +103,7 @@ class ForkedProcess:
         while self.poll() is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise TimeoutError(f"executor {self.pid} still running after {timeout} s")
+                raise TimeoutError(f"process {self.pid} still running after {timeout} s")
             if self._orphaned:
                 time.sleep(min(0.1, left if left is not None else 0.1))
             else:
@@ -101,7 +111,9 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
+        """``sig`` to the child unless its end has been reported (polled first: the
+        zygote reaps an ended child at once, and its pid may be reused)."""
+        if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
@@ -130,7 +142,7 @@ class ForkedProcess:
                 return
             except OSError:
                 chunk = b""
-            if not chunk:  # the zygote is gone without a word: its executor stops by itself
+            if not chunk:  # the zygote is gone without a word: its child stops by itself
                 self._orphaned = True  # (``--exit-with-parent 0``): poll() watches the pid
                 self._conn.close()
                 return
@@ -144,6 +156,13 @@ class ForkedProcess:
     def _ended(self, code: int) -> None:
         self.returncode = code
         self._conn.close()
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    """The pid of the process at the other end of a connected Unix socket (Linux's
+    ``SO_PEERCRED``: pid, uid, gid)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
 
 
 def _exists(pid: int) -> bool:

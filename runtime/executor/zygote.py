@@ -14,7 +14,12 @@ The protocol, one Unix-socket connection per executor: the gateway sends one JSO
 ``subprocess`` reports it). The connection is the executor's lifeline: when the gateway
 closes it or dies, the zygote sends the executor SIGTERM (a gateway's executors never
 outlive it); when the zygote dies, its executors see their parent gone (``--exit-with-parent
-0``) and stop, and the zygote stops when the process that started it is gone.
+0``) and stop, and the zygote stops when the process that started it is gone, sending its
+children SIGTERM.
+
+The loop (:class:`Zygote`, :func:`run_zygote`) forks any command whose ``main`` it was
+given: the tests fork their gateways from a zygote of the ``retouch`` command
+(``tests/gatewayzygote.py``).
 
 Forking is only safe from a single-threaded process that has computed nothing: the zygote
 runs one thread and never calls into torch. Variables read when torch and its libraries
@@ -75,23 +80,27 @@ class Zygote:
     listener: socket.socket
     parent: int  # the process that started the zygote: it stops when that one is gone
     entry: Callable[[list[str]], None]  # the command each child runs, imported already
-    program: str  # the children's sys.argv[0]
+    child_argv0: str  # the children's sys.argv[0]
     children: dict[int, _Child] = field(default_factory=dict)
     selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
 
     def serve(self) -> None:
+        """Until the starter is gone; whatever ends it (SIGTERM's ``SystemExit`` too),
+        its children are sent SIGTERM on the way out."""
         self.selector.register(self.listener, selectors.EVENT_READ)
-        while os.getppid() == self.parent:
-            for key, _ in self.selector.select(REAP_S):
-                if key.fileobj is self.listener:
-                    conn, _ = self.listener.accept()
-                    self._request(conn)
-                else:
-                    self._lifeline(key.fileobj, key.data)  # type: ignore[arg-type]
-            self._reap()
-        log.info("the process that started the zygote is gone: stopping its executors")
-        for child in self.children.values():
-            _signal(child.pid, signal.SIGTERM)
+        try:
+            while os.getppid() == self.parent:
+                for key, _ in self.selector.select(REAP_S):
+                    if key.fileobj is self.listener:
+                        conn, _ = self.listener.accept()
+                        self._request(conn)
+                    else:
+                        self._lifeline(key.fileobj, key.data)  # type: ignore[arg-type]
+                self._reap()
+            log.info("the process that started the zygote is gone")
+        finally:
+            for child in self.children.values():
+                _signal(child.pid, signal.SIGTERM)
 
     def _request(self, conn: socket.socket) -> None:
         try:
@@ -109,7 +118,11 @@ class Zygote:
         if pid == 0:
             self._become(request, conn)
         self.children[pid] = _Child(pid, conn)
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        try:
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        except OSError:  # the starter left mid-request: its child goes too
+            self._let_go(conn, pid)
+            return
         self.selector.register(conn, selectors.EVENT_READ, pid)
 
     @staticmethod
@@ -125,14 +138,18 @@ class Zygote:
         return ""
 
     def _lifeline(self, conn: socket.socket, pid: int) -> None:
-        """The gateway closed its connection (it stopped, or died): so does its executor."""
+        """The starter closed its connection (it stopped, or died): its child stops."""
         try:
             data = conn.recv(64)
         except OSError:
             data = b""
         if data:
-            return  # nothing is expected from the gateway after its request
+            return  # nothing is expected from the starter after its request
         self.selector.unregister(conn)
+        self._let_go(conn, pid)
+
+    def _let_go(self, conn: socket.socket, pid: int) -> None:
+        """``pid``'s starter is gone: SIGTERM it; its exit is reaped, reported to nobody."""
         conn.close()
         child = self.children.get(pid)
         if child is not None:
@@ -174,7 +191,7 @@ class Zygote:
             os.environ.clear()
             os.environ.update(request["env"])
             logging.root.handlers.clear()  # the command configures its own logging
-            sys.argv = [self.program, *request["argv"]]
+            sys.argv = [self.child_argv0, *request["argv"]]
             self.entry(request["argv"])
             code = 0
         except SystemExit as exc:  # as the interpreter ends on it: a message goes to stderr
@@ -221,12 +238,16 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def run_zygote(
-    prog: str, argv: list[str] | None, load: Callable[[], Callable[[list[str]], None]], program: str
+    name: str,
+    argv: list[str] | None,
+    load: Callable[[], Callable[[list[str]], None]],
+    child_argv0: str,
 ) -> None:
-    """A zygote command (``--socket PATH [--ready-file PATH]``): ``load()`` imports the
-    command its children run and returns its ``main``; then each request on the socket
-    (this user's only) forks one, until the starter is gone or SIGTERM comes."""
-    parser = argparse.ArgumentParser(prog=prog)
+    """The zygote command ``name`` (``--socket PATH [--ready-file PATH]``): ``load()``
+    imports the command its children run and returns its ``main``; then each request on
+    the socket (this user's only) forks a child running it as ``child_argv0``, until the
+    starter is gone or SIGTERM comes."""
+    parser = argparse.ArgumentParser(prog=name)
     parser.add_argument("--socket", type=Path, required=True, help="the Unix socket to serve")
     parser.add_argument("--ready-file", type=Path, help="written once the imports are done")
     args = parser.parse_args(argv)
@@ -240,10 +261,10 @@ def run_zygote(
     os.chmod(args.socket, 0o600)  # this user's processes only
     if args.ready_file is not None:
         args.ready_file.write_text(str(os.getpid()))
-    log.info("%s zygote ready on %s (pid %d)", program, args.socket, os.getpid())
+    log.info("%s ready on %s (pid %d)", name, args.socket, os.getpid())
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        Zygote(listener, parent, entry, program).serve()
+        Zygote(listener, parent, entry, child_argv0).serve()
     finally:
         listener.close()
         args.socket.unlink(missing_ok=True)

@@ -23,7 +23,7 @@ from retouch.platform.api.server import ServerProcess
 from retouch.platform.fleet.forkedprocess import ForkedProcess, ZygoteRefused
 from retouch.platform.lab.bench.load import wait_baked
 from retouch.runtime.executor.app import TOKEN_ENV
-from tests.support import wait_for
+from tests.support import REPO, wait_for
 
 
 def _ready(zygote: Path, folder: Path | None = None) -> ForkedProcess:
@@ -232,3 +232,48 @@ def test_a_server_process_forks_its_gateway_from_a_gateway_zygote_or_starts_it_a
         codes[start] = server.process.returncode
     # SIGTERM: a graceful stop, its status as a shell reports it
     assert codes["forked"] == codes["fresh"] == 128 + signal.SIGTERM, codes
+
+
+STARTER = """
+import sys, time
+from pathlib import Path
+from retouch.platform.api.server import ServerProcess
+server = ServerProcess(Path(sys.argv[1]), zygote=Path(sys.argv[2]), extra_args=["--autoscale"])
+Path(sys.argv[3]).write_text(str(server.start().process.pid))
+time.sleep(600)
+"""
+
+
+def test_a_forked_gateway_stops_with_its_starter_and_with_its_zygote(tmp_path: Path) -> None:
+    """What a fresh gateway's ``--exit-with-parent PID`` gives, a forked one gets from its
+    zygote: a starter killed (no clean-up runs in it) closes its connection and the zygote
+    stops its gateway; a zygote killed leaves its gateways without their parent, and they
+    stop by themselves."""
+    socket_path, ready = tmp_path / "gateways.sock", tmp_path / "ready"
+    zygote = subprocess.Popen(
+        [sys.executable, "-m", "tests.gatewayzygote", "--socket", str(socket_path),
+         "--ready-file", str(ready)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+    )  # fmt: skip
+    try:
+        wait_for("the gateway zygote's imports", ready.exists, timeout=60)
+        pid_file = tmp_path / "gateway.pid"
+        starter = subprocess.Popen(
+            [sys.executable, "-c", STARTER, str(tmp_path / "a"), str(socket_path), str(pid_file)]
+        )
+        wait_for("the starter's gateway", pid_file.exists, timeout=60)
+        gateway = int(pid_file.read_text())
+        assert psutil.Process(gateway).ppid() == zygote.pid
+        starter.kill()
+        starter.wait()
+        wait_for("the gateway to end with its starter", lambda: not _alive(gateway), timeout=30)
+        server = ServerProcess(tmp_path / "b", zygote=socket_path, extra_args=["--autoscale"])
+        server.start()
+        assert isinstance(server.process, ForkedProcess)
+        zygote.kill()
+        zygote.wait()
+        assert server.process.wait(timeout=30) is not None  # its handle learns the end
+        wait_for("the gateway to end with its zygote", lambda: not _alive(server.process.pid))
+    finally:
+        if zygote.poll() is None:
+            zygote.kill()
