@@ -19,6 +19,8 @@ from retouch.platform.state.registry import StoredFunction
 
 log = logging.getLogger(__name__)
 
+PUSH_PASSES = 3  # passes of push_all over deploys made while it pushes
+
 
 class Deployments:
     """The deployed functions and their push to the fleet's executors (owned by the
@@ -86,29 +88,54 @@ class Deployments:
 
     async def push_all(self, handle: ExecutorHandle, held: Mapping[str, int] | None = None) -> None:
         """Every function of ``handle``'s model pool, onto a new, restarted or woken
-        executor; a failed push is logged (the executor serves the others). ``held``: the
-        generations the executor reports holding (a woken one's): those still current are
-        not pushed again, and those this gateway deleted or moved to another model after
-        the generation held are dropped from it. A name this gateway has no record of is
+        executor; a failed push is logged, and that function's invocations go elsewhere
+        (the executor serves the others, never an older deploy it still holds). ``held``:
+        the generations the executor reports holding (a woken one's): those still current
+        are not pushed again, and those this gateway deleted or moved to another model
+        after the generation held are dropped from it. Deploys made meanwhile, which skip
+        an executor not yet ready, are pushed too. A name this gateway has no record of is
         left alone (another gateway's, or this one's registry not loaded yet)."""
-        held = held or {}
+        held = dict(held or {})
         for name, generation in held.items():
             latest = self.generations.get(name, 0)
             stored = self.functions.get(name)
             moved = stored is not None and not handle.serves(stored.spec.model)
             if latest > generation and (stored is None or moved):
                 self._drop_from(handle, name, latest)
+        # A deploy while this runs skips the executor (not ready yet): a pass pushes what
+        # changed since the last one, until nothing has (a few passes at most in practice).
+        # A push that failed is not tried again at the same generation.
+        tried: dict[str, int] = {}
+        for _ in range(PUSH_PASSES):
+            stale = [
+                (stored, generation)
+                for stored in list(self.functions.values())
+                if handle.serves(stored.spec.model)
+                and (generation := self.generations.get(stored.spec.name, 0))
+                not in (held.get(stored.spec.name), tried.get(stored.spec.name))
+            ]
+            if not stale:
+                break
+            for stored, generation in stale:
+                tried[stored.spec.name] = generation
+                if await self._pushed(handle, stored):
+                    held[stored.spec.name] = generation
         for stored in list(self.functions.values()):
             name = stored.spec.name
-            if not handle.serves(stored.spec.model):
-                continue  # another model pool's function: this executor never loads it
-            if held.get(name) == self.generations.get(name, 0):
+            if held.get(name) == self.generations.get(name, 0) and handle.serves(stored.spec.model):
                 handle.functions.add(name)  # it holds this very deploy
-                continue
-            try:
-                await self._push(handle, stored)
-            except (RetouchError, httpx.HTTPError) as exc:
-                log.error("pushing %s to %s failed: %s", stored.spec.name, handle.name, exc)
+            else:  # an older deploy (a woken executor's), or none: never serve from it
+                handle.functions.discard(name)
+
+    async def _pushed(self, handle: ExecutorHandle, stored: StoredFunction) -> bool:
+        """Push ``stored``; whether ``handle`` took it (a failure is logged: the executor
+        serves the others)."""
+        try:
+            await self._push(handle, stored)
+        except (RetouchError, httpx.HTTPError) as exc:
+            log.error("pushing %s to %s failed: %s", stored.spec.name, handle.name, exc)
+            return False
+        return True
 
     async def _push(self, handle: ExecutorHandle, stored: StoredFunction) -> None:
         generation = self.generations.get(stored.spec.name, 0)

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 from typing import Any
 
+from retouch.functions.errors import Unavailable
 from retouch.functions.spec import load_spec_file
 from retouch.platform.fleet.deployments import Deployments
 from retouch.platform.fleet.executorlink import ExecutorHandle
@@ -80,3 +81,46 @@ def test_a_gateway_that_has_not_loaded_its_registry_drops_nothing() -> None:
     link, handle = Calls(), ExecutorHandle(Process("exec-0"))
     run(deployments(link, handle), handle, {"a": 4, "b": 9})
     assert link.seen == []
+
+
+class Failing(Calls):
+    """A link whose pushes of ``broken`` fail, and whose push of ``trigger`` redeploys
+    ``redeployed`` meanwhile (a deploy while a woken executor is still being pushed)."""
+
+    def __init__(self, deploys: Deployments | None = None) -> None:
+        super().__init__()
+        self.deploys = deploys
+
+    async def call(self, handle: Any, method: str, path: str, body: Any = None, **_: Any) -> dict:
+        await super().call(handle, method, path, body)
+        if path.startswith("/functions/broken"):
+            raise Unavailable("the executor could not load it")
+        if path.startswith("/functions/trigger") and self.deploys is not None:
+            self.deploys.generations["redeployed"] += 1
+        return {}
+
+
+def test_a_woken_executor_never_serves_a_deploy_it_failed_to_take() -> None:
+    """Its older copy stays on the executor, so the gateway must stop sending it that
+    function: a push that fails takes the name off the executor, tried once."""
+    link, handle = Failing(), ExecutorHandle(Process("exec-0"), model="retouch:tiny-sd")
+    deploys = deployments(link, handle)
+    for name, generation in (("broken", 7), ("kept", 3)):
+        deploys.functions[name] = stored(name)
+        deploys.generations[name] = generation
+    handle.functions |= {"broken", "kept"}  # what it served before it slept
+    run(deploys, handle, {"broken": 5, "kept": 3})
+    assert link.seen == [("PUT", "/functions/broken")]
+    assert handle.functions == {"kept"}
+
+
+def test_a_deploy_made_while_a_woken_executor_is_pushed_reaches_it() -> None:
+    link, handle = Failing(), ExecutorHandle(Process("exec-0"), model="retouch:tiny-sd")
+    deploys = deployments(link, handle)
+    link.deploys = deploys
+    for name, generation in (("redeployed", 3), ("trigger", 4)):
+        deploys.functions[name] = stored(name)
+        deploys.generations[name] = generation
+    run(deploys, handle, {"redeployed": 3})  # held current when push_all began
+    assert link.seen == [("PUT", "/functions/trigger"), ("PUT", "/functions/redeployed")]
+    assert handle.functions == {"redeployed", "trigger"}
