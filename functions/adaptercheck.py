@@ -4,11 +4,13 @@ A LoRA that cannot apply to the function's base model must be a 422 naming the e
 (``adapters[1].path``) when the function is deployed, never an error from inside diffusers
 on the first invocation. This module reads only safetensors headers: each file must exist,
 be a safetensors file, hold LoRA tensors, and adapt only components the family's pipeline
-has. Where the base model's own weights are safetensors in a diffusers folder, each adapted
+has, and be plain LoRA of linear layers (no convolution, no DoRA, no bias: the served steps
+apply no other). Where the base model's own weights are safetensors in a diffusers folder, each adapted
 module (diffusers/PEFT layout) must exist there with the widths the LoRA was made for: a
 LoRA for another base model fails here. What needs the loaded model (built-in models, which
 are built on the executor; single-file checkpoints; kohya-layout files, which diffusers
-converts) is checked by the executor before it serves the function (``runtime/adapterfit.py``).
+converts) is checked by the executor before it serves the function
+(``runtime/executor/adapterhost.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ KOHYA_TEXT = {
     "lora_te3_": "text_encoder_3",
 }
 TEXT_ENCODER_ROOT = "text_model."  # CLIP's weight names keep it; its LoRA keys may not
+# DoRA's magnitude vectors: PEFT's ``lora_magnitude_vector``, kohya's ``dora_scale``.
+DORA_MARK = re.compile(r"lora_magnitude_vector|dora_scale")
+# A bias on the up projection (diffusers then builds ``lora_B`` with ``bias=True``).
+LORA_BIAS = re.compile(r"(?:^|[._])lora(?:_linear_layer)?[._](?:B|up)\.bias$")
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ def read_lora(path: Path, family: str, where: str) -> LoraFile:
             f"{path} holds no LoRA weights (no lora_A/lora_B or lora_down/lora_up tensors)",
             field=where,
         )
+    _refuse_unservable(path, header, names, where)
     allowed = family_spec(family).lora_modules
     components = sorted({_component(k, allowed[0]) for k in names}, key=COMPONENTS.index)
     for component in components:
@@ -105,6 +112,32 @@ def read_lora(path: Path, family: str, where: str) -> LoraFile:
             shape = [int(n) for n in header[name]["shape"]]
             halves.setdefault(match["module"], {})[match["half"]] = shape
     return LoraFile(path, tuple(components), halves)
+
+
+def _refuse_unservable(path: Path, header: dict, names: list[str], where: str) -> None:
+    """LoRA kinds the served steps cannot apply, refused at deploy: a LoRA of a convolution
+    (a 4-D tensor), a DoRA file, or one with a bias on its up projection. Mask-aware steps apply the denoiser's projections to
+    token rows, and a batch of mixed adapters stacks every slotted file's updates as
+    matrices: one such file would fail every mixed step on its model's copy, other
+    tenants' too, not only its own function's edits."""
+    if dora := next((k for k in header if DORA_MARK.search(k)), None):
+        raise InvalidSpec(
+            f"{path} is a DoRA (weight-decomposed) LoRA ({dora}): retouch serves plain LoRA",
+            field=where,
+        )
+    if bias := next((k for k in header if LORA_BIAS.search(k)), None):
+        raise InvalidSpec(
+            f"{path} has a LoRA bias ({bias}): retouch serves plain LoRA (no bias)", field=where
+        )
+    for name in names:
+        shape = header[name].get("shape", [])
+        if len(shape) == 4:
+            module = name[: LORA_MARK.search(name).start()]  # type: ignore[union-attr]
+            raise InvalidSpec(
+                f"{path} adapts {module}, a convolution (a {'x'.join(map(str, shape))} "
+                "LoRA tensor): retouch serves LoRAs of linear layers only",
+                field=where,
+            )
 
 
 def _component(key: str, denoiser: str) -> str:

@@ -4,6 +4,7 @@ safetensors headers only (the gateway's check imports no torch)."""
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def _refusal(path: Path | str, models_dir: Path, model: str = MODEL, family: str
 def _safetensors(path: Path, tensors: dict[str, list[int]]) -> Path:
     header, offset = {}, 0
     for name, shape in tensors.items():
-        size = 4 * (shape[0] * shape[1])
+        size = 4 * math.prod(shape)
         header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header).encode()
@@ -107,3 +108,40 @@ def test_each_familys_lora_modules_are_its_pipelines() -> None:
 
     for name, spec in FAMILY_SPECS.items():
         assert spec.lora_modules == tuple(family(name).pipeline._lora_loadable_modules), name
+
+
+def test_a_lora_of_a_convolution_a_dora_or_a_biased_file_is_refused(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    """The served steps apply plain LoRA of linear layers only (mask-aware steps on token
+    rows; mixed batches as stacked matrices without bias, where a convolution's file would
+    fail every mixed step of the model's copy, and a bias would be left out silently):
+    refused at deploy, naming the module, not at the first step."""
+    proj_in = "unet.down_blocks.0.attentions.0.proj_in"
+    conv = _safetensors(
+        tmp_path / "conv.safetensors",
+        {f"{proj_in}.lora_A.weight": [4, 32, 1, 1], f"{proj_in}.lora_B.weight": [32, 4, 1, 1]},
+    )
+    message = _refusal(conv, models_dir)
+    assert proj_in in message and "convolution" in message
+    kohya = _safetensors(
+        tmp_path / "kohya.safetensors",
+        {"lora_unet_down_blocks_0_resnets_0_conv1.lora_down.weight": [4, 32, 3, 3]},
+    )
+    assert "adapts lora_unet_down_blocks_0_resnets_0_conv1," in _refusal(kohya, models_dir)
+    to_q = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+    dora = _safetensors(
+        tmp_path / "dora.safetensors",
+        {
+            f"{to_q}.lora_A.weight": [4, 32],
+            f"{to_q}.lora_B.weight": [32, 4],
+            f"{to_q}.lora_magnitude_vector": [32, 1],
+        },
+    )
+    assert "DoRA" in _refusal(dora, models_dir)
+    biased = _safetensors(
+        tmp_path / "bias.safetensors",
+        {f"{to_q}.lora_A.weight": [4, 32], f"{to_q}.lora_B.weight": [32, 4],
+         f"{to_q}.lora_B.bias": [32]},
+    )  # fmt: skip
+    assert "LoRA bias" in _refusal(biased, models_dir)
