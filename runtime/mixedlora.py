@@ -124,6 +124,15 @@ def hook(layer: nn.Module) -> None:
         layer._retouch_stack = None
 
 
+def drop_stacks(module: nn.Module) -> None:
+    """Forget the layers' built stacks (a second copy of the slotted weights, not in the
+    module's parameters): a sleep that moves the weights to the host frees them too, and
+    the next mixed step builds them again from the LoRA layers."""
+    for layer in module.modules():
+        if getattr(layer, "_retouch_stack", None) is not None:
+            layer._retouch_stack = None
+
+
 def stack_bytes(denoiser: nn.Module, slots: Sequence[str | None]) -> int:
     """Bytes the layers' stacks take for this slot assignment (built at the next mixed
     step): on each LoRA layer a slotted file targets, A and B for every slot (free ones

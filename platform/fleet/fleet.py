@@ -397,7 +397,10 @@ class Fleet:
         """The health monitor; it must outlive any one failed check."""
         while True:
             await asyncio.sleep(MONITOR_INTERVAL_S)
-            self.sleeping.check()
+            try:
+                self.sleeping.check()  # a provider's liveness call (Ray's) may raise
+            except Exception as exc:
+                log.error("checking the sleepers failed: %r", exc)
             checked = [
                 e
                 for e in self.executors

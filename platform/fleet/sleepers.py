@@ -43,6 +43,11 @@ class Sleeper(Protocol):
 
 
 H = TypeVar("H", bound=Sleeper)
+# The longest a wake may take before the executor is stopped (and the pool starts another):
+# a wake is seconds (weights back from host memory, graphs captured again), and one slower
+# than this is slower than the cold start it stands in for. Without it a hung wake held
+# its executor as capacity for the invocation client's 600 s.
+WAKE_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,7 @@ class SleepingExecutors:
             log.warning("%s did not fall asleep (%s): it is stopped", handle.name, exc)
             return False
         handle.phase = ExecutorPhase.SLEEPING
+        handle.probe_failures = 0  # a failed probe while it drained must not count at its wake
         log.info(
             "%s asleep in %.0f ms (%d MB of device memory given back, %d MB of host kept)",
             handle.name,
@@ -212,7 +218,7 @@ class SleepingExecutors:
         does not wake is stopped; one that died is the monitor's (it restarts it)."""
         started = time.monotonic()
         try:
-            await self.link.call(handle, "POST", "/wake")
+            await self.link.call(handle, "POST", "/wake", timeout=WAKE_TIMEOUT_S)
             await self.ready(handle)
         except (RetouchError, httpx.HTTPError) as exc:
             if not handle.process.alive or handle.phase is ExecutorPhase.DEAD:

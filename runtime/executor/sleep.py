@@ -33,6 +33,7 @@ import torch
 
 from retouch.functions.errors import Conflict, Unavailable
 from retouch.functions.wire.executor import SleepInfo, SleepMode
+from retouch.runtime.mixedlora import drop_stacks
 from retouch.runtime.models import ModelCache
 
 log = logging.getLogger(__name__)
@@ -215,6 +216,7 @@ class ExecutorSleep:
         before = torch.cuda.memory_reserved(device)
         self.holders.release_device()
         for module in self._modules():
+            drop_stacks(module)  # mixed-adapter stacks: device tensors outside the parameters
             to_host(module)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()

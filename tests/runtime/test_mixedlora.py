@@ -22,7 +22,7 @@ from retouch.runtime.maskaware.editor import EditRequest, MaskAwareEditor
 from retouch.runtime.maskaware.quality import psnr
 from retouch.runtime.maskaware.request import RequestState
 from retouch.runtime.maskaware.store import MemoryActivations
-from retouch.runtime.mixedlora import rows_with
+from retouch.runtime.mixedlora import drop_stacks, rows_with
 from retouch.runtime.models import load_pipeline
 from tests.lorafiles import write_lora
 from tests.runtime.families.cases import CPU
@@ -130,6 +130,19 @@ def _check_mixed(served, requests, alone, readers, packed=False) -> None:
 
 def test_a_mixed_stock_batch_gives_each_request_its_lone_pixels(served, stock_alone) -> None:
     requests, alone = stock_alone
+    _check_mixed(served, requests, alone, [None] * len(requests))
+
+
+def test_stacks_dropped_as_a_sleep_drops_them_are_built_again(served, stock_alone) -> None:
+    """A sleep frees the mixed stacks with the weights (they are device tensors outside the
+    parameters, ``drop_stacks``); the next mixed step builds them again, same pixels."""
+    residency = served[1]
+    requests, alone = stock_alone
+    _check_mixed(served, requests, alone, [None] * len(requests))
+    layers = list(residency.denoiser.modules())
+    assert any(getattr(m, "_retouch_stack", None) is not None for m in layers)
+    drop_stacks(residency.denoiser)
+    assert all(getattr(m, "_retouch_stack", None) is None for m in layers)
     _check_mixed(served, requests, alone, [None] * len(requests))
 
 
