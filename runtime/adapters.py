@@ -63,6 +63,16 @@ class FileState(StrEnum):
     INJECTED = "injected"  # all in and registered: ``set_adapters`` may select it
 
 
+class AdapterSetFailed(RuntimeError):
+    """A set that could not be put in for a mixed step (``set_id``): its requests fail,
+    the batch's other rows, other functions' and tenants', step on without them."""
+
+    def __init__(self, set_id: str, cause: Exception) -> None:
+        super().__init__(f"adapter set {set_id}: {cause}")
+        self.set_id = set_id
+        self.cause = cause
+
+
 class AdapterReadError(ValueError):
     """A LoRA file that could not be read or built for this denoiser (``path``): a deploy
     turns it into the spec's error naming the entry."""
@@ -315,7 +325,10 @@ class AdapterResidency:
                 entry = self._sets[set_id]
                 entry.last_used = time.perf_counter()
             if not entry.resident:
-                self._inject(entry, deadline=None)
+                try:
+                    self._inject(entry, deadline=None)
+                except Exception as exc:
+                    raise AdapterSetFailed(set_id, exc) from exc
             with self._lock:
                 files = [(self._files[p], s) for p, s in entry.scales.items()]
             sets.append({f.name: s for f, s in files if f.layers.config})

@@ -50,6 +50,7 @@ from concurrent.futures import Future
 
 from retouch.functions.errors import Canceled, Unavailable
 from retouch.functions.imaging import composite, encode_image
+from retouch.runtime.adapters import AdapterSetFailed
 from retouch.runtime.batching import mixed_rows, same_set, schedule, starved, without_canceled
 from retouch.runtime.engineconfig import EngineConfig, EngineMode
 from retouch.runtime.maskaware.context import Mode
@@ -387,6 +388,15 @@ class Engine:
             else:  # each row its set's updates (packed only where the family's layers allow)
                 with rows_with(group[0].adapters.denoiser, mixed):
                     editor.step(states, modes, packed=editor.impl.mixes_packed)
+        except AdapterSetFailed as exc:  # only that set's requests: the others step on
+            log.exception("adapter set %s failed in a mixed step", exc.set_id)
+            failed = [w for w in group if w.adapters and w.adapters.set_id == exc.set_id]
+            for work in failed:
+                group.remove(work)
+                self._fail(work, exc.cause)
+            if not group:
+                del self._running[key]
+            return
         except Exception as exc:
             log.exception("denoising step failed for a batch of %d", len(group))
             for work in group:

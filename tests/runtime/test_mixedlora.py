@@ -195,3 +195,39 @@ def test_the_engine_steps_every_set_in_one_batch(served, stock_alone) -> None:
         image = answer["output"].image
         pixels = np.asarray(Image.open(io.BytesIO(image))).astype(np.float32) / 255
         assert psnr(pixels, lone) >= 45  # its own image, up to 8-bit rounding
+
+
+def test_a_set_that_fails_to_go_in_fails_only_its_own_requests(
+    served, stock_alone, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A set injected for a mixed step that cannot be (its file gone or broken since its
+    read) fails its requests only: the batch's other rows, other functions', step on."""
+    editor, residency, ids = served
+    requests, alone = stock_alone
+    broken = ids[1]
+    with residency._lock:
+        residency._sets[broken].resident = False  # to be injected by the mixed step
+    inject = residency._inject
+
+    def failing(entry, deadline):
+        if entry.id == broken:
+            raise OSError("the LoRA file is gone")
+        return inject(entry, deadline)
+
+    monkeypatch.setattr(residency, "_inject", failing)
+    engine = Engine(EngineConfig(disaggregated=False, mixed_adapters=True), stages=None)
+    engine.start()
+    try:  # the broken set's request first: it joins with the others at the first step
+        order = [1, 0, 2, 3]
+        futures = {
+            i: engine.submit(_work(editor, requests[i], residency.use(ids[i]))) for i in order
+        }
+        with pytest.raises(OSError, match="gone"):
+            futures[1].result(timeout=300)
+        answers = {i: futures[i].result(timeout=300) for i in (0, 2, 3)}
+    finally:
+        engine.stop()
+        monkeypatch.undo()
+    for i, answer in answers.items():
+        pixels = np.asarray(Image.open(io.BytesIO(answer["output"].image))).astype(np.float32)
+        assert psnr(pixels / 255, alone[i]) >= 45
