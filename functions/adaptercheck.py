@@ -4,12 +4,12 @@ A LoRA that cannot apply to the function's base model must be a 422 naming the e
 (``adapters[1].path``) when the function is deployed, never an error from inside diffusers
 on the first invocation. This module reads only safetensors headers: each file must exist,
 be a safetensors file, hold LoRA tensors, and adapt only components the family's pipeline
-has, and be plain LoRA of linear layers (no convolution, no DoRA, no bias: the served steps
-apply no other). Where the base model's own weights are safetensors in a diffusers folder, each adapted
-module (diffusers/PEFT layout) must exist there with the widths the LoRA was made for: a
-LoRA for another base model fails here. What needs the loaded model (built-in models, which
-are built on the executor; single-file checkpoints; kohya-layout files, which diffusers
-converts) is checked by the executor before it serves the function
+has, and be plain LoRA of linear layers (no convolution, no DoRA, no bias: the served
+steps apply no other). Where the base model's own weights are safetensors in a diffusers
+folder, each adapted module (diffusers/PEFT layout) must exist there with the widths the
+LoRA was made for: a LoRA for another base model fails here. What needs the loaded model
+(built-in models, which are built on the executor; single-file checkpoints; kohya-layout
+files, which diffusers converts) is checked by the executor before it serves the function
 (``runtime/executor/adapterhost.py``).
 """
 
@@ -116,10 +116,11 @@ def read_lora(path: Path, family: str, where: str) -> LoraFile:
 
 def _refuse_unservable(path: Path, header: dict, names: list[str], where: str) -> None:
     """LoRA kinds the served steps cannot apply, refused at deploy: a LoRA of a convolution
-    (a 4-D tensor), a DoRA file, or one with a bias on its up projection. Mask-aware steps apply the denoiser's projections to
-    token rows, and a batch of mixed adapters stacks every slotted file's updates as
-    matrices: one such file would fail every mixed step on its model's copy, other
-    tenants' too, not only its own function's edits."""
+    (a 4-D tensor), a DoRA file, or one with a bias on its up projection. Mask-aware steps
+    apply the denoiser's projections to token rows, and a batch of mixed adapters stacks
+    every slotted file's updates as matrices without bias: a convolution's file would fail
+    every mixed step on its model's copy, other tenants' too, and a bias would be left out
+    silently."""
     if dora := next((k for k in header if DORA_MARK.search(k)), None):
         raise InvalidSpec(
             f"{path} is a DoRA (weight-decomposed) LoRA ({dora}): retouch serves plain LoRA",

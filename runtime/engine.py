@@ -390,7 +390,9 @@ class Engine:
                     editor.step(states, modes, packed=editor.impl.mixes_packed)
         except AdapterSetFailed as exc:  # only that set's requests: the others step on
             log.exception("adapter set %s failed in a mixed step", exc.set_id)
-            failed = [w for w in group if w.adapters and w.adapters.set_id == exc.set_id]
+            failed = [
+                w for w in group if w.adapters is not None and w.adapters.set_id == exc.set_id
+            ]
             for work in failed:
                 group.remove(work)
                 self._fail(work, exc.cause)
